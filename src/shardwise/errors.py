@@ -1,0 +1,11 @@
+"""Errors shardwise raises on bad input.
+
+Every check that can fail on user input raises :class:`ShardwiseConfigError` with a message that
+names the constraint that was broken and how to fix it, e.g.
+``"--global-batch 10 is not divisible by dp × micro-batch = 2 × 4 = 8: choose a multiple of 8"``.
+Checks run on every rank before any collective, so a bad input never leaves a rank waiting.
+"""
+
+
+class ShardwiseConfigError(ValueError):
+    """Bad configuration or input data. The message names the constraint and the fix."""
