@@ -1,0 +1,139 @@
+"""``shardwise train | verify | trace | bench`` — the command line.
+
+Run alone, a command that needs several ranks spawns them itself (see :mod:`shardwise.launch`);
+under torchrun it uses torchrun's world. Errors in the input print one line that names the
+constraint and the fix, and exit with status 2; a failing worker stops the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+from .config import add_config_flags, from_args, validate
+from .errors import ShardwiseConfigError
+from .launch import is_worker, spawn
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardwise", description="N-D parallel training for "
+                                "PyTorch with every collective in sight.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a model (spawns dp×tp×pp local workers unless "
+                       "under torchrun)")
+    add_config_flags(t)
+    t.set_defaults(func=cmd_train)
+
+    v = sub.add_parser("verify", help="parity of every layout and engine with one process")
+    v.add_argument("--nproc", type=int, default=4, help="ranks to spawn (default 4)")
+    v.add_argument("--layouts", nargs="+", metavar="LAYOUT",
+                   help="layouts such as dp=2 (default: every layout that fits --nproc)")
+    v.add_argument("--engine", choices=("explicit", "torch", "both"), default="both")
+    v.add_argument("--models", default="tiny,mlp-tiny",
+                   help="comma-separated test models (default tiny,mlp-tiny)")
+    v.add_argument("--steps", type=int, default=3)
+    v.add_argument("--micro-batch", type=int, default=2)
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--timeout", type=float, default=120.0)
+    v.add_argument("--json", metavar="PATH", nargs="?", const="verify.json",
+                   help="write the results as JSON (default path verify.json)")
+    v.set_defaults(func=cmd_verify)
+
+    tr = sub.add_parser("trace", help="one step of a layout: every collective vs the formula")
+    add_config_flags(tr)
+    tr.set_defaults(func=cmd_trace)
+
+    b = sub.add_parser("bench", help="explicit DP vs DDP, bucket overlap on vs off")
+    b.add_argument("--nproc", type=int, default=2)
+    b.add_argument("--model", default="small")
+    b.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
+    b.add_argument("--rounds", type=int, default=3, help="A B A B … rounds")
+    b.add_argument("--seq-len", type=int, default=128)
+    b.add_argument("--micro-batch", type=int, default=8)
+    b.add_argument("--bucket-mb", type=float, default=1.0)
+    b.add_argument("--out", default="benchmarks/results")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def _run_or_spawn(args, argv, nproc: int, work) -> int:
+    """Run ``work()`` here if inside a world (or nproc == 1); else spawn ``nproc`` ranks."""
+    if is_worker() or nproc == 1:
+        return _as_worker(work)
+    return spawn(argv, nproc)
+
+
+def _as_worker(work) -> int:
+    """Run a worker body; turn exceptions into a printed message and a non-zero status."""
+    import torch.distributed as dist
+
+    try:
+        code = work() or 0
+    except ShardwiseConfigError as e:
+        print(f"shardwise: error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        code = 1
+    if dist.is_initialized():
+        if code == 0:
+            dist.destroy_process_group()
+        else:  # do not wait on peers that may be gone: exit now, the launcher stops the rest
+            os._exit(code)
+    return code
+
+
+def cmd_train(args, argv) -> int:
+    from .train.loop import default_out_dir, train
+
+    cfg = from_args(args)
+    if not is_worker():
+        validate(cfg)  # fail fast, once, before spawning anything
+        if cfg.world_size() > 1:
+            from .train.workload import load_workload
+
+            load_workload(cfg)  # build the tokenizer/token cache once; raises on bad data
+            out = cfg.out or default_out_dir()
+            return spawn([*argv, "--out", out], cfg.world_size())
+    return _as_worker(lambda: train(cfg) and 0)
+
+
+def cmd_verify(args, argv) -> int:
+    from .verify import parse_layout, verify_worker
+
+    if args.nproc < 1:
+        raise ShardwiseConfigError(f"--nproc {args.nproc} must be at least 1")
+    for s in args.layouts or []:
+        lay = parse_layout(s)
+        if lay.world > args.nproc:
+            raise ShardwiseConfigError(f"layout {s} needs {lay.world} ranks but --nproc is "
+                                       f"{args.nproc}: raise --nproc or drop the layout")
+    return _run_or_spawn(args, argv, args.nproc, lambda: verify_worker(args))
+
+
+def cmd_trace(args, argv) -> int:
+    from .verify import trace_worker
+
+    cfg = from_args(args, model="tiny", global_batch=8, micro_batch=2, seq_len=16)
+    validate(cfg)
+    return _run_or_spawn(args, argv, cfg.world_size(), lambda: trace_worker(cfg))
+
+
+def cmd_bench(args, argv) -> int:
+    from .bench import bench_worker
+
+    return _run_or_spawn(args, argv, args.nproc, lambda: bench_worker(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args, argv)
+    except ShardwiseConfigError as e:
+        print(f"shardwise: error: {e}", file=sys.stderr)
+        return 2

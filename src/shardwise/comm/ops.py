@@ -1,0 +1,205 @@
+"""Explicit collectives over one named axis of a :class:`~shardwise.topology.Topology`.
+
+Every function here issues exactly one torch.distributed call on the process group of ``axis``
+and books it in ``topo.ledger`` (op, axis, dtype, shape, bytes sent by the ring formula, seconds;
+see :mod:`shardwise.comm.ledger` for what is counted). Nothing else in shardwise calls
+``torch.distributed`` collectives directly, so the ledger sees everything.
+
+Backend quirks live here and nowhere else:
+
+* torch ≥ 2.13 names the flat-tensor collectives ``all_gather_single`` / ``reduce_scatter_single``
+  and deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; older torch only has the
+  latter. :func:`all_gather` and :func:`reduce_scatter` use whichever exists.
+* gloo has no ``PREMUL_SUM``; averaging is done as SUM then a local divide (``op="avg"``), which
+  is also exact for fp32 when the divisor is a power of two.
+* gloo cannot all-gather shards of unequal size: :func:`all_gather` takes equal shards only, and
+  callers pad (ZeRO pads every flat buffer to a multiple of the group size).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from .ledger import CommRecord, ring_bytes
+
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class Handle:
+    """An in-flight async collective. :meth:`wait` blocks until done and books it in the ledger."""
+
+    def __init__(self, work, finish):
+        self._work, self._finish, self.done = work, finish, False
+
+    def wait(self) -> None:
+        if not self.done:
+            if self._work is not None:
+                self._work.wait()
+            self._finish()
+            self.done = True
+
+
+def _book(topo, op, axis, tensor_like, size_bytes, t0, impl, tag):
+    n = topo.size(axis)
+    topo.ledger.add(CommRecord(
+        op=op, axis=axis, group_size=n, dtype=str(tensor_like.dtype).replace("torch.", ""),
+        shape=tuple(tensor_like.shape), size_bytes=int(size_bytes),
+        wire_bytes=ring_bytes(op, size_bytes, n), seconds=time.perf_counter() - t0,
+        phase=topo.ledger.current_phase, tag=tag, impl=impl,
+    ))
+
+
+def _run(topo, op, axis, tensor_like, size_bytes, impl, tag, async_op, launch, after=None):
+    """Launch ``launch()`` (a torch.distributed call); book it on completion; run ``after``."""
+    t0 = time.perf_counter()
+    if topo.size(axis) == 1:  # a group of one: nothing moves; still booked (0 bytes)
+        work = None
+    else:
+        work = launch(async_op)
+
+    def finish():
+        if after is not None:
+            after()
+        _book(topo, op, axis, tensor_like, size_bytes, t0, impl, tag)
+
+    h = Handle(work if async_op else None, finish)
+    if not async_op:
+        h.wait()
+        return None
+    return h
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(tensor: torch.Tensor, topo, axis: str, op: str = "sum", *, tag: str = "",
+               async_op: bool = False):
+    """In-place all-reduce of ``tensor`` (any shape, replicated layout) over ``axis``.
+
+    ``op``: "sum", "avg" (SUM then divide by the group size: gloo has no PREMUL_SUM), "max",
+    "min". Books 2(n−1)/n · S bytes. Returns a :class:`Handle` if ``async_op`` else None.
+    """
+    n = topo.size(axis)
+    red = _OPS["sum" if op == "avg" else op]
+    after = (lambda: tensor.div_(n)) if op == "avg" and n > 1 else None
+    return _run(topo, "all_reduce", axis, tensor, _nbytes(tensor), "all_reduce", tag, async_op,
+                lambda a: dist.all_reduce(tensor, op=red, group=topo.group(axis), async_op=a),
+                after)
+
+
+def all_reduce_future(tensor: torch.Tensor, topo, axis: str, *, tag: str = "") -> torch.futures.Future:
+    """SUM-all-reduce ``tensor`` in place asynchronously and return a ``torch.futures.Future``
+    whose value is ``tensor`` (the form DDP communication hooks must return). Booked like
+    :func:`all_reduce` when the future completes."""
+    t0 = time.perf_counter()
+    if topo.size(axis) == 1:
+        fut = torch.futures.Future()
+        fut.set_result([tensor])
+    else:
+        fut = dist.all_reduce(tensor, group=topo.group(axis), async_op=True).get_future()
+
+    def done(f):
+        _book(topo, "all_reduce", axis, tensor, _nbytes(tensor), t0, "all_reduce", tag)
+        return tensor
+
+    return fut.then(done)
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, topo, axis: str, *, tag: str = "",
+               async_op: bool = False):
+    """Gather equal ``shard`` s [k, ...] from every rank of ``axis`` into ``output`` [n·k, ...]
+    (rank i's shard at rows i·k:(i+1)·k). Books (n−1)/n · S with S = bytes of ``output``."""
+    n = topo.size(axis)
+    if output.numel() != shard.numel() * n:
+        raise ValueError(f"all_gather: output numel {output.numel()} != {n} × shard numel "
+                         f"{shard.numel()} (shards must be equal; pad them)")
+    if n == 1:
+        output.copy_(shard.reshape(output.shape))
+    return _run(topo, "all_gather", axis, output, _nbytes(output), _ALL_GATHER.__name__, tag,
+                async_op,
+                lambda a: _ALL_GATHER(output, shard, group=topo.group(axis), async_op=a))
+
+
+def reduce_scatter(output: torch.Tensor, full: torch.Tensor, topo, axis: str, op: str = "sum", *,
+                   tag: str = "", async_op: bool = False):
+    """Reduce ``full`` [n·k, ...] over ``axis`` and leave rank i's chunk (rows i·k:(i+1)·k) in
+    ``output`` [k, ...]. ``op`` "sum" or "avg". Books (n−1)/n · S with S = bytes of ``full``."""
+    n = topo.size(axis)
+    if full.numel() != output.numel() * n:
+        raise ValueError(f"reduce_scatter: input numel {full.numel()} != {n} × output numel "
+                         f"{output.numel()} (pad the input to a multiple of the group size)")
+    if n == 1:
+        output.copy_(full.reshape(output.shape))
+    after = (lambda: output.div_(n)) if op == "avg" and n > 1 else None
+    return _run(topo, "reduce_scatter", axis, full, _nbytes(full), _REDUCE_SCATTER.__name__, tag,
+                async_op,
+                lambda a: _REDUCE_SCATTER(output, full, op=dist.ReduceOp.SUM,
+                                          group=topo.group(axis), async_op=a),
+                after)
+
+
+def broadcast(tensor: torch.Tensor, topo, axis: str, src: int = 0, *, tag: str = "",
+              async_op: bool = False):
+    """Broadcast ``tensor`` in place from the rank with index ``src`` *within* ``axis``.
+    Books (n−1)/n · S on every rank (the per-rank average of a pipelined chain broadcast)."""
+    src_global = topo.global_rank(axis, src)
+    return _run(topo, "broadcast", axis, tensor, _nbytes(tensor), "broadcast", tag, async_op,
+                lambda a: dist.broadcast(tensor, src=src_global, group=topo.group(axis),
+                                         async_op=a))
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, topo, axis: str, *, tag: str = "",
+               async_op: bool = False):
+    """Split ``input`` [n·k, ...] into n chunks, send chunk j to rank j of ``axis``, receive into
+    ``output`` [n·k, ...] (chunk i from rank i). Books (n−1)/n · S with S = bytes of ``input``."""
+    if topo.size(axis) == 1:
+        output.copy_(input)
+    return _run(topo, "all_to_all", axis, input, _nbytes(input), "all_to_all_single", tag,
+                async_op,
+                lambda a: dist.all_to_all_single(output, input, group=topo.group(axis),
+                                                 async_op=a))
+
+
+def send(tensor: torch.Tensor, topo, axis: str, dst: int, *, tag: str = "",
+         async_op: bool = False):
+    """Send ``tensor`` to the rank with index ``dst`` within ``axis``. Books S bytes."""
+    peer = topo.global_rank(axis, dst)
+    return _run(topo, "send", axis, tensor, _nbytes(tensor), "isend", tag, async_op,
+                lambda a: _p2p(dist.isend, tensor, peer, topo.group(axis), a))
+
+
+def recv(tensor: torch.Tensor, topo, axis: str, src: int, *, tag: str = "",
+         async_op: bool = False):
+    """Receive into ``tensor`` from the rank with index ``src`` within ``axis``. Books 0 bytes
+    (the sender books them)."""
+    peer = topo.global_rank(axis, src)
+    return _run(topo, "recv", axis, tensor, _nbytes(tensor), "irecv", tag, async_op,
+                lambda a: _p2p(dist.irecv, tensor, peer, topo.group(axis), a))
+
+
+def _p2p(fn, tensor, peer, group, async_op):
+    work = fn(tensor, peer, group=group)
+    if not async_op:
+        work.wait()
+        return None
+    return work
+
+
+def broadcast_object(obj, topo, axis: str = "world", src: int = 0, *, tag: str = ""):
+    """Broadcast a picklable ``obj`` from index ``src`` of ``axis``; returns it on every rank.
+    Books the pickled size as S (used for run metadata, e.g. the output folder name)."""
+    import pickle
+
+    t0 = time.perf_counter()
+    box = [obj]
+    if topo.size(axis) > 1:
+        dist.broadcast_object_list(box, src=topo.global_rank(axis, src), group=topo.group(axis))
+    payload = torch.empty(len(pickle.dumps(box[0])), dtype=torch.uint8)
+    _book(topo, "broadcast", axis, payload, payload.numel(), t0, "broadcast_object_list", tag)
+    return box[0]

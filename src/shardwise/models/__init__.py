@@ -1,0 +1,58 @@
+"""Plain models that know nothing of parallelism, and the loss each is trained with.
+
+A batch is a dict. ``{"input_ids", "labels"}`` → language model (:class:`Llama`);
+``{"inputs", "targets"}`` → regression (:class:`StackedMLP`). :func:`loss_sum_and_count` returns
+the *sum* of per-item losses and the number of items, so callers can form the global
+token-weighted mean (sum over all micro-batches and ranks / total count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from .llama import IGNORE_INDEX, PRESETS, Llama, LlamaConfig, generate, lm_loss
+from .mlp import MLPConfig, StackedMLP, mse_loss, regression_data
+
+MLP_PRESETS = {"mlp": {}, "mlp-tiny": dict(d_model=16, d_ff=32, n_layers=2)}
+
+
+def model_names() -> list[str]:
+    return sorted(PRESETS) + sorted(MLP_PRESETS)
+
+
+def build_model(name: str, vocab_size: int = 4096, **overrides) -> nn.Module:
+    """Build preset ``name`` (see :func:`model_names`) on the current default device/dtype.
+    ``overrides`` replace config fields (e.g. ``tie_embeddings=False``, ``n_layers=3``).
+    Initialisation uses the global torch RNG: seed it identically for identical models."""
+    if name in PRESETS:
+        return Llama(LlamaConfig(vocab_size=vocab_size, **{**PRESETS[name], **overrides}))
+    if name in MLP_PRESETS:
+        return StackedMLP(MLPConfig(**{**MLP_PRESETS[name], **overrides}))
+    raise ValueError(f"unknown model {name!r}: choose from {model_names()}")
+
+
+def loss_sum_and_count(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward ``batch`` through ``model``: (sum of losses fp32 scalar, number of counted items)."""
+    if "input_ids" in batch:
+        return lm_loss(model(batch["input_ids"]), batch["labels"])
+    return mse_loss(model(batch["inputs"]), batch["targets"])
+
+
+def count_items(batch: dict) -> int:
+    """Items the loss will count in ``batch`` (tokens with a label, or regression elements) —
+    known before the forward pass."""
+    if "labels" in batch:
+        return int((batch["labels"] != IGNORE_INDEX).sum())
+    return batch["targets"].numel()
+
+
+def config_of(model: nn.Module):
+    return dataclasses.asdict(model.config)
+
+
+__all__ = ["IGNORE_INDEX", "MLP_PRESETS", "PRESETS", "Llama", "LlamaConfig", "MLPConfig", "StackedMLP",
+           "build_model", "count_items", "generate", "lm_loss", "loss_sum_and_count",
+           "model_names", "mse_loss", "regression_data"]

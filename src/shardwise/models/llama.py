@@ -1,0 +1,225 @@
+"""A plain Llama-style decoder that knows nothing of parallelism.
+
+RMSNorm (Zhang & Sennrich 2019), rotary position embeddings (Su et al. 2021, RoPE; the
+"rotate-half" layout that Hugging Face's LlamaForCausalLM uses, so weights map 1:1), SwiGLU MLP
+(Shazeer 2020), grouped-query attention (Ainslie et al. 2023) through
+``scaled_dot_product_attention``, optional tied input/output embeddings (Press & Wolf 2017).
+
+Shapes: ``b`` batch, ``s`` sequence, ``d`` d_model, ``h`` heads, ``k`` kv heads, ``hd`` head dim,
+``f`` d_ff, ``V`` vocab. Module names follow Meta's Llama (``tok_embeddings``, ``layers.{i}.
+attention.wq``, ``feed_forward.w1`` …) so parallel plans can name them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclasses.dataclass
+class LlamaConfig:
+    """Dimensions of a Llama-style model. ``d_ff`` is the SwiGLU hidden size."""
+
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    d_ff: int = 688
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if self.d_model % self.n_heads:
+            raise ValueError(f"n_heads={self.n_heads} must divide d_model={self.d_model}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("head_dim = d_model / n_heads must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def num_params(self) -> int:
+        """Parameter count Ψ (tied embeddings counted once)."""
+        d, f, V, L = self.d_model, self.d_ff, self.vocab_size, self.n_layers
+        kv = self.n_kv_heads * self.head_dim
+        block = 2 * d * d + 2 * d * kv + 3 * d * f + 2 * d
+        return V * d * (1 if self.tie_embeddings else 2) + L * block + d
+
+
+# Named presets. `tiny` is for tests (fast on one CPU thread); `small` is the embedded default
+# (~4 M parameters at vocab 4096).
+PRESETS = {
+    "tiny": dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=256),
+    "small": dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, d_ff=688, max_seq_len=1024),
+    "base": dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, d_ff=1376, max_seq_len=2048),
+}
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x²) + eps) · weight, computed in fp32. x: [..., d] → [..., d]."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def rope_cache(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [seq_len, head_dim] for rotate-half RoPE (Su et al. 2021, eq. 34)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)  # [s, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [s, hd]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [b, heads, s, hd] by position: x·cos + rotate_half(x)·sin."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention. wq: d → h·hd, wk/wv: d → k·hd, wo: h·hd → d (no biases)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.dropout = cfg.dropout
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        # head counts come from the weights so a head-sharded (TP) copy of this module works too
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, h, s, hd]
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, k, s, hd]
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, k, s, hd]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if k.shape[1] != q.shape[1]:  # GQA: each kv head serves h/k query heads
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # [b, s, d]
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) · w3 x). w1, w3: d → f; w2: f → d."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + ffn(norm(·))."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, cos, sin):
+        x = x + self.dropout(self.attention(self.attention_norm(x), cos, sin))
+        return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
+
+
+class Llama(nn.Module):
+    """tokens [b, s] int64 → logits [b, s, V]. Loss is computed outside (see :func:`lm_loss`)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_cache(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """N(0, init_std) for matrices; output projections (wo, w2) scaled by 1/sqrt(2·layers)
+        (GPT-2, Radford et al. 2019 §2.3); norms to one."""
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.config.n_layers))
+            else:
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]
+        if s > self.config.max_seq_len:
+            raise ValueError(f"sequence length {s} > max_seq_len {self.config.max_seq_len}")
+        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        x = self.tok_embeddings(tokens)  # [b, s, d]
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.output(self.norm(x))  # [b, s, V]
+
+
+IGNORE_INDEX = -100
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of token cross-entropies and the number of counted tokens.
+
+    logits [b, s, V], labels [b, s] (``IGNORE_INDEX`` = not counted). Returns (loss_sum scalar,
+    count scalar int64). Dividing by the *global* count gives the token-weighted mean.
+    """
+    loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss_sum, (labels != IGNORE_INDEX).sum()
+
+
+@torch.no_grad()
+def generate(model: Llama, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
+             top_k: int = 50, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Sample ``max_new_tokens`` after ``prompt`` [1, s] (no KV cache: it is a demo)."""
+    was_training = model.training
+    model.eval()
+    out = prompt
+    for _ in range(max_new_tokens):
+        ctx = out[:, -model.config.max_seq_len:]
+        logits = model(ctx)[:, -1, :].float() / max(temperature, 1e-5)
+        if top_k:
+            v, _ = torch.topk(logits, min(top_k, logits.shape[-1]))
+            logits[logits < v[:, [-1]]] = -float("inf")
+        nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+        out = torch.cat([out, nxt], dim=1)
+    model.train(was_training)
+    return out

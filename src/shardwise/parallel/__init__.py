@@ -1,0 +1,1 @@
+"""Parallel strategies, each a transform over a plain model (see docs/architecture.md)."""

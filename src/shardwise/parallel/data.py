@@ -1,0 +1,158 @@
+"""Data parallelism (DP) with explicit, bucketed, overlapped gradient all-reduce.
+
+Math
+----
+Every dp rank holds the full model and a disjoint slice of the global batch. The loss of a step
+is the token-weighted mean over the *global* batch,
+
+    L = (1/T) Σ_r Σ_{t ∈ batch_r} ℓ_t,      T = Σ_r T_r  (tokens with a label, all ranks),
+
+so ∇L = Σ_r (1/T) Σ_{t ∈ batch_r} ∇ℓ_t: each rank back-propagates its own token-loss sum divided
+by the global T, and the gradients are **summed** over dp (all_reduce SUM). Dividing each rank's
+loss by its own T_r and averaging over ranks instead ("mean of means") weights a token on a rank
+with few valid tokens more than one on a busy rank: wrong whenever the T_r differ.
+
+Collectives (per optimizer step, n = dp degree, Ψ parameters of b bytes each)
+-------------------------------------------------------------------------------
+* one all_reduce of the gradients, split into buckets: 2(n−1)/n · Ψ·b bytes sent per rank
+  (ring all-reduce; ZeRO paper, Rajbhandari et al. 2019 §5 "DP communication volume";
+  JAX scaling book ch. 5, "Data parallelism")
+* one all_reduce of the step's token count T before the forward (8 bytes), tag "loss"
+* (bookkeeping in the train loop: one all_reduce of the summed loss for logging, tag "loss")
+
+Overlap: gradients become ready in roughly reverse parameter order during backward. Parameters
+are grouped, in that order, into buckets of ``bucket_mb`` MB; a post-accumulate-grad hook on each
+parameter counts arrivals, and when a bucket is complete its all_reduce is launched
+asynchronously while backward continues on earlier layers (Li et al. 2020, "PyTorch Distributed:
+Experiences on Accelerating Data Parallel Training", §3.2). :meth:`finish_gradient_sync` waits for
+every bucket before the optimizer step.
+
+Gradient accumulation: with M micro-batches per step, the hooks launch nothing on the first
+M−1 micro-steps (``sync_gradients(False)``): the gradients just accumulate locally in ``.grad``,
+and one all-reduce of the sum is done on the last micro-step. Syncing every micro-step would move
+M× the bytes for the same result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from .. import comm
+
+
+class _Bucket:
+    """Consecutive parameters (in backward order) whose gradients travel in one flat buffer."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                                  device=params[0].device)
+        self.views, offset = [], 0
+        for p in params:
+            self.views.append(self.buffer[offset: offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.ready = 0
+        self.handle = None
+
+
+class DataParallel(nn.Module):
+    """Wrap a plain model for explicit DP over ``topo``'s "dp" axis.
+
+    Forward is the plain model's forward. Parameters are broadcast from dp index 0 at
+    construction (so replicas start identical even if the seeds differ). Gradients of shape
+    [same as param] are summed over dp by bucketed async all-reduces launched from
+    post-accumulate-grad hooks; call :meth:`finish_gradient_sync` after the last backward of a step.
+
+    ``bucket_mb``: bucket size in MB (2**20 bytes). ``overlap=False`` launches every bucket only in
+    :meth:`finish_gradient_sync` (after backward), for measuring what overlap buys.
+    """
+
+    def __init__(self, module: nn.Module, topo, bucket_mb: float = 25.0, overlap: bool = True):
+        super().__init__()
+        self.module, self.topo, self.overlap = module, topo, overlap
+        self._sync = True
+        params = [p for p in module.parameters() if p.requires_grad]
+        with topo.ledger.phase("init"):
+            for p in params:  # replicas identical from the start
+                comm.broadcast(p.data, topo, "dp", src=0, tag="init")
+        cap = max(1, int(bucket_mb * 2**20))
+        self.buckets: list[_Bucket] = []
+        current, size = [], 0
+        for p in reversed(params):  # ≈ the order gradients become ready in backward
+            if current and (size + p.numel() * p.element_size() > cap or p.dtype != current[0].dtype):
+                self.buckets.append(_Bucket(current))
+                current, size = [], 0
+            current.append(p)
+            size += p.numel() * p.element_size()
+        if current:
+            self.buckets.append(_Bucket(current))
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def sync_gradients(self, enabled: bool):
+        """Inside ``sync_gradients(False)`` backward only accumulates locally (no collectives)."""
+        prev, self._sync = self._sync, enabled
+        try:
+            yield
+        finally:
+            self._sync = prev
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self._sync:
+            return
+        bucket = self._bucket_of[p]
+        bucket.ready += 1
+        if self.overlap and bucket.ready == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        for p, view in zip(bucket.params, bucket.views):
+            if p.grad is None:  # unused on this rank: contributes zeros
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+        # SUM, not average: each rank's loss was already divided by the global token count
+        bucket.handle = comm.all_reduce(bucket.buffer, self.topo, "dp", tag="grad", async_op=True)
+
+    def finish_gradient_sync(self) -> None:
+        """Launch any bucket not yet launched (unused parameters, ``overlap=False``), wait for all,
+        and copy the summed gradients back into each ``param.grad``."""
+        for bucket in self.buckets:
+            if bucket.handle is None:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.handle.wait()
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    p.grad.copy_(view)
+            bucket.handle, bucket.ready = None, 0
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return clip_replicated_grad_norm_(self.module, max_norm)
+
+
+def clip_replicated_grad_norm_(module: nn.Module, max_norm: float) -> torch.Tensor:
+    """Global L2 norm of ``module``'s gradients, clipping them to ``max_norm`` if it is > 0.
+
+    For replicated gradients only (plain DP, after the all-reduce): every replica holds the same
+    full gradients, so the local norm *is* the global norm and no collective is needed. Sharded
+    strategies (ZeRO, TP, PP) must all-reduce squared norms instead."""
+    params = [p for p in module.parameters() if p.grad is not None]
+    if max_norm and max_norm > 0:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return torch.nn.utils.get_total_norm([p.grad for p in params])
+
+
+def dp_grad_bytes_formula(grad_bytes: float, n: int) -> float:
+    """Bytes each rank sends to all-reduce ``grad_bytes`` of gradients over ``n`` dp ranks:
+    2(n−1)/n · grad_bytes (ring all-reduce; ZeRO paper §5; scaling book ch. 5)."""
+    return 2 * (n - 1) / n * grad_bytes

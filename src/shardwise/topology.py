@@ -1,0 +1,151 @@
+"""The parallel axes (pp, dp, tp) over torch's DeviceMesh: ranks, one process group per axis.
+
+Ranks are laid out as one grid of shape ``(pp, dp, tp)``, outermost first, so TP neighbours are
+consecutive global ranks (on one node, on the fastest links) and PP is the outermost axis
+(Megatron-LM, Narayanan et al. 2021 §3.3; torchtitan's ParallelDims). For global rank ``r``::
+
+    r = (pp_index · dp + dp_index) · tp + tp_index
+
+A :class:`Topology` is created collectively by every rank of the world and passed explicitly to
+whatever needs it (never a global). It owns the :class:`~shardwise.comm.Ledger` in which every
+collective over its groups is booked.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from .comm.ledger import Ledger
+from .errors import ShardwiseConfigError
+
+AXES = ("pp", "dp", "tp")
+
+
+def validate_degrees(pp: int, dp: int, tp: int, world_size: int) -> None:
+    """Raise :class:`ShardwiseConfigError` unless every degree ≥ 1 and pp·dp·tp == world_size."""
+    for name, d in (("pp", pp), ("dp", dp), ("tp", tp)):
+        if not isinstance(d, int) or d < 1:
+            raise ShardwiseConfigError(f"--{name} {d} must be a positive integer")
+    if pp * dp * tp != world_size:
+        divisors = [k for k in range(1, world_size + 1) if world_size % k == 0]
+        raise ShardwiseConfigError(
+            f"dp × tp × pp = {dp} × {tp} × {pp} = {dp * tp * pp} does not equal the world size "
+            f"{world_size}: choose degrees whose product is {world_size} (each from {divisors}), "
+            f"or launch {dp * tp * pp} processes")
+
+
+def backend_for(device: str) -> str:
+    """The process-group backend that follows the device type: gloo for cpu, nccl for cuda, …"""
+    dtype = torch.device(device).type
+    backend = dist.Backend.default_device_backend_map.get(dtype)
+    if backend is None:
+        raise ShardwiseConfigError(f"--device {device}: no torch.distributed backend for "
+                                   f"device type {dtype!r}; use cpu or cuda")
+    return backend
+
+
+def free_port() -> int:
+    """A free TCP port on localhost (for spawning a local world)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: str = "cpu", timeout_s: float = 300.0) -> tuple[int, int]:
+    """Initialise the default process group from torchrun-style env vars and return
+    ``(rank, world_size)``. Without ``WORLD_SIZE`` in the environment, a world of one process
+    (in-memory store). The backend follows ``device``; every collective times out after
+    ``timeout_s`` seconds (and sub-groups get the same timeout, see :class:`Topology`).
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    backend = backend_for(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if "WORLD_SIZE" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size()
+
+
+class Topology:
+    """The parallel axes of one layout over a set of ranks ``ranks`` (default: the whole world).
+
+    Create it on **every** rank of the world, in the same order (group creation is collective);
+    ranks outside ``ranks`` get an object with ``member == False`` and must not use it.
+
+    Attributes: ``degrees`` {"pp","dp","tp"} → int; ``coords`` this rank's index on each axis;
+    ``mesh`` a ``DeviceMesh`` with dims ("pp","dp","tp") for PyTorch's own parallel APIs;
+    ``ledger`` where every collective on these groups is booked; ``device`` torch.device.
+    """
+
+    def __init__(self, pp: int = 1, dp: int = 1, tp: int = 1, *, device: str = "cpu",
+                 ranks: list[int] | None = None, timeout_s: float = 300.0):
+        world = dist.get_world_size()
+        ranks = list(range(world)) if ranks is None else list(ranks)
+        validate_degrees(pp, dp, tp, len(ranks))
+        self.degrees = {"pp": pp, "dp": dp, "tp": tp}
+        self.ranks = ranks
+        self.rank = dist.get_rank()
+        self.member = self.rank in ranks
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.ledger = Ledger()
+        self.grid = torch.tensor(ranks, dtype=torch.long).reshape(pp, dp, tp)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self._groups: dict[str, dist.ProcessGroup] = {}
+        self._axis_ranks: dict[str, list[int]] = {}
+        for dim, axis in enumerate(AXES):
+            # all groups along this axis: move `dim` last and flatten the others
+            lines = self.grid.movedim(dim, -1).reshape(-1, self.grid.shape[dim]).tolist()
+            mine, _ = dist.new_subgroups_by_enumeration(lines, timeout=timeout)
+            for line in lines:
+                if self.rank in line:
+                    self._groups[axis], self._axis_ranks[axis] = mine, line
+        # the whole layout as one more axis, for run-level agreement (output folder, verify)
+        self._world_group = dist.new_group(ranks, timeout=timeout)
+        self._groups["world"], self._axis_ranks["world"] = self._world_group, ranks
+        self.coords = {}
+        self.mesh = None
+        if self.member:
+            idx = (self.grid == self.rank).nonzero()[0].tolist()
+            self.coords = dict(zip(AXES, idx))
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self.mesh = DeviceMesh.from_group([self._groups[a] for a in AXES], self.device.type,
+                                              mesh=self.grid, mesh_dim_names=AXES)
+
+    # -- queries -----------------------------------------------------------------------------
+    def size(self, axis: str) -> int:
+        """Degree of ``axis`` ("pp", "dp", "tp", or "world" = all ranks of the layout)."""
+        return self.world_size if axis == "world" else self.degrees[axis]
+
+    def index(self, axis: str) -> int:
+        """This rank's index along ``axis`` (0 ≤ index < size(axis))."""
+        return self.ranks.index(self.rank) if axis == "world" else self.coords[axis]
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        """The process group of this rank's line along ``axis``."""
+        return self._groups[axis]
+
+    def global_rank(self, axis: str, index: int) -> int:
+        """Global rank of the member with ``index`` on this rank's line along ``axis``."""
+        return self._axis_ranks[axis][index]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def describe(self) -> str:
+        """E.g. ``"pp=1 × dp=2 × tp=1 (2 ranks)"``."""
+        d = self.degrees
+        return f"pp={d['pp']} × dp={d['dp']} × tp={d['tp']} ({self.world_size} ranks)"

@@ -1,0 +1,97 @@
+"""One optimizer step, shared by training, ``verify``, ``trace`` and the single-process reference.
+
+The sync points, in order, and why:
+
+1. all_reduce of the step's counted-token total T over dp (before any forward): every rank
+   divides its token-loss sum by the *global* T, so summed gradients are exactly ∇ of the
+   token-weighted global mean (see :mod:`shardwise.parallel.data`).
+2. micro-steps: forward + backward; gradient sync is suppressed on all but the last one, where
+   bucket all-reduces launch from the backward hooks (overlapping compute).
+3. finish_gradient_sync: wait for the buckets before touching gradients.
+4. global grad-norm clip, optimizer step.
+5. all_reduce of the loss sum for logging (after the step; nothing waits on it but the log).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..models import count_items, loss_sum_and_count
+from ..parallel.data import clip_replicated_grad_norm_
+
+
+class Local(nn.Module):
+    """The single-process reference "engine": the plain model, no communication."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def sync_gradients(self, enabled: bool):
+        return contextlib.nullcontext()
+
+    def finish_gradient_sync(self) -> None:
+        pass
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return clip_replicated_grad_norm_(self.module, max_norm)
+
+
+@dataclasses.dataclass
+class StepResult:
+    loss: float  # token-weighted global mean loss of the step
+    grad_norm: float  # global gradient L2 norm before clipping
+    tokens: int  # counted tokens (items) in the global batch
+
+
+def autocast(dtype: str, device: torch.device):
+    """bf16 mixed precision: matmuls in bf16, master weights/grads/optimizer state stay fp32."""
+    if dtype == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_step(engine: nn.Module, microbatches: list[dict], optimizer, topo=None, *,
+               max_norm: float = 0.0, scheduler=None, dtype: str = "fp32",
+               zero_grad: bool = True) -> StepResult:
+    """Run one optimizer step over this rank's ``microbatches`` (dicts of tensors, see
+    :mod:`shardwise.models`). ``topo=None`` = single process. Returns the global loss/norm.
+
+    With ``zero_grad=False`` the gradients are left in ``.grad`` after the step (for tests
+    that compare them); they are cleared at the start of the next step instead.
+    """
+    if topo is not None:
+        topo.ledger.begin_step()
+    optimizer.zero_grad(set_to_none=True)
+    local = float(sum(count_items(mb) for mb in microbatches))
+    total = torch.tensor([local], dtype=torch.float64)
+    if topo is not None:  # sync point 1: the global token count
+        comm.all_reduce(total, topo, "dp", tag="loss")
+    denom = float(total.item())
+    device = next(engine.parameters()).device
+    loss_sum = torch.zeros(1, dtype=torch.float64)
+    for i, mb in enumerate(microbatches):
+        mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+        with engine.sync_gradients(i == len(microbatches) - 1):  # sync point 2
+            with autocast(dtype, device):
+                s, _ = loss_sum_and_count(engine, mb)
+            (s / denom).backward()
+        loss_sum += s.detach().double().cpu()
+    engine.finish_gradient_sync()  # sync point 3
+    norm = engine.clip_grad_norm_(max_norm)  # sync point 4
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    if zero_grad:
+        optimizer.zero_grad(set_to_none=True)
+    if topo is not None:  # sync point 5: loss for the log line, identical on every rank
+        comm.all_reduce(loss_sum, topo, "dp", tag="loss")
+    return StepResult(loss=float(loss_sum) / denom, grad_norm=float(norm), tokens=int(denom))

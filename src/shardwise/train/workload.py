@@ -1,0 +1,114 @@
+"""What a run trains on: packed text for the Llama-style models, or the synthetic regression set
+for the stacked-MLP model. Both expose the same small interface to the loop."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import TrainConfig
+from ..data import DistributedSampler, prepare_lm_data
+from ..models import IGNORE_INDEX, MLP_PRESETS, MLPConfig, generate, regression_data
+
+
+class LMWorkload:
+    """Packed token sequences ``[n, seq_len + 1]`` (inputs ``[:, :-1]``, labels ``[:, 1:]``)."""
+
+    kind = "lm"
+
+    def __init__(self, cfg: TrainConfig):
+        self.data = prepare_lm_data(cfg.data or None, cfg.tokenizer, cfg.vocab_size, cfg.seq_len,
+                                    min_train_sequences=cfg.global_batch)
+        self.vocab_size = self.data.vocab_size
+        self.num_train, self.num_val = len(self.data.train), len(self.data.val)
+        src = cfg.data or "embedded stdlib corpus"
+        self.description = (f"{src} ({self.num_train:,} train / {self.num_val:,} val sequences, "
+                            f"tokenizer {cfg.tokenizer}, vocab {self.vocab_size})")
+
+    def model_overrides(self, cfg: TrainConfig) -> dict:
+        return {"tie_embeddings": cfg.tie_embeddings, "dropout": cfg.dropout}
+
+    def sampler(self, global_batch, dp_size, dp_rank, seed) -> DistributedSampler:
+        return DistributedSampler(self.num_train, global_batch, dp_size, dp_rank, seed)
+
+    def batches(self, indices: torch.Tensor, micro_batch: int, split: str = "train") -> list[dict]:
+        """Rows ``indices`` of ``split`` cut into micro-batches (the last may be smaller)."""
+        rows = (self.data.train if split == "train" else self.data.val).index_select(0, indices)
+        return [{"input_ids": c[:, :-1].contiguous(), "labels": c[:, 1:].contiguous()}
+                for c in rows.split(micro_batch)]
+
+    def sample_text(self, model, cfg: TrainConfig, prompt: str = "def ") -> str:
+        """A short continuation of ``prompt`` sampled from ``model`` (seeded, so reproducible)."""
+        tok = self.data.tokenizer
+        ids = torch.tensor([tok.encode(prompt)], dtype=torch.long,
+                           device=next(model.parameters()).device)
+        g = torch.Generator(device=ids.device).manual_seed(cfg.seed)
+        out = generate(model, ids, cfg.sample_tokens, generator=g)
+        return tok.decode(out[0].tolist())
+
+
+class RegressionWorkload:
+    """Synthetic regression for the stacked-MLP model: ``{"inputs", "targets"}`` rows [b, D]."""
+
+    kind = "regression"
+    vocab_size = 0
+
+    def __init__(self, cfg: TrainConfig, num_train: int = 4096, num_val: int = 512):
+        mcfg = MLPConfig(**MLP_PRESETS[cfg.model])
+        data = regression_data(mcfg, num_train + num_val, seed=cfg.seed)
+        self.train = {k: v[:num_train] for k, v in data.items()}
+        self.val = {k: v[num_train:] for k, v in data.items()}
+        self.num_train, self.num_val = num_train, num_val
+        self.description = f"synthetic regression (D={mcfg.d_model}, {num_train} samples)"
+
+    def model_overrides(self, cfg: TrainConfig) -> dict:
+        return {}
+
+    def sampler(self, global_batch, dp_size, dp_rank, seed) -> DistributedSampler:
+        return DistributedSampler(self.num_train, global_batch, dp_size, dp_rank, seed)
+
+    def batches(self, indices, micro_batch, split="train"):
+        src = self.train if split == "train" else self.val
+        rows = {k: v.index_select(0, indices) for k, v in src.items()}
+        return [dict(zip(rows, parts)) for parts in zip(*(v.split(micro_batch)
+                                                           for v in rows.values()))]
+
+    def sample_text(self, model, cfg):
+        return None
+
+
+def load_workload(cfg: TrainConfig):
+    """The data for ``cfg.model``. Raises ShardwiseConfigError on bad data (before any
+    collective: it reads files and the token cache only)."""
+    if cfg.model in MLP_PRESETS:
+        return RegressionWorkload(cfg)
+    return LMWorkload(cfg)
+
+
+class SyntheticLMWorkload(LMWorkload):
+    """Random token sequences for parity checks (no files): vocab ``vocab_size`` (default 67, which
+    no small dp/tp degree divides), and labels masked with :data:`IGNORE_INDEX` over a random
+    prefix of each sequence, so sequences count very different numbers of tokens (from
+    ``seq_len`` down to 1) — the case where a mean of per-rank means would be wrong."""
+
+    def __init__(self, vocab_size: int = 67, seq_len: int = 16, num_train: int = 256,
+                 num_val: int = 32, seed: int = 0):
+        from types import SimpleNamespace
+
+        g = torch.Generator().manual_seed(seed + 99)
+        rows = torch.randint(0, vocab_size, (num_train + num_val, seq_len + 1), generator=g)
+        self.data = SimpleNamespace(train=rows[:num_train], val=rows[num_train:], tokenizer=None)
+        self.masked = torch.randint(0, seq_len, (num_train + num_val,), generator=g)
+        self.vocab_size, self.num_train, self.num_val = vocab_size, num_train, num_val
+        self.description = f"synthetic tokens (vocab {vocab_size}, seq {seq_len})"
+
+    def batches(self, indices, micro_batch, split="train"):
+        out = super().batches(indices, micro_batch, split)
+        offset = 0 if split == "train" else self.num_train
+        masked = self.masked[indices + offset]
+        pos = torch.arange(out[0]["labels"].shape[1]) if out else None
+        for mb, m in zip(out, masked.split(micro_batch)):
+            mb["labels"] = mb["labels"].masked_fill(pos[None, :] < m[:, None], IGNORE_INDEX)
+        return out
+
+    def sample_text(self, model, cfg):
+        return None
