@@ -48,9 +48,11 @@ def _forward(stream, rank: int, sink, tail: collections.deque) -> None:
         tail.extend(bytes(out).splitlines())
 
 
-def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float = 5.0) -> int:
-    """Run ``python -m shardwise *argv`` as ``nproc`` local ranks; return 0 or the first failing
-    rank's exit code (the other ranks are then stopped)."""
+def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float = 5.0,
+          program: list[str] | None = None) -> int:
+    """Run ``program *argv`` (default ``python -m shardwise``) as ``nproc`` local ranks; return 0
+    or the first failing rank's exit code (the other ranks are then stopped)."""
+    program = program or [sys.executable, "-m", "shardwise"]
     port = free_port()
     base = {**os.environ, **(env or {})}
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
@@ -62,7 +64,7 @@ def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float =
     sink = sys.stdout.buffer
     for rank in range(nproc):
         e = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0")
-        p = subprocess.Popen([sys.executable, "-m", "shardwise", *argv], env=e,
+        p = subprocess.Popen([*program, *argv], env=e,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              start_new_session=True)
         tails.append(collections.deque(maxlen=25))

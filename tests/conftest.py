@@ -1,0 +1,29 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    """One token/tokenizer cache for the whole session (tests share the embedded corpus)."""
+    d = tmp_path_factory.mktemp("shardwise-cache")
+    return d
+
+
+def run_cli(args, cache, timeout=240, env=None, cwd=None):
+    """Run ``python -m shardwise *args``; returns CompletedProcess (stdout+stderr merged)."""
+    e = {**os.environ, "SHARDWISE_CACHE": str(cache), "OMP_NUM_THREADS": "1", **(env or {})}
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if env is None or k not in env:
+            e.pop(k, None)
+    return subprocess.run([sys.executable, "-m", "shardwise", *map(str, args)], env=e,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout, cwd=cwd)

@@ -1,0 +1,117 @@
+"""DP parity against a single-process reference computed here, independently of shardwise's
+training step: dp ∈ {1, 2, 4} × engine ∈ {explicit, torch} × gradient accumulation ∈ {1, 2},
+3 AdamW steps with clipping that binds, on sequences with very different numbers of counted
+tokens. Also: the ledger's bytes per step against the formula, and the sampler's disjointness."""
+
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardwise.data import DistributedSampler
+from shardwise.launch import spawn
+from shardwise.models import build_model
+from shardwise.train.workload import SyntheticLMWorkload
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+import dp_cases as W  # noqa: E402
+
+RTOL, ATOL = 1e-5, 1e-6
+CASES = list(itertools.product((1, 2, 4), ("explicit", "torch"), (1, 2)))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp")
+    code = spawn([str(out)], 4, program=[sys.executable, str(Path(W.__file__))])
+    assert code == 0, "the DP worker world failed (see its output above)"
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Plain model, plain AdamW, the whole global batch in one forward; loss = mean over counted
+    tokens (PyTorch's cross_entropy with ignore_index). Nothing from shardwise.train/parallel."""
+    work = SyntheticLMWorkload(vocab_size=67, seq_len=16, num_train=64, num_val=4, seed=0)
+    torch.manual_seed(0)
+    model = build_model("tiny", vocab_size=67, tie_embeddings=True)
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "tok_embeddings" in n]
+    decay = [p for n, p in model.named_parameters() if not (p.dim() < 2 or "tok_embeddings" in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=W.LR,
+                            betas=(0.9, 0.95), eps=1e-8)
+    sampler = DistributedSampler(64, W.GLOBAL_BATCH, 1, 0, seed=0)
+    ref = {"indices": [], "loss": [], "grad_norm": [], "grads": [], "counts": []}
+    for _ in range(W.STEPS):
+        idx = sampler.next_global_batch()
+        (batch,) = work.batches(idx, W.GLOBAL_BATCH)
+        logits = model(batch["input_ids"])
+        loss = F.cross_entropy(logits.reshape(-1, 67), batch["labels"].reshape(-1),
+                               ignore_index=-100)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), W.MAX_NORM)
+        ref["indices"].append(idx)
+        ref["loss"].append(loss.item())
+        ref["grad_norm"].append(norm.item())
+        ref["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+        ref["counts"].append((batch["labels"] != -100).sum(1))
+        opt.step()
+        opt.zero_grad()
+    ref["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref["num_params"] = sum(p.numel() for p in model.parameters())
+    return ref
+
+
+def _load(out, dp, engine, accum):
+    return [torch.load(out / f"dp{dp}_{engine}_acc{accum}_rank{r}.pt") for r in range(dp)]
+
+
+def test_reference_batches_have_very_different_token_counts(reference):
+    counts = torch.cat(reference["counts"])
+    assert counts.min() <= 3 and counts.max() >= 14, counts  # seq_len 16: uneven on purpose
+
+
+@pytest.mark.parametrize("dp,engine,accum", CASES)
+def test_dp_matches_single_process(results, reference, dp, engine, accum):
+    for rank, rec in enumerate(_load(results, dp, engine, accum)):
+        for step in range(W.STEPS):
+            torch.testing.assert_close(torch.tensor(rec["loss"][step]),
+                                       torch.tensor(reference["loss"][step]), rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(torch.tensor(rec["grad_norm"][step]),
+                                       torch.tensor(reference["grad_norm"][step]),
+                                       rtol=RTOL, atol=ATOL)
+            assert reference["grad_norm"][step] > W.MAX_NORM  # clipping binds
+            for name, g in reference["grads"][step].items():
+                torch.testing.assert_close(rec["grads"][step][name], g, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"rank {rank} step {step} {name}: {m}")
+        for name, p in reference["params"].items():
+            torch.testing.assert_close(rec["params"][name], p, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"rank {rank} final {name}: {m}")
+
+
+@pytest.mark.parametrize("dp,engine,accum", CASES)
+def test_ledger_bytes_equal_formula(results, reference, dp, engine, accum):
+    """Per step each rank sends 2(n−1)/n × 4Ψ bytes of fp32 gradients, plus two fp64 scalars
+    (the token count before the forward, the loss sum after the step) of 2(n−1)/n × 8 each."""
+    n, psi = dp, reference["num_params"]
+    grad = 2 * (n - 1) / n * 4 * psi
+    scalars = 2 * (2 * (n - 1) / n * 8)
+    for rec in _load(results, dp, engine, accum):
+        for step in range(W.STEPS):
+            assert rec["grad_bytes"][step] == pytest.approx(grad, rel=1e-12, abs=0)
+            assert rec["total_bytes"][step] == pytest.approx(grad + scalars, rel=1e-12, abs=0)
+        if engine == "explicit" and dp > 1:
+            assert rec["n_buckets"] > 1  # bucket_mb=0.01: gradients travel in several buckets
+
+
+@pytest.mark.parametrize("dp", (2, 4))
+def test_ranks_see_disjoint_slices_whose_union_is_the_global_batch(results, reference, dp):
+    recs = _load(results, dp, "explicit", 1)
+    for step in range(W.STEPS):
+        parts = [rec["indices"][step] for rec in recs]
+        union = torch.cat(parts)
+        assert len(set(union.tolist())) == len(union)  # disjoint
+        assert torch.equal(union, reference["indices"][step])  # same global batch, same order

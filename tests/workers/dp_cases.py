@@ -1,0 +1,61 @@
+"""Worker for tests/test_dp_parity.py: run every DP case in one spawned world, dump results.
+
+Each rank writes ``<out>/<case>_rank<r>.pt`` with what it saw and computed: the sample indices of
+each step, the loss and grad norm of each step, every gradient after each step's sync, the
+ledger's bytes, and the final parameters. The test compares them with a reference it computes
+itself in one process.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from shardwise.config import TrainConfig
+from shardwise.models import build_model
+from shardwise.parallel.apply import parallelize
+from shardwise.topology import Topology, init_distributed
+from shardwise.train.optim import build_optimizer
+from shardwise.train.step import train_step
+from shardwise.train.workload import SyntheticLMWorkload
+
+STEPS, GLOBAL_BATCH, MAX_NORM, LR = 3, 8, 0.3, 3e-4
+
+
+def main(out: str) -> None:
+    init_distributed("cpu", timeout_s=60)
+    rank = dist.get_rank()
+    work = SyntheticLMWorkload(vocab_size=67, seq_len=16, num_train=64, num_val=4, seed=0)
+    cfg = TrainConfig(model="tiny", lr=LR, weight_decay=0.1)
+    for dp in (1, 2, 4):
+        topo = Topology(dp=dp, ranks=range(dp), timeout_s=60)
+        for engine in ("explicit", "torch"):
+            for accum in (1, 2):
+                if not topo.member:
+                    continue
+                torch.manual_seed(0)
+                model = build_model("tiny", vocab_size=67, tie_embeddings=True)
+                wrapped = parallelize(model, topo, engine=engine, bucket_mb=0.01)
+                opt = build_optimizer(model, cfg)
+                sampler = work.sampler(GLOBAL_BATCH, dp, topo.index("dp"), seed=0)
+                micro = GLOBAL_BATCH // dp // accum
+                rec = {"indices": [], "loss": [], "grad_norm": [], "grads": [], "grad_bytes": [],
+                       "total_bytes": [], "n_buckets": len(getattr(wrapped, "buckets", []))}
+                for _ in range(STEPS):
+                    idx = sampler.next_local_batch()
+                    res = train_step(wrapped, work.batches(idx, micro), opt, topo,
+                                     max_norm=MAX_NORM, zero_grad=False)
+                    rec["indices"].append(idx.clone())
+                    rec["loss"].append(res.loss)
+                    rec["grad_norm"].append(res.grad_norm)
+                    rec["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+                    rec["grad_bytes"].append(topo.ledger.step_bytes("grad"))
+                    rec["total_bytes"].append(topo.ledger.step_bytes())
+                rec["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+                torch.save(rec, f"{out}/dp{dp}_{engine}_acc{accum}_rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
