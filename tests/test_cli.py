@@ -1,0 +1,89 @@
+"""The command line end to end: a short run of the embedded default, verify, trace."""
+
+import json
+import re
+import tomllib
+
+import pytest
+
+from conftest import run_cli
+from shardwise.models import build_model
+
+
+@pytest.fixture(scope="module")
+def short_run(cache_dir, tmp_path_factory):
+    """`shardwise train` on the embedded default corpus (BPE tokenizer), tiny model, dp=2."""
+    out = tmp_path_factory.mktemp("run") / "r"
+    p = run_cli(["train", "--model", "tiny", "--steps", "40", "--seq-len", "64", "--lr", "3e-3",
+                 "--warmup-steps", "5", "--eval-every", "20", "--vocab-size", "1024",
+                 "--out", out], cache_dir, timeout=400)
+    assert p.returncode == 0, p.stdout
+    return out, p.stdout
+
+
+def test_short_run_of_the_embedded_default_lowers_validation_loss(short_run):
+    out, stdout = short_run
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(val) == 3  # steps 0, 20, 40
+    assert val[-1] < val[0] - 0.5, val
+    assert "embedded stdlib corpus" in stdout and "[rank 0]" in stdout
+
+
+def test_run_folder_follows_the_contract(short_run):
+    out, _ = short_run
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 41))
+    for key in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s",
+                "comm_bytes"):
+        assert key in steps[0], key
+    assert steps[-1]["tokens"] == 40 * 16 * 64  # every label counted in packed text
+    cfg = tomllib.loads((out / "config.toml").read_text())
+    assert cfg["steps"] == 40 and cfg["dp"] == 2 and cfg["model"] == "tiny"
+    ledger = json.loads((out / "ledger.json").read_text())
+    assert ledger["ratio"] == pytest.approx(1.0, abs=1e-12)
+    assert (out / "loss.png").stat().st_size > 1000
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+    ckpt = out / "checkpoints" / "step_40"
+    assert (ckpt / ".metadata").exists() and (ckpt / "meta.json").exists()
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_40"
+    assert len((out / "sample.txt").read_text()) > 20
+
+
+def test_comm_bytes_per_step_match_the_dp_formula(short_run):
+    """comm_bytes = 2(n−1)/n·4Ψ (gradients) + two fp64 scalars, n = 2, Ψ counted here."""
+    out, _ = short_run
+    vocab = json.loads((out / "summary.json").read_text())
+    psi = vocab["params"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    expected = 2 * (2 - 1) / 2 * 4 * psi + 2 * (2 * (2 - 1) / 2 * 8)
+    assert all(r["comm_bytes"] == pytest.approx(expected, rel=1e-12) for r in rows if "loss" in r)
+
+
+def test_verify_passes_every_dp_layout_both_engines(cache_dir, tmp_path):
+    p = run_cli(["verify", "--nproc", "4", "--json", tmp_path / "verify.json"], cache_dir,
+                timeout=300)
+    assert p.returncode == 0, p.stdout
+    report = json.loads((tmp_path / "verify.json").read_text())
+    cases = {(c["layout"], c["engine"], c["model"]) for c in report["cases"]}
+    for dp in (1, 2, 3, 4):
+        for engine in ("explicit", "torch"):
+            for model in ("tiny", "mlp-tiny"):
+                assert (f"dp={dp}", engine, model) in cases
+    assert report["pass"] and all(c["pass"] for c in report["cases"])
+    assert "16/16 passed" in p.stdout
+
+
+def test_trace_prints_every_collective_and_matches_formula(cache_dir):
+    p = run_cli(["trace", "--dp", "2", "--bucket-mb", "0.05"], cache_dir, timeout=120)
+    assert p.returncode == 0, p.stdout
+    psi = sum(t.numel() for t in build_model("tiny", vocab_size=4096).parameters())
+    formula = 2 * (2 - 1) / 2 * 4 * psi
+    m = re.search(r"gradient sync: ledger ([\d,.]+) bytes sent per rank; formula .* = ([\d,.]+); "
+                  r"ratio ([\d.]+)", p.stdout)
+    assert m, p.stdout
+    assert float(m.group(1).replace(",", "")) == pytest.approx(formula)
+    assert float(m.group(2).replace(",", "")) == pytest.approx(formula)
+    assert float(m.group(3)) == pytest.approx(1.0)
+    assert len(re.findall(r"all_reduce\s+dp\s+2 grad", p.stdout)) > 1  # several buckets
