@@ -115,3 +115,11 @@ def test_ranks_see_disjoint_slices_whose_union_is_the_global_batch(results, refe
         union = torch.cat(parts)
         assert len(set(union.tolist())) == len(union)  # disjoint
         assert torch.equal(union, reference["indices"][step])  # same global batch, same order
+
+
+def test_bucket_all_reduces_launch_during_backward_only_with_overlap(results):
+    for rank in range(2):
+        launched = torch.load(results / f"overlap_rank{rank}.pt")
+        in_flight, n_buckets = launched[True]
+        assert n_buckets > 1 and in_flight == n_buckets  # all launched from backward hooks
+        assert launched[False] == (0, n_buckets)  # none until finish_gradient_sync

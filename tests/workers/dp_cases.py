@@ -53,6 +53,23 @@ def main(out: str) -> None:
                     rec["total_bytes"].append(topo.ledger.step_bytes())
                 rec["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
                 torch.save(rec, f"{out}/dp{dp}_{engine}_acc{accum}_rank{rank}.pt")
+    # overlap: how many bucket all-reduces are in flight when backward returns
+    topo = Topology(dp=2, ranks=range(2), timeout_s=60)
+    if topo.member:
+        from shardwise.models import loss_sum_and_count
+
+        launched = {}
+        for overlap in (True, False):
+            torch.manual_seed(0)
+            model = build_model("tiny", vocab_size=67)
+            wrapped = parallelize(model, topo, engine="explicit", bucket_mb=0.01, overlap=overlap)
+            (mb,) = work.batches(torch.arange(4) + 4 * topo.index("dp"), 4)
+            with wrapped.sync_gradients(True):
+                loss_sum_and_count(wrapped, mb)[0].backward()
+            launched[overlap] = (sum(b.handle is not None for b in wrapped.buckets),
+                                 len(wrapped.buckets))
+            wrapped.finish_gradient_sync()
+        torch.save(launched, f"{out}/overlap_rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
