@@ -119,7 +119,18 @@ def test_ranks_see_disjoint_slices_whose_union_is_the_global_batch(results, refe
 
 def test_bucket_all_reduces_launch_during_backward_only_with_overlap(results):
     for rank in range(2):
-        launched = torch.load(results / f"overlap_rank{rank}.pt")
-        in_flight, n_buckets = launched[True]
+        launched = torch.load(results / f"overlap_rank{rank}.pt")["launched"]
+        in_flight, n_buckets = launched[True, False]
         assert n_buckets > 1 and in_flight == n_buckets  # all launched from backward hooks
-        assert launched[False] == (0, n_buckets)  # none until finish_gradient_sync
+        assert launched[False, False] == (0, n_buckets)  # none until finish_gradient_sync
+
+
+def test_unused_parameter_gets_zero_gradient_and_the_rest_still_sync(results):
+    per_rank = [torch.load(results / f"overlap_rank{r}.pt")["grads"] for r in range(2)]
+    for grads in per_rank:
+        torch.testing.assert_close(grads[True, True]["unused"], torch.zeros(5), rtol=0, atol=0)
+        for name, g in grads[True, False].items():
+            torch.testing.assert_close(grads[True, True][name], g, rtol=0, atol=0)
+            torch.testing.assert_close(grads[False, False][name], g, rtol=0, atol=0)
+    for name, g in per_rank[0][True, False].items():  # replicas agree after the sync
+        torch.testing.assert_close(per_rank[1][True, False][name], g, rtol=0, atol=0)

@@ -120,7 +120,7 @@ def run_case(model_name, work, layout, engine_name, topo, cfg, ref, micro_batch,
     engine = parallelize(model, topo, engine=engine_name)
     global_batch = micro_batch * 2 * layout.dp  # two micro-steps per rank: accumulation
     sampler = work.sampler(global_batch, topo.size("dp"), topo.index("dp"), cfg.seed)
-    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "ok": True, "bytes_ratio": 1.0}
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "ok": True, "bytes_dev": 0.0}
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     for step in range(steps):
         res = train_step(engine, work.batches(sampler.next_local_batch(), micro_batch), opt,
@@ -134,8 +134,9 @@ def run_case(model_name, work, layout, engine_name, topo, cfg, ref, micro_batch,
                 d, ok = _compare(mine, theirs)
                 worst[key], worst["ok"] = max(worst[key], d), worst["ok"] and ok
         formula = dp_grad_bytes_formula(grad_bytes, layout.dp)
-        if formula:
-            worst["bytes_ratio"] = topo.ledger.step_bytes("grad") / formula
+        if formula:  # every step, not just the last
+            dev = abs(topo.ledger.step_bytes("grad") / formula - 1.0)
+            worst["bytes_dev"] = max(worst["bytes_dev"], dev)
     return worst
 
 
@@ -154,7 +155,10 @@ def verify_worker(args) -> int:
             raise ShardwiseConfigError(f"layout {lay.name()} needs {lay.world} ranks but verify "
                                        f"runs {world}: raise --nproc or drop the layout")
     everyone = Topology(dp=world, timeout_s=args.timeout)
-    cfg = TrainConfig(model="tiny", lr=1e-3, warmup_steps=1, steps=args.steps, grad_clip=0.5,
+    # lr 3e-4: Adam divides each element by its own RMS, so for gradients near zero the
+    # round-off of a different summation order (~1e-9) becomes a visible update; at this lr it
+    # stays below atol. Gradients themselves are compared strictly at every step.
+    cfg = TrainConfig(model="tiny", lr=3e-4, warmup_steps=1, steps=args.steps, grad_clip=0.5,
                       seed=args.seed)
     models = args.models.split(",")
     engines = ENGINES if args.engine == "both" else (args.engine,)
@@ -174,7 +178,7 @@ def verify_worker(args) -> int:
                     r = run_case(model_name, work, lay, eng, topo, cfg, refs[key],
                                  args.micro_batch, args.steps)
                     vec = torch.tensor([r["loss"], r["grad"], r["param"], float(not r["ok"]),
-                                        abs(r["bytes_ratio"] - 1.0)], dtype=torch.float64)
+                                        r["bytes_dev"]], dtype=torch.float64)
                 else:
                     vec = torch.zeros(5, dtype=torch.float64)
                 with everyone.ledger.phase("verify"):

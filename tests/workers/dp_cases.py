@@ -58,18 +58,21 @@ def main(out: str) -> None:
     if topo.member:
         from shardwise.models import loss_sum_and_count
 
-        launched = {}
-        for overlap in (True, False):
+        launched, grads = {}, {}
+        for overlap, unused in ((True, False), (False, False), (True, True)):
             torch.manual_seed(0)
             model = build_model("tiny", vocab_size=67)
+            if unused:  # a parameter no forward touches: its bucket must still launch (zeros)
+                model.unused = torch.nn.Parameter(torch.ones(5))
             wrapped = parallelize(model, topo, engine="explicit", bucket_mb=0.01, overlap=overlap)
             (mb,) = work.batches(torch.arange(4) + 4 * topo.index("dp"), 4)
             with wrapped.sync_gradients(True):
                 loss_sum_and_count(wrapped, mb)[0].backward()
-            launched[overlap] = (sum(b.handle is not None for b in wrapped.buckets),
-                                 len(wrapped.buckets))
+            launched[overlap, unused] = (sum(b.handle is not None for b in wrapped.buckets),
+                                         len(wrapped.buckets))
             wrapped.finish_gradient_sync()
-        torch.save(launched, f"{out}/overlap_rank{rank}.pt")
+            grads[overlap, unused] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        torch.save({"launched": launched, "grads": grads}, f"{out}/overlap_rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 

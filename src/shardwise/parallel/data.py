@@ -15,7 +15,7 @@ with few valid tokens more than one on a busy rank: wrong whenever the T_r diffe
 Collectives (per optimizer step, n = dp degree, Ψ parameters of b bytes each)
 -------------------------------------------------------------------------------
 * one all_reduce of the gradients, split into buckets: 2(n−1)/n · Ψ·b bytes sent per rank
-  (ring all-reduce; ZeRO paper, Rajbhandari et al. 2019 §5 "DP communication volume";
+  (ring all-reduce; ZeRO paper, Rajbhandari et al. 2019 §7.1 "Data Parallel Communication Volume";
   JAX scaling book ch. 5, "Data parallelism")
 * one all_reduce of the step's token count T before the forward (8 bytes), tag "loss"
 * (bookkeeping in the train loop: one all_reduce of the summed loss for logging, tag "loss")
@@ -58,6 +58,11 @@ class _Bucket:
         self.handle = None
 
 
+# Buckets are launched strictly in index order on every rank (a bucket that completes early
+# waits for its predecessors): collectives on one group are matched by call order, so ranks whose
+# gradients arrive in different orders must still issue the same sequence of all-reduces.
+
+
 class DataParallel(nn.Module):
     """Wrap a plain model for explicit DP over ``topo``'s "dp" axis.
 
@@ -90,6 +95,7 @@ class DataParallel(nn.Module):
         if current:
             self.buckets.append(_Bucket(current))
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._next = 0  # index of the next bucket to launch
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
     def forward(self, *args, **kwargs):
@@ -107,10 +113,12 @@ class DataParallel(nn.Module):
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if not self._sync:
             return
-        bucket = self._bucket_of[p]
-        bucket.ready += 1
-        if self.overlap and bucket.ready == len(bucket.params):
-            self._launch(bucket)
+        self._bucket_of[p].ready += 1
+        if self.overlap:
+            while (self._next < len(self.buckets)
+                   and self.buckets[self._next].ready == len(self.buckets[self._next].params)):
+                self._launch(self.buckets[self._next])
+                self._next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
         for p, view in zip(bucket.params, bucket.views):
@@ -135,6 +143,7 @@ class DataParallel(nn.Module):
                 else:
                     p.grad.copy_(view)
             bucket.handle, bucket.ready = None, 0
+        self._next = 0
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         return clip_replicated_grad_norm_(self.module, max_norm)
@@ -154,5 +163,5 @@ def clip_replicated_grad_norm_(module: nn.Module, max_norm: float) -> torch.Tens
 
 def dp_grad_bytes_formula(grad_bytes: float, n: int) -> float:
     """Bytes each rank sends to all-reduce ``grad_bytes`` of gradients over ``n`` dp ranks:
-    2(n−1)/n · grad_bytes (ring all-reduce; ZeRO paper §5; scaling book ch. 5)."""
+    2(n−1)/n · grad_bytes (ring all-reduce; ZeRO paper §7.1; scaling book ch. 5)."""
     return 2 * (n - 1) / n * grad_bytes

@@ -55,11 +55,12 @@ def evaluate(model, work, topo, cfg: TrainConfig) -> float:
     n = min(work.num_val, cfg.eval_sequences)
     dp, r = topo.size("dp"), topo.index("dp")
     idx = torch.arange(n)[r * n // dp:(r + 1) * n // dp]
-    sums = torch.zeros(2, dtype=torch.float64)  # [loss sum, counted tokens]
+    sums = torch.zeros(2, dtype=torch.float64, device=topo.device)  # [loss sum, tokens]
     model.eval()
     for mb in work.batches(idx, cfg.micro_batch, split="val"):
         s, c = loss_sum_and_count(model, {k: v.to(topo.device) for k, v in mb.items()})
-        sums += torch.tensor([float(s), float(c)], dtype=torch.float64)
+        sums[0] += s.double()
+        sums[1] += c
     model.train()
     with topo.ledger.phase("eval"):
         comm.all_reduce(sums, topo, "dp", tag="eval")

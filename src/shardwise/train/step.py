@@ -71,20 +71,20 @@ def train_step(engine: nn.Module, microbatches: list[dict], optimizer, topo=None
     if topo is not None:
         topo.ledger.begin_step()
     optimizer.zero_grad(set_to_none=True)
+    device = next(engine.parameters()).device  # scalars live there too (NCCL needs it)
     local = float(sum(count_items(mb) for mb in microbatches))
-    total = torch.tensor([local], dtype=torch.float64)
+    total = torch.tensor([local], dtype=torch.float64, device=device)
     if topo is not None:  # sync point 1: the global token count
         comm.all_reduce(total, topo, "dp", tag="loss")
     denom = float(total.item())
-    device = next(engine.parameters()).device
-    loss_sum = torch.zeros(1, dtype=torch.float64)
+    loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
     for i, mb in enumerate(microbatches):
         mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
         with engine.sync_gradients(i == len(microbatches) - 1):  # sync point 2
             with autocast(dtype, device):
                 s, _ = loss_sum_and_count(engine, mb)
             (s / denom).backward()
-        loss_sum += s.detach().double().cpu()
+        loss_sum += s.detach().double()
     engine.finish_gradient_sync()  # sync point 3
     norm = engine.clip_grad_norm_(max_norm)  # sync point 4
     optimizer.step()
