@@ -47,7 +47,7 @@ def bench_worker(args) -> int:
         model = build_model(args.model, vocab_size=work.vocab_size)
         engine = parallelize(model, topo, engine=kw["engine"], bucket_mb=args.bucket_mb,
                              overlap=kw["overlap"])
-        runs[name] = {"engine": engine, "model": model, "opt": build_optimizer(model, cfg),
+        runs[name] = {"engine": engine, "model": model, "opt": build_optimizer(engine, cfg),
                       "sampler": work.sampler(global_batch, n, topo.index("dp"), 0), "times": []}
 
     def one_step(r):

@@ -91,18 +91,19 @@ def _workload(model: str, seed: int):
     return SyntheticLMWorkload(seed=seed)
 
 
-def _make(model_name, work, cfg):
+def _make(model_name, work, cfg, wrap=Local):
+    """Model (seeded init), its engine ``wrap(model)``, the engine's optimizer and schedule."""
     torch.manual_seed(cfg.seed)
     kw = {"tie_embeddings": cfg.tie_embeddings} if work.kind == "lm" else {}
     model = build_model(model_name, vocab_size=work.vocab_size, **kw)
-    opt = build_optimizer(model, cfg)
-    return model, opt, build_scheduler(opt, cfg)
+    engine = wrap(model)
+    opt = build_optimizer(engine, cfg)
+    return model, engine, opt, build_scheduler(opt, cfg)
 
 
 def reference_run(model_name, work, cfg, global_batch, micro_batch, steps):
     """Single process: per step (loss, {name: grad}, {name: param}) on the same global batches."""
-    model, opt, sched = _make(model_name, work, cfg)
-    engine = Local(model)
+    model, engine, opt, sched = _make(model_name, work, cfg)
     sampler = work.sampler(global_batch, 1, 0, cfg.seed)
     out = []
     for _ in range(steps):
@@ -116,8 +117,8 @@ def reference_run(model_name, work, cfg, global_batch, micro_batch, steps):
 
 def run_case(model_name, work, layout, engine_name, topo, cfg, ref, micro_batch, steps) -> dict:
     """Train ``steps`` steps on ``topo`` and compare each with ``ref``; returns max diffs."""
-    model, opt, sched = _make(model_name, work, cfg)
-    engine = parallelize(model, topo, engine=engine_name)
+    model, engine, opt, sched = _make(model_name, work, cfg,
+                                      lambda m: parallelize(m, topo, engine=engine_name))
     global_batch = micro_batch * 2 * layout.dp  # two micro-steps per rank: accumulation
     sampler = work.sampler(global_batch, topo.size("dp"), topo.index("dp"), cfg.seed)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "ok": True, "bytes_dev": 0.0}
@@ -128,10 +129,10 @@ def run_case(model_name, work, layout, engine_name, topo, cfg, ref, micro_batch,
         loss_ref, _, grads_ref, params_ref = ref[step]
         d, ok = _compare(torch.tensor(res.loss), torch.tensor(loss_ref))
         worst["loss"], worst["ok"] = max(worst["loss"], d), worst["ok"] and ok
-        for name, p in model.named_parameters():
-            for key, mine, theirs in (("grad", p.grad, grads_ref[name]),
-                                      ("param", p, params_ref[name])):
-                d, ok = _compare(mine, theirs)
+        for key, mine, theirs in (("grad", engine.named_full_gradients(), grads_ref),
+                                  ("param", engine.named_full_parameters(), params_ref)):
+            for name, t in mine.items():  # this rank's stage: every parameter, full shape
+                d, ok = _compare(t, theirs[name])
                 worst[key], worst["ok"] = max(worst[key], d), worst["ok"] and ok
         formula = dp_grad_bytes_formula(grad_bytes, layout.dp)
         if formula:  # every step, not just the last
@@ -229,10 +230,9 @@ def trace_worker(cfg: TrainConfig) -> int:
     work = (_workload(cfg.model, cfg.seed) if cfg.model.startswith("mlp")
             else SyntheticLMWorkload(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
                                      num_train=cfg.global_batch, num_val=1, seed=cfg.seed))
-    model, opt, sched = _make(cfg.model, work, cfg)
-    model.to(topo.device)
-    engine = parallelize(model, topo, engine=cfg.engine, bucket_mb=cfg.bucket_mb,
-                         overlap=cfg.overlap)
+    model, engine, opt, sched = _make(
+        cfg.model, work, cfg, lambda m: parallelize(m.to(topo.device), topo, engine=cfg.engine,
+                                                    bucket_mb=cfg.bucket_mb, overlap=cfg.overlap))
     sampler = work.sampler(cfg.global_batch, topo.size("dp"), topo.index("dp"), cfg.seed)
     train_step(engine, work.batches(sampler.next_local_batch(), cfg.micro_batch), opt, topo,
                max_norm=cfg.grad_clip, scheduler=sched)

@@ -36,7 +36,7 @@ def main(out: str) -> None:
                 torch.manual_seed(0)
                 model = build_model("tiny", vocab_size=67, tie_embeddings=True)
                 wrapped = parallelize(model, topo, engine=engine, bucket_mb=0.01)
-                opt = build_optimizer(model, cfg)
+                opt = build_optimizer(wrapped, cfg)
                 sampler = work.sampler(GLOBAL_BATCH, dp, topo.index("dp"), seed=0)
                 micro = GLOBAL_BATCH // dp // accum
                 rec = {"indices": [], "loss": [], "grad_norm": [], "grads": [], "grad_bytes": [],

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import comm
-from .data import clip_replicated_grad_norm_
+from .engine import Engine
 
 
 def _ledger_sum_hook(topo, bucket) -> torch.futures.Future[torch.Tensor]:
@@ -25,12 +25,12 @@ def _ledger_sum_hook(topo, bucket) -> torch.futures.Future[torch.Tensor]:
     return comm.all_reduce_future(bucket.buffer(), topo, "dp", tag="grad")
 
 
-class TorchDataParallel(nn.Module):
+class TorchDataParallel(Engine):
     """DDP with the same interface as :class:`~shardwise.parallel.data.DataParallel`."""
 
     def __init__(self, module: nn.Module, topo, bucket_mb: float = 25.0):
-        super().__init__()
-        self.module, self.topo = module, topo
+        super().__init__(module)
+        self.topo = topo
         # DDP broadcasts rank 0's parameters at construction (its own call, not in the ledger).
         # Buffers (RoPE tables) are deterministic: no need to sync them every forward.
         no_buffer_sync = ({"forward_sync_buffers": False}
@@ -49,5 +49,3 @@ class TorchDataParallel(nn.Module):
     def finish_gradient_sync(self) -> None:
         """Nothing to do: DDP waits for its buckets at the end of backward."""
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return clip_replicated_grad_norm_(self.module, max_norm)

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from .. import comm
+from .engine import Engine
 
 
 class _Bucket:
@@ -63,7 +64,7 @@ class _Bucket:
 # gradients arrive in different orders must still issue the same sequence of all-reduces.
 
 
-class DataParallel(nn.Module):
+class DataParallel(Engine):
     """Wrap a plain model for explicit DP over ``topo``'s "dp" axis.
 
     Forward is the plain model's forward. Parameters are broadcast from dp index 0 at
@@ -76,8 +77,8 @@ class DataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, topo, bucket_mb: float = 25.0, overlap: bool = True):
-        super().__init__()
-        self.module, self.topo, self.overlap = module, topo, overlap
+        super().__init__(module)
+        self.topo, self.overlap = topo, overlap
         self._sync = True
         params = [p for p in module.parameters() if p.requires_grad]
         with topo.ledger.phase("init"):
@@ -97,9 +98,6 @@ class DataParallel(nn.Module):
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self._next = 0  # index of the next bucket to launch
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def sync_gradients(self, enabled: bool):
@@ -144,22 +142,6 @@ class DataParallel(nn.Module):
                     p.grad.copy_(view)
             bucket.handle, bucket.ready = None, 0
         self._next = 0
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return clip_replicated_grad_norm_(self.module, max_norm)
-
-
-def clip_replicated_grad_norm_(module: nn.Module, max_norm: float) -> torch.Tensor:
-    """Global L2 norm of ``module``'s gradients, clipping them to ``max_norm`` if it is > 0.
-
-    For replicated gradients only (plain DP, after the all-reduce): every replica holds the same
-    full gradients, so the local norm *is* the global norm and no collective is needed. Sharded
-    strategies (ZeRO, TP, PP) must all-reduce squared norms instead."""
-    params = [p for p in module.parameters() if p.grad is not None]
-    if max_norm and max_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return torch.nn.utils.get_total_norm([p.grad for p in params])
-
 
 def dp_grad_bytes_formula(grad_bytes: float, n: int) -> float:
     """Bytes each rank sends to all-reduce ``grad_bytes`` of gradients over ``n`` dp ranks:

@@ -102,7 +102,7 @@ def train(cfg: TrainConfig) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     engine = parallelize(model, topo, engine=cfg.engine, bucket_mb=cfg.bucket_mb,
                          overlap=cfg.overlap)
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(engine, cfg)
     scheduler = build_scheduler(optimizer, cfg)
     sampler = work.sampler(cfg.global_batch, topo.size("dp"), topo.index("dp"), cfg.seed)
     log.info(f"shardwise train: {cfg.model} ({n_params / 1e6:.2f} M parameters), layout "

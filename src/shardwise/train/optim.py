@@ -24,10 +24,11 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg) -> torch.optim.AdamW:
-    """AdamW(lr, betas=(beta1, beta2), eps=1e-8) over :func:`param_groups`. State is fp32."""
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
-                             betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+def build_optimizer(engine: nn.Module, cfg) -> torch.optim.Optimizer:
+    """AdamW(lr, betas=(beta1, beta2), eps=1e-8) over :func:`param_groups` of the engine's plain
+    model, built by the engine (so a sharded strategy can shard its state). State is fp32."""
+    return engine.make_optimizer(param_groups(engine.module, cfg.weight_decay), lr=cfg.lr,
+                                 betas=(cfg.beta1, cfg.beta2), eps=1e-8)
 
 
 def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float:

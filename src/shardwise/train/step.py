@@ -14,35 +14,14 @@ The sync points, in order, and why:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
 from torch import nn
 
 from .. import comm
-from ..models import count_items, loss_sum_and_count
-from ..parallel.data import clip_replicated_grad_norm_
-
-
-class Local(nn.Module):
-    """The single-process reference "engine": the plain model, no communication."""
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def sync_gradients(self, enabled: bool):
-        return contextlib.nullcontext()
-
-    def finish_gradient_sync(self) -> None:
-        pass
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return clip_replicated_grad_norm_(self.module, max_norm)
+from ..models import count_items
+from ..parallel.engine import Local, autocast  # noqa: F401  (re-exported for callers)
 
 
 @dataclasses.dataclass
@@ -50,13 +29,6 @@ class StepResult:
     loss: float  # token-weighted global mean loss of the step
     grad_norm: float  # global gradient L2 norm before clipping
     tokens: int  # counted tokens (items) in the global batch
-
-
-def autocast(dtype: str, device: torch.device):
-    """bf16 mixed precision: matmuls in bf16, master weights/grads/optimizer state stay fp32."""
-    if dtype == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def train_step(engine: nn.Module, microbatches: list[dict], optimizer, topo=None, *,
@@ -75,16 +47,10 @@ def train_step(engine: nn.Module, microbatches: list[dict], optimizer, topo=None
     local = float(sum(count_items(mb) for mb in microbatches))
     total = torch.tensor([local], dtype=torch.float64, device=device)
     if topo is not None:  # sync point 1: the global token count
-        comm.all_reduce(total, topo, "dp", tag="loss")
+        for axis in engine.count_axes:
+            comm.all_reduce(total, topo, axis, tag="loss")
     denom = float(total.item())
-    loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
-    for i, mb in enumerate(microbatches):
-        mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
-        with engine.sync_gradients(i == len(microbatches) - 1):  # sync point 2
-            with autocast(dtype, device):
-                s, _ = loss_sum_and_count(engine, mb)
-            (s / denom).backward()
-        loss_sum += s.detach().double()
+    loss_sum = engine.forward_backward(microbatches, denom, dtype)  # sync point 2
     engine.finish_gradient_sync()  # sync point 3
     norm = engine.clip_grad_norm_(max_norm)  # sync point 4
     optimizer.step()
@@ -93,5 +59,6 @@ def train_step(engine: nn.Module, microbatches: list[dict], optimizer, topo=None
     if zero_grad:
         optimizer.zero_grad(set_to_none=True)
     if topo is not None:  # sync point 5: loss for the log line, identical on every rank
-        comm.all_reduce(loss_sum, topo, "dp", tag="loss")
+        for axis in engine.reduce_loss_axes:
+            comm.all_reduce(loss_sum, topo, axis, tag="loss")
     return StepResult(loss=float(loss_sum) / denom, grad_norm=float(norm), tokens=int(denom))
