@@ -87,3 +87,21 @@ def test_trace_prints_every_collective_and_matches_formula(cache_dir):
     assert float(m.group(2).replace(",", "")) == pytest.approx(formula)
     assert float(m.group(3)) == pytest.approx(1.0)
     assert len(re.findall(r"all_reduce\s+dp\s+2 grad", p.stdout)) > 1  # several buckets
+
+
+def test_train_under_torchrun_uses_its_world(cache_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "SHARDWISE_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([str(torchrun), "--nproc-per-node", "2", "-m", "shardwise", "train",
+                        "--model", "tiny", "--steps", "3", "--tokenizer", "bytes", "--seq-len",
+                        "32", "--out", str(tmp_path / "r")], env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout
+    assert "[rank 0] shardwise train: tiny" in p.stdout and "dp=2" in p.stdout
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
