@@ -46,14 +46,27 @@ def _parser() -> argparse.ArgumentParser:
     add_config_flags(tr)
     tr.set_defaults(func=cmd_trace)
 
-    b = sub.add_parser("bench", help="explicit DP vs DDP, bucket overlap on vs off")
-    b.add_argument("--nproc", type=int, default=2)
+    from .plan.cli import add_plan_parser
+
+    add_plan_parser(sub)
+
+    b = sub.add_parser("bench", help="step time of our engines vs PyTorch's, alternating: "
+                       "--suite dp (vs DDP, overlap on/off), zero (vs FSDP2), tp (vs DTensor), "
+                       "pp (bubble vs formula, vs torch pipelining)")
+    b.add_argument("--suite", choices=("dp", "zero", "tp", "pp"), default="dp")
+    b.add_argument("--nproc", type=int, default=0, help="ranks (default 2; pp: 4)")
     b.add_argument("--model", default="small")
     b.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
     b.add_argument("--rounds", type=int, default=3, help="A B A B … rounds")
     b.add_argument("--seq-len", type=int, default=128)
     b.add_argument("--micro-batch", type=int, default=8)
     b.add_argument("--bucket-mb", type=float, default=1.0)
+    b.add_argument("--schedule", default="1f1b", help="pp suite: schedule(s), comma-separated "
+                   "or 'all'")
+    b.add_argument("--microbatches", type=int, default=8, help="pp suite: m")
+    b.add_argument("--n-layers", type=int, default=8, help="pp suite: model layers")
+    b.add_argument("--bubble-only", action="store_true", help="pp suite: skip the torch engine")
+    b.add_argument("--vocab", type=int, default=256, help="pp suite: vocabulary size")
     b.add_argument("--out", default="benchmarks/results")
     b.set_defaults(func=cmd_bench)
     return p
@@ -119,14 +132,33 @@ def cmd_trace(args, argv) -> int:
     from .verify import trace_worker
 
     cfg = from_args(args, model="tiny", global_batch=8, micro_batch=2, seq_len=16)
+    if cfg.pp > 1:  # enough layers for every stage (and chunk), and batch for the microbatches
+        import dataclasses
+
+        v = cfg.virtual_stages or (2 if cfg.schedule == "interleaved-1f1b" else 1)
+        need = cfg.pp * v
+        cfg = dataclasses.replace(
+            cfg, n_layers=cfg.n_layers or max(need, cfg.model_layers()),
+            global_batch=(cfg.global_batch if "global_batch" in vars(args)
+                          else max(cfg.global_batch, cfg.dp * (cfg.microbatches or cfg.pp))))
     validate(cfg)
     return _run_or_spawn(args, argv, cfg.world_size(), lambda: trace_worker(cfg))
 
 
 def cmd_bench(args, argv) -> int:
-    from .bench import bench_worker
-
-    return _run_or_spawn(args, argv, args.nproc, lambda: bench_worker(args))
+    if args.nproc == 0:
+        args.nproc = 4 if args.suite == "pp" else 2
+        argv = [*argv, "--nproc", str(args.nproc)]
+    args.pp = args.nproc
+    if args.suite == "dp":
+        from .bench import bench_worker as worker
+    elif args.suite == "zero":
+        from .bench_zero import bench_zero as worker
+    elif args.suite == "tp":
+        from .bench_tp import bench_tp_worker as worker
+    else:
+        from .bench_pp import bench_pp_worker as worker
+    return _run_or_spawn(args, argv, args.nproc, lambda: worker(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ from .errors import ShardwiseConfigError
 class TrainConfig:
     # model
     model: str = "small"  # preset: tiny | small | base (Llama-style) | mlp | mlp-tiny
+    n_layers: int = 0  # override the preset's layer count (0 = the preset's)
     tie_embeddings: bool = True
     dropout: float = 0.0
     # layout (world size = dp × tp × pp)
@@ -30,10 +31,14 @@ class TrainConfig:
     zero: int = 0
     sp: bool = False
     schedule: str = "1f1b"
-    microbatches: int = 0  # pipeline microbatches (0 = pp)
+    microbatches: int = 0  # pipeline microbatches per step (0 = global batch / (dp × micro-batch))
+    virtual_stages: int = 0  # model chunks per pp rank (0 = 2 for interleaved-1f1b, else 1)
+    layers_per_stage: str = ""  # explicit pipeline split, e.g. "3,3,2" ("" = balanced)
     engine: str = "explicit"  # explicit | torch
     bucket_mb: float = 25.0  # DP gradient bucket size, MB
-    overlap: bool = True  # launch bucket all-reduces during backward
+    overlap: bool = True  # launch gradient collectives during backward
+    prefetch: bool = True  # ZeRO-3: all-gather the next unit while this one computes
+    reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after each forward
     # data
     data: str = ""  # "" = the embedded default corpus (the stdlib's .py sources)
     tokenizer: str = "bpe"  # bpe | bytes | FILE.json
@@ -64,6 +69,34 @@ class TrainConfig:
 
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
+
+    def microbatching(self) -> tuple[int, int]:
+        """(sequences per micro-batch, micro-batches per rank per step). With pp > 1 and
+        ``--microbatches M`` the micro-batch is global / (dp × M); otherwise ``--micro-batch``
+        decides and M = global / (dp × micro-batch)."""
+        local = self.global_batch // self.dp
+        if self.pp > 1 and self.microbatches:
+            return max(1, local // self.microbatches), self.microbatches
+        return self.micro_batch, max(1, local // self.micro_batch)
+
+    def model_overrides(self) -> dict:
+        """Preset fields this config overrides (``--n-layers``)."""
+        return {"n_layers": self.n_layers} if self.n_layers else {}
+
+    def model_layers(self) -> int:
+        from .models import preset_config
+
+        return self.n_layers or preset_config(self.model).n_layers
+
+    def stage_split(self) -> list[int] | None:
+        """``--layers-per-stage "3,3,2"`` as a list (None when empty)."""
+        if not self.layers_per_stage.strip():
+            return None
+        try:
+            return [int(x) for x in self.layers_per_stage.split(",")]
+        except ValueError:
+            raise ShardwiseConfigError(f"--layers-per-stage {self.layers_per_stage!r}: write "
+                                       "comma-separated layer counts, e.g. 3,3,2") from None
 
     def to_toml(self) -> str:
         """The effective config as TOML (``config.toml`` of a run)."""
@@ -116,6 +149,8 @@ def from_args(args: argparse.Namespace, **defaults) -> TrainConfig:
         cfg = apply_toml(cfg, args.config)
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     given = {k: v for k, v in vars(args).items() if k in names}
+    if "dp" not in given and ("tp" in given or "pp" in given):
+        given["dp"] = 1  # --tp/--pp alone: the default dp=2 would silently double the world
     return dataclasses.replace(cfg, **given)
 
 
@@ -153,6 +188,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     from .models import MLP_PRESETS, PRESETS, model_names
     from .topology import validate_degrees
 
+    if cfg.n_layers < 0:
+        raise ShardwiseConfigError(f"--n-layers {cfg.n_layers} must be ≥ 1 (or 0 for the preset)")
     for name, value in (("dp", cfg.dp), ("tp", cfg.tp), ("pp", cfg.pp), ("steps", cfg.steps),
                         ("seq-len", cfg.seq_len), ("global-batch", cfg.global_batch),
                         ("micro-batch", cfg.micro_batch)):
@@ -166,13 +203,17 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     for key, allowed in CHOICES.items():
         if getattr(cfg, key) not in allowed:
             raise ShardwiseConfigError(f"--{key} {getattr(cfg, key)!r}: choose from {allowed}")
-    # strategies that later issues add; refuse clearly rather than silently ignore
-    if cfg.tp > 1 or cfg.pp > 1 or cfg.zero > 0 or cfg.sp:
-        raise ShardwiseConfigError(
-            f"layout dp={cfg.dp} tp={cfg.tp} pp={cfg.pp} zero={cfg.zero} sp={cfg.sp}: this "
-            "version implements data parallelism only (--dp N, --zero 0, --tp 1, --pp 1, no --sp)")
+    _validate_layout(cfg)
     per_step = cfg.dp * cfg.micro_batch
-    if cfg.global_batch % per_step:
+    if cfg.pp > 1 and cfg.microbatches:
+        per_step = cfg.dp * cfg.microbatches
+        if cfg.global_batch % per_step:
+            lo = max(per_step, cfg.global_batch // per_step * per_step)
+            raise ShardwiseConfigError(
+                f"--global-batch {cfg.global_batch} is not divisible by dp × microbatches = "
+                f"{cfg.dp} × {cfg.microbatches} = {per_step}: choose a multiple of {per_step} "
+                f"(e.g. {lo} or {lo + per_step}) or change --microbatches")
+    elif cfg.global_batch % per_step:
         lo = max(per_step, cfg.global_batch // per_step * per_step)
         raise ShardwiseConfigError(
             f"--global-batch {cfg.global_batch} is not divisible by dp × micro-batch = "
@@ -191,3 +232,33 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
         raise ShardwiseConfigError(f"--lr {cfg.lr} must be > 0")
     if cfg.timeout <= 0:
         raise ShardwiseConfigError(f"--timeout {cfg.timeout} must be > 0 seconds")
+
+
+def _validate_layout(cfg: TrainConfig) -> None:
+    """The composition check, then each strategy's own checks (all before any collective)."""
+    from .models import MLP_PRESETS, preset_config
+    from .parallel.apply import Layout, check_supported
+
+    layout = Layout.from_config(cfg)
+    check_supported(layout)
+    if cfg.zero:
+        from .parallel.zero import validate_zero
+
+        validate_zero(cfg.zero, cfg.dp, engine=cfg.engine)
+    if cfg.tp > 1 or cfg.sp:
+        from .parallel.tensor import validate_tp
+
+        if cfg.model in MLP_PRESETS:
+            raise ShardwiseConfigError(f"--tp {cfg.tp}: tensor parallelism splits the Llama-style "
+                                       f"models; --model {cfg.model} is the MLP: choose --model "
+                                       f"tiny, small or base")
+        validate_tp(preset_config(cfg.model, cfg.vocab_size, **cfg.model_overrides()), cfg.tp,
+                    cfg.sp, cfg.seq_len)
+    if cfg.pp > 1:
+        from .parallel.pipeline import validate_pp
+
+        _, m = cfg.microbatching()
+        validate_pp(cfg.model_layers(), cfg.pp, cfg.schedule, m, batch=cfg.global_batch // cfg.dp,
+                    virtual_stages=cfg.virtual_stages or None,
+                    layers_per_stage=cfg.stage_split())
+

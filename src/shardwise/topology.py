@@ -141,6 +141,16 @@ class Topology:
         """Global rank of the member with ``index`` on this rank's line along ``axis``."""
         return self._axis_ranks[axis][index]
 
+    def axis_of_ranks(self, ranks) -> str | None:
+        """The axis whose line through this rank is exactly the global ``ranks`` (any order),
+        or None. Lets code that only sees a process group (e.g. DTensor's collectives, which may
+        run on an equal mesh created for an earlier layout) name its axis."""
+        want = sorted(ranks)
+        for axis in ("tp", "dp", "pp", "world"):
+            if sorted(self._axis_ranks[axis]) == want:
+                return axis
+        return None
+
     @property
     def world_size(self) -> int:
         return len(self.ranks)

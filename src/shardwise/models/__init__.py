@@ -23,15 +23,21 @@ def model_names() -> list[str]:
     return sorted(PRESETS) + sorted(MLP_PRESETS)
 
 
+def preset_config(name: str, vocab_size: int = 4096, **overrides):
+    """The config (:class:`LlamaConfig` or :class:`MLPConfig`) of preset ``name``, no weights."""
+    if name in PRESETS:
+        return LlamaConfig(vocab_size=vocab_size, **{**PRESETS[name], **overrides})
+    if name in MLP_PRESETS:
+        return MLPConfig(**{**MLP_PRESETS[name], **overrides})
+    raise ValueError(f"unknown model {name!r}: choose from {model_names()}")
+
+
 def build_model(name: str, vocab_size: int = 4096, **overrides) -> nn.Module:
     """Build preset ``name`` (see :func:`model_names`) on the current default device/dtype.
     ``overrides`` replace config fields (e.g. ``tie_embeddings=False``, ``n_layers=3``).
     Initialisation uses the global torch RNG: seed it identically for identical models."""
-    if name in PRESETS:
-        return Llama(LlamaConfig(vocab_size=vocab_size, **{**PRESETS[name], **overrides}))
-    if name in MLP_PRESETS:
-        return StackedMLP(MLPConfig(**{**MLP_PRESETS[name], **overrides}))
-    raise ValueError(f"unknown model {name!r}: choose from {model_names()}")
+    cfg = preset_config(name, vocab_size, **overrides)
+    return Llama(cfg) if isinstance(cfg, LlamaConfig) else StackedMLP(cfg)
 
 
 def loss_sum_and_count(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,4 +61,4 @@ def config_of(model: nn.Module):
 
 __all__ = ["IGNORE_INDEX", "MLP_PRESETS", "PRESETS", "Llama", "LlamaConfig", "MLPConfig", "StackedMLP",
            "build_model", "count_items", "generate", "lm_loss", "loss_sum_and_count",
-           "model_names", "mse_loss", "regression_data"]
+           "model_names", "mse_loss", "preset_config", "regression_data"]

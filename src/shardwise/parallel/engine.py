@@ -16,6 +16,10 @@ strategy decides how its micro-batches run and where its collectives go:
                              rank's stage holds, gathered over dp/tp shards (for parity checks)
 ``named_full_gradients``     the same for gradients (after ``finish_gradient_sync``)
 ``model_state_bytes``        bytes this rank holds: parameters, gradients, optimizer state
+``loss_sum_and_count``       evaluation: (loss sum, counted items) of one batch, no backward
+``full_model``               context: the plain model with full weights and full logits, for
+                             sampling (collective where the weights are sharded; None when this
+                             rank holds only a pipeline stage); every rank enters it together
 ===========================  ================================================================
 """
 
@@ -92,6 +96,14 @@ class Engine(nn.Module):
         (lr, betas, eps). Sharded strategies override this to shard the optimizer state."""
         return torch.optim.AdamW(param_groups, **adamw)
 
+
+    def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss sum, counted items) of ``batch`` — for evaluation (call under no_grad)."""
+        return loss_sum_and_count(self, batch)
+
+    @contextlib.contextmanager
+    def full_model(self):
+        yield self.module
 
     def named_full_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.module.named_parameters()}

@@ -20,7 +20,7 @@ import torch
 from .. import comm
 from ..config import TrainConfig, validate
 from ..models import build_model, generate
-from ..parallel.apply import parallelize
+from ..parallel.apply import Layout, parallelize
 from ..topology import Topology, init_distributed
 from .checkpoint import save_checkpoint
 from .metrics import MetricsLogger, plot_loss
@@ -47,21 +47,21 @@ def default_out_dir() -> str:
 
 
 @torch.no_grad()
-def evaluate(model, work, topo, cfg: TrainConfig) -> float:
-    """Token-weighted mean loss on the first ``eval_sequences`` validation sequences, split
-    over dp ranks; the sums are all-reduced over dp (booked in phase "eval")."""
-    from ..models import loss_sum_and_count
-
-    n = min(work.num_val, cfg.eval_sequences)
+def evaluate(engine, work, topo, cfg: TrainConfig) -> float:
+    """Token-weighted mean loss on the first ``eval_sequences`` validation sequences (rounded
+    down to a multiple of dp), split evenly over dp ranks so every rank runs the same number of
+    forwards (sharded engines gather inside them); the sums are all-reduced over dp (phase
+    "eval")."""
     dp, r = topo.size("dp"), topo.index("dp")
-    idx = torch.arange(n)[r * n // dp:(r + 1) * n // dp]
+    n = max(dp, min(work.num_val, cfg.eval_sequences) // dp * dp)
+    idx = torch.arange(n)[r * n // dp:(r + 1) * n // dp] % work.num_val
     sums = torch.zeros(2, dtype=torch.float64, device=topo.device)  # [loss sum, tokens]
-    model.eval()
-    for mb in work.batches(idx, cfg.micro_batch, split="val"):
-        s, c = loss_sum_and_count(model, {k: v.to(topo.device) for k, v in mb.items()})
+    engine.eval()
+    for mb in work.batches(idx, cfg.microbatching()[0], split="val"):
+        s, c = engine.loss_sum_and_count({k: v.to(topo.device) for k, v in mb.items()})
         sums[0] += s.double()
         sums[1] += c
-    model.train()
+    engine.train()
     with topo.ledger.phase("eval"):
         comm.all_reduce(sums, topo, "dp", tag="eval")
     return float(sums[0] / sums[1])
@@ -100,16 +100,18 @@ def train(cfg: TrainConfig) -> dict:
     model = build_model(cfg.model, vocab_size=work.vocab_size, **work.model_overrides(cfg))
     model.to(topo.device)
     n_params = sum(p.numel() for p in model.parameters())
-    engine = parallelize(model, topo, engine=cfg.engine, bucket_mb=cfg.bucket_mb,
-                         overlap=cfg.overlap)
+    engine = parallelize(model, topo, Layout.from_config(cfg), engine=cfg.engine,
+                         bucket_mb=cfg.bucket_mb, overlap=cfg.overlap, prefetch=cfg.prefetch,
+                         reshard_after_forward=cfg.reshard_after_forward,
+                         layers_per_stage=cfg.stage_split(), seed=cfg.seed)
+    micro_batch, n_micro = cfg.microbatching()
     optimizer = build_optimizer(engine, cfg)
     scheduler = build_scheduler(optimizer, cfg)
     sampler = work.sampler(cfg.global_batch, topo.size("dp"), topo.index("dp"), cfg.seed)
     log.info(f"shardwise train: {cfg.model} ({n_params / 1e6:.2f} M parameters), layout "
              f"{topo.describe()}, engine={cfg.engine}, data={work.description}")
     log.info(f"  {cfg.steps} steps × {cfg.global_batch} sequences × {cfg.seq_len} tokens; "
-             f"{cfg.global_batch // (topo.size('dp') * cfg.micro_batch)} micro-steps of "
-             f"{cfg.micro_batch} per rank per step; output → {out}")
+             f"{n_micro} micro-batches of {micro_batch} per rank per step; output → {out}")
 
     metrics = MetricsLogger(out, enabled=is_main)
     show_bar = is_main and (sys.stderr.isatty() or os.environ.get("SHARDWISE_TTY") == "1")
@@ -118,15 +120,15 @@ def train(cfg: TrainConfig) -> dict:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, desc="train", dynamic_ncols=True, file=sys.stderr)
-    val_losses = [(0, evaluate(engine.module, work, topo, cfg))]
+    val_losses = [(0, evaluate(engine, work, topo, cfg))]
     log.info(f"step 0: validation loss {val_losses[0][1]:.4f}")
     metrics.log({"step": 0, "val_loss": val_losses[0][1]})
     tokens_seen, times = 0, []
     for step in range(1, cfg.steps + 1):
-        batch = work.batches(sampler.next_local_batch(), cfg.micro_batch)
+        batch = work.batches(sampler.next_local_batch(), micro_batch)
         t0 = time.perf_counter()
         res = train_step(engine, batch, optimizer, topo, max_norm=cfg.grad_clip,
-                         scheduler=scheduler, dtype=cfg.dtype)
+                         scheduler=scheduler, dtype=cfg.dtype, measure_memory=True)
         dt = time.perf_counter() - t0
         times.append(dt)
         tokens_seen += res.tokens
@@ -136,11 +138,14 @@ def train(cfg: TrainConfig) -> dict:
         rec = {"step": step, "loss": res.loss, "lr": scheduler.get_last_lr()[0],
                "grad_norm": res.grad_norm, "tokens": tokens_seen,
                "tokens_per_s": res.tokens / dt, "step_time_s": dt,
-               "comm_bytes": topo.ledger.step_bytes()}
+               "comm_bytes": topo.ledger.step_bytes(),
+               # model state this rank holds (bytes): parameters + gradients + optimizer state
+               "mem_bytes": res.state_bytes["total"],
+               **{f"mem_{k}_bytes": v for k, v in res.state_bytes.items() if k != "total"}}
         if step == 1 and is_main:
-            write_ledger_json(out / "ledger.json", topo, model, cfg)
+            write_ledger_json(out / "ledger.json", topo, engine, cfg)
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            rec["val_loss"] = evaluate(engine.module, work, topo, cfg)
+            rec["val_loss"] = evaluate(engine, work, topo, cfg)
             val_losses.append((step, rec["val_loss"]))
         metrics.log(rec)
         if bar is not None:
@@ -155,13 +160,15 @@ def train(cfg: TrainConfig) -> dict:
                 msg += f", validation loss {rec['val_loss']:.4f}"
             (bar.write(msg) if bar is not None else log.info(msg))
         if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
-            save_checkpoint(out, step, model, optimizer, topo, meta=_meta(cfg, sampler))
+            save_checkpoint(out, step, engine, optimizer, topo, meta=_meta(cfg, sampler))
     if bar is not None:
         bar.close()
     metrics.close()
 
     # -- the end: checkpoint (every rank), then rank 0 draws and samples ---------------------
-    ckpt = save_checkpoint(out, cfg.steps, model, optimizer, topo, meta=_meta(cfg, sampler))
+    ckpt = save_checkpoint(out, cfg.steps, engine, optimizer, topo, meta=_meta(cfg, sampler))
+    with engine.full_model() as full:  # every rank together: sharded weights gather here
+        sample = work.sample_text(full, cfg) if full is not None else None
     summary = {
         "val_loss_start": val_losses[0][1], "val_loss_end": val_losses[-1][1],
         "wall_s": time.perf_counter() - t_start,
@@ -171,7 +178,6 @@ def train(cfg: TrainConfig) -> dict:
     }
     if is_main:
         plot_loss(out)
-        sample = work.sample_text(model, cfg)
         if sample is not None:
             (out / "sample.txt").write_text(sample)
             log.info("sample from the trained model:\n" + "-" * 60 + f"\n{sample}\n" + "-" * 60)
@@ -187,18 +193,17 @@ def _meta(cfg: TrainConfig, sampler) -> dict:
     return {"sampler": sampler.state_dict(), "config": dataclasses.asdict(cfg)}
 
 
-def write_ledger_json(path: Path, topo, model, cfg: TrainConfig) -> None:
-    """One step's collectives next to the DP formula 2(n−1)/n · gradient bytes."""
-    from ..parallel.data import dp_grad_bytes_formula
+def write_ledger_json(path: Path, topo, engine, cfg: TrainConfig) -> None:
+    """One step's collectives next to the formula of the layout (see :mod:`shardwise.formulas`)."""
+    from ..formulas import step_bytes_formula
 
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    n = topo.size("dp")
-    formula = dp_grad_bytes_formula(grad_bytes, n)
-    measured = topo.ledger.step_bytes("grad")
+    micro_batch, n_micro = cfg.microbatching()
+    expected = step_bytes_formula(engine, topo, micro_steps=n_micro,
+                                  sequences=cfg.global_batch // cfg.dp, seq_len=cfg.seq_len,
+                                  dtype=cfg.dtype)
+    measured = topo.ledger.step_bytes()
     topo.ledger.to_json(path, extra={
         "layout": topo.describe(), "engine": cfg.engine,
-        "formula": {"grad_sync": formula, "expression": "2(n-1)/n * gradient bytes",
-                    "n": n, "gradient_bytes": grad_bytes},
-        "grad_sync_measured": measured,
-        "ratio": (measured / formula) if formula else None,
+        "formula": expected, "measured_total": measured,
+        "ratio": (measured / expected["total"]) if expected["total"] else None,
     })

@@ -29,16 +29,20 @@ class StepResult:
     loss: float  # token-weighted global mean loss of the step
     grad_norm: float  # global gradient L2 norm before clipping
     tokens: int  # counted tokens (items) in the global batch
+    state_bytes: dict | None = None  # model-state bytes this rank holds after the optimizer
+    #                                  step, gradients still allocated (params/grads/optimizer)
 
 
 def train_step(engine: nn.Module, microbatches: list[dict], optimizer, topo=None, *,
                max_norm: float = 0.0, scheduler=None, dtype: str = "fp32",
-               zero_grad: bool = True) -> StepResult:
+               zero_grad: bool = True, measure_memory: bool = False) -> StepResult:
     """Run one optimizer step over this rank's ``microbatches`` (dicts of tensors, see
     :mod:`shardwise.models`). ``topo=None`` = single process. Returns the global loss/norm.
 
     With ``zero_grad=False`` the gradients are left in ``.grad`` after the step (for tests
     that compare them); they are cleared at the start of the next step instead.
+    ``measure_memory``: also count the model-state bytes this rank holds at the step's peak
+    (after the optimizer step, before gradients are freed), in ``StepResult.state_bytes``.
     """
     if topo is not None:
         topo.ledger.begin_step()
@@ -54,6 +58,7 @@ def train_step(engine: nn.Module, microbatches: list[dict], optimizer, topo=None
     engine.finish_gradient_sync()  # sync point 3
     norm = engine.clip_grad_norm_(max_norm)  # sync point 4
     optimizer.step()
+    state_bytes = engine.model_state_bytes(optimizer) if measure_memory else None
     if scheduler is not None:
         scheduler.step()
     if zero_grad:
@@ -61,4 +66,5 @@ def train_step(engine: nn.Module, microbatches: list[dict], optimizer, topo=None
     if topo is not None:  # sync point 5: loss for the log line, identical on every rank
         for axis in engine.reduce_loss_axes:
             comm.all_reduce(loss_sum, topo, axis, tag="loss")
-    return StepResult(loss=float(loss_sum) / denom, grad_norm=float(norm), tokens=int(denom))
+    return StepResult(loss=float(loss_sum) / denom, grad_norm=float(norm), tokens=int(denom),
+                      state_bytes=state_bytes)

@@ -25,7 +25,8 @@ class LMWorkload:
                             f"tokenizer {cfg.tokenizer}, vocab {self.vocab_size})")
 
     def model_overrides(self, cfg: TrainConfig) -> dict:
-        return {"tie_embeddings": cfg.tie_embeddings, "dropout": cfg.dropout}
+        return {"tie_embeddings": cfg.tie_embeddings, "dropout": cfg.dropout,
+                **cfg.model_overrides()}
 
     def sampler(self, global_batch, dp_size, dp_rank, seed) -> DistributedSampler:
         return DistributedSampler(self.num_train, global_batch, dp_size, dp_rank, seed)
@@ -52,8 +53,9 @@ class RegressionWorkload:
     kind = "regression"
     vocab_size = 0
 
-    def __init__(self, cfg: TrainConfig, num_train: int = 4096, num_val: int = 512):
-        mcfg = MLPConfig(**MLP_PRESETS[cfg.model])
+    def __init__(self, cfg: TrainConfig, num_train: int = 4096, num_val: int = 512,
+                 overrides: dict | None = None):
+        mcfg = MLPConfig(**{**MLP_PRESETS[cfg.model], **(overrides or {})})
         data = regression_data(mcfg, num_train + num_val, seed=cfg.seed)
         self.train = {k: v[:num_train] for k, v in data.items()}
         self.val = {k: v[num_train:] for k, v in data.items()}
@@ -61,7 +63,7 @@ class RegressionWorkload:
         self.description = f"synthetic regression (D={mcfg.d_model}, {num_train} samples)"
 
     def model_overrides(self, cfg: TrainConfig) -> dict:
-        return {}
+        return cfg.model_overrides()
 
     def sampler(self, global_batch, dp_size, dp_rank, seed) -> DistributedSampler:
         return DistributedSampler(self.num_train, global_batch, dp_size, dp_rank, seed)

@@ -1,0 +1,76 @@
+"""The textbook bytes of one optimizer step, for whatever layout an engine runs.
+
+Each strategy owns its formula (next to its math, with its sources); this module only picks the
+one for an engine and adds the bookkeeping every step does, so ``trace``, ``verify`` and the run
+folder's ``ledger.json`` compare the ledger with the same numbers:
+
+* DP: 2(n−1)/n · gradient bytes (``parallel/data.py``: ZeRO paper §7.1, scaling book ch. 5)
+* ZeRO: ``ZeroDataParallel.step_bytes_formula`` (reduce-scatter, all-gathers, one norm scalar)
+* TP: ``tp_step_bytes_formula`` (Megatron f/g activations, vocab-parallel CE, norm; scaling
+  book ch. 5; Korthikanti et al. 2022 for SP)
+* PP: the point-to-point activations/gradients, the tied-embedding gradient, the norm scalar
+* every layout: the token count before the forward and the loss sum after the step, one fp64
+  scalar all-reduce each over every axis the engine reduces them on.
+
+All values are bytes this rank sends in one step (float). Raises ``NotImplementedError`` for an
+engine this module does not know.
+"""
+
+from __future__ import annotations
+
+from .comm.ledger import ring_bytes
+
+
+def _scalar_all_reduces(engine, topo) -> float:
+    axes = list(engine.count_axes) + list(engine.reduce_loss_axes)
+    return sum(ring_bytes("all_reduce", 8, topo.size(a)) for a in axes)
+
+
+def step_bytes_formula(engine, topo, *, micro_steps: int, sequences: int, seq_len: int,
+                       dtype: str = "fp32") -> dict[str, float]:
+    """``{tag: bytes, ..., "total": bytes}`` one rank should send in one step of ``engine``.
+
+    ``micro_steps``: micro-batches per rank per step; ``sequences``: sequences this rank
+    processes per step (all micro-batches); ``seq_len``: tokens per sequence."""
+    from .parallel.builtin import TorchDataParallel
+    from .parallel.data import DataParallel, dp_grad_bytes_formula
+
+    out: dict[str, float]
+    name = type(engine).__name__
+    if isinstance(engine, (DataParallel, TorchDataParallel)):
+        grad_bytes = sum(p.numel() * p.element_size() for p in engine.module.parameters())
+        out = {"grad": dp_grad_bytes_formula(grad_bytes, topo.size("dp"))}
+    elif name in ("ZeroDataParallel", "TorchZero"):
+        z = engine.step_bytes_formula(micro_steps=micro_steps)
+        out = {k: v for k, v in z.items() if k in ("grad", "param", "grad_norm")}
+    elif name in ("TensorParallel", "TorchTensorParallel"):
+        from .parallel.tensor import tp_step_bytes_formula
+
+        t = tp_step_bytes_formula(engine.module.config, sequences, seq_len, topo.size("tp"),
+                                  engine.sp, dp=topo.size("dp"), dtype=dtype)
+        out = {k: v for k, v in t.items() if k not in ("total", "loss")}
+    elif name in ("PipelineParallel", "TorchPipelineParallel"):
+        out = dict(engine.step_bytes_formula(micro_steps=micro_steps, sequences=sequences,
+                                             seq_len=seq_len))
+        out.pop("total", None)
+        out.pop("loss", None)
+    else:
+        raise NotImplementedError(f"no byte formula for engine {name}")
+    out["loss"] = _scalar_all_reduces(engine, topo)
+    out["total"] = sum(out.values())
+    return out
+
+
+def memory_formula(engine, topo) -> dict[str, float] | None:
+    """Model-state bytes the papers predict for this rank, or None where no closed form is
+    wired: DP 4Ψ + 4Ψ + 8Ψ (fp32 AdamW; ZeRO paper §3.1); ZeRO the engine's
+    ``memory_formula()`` (4Ψ+4Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N)."""
+    from .parallel.builtin import TorchDataParallel
+    from .parallel.data import DataParallel
+
+    if isinstance(engine, (DataParallel, TorchDataParallel)):
+        psi = sum(p.numel() for p in engine.module.parameters())
+        return {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi, "total": 16 * psi}
+    if hasattr(engine, "memory_formula"):
+        return dict(engine.memory_formula())
+    return None

@@ -1,0 +1,292 @@
+"""``--engine torch`` for TP: the plan of :mod:`shardwise.parallel.tensor` through PyTorch DTensor.
+
+``torch.distributed.tensor.parallel.parallelize_module`` on ``topo.mesh["tp"]`` with the same
+layout as our explicit modules (torchtitan's Llama plan is the model):
+
+========================================  ===================================================
+module                                    style
+========================================  ===================================================
+``tok_embeddings``                        ``RowwiseParallel`` (vocab rows; output Replicate,
+                                          or Shard(1) = sequence shards with SP)
+``layers.i.attention`` / ``feed_forward``  ``PrepareModuleInput``: the block input enters the
+                                          TP region once (Replicate; with SP all-gathered
+                                          from Shard(1)) — one backward all-reduce (f) or
+                                          reduce-scatter per region, as in Megatron
+``attention.wq/wk/wv``, ``w1``, ``w3``      ``ColwiseParallel`` (heads / hidden units)
+``attention.wo``, ``w2``                    ``RowwiseParallel`` (output Replicate = g, or
+                                          Shard(1) = reduce-scatter with SP)
+``attention_norm``, ``ffn_norm``, ``norm``  ``SequenceParallel`` (SP only: norms on sequence
+                                          shards, weights Replicate; DTensor all-reduces their
+                                          partial gradients)
+``output``                                ``ColwiseParallel`` over the vocabulary, output a
+                                          DTensor sharded on the last dim (never gathered)
+loss                                      ``loss_parallel()``: ``F.cross_entropy`` on the
+                                          vocab-sharded DTensor logits
+========================================  ===================================================
+
+DTensor shards the vocabulary unevenly when tp does not divide it (``torch.chunk`` sizes), so
+there is no padding here. Tied embeddings: ``parallelize_module`` gives the embedding and the
+head separate sharded Parameters; both are Shard(0) over the same mesh, so we re-tie them.
+
+DTensor issues its collectives through functional collectives, not :mod:`shardwise.comm`. So that
+the ledger still sees them, :class:`BookFunctionalCollectives` (a ``TorchDispatchMode``, the
+mechanism of PyTorch's own ``CommDebugMode``) books every functional collective dispatched during
+``forward_backward`` in ``topo.ledger`` (tag ``"tp_fwd"`` in forward, ``"tp_bwd"`` inside
+backward; ``seconds`` = launch time only: functional collectives are waited for lazily).
+Limitations: dropout in this path draws from the default RNG (no tp-aware RNG regions), so use
+it with dropout 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .. import comm
+from ..comm.ledger import CommRecord, ring_bytes
+from ..models.llama import IGNORE_INDEX, Llama
+from .engine import Engine, autocast, model_state_bytes
+from .tensor import AXIS, _check_plan_covers, tp_plan, validate_tp
+
+_OP_NAMES = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce",
+             "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+             "all_to_all_single": "all_to_all", "broadcast": "broadcast",
+             "broadcast_": "broadcast"}
+
+
+class BookFunctionalCollectives(TorchDispatchMode):
+    """While active, book every ``torch.ops._c10d_functional`` collective in ``topo.ledger``
+    (op, axis found from the process group's name, dtype, shape, S, ring bytes). S follows the
+    ledger's convention: the all-gather's output, the reduce-scatter's input, the buffer of an
+    all-reduce."""
+
+    def __init__(self, topo):
+        super().__init__()
+        self.topo = topo
+        self.axis_of = {topo.group(a).group_name: a for a in ("pp", "dp", "tp", "world")}
+
+    def _axis_by_ranks(self, group_name: str) -> str:
+        """DTensor may run a collective on the group of an *equal* device mesh made for an earlier
+        layout (meshes compare by ranks and names): name the axis by the group's ranks."""
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        try:
+            ranks = dist.get_process_group_ranks(_resolve_process_group(group_name))
+        except (RuntimeError, ValueError, KeyError):
+            return group_name
+        return self.topo.axis_of_ranks(ranks) or group_name
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(t is DTensor for t in types):
+            # let DTensor run first and desugar into plain ops and collectives, which then come
+            # back through this mode (the trick of torch's CommDebugMode)
+            return NotImplemented
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        packet = func._overloadpacket
+        ns, name = packet._qualified_op_name.split("::")
+        if ns in ("_c10d_functional", "_c10d_functional_autograd") and name in _OP_NAMES:
+            op = _OP_NAMES[name]
+            group = next(a for a in reversed(args) if isinstance(a, str))
+            axis = self.axis_of.get(group) or self._axis_by_ranks(group)
+            full = out if op == "all_gather" else args[0]
+            size = full.numel() * full.element_size()
+            n = self.topo.size(axis) if axis in ("pp", "dp", "tp", "world") else 1
+            backward = torch._C._current_graph_task_id() != -1
+            self.topo.ledger.add(CommRecord(
+                op=op, axis=axis, group_size=n, dtype=str(full.dtype).replace("torch.", ""),
+                shape=tuple(full.shape), size_bytes=size, wire_bytes=ring_bytes(op, size, n),
+                seconds=time.perf_counter() - t0, phase=self.topo.ledger.current_phase,
+                tag="tp_bwd" if backward else "tp_fwd", impl=f"{ns}.{name}"))
+        return out
+
+
+def dtensor_tp_plan(model: Llama, sp: bool) -> dict:
+    """The ``parallelize_module`` plan {FQN: ParallelStyle} for ``model`` (see module docstring)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel)
+
+    act = Shard(1) if sp else Replicate()  # layout of the residual stream between regions
+    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
+            "output": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1),
+                                      use_local_output=False)}
+    if sp:
+        plan["norm"] = SequenceParallel()
+    for i in range(len(model.layers)):
+        p = f"layers.{i}."
+        plan |= {
+            p + "attention": PrepareModuleInput(input_layouts=(act, None, None),
+                                                desired_input_layouts=(Replicate(), None, None)),
+            p + "attention.wq": ColwiseParallel(),
+            p + "attention.wk": ColwiseParallel(),
+            p + "attention.wv": ColwiseParallel(),
+            p + "attention.wo": RowwiseParallel(output_layouts=act),
+            p + "feed_forward": PrepareModuleInput(input_layouts=(act,),
+                                                   desired_input_layouts=(Replicate(),)),
+            p + "feed_forward.w1": ColwiseParallel(),
+            p + "feed_forward.w3": ColwiseParallel(),
+            p + "feed_forward.w2": RowwiseParallel(output_layouts=act),
+        }
+        if sp:
+            plan[p + "attention_norm"] = SequenceParallel()
+            plan[p + "ffn_norm"] = SequenceParallel()
+    return plan
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _is_sharded(t) -> bool:
+    return _is_dtensor(t) and any(pl.is_shard() for pl in t.placements)
+
+
+class TorchTensorParallel(Engine):
+    """The DTensor TP engine, with the same interface and loss bookkeeping as
+    :class:`~shardwise.parallel.tensor.TensorParallel` (count/loss over dp; the global grad
+    norm as one all-reduce of the sharded params' Σ g² over tp, through :mod:`shardwise.comm`).
+
+    ``book_collectives``: book DTensor's collectives in the ledger during ``forward_backward``
+    (a dispatch mode sees every op, which costs Python time per op: turn it off to time)."""
+
+    count_axes = ("dp",)
+    reduce_loss_axes = ("dp",)
+
+    def __init__(self, module: Llama, topo, sp: bool, book_collectives: bool = True):
+        super().__init__(module)
+        self.topo, self.sp, self.book_collectives = topo, sp, book_collectives
+
+    def _loss_sum(self, batch: dict) -> torch.Tensor:
+        """Token-loss sum through ``loss_parallel``: a DTensor scalar, Replicate over tp."""
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        logits = self.module(batch["input_ids"])  # DTensor [b, s, V], Shard(-1) over tp
+        with loss_parallel():
+            return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token-loss sum as a plain fp32 scalar, complete on every tp rank; counted tokens),
+        for evaluation under ``torch.no_grad()``."""
+        return _local(self._loss_sum(batch)), (batch["labels"] != IGNORE_INDEX).sum()
+
+    def forward_backward(self, microbatches, denom, dtype="fp32"):
+        """Like :meth:`TensorParallel.forward_backward`, through ``loss_parallel`` (its backward
+        must run under the context too), booking DTensor's collectives if ``book_collectives``."""
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        device = self.topo.device
+        loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
+        book = BookFunctionalCollectives(self.topo) if self.book_collectives else \
+            contextlib.nullcontext()
+        with book:
+            for mb in microbatches:
+                mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+                with autocast(dtype, device):
+                    s = self._loss_sum(mb)
+                with loss_parallel():
+                    (s / denom).backward()
+                loss_sum += _local(s.detach()).double()
+        return loss_sum
+
+    def finish_gradient_sync(self) -> None:
+        """With SP, DTensor leaves the norm weights' gradients ``Partial(sum)`` (each rank summed
+        over its sequence shard) and would reduce them lazily, wherever they are next used. We
+        reduce them here, all in one flat all-reduce over tp through :mod:`shardwise.comm`
+        (tag ``"grad"``, as the explicit engine does), and store them ``Replicate``."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        partial = [p for p in self.module.parameters() if _is_dtensor(p.grad)
+                   and any(pl.is_partial() for pl in p.grad.placements)]
+        if not partial:
+            return
+        flat = torch.cat([p.grad.to_local().reshape(-1) for p in partial])
+        comm.all_reduce(flat, self.topo, AXIS, tag="grad")
+        offset = 0
+        for p in partial:
+            local = flat[offset: offset + p.numel()].view(p.grad.to_local().shape).clone()
+            offset += p.numel()
+            p.grad = DTensor.from_local(local, p.device_mesh, [Replicate()], run_check=False)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """‖g‖² = all-reduce_tp(Σ ‖local shard‖² of Shard-placed grads) + Σ ‖g‖² of replicated
+        grads (DTensor Replicate or plain), counted once. Clips like
+        ``torch.nn.utils.clip_grad_norm_``; returns the norm before clipping."""
+        sharded = torch.zeros(1, dtype=torch.float64, device=self.topo.device)
+        replicated = torch.zeros(1, dtype=torch.float64, device=self.topo.device)
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        for g in grads:
+            sq = _local(g).detach().double().pow(2).sum()
+            if _is_sharded(g):
+                sharded += sq
+            else:
+                replicated += sq
+        comm.all_reduce(sharded, self.topo, AXIS, tag="norm")
+        total = (sharded + replicated).sqrt().float().squeeze(0)
+        if max_norm and max_norm > 0:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            with torch.no_grad():
+                for g in grads:
+                    _local(g).mul_(coef)
+        return total
+
+    def named_full_parameters(self) -> dict[str, torch.Tensor]:
+        """{plain FQN: full tensor} (DTensor ``full_tensor()``: collective over tp)."""
+        return {n: (p.full_tensor() if _is_dtensor(p) else p).detach().clone()
+                for n, p in self.module.named_parameters()}
+
+    def named_full_gradients(self) -> dict[str, torch.Tensor]:
+        return {n: (p.grad.full_tensor() if _is_dtensor(p.grad) else p.grad).detach().clone()
+                for n, p in self.module.named_parameters() if p.grad is not None}
+
+    def model_state_bytes(self, optimizer=None) -> dict[str, int]:
+        """Bytes of this rank's local shards (DTensor ``numel()`` is the global size)."""
+        params = [_local(p) for p in dict.fromkeys(self.module.parameters())]
+        out = model_state_bytes([], None)
+        out["params"] = sum(p.numel() * p.element_size() for p in params)
+        out["grads"] = sum(_local(p.grad).numel() * p.element_size()
+                           for p in dict.fromkeys(self.module.parameters()) if p.grad is not None)
+        if optimizer is not None:
+            for state in optimizer.state.values():
+                out["optimizer"] += sum(_local(v).numel() * _local(v).element_size()
+                                        for v in state.values() if isinstance(v, torch.Tensor))
+        out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        return out
+
+
+def parallelize_tensor_dtensor(model: Llama, topo, sp: bool = False, *,
+                               book_collectives: bool = True) -> TorchTensorParallel:
+    """Apply :func:`dtensor_tp_plan` to ``model`` in place on ``topo.mesh["tp"]`` and return its
+    engine. Validation (:func:`~shardwise.parallel.tensor.validate_tp`, plan coverage) raises
+    :class:`~shardwise.errors.ShardwiseConfigError` before any collective; afterwards every
+    Linear/Embedding weight must be a DTensor (RuntimeError otherwise)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    validate_tp(getattr(model, "config", None), topo.size(AXIS), sp)
+    _check_plan_covers(model, tp_plan(model) if isinstance(model, Llama) else [])
+    tied = model.config.tie_embeddings
+    parallelize_module(model, topo.mesh[AXIS], dtensor_tp_plan(model, sp))
+    if tied:  # one Parameter again: both are Shard(0) over the same mesh
+        model.output.weight = model.tok_embeddings.weight
+    plain = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))
+             and not _is_dtensor(m.weight)]
+    if plain:
+        raise RuntimeError(f"DTensor TP conversion incomplete: {', '.join(plain)} not sharded")
+    return TorchTensorParallel(model, topo, sp, book_collectives)

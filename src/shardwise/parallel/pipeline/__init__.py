@@ -1,0 +1,39 @@
+"""Pipeline parallelism: stage split, schedules as data, simulator, explicit runtime, torch engine.
+
+Read in this order: :mod:`.schedules` (what each rank does, as printable data),
+:mod:`.simulate` (what that costs: bubble, deadlock, memory), :mod:`.split` (how the model is
+cut), :mod:`.runtime` (how the actions run, with every send and receive), :mod:`.builtin`
+(the same through ``torch.distributed.pipelining``). The math and the measurements are in
+``docs/pipeline-parallel.md``.
+"""
+
+from .schedules import (SCHEDULES, Action, Schedule, build_schedule, check_schedule,
+                        compute_order, format_schedule, peak_activations)
+from .simulate import (Costs, DeadlockError, Event, ScheduleError, SimResult, bubble_formula,
+                       simulate)
+from .split import StageModule, split_layers, validate_pp
+from .runtime import PipelineParallel, gather_timeline, p2p_bytes_formula  # noqa: E402
+
+
+def build_pipeline(model, topo, *, engine: str = "explicit", schedule: str = "1f1b",
+                   microbatches: int | None = None, virtual_stages: int | None = None,
+                   layers_per_stage: list[int] | None = None):
+    """The pipeline engine for ``engine`` ("explicit" → :class:`.runtime.PipelineParallel`,
+    "torch" → :class:`.builtin.TorchPipelineParallel`). Raises ``ValueError`` for an unknown
+    engine, :class:`~shardwise.errors.ShardwiseConfigError` for invalid pipeline settings."""
+    kw = dict(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
+              layers_per_stage=layers_per_stage)
+    if engine == "explicit":
+        return PipelineParallel(model, topo, **kw)
+    if engine == "torch":
+        from .builtin import TorchPipelineParallel
+
+        return TorchPipelineParallel(model, topo, **kw)
+    raise ValueError(f"unknown engine {engine!r}: choose explicit or torch")
+
+
+__all__ = ["SCHEDULES", "Action", "Costs", "DeadlockError", "Event", "PipelineParallel",
+           "Schedule", "ScheduleError", "SimResult", "StageModule", "bubble_formula",
+           "build_pipeline", "build_schedule", "check_schedule", "compute_order",
+           "format_schedule", "gather_timeline", "p2p_bytes_formula", "peak_activations",
+           "simulate", "split_layers", "validate_pp"]

@@ -1,0 +1,253 @@
+"""Execute a :class:`~.schedules.Schedule` on paper: per-action costs, deadlock detection, bubble.
+
+Semantics (the runtime's, see :mod:`.runtime`)
+----------------------------------------------
+Each rank runs its actions in order on its own clock.
+
+* compute ``F`` costs ``t_f / v``, ``B`` costs ``(t_b + t_w) / v``, ``I`` costs ``t_b / v``,
+  ``W`` costs ``t_w / v``: the costs are those of one rank's whole share of the model (ZB paper
+  notation, Qi et al. 2023 §2: T_F forward, T_B input-gradient backward, T_W weight-gradient
+  backward); with v chunks per rank each chunk is 1/v of it.
+* ``SEND`` (``mode="eager"``, what the runtime does with ``isend``): posts the tensor and
+  returns at once; it arrives ``t_comm`` later. ``RECV`` blocks until the matching message has
+  arrived. Messages travel on two channels (activations ``F``, gradients ``B``) and are matched
+  first-in first-out per (sender, receiver, channel); a RECV that meets a different message than
+  the one it names is a :class:`ScheduleError` (on a real backend it would silently swap tensors).
+* ``mode="rendezvous"``: a SEND also blocks until the receiver reaches the matching RECV (a
+  blocking backend without buffering). Stricter; the runtime does not need it.
+
+A compute action whose inputs are not there (an ``F`` of a later stage without its RECV, a ``B``
+before its ``F``, a ``W`` before its ``I``) is a :class:`ScheduleError`. When no rank can make
+progress, :class:`DeadlockError` names what every rank is blocked on.
+
+Bubble fraction
+---------------
+``bubble = 1 − Σ_r busy_r / (p · makespan)``: the share of the ranks' time spent waiting,
+busy = compute only. Closed forms (:func:`bubble_formula`), for equal stages and free comm:
+
+* GPipe and 1F1B: ``(p−1)/(m+p−1)`` (GPipe §2.3; Narayanan et al. 2021 §2.2.1: bubble
+  (p−1)(t_f+t_b) against m(t_f+t_b) of work);
+* interleaved 1F1B with v chunks: ``(p−1)/(v·m+p−1)`` (Narayanan et al. 2021 §2.2.2: the bubble
+  shrinks by v);
+* ZB-H1: ``(p−1)(T_F+T_B−T_W) / (m(T_F+T_B+T_W) + (p−1)(T_F+T_B−T_W))`` (Qi et al. 2023 §3.1:
+  bubble (p−1)(T_F+T_B−T_W) against 1F1B's (p−1)(T_F+T_B+T_W); holds for T_W ≤ T_F + T_B).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from .schedules import Action, Schedule, peak_activations
+
+
+class ScheduleError(ValueError):
+    """The schedule is malformed: a dependency missing, a RECV matched with the wrong message,
+    a (microbatch, stage) computed twice or never."""
+
+
+class DeadlockError(RuntimeError):
+    """No rank can make progress. ``blocked``: {rank: the action it waits on}."""
+
+    def __init__(self, blocked: dict[int, Action], time: float):
+        self.blocked = blocked
+        what = ", ".join(f"rank {r} at {a}" for r, a in sorted(blocked.items()))
+        super().__init__(f"deadlock at t={time:g}: {what}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """Seconds (or any unit) per action for one rank's whole share of the model: ``t_f``
+    forward, ``t_b`` input-gradient backward, ``t_w`` weight-gradient backward (a full backward
+    ``B`` costs t_b + t_w), ``t_comm`` one point-to-point transfer's latency."""
+
+    t_f: float = 1.0
+    t_b: float = 1.0
+    t_w: float = 1.0
+    t_comm: float = 0.0
+
+    def of(self, kind: str, v: int) -> float:
+        return {"F": self.t_f, "B": self.t_b + self.t_w, "I": self.t_b, "W": self.t_w}[kind] / v
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One executed action: ``rank`` did ``kind`` on (``microbatch``, ``chunk``) from ``start``
+    to ``end`` (for RECV: from when it started waiting until the tensor was there)."""
+
+    rank: int
+    kind: str
+    microbatch: int
+    chunk: int
+    start: float
+    end: float
+    peer: int | None = None
+
+
+@dataclasses.dataclass
+class SimResult:
+    events: list[Event]
+    makespan: float
+    busy: list[float]  # per rank, compute time
+    peak_alive: list[int]  # per rank, see schedules.peak_activations
+
+    @property
+    def p(self) -> int:
+        return len(self.busy)
+
+    @property
+    def bubble_fraction(self) -> float:
+        return 1.0 - sum(self.busy) / (self.p * self.makespan) if self.makespan > 0 else 0.0
+
+
+def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "eager") -> SimResult:
+    """Run ``schedule`` with ``costs``; returns the timeline and the bubble.
+
+    Raises :class:`DeadlockError` if the ranks block each other, :class:`ScheduleError` if the
+    schedule is malformed, ``ValueError`` for an unknown ``mode``."""
+    if mode not in ("eager", "rendezvous"):
+        raise ValueError(f"mode {mode!r}: choose eager or rendezvous")
+    p, v, n_stages = schedule.p, schedule.v, schedule.num_stages
+    progs = schedule.ranks
+    pc = [0] * p
+    clock = [0.0] * p
+    busy = [0.0] * p
+    events: list[Event] = []
+    queues: dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
+    done: set[tuple] = set()  # (rank, kind, mb, chunk) executed
+    received: set[tuple] = set()  # (rank, channel, mb, chunk)
+
+    def stage(r, c):
+        return c * p + r
+
+    def payload(r: int, a: Action) -> tuple:
+        """(channel, mb, consumer stage) of a message, from either end."""
+        s = stage(r, a.chunk)
+        if a.kind == "SEND_F":
+            return ("F", a.microbatch, s + 1)
+        if a.kind == "SEND_B":
+            return ("B", a.microbatch, s - 1)
+        return (a.channel, a.microbatch, s)
+
+    def check_compute(r: int, a: Action) -> None:
+        s, key = stage(r, a.chunk), (a.microbatch, a.chunk)
+        if a.microbatch < 0 or a.microbatch >= schedule.m or not 0 <= a.chunk < v:
+            raise ScheduleError(f"rank {r}: {a} is out of range (m={schedule.m}, v={v})")
+        if (r, a.kind, *key) in done:
+            raise ScheduleError(f"rank {r}: {a} runs twice")
+        if a.kind == "F":
+            if s > 0 and (r, "F", *key) not in received and (s - 1) % p != r:
+                raise ScheduleError(f"rank {r}: {a} runs before its input was received")
+        elif a.kind in ("B", "I"):
+            if (r, "F", *key) not in done:
+                raise ScheduleError(f"rank {r}: {a} runs before F{a.microbatch}")
+            if s < n_stages - 1 and (r, "B", *key) not in received:
+                raise ScheduleError(f"rank {r}: {a} runs before its output gradient arrived")
+            other = "I" if a.kind == "B" else "B"
+            if (r, other, *key) in done:
+                raise ScheduleError(f"rank {r}: microbatch {key} has both B and I")
+        elif a.kind == "W":
+            if (r, "I", *key) not in done:
+                raise ScheduleError(f"rank {r}: {a} runs before I{a.microbatch}")
+
+    def check_send(r: int, a: Action) -> None:
+        key = (a.microbatch, a.chunk)
+        need = ("F",) if a.kind == "SEND_F" else ("B", "I")
+        if not any((r, k, *key) in done for k in need):
+            raise ScheduleError(f"rank {r}: {a} sends a tensor not computed yet")
+        s = stage(r, a.chunk)
+        target = s + 1 if a.kind == "SEND_F" else s - 1
+        if not 0 <= target < n_stages or target % p != a.peer:
+            raise ScheduleError(f"rank {r}: {a} goes to rank {a.peer}, but stage {target} is "
+                                f"not there")
+
+    def record(r, a, start, end):
+        events.append(Event(r, a.kind, a.microbatch, a.chunk, start, end, a.peer))
+
+    def run_compute(r, a):
+        check_compute(r, a)
+        dt = costs.of(a.kind, v)
+        record(r, a, clock[r], clock[r] + dt)
+        clock[r] += dt
+        busy[r] += dt
+        done.add((r, a.kind, a.microbatch, a.chunk))
+
+    def match_recv(r, a, msg):
+        if msg != payload(r, a):
+            raise ScheduleError(f"rank {r}: {a} expected {payload(r, a)} from rank {a.peer} "
+                                f"but the next message on that channel is {msg}")
+        received.add((r, a.channel, a.microbatch, a.chunk))
+
+    while True:
+        progressed = False
+        for r in range(p):
+            while pc[r] < len(progs[r]):
+                a = progs[r][pc[r]]
+                if a.is_compute:
+                    run_compute(r, a)
+                elif mode == "eager" and a.kind.startswith("SEND"):
+                    check_send(r, a)
+                    queues[(r, a.peer, a.channel)].append((payload(r, a), clock[r] + costs.t_comm))
+                    record(r, a, clock[r], clock[r])
+                elif mode == "eager":  # RECV
+                    q = queues[(a.peer, r, a.channel)]
+                    if not q:
+                        break
+                    msg, arrival = q.popleft()
+                    match_recv(r, a, msg)
+                    t = max(clock[r], arrival)
+                    record(r, a, clock[r], t)
+                    clock[r] = t
+                else:  # rendezvous: both ends must be at the matching pair
+                    q = a.peer
+                    if pc[q] >= len(progs[q]):
+                        break
+                    b = progs[q][pc[q]]
+                    want = "RECV_" if a.kind.startswith("SEND") else "SEND_"
+                    if not (b.kind == want + a.channel and b.peer == r):
+                        break
+                    send_r, send_a, recv_r, recv_a = ((r, a, q, b) if a.kind.startswith("SEND")
+                                                      else (q, b, r, a))
+                    check_send(send_r, send_a)
+                    match_recv(recv_r, recv_a, payload(send_r, send_a))
+                    t = max(clock[r], clock[q]) + costs.t_comm
+                    record(send_r, send_a, clock[send_r], t)
+                    record(recv_r, recv_a, clock[recv_r], t)
+                    clock[r] = clock[q] = t
+                    pc[q] += 1
+                pc[r] += 1
+                progressed = True
+        if all(pc[r] == len(progs[r]) for r in range(p)):
+            break
+        if not progressed:
+            blocked = {r: progs[r][pc[r]] for r in range(p) if pc[r] < len(progs[r])}
+            raise DeadlockError(blocked, max(clock))
+
+    leftover = {k: list(q) for k, q in queues.items() if q}
+    if leftover:
+        raise ScheduleError(f"messages sent but never received: {leftover}")
+    for s in range(n_stages):
+        r, c = s % p, s // p
+        for mb in range(schedule.m):
+            if (r, "F", mb, c) not in done:
+                raise ScheduleError(f"rank {r}: F{mb}.{c} never runs")
+            full = (r, "B", mb, c) in done
+            split = (r, "I", mb, c) in done and (r, "W", mb, c) in done
+            if not (full or split):
+                raise ScheduleError(f"rank {r}: the backward of microbatch {mb} chunk {c} "
+                                    f"never completes (needs B, or I and W)")
+    return SimResult(events=events, makespan=max(clock), busy=busy,
+                     peak_alive=peak_activations(schedule))
+
+
+def bubble_formula(name: str, p: int, m: int, v: int = 1, costs: Costs = Costs()) -> float:
+    """Closed-form bubble fraction (share of rank-time idle) for equal stages and free
+    communication; sources in the module docstring. ``costs`` matters for zb-h1 only."""
+    if name in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if name == "interleaved-1f1b":
+        return (p - 1) / (v * m + p - 1)
+    if name == "zb-h1":
+        idle = (p - 1) * (costs.t_f + costs.t_b - costs.t_w)
+        return idle / (m * (costs.t_f + costs.t_b + costs.t_w) + idle)
+    raise ValueError(f"unknown schedule {name!r}")

@@ -1,0 +1,227 @@
+"""Cut a plain model into pipeline stages, and validate a pipeline configuration.
+
+Stage split
+-----------
+The plain model (``models.llama.Llama`` or ``models.mlp.StackedMLP``) is a sequence
+``embedding → L blocks → norm → head``. It is cut into ``S = p·v`` stages of consecutive blocks;
+stage ``s`` lives on pp rank ``s % p`` as its local chunk ``s // p`` (see :mod:`.schedules`).
+Stage 0 also holds the token embedding, stage ``S−1`` the final norm, the head and the loss.
+
+* balanced (default): every stage gets ``L // S`` blocks and the first ``L % S`` stages one more
+  (the extra blocks sit on the early stages, because the last stage also pays for the head and
+  the loss); requires ``L ≥ S``.
+* explicit: ``layers_per_stage = [n_0, …, n_{S−1}]`` with ``Σ n_s = L``; the first and last stage
+  may have 0 blocks (they still hold the embedding / head), the others at least one.
+
+Every rank builds the whole plain model from the same seed and keeps only its stages' modules,
+so a stage's parameters start equal to the plain model's (the parity tests rely on it).
+
+Parameter names
+---------------
+:class:`StageModule` (one per rank) holds this rank's modules under the plain model's names
+(``tok_embeddings``, ``layers.{i}`` with the *global* block index, ``norm``, ``output``), so
+``StageModule.named_parameters()`` yields the plain model's FQNs. Its :class:`Chunk` s (one per
+local chunk, in stage order) reference the same submodules and each runs one stage's forward.
+
+Tied embeddings (Press & Wolf 2017): the plain model's ``output.weight`` *is*
+``tok_embeddings.weight``. With p > 1 the two live on different ranks, so the last rank gets its
+own ``output.weight``, a copy of the embedding; after every backward the two gradients are summed
+between the first and the last rank (:mod:`.runtime`), so both copies stay equal after every
+optimizer step. With p = 1 the tie is kept as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...errors import ShardwiseConfigError
+from ...models import lm_loss, mse_loss
+from .schedules import check_schedule
+
+
+def _n_layers(model_or_n_layers) -> int:
+    if isinstance(model_or_n_layers, int):
+        return model_or_n_layers
+    cfg = getattr(model_or_n_layers, "config", model_or_n_layers)
+    return int(cfg.n_layers)
+
+
+def split_layers(n_layers: int, n_stages: int,
+                 layers_per_stage: list[int] | None = None) -> list[range]:
+    """Block indices of every stage: a list of ``n_stages`` ranges covering ``0..n_layers−1``.
+
+    Raises :class:`ShardwiseConfigError` when ``n_layers < n_stages`` (balanced) or when the
+    explicit list has the wrong length, the wrong sum, a negative entry, or an empty middle
+    stage."""
+    if layers_per_stage is None:
+        if n_layers < n_stages:
+            raise ShardwiseConfigError(
+                f"the model has {n_layers} layers, too few for {n_stages} pipeline stages "
+                f"(pp × virtual stages) with at least one layer each: choose pp × virtual "
+                f"stages ≤ {n_layers}, a model with ≥ {n_stages} layers, or an explicit "
+                f"layers-per-stage list")
+        base, extra = divmod(n_layers, n_stages)
+        counts = [base + (1 if s < extra else 0) for s in range(n_stages)]
+    else:
+        counts = list(layers_per_stage)
+        if len(counts) != n_stages:
+            raise ShardwiseConfigError(
+                f"layers-per-stage {counts} has {len(counts)} entries but the pipeline has "
+                f"{n_stages} stages (pp × virtual stages): give one count per stage")
+        if sum(counts) != n_layers or any(not isinstance(c, int) or c < 0 for c in counts):
+            raise ShardwiseConfigError(
+                f"layers-per-stage {counts} must be non-negative integers summing to the "
+                f"model's {n_layers} layers (they sum to {sum(counts)})")
+        empty_middle = [s for s in range(1, n_stages - 1) if counts[s] == 0]
+        if empty_middle:
+            raise ShardwiseConfigError(
+                f"layers-per-stage {counts}: stages {empty_middle} have no layer; only the "
+                f"first and the last stage (embedding, head) may be empty")
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
+def validate_pp(model_or_n_layers, pp: int, schedule: str, microbatches: int,
+                batch: int | None = None, virtual_stages: int | None = None,
+                layers_per_stage: list[int] | None = None) -> int:
+    """Check a pipeline configuration before anything runs; return the effective number of
+    virtual stages v (2 for interleaved-1f1b unless given, else 1).
+
+    ``model_or_n_layers``: a model, a model config (``.n_layers``) or the layer count.
+    ``batch``: sequences one pipeline processes per optimizer step (global batch / dp); it must
+    be divisible by ``microbatches``. Raises :class:`ShardwiseConfigError` for: an unknown
+    schedule, microbatches < pp, interleaving that cannot be done (see
+    :func:`.schedules.check_schedule`), a batch that the microbatches don't divide, layers that
+    cannot be split as asked (:func:`split_layers`)."""
+    v = check_schedule(schedule, pp, microbatches, virtual_stages)
+    if batch is not None and (batch < microbatches or batch % microbatches):
+        divisors = [k for k in range(pp, batch + 1) if batch % k == 0]
+        raise ShardwiseConfigError(
+            f"--microbatches {microbatches} does not divide the {batch} sequences each pipeline "
+            f"processes per step (global batch / dp): choose microbatches from {divisors} or "
+            f"change --global-batch")
+    split_layers(_n_layers(model_or_n_layers), pp * v, layers_per_stage)
+    return v
+
+
+class Chunk(nn.Module):
+    """One pipeline stage: ``[embedding] → blocks → [norm → head]``.
+
+    Input: token ids [b, s] (first stage of a Llama), inputs [b, D] (first stage of an MLP), or
+    the hidden state [b, s, d] / [b, D] from the previous stage. Output: the hidden state, or the
+    logits [b, s, V] / predictions [b, D] on the last stage."""
+
+    def __init__(self, index: int, n_stages: int, layers: list[nn.Module], is_llama: bool,
+                 tok_embeddings=None, norm=None, output=None, rope=None):
+        super().__init__()
+        self.index, self.n_stages, self.is_llama = index, n_stages, is_llama
+        self.is_first, self.is_last = index == 0, index == n_stages - 1
+        self.tok_embeddings = tok_embeddings
+        self.layers = nn.ModuleList(layers)
+        self.norm, self.output = norm, output
+        if rope is not None:
+            self.register_buffer("rope_cos", rope[0], persistent=False)
+            self.register_buffer("rope_sin", rope[1], persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            x = self.tok_embeddings(x)  # [b, s] → [b, s, d]
+        if self.is_llama:
+            s = x.shape[1]
+            cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+            for layer in self.layers:
+                x = layer(x, cos, sin)  # [b, s, d]
+        else:
+            for layer in self.layers:
+                x = layer(x)  # [b, D]
+        if self.output is not None:
+            x = self.output(self.norm(x) if self.norm is not None else x)  # [b, s, V]
+        return x
+
+
+class StageModule(nn.Module):
+    """This rank's share of the plain model, under the plain model's parameter names.
+
+    ``chunks`` (not registered as children, to keep names unique) run the stages in order of
+    their local chunk index. ``tied_output``: the last rank's copy of a tied embedding, or None.
+    """
+
+    def __init__(self, plain: nn.Module, pp_index: int, pp: int, v: int = 1,
+                 layers_per_stage: list[int] | None = None):
+        super().__init__()
+        self.config = plain.config
+        self.is_llama = hasattr(plain, "tok_embeddings")
+        n_stages = pp * v
+        ranges = split_layers(len(plain.layers), n_stages, layers_per_stage)
+        mine = [c * pp + pp_index for c in range(v)]  # global stage indices, local chunk order
+        self.stage_indices = mine
+        self.layers = nn.ModuleDict()
+        for s in mine:
+            for i in ranges[s]:
+                self.layers[str(i)] = plain.layers[i]
+        self.tied = bool(self.is_llama and plain.output.weight is plain.tok_embeddings.weight)
+        self._tied_copy = False
+        first, last = 0 in mine, n_stages - 1 in mine
+        if self.is_llama and first:
+            self.tok_embeddings = plain.tok_embeddings
+        if self.is_llama and last:
+            self.norm = plain.norm
+            if self.tied and not first:
+                # own copy of the tied weight; gradients are summed with the first rank's
+                self.output = nn.Linear(plain.output.in_features, plain.output.out_features,
+                                        bias=False, device=plain.output.weight.device,
+                                        dtype=plain.output.weight.dtype)
+                with torch.no_grad():
+                    self.output.weight.copy_(plain.tok_embeddings.weight)
+                self._tied_copy = True
+            else:
+                self.output = plain.output
+        rope = (plain.rope_cos, plain.rope_sin) if self.is_llama else None
+        chunks = []
+        for s in mine:
+            chunks.append(Chunk(
+                s, n_stages, [plain.layers[i] for i in ranges[s]], self.is_llama,
+                tok_embeddings=getattr(self, "tok_embeddings", None) if s == 0 else None,
+                norm=getattr(self, "norm", None) if s == n_stages - 1 else None,
+                output=getattr(self, "output", None) if s == n_stages - 1 else None,
+                rope=rope))
+        self.__dict__["chunks"] = chunks  # plain attribute: not a registered child
+        self.holds_embedding, self.holds_head = first, last
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline stage has no standalone forward: its chunks run inside "
+                           "the schedule (engine.forward_backward / engine.loss_sum_and_count)")
+
+    @property
+    def tied_output(self) -> nn.Parameter | None:
+        """The last rank's own copy of a tied embedding (``output.weight``), else None."""
+        return self.output.weight if self._tied_copy else None
+
+    def fqn(self, name: str) -> str:
+        """The plain model's name of this module's parameter ``name`` (the tied copy on the last
+        rank is the plain model's ``tok_embeddings.weight``)."""
+        return "tok_embeddings.weight" if self.tied_output is not None and \
+            name == "output.weight" else name
+
+
+def first_stage_input(mb: dict) -> torch.Tensor:
+    """The first stage's input of a microbatch dict: ``input_ids`` [b, s] or ``inputs`` [b, D]."""
+    return mb["input_ids"] if "input_ids" in mb else mb["inputs"]
+
+
+def activation_shape(mb: dict, config) -> tuple[int, ...]:
+    """Shape of the tensor passed between stages for microbatch ``mb``: [b, s, d_model] for a
+    Llama, [b, D] for an MLP."""
+    x = first_stage_input(mb)
+    return (*x.shape, config.d_model) if "input_ids" in mb else tuple(x.shape)
+
+
+def loss_sum(out: torch.Tensor, mb: dict) -> torch.Tensor:
+    """Sum of per-token (per-element) losses of the last stage's output (fp32 scalar)."""
+    if "labels" in mb:
+        return lm_loss(out, mb["labels"])[0]
+    return mse_loss(out, mb["targets"])[0]

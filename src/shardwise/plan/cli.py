@@ -1,0 +1,390 @@
+"""``shardwise plan``: the best layouts of a model on a cluster, ranked by predicted MFU.
+
+::
+
+    shardwise plan --model llama3-70b --gpus 64 --gpu h100-sxm --global-batch-tokens 4M
+    shardwise plan … --explain          # the formulas of the best layout with the numbers in
+    shardwise plan … --json             # {"layouts": [{dp, tp, pp, zero, schedule, microbatches,
+                                        #   mfu, step_time_s, mem_bytes_per_gpu, fits, …}, …]}
+    shardwise plan … --tp 8 --pp 16     # fix dimensions (--dp --tp --pp --zero --schedule
+                                        #   --microbatches --micro-batch --virtual-stages --ckpt)
+    shardwise plan --model llama3-70b --gpu h100-sxm --plot mfu.png   # MFU vs GPUs per family
+    shardwise plan --validate           # predicted vs published MFU of large runs
+
+Wiring (in ``shardwise/cli.py``)::
+
+    from .plan.cli import add_plan_parser
+    add_plan_parser(sub)
+
+``add_plan_parser`` registers ``plan`` with ``set_defaults(func=cmd_plan)``; ``cmd_plan(args, argv)``
+returns an exit status and raises :class:`~shardwise.errors.ShardwiseConfigError` on bad input
+(the caller prints it and exits 2). ``python -m shardwise.plan.cli …`` runs it on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..errors import ShardwiseConfigError
+
+GiB = 2**30
+
+
+def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the ``plan`` subcommand on ``subparsers`` (from ``add_subparsers``)."""
+    p = subparsers.add_parser(
+        "plan", help="rank layouts of a model on a GPU cluster by predicted MFU",
+        description="Rank every layout (dp × tp × pp, ZeRO stage, pipeline schedule, "
+        "micro-batch, activation checkpointing) of a model on a cluster by the MFU the "
+        "analytical cost model predicts, with per-GPU memory. See docs/planner.md.")
+    p.add_argument("--model", default="llama3-8b",
+                   help="preset (llama3-8b, llama3-70b, llama3-405b, gpt3-175b, …, or our "
+                   "tiny/small/base) or a FILE.toml of ModelSpec fields (default llama3-8b)")
+    p.add_argument("--gpus", type=int, help="number of GPUs (required unless --plot or "
+                   "--validate)")
+    p.add_argument("--gpu", default="h100-sxm", help="GPU preset: a100-sxm-80gb, h100-sxm, "
+                   "h200-sxm, b200 (default h100-sxm)")
+    p.add_argument("--cluster", metavar="FILE.toml", help="custom GPU and cluster (replaces "
+                   "--gpu)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8)")
+    p.add_argument("--global-batch-tokens", default="4M",
+                   help="tokens per optimizer step, e.g. 4M (= 4·2^20), 512K, 4194304 "
+                   "(default 4M)")
+    p.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
+    p.add_argument("--precision", choices=("bf16", "amp", "fp32"), default="bf16",
+                   help="bf16: bf16 weights, fp32 gradients and Adam (18 B/param); amp: fp32 "
+                   "weights, bf16 compute (16 B/param); fp32 (default bf16)")
+    g = p.add_argument_group("layout (fix a dimension; unset = searched)")
+    g.add_argument("--dp", type=int)
+    g.add_argument("--tp", type=int)
+    g.add_argument("--pp", type=int)
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
+    g.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
+                   help="sequence parallelism (default: on when tp > 1)")
+    g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"))
+    g.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank "
+                   "(interleaved-1f1b)")
+    g.add_argument("--microbatches", type=int, help="micro-batches per step and replica (m)")
+    g.add_argument("--micro-batch", type=int, help="sequences per micro-batch (b)")
+    g.add_argument("--ckpt", choices=("none", "selective", "full"),
+                   help="activation checkpointing")
+    g.add_argument("--grad-reduce", choices=("step", "micro"),
+                   help="zero 2/3 with several micro-batches: reduce-scatter gradients once "
+                   "per step (full local gradients held) or after every micro-batch")
+    o = p.add_argument_group("output")
+    o.add_argument("--top", type=int, default=10, help="layouts to show (0 = all; default 10)")
+    o.add_argument("--explain", action="store_true", help="the formulas of the best layout "
+                   "with the numbers plugged in")
+    o.add_argument("--json", action="store_true", help="print JSON (best first)")
+    o.add_argument("--plot", metavar="PATH.png", help="plot predicted MFU against the number "
+                   "of GPUs, one line per strategy family")
+    o.add_argument("--plot-gpus", default="8,16,32,64,128,256,512,1024,2048,4096",
+                   help="GPU counts for --plot (comma-separated)")
+    o.add_argument("--validate", action="store_true", help="predicted vs published MFU of "
+                   "the large runs in docs/planner.md")
+    a = p.add_argument_group("assumptions (docs/planner.md)")
+    a.add_argument("--gemm-efficiency", type=float, help="fraction of peak the dense matmuls "
+                   "sustain (default 0.676)")
+    a.add_argument("--link-efficiency", type=float, help="fraction of link bandwidth "
+                   "collectives reach (default 0.8)")
+    a.add_argument("--memory-reserve", type=float, help="fraction of HBM kept free "
+                   "(default 0.1)")
+    p.set_defaults(func=cmd_plan)
+    return p
+
+
+def _assumptions(args):
+    from .cost import Assumptions
+
+    kw = {}
+    for key, name in (("gemm_efficiency", "--gemm-efficiency"),
+                      ("link_efficiency", "--link-efficiency"),
+                      ("memory_reserve", "--memory-reserve")):
+        v = getattr(args, key, None)
+        if v is None:
+            continue
+        if key == "memory_reserve" and not 0 <= v < 1:
+            raise ShardwiseConfigError(f"{name} {v} must be in [0, 1)")
+        if key != "memory_reserve" and not 0 < v <= 1:
+            raise ShardwiseConfigError(f"{name} {v} must be in (0, 1]")
+        kw[key] = v
+    return Assumptions(**kw)
+
+
+def _setup(args):
+    import dataclasses
+
+    from .hardware import get_cluster, load_cluster
+    from .models import get_model
+    from .search import global_batch_sequences, parse_tokens
+
+    model = get_model(args.model)
+    if args.seq_len is not None:
+        if args.seq_len < 1:
+            raise ShardwiseConfigError(f"--seq-len {args.seq_len} must be at least 1")
+        model = dataclasses.replace(model, seq_len=args.seq_len)
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        raise ShardwiseConfigError(f"--gpus-per-node {args.gpus_per_node} must be ≥ 1")
+    if args.cluster:
+        cluster = load_cluster(args.cluster)
+        if args.gpus_per_node:
+            cluster = dataclasses.replace(cluster, gpus_per_node=args.gpus_per_node, name="")
+    else:
+        cluster = get_cluster(args.gpu, args.gpus_per_node)
+    tokens = parse_tokens(args.global_batch_tokens)
+    return model, cluster, tokens, global_batch_sequences(tokens, model.seq_len)
+
+
+def _fixed(args):
+    from .search import Fixed
+
+    return Fixed(dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, sp=args.sp,
+                 schedule=args.schedule, virtual=args.virtual_stages,
+                 microbatches=args.microbatches, micro_batch=args.micro_batch, ckpt=args.ckpt,
+                 grad_reduce=args.grad_reduce)
+
+
+def cmd_plan(args, argv=None) -> int:
+    """Run ``shardwise plan``. Returns 0; raises ShardwiseConfigError on bad input."""
+    if args.validate:
+        return _validate(args)
+    model, cluster, tokens, batch = _setup(args)
+    assume = _assumptions(args)
+    if args.top < 0:
+        raise ShardwiseConfigError(f"--top {args.top} must be ≥ 0 (0 = all)")
+    if args.plot:
+        from .plot import plot_mfu_vs_gpus
+
+        counts = _parse_counts(args.plot_gpus) if args.gpus is None else sorted(
+            set(_parse_counts(args.plot_gpus)) | {args.gpus})
+        plot_mfu_vs_gpus(model, cluster, counts, batch, args.plot, precision=args.precision,
+                         assumptions=assume, fixed=_fixed(args))
+        print(f"plan: wrote {args.plot} (predicted MFU of {model.name} on {cluster.gpu.name}, "
+              f"{len(counts)} GPU counts)")
+        if args.gpus is None:
+            return 0
+    if args.gpus is None:
+        raise ShardwiseConfigError("--gpus N is required (the number of GPUs to plan for)")
+    from .search import search
+
+    results = search(model, cluster, args.gpus, batch, _fixed(args), args.precision, assume)
+    shown = results if args.top == 0 else results[:args.top]
+    if args.json:
+        fitting = [e for e in results if e.fits]
+        json.dump({"model": model.name, "gpu": cluster.gpu.name, "gpus": args.gpus,
+                   "global_batch_tokens": tokens, "seq_len": model.seq_len,
+                   "evaluated": len(results), "fitting": len(fitting),
+                   "layouts": [e.to_json() for e in shown]}, sys.stdout, indent=1)
+        print()
+        return 0
+    print(format_table(results, model, cluster, args.gpus, tokens, args.top))
+    if args.explain:
+        print()
+        print(explain(results[0]))
+    return 0
+
+
+def _parse_counts(text: str) -> list[int]:
+    try:
+        counts = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ShardwiseConfigError(f"--plot-gpus {text!r}: give comma-separated integers, "
+                                   "e.g. 8,64,512") from None
+    if not counts or counts[0] < 1:
+        raise ShardwiseConfigError(f"--plot-gpus {text!r}: give positive GPU counts")
+    return counts
+
+
+def _validate(args) -> int:
+    from .published import validation_rows
+
+    rows = validation_rows(_assumptions(args))
+    if args.json:
+        json.dump({"runs": rows}, sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"{'run':<18} {'GPUs':>6} {'published':>9} {'predicted':>9} {'diff':>6}  layout chosen")
+    for r in rows:
+        mark = "" if r["independent"] else "  (calibration source)"
+        print(f"{r['run']:<18} {r['gpus']:>6} {100 * r['published']:>8.1f}% "
+              f"{100 * r['predicted']:>8.1f}% {r['diff_points']:>+6.1f}  {r['layout']}{mark}")
+    return 0
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:,.1f}"
+
+
+def _human(x: float) -> str:
+    """Bytes in the largest binary unit that keeps the number ≥ 1 (B, KiB, MiB, GiB, TiB)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= size:
+            return f"{x / size:,.2f} {unit}"
+    return f"{x:,.0f} B"
+
+
+def format_table(results, model, cluster, gpus, tokens, top=10) -> str:
+    """The human-readable ranking: best fitting layouts, then the best that do not fit."""
+    fit = [e for e in results if e.fits]
+    nofit = [e for e in results if not e.fits]
+    e0 = results[0]
+    A = e0.assumptions
+    lines = [
+        f"plan: {model.describe()}",
+        f"  on {gpus:,} × {cluster.describe()}",
+        f"  global batch {tokens:,} tokens = {e0.global_batch:,} sequences × {model.seq_len}; "
+        f"{len(results):,} layouts evaluated, {len(fit):,} fit in "
+        f"{_gib(e0.capacity_bytes)} GiB per GPU (HBM − {A.memory_reserve:.0%} reserve)",
+        f"  assumptions: dense GEMMs at {A.gemm_efficiency:.1%} of peak, flash attention at "
+        f"{cluster.gpu.flash_efficiency:.0%}, links at {A.link_efficiency:.0%}; TP "
+        "collectives exposed, DP/ZeRO overlapped with backward (docs/planner.md)",
+        "",
+    ]
+    head = (f"{'#':>3} {'dp':>5} {'tp':>5} {'pp':>3} {'zero':>5} {'schedule':<21} {'b':>2} "
+            f"{'m':>4} {'ckpt':<9} {'MFU':>6} {'step s':>8} {'tok/s/GPU':>10} "
+            f"{'GiB/GPU':>8}  params+grads+optim+act+buf GiB")
+    lines.append(head)
+
+    def row(i, e):
+        lay, mem = e.layout, e.memory["first" if e.memory["first"]["total"] >=
+                                      e.memory["last"]["total"] else "last"]
+        sched = "-" if lay.pp == 1 else (lay.schedule + (f" v={lay.virtual}"
+                                                          if lay.virtual > 1 else ""))
+        tp = f"{lay.tp}{'+sp' if lay.sp else ''}"
+        zero = f"{lay.zero}{'/mb' if lay.zero >= 2 and lay.grad_reduce == 'micro' else ''}"
+        parts = "+".join(_gib(mem[k]) for k in ("params", "grads", "optimizer", "activations",
+                                                 "buffers"))
+        return (f"{i:>3} {lay.dp:>5} {tp:>5} {lay.pp:>3} {zero:>5} {sched:<21} "
+                f"{lay.micro_batch:>2} {e.microbatches:>4} {lay.ckpt:<9} {e.mfu:>6.1%} "
+                f"{e.step_time_s:>8.2f} {e.tokens_per_s / lay.world:>10,.0f} "
+                f"{_gib(e.mem_bytes_per_gpu):>8}  {parts}")
+
+    for i, e in enumerate(fit if top == 0 else fit[:top], 1):
+        lines.append(row(i, e))
+    if not fit:
+        lines.append("  (no layout fits: see below; try more GPUs, --ckpt full, or --zero 3)")
+    if nofit:
+        # the ones that would beat the best fitting layout, closest to fitting first
+        better = sorted((e for e in nofit if not fit or e.mfu > fit[0].mfu),
+                        key=lambda e: e.mem_bytes_per_gpu)
+        lines.append("")
+        if better:
+            lines.append(f"do not fit (> {_gib(e0.capacity_bytes)} GiB per GPU) but would beat "
+                         "#1, least memory first:")
+        else:
+            lines.append(f"do not fit (> {_gib(e0.capacity_bytes)} GiB per GPU), best MFU "
+                         "first:")
+        for i, e in enumerate((better or nofit)[:5], 1):
+            lines.append(row(i, e))
+    return "\n".join(lines)
+
+
+def explain(e) -> str:
+    """The formulas of one estimate with its numbers plugged in (units in the text)."""
+    from .cost import PRECISIONS, in_flight, layer_activation_bytes
+
+    M, C, lay, A, d = e.model, e.cluster, e.layout, e.assumptions, e.details
+    prec = PRECISIONS[lay.precision]
+    t, p, n, b, s = lay.tp, lay.pp, lay.dp, lay.micro_batch, M.seq_len
+    v = lay.virtual if p > 1 else 1
+    f = e.flops
+    out = [f"explain: {lay.name()}  ({M.name} on {lay.world:,} × {C.gpu.name})", ""]
+    out.append("FLOPs per token (model FLOPs: 6·N + 12·L·d·s; PaLM App. B, Korthikanti App. A)")
+    out.append(f"  N = L·(2d² + 2d·kvd + {M.n_mlp_mats}·d·f) + V·d = {M.matmul_params():,}")
+    out.append(f"  6·N + 12·L·d·s = 6·{M.matmul_params():,} + 12·{M.n_layers}·{M.d_model}·{s} "
+               f"= {f['model_per_token']:.4g}")
+    out.append(f"  per step: {e.tokens:,} tokens × {f['model_per_token']:.4g} = "
+               f"{f['model_per_step']:.4g} FLOPs")
+    out.append("")
+    out.append(f"Batch: G = {e.global_batch:,} sequences; m = G/(dp·b) = {e.global_batch:,}/"
+               f"({n}·{b}) = {e.microbatches} micro-batches per step and replica")
+    out.append(f"Pipeline: {p} stage(s), layers per stage {_stages(e.stages)}"
+               + (f", schedule {lay.schedule}" + (f", v = {v}" if v > 1 else "") if p > 1
+                  else ""))
+    out.append("")
+    out.append("Memory per GPU (ZeRO §5.1; Korthikanti §4)")
+    for where in ("first", "last") if p > 1 else ("first",):
+        mem = e.memory[where]
+        label = "first stage" if p > 1 and where == "first" else (
+            "last stage" if p > 1 else "every GPU")
+        out.append(f"  {label}: Ψ_s = {mem['params_count']:,.0f} parameters on this GPU")
+        sh = {0: "", 1: "K/dp", 2: "(G+K)/dp", 3: "(P+G+K)/dp"}[lay.zero]
+        out.append(f"    zero {lay.zero}{' (' + sh + ')' if sh else ''}, P={prec.param} "
+                   f"G={prec.grad} K={prec.optim} B/param: params {_human(mem['params'])} + "
+                   f"grads {_human(mem['grads'])} + optimizer {_human(mem['optimizer'])}")
+        out.append(f"    activations {_human(mem['activations'])}, buffers "
+                   f"{_human(mem['buffers'])} → total {_human(mem['total'])}")
+    tokens_mb = b * s
+    none = layer_activation_bytes(M, tokens_mb, tp=t, sp=lay.sp, ckpt="none",
+                                  act_bytes=prec.act)
+    out.append(f"  activations per layer per micro-batch ({b}·{s} tokens, a = {prec.act} B, "
+               f"t = {t}{', SP' if lay.sp else ''}): {_human(d['act_per_layer'])} "
+               f"(ckpt={lay.ckpt}; without checkpointing {_human(none)})")
+    held = in_flight(lay.schedule, p, e.microbatches, v)
+    out.append(f"  micro-batches in flight on the first stage: {held:.3g}"
+               + (" = min(m, p)·(1 + (p−1)/(p·v))" if p > 1 and lay.schedule ==
+                  "interleaved-1f1b" else " = min(m, p)" if p > 1 and lay.schedule != "gpipe"
+                  else " = m" if p > 1 else ""))
+    out.append(f"  fits: {_human(e.mem_bytes_per_gpu)} ≤ {_human(e.capacity_bytes)}? "
+               f"{'yes' if e.fits else 'NO'}")
+    out.append("")
+    ls = d["layer_seconds"]
+    out.append(f"Compute per micro-batch on the slowest stage (stage {d['critical_stage']})")
+    out.append(f"  a layer, per token: dense {ls['dense'] * 1e9:,.2f} ns (GEMMs at "
+               f"{A.gemm_efficiency:.1%} of {d['peak'] / 1e12:,.0f} TFLOP/s) + attention core "
+               f"{ls['core'] * 1e9:,.2f} ns + element-wise {ls['elementwise'] * 1e9:,.2f} ns")
+    out.append(f"  t_compute = {d['t_comp_mb'] * 1e3:,.2f} ms; TP collectives (exposed) "
+               f"{d['t_tp_mb'] * 1e3:,.2f} ms → t_mb = {d['t_mb'] * 1e3:,.2f} ms")
+    out.append("")
+    out.append("Communication per step (bytes sent per GPU by the ring formulas; seconds = "
+               "steps·latency + bytes/(bw·link efficiency))")
+    for c in e.comm:
+        out.append(f"  {c.axis:<2} {c.op:<14} {c.tag:<5} n={c.n:<5} S={c.size / 2**20:>10,.1f} "
+                   f"MiB ×{c.count:>7,.0f}: {c.wire / 1e9:>9,.2f} GB sent, {c.seconds:>8.3f} s, "
+                   f"exposed {c.exposed:.3f} s  [{c.link}] {c.note}")
+    out.append("")
+    T = e.times
+    bub = {"gpipe": "(p−1)·t_mb", "1f1b": "(p−1)·t_mb", "interleaved-1f1b": "(p−1)·t_mb/v",
+           "zb-h1": "(p−1)·t_mb/3"}.get(lay.schedule, "")
+    out.append("Step time")
+    out.append(f"  m·t_mb = {e.microbatches}·{d['t_mb'] * 1e3:,.2f} ms = "
+               f"{T['compute'] + T['tp']:.3f} s (compute {T['compute']:.3f} + TP {T['tp']:.3f})")
+    if p > 1:
+        out.append(f"  bubble = {bub if e.microbatches >= p else '(p−1)·t_mb (m < p)'} = "
+                   f"{T['bubble']:.3f} s")
+    out.append(f"  + DP exposed {T['dp_exposed']:.3f} s + PP exposed {T['pp_exposed']:.3f} s + "
+               f"optimizer {T['optimizer']:.3f} s = {e.step_time_s:.3f} s")
+    out.append(f"  tokens/s = {e.tokens:,} / {e.step_time_s:.3f} = {e.tokens_per_s:,.0f} "
+               f"({e.tokens_per_s / lay.world:,.0f} per GPU)")
+    out.append(f"  MFU = {f['model_per_step']:.4g} / ({e.step_time_s:.3f} s · {lay.world:,} · "
+               f"{C.gpu.bf16_flops / 1e12:,.0f} TFLOP/s) = {e.mfu:.1%}   (HFU {e.hfu:.1%})")
+    return "\n".join(out)
+
+
+def _stages(stages) -> str:
+    if len(set(stages)) == 1:
+        return f"{stages[0]} × {len(stages)}"
+    return ", ".join(str(x) for x in stages) if len(stages) <= 8 else (
+        f"{stages[0]}, {stages[1]}, …, {stages[-2]}, {stages[-1]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m shardwise.plan.cli …``: the plan command on its own (exit 2 on bad input)."""
+    parser = argparse.ArgumentParser(prog="shardwise")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_plan_parser(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "plan":
+        argv = ["plan", *argv]
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args, argv)
+    except ShardwiseConfigError as e:
+        print(f"shardwise: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,856 @@
+"""The analytical cost model: per-GPU memory, step time, tokens/s and MFU of one layout.
+
+Symbols: ``L`` layers, ``d`` width, ``h`` heads, ``hd = d/h``, ``kvd`` = kv heads · hd, ``f`` MLP
+hidden size, ``V`` vocabulary, ``s`` sequence length, ``b`` sequences per micro-batch, ``G``
+sequences per optimizer step (all replicas), ``n`` = dp, ``t`` = tp, ``p`` = pp, ``v`` virtual
+stages per pipeline rank (interleaved 1F1B), ``m = G/(n·b)`` micro-batches per step and replica,
+``a`` bytes per activation element, ``Ψ`` parameters, ``Ψ_s`` parameters held by one GPU's pipeline
+stage after TP sharding.
+
+Memory per GPU (bytes), for the first and the last pipeline stage (the two that peak)
+------------------------------------------------------------------------------------------
+* **Model state** (Rajbhandari et al. 2020, ZeRO, §5.1 and Fig. 1) with P, G, K bytes per
+  parameter for parameters, gradients, optimizer state (:data:`PRECISIONS`)::
+
+      zero 0: (P + G + K)·Ψ_s     zero 1: (P + G)·Ψ_s + K·Ψ_s/n
+      zero 2: P·Ψ_s + (G + K)·Ψ_s/n     zero 3: (P + G + K)·Ψ_s/n
+
+  (+ G·Ψ_s for zero 2/3 accumulating full gradients over several micro-batches)
+
+  plus 4 bytes per parameter tensor: PyTorch's AdamW keeps a float32 ``step`` per tensor.
+  TP shards every matmul weight and the vocabulary (Megatron-LM, Shoeybi et al. 2019 §3);
+  norms and biases are replicated.
+* **Activations** kept for backward, per layer and micro-batch: :func:`layer_activation_bytes`
+  (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+  §4, eqs. 1–6), times the micro-batches in flight on the first stage (§4.2.3: 1F1B keeps ``p``
+  of them, so the first stage holds ``L`` layers' worth; interleaving multiplies by
+  ``1 + (p−1)/(p·v)``; GPipe keeps all ``m``; ZB-H1 keeps as many as 1F1B, Qi et al. 2023 §3.1).
+  The last stage adds the final norm and the fp32 log-probabilities of the loss, ``4·b·s·V/t``
+  (§4.3), plus the ``a·b·s·V/t`` logits before the cast.
+* **Buffers**: ZeRO-3 gathers two layers at a time (current + prefetch), ``(P + G)·2·layer/t``;
+  a pipeline stage keeps one send and one receive buffer of ``a·b·s·d/t``; with
+  ``grad_bucket_copy`` (shardwise's explicit DP) the gradient buckets are a second copy of the
+  gradients, ``G·Ψ_s``.
+* A layout fits when the larger of the two stages ≤ HBM·(1 − ``memory_reserve``) (CUDA context,
+  NCCL buffers, allocator fragmentation).
+
+Compute
+-------
+Model FLOPs per token (the MFU numerator): ``6·N + 12·L·d·s``, with ``N`` the matmul weights
+(every layer's plus the output projection V·d; :meth:`ModelSpec.matmul_params`) and ``12·L·d·s``
+the attention scores and the weighted sum over values, forward ×3 for forward + backward, counted
+over the full ``s × s`` square (Chowdhery et al. 2022, PaLM, App. B; Korthikanti et al. 2022,
+App. A eq. 7; Kaplan et al. 2020 §2.1 count the same terms). Hardware FLOPs add what a recompute
+runs again: full recomputation one more forward (``2·N_layer + 4·d·s`` per token per layer),
+selective recomputation the attention core when it is not a flash kernel (``4·d·s``, eq. 8).
+MFU = model FLOPs per step / (step time · GPUs · dense bf16 peak), for every precision.
+
+Time of a layer (:func:`layer_seconds`), per token on one GPU, as a roofline of three parts:
+
+* dense matmuls: their FLOPs / (peak · ``gemm_efficiency``);
+* the attention core: with a flash kernel its FLOPs / (peak · the GPU's ``flash_efficiency``,
+  the kernel's published utilisation); otherwise the larger of its FLOPs at the GEMM rate and
+  the bytes it moves through HBM (scores, softmax, dropout and their gradients: ``6a + 1`` bytes
+  per score element forward, ``9a + 1`` backward, ``4a`` / ``7a`` without dropout) over the HBM
+  bandwidth;
+* element-wise operations (norms, residual adds, RoPE, the MLP activation): the bytes they read
+  and write over the HBM bandwidth (:func:`elementwise_bytes`);
+* per micro-batch, adding the new weight gradients into the accumulated ones (``wgrad_bytes``
+  per parameter of the stage over the HBM bandwidth) — PyTorch autograd and FSDP do it as a
+  separate kernel (Llama 3 §3.3.2 accumulates in fp32 across micro-batches); Megatron-LM fuses it
+  into the weight-gradient GEMM (``grad_accum_fused``), where it costs nothing measurable.
+
+``gemm_efficiency`` (default 0.676) is not fitted to the runs we validate against: it is one
+published per-layer measurement read through this model. Korthikanti et al. 2022 Table 4: one
+layer of their 22B model (A100, t = 8, b = 4, s = 2048, no recomputation, no SP) takes 19.6 ms
+forward + backward; taking away what this model charges for its four TP all-reduces, its
+attention core and its element-wise traffic leaves the dense matmuls at 0.676 of peak
+(:func:`shardwise.plan.published.derive_gemm_efficiency` repeats the computation).
+
+Communication (time = ring steps · latency + bytes sent per rank / (bandwidth · ``link_efficiency``))
+-------------------------------------------------------------------------------------------------
+Bytes sent per rank come from :func:`shardwise.comm.ledger.ring_bytes`, the formulas the ledger
+books (2(n−1)/n·S for all-reduce, (n−1)/n·S for all-gather and reduce-scatter; Patarasuk & Yuan
+2009; JAX scaling book, "How to Parallelize a Transformer for Training"). Placement follows the
+rank grid (pp, dp, tp), TP innermost: a group whose ranks share a node uses NVLink; a group that
+spans nodes with k members per node runs k rings side by side, one per NIC, so its bandwidth per
+GPU is min(intra, k·inter) with the inter-node latency.
+
+* TP (Shoeybi et al. 2019 §3; Korthikanti et al. 2022 §4.2.2): per layer and micro-batch, 2
+  all-reduces of ``a·b·s·d`` in forward and 2 in backward (with SP, all-gathers + reduce-scatters of
+  the same total bytes); full recomputation repeats the forward two. The vocabulary-parallel
+  embedding adds one forward all-reduce on the first stage; the output layer one all-gather
+  forward and one reduce-scatter backward on the last (SP), or one all-reduce backward (no SP).
+  **Not overlapped** (exposed on the critical path).
+* DP / ZeRO over the dp axis, per optimizer step (Rajbhandari et al. 2020 §7): zero 0 one
+  all-reduce of the gradients (``G_c·Ψ_s``, ``G_c`` bytes per communicated gradient); zero 1 and
+  2 a reduce-scatter of the gradients and an all-gather of the updated parameters (``P·Ψ_s``);
+  zero 3 per micro-batch an all-gather of the parameters for forward and another for backward,
+  and the reduce-scatter. With several micro-batches, zero 2/3 either accumulate full local
+  gradients and reduce-scatter once (``grad_reduce="step"``: shardwise's ZeRO engine, FSDP's
+  ``no_sync``; the full gradients are held) or reduce-scatter after every micro-batch
+  (``"micro"``: DeepSpeed; m × the bytes, gradients stay sharded). Zero 1–3 add one fp64
+  all-reduce for the global gradient norm; every layout the two fp64 scalar all-reduces of
+  ``train_step`` (token count, loss), 8 bytes each.
+  **Overlap**: gradient reduction runs under the backward of the (last) micro-batch, the
+  parameter all-gather of zero 1/2 under the next step's first forward (Megatron-LM's
+  overlapped param gather), zero 3's gathers under the forward/backward they prefetch for; only
+  what exceeds that window is exposed.
+* PP (Narayanan et al. 2021 §2.2, §4.1): each micro-batch sends ``a·b·s·d/t`` forward and the
+  same backward at every stage boundary (the scatter/gather optimisation splits it over the TP
+  ranks), ``2·m·v`` sends per rank. With ``p2p_overlap`` (asynchronous sends, as Llama 3 §3.3.2
+  uses) they run under compute in the steady state and only the ``2(p−1)`` hops of the fill and
+  the drain are exposed; without it (Megatron-LM's synchronous send/receive, which MegaScale,
+  Jiang et al. 2024 §3.2, had to overlap) every send is on the critical path.
+
+Pipeline bubble (idle time per step, ``t_mb`` = one micro-batch's forward + backward on a stage)
+-----------------------------------------------------------------------------------------------
+GPipe and 1F1B ``(p−1)·t_mb`` (Huang et al. 2019; Narayanan et al. 2021 §2.2.1: fraction
+``(p−1)/m``); interleaved 1F1B ``(p−1)·t_mb/v`` (§2.2.2); ZB-H1 ``(p−1)·(t_F + t_B − t_W)`` with
+``t_F = t_B = t_W = t_mb/3`` (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", §3.1), i.e. a
+third of 1F1B's. Step time = m·t_mb + bubble + exposed DP and PP communication + the optimizer
+step (memory-bound: ``adam_bytes`` per parameter of its shard over the HBM bandwidth).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from ..comm.ledger import ring_bytes
+from ..errors import ShardwiseConfigError
+from .hardware import Cluster
+from .models import ModelSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of parameters ``P``, gradients ``G``, optimizer state ``K``; bytes per
+    communicated gradient element ``grad_comm``; bytes per activation element ``act``;
+    ``compute`` dtype of the matmuls; ``adam_bytes`` read + written per parameter by the
+    optimizer step; ``wgrad_bytes`` read + written per parameter and micro-batch to add a new
+    weight gradient into the accumulated one when that is a separate element-wise kernel (bf16:
+    write and read the bf16 gradient, read and write the fp32 sum; fp32: 4 × 4)."""
+
+    name: str
+    param: int
+    grad: int
+    optim: int
+    grad_comm: int
+    act: int
+    compute: str
+    adam_bytes: int
+    wgrad_bytes: int
+
+
+PRECISIONS = {
+    # bf16 weights, fp32 main gradients (Megatron-LM's accumulation buffer, reduced in fp32 as
+    # Llama 3 §3.3.2 does), fp32 master weights + Adam m, v: 2 + 4 + 12 = 18 bytes/parameter
+    # (Megatron-LM distributed-optimizer table; ZeRO §3.1 counts 2 + 2 + 12 with fp16 gradients)
+    "bf16": Precision("bf16", 2, 4, 12, 4, 2, "bf16", 30, 12),
+    # shardwise's --dtype bf16: fp32 weights, gradients and Adam state, bf16 autocast compute
+    "amp": Precision("amp", 4, 4, 8, 4, 2, "bf16", 28, 16),
+    # everything fp32 (the CPU tests): 4 + 4 + 8 = 16 bytes/parameter
+    "fp32": Precision("fp32", 4, 4, 8, 4, 4, "fp32", 28, 16),
+}
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+CKPT = ("none", "selective", "full")
+STEP_COUNTER_BYTES = 4  # torch.optim.AdamW: one float32 `step` tensor per parameter tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Assumptions:
+    """The constants that are not datasheet numbers (see the module docstring)."""
+
+    gemm_efficiency: float = 0.676
+    link_efficiency: float = 0.8
+    memory_reserve: float = 0.10
+    grad_bucket_copy: bool = False  # True for shardwise's explicit DP engine
+    p2p_overlap: bool = True  # pipeline sends run under compute except in the fill and drain
+    grad_accum_fused: bool = False  # weight gradients accumulate inside the GEMM (Megatron-LM)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way to run a step. ``micro_batch``: sequences per micro-batch (b). ``virtual``: model
+    chunks per pipeline rank (interleaved-1f1b only). ``schedule`` is ignored when pp == 1.
+    ``grad_reduce`` (zero 2 and 3 with several micro-batches): "step" — the micro-batches
+    accumulate full local gradients and one reduce-scatter runs after the last (shardwise's
+    ZeRO engine, FSDP under ``no_sync``); "micro" — a reduce-scatter after every micro-batch,
+    gradients stay sharded (DeepSpeed ZeRO-2, FSDP without ``no_sync``)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    sp: bool = False
+    schedule: str = "1f1b"
+    virtual: int = 1
+    micro_batch: int = 1
+    ckpt: str = "none"
+    precision: str = "bf16"
+    grad_reduce: str = "step"  # zero 2/3: "step" (once, after accumulating) or "micro"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def name(self) -> str:
+        parts = [f"dp={self.dp}", f"tp={self.tp}{'+sp' if self.sp else ''}", f"pp={self.pp}"]
+        if self.zero:
+            parts.append(f"zero={self.zero}")
+        if self.pp > 1:
+            parts.append(self.schedule + (f"(v={self.virtual})" if self.virtual > 1 else ""))
+        parts.append(f"b={self.micro_batch}")
+        if self.ckpt != "none":
+            parts.append(f"ckpt={self.ckpt}")
+        if self.zero >= 2 and self.grad_reduce == "micro":
+            parts.append("reduce/micro-batch")
+        return " ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# activations
+
+
+def layer_activation_bytes(model: ModelSpec, tokens: int, *, tp: int = 1, sp: bool = False,
+                           ckpt: str = "none", act_bytes: int = 2) -> float:
+    """Bytes one transformer layer keeps for backward for a micro-batch of ``tokens`` = b·s
+    tokens (each sequence ``model.seq_len`` long), on one TP rank.
+
+    Korthikanti et al. 2022 §4.1 count, per layer and with ``a`` bytes per element: each norm keeps
+    its input and its output (the next matmul's input); attention keeps Q, K, V and its output
+    (the projection's input), plus — without a flash kernel — the softmax output (``a·h·s`` per
+    token), its dropout mask (``h·s``) and the dropout output (``a·h·s``); the MLP keeps its
+    intermediate tensors of width f; dropout keeps 1-byte masks after attention and MLP. For a
+    GPT layer (GeLU, f = 4d, MHA, dropout, a = 2) this is their ``sbh(34 + 5as/h)`` (eq. 1).
+
+    ``kernels="fused"`` (ModelSpec): norms keep 2 tensors, K and V are ``kvd`` wide (GQA), SwiGLU
+    keeps 3·f (its fused input [w1x, w3x] and output), GeLU 2·f (fc1 out, GeLU out); a flash
+    kernel adds its fp32 log-sum-exp (4·h bytes per token). ``kernels="eager"`` (our Llama in
+    PyTorch eager mode, exact in fp32 — checked under FakeTensorMode by
+    :mod:`shardwise.plan.estimate`): RMSNorm keeps x, x·rstd and the output (3·d) plus rstd
+    (4 bytes); K and V are repeated to all h heads before attention (d each); SwiGLU keeps
+    w1x, silu(w1x), w3x and their product (4·f).
+
+    TP (eq. 2): attention and MLP tensors are split over ``tp``; the norms' tensors and the
+    dropout masks are replicated unless ``sp`` (sequence parallelism, eq. 4: everything / t).
+
+    ``ckpt``: "none"; "selective" — recompute every FLOP-light operation in backward (the norms'
+    outputs, the MLP activation function, a non-flash attention core; Korthikanti §5 applied to
+    every such operation): keep the two norm inputs, Q, K, V, the attention output and the MLP's
+    pre-activations (SwiGLU 2·f, GeLU f), and the dropout masks; "full" — keep only the layer's
+    input (``a·d`` per token, split by SP).
+    """
+    m, a, d = model, act_bytes, model.d_model
+    kv_stored = d if m.kernels == "eager" else m.kv_dim
+    rep = tp if sp else 1  # divisor of the parts TP replicates
+    masks = 2 * d if m.dropout else 0  # bytes per token, 1-byte masks
+    lse = 4 * m.n_heads if m.flash_attention else 0
+    core = 0.0
+    if not m.flash_attention:
+        core = a * m.n_heads * m.seq_len + ((1 + a) * m.n_heads * m.seq_len if m.dropout else 0)
+    if ckpt == "full":
+        return tokens * a * d / rep
+    if ckpt == "selective":
+        replicated = 2 * a * d + masks
+        split = a * (2 * d + 2 * kv_stored) + lse + a * m.d_ff * (2 if m.mlp == "swiglu" else 1)
+    elif ckpt == "none":
+        if m.kernels == "eager":
+            replicated = 2 * (3 * a * d + 4) + masks
+            mlp = 4 if m.mlp == "swiglu" else 2
+        else:
+            replicated = 2 * (2 * a * d) + masks
+            mlp = 3 if m.mlp == "swiglu" else 2
+        split = a * (2 * d + 2 * kv_stored) + lse + core + a * m.d_ff * mlp
+    else:
+        raise ShardwiseConfigError(f"--ckpt {ckpt!r}: choose from {CKPT}")
+    return tokens * (replicated / rep + split / tp)
+
+
+def head_activation_bytes(model: ModelSpec, tokens: int, *, tp: int = 1, sp: bool = False,
+                          act_bytes: int = 2) -> float:
+    """Bytes the last stage keeps for the final norm and the loss of one micro-batch: the norm
+    (as in :func:`layer_activation_bytes`), the fp32 log-probabilities ``4·V/t`` per token
+    (Korthikanti §4.3) and, when activations are not fp32, the ``a·V/t`` logits before the
+    cast. Eager kernels also keep the int64 labels (8 bytes per token)."""
+    m, a, d = model, act_bytes, model.d_model
+    rep = tp if sp else 1
+    if m.kernels == "eager":
+        norm, labels = 3 * a * d + 4, 8
+    else:
+        norm, labels = 2 * a * d, 0
+    logits = 4 * m.vocab_size + (a * m.vocab_size if a != 4 else 0)
+    return tokens * (norm / rep + logits / tp + labels)
+
+
+def embedding_activation_bytes(model: ModelSpec, tokens: int) -> float:
+    """What the first stage keeps for the embedding: eager kernels keep the int64 token ids
+    (8 bytes per token) for the embedding's backward; fused kernels: negligible."""
+    return tokens * 8.0 if model.kernels == "eager" else 0.0
+
+
+def in_flight(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """Micro-batches whose activations the first stage holds at its peak (Korthikanti §4.2.3;
+    Narayanan et al. 2021 §2.2): GPipe m; 1F1B and ZB-H1 min(m, p); interleaved 1F1B
+    min(m, p)·(1 + (p−1)/(p·v)). One when p = 1 (gradient accumulation runs them one by one)."""
+    if p == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule in ("1f1b", "zb-h1"):
+        return float(min(m, p))
+    if schedule == "interleaved-1f1b":
+        return min(m, p) * (1 + (p - 1) / (p * v))
+    raise ShardwiseConfigError(f"--schedule {schedule!r}: choose from {SCHEDULES}")
+
+
+def bubble_time(schedule: str, p: int, t_mb: float, v: int = 1, m: int | None = None) -> float:
+    """Idle time per step on the critical stage (seconds), ``t_mb`` = forward + backward of one
+    micro-batch on one stage (see the module docstring for the sources). With fewer micro-batches
+    than stages (``m < p``) interleaving and ZB-H1 have nothing to fill the bubble with: they
+    are charged as 1F1B, (p−1)·t_mb."""
+    if p == 1:
+        return 0.0
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) * t_mb
+    if m is not None and m < p:  # too few micro-batches to fill the pipeline: as 1F1B
+        return (p - 1) * t_mb
+    if schedule == "interleaved-1f1b":
+        return (p - 1) * t_mb / v
+    if schedule == "zb-h1":
+        t_f = t_b = t_w = t_mb / 3
+        return (p - 1) * (t_f + t_b - t_w)
+    raise ShardwiseConfigError(f"--schedule {schedule!r}: choose from {SCHEDULES}")
+
+
+def elementwise_bytes(model: ModelSpec, *, tp: int = 1, sp: bool = False, ckpt: str = "none",
+                      act_bytes: int = 2) -> float:
+    """HBM bytes per token one layer's element-wise operations read and write, forward +
+    backward, on one TP rank (``a`` = ``act_bytes``).
+
+    On d-wide tensors (split over tp by SP, else replicated): forward 10 passes (each norm reads
+    and writes, each residual add reads two and writes one), backward 12 (each norm reads input
+    and gradient and writes one; each residual sums two gradients); full recomputation repeats the
+    forward 10, selective recomputation the norms' 4. RoPE reads and writes Q and K forward and
+    backward (4·(d + kvd)). On f-wide tensors (split over tp): SwiGLU 3 forward + 5 backward,
+    GeLU 2 + 3, plus the forward again under any recomputation. Dropout writes and reads a 1-byte
+    mask after attention and after the MLP."""
+    m, a, d = model, act_bytes, model.d_model
+    rep = tp if sp else 1
+    d_passes = 22 + {"none": 0, "selective": 4, "full": 10}[ckpt]
+    f_fwd, f_bwd = (3, 5) if m.mlp == "swiglu" else (2, 3)
+    f_passes = f_fwd + f_bwd + (f_fwd if ckpt != "none" else 0)
+    rope = 0 if m.learned_positions else 4 * (d + m.kv_dim) * (1.5 if ckpt == "full" else 1)
+    masks = 4 * d if m.dropout else 0
+    return a * d_passes * d / rep + a * rope / tp + a * f_passes * m.d_ff / tp + masks / rep
+
+
+def attention_core_bytes(model: ModelSpec, *, tp: int = 1, ckpt: str = "none",
+                         act_bytes: int = 2) -> float:
+    """HBM bytes per token of a non-flash attention core (0 with a flash kernel), forward +
+    backward, on one TP rank: the (h/t)·s score elements per token are written by QKᵀ, read and
+    written by the softmax, by dropout (plus its 1-byte mask) and read by the product with V —
+    ``6a + 1`` bytes forward — and ``9a + 1`` backward (``4a`` and ``7a`` without dropout); a
+    recomputation (selective or full) runs the forward again."""
+    m, a = model, act_bytes
+    if m.flash_attention:
+        return 0.0
+    fwd, bwd = (6 * a + 1, 9 * a + 1) if m.dropout else (4 * a, 7 * a)
+    per_elem = fwd * (2 if ckpt != "none" else 1) + bwd
+    return m.n_heads / tp * m.seq_len * per_elem
+
+
+def layer_seconds(model: ModelSpec, layout: Layout, gpu, assumptions: "Assumptions") -> dict:
+    """Seconds per token of one layer's forward + backward (recomputation included) on one GPU
+    of ``layout``, by part: "dense", "core", "elementwise", and their sum "total" (the module
+    docstring gives the roofline). Communication is not included."""
+    m, lay, A = model, layout, assumptions
+    prec = PRECISIONS[lay.precision]
+    peak = gpu.bf16_flops if prec.compute == "bf16" else gpu.fp32_flops
+    t, d, s = lay.tp, m.d_model, m.seq_len
+    dense = 6 * m.layer_matmul_params() * (4 / 3 if lay.ckpt == "full" else 1) / t
+    core_flops = 12 * d * s / t
+    if lay.ckpt == "full" or (lay.ckpt == "selective" and not m.flash_attention):
+        core_flops *= 4 / 3
+    t_dense = dense / (peak * A.gemm_efficiency)
+    if m.flash_attention:
+        t_core = core_flops / (peak * gpu.flash_efficiency)
+    else:
+        t_core = max(core_flops / (peak * A.gemm_efficiency),
+                     attention_core_bytes(m, tp=t, ckpt=lay.ckpt, act_bytes=prec.act)
+                     / gpu.hbm_bandwidth)
+    t_elem = elementwise_bytes(m, tp=t, sp=lay.sp, ckpt=lay.ckpt,
+                               act_bytes=prec.act) / gpu.hbm_bandwidth
+    return {"dense": t_dense, "core": t_core, "elementwise": t_elem,
+            "total": t_dense + t_core + t_elem}
+
+
+def head_seconds(model: ModelSpec, layout: Layout, gpu, assumptions: "Assumptions") -> float:
+    """Seconds per token of the output layer and the loss on one GPU: 6·V·d/t FLOPs at the GEMM
+    rate, plus the logits (``a``) and four fp32 passes over them (cast, log-softmax, and their
+    gradients) over the HBM bandwidth."""
+    prec = PRECISIONS[layout.precision]
+    peak = gpu.bf16_flops if prec.compute == "bf16" else gpu.fp32_flops
+    v = model.vocab_size / layout.tp
+    return (6 * v * model.d_model / (peak * assumptions.gemm_efficiency)
+            + (prec.act + 16) * v / gpu.hbm_bandwidth)
+
+
+# ---------------------------------------------------------------------------------------------
+# parameters and model state
+
+
+def partition_layers(n_layers: int, p: int, head_cost: float) -> list[int]:
+    """Layers per pipeline stage, contiguous, minimising the slowest stage when a layer costs 1
+    and the last stage also runs the output layer (``head_cost`` layers' worth). Llama 3 §3.3.2
+    does the same by giving the first and the last stage one layer less. Raises when p > L."""
+    return list(_partition(n_layers, p, head_cost))
+
+
+@functools.lru_cache(maxsize=4096)
+def _partition(n_layers: int, p: int, head_cost: float) -> tuple[int, ...]:
+    if p == 1:
+        return (n_layers,)
+    if p > n_layers:
+        raise ShardwiseConfigError(f"--pp {p} exceeds the model's {n_layers} layers: choose "
+                                   f"pp ≤ {n_layers}")
+    best = None
+    for last in range(0, math.ceil(n_layers / p) + 1):
+        rest = n_layers - last
+        if rest < p - 1:
+            continue
+        q, r = divmod(rest, p - 1)
+        stages = [q + 1] * r + [q] * (p - 1 - r) + [last]
+        if min(stages) < 1:
+            continue
+        slowest = max(max(stages[:-1]), last + head_cost)
+        if best is None or slowest < best[0] - 1e-12:
+            best = (slowest, tuple(stages))
+    return best[1]
+
+
+def stage_params(model: ModelSpec, layers: int, *, tp: int, first: bool, last: bool,
+                 pp: int) -> float:
+    """Parameters one GPU of a pipeline stage holds with ``layers`` layers: matmul weights and
+    the vocabulary split over tp, norms/biases replicated. The first stage holds the embedding,
+    the last the final norm and the output projection (with tied embeddings and pp > 1, a copy of
+    the embedding, as Megatron-LM keeps one on both ends)."""
+    m = model
+    n = layers * (m.layer_matmul_params() / tp + m.layer_small_params())
+    if first:
+        n += m.vocab_size * m.d_model / tp + m.learned_positions * m.d_model
+    if last:
+        n += m.d_model * (2 if m.norm == "layernorm" else 1)
+        if not m.tie_embeddings or (pp > 1 and not first):
+            n += m.vocab_size * m.d_model / tp
+    return n
+
+
+def stage_tensors(model: ModelSpec, layers: int, *, first: bool, last: bool, pp: int) -> int:
+    """Parameter tensors on a stage (for the optimizer's step counters)."""
+    m = model
+    if pp == 1:
+        return m.num_tensors()
+    per_layer = (m.num_tensors() - (1 + (1 if m.learned_positions else 0)
+                                    + (2 if m.norm == "layernorm" else 1)
+                                    + (0 if m.tie_embeddings else 1))) // m.n_layers
+    n = layers * per_layer
+    if first:
+        n += 1 + (1 if m.learned_positions else 0)
+    if last:
+        n += (2 if m.norm == "layernorm" else 1) + 1
+    return n
+
+
+def model_state_bytes(params: float, tensors: int, zero: int, dp: int, prec: Precision,
+                      full_grads: bool = False) -> dict[str, float]:
+    """{"params", "grads", "optimizer"} bytes one GPU holds for ``params`` parameters under ZeRO
+    stage ``zero`` over ``dp`` ranks (ZeRO §5.1), plus one fp32 step counter per tensor.
+    ``full_grads``: zero 2/3 accumulating full local gradients over micro-batches before one
+    reduce-scatter — the full gradients and the reduced shard are held at the peak."""
+    P, G, K = prec.param, prec.grad, prec.optim
+    shard = {0: (1, 1, 1), 1: (1, 1, dp), 2: (1, dp, dp), 3: (dp, dp, dp)}
+    if zero not in shard:
+        raise ShardwiseConfigError(f"--zero {zero}: choose from 0, 1, 2, 3")
+    sp, sg, so = shard[zero]
+    grads = G * params / sg + (G * params if full_grads and zero >= 2 else 0.0)
+    return {"params": P * params / sp, "grads": grads,
+            "optimizer": K * params / so + STEP_COUNTER_BYTES * tensors}
+
+
+# ---------------------------------------------------------------------------------------------
+# communication
+
+
+@dataclasses.dataclass
+class Collective:
+    """One kind of collective in a step: ``count`` calls of ``op`` on a buffer of ``size``
+    bytes over ``n`` ranks of ``axis``; ``wire`` = bytes this rank sends for all of them;
+    ``seconds`` = time of all of them; ``exposed`` = the part not hidden under compute."""
+
+    axis: str
+    op: str
+    tag: str
+    size: float
+    n: int
+    count: float
+    wire: float = 0.0
+    seconds: float = 0.0
+    exposed: float = 0.0
+    link: str = ""
+    note: str = ""
+
+
+def axis_link(cluster: Cluster, layout: Layout, axis: str) -> tuple[float, float, str]:
+    """(bandwidth bytes/s per GPU, latency s, description) of the groups along ``axis`` on the
+    rank grid (pp, dp, tp), TP innermost: ranks r = (pp_i·dp + dp_i)·tp + tp_i, filled node by
+    node. A group inside one node uses NVLink; one that spans nodes with k members per node gets
+    min(intra, k·inter) (k rings side by side, one per NIC)."""
+    return _axis_link(cluster, layout.tp, layout.dp, layout.pp, axis)
+
+
+@functools.lru_cache(maxsize=4096)
+def _axis_link(cluster: Cluster, tp: int, dp: int, pp: int, axis: str):
+    n = {"tp": tp, "dp": dp, "pp": pp}[axis]
+    stride = {"tp": 1, "dp": tp, "pp": tp * dp}[axis]
+    gpn = cluster.gpus_per_node
+    if (n - 1) * stride < gpn:  # the group of rank 0: ranks 0, stride, …, (n−1)·stride
+        return cluster.intra_bw, cluster.intra_latency, "intra-node"
+    k = min(n, -(-gpn // stride))  # members on node 0
+    bw = min(cluster.intra_bw, k * cluster.inter_bw)
+    return bw, cluster.inter_latency, f"inter-node ({k}/node)"
+
+
+_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
+          "reduce_scatter": lambda n: n - 1, "all_to_all": lambda n: n - 1,
+          "send": lambda n: 1}
+
+
+def collective_seconds(op: str, size: float, n: int, bw: float, latency: float,
+                       efficiency: float) -> tuple[float, float]:
+    """(bytes sent per rank, seconds) of one ring collective: ring steps · latency + bytes /
+    (bw · efficiency). Bytes are :func:`shardwise.comm.ledger.ring_bytes`."""
+    wire = ring_bytes(op, size, n) if op != "send" else float(size)
+    if op != "send" and n <= 1:
+        return 0.0, 0.0
+    return wire, _STEPS[op](n) * latency + wire / (bw * efficiency)
+
+
+def _coll(cluster, layout, axis, op, tag, size, count, assume, note=""):
+    n = {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp}[axis]
+    bw, lat, where = axis_link(cluster, layout, axis)
+    wire, sec = collective_seconds(op, size, n, bw, lat, assume.link_efficiency)
+    return Collective(axis, op, tag, size, n, count, wire * count, sec * count, 0.0, where, note)
+
+
+def dp_collectives(layout: Layout, params: float, prec: Precision, m: int, cluster: Cluster,
+                   assume: Assumptions, regathered: float | None = None) -> list[Collective]:
+    """The dp-axis collectives of one optimizer step for a GPU holding ``params`` parameters
+    (see the module docstring). ``regathered``: parameters zero 3 gathers again before backward
+    (default all of them; shardwise's ZeRO engine keeps its root unit gathered). ``exposed`` is
+    filled in by :func:`estimate`."""
+    z = layout.zero
+    g, w = prec.grad_comm * params, prec.param * params
+    again = params if regathered is None else regathered
+    rs_count = m if z >= 2 and layout.grad_reduce == "micro" else 1
+    rs_note = ("gradients, after every micro-batch" if rs_count > 1 else
+               "gradients, once per step")
+    out = [_coll(cluster, layout, "dp", "all_reduce", "loss", 8, 2, assume,
+                 "token count before the forward, loss sum after the step (fp64)")]
+    if z == 0:
+        out.append(_coll(cluster, layout, "dp", "all_reduce", "grad", g, 1, assume,
+                         "gradients, once per step"))
+        return out
+    out.append(_coll(cluster, layout, "dp", "reduce_scatter", "grad", g, rs_count, assume,
+                     rs_note))
+    if z < 3:
+        out.append(_coll(cluster, layout, "dp", "all_gather", "param", w, 1, assume,
+                         "updated parameters, once per step"))
+    else:
+        c = _coll(cluster, layout, "dp", "all_gather", "param", w, m, assume,
+                  "parameters before every micro-batch's forward and backward")
+        if again:
+            back = _coll(cluster, layout, "dp", "all_gather", "param",
+                         prec.param * again, m, assume)
+            c.wire += back.wire
+            c.seconds += back.seconds
+            c.count += m
+        out.append(c)
+    out.append(_coll(cluster, layout, "dp", "all_reduce", "grad_norm", 8, 1, assume,
+                     "sum of squares of the gradient shards, for the global norm (fp64)"))
+    return out
+
+
+def dp_step_bytes(model: ModelSpec, layout: Layout, *, m: int = 1, params: float | None = None,
+                  regathered: float | None = None) -> dict[str, float]:
+    """Bytes one rank sends on the dp axis per optimizer step, by ledger tag ("grad", "param",
+    "grad_norm", "loss"), for pp = tp = 1 (the whole model on every rank): the number the ledger
+    books. ``params`` overrides Ψ (an engine whose flat buffers are padded to a multiple of dp
+    sends the padded count); ``regathered`` as in :func:`dp_collectives`. Zero 0:
+    ``grad = 2(n−1)/n · G_c·Ψ``, ``loss = 2 · 2(n−1)/n · 8``; zero 1/2: reduce-scatter + all-gather,
+    (n−1)/n each, plus one fp64 all-reduce for the gradient norm; zero 3: the all-gathers per
+    micro-batch. Link speeds do not enter (bytes only)."""
+    from .hardware import get_cluster
+
+    if layout.tp != 1 or layout.pp != 1:
+        raise ValueError("dp_step_bytes: the whole model per rank only (tp = pp = 1)")
+    prec = PRECISIONS[layout.precision]
+    psi = model.num_params() if params is None else params
+    out: dict[str, float] = {}
+    for c in dp_collectives(layout, psi, prec, m, get_cluster("h100-sxm"), Assumptions(),
+                            regathered):
+        out[c.tag] = out.get(c.tag, 0.0) + c.wire
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the estimate
+
+
+@dataclasses.dataclass
+class Estimate:
+    """Everything :func:`estimate` derives for one layout (bytes, seconds, FLOPs)."""
+
+    model: ModelSpec
+    cluster: Cluster
+    layout: Layout
+    assumptions: Assumptions
+    global_batch: int  # sequences per step
+    microbatches: int  # m
+    stages: list[int]  # layers per pipeline stage
+    memory: dict[str, dict[str, float]]  # "first"/"last" → breakdown (bytes)
+    mem_bytes_per_gpu: float
+    capacity_bytes: float
+    fits: bool
+    flops: dict[str, float]
+    times: dict[str, float]
+    comm: list[Collective]
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    hfu: float
+    details: dict
+
+    @property
+    def tokens(self) -> int:
+        return self.global_batch * self.model.seq_len
+
+    def to_json(self) -> dict:
+        lay = self.layout
+        return {
+            "dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero,
+            "schedule": lay.schedule if lay.pp > 1 else None,
+            "microbatches": self.microbatches, "mfu": self.mfu, "step_time_s": self.step_time_s,
+            "mem_bytes_per_gpu": self.mem_bytes_per_gpu, "fits": self.fits,
+            "sp": lay.sp, "virtual_stages": lay.virtual if lay.pp > 1 else 1,
+            "micro_batch_size": lay.micro_batch, "ckpt": lay.ckpt, "precision": lay.precision,
+            "tokens_per_s": self.tokens_per_s, "hfu": self.hfu, "grad_reduce": lay.grad_reduce,
+            "capacity_bytes": self.capacity_bytes,
+            "memory": {k: {kk: float(vv) for kk, vv in v.items()} for k, v in
+                       self.memory.items()},
+            "times_s": dict(self.times),
+        }
+
+
+def check_layout(model: ModelSpec, cluster: Cluster, layout: Layout, global_batch: int) -> int:
+    """Validate ``layout`` for ``model`` and a step of ``global_batch`` sequences; return m, the
+    micro-batches per step and replica. Raises ShardwiseConfigError naming the constraint."""
+    lay = layout
+    for name, v in (("dp", lay.dp), ("tp", lay.tp), ("pp", lay.pp), ("micro-batch", lay.micro_batch),
+                    ("virtual stages", lay.virtual)):
+        if not isinstance(v, int) or v < 1:
+            raise ShardwiseConfigError(f"{name} = {v!r} must be a positive integer")
+    if lay.precision not in PRECISIONS:
+        raise ShardwiseConfigError(f"--precision {lay.precision!r}: choose from "
+                                   f"{sorted(PRECISIONS)}")
+    if lay.ckpt not in CKPT:
+        raise ShardwiseConfigError(f"--ckpt {lay.ckpt!r}: choose from {CKPT}")
+    if lay.zero not in (0, 1, 2, 3):
+        raise ShardwiseConfigError(f"--zero {lay.zero}: choose from 0, 1, 2, 3")
+    if lay.grad_reduce not in ("step", "micro"):
+        raise ShardwiseConfigError(f"grad_reduce {lay.grad_reduce!r}: choose step or micro")
+    if lay.schedule not in SCHEDULES:
+        raise ShardwiseConfigError(f"--schedule {lay.schedule!r}: choose from {SCHEDULES}")
+    if model.n_heads % lay.tp or model.n_kv_heads % lay.tp:
+        ok = [t for t in range(1, model.n_kv_heads + 1) if model.n_kv_heads % t == 0]
+        raise ShardwiseConfigError(f"tp={lay.tp} must divide n_heads={model.n_heads} and "
+                                   f"n_kv_heads={model.n_kv_heads} ({model.name}): choose tp in "
+                                   f"{ok}")
+    if lay.sp and lay.tp == 1:
+        raise ShardwiseConfigError("--sp needs tp > 1 (sequence parallelism splits what TP "
+                                   "replicates)")
+    if lay.pp > model.n_layers:
+        raise ShardwiseConfigError(f"pp={lay.pp} exceeds the model's {model.n_layers} layers: "
+                                   f"choose pp ≤ {model.n_layers}")
+    if lay.pp > 1 and lay.schedule != "interleaved-1f1b" and lay.virtual != 1:
+        raise ShardwiseConfigError(f"virtual stages = {lay.virtual} need --schedule "
+                                   "interleaved-1f1b")
+    if lay.pp > 1 and lay.schedule == "interleaved-1f1b":
+        per_rank = math.ceil(model.n_layers / lay.pp)
+        if lay.virtual > per_rank:
+            raise ShardwiseConfigError(f"{lay.virtual} virtual stages per rank exceed the "
+                                       f"{per_rank} layers per rank: choose v ≤ {per_rank}")
+    per_step = lay.dp * lay.micro_batch
+    if global_batch % per_step:
+        raise ShardwiseConfigError(
+            f"global batch of {global_batch} sequences is not divisible by dp × micro-batch = "
+            f"{lay.dp} × {lay.micro_batch} = {per_step}: change --global-batch-tokens or the "
+            "layout")
+    return global_batch // per_step
+
+
+def estimate(model: ModelSpec, cluster: Cluster, layout: Layout, global_batch: int,
+             assumptions: Assumptions = Assumptions()) -> Estimate:
+    """Memory, time and MFU of ``layout`` training ``model`` on ``cluster`` with ``global_batch``
+    sequences of ``model.seq_len`` tokens per optimizer step. Raises ShardwiseConfigError for an
+    invalid layout (:func:`check_layout`). Formulas: the module docstring."""
+    A, lay, M, C = assumptions, layout, model, cluster
+    m = check_layout(M, C, lay, global_batch)
+    prec = PRECISIONS[lay.precision]
+    t, p, n, v = lay.tp, lay.pp, lay.dp, lay.virtual if lay.pp > 1 else 1
+    a, s, tokens_mb = prec.act, M.seq_len, lay.micro_batch * M.seq_len
+    peak = C.gpu.bf16_flops if prec.compute == "bf16" else C.gpu.fp32_flops
+
+    # FLOPs per token
+    layer_model = 6 * M.layer_matmul_params() + 12 * M.d_model * s
+    extra = {"none": 0.0, "selective": 0.0 if M.flash_attention else 4 * M.d_model * s,
+             "full": 2 * M.layer_matmul_params() + 4 * M.d_model * s}[lay.ckpt]
+    layer_hw = layer_model + extra
+    head_flops = 6 * M.vocab_size * M.d_model
+    model_flops_token = M.n_layers * layer_model + head_flops
+    lsec = layer_seconds(M, lay, C.gpu, A)
+    hsec = head_seconds(M, lay, C.gpu, A)
+    stages = partition_layers(M.n_layers, p, round(hsec / lsec["total"], 6))
+    first_layers, last_layers = stages[0], stages[-1]
+
+    # memory of the first and the last stage
+    capacity = C.gpu.hbm_bytes * (1 - A.memory_reserve)
+    per_layer = layer_activation_bytes(M, tokens_mb, tp=t, sp=lay.sp, ckpt=lay.ckpt,
+                                       act_bytes=a)
+    transient = (layer_activation_bytes(M, tokens_mb, tp=t, sp=lay.sp, ckpt="none",
+                                        act_bytes=a) if lay.ckpt == "full" else 0.0)
+    flight = in_flight(lay.schedule, p, m, v)
+    memory = {}
+    for where, layers, first, last in (("first", first_layers, True, p == 1),
+                                       ("last", last_layers, p == 1, True)):
+        params = stage_params(M, layers, tp=t, first=first, last=last, pp=p)
+        tensors = stage_tensors(M, layers, first=first, last=last, pp=p)
+        st = model_state_bytes(params, tensors, lay.zero, n, prec,
+                               full_grads=lay.grad_reduce == "step" and m > 1)
+        k = flight if first else 1.0
+        act = k * layers * per_layer + transient
+        if first:
+            act += k * embedding_activation_bytes(M, tokens_mb)
+        if last:
+            act += head_activation_bytes(M, tokens_mb, tp=t, sp=lay.sp, act_bytes=a)
+        buf = 0.0
+        if lay.zero == 3:
+            buf += (prec.param + prec.grad) * 2 * M.layer_params() / t
+        if p > 1:
+            buf += 2 * a * tokens_mb * M.d_model / t
+        if A.grad_bucket_copy and lay.zero < 2:
+            buf += prec.grad * params
+        memory[where] = {"params_count": params, **st, "activations": act, "buffers": buf,
+                         "total": st["params"] + st["grads"] + st["optimizer"] + act + buf}
+        if p == 1:
+            memory["last"] = memory["first"]
+            break
+    mem = max(memory["first"]["total"], memory["last"]["total"])
+
+    # compute and TP time per micro-batch on each stage; the slowest sets the pace
+    act_size = a * tokens_mb * M.d_model  # [b, s, d] activation, bytes
+    tp_ops = ("all_gather", "reduce_scatter") if lay.sp else ("all_reduce",)
+    per_layer_colls = 4 + (2 if lay.ckpt == "full" else 0)  # all-reduce equivalents per layer
+    comm: list[Collective] = []
+
+    def tp_time(layers, first, last):
+        if t == 1:
+            return 0.0, []
+        out = []
+        for op in tp_ops:
+            out.append(_coll(C, lay, "tp", op, "act", act_size, per_layer_colls * layers, A,
+                             "layers: f/g of attention and MLP, forward + backward"))
+        if first:
+            out.append(_coll(C, lay, "tp", "reduce_scatter" if lay.sp else "all_reduce",
+                             "act", act_size, 1, A, "vocabulary-parallel embedding (forward)"))
+        if last:
+            for op in (("all_gather", "reduce_scatter") if lay.sp else ("all_reduce",)):
+                out.append(_coll(C, lay, "tp", op, "act", act_size, 1, A,
+                                 "output layer input (forward gather / backward reduce)"))
+        return sum(c.seconds for c in out), out
+
+    shapes = {}  # stages of the same (layers, first, last) cost the same: evaluate each once
+    for i, layers in enumerate(stages):
+        key = (layers, i == 0, i == p - 1)
+        if key not in shapes:
+            comp = tokens_mb * (layers * lsec["total"] + (hsec if key[2] else 0.0))
+            if not A.grad_accum_fused:  # every micro-batch's weight gradients: + into .grad
+                comp += (prec.wgrad_bytes * stage_params(M, layers, tp=t, first=key[1],
+                                                         last=key[2], pp=p)
+                         / C.gpu.hbm_bandwidth)
+            t_tp, colls = tp_time(*key)
+            shapes[key] = (comp + t_tp, comp, t_tp, colls, i)
+    t_mb, t_comp, t_tp, tp_colls, crit = max(shapes.values(), key=lambda x: x[0])
+    for c in tp_colls:
+        c.count *= m
+        c.wire *= m
+        c.seconds *= m
+        c.exposed = c.seconds
+    comm += tp_colls
+    bubble = bubble_time(lay.schedule, p, t_mb, v, m)
+    pipeline = m * t_mb + bubble
+
+    # DP/ZeRO: the critical stage's parameters; overlap windows (module docstring)
+    params_crit = stage_params(M, stages[crit], tp=t, first=crit == 0, last=crit == p - 1, pp=p)
+    dp_colls = dp_collectives(lay, params_crit, prec, m, C, A)
+    t_f, t_b = t_mb / 3, 2 * t_mb / 3
+    for c in dp_colls:
+        if c.tag in ("loss", "grad_norm"):
+            c.exposed = c.seconds
+        elif c.tag == "grad":  # under the backward of the micro-batch(es) it follows
+            c.exposed = c.count * max(0.0, c.seconds / c.count - t_b)
+        elif lay.zero in (1, 2):  # the param all-gather, under the next step's first forward
+            c.exposed = max(0.0, c.seconds - t_f)
+    if lay.zero == 3:  # per micro-batch: one gather under forward, one (+ RS) under backward
+        ag = next(c for c in dp_colls if c.tag == "param")
+        rs = next(c for c in dp_colls if c.tag == "grad")
+        one_ag = ag.seconds / ag.count
+        one_rs = rs.seconds / rs.count
+        ag.exposed = m * (max(0.0, one_ag - t_f) + max(0.0, one_ag - t_b))
+        rs.exposed = rs.count * max(0.0, one_rs - max(0.0, t_b - one_ag))
+    comm += dp_colls
+    dp_exposed = sum(c.exposed for c in dp_colls)
+
+    pp_exposed = 0.0
+    if p > 1:
+        size = a * tokens_mb * M.d_model / t
+        sends = 2 * m * v  # a middle rank: one forward and one backward send per chunk
+        c = _coll(C, lay, "pp", "send", "act", size, sends, A,
+                  "activations forward and gradients backward at every stage boundary")
+        c.exposed = 2 * (p - 1) * c.seconds / sends if A.p2p_overlap else c.seconds
+        pp_exposed = c.exposed
+        comm.append(c)
+
+    opt_params = params_crit / (n if lay.zero >= 1 else 1)
+    t_opt = prec.adam_bytes * opt_params / C.gpu.hbm_bandwidth
+    step = pipeline + dp_exposed + pp_exposed + t_opt
+    step_tokens = global_batch * s
+    model_flops = step_tokens * model_flops_token
+    hw_flops = step_tokens * (M.n_layers * layer_hw + head_flops)
+    world = lay.world
+    mfu = model_flops / (step * world * C.gpu.bf16_flops)
+    hfu = hw_flops / (step * world * C.gpu.bf16_flops)
+    times = {"compute": m * t_comp, "tp": m * t_tp, "bubble": bubble, "dp_exposed": dp_exposed,
+             "pp_exposed": pp_exposed, "optimizer": t_opt, "step": step}
+    flops = {"model_per_token": model_flops_token, "layer_model_per_token": layer_model,
+             "layer_hw_per_token": layer_hw, "head_per_token": head_flops,
+             "model_per_step": model_flops, "hw_per_step": hw_flops}
+    details = {"t_mb": t_mb, "t_comp_mb": t_comp, "t_tp_mb": t_tp, "critical_stage": crit,
+               "in_flight": flight, "act_per_layer": per_layer, "transient": transient,
+               "layer_seconds": lsec, "head_seconds": hsec, "peak": peak, "act_size": act_size,
+               "opt_params": opt_params,
+               "params_crit": params_crit}
+    return Estimate(M, C, lay, A, global_batch, m, stages, memory, mem, capacity, mem <= capacity,
+                    flops, times, comm, step, step_tokens / step, mfu, hfu, details)

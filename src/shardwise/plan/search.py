@@ -1,0 +1,201 @@
+"""Enumerate the layouts of a model on a cluster and rank them by predicted MFU.
+
+A layout fixes dp × tp × pp = the number of GPUs, the ZeRO stage over dp, sequence parallelism,
+the pipeline schedule and its virtual stages, the micro-batch size and activation checkpointing
+(:class:`~shardwise.plan.cost.Layout`). :func:`search` evaluates every one that is valid
+(:func:`~shardwise.plan.cost.check_layout`) with :func:`~shardwise.plan.cost.estimate`; the ones
+that fit come first, best MFU first (ties: less memory), then the ones that do not fit, best MFU
+first. Any dimension can be fixed (``fixed``), which is how the CLI's layout flags work.
+
+What is enumerated, and why not more:
+
+* tp: powers of two up to the GPUs per node (TP's per-layer all-reduces want NVLink; Narayanan
+  et al. 2021 §3.3, takeaway #1) that divide the heads and the kv heads.
+* pp: divisors of GPUs / tp up to the number of layers.
+* zero: 0–3 when dp > 1 (a ZeRO stage over one rank is plain DP).
+* sp: on whenever tp > 1 (same bytes as TP without it, less memory: Korthikanti et al. 2022
+  §4.2.2), unless fixed.
+* schedule (pp > 1): gpipe, 1f1b, zb-h1, and interleaved-1f1b with 2, 4, 8, … virtual stages up
+  to the layers per rank.
+* micro-batch size: 1, 2, 4, 8 sequences (when it divides the replica's batch).
+* ckpt: none, selective, full.
+* zero 2/3 with several micro-batches: one gradient reduce-scatter per step (full local gradients
+  held) or one per micro-batch (gradients stay sharded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ..errors import ShardwiseConfigError
+from .cost import CKPT, SCHEDULES, Assumptions, Estimate, Layout, estimate
+from .hardware import Cluster
+from .models import ModelSpec
+
+FAMILIES = ("DP", "ZeRO-1/2", "FSDP (ZeRO-3)", "TP + DP", "PP + DP", "TP + PP + DP")
+
+
+def family(layout: Layout) -> str:
+    """The strategy family of a layout, for the plot: which axes are > 1, and the ZeRO stage
+    when only data parallelism is used."""
+    if layout.tp == 1 and layout.pp == 1:
+        return {0: "DP", 1: "ZeRO-1/2", 2: "ZeRO-1/2", 3: "FSDP (ZeRO-3)"}[layout.zero]
+    if layout.pp == 1:
+        return "TP + DP"
+    if layout.tp == 1:
+        return "PP + DP"
+    return "TP + PP + DP"
+
+
+def parse_tokens(text: str | int) -> int:
+    """``"4M"`` → 4·2**20, ``"16M"`` → 16,777,216, ``"512K"``, ``"1G"``, ``"4194304"``, ``4e6``.
+    Binary suffixes, the convention of "16M tokens" in Llama 3 §3.4.1 (2,048 sequences × 8,192).
+    Raises ShardwiseConfigError."""
+    if isinstance(text, int):
+        value = text
+    else:
+        s = str(text).strip().upper().replace("_", "").replace(",", "")
+        mult = {"K": 2**10, "M": 2**20, "G": 2**30, "B": 2**30}.get(s[-1:], 1)
+        if mult != 1:
+            s = s[:-1]
+        try:
+            value = float(s) * mult
+        except ValueError:
+            raise ShardwiseConfigError(f"--global-batch-tokens {text!r}: write a number of "
+                                       "tokens such as 4M, 512K or 4194304") from None
+        if value != int(value):
+            raise ShardwiseConfigError(f"--global-batch-tokens {text!r} is not a whole number "
+                                       "of tokens")
+        value = int(value)
+    if value < 1:
+        raise ShardwiseConfigError(f"--global-batch-tokens {text!r} must be positive")
+    return value
+
+
+def global_batch_sequences(tokens: int, seq_len: int) -> int:
+    """Sequences per step. Raises ShardwiseConfigError when ``tokens`` is not a multiple of the
+    sequence length, naming the two nearest valid values."""
+    if tokens % seq_len:
+        lo = max(seq_len, tokens // seq_len * seq_len)
+        raise ShardwiseConfigError(
+            f"--global-batch-tokens {tokens:,} is not a multiple of the sequence length "
+            f"{seq_len}: choose {lo:,} or {lo + seq_len:,} (or change --seq-len)")
+    return tokens // seq_len
+
+
+@dataclasses.dataclass
+class Fixed:
+    """Dimensions the user fixed (None = search over it)."""
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    zero: int | None = None
+    sp: bool | None = None
+    schedule: str | None = None
+    virtual: int | None = None
+    microbatches: int | None = None  # m: micro-batches per step and replica
+    micro_batch: int | None = None
+    ckpt: str | None = None
+    grad_reduce: str | None = None  # zero 2/3: "step" or "micro"
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidates(model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int,
+               fixed: Fixed = Fixed(), precision: str = "bf16") -> list[Layout]:
+    """Every layout :func:`search` evaluates (before validity checks that need the estimate).
+    Raises ShardwiseConfigError when a fixed dimension is impossible for ``gpus``."""
+    f = fixed
+    if gpus < 1:
+        raise ShardwiseConfigError(f"--gpus {gpus} must be at least 1")
+    for name in ("dp", "tp", "pp"):
+        v = getattr(f, name)
+        if v is not None and (v < 1 or gpus % v):
+            raise ShardwiseConfigError(f"--{name} {v} does not divide --gpus {gpus}: choose "
+                                       f"from {_divisors(gpus)}")
+    if f.tp is not None:
+        tps = [f.tp]
+    else:
+        tps = [t for t in (2**i for i in range(0, 11))
+               if t <= min(cluster.gpus_per_node, gpus) and gpus % t == 0
+               and model.n_heads % t == 0 and model.n_kv_heads % t == 0]
+    out = []
+    for tp in tps:
+        pps = [f.pp] if f.pp is not None else [p for p in _divisors(gpus // tp)
+                                                 if p <= model.n_layers]
+        for pp in pps:
+            if gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            if f.dp is not None and dp != f.dp:
+                continue
+            zeros = [f.zero] if f.zero is not None else ([0, 1, 2, 3] if dp > 1 else [0])
+            sps = [f.sp] if f.sp is not None else [tp > 1]
+            if pp == 1:
+                scheds = [("1f1b", 1)]
+            else:
+                per_rank = math.ceil(model.n_layers / pp)
+                scheds = []
+                for s in ([f.schedule] if f.schedule else SCHEDULES):
+                    if s == "interleaved-1f1b":
+                        vs = ([f.virtual] if f.virtual else
+                              [v for v in (2**i for i in range(1, 8)) if v <= per_rank])
+                        scheds += [(s, v) for v in vs]
+                    else:
+                        scheds.append((s, 1))
+            if f.microbatches is not None:
+                if global_batch % (dp * f.microbatches):
+                    continue
+                mbs = [global_batch // (dp * f.microbatches)]
+            elif f.micro_batch is not None:
+                mbs = [f.micro_batch]
+            else:
+                mbs = [b for b in (1, 2, 4, 8) if global_batch % (dp * b) == 0]
+            for zero in zeros:
+                for sp in sps:
+                    for sched, v in scheds:
+                        for b in mbs:
+                            several = global_batch // (dp * b) > 1
+                            reduces = (["step", "micro"] if zero >= 2 and several
+                                       else ["step"])
+                            if f.grad_reduce is not None:
+                                reduces = [f.grad_reduce] if zero >= 2 else ["step"]
+                            for ck in ([f.ckpt] if f.ckpt else CKPT):
+                                for red in reduces:
+                                    out.append(Layout(dp, tp, pp, zero, sp, sched, v, b, ck,
+                                                      precision, red))
+    return out
+
+
+def search(model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int,
+           fixed: Fixed = Fixed(), precision: str = "bf16",
+           assumptions: Assumptions = Assumptions()) -> list[Estimate]:
+    """Estimates of every valid layout, fitting ones first, each group best MFU first. Raises
+    ShardwiseConfigError when no layout is valid, with the reason of the first rejection."""
+    results, first_error = [], None
+    for lay in candidates(model, cluster, gpus, global_batch, fixed, precision):
+        try:
+            results.append(estimate(model, cluster, lay, global_batch, assumptions))
+        except ShardwiseConfigError as e:
+            first_error = first_error or e
+    if not results:
+        if first_error:
+            raise first_error
+        raise ShardwiseConfigError(
+            f"no layout of {gpus} GPUs splits {global_batch} sequences of {model.name} with the "
+            "fixed dimensions: change --global-batch-tokens, --gpus or the layout flags")
+    results.sort(key=lambda e: (not e.fits, -e.mfu, e.mem_bytes_per_gpu))
+    return results
+
+
+def best_by_family(results: list[Estimate]) -> dict[str, Estimate]:
+    """The best fitting estimate of each strategy family (:func:`family`)."""
+    out: dict[str, Estimate] = {}
+    for e in results:
+        if e.fits and family(e.layout) not in out:
+            out[family(e.layout)] = e
+    return out

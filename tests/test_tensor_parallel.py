@@ -1,0 +1,313 @@
+"""Tensor (+ sequence) parallelism against a single-process reference computed here, plus the
+ledger against the formula, the dropout RNG policy, the conversion check and bad input.
+
+One 4-rank world (tests/workers/tp_cases.py) runs tp ∈ {2, 4} × engine ∈ {explicit, torch} ×
+SP on/off × tied/untied embeddings, each 3 AdamW steps with 2 micro-batches and clipping that
+binds, on a GQA model (8 heads, 4 kv heads) with vocabulary 67, which neither tp divides."""
+
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.comm import Ledger
+from shardwise.data import DistributedSampler
+from shardwise.errors import ShardwiseConfigError
+from shardwise.launch import spawn
+from shardwise.models import LlamaConfig, build_model
+from shardwise.parallel import tensor as T
+from shardwise.parallel.tensor import (parallelize_tensor, tp_step_bytes_formula, validate_tp,
+                                       valid_tp_degrees)
+from shardwise.train.workload import SyntheticLMWorkload
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+import tp_cases as W  # noqa: E402
+
+RTOL, ATOL = 1e-5, 1e-6
+CASES = list(itertools.product(W.TPS, W.ENGINES, W.SPS, W.TIED))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp")
+    code = spawn([str(out)], 4, program=[sys.executable, str(Path(W.__file__))])
+    assert code == 0, "the TP worker world failed (see its output above)"
+    return out
+
+
+def _reference(tied):
+    """Plain model and AdamW, the whole global batch in one forward, F.cross_entropy mean over
+    counted tokens, clip_grad_norm_. Nothing from shardwise.train or shardwise.parallel."""
+    work = SyntheticLMWorkload(vocab_size=67, seq_len=16, num_train=64, num_val=4, seed=0)
+    torch.manual_seed(0)
+    model = build_model("tiny", vocab_size=67, tie_embeddings=tied, **W.MODEL)
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "tok_embeddings" in n]
+    decay = [p for n, p in model.named_parameters() if not (p.dim() < 2 or "tok_embeddings" in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=W.LR,
+                            betas=(0.9, 0.95), eps=1e-8)
+    sampler = DistributedSampler(64, W.GLOBAL_BATCH, 1, 0, seed=0)
+    ref = {"loss": [], "grad_norm": [], "grads": []}
+    with torch.no_grad():
+        (mb,) = work.batches(torch.arange(8), 8)
+        ref["eval_loss_sum"] = F.cross_entropy(model(mb["input_ids"]).reshape(-1, 67),
+                                               mb["labels"].reshape(-1), ignore_index=-100,
+                                               reduction="sum").item()
+    for _ in range(W.STEPS):
+        (batch,) = work.batches(sampler.next_global_batch(), W.GLOBAL_BATCH)
+        logits = model(batch["input_ids"])
+        loss = F.cross_entropy(logits.reshape(-1, 67), batch["labels"].reshape(-1),
+                               ignore_index=-100)
+        loss.backward()
+        ref["grad_norm"].append(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                               W.MAX_NORM).item())
+        ref["loss"].append(loss.item())
+        ref["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    ref["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return ref
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {tied: _reference(tied) for tied in W.TIED}
+
+
+def _load(out, tp, engine, sp, tied):
+    return [torch.load(out / f"{W.case_name(tp, engine, sp, tied)}_rank{r}.pt")
+            for r in range(tp)]
+
+
+@pytest.mark.parametrize("tp,engine,sp,tied", CASES)
+def test_tp_matches_single_process(results, references, tp, engine, sp, tied):
+    ref = references[tied]
+    for rank, rec in enumerate(_load(results, tp, engine, sp, tied)):
+        torch.testing.assert_close(torch.tensor(rec["eval_loss_sum"]),
+                                   torch.tensor(ref["eval_loss_sum"]), rtol=RTOL, atol=ATOL)
+        for step in range(W.STEPS):
+            torch.testing.assert_close(torch.tensor(rec["loss"][step]),
+                                       torch.tensor(ref["loss"][step]), rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(torch.tensor(rec["grad_norm"][step]),
+                                       torch.tensor(ref["grad_norm"][step]), rtol=RTOL, atol=ATOL)
+            assert ref["grad_norm"][step] > W.MAX_NORM  # clipping binds
+            assert rec["grads"][step].keys() == ref["grads"][step].keys()
+            for name, g in ref["grads"][step].items():
+                torch.testing.assert_close(rec["grads"][step][name], g, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"rank {rank} step {step} {name}: {m}")
+        for name, p in ref["params"].items():
+            torch.testing.assert_close(rec["params"][name], p, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"rank {rank} final {name}: {m}")
+
+
+def test_reference_has_gqa_and_an_indivisible_vocabulary():
+    cfg = build_model("tiny", vocab_size=67, **W.MODEL).config
+    assert cfg.n_kv_heads < cfg.n_heads and all(67 % tp for tp in W.TPS)
+
+
+# -- ledger vs formula ---------------------------------------------------------------------------
+def test_formula_hand_worked():
+    """d=32, L=2, 8 sequences × 16 tokens = 128 tokens; one [128, 32] fp32 activation is
+    A = 16,384 bytes. tp=2: r = 2(n−1)/n = 1; tp=4: r = 1.5."""
+    cfg = LlamaConfig(vocab_size=67, d_model=32, n_layers=2, n_heads=8, n_kv_heads=4, d_ff=64)
+    f = tp_step_bytes_formula(cfg, sequences=8, seq_len=16, tp=2, sp=False)
+    assert f["tp_fwd"] == 5 * 16384 and f["tp_bwd"] == 5 * 16384  # (1 + 2L) all-reduces each
+    assert f["ce"] == 3 * 128 * 4 and f["norm"] == 8 and f["grad"] == 0 and f["loss"] == 0
+    assert f["total"] == 2 * 81920 + 1536 + 8
+    g = tp_step_bytes_formula(cfg, sequences=8, seq_len=16, tp=4, sp=True)
+    # 10 all-gathers/reduce-scatters each way of (3/4)·16384; 5 norm weights of 32 fp32
+    assert g["tp_fwd"] == g["tp_bwd"] == 10 * 0.75 * 16384
+    assert g["grad"] == 1.5 * 5 * 32 * 4 and g["ce"] == 1.5 * 1536 and g["norm"] == 12
+    # bf16 autocast: the 2L row-parallel outputs travel in 2 bytes (forward g only, no SP)
+    h = tp_step_bytes_formula(cfg, sequences=8, seq_len=16, tp=2, sp=False, dtype="bf16")
+    assert h["tp_fwd"] == 16384 + 4 * 8192 and h["tp_bwd"] == 5 * 16384
+
+
+@pytest.mark.parametrize("tp,engine,sp,tied", CASES)
+def test_ledger_bytes_equal_formula(results, references, tp, engine, sp, tied):
+    cfg = build_model("tiny", vocab_size=67, **W.MODEL).config
+    f = tp_step_bytes_formula(cfg, W.GLOBAL_BATCH, 16, tp, sp)
+    for rec in _load(results, tp, engine, sp, tied):
+        for step in range(W.STEPS):
+            got = rec["bytes"][step]
+            assert rec["total_bytes"][step] == pytest.approx(f["total"], rel=1e-12, abs=0)
+            if engine == "explicit":  # per tag (DTensor's loss collectives are tagged tp_fwd)
+                for tag in W.TAGS:
+                    assert got[tag] == pytest.approx(f[tag], rel=1e-12, abs=0), tag
+            else:
+                assert got["tp_fwd"] == pytest.approx(f["tp_fwd"] + f["ce"], rel=1e-12, abs=0)
+                assert got["tp_bwd"] == pytest.approx(f["tp_bwd"], rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize("engine,sp", list(itertools.product(W.ENGINES, W.SPS)))
+def test_ledger_bytes_equal_formula_under_bf16(results, engine, sp):
+    """Row-parallel outputs travel in bf16 under autocast, everything else in fp32."""
+    cfg = build_model("tiny", vocab_size=67, **W.MODEL).config
+    f = tp_step_bytes_formula(cfg, 8, 16, 2, sp, dtype="bf16")
+    assert f["tp_fwd"] < tp_step_bytes_formula(cfg, 8, 16, 2, sp)["tp_fwd"]
+    for r in range(2):
+        got = torch.load(results / f"bf16_{engine}_{'sp' if sp else 'nosp'}_rank{r}.pt")
+        ce = 0.0 if engine == "explicit" else f["ce"]  # DTensor's loss collectives: tp_fwd
+        assert got["tp_fwd"] == pytest.approx(f["tp_fwd"] + ce, rel=1e-12, abs=0)
+        assert got["tp_bwd"] == pytest.approx(f["tp_bwd"], rel=1e-12, abs=0)
+        assert got["ce"] + got["tp_fwd"] + got["grad"] == pytest.approx(
+            f["ce"] + f["tp_fwd"] + f["grad"], rel=1e-12, abs=0)
+
+
+# -- dropout RNG policy --------------------------------------------------------------------------
+def _dropout(results, sp):
+    return [torch.load(results / f"dropout_{'sp' if sp else 'nosp'}_rank{r}.pt")
+            for r in range(2)]
+
+
+def test_dropout_masks_agree_where_activations_are_replicated(results):
+    r0, r1 = _dropout(results, sp=False)
+    assert len(r0["masks"]) == 4  # 2 blocks × (attention, MLP) residual dropout
+    for m0, m1 in zip(r0["masks"], r1["masks"]):
+        assert 0.3 < m0.float().mean() < 0.7  # p = 0.5: a real mask
+        assert torch.equal(m0, m1)
+    for b0, b1 in zip(r0["blocks"], r1["blocks"]):  # so the replicas stay identical
+        torch.testing.assert_close(b0, b1, rtol=0, atol=0)
+
+
+def test_dropout_masks_differ_on_sequence_shards(results):
+    r0, r1 = _dropout(results, sp=True)
+    for m0, m1 in zip(r0["masks"], r1["masks"]):
+        assert m0.shape[1] == 8 and not torch.equal(m0, m1)  # [b, s/2, d]: own shard, own mask
+
+
+def test_rng_regions(results):
+    for sp in (False, True):
+        r0, r1 = _dropout(results, sp)
+        assert torch.equal(r0["replicated_draw"], r1["replicated_draw"])
+        assert not torch.equal(r0["sharded_draw"], r1["sharded_draw"])
+        assert r0["default_rng_untouched"] and r1["default_rng_untouched"]
+
+
+# -- bad input, conversion check (in process: nothing here may reach a collective) ----------------
+class NoCommTopo:
+    """A topology whose tp axis has ``tp`` ranks but which fails on any communication."""
+
+    def __init__(self, tp):
+        self.tp, self.ledger, self.device = tp, Ledger(), torch.device("cpu")
+
+    def size(self, axis):
+        return self.tp if axis == "tp" else 1
+
+    def index(self, axis):
+        return 0
+
+    def group(self, axis):
+        raise AssertionError("a collective was attempted before validation failed")
+
+    global_rank = group
+
+
+def tiny_config(**kw):
+    return build_model("tiny", vocab_size=67, **{**W.MODEL, **kw}).config
+
+
+@pytest.mark.parametrize("tp,sp,seq,what,valid", [
+    (3, False, None, "n_heads=8", "{1, 2, 4}"),
+    (8, False, None, "n_kv_heads=4", "{1, 2, 4}"),
+    (2, True, 15, "--seq-len 15", "no tp > 1"),
+    (4, True, 18, "--seq-len 18", "{2}"),
+    (1, True, 16, "--sp needs --tp > 1", "{2, 4}"),
+])
+def test_bad_tp_names_the_constraint_and_valid_values(tp, sp, seq, what, valid):
+    with pytest.raises(ShardwiseConfigError) as e:
+        validate_tp(tiny_config(), tp, sp, seq)
+    assert what in str(e.value) and valid in str(e.value)
+
+
+def test_tp_not_dividing_d_ff():
+    cfg = tiny_config(n_heads=4, n_kv_heads=4, d_ff=66)  # gcd(4, 4, 66) = 2
+    assert valid_tp_degrees(cfg) == [1, 2]
+    with pytest.raises(ShardwiseConfigError, match=r"d_ff=66.*\{1, 2\}"):
+        validate_tp(cfg, 4)
+
+
+def test_valid_configs_pass():
+    for tp, sp in ((1, False), (2, False), (4, True), (2, True)):
+        validate_tp(tiny_config(), tp, sp, 16)
+
+
+def test_mlp_model_has_no_tp_plan():
+    with pytest.raises(ShardwiseConfigError, match="Llama-style"):
+        validate_tp(build_model("mlp-tiny").config, 2)
+
+
+@pytest.mark.parametrize("tp,sp", [(3, False), (1, True)])
+def test_parallelize_rejects_bad_tp_before_any_collective(tp, sp):
+    model = build_model("tiny", vocab_size=67, **W.MODEL)
+    with pytest.raises(ShardwiseConfigError):
+        parallelize_tensor(model, NoCommTopo(tp), sp=sp)
+    assert type(model.output) is nn.Linear  # untouched
+
+
+def test_unplanned_module_is_rejected_before_any_collective():
+    model = build_model("tiny", vocab_size=67, **W.MODEL)
+    model.layers[1].extra = nn.Linear(32, 32, bias=False)  # would silently stay replicated
+    with pytest.raises(ShardwiseConfigError, match=r"layers\.1\.extra \(Linear\)"):
+        parallelize_tensor(model, NoCommTopo(2))
+
+
+class _SoloTopo(NoCommTopo):
+    """tp = 1: comm ops on a group of one issue no call (they only book 0 bytes)."""
+
+    def __init__(self):
+        super().__init__(1)
+
+    def global_rank(self, axis, index):
+        return 0
+
+
+def test_conversion_that_skips_a_module_fails_loudly(monkeypatch):
+    """The picotron failure: the output head left unparallelised. tp=1 runs without a group."""
+    real = T._set_submodule
+    monkeypatch.setattr(T, "_set_submodule",
+                        lambda m, fqn, new: None if fqn == "output" else real(m, fqn, new))
+    model = build_model("tiny", vocab_size=67, tie_embeddings=False, **W.MODEL)
+    with pytest.raises(RuntimeError, match=r"output is Linear, not VocabParallelHead"):
+        parallelize_tensor(model, _SoloTopo())
+
+
+def test_tp1_conversion_is_the_plain_model():
+    """At tp = 1 every shard is the whole tensor: same loss and gradients as the plain model."""
+    work = SyntheticLMWorkload(vocab_size=67, seq_len=16, num_train=8, num_val=1, seed=0)
+    (mb,) = work.batches(torch.arange(4), 4)
+    torch.manual_seed(0)
+    plain = build_model("tiny", vocab_size=67, **W.MODEL)
+    torch.manual_seed(0)
+    engine = parallelize_tensor(build_model("tiny", vocab_size=67, **W.MODEL), _SoloTopo())
+    s_ref = F.cross_entropy(plain(mb["input_ids"]).flatten(0, 1), mb["labels"].flatten(),
+                            ignore_index=-100, reduction="sum")
+    s_ref.backward()
+    s, _ = engine.loss_sum_and_count(mb)
+    s.backward()
+    torch.testing.assert_close(s, s_ref, rtol=RTOL, atol=ATOL)
+    grads = engine.named_full_gradients()
+    for n, p in plain.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=RTOL, atol=ATOL)
+    with torch.no_grad(), engine.gathered_logits() as m:
+        torch.testing.assert_close(m(mb["input_ids"]), plain(mb["input_ids"]),
+                                   rtol=RTOL, atol=ATOL)
+
+
+def test_padded_vocab_size():
+    assert T.padded_vocab_size(67, 2) == 68 and T.padded_vocab_size(67, 4) == 68
+    assert T.padded_vocab_size(64, 4) == 64
+
+
+@pytest.mark.parametrize("tp,tied", list(itertools.product(W.TPS, W.TIED)))
+def test_vocab_padding_rows_stay_zero(results, tp, tied):
+    """V = 67 → 68 rows: the last tp rank holds one padded row of the embedding and the head;
+    after 3 AdamW steps (weight decay on the untied head) it is still exactly zero."""
+    for sp in W.SPS:
+        recs = _load(results, tp, "explicit", sp, tied)
+        assert [r["padded_rows"] for r in recs[:-1]] == [0] * (tp - 1)
+        assert recs[-1]["padded_rows"] == 1 and recs[-1]["padded_max_abs"] == 0.0
