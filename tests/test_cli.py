@@ -132,3 +132,33 @@ def test_train_under_torchrun_uses_its_world(cache_dir, tmp_path):
     assert "[rank 0] shardwise train: tiny" in p.stdout and "dp=2" in p.stdout
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+
+
+COMMON = ["train", "--model", "tiny", "--steps", "8", "--eval-every", "4", "--tokenizer", "bytes",
+          "--seq-len", "32", "--global-batch", "8", "--micro-batch", "2"]
+
+
+def _val_losses(cache_dir, out, layout):
+    p = run_cli([*COMMON, *layout, "--out", out], cache_dir, timeout=240)
+    assert p.returncode == 0, p.stdout
+    assert (out / "checkpoints" / "step_8" / ".metadata").exists()
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["val_loss"] for r in rows if "val_loss" in r]
+
+
+@pytest.fixture(scope="module")
+def dp2_val_losses(cache_dir, tmp_path_factory):
+    return _val_losses(cache_dir, tmp_path_factory.mktemp("dp2") / "r", ["--dp", "2"])
+
+
+@pytest.mark.parametrize("layout", [
+    ["--pp", "2", "--schedule", "zb-h1", "--microbatches", "4"],
+    ["--tp", "2", "--sp"],
+    ["--dp", "2", "--zero", "3", "--engine", "torch"]], ids=lambda a: " ".join(a))
+def test_train_end_to_end_in_each_layout_gives_the_dp_run_validation_losses(
+        cache_dir, tmp_path, dp2_val_losses, layout):
+    """Same seed, same global batches: each layout's run must log the validation losses of the
+    dp=2 run (which test_dp_parity ties to one process), and write its run folder."""
+    mine = _val_losses(cache_dir, tmp_path / "r", layout)
+    assert len(mine) == 3 and mine[-1] < mine[0]
+    assert mine == pytest.approx(dp2_val_losses, rel=1e-5, abs=1e-6)

@@ -59,8 +59,8 @@ def evaluate(engine, work, topo, cfg: TrainConfig) -> float:
     engine.eval()
     for mb in work.batches(idx, cfg.microbatching()[0], split="val"):
         s, c = engine.loss_sum_and_count({k: v.to(topo.device) for k, v in mb.items()})
-        sums[0] += s.double()
-        sums[1] += c
+        sums[0] += s.double().sum()  # engines return [] or [1]
+        sums[1] += torch.as_tensor(c).sum()
     engine.train()
     with topo.ledger.phase("eval"):
         comm.all_reduce(sums, topo, "dp", tag="eval")
