@@ -27,3 +27,12 @@ def run_cli(args, cache, timeout=240, env=None, cwd=None):
     return subprocess.run([sys.executable, "-m", "shardwise", *map(str, args)], env=e,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout, cwd=cwd)
+
+
+def run_world(worker, out, nproc: int = 4) -> None:
+    """Spawn ``nproc`` gloo ranks running the script ``worker`` with argument ``out`` (one world
+    per test module: the cases all run inside it), and fail if any rank failed."""
+    from shardwise.launch import spawn
+
+    code = spawn([str(out)], nproc, program=[sys.executable, str(worker)])
+    assert code == 0, f"the worker world of {Path(worker).name} failed (see its output above)"

@@ -1,12 +1,10 @@
 """Bad input: a clear error naming the constraint and the fix, a non-zero exit, no hang — on every
 rank, before any collective. A rank that crashes takes the others down with its message shown."""
 
-import os
 import sys
 import textwrap
 import time
 
-import pytest
 
 from conftest import run_cli
 from shardwise.launch import spawn

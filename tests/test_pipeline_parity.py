@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.data import DistributedSampler
-from shardwise.launch import spawn
 from shardwise.models import build_model
 from shardwise.config import TrainConfig
 from shardwise.train.workload import RegressionWorkload, SyntheticLMWorkload
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
+from conftest import run_world  # noqa: E402
 import pp_cases as W  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -31,8 +31,7 @@ CASES = W.cases()
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("pp")
-    code = spawn([str(out)], 4, program=[sys.executable, str(Path(W.__file__))])
-    assert code == 0, "the pipeline worker world failed (see its output above)"
+    run_world(W.__file__, out)
     return out
 
 

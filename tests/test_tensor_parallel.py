@@ -17,7 +17,6 @@ from torch import nn
 from shardwise.comm import Ledger
 from shardwise.data import DistributedSampler
 from shardwise.errors import ShardwiseConfigError
-from shardwise.launch import spawn
 from shardwise.models import LlamaConfig, build_model
 from shardwise.parallel import tensor as T
 from shardwise.parallel.tensor import (parallelize_tensor, tp_step_bytes_formula, validate_tp,
@@ -25,6 +24,7 @@ from shardwise.parallel.tensor import (parallelize_tensor, tp_step_bytes_formula
 from shardwise.train.workload import SyntheticLMWorkload
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
+from conftest import run_world  # noqa: E402
 import tp_cases as W  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -34,8 +34,7 @@ CASES = list(itertools.product(W.TPS, W.ENGINES, W.SPS, W.TIED))
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
-    code = spawn([str(out)], 4, program=[sys.executable, str(Path(W.__file__))])
-    assert code == 0, "the TP worker world failed (see its output above)"
+    run_world(W.__file__, out)
     return out
 
 

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 
 from shardwise.data import DistributedSampler
 from shardwise.errors import ShardwiseConfigError
-from shardwise.launch import spawn
 from shardwise.parallel.zero import validate_zero, zero_memory_formula, zero_step_bytes_formula
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
+from conftest import run_world  # noqa: E402
 import zero_cases as W  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -30,8 +30,7 @@ IDS = [W.case_name(*c) for c in W.CASES]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero")
-    code = spawn([str(out)], 4, program=[sys.executable, str(Path(W.__file__))])
-    assert code == 0, "the ZeRO worker world failed (see its output above)"
+    run_world(W.__file__, out)
     return out
 
 

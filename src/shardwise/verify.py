@@ -30,7 +30,8 @@ from .models import build_model
 from .parallel.apply import Layout, check_supported, parallelize
 from .topology import Topology
 from .train.optim import build_optimizer, build_scheduler
-from .train.step import Local, train_step
+from .parallel.engine import Local
+from .train.step import train_step
 from .train.workload import RegressionWorkload, SyntheticLMWorkload
 
 RTOL, ATOL = 1e-5, 1e-6

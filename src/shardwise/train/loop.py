@@ -19,7 +19,7 @@ import torch
 
 from .. import comm
 from ..config import TrainConfig, validate
-from ..models import build_model, generate
+from ..models import build_model
 from ..parallel.apply import Layout, parallelize
 from ..topology import Topology, init_distributed
 from .checkpoint import save_checkpoint

@@ -21,7 +21,6 @@ from torch import nn
 
 from .. import comm
 from ..models import count_items
-from ..parallel.engine import Local, autocast  # noqa: F401  (re-exported for callers)
 
 
 @dataclasses.dataclass
