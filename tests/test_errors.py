@@ -119,3 +119,17 @@ def test_a_crashing_worker_takes_the_others_down_with_its_message(tmp_path, capf
     assert "rank one fell over on purpose" in out
     assert "[launcher] rank 1" in out or "[launcher] rank" in out
     assert "unreachable" not in out
+
+
+def test_an_out_folder_that_holds_a_run_is_refused(cache_dir, tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "val_loss": 5.0}\n')
+    p = run_cli(["train", *QUICK, "--out", tmp_path], cache_dir, timeout=60, env=AS_RANK_1_OF_2)
+    expect_error(p, "already holds a run", "choose a new --out")
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0, "val_loss": 5.0}\n'
+
+
+def test_pipeline_without_enough_microbatches_names_the_flags(cache_dir):
+    p = run_cli(["train", *QUICK, "--pp", "4"], cache_dir, timeout=60)
+    expect_error(p, "--pp 4 needs at least 4 microbatches", "--microbatches M")
+    p = run_cli(["train", *QUICK, "--pp", "4", "--microbatches", "4"], cache_dir, timeout=60)
+    expect_error(p, "too few for 4 pipeline stages", "--n-layers 4")

@@ -32,9 +32,8 @@ from shardwise.plan.models import from_llama_config, get_model
 
 # (dp, tp, pp, zero) layouts our engines can run today; the world has 4 ranks
 LAYOUTS = [(1, 1, 1, 0), (2, 1, 1, 0), (4, 1, 1, 0)]
-# ZeRO over dp, run when parallelize() builds it (parallel/zero.py, in progress): their tests
-# skip until then. TP and PP layouts go here too once cost.estimate's tp/pp collective lists
-# are compared per rank (see the module docstring).
+# ZeRO over dp. TP and PP layouts go here too once cost.estimate's tp/pp collective lists are
+# compared per rank (see the module docstring).
 ZERO_LAYOUTS = [(2, 1, 1, 1), (2, 1, 1, 2), (2, 1, 1, 3), (4, 1, 1, 1), (4, 1, 1, 2),
                 (4, 1, 1, 3)]
 VOCAB, SEQ, GLOBAL_BATCH, MICRO = 67, 16, 8, 2
@@ -92,8 +91,6 @@ def test_predicted_zero_comm_bytes_equal_the_ledger(own_runs, dp, tp, pp, zero):
     root unit (embedding, final norm: kept gathered by the engine), one reduce-scatter."""
     path = own_runs / f"dp{dp}_tp{tp}_pp{pp}_z{zero}_rank0.json"
     rec = json.loads(path.read_text())
-    if "unsupported" in rec:
-        pytest.skip(f"parallelize does not build zero={zero} yet: {rec['unsupported']}")
     spec, _ = _tiny_spec()
     m = GLOBAL_BATCH // (dp * MICRO)
     psi = spec.num_params()
@@ -363,8 +360,11 @@ def test_bubble_and_in_flight_equal_the_simulated_schedule(schedule, p, m):
 def test_bubble_equals_the_pipeline_simulator(name, p, m, v):
     """The pipeline package's own simulator (schedules as data, equal stages, F = B = W = 1):
     idle time per rank = makespan − m·t_mb = the planner's bubble."""
-    sim = pytest.importorskip("shardwise.parallel.pipeline.simulate")
+    import importlib
+
     from shardwise.parallel.pipeline.schedules import build_schedule
+
+    sim = importlib.import_module("shardwise.parallel.pipeline.simulate")
 
     result = sim.simulate(build_schedule(name, p, m, v if v > 1 else None), sim.Costs(1, 1, 1))
     t_mb = 3.0
@@ -534,13 +534,9 @@ def _worker(out: str) -> None:
         model = build_model("tiny", vocab_size=VOCAB, tie_embeddings=True)
         name = Path(out, f"dp{dp}_tp{tp}_pp{pp}_z{zero}_rank{rank}.json")
         if zero:
-            try:  # the engine-side Layout of parallel/apply.py, once it builds ZeRO
-                from shardwise.parallel.apply import Layout as EngineLayout
+            from shardwise.parallel.apply import Layout as EngineLayout
 
-                engine = parallelize(model, topo, EngineLayout(dp=dp, zero=zero))
-            except (ImportError, TypeError, ShardwiseConfigError) as e:
-                name.write_text(json.dumps({"unsupported": str(e)}))
-                continue
+            engine = parallelize(model, topo, EngineLayout(dp=dp, zero=zero))
         else:
             engine = parallelize(model, topo, engine="explicit")
         opt = build_optimizer(engine, cfg)

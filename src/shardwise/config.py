@@ -228,6 +228,11 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
         raise ShardwiseConfigError(f"--data {cfg.data}: no such file or folder; give a .txt, "
                                    ".jsonl or .parquet file or a folder of them, or omit --data "
                                    "for the embedded default corpus")
+    if cfg.out and os.path.exists(os.path.join(cfg.out, "metrics.jsonl")):
+        raise ShardwiseConfigError(
+            f"--out {cfg.out} already holds a run (metrics.jsonl): choose a new --out (a config "
+            "file from an earlier run keeps its out = ...; override it with --out), or remove "
+            "the folder")
     if cfg.lr <= 0:
         raise ShardwiseConfigError(f"--lr {cfg.lr} must be > 0")
     if cfg.timeout <= 0:
@@ -258,6 +263,12 @@ def _validate_layout(cfg: TrainConfig) -> None:
         from .parallel.pipeline import validate_pp
 
         _, m = cfg.microbatching()
+        if not cfg.microbatches and m < cfg.pp:
+            local = cfg.global_batch // cfg.dp
+            raise ShardwiseConfigError(
+                f"--pp {cfg.pp} needs at least {cfg.pp} microbatches per step, but global batch / "
+                f"(dp × micro-batch) = {cfg.global_batch} / ({cfg.dp} × {cfg.micro_batch}) = {m}: "
+                f"pass --microbatches M (M ≥ {cfg.pp}, dividing {local}) or a smaller --micro-batch")
         validate_pp(cfg.model_layers(), cfg.pp, cfg.schedule, m, batch=cfg.global_batch // cfg.dp,
                     virtual_stages=cfg.virtual_stages or None,
                     layers_per_stage=cfg.stage_split())

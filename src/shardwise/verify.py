@@ -171,8 +171,8 @@ def verify_worker(args) -> int:
 
     init_distributed("cpu", args.timeout)
     world = dist.get_world_size()
-    layouts = ([parse_layout(s) for s in args.layouts] if args.layouts
-               else layouts_that_fit(world))
+    layouts = list(dict.fromkeys([parse_layout(s) for s in args.layouts] if args.layouts
+                                 else layouts_that_fit(world)))  # each layout once
     for lay in layouts:
         if lay.world > world:
             raise ShardwiseConfigError(f"layout {lay.name()} needs {lay.world} ranks but verify "
@@ -247,6 +247,10 @@ def format_table(rows: list[dict], steps: int) -> str:
     return "\n".join(lines)
 
 
+def _ratio(measured: float, formula: float | None) -> str:
+    return f"{measured / formula:.4f}" if formula else "—"
+
+
 def trace_worker(cfg: TrainConfig) -> int:
     """One training step of ``cfg``'s layout on synthetic data; rank 0 prints every collective
     of the step and, per tag, the ledger's bytes next to the formula."""
@@ -296,8 +300,12 @@ def trace_worker(cfg: TrainConfig) -> int:
     with topo.ledger.phase("verify"):
         comm.all_gather(gathered, totals, topo, "world")
     if dist.get_rank() == 0:
-        n_params = sum(p.numel() for p in model.parameters())
-        print(f"trace: one step of {cfg.model} ({n_params:,} parameters on this rank), "
+        from .models import LlamaConfig, preset_config
+
+        mcfg = preset_config(cfg.model, work.vocab_size or 4096, **cfg.model_overrides())
+        if isinstance(mcfg, LlamaConfig):
+            mcfg.tie_embeddings = cfg.tie_embeddings
+        print(f"trace: one step of {cfg.model} ({mcfg.num_params():,} parameters in the model), "
               f"{layout.name()} = {topo.describe()}, engine={cfg.engine}; rank 0's collectives:")
         print(f"{'#':>3} {'op':<15} {'axis':<5} {'n':>2} {'tag':<9} {'dtype':<8} {'shape':<16} "
               f"{'S bytes':>12} {'sent bytes':>13} {'ms':>8}")
@@ -308,9 +316,11 @@ def trace_worker(cfg: TrainConfig) -> int:
         print(f"{'tag':<20} {'ledger bytes':>16} {'formula bytes':>16} {'ratio':>8}")
         for tag in sorted(set(measured) | {k for k in formula if k != "total"}):
             m, f = measured.get(tag, 0.0), formula.get(tag, 0.0)
-            print(f"{tag:<20} {m:>16,.1f} {f:>16,.1f} {m / f if f else float('nan'):>8.4f}")
-        print(f"{'total (rank 0)':<20} {sum(measured.values()):>16,.1f} {formula['total']:>16,.1f} "
-              f"{sum(measured.values()) / formula['total'] if formula['total'] else float('nan'):>8.4f}")
+            if m or f:  # tags this layout does not use (0 = 0) are left out
+                print(f"{tag:<20} {m:>16,.1f} {f:>16,.1f} {_ratio(m, f):>8}")
+        total = sum(measured.values())
+        print(f"{'total (rank 0)':<20} {total:>16,.1f} {formula['total']:>16,.1f} "
+              f"{_ratio(total, formula['total']):>8}")
         g = gathered.view(-1, 2)
         worst = max((abs(a / b - 1) if b else abs(a)) for a, b in g.tolist())
         print(f"all {topo.world_size} ranks: ledger / formula within {worst:.2e} of 1")
@@ -318,8 +328,12 @@ def trace_worker(cfg: TrainConfig) -> int:
               f"{'ratio':>8}")
         for key in ("params", "grads", "optimizer", "total"):
             f = mem_formula.get(key) if mem_formula else None
-            print(f"{key:<20} {mem[key]:>16,} {f if f is not None else float('nan'):>16,.1f} "
-                  f"{mem[key] / f if f else float('nan'):>8.4f}")
+            shown = f"{f:,.1f}" if f is not None else "—"
+            print(f"{key:<20} {mem[key]:>16,} {shown:>16} {_ratio(mem[key], f):>8}")
+        if mem_formula:
+            print("(optimizer: the formula's 8Ψ leaves out AdamW's fp32 step counter per tensor)")
+        else:
+            print(f"(no closed form wired for {type(engine).__name__}'s memory: measured only)")
         if "gathered_params_peak" in mem:
             print(f"ZeRO-3 gathered-parameter peak: {mem['gathered_params_peak']:,} bytes")
         if pictures:

@@ -71,9 +71,6 @@ def check_supported(layout: Layout) -> None:
     if layout.sp and layout.tp == 1:
         raise ShardwiseConfigError("--sp (sequence parallelism) needs --tp > 1: it shards the "
                                    "activations between TP regions over the tp ranks")
-    if layout.zero and layout.dp == 1:
-        raise ShardwiseConfigError(f"--zero {layout.zero} shards model state over the dp axis, "
-                                   "but dp=1: use --dp ≥ 2, or --zero 0")
     combos = [name for name, on in (("tp", layout.tp > 1), ("pp", layout.pp > 1),
                                     ("zero", layout.zero > 0)) if on]
     if layout.tp > 1 and (layout.dp > 1 or layout.pp > 1):
@@ -84,6 +81,9 @@ def check_supported(layout: Layout) -> None:
         raise ShardwiseConfigError(
             f"layout {layout.name()}: {' + '.join(combos)} do not compose in this version "
             "(composition is planned): use one of them at a time (pp may be combined with dp)")
+    if layout.zero and layout.dp == 1:
+        raise ShardwiseConfigError(f"--zero {layout.zero} shards model state over the dp axis, "
+                                   "but dp=1: use --dp ≥ 2, or --zero 0")
 
 
 def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,

@@ -59,8 +59,8 @@ def split_layers(n_layers: int, n_stages: int,
             raise ShardwiseConfigError(
                 f"the model has {n_layers} layers, too few for {n_stages} pipeline stages "
                 f"(pp × virtual stages) with at least one layer each: choose pp × virtual "
-                f"stages ≤ {n_layers}, a model with ≥ {n_stages} layers, or an explicit "
-                f"layers-per-stage list")
+                f"stages ≤ {n_layers}, a model with ≥ {n_stages} layers (--n-layers {n_stages}), "
+                f"or an explicit layers-per-stage list")
         base, extra = divmod(n_layers, n_stages)
         counts = [base + (1 if s < extra else 0) for s in range(n_stages)]
     else:
