@@ -37,7 +37,12 @@ def step_bytes_formula(engine, topo, *, micro_steps: int, sequences: int, seq_le
 
     out: dict[str, float]
     name = type(engine).__name__
-    if isinstance(engine, (DataParallel, TorchDataParallel)):
+    if hasattr(engine, "bytes_formula"):  # composed engines own their sum of parts
+        out = dict(engine.bytes_formula(micro_steps=micro_steps, sequences=sequences,
+                                        seq_len=seq_len, dtype=dtype))
+        out.pop("total", None)
+        out.pop("loss", None)
+    elif isinstance(engine, (DataParallel, TorchDataParallel)):
         grad_bytes = sum(p.numel() * p.element_size() for p in engine.module.parameters())
         out = {"grad": dp_grad_bytes_formula(grad_bytes, topo.size("dp"))}
     elif name in ("ZeroDataParallel", "TorchZero"):

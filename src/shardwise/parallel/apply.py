@@ -4,17 +4,17 @@ One function, :func:`parallelize`, turns a plain model into an :class:`~.engine.
 :class:`Layout` on a :class:`~shardwise.topology.Topology`, with our explicit implementation
 (``engine="explicit"``) or PyTorch's own (``engine="torch"``):
 
-===============================  ================================  ================================
-layout                           explicit                          torch
-===============================  ================================  ================================
-dp (zero 0)                      :mod:`.data` DataParallel          DDP (:mod:`.builtin`)
-dp, zero 1/2/3                   :mod:`.zero` ZeroDataParallel      ZeroRedundancyOptimizer / FSDP2
-tp [+ sp]                        :mod:`.tensor` (Megatron f/g)      DTensor ``parallelize_module``
-pp [× dp]                        :mod:`.pipeline` runtime           ``torch.distributed.pipelining``
-===============================  ================================  ================================
+=========================  ===============================  ==========================================
+layout                     explicit                         torch
+=========================  ===============================  ==========================================
+dp (zero 0)                :mod:`.data` DataParallel         DDP (:mod:`.builtin`)
+dp, zero 1/2/3             :mod:`.zero` ZeroDataParallel     ZeroRedundancyOptimizer / FSDP2
+tp [+ sp]                  :mod:`.tensor` (Megatron f/g)     DTensor ``parallelize_module``
+dp × tp [zero] (2D)        :mod:`.compose`                   FSDP2/DDP + DTensor (:mod:`.compose_torch`)
+pp × dp [zero 1] [× tp]    :mod:`.pipeline` runtime          ``torch.distributed.pipelining`` (+ DTensor)
+=========================  ===============================  ==========================================
 
-Compositions beyond these (FSDP+TP, PP×TP, 3D) are issue #6; :func:`check_supported` refuses
-them with a clear error before any collective.
+:func:`check_supported` refuses what no engine runs, with a clear error before any collective.
 """
 
 from __future__ import annotations
@@ -67,48 +67,65 @@ class Layout:
 
 
 def check_supported(layout: Layout) -> None:
-    """Raise :class:`ShardwiseConfigError` if ``layout`` combines strategies not composed yet."""
+    """Raise :class:`ShardwiseConfigError` (before any collective) for a layout no engine runs.
+
+    * ``sp`` needs tp > 1; ``zero`` needs dp ≥ 2;
+    * ZeRO-2/3 with pp > 1 is refused, as DeepSpeed refuses it: the pipeline runs m micro-batches
+      per step, so ZeRO-2 would reduce-scatter (or keep full) gradients m times and ZeRO-3 would
+      re-gather every stage's parameters for each micro-batch's forward and backward — m× the
+      traffic for memory that ZeRO-1 (sharded optimizer state, the large part) already saves.
+      Megatron-LM likewise pairs PP only with its distributed optimizer (= ZeRO-1)."""
     if layout.sp and layout.tp == 1:
         raise ShardwiseConfigError("--sp (sequence parallelism) needs --tp > 1: it shards the "
                                    "activations between TP regions over the tp ranks")
-    combos = [name for name, on in (("tp", layout.tp > 1), ("pp", layout.pp > 1),
-                                    ("zero", layout.zero > 0)) if on]
-    if layout.tp > 1 and (layout.dp > 1 or layout.pp > 1):
-        raise ShardwiseConfigError(
-            f"layout {layout.name()}: tensor parallelism does not compose with dp/pp in this "
-            "version (composition is planned): use --tp N alone, or --dp/--pp without --tp")
-    if len(combos) > 1:
-        raise ShardwiseConfigError(
-            f"layout {layout.name()}: {' + '.join(combos)} do not compose in this version "
-            "(composition is planned): use one of them at a time (pp may be combined with dp)")
     if layout.zero and layout.dp == 1:
         raise ShardwiseConfigError(f"--zero {layout.zero} shards model state over the dp axis, "
                                    "but dp=1: use --dp ≥ 2, or --zero 0")
+    if layout.zero >= 2 and layout.pp > 1:
+        raise ShardwiseConfigError(
+            f"layout {layout.name()}: ZeRO-{layout.zero} does not compose with pipeline "
+            "parallelism (each of the m micro-batches would re-shard gradients/re-gather "
+            "parameters; DeepSpeed refuses it too): use --zero 1 with --pp, or --pp 1")
 
 
 def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
                 engine: str = "explicit", bucket_mb: float = 25.0, overlap: bool = True,
                 prefetch: bool = True, reshard_after_forward: bool = True,
-                layers_per_stage: list[int] | None = None, seed: int = 0) -> nn.Module:
+                layers_per_stage: list[int] | None = None, seed: int = 0,
+                reduce_dtype: str = "fp32") -> nn.Module:
     """Return ``model`` wrapped for ``layout`` (default: plain DP over ``topo``'s dp axis) by
     ``engine`` ("explicit" | "torch"). The model may be converted in place (TP replaces modules,
     PP keeps only this rank's stages); use the returned engine's ``.module`` afterwards.
 
+    Composition order (mesh (pp, dp, tp), tp innermost): TP inside each stage, then the
+    pipeline split, then DP/ZeRO over the dp axis (``docs/composition.md``).
+
     ``bucket_mb``/``overlap``: DP gradient buckets; ``prefetch``/``reshard_after_forward``:
-    ZeRO-3; ``layers_per_stage``: an explicit pipeline split; ``seed``: TP dropout RNG.
+    ZeRO-3; ``layers_per_stage``: an explicit pipeline split; ``seed``: TP dropout RNG;
+    ``reduce_dtype``: "fp32" | "bf16", the dtype gradients are reduced in over dp.
     Raises :class:`ShardwiseConfigError` for unsupported layouts, ``ValueError`` for an unknown
     engine."""
     if engine not in ("explicit", "torch"):
         raise ValueError(f"unknown engine {engine!r}: choose explicit or torch")
     layout = layout or Layout(dp=topo.size("dp"), tp=topo.size("tp"), pp=topo.size("pp"))
     check_supported(layout)
-    if layout.pp > 1:
+    dp_kw = dict(bucket_mb=bucket_mb, overlap=overlap, prefetch=prefetch,
+                 reshard_after_forward=reshard_after_forward, reduce_dtype=reduce_dtype)
+    if layout.pp > 1:  # PP (× DP/ZeRO-1) (× TP): the pipeline engines compose the rest
         from .pipeline import build_pipeline
 
-        return build_pipeline(model, topo, engine=engine, schedule=layout.schedule,
-                              microbatches=layout.microbatches or None,
-                              virtual_stages=layout.virtual_stages or None,
-                              layers_per_stage=layers_per_stage)
+        return build_pipeline(model, topo, layout=layout, engine=engine,
+                              layers_per_stage=layers_per_stage, seed=seed, **dp_kw)
+    if layout.tp > 1 and layout.dp > 1:  # 2D: TP inside, DP/ZeRO (FSDP) over dp
+        if engine == "explicit":
+            from .compose import parallelize_2d
+
+            return parallelize_2d(model, topo, layout, seed=seed, **dp_kw)
+        from .compose_torch import parallelize_2d_torch
+
+        return parallelize_2d_torch(model, topo, layout, **dp_kw)
+    if reduce_dtype != "fp32" and layout.dp > 1:
+        _check_reduce_dtype(reduce_dtype)
     if layout.tp > 1:
         if engine == "explicit":
             from .tensor import parallelize_tensor
@@ -133,3 +150,8 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     from .builtin import TorchDataParallel
 
     return TorchDataParallel(model, topo, bucket_mb=bucket_mb)
+
+
+def _check_reduce_dtype(reduce_dtype: str) -> None:
+    if reduce_dtype not in ("fp32", "bf16"):
+        raise ShardwiseConfigError(f"--reduce-dtype {reduce_dtype!r}: choose fp32 or bf16")

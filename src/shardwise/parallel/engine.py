@@ -20,6 +20,11 @@ strategy decides how its micro-batches run and where its collectives go:
 ``full_model``               context: the plain model with full weights and full logits, for
                              sampling (collective where the weights are sharded; None when this
                              rank holds only a pipeline stage); every rank enters it together
+``full_optimizer_state``     {FQN: {"step", "exp_avg", "exp_avg_sq"}} in full parameter shape,
+                             gathered like ``named_full_parameters`` (checkpoints: layout-free)
+``load_full_optimizer_state``  the inverse: slice full-shape state into this rank's shards
+``bytes_formula`` (optional) {tag: bytes} one rank sends per step, for composed engines; used by
+                             :func:`shardwise.formulas.step_bytes_formula` when present
 ===========================  ================================================================
 """
 
@@ -115,6 +120,36 @@ class Engine(nn.Module):
         """Bytes of parameters, gradients and optimizer state held by this rank (each tensor
         counted once, by storage size actually allocated)."""
         return model_state_bytes(self.module.parameters(), optimizer)
+
+    def full_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+        """{FQN of the plain model: {state key: tensor}} for the parameters this rank's stage
+        holds: AdamW's ``exp_avg``/``exp_avg_sq`` in the parameter's *full* shape (gathered over
+        dp/tp shards exactly as :meth:`named_full_parameters` gathers the parameter) and its
+        ``step`` (fp32 []). Parameters with no state yet (never stepped) are absent. Collective
+        wherever :meth:`named_full_parameters` is. This base version serves engines whose
+        optimizer holds the plain module's full parameters (DP, DDP, a pipeline stage)."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        out = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p)
+                if state:
+                    out[names[id(p)]] = {k: (v.detach().clone() if torch.is_tensor(v) else v)
+                                         for k, v in state.items()}
+        return out
+
+    def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
+        """Set ``optimizer``'s state from :meth:`full_optimizer_state`'s form (possibly saved
+        under another layout): each tensor is sliced to this rank's shard of its parameter.
+        Raises ``KeyError`` naming the FQNs this rank's parameters need but ``state`` lacks."""
+        named = dict(self.module.named_parameters())
+        missing = [n for n in named if n not in state]
+        if missing:
+            raise KeyError(f"optimizer state lacks {len(missing)} parameters, e.g. "
+                           f"{missing[:3]}")
+        for n, p in named.items():
+            optimizer.state[p] = {k: (v.detach().clone().to(p.device) if torch.is_tensor(v)
+                                      and k != "step" else v) for k, v in state[n].items()}
 
 
 def _nbytes(t) -> int:

@@ -15,12 +15,20 @@ from .split import StageModule, split_layers, validate_pp
 from .runtime import PipelineParallel, gather_timeline, p2p_bytes_formula  # noqa: E402
 
 
-def build_pipeline(model, topo, *, engine: str = "explicit", schedule: str = "1f1b",
-                   microbatches: int | None = None, virtual_stages: int | None = None,
-                   layers_per_stage: list[int] | None = None):
+def build_pipeline(model, topo, *, layout=None, engine: str = "explicit",
+                   schedule: str = "1f1b", microbatches: int | None = None,
+                   virtual_stages: int | None = None, layers_per_stage: list[int] | None = None,
+                   seed: int = 0, **dp_kw):
     """The pipeline engine for ``engine`` ("explicit" → :class:`.runtime.PipelineParallel`,
-    "torch" → :class:`.builtin.TorchPipelineParallel`). Raises ``ValueError`` for an unknown
-    engine, :class:`~shardwise.errors.ShardwiseConfigError` for invalid pipeline settings."""
+    "torch" → :class:`.builtin.TorchPipelineParallel`). ``layout`` (a
+    :class:`~shardwise.parallel.apply.Layout`) overrides ``schedule``/``microbatches``/
+    ``virtual_stages``; ``dp_kw``: the dp-axis options of :func:`~..apply.parallelize`.
+    Raises ``ValueError`` for an unknown engine, :class:`~shardwise.errors.ShardwiseConfigError`
+    for invalid pipeline settings."""
+    if layout is not None:
+        schedule = layout.schedule
+        microbatches = layout.microbatches or None
+        virtual_stages = layout.virtual_stages or None
     kw = dict(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
               layers_per_stage=layers_per_stage)
     if engine == "explicit":
