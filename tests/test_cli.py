@@ -14,7 +14,8 @@ from shardwise.models import build_model
 def short_run(cache_dir, tmp_path_factory):
     """`shardwise train` on the embedded default corpus (BPE tokenizer), tiny model, dp=2."""
     out = tmp_path_factory.mktemp("run") / "r"
-    p = run_cli(["train", "--model", "tiny", "--steps", "40", "--seq-len", "64", "--lr", "3e-3",
+    p = run_cli(["train", "--model", "tiny", "--dp", "2", "--steps", "40", "--seq-len", "64",
+                 "--lr", "3e-3",
                  "--warmup-steps", "5", "--eval-every", "20", "--vocab-size", "1024",
                  "--out", out], cache_dir, timeout=400)
     assert p.returncode == 0, p.stdout
@@ -73,9 +74,12 @@ def test_comm_bytes_per_step_match_the_dp_formula(short_run):
     assert all(r["comm_bytes"] == pytest.approx(expected, rel=1e-12) for r in rows if "loss" in r)
 
 
+@pytest.mark.timeout(600)
 def test_verify_passes_every_layout_that_fits_both_engines(cache_dir, tmp_path):
+    """N = 4: every single strategy and every factorization of 4 over (pp, dp, tp) × ZeRO
+    stages × schedules × SP, both engines, both test models; ledger bytes = formula for each."""
     p = run_cli(["verify", "--nproc", "4", "--json", tmp_path / "verify.json"], cache_dir,
-                timeout=600)
+                timeout=580)
     assert p.returncode == 0, p.stdout
     report = json.loads((tmp_path / "verify.json").read_text())
     cases = {(c["layout"], c["engine"], c["model"]) for c in report["cases"]}
@@ -85,10 +89,34 @@ def test_verify_passes_every_layout_that_fits_both_engines(cache_dir, tmp_path):
                 assert (f"dp={dp}", engine, model) in cases
             for zero in (1, 2, 3):
                 assert (f"dp=4,zero={zero}", engine, model) in cases
+            for sched in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"):
+                assert (f"dp=2,pp=2,zero=1,{sched},m=4", engine, model) in cases
         for tp in ("tp=2", "tp=2,sp", "tp=4", "tp=4,sp"):
             assert (tp, engine, "tiny") in cases
+        for zero in ("", ",zero=1", ",zero=2", ",zero=3"):  # FSDP+TP and DP×TP
+            for sp in ("", ",sp"):
+                assert (f"dp=2,tp=2{zero}{sp}", engine, "tiny") in cases
+        for sched in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"):  # PP×TP
+            assert (f"tp=2,pp=2,sp,{sched},m=4", engine, "tiny") in cases
     assert report["pass"] and all(c["pass"] for c in report["cases"])
+    assert all(c["ledger_vs_formula_max_deviation"] < 1e-9 for c in report["cases"])
     assert f"{len(report['cases'])}/{len(report['cases'])} passed" in p.stdout
+
+
+@pytest.mark.timeout(400)
+def test_verify_bounded_8_rank_compositions(cache_dir, tmp_path):
+    """N = 8, bounded: each factorization of 8 with at least two degrees > 1 (FSDP+TP with
+    tp = 4 and with dp = 4, PP×TP, PP×DP, 3D with zb-h1 + SP and with interleaved 1F1B)."""
+    p = run_cli(["verify", "--nproc", "8", "--bounded", "--json", tmp_path / "verify.json"],
+                cache_dir, timeout=380)
+    assert p.returncode == 0, p.stdout
+    report = json.loads((tmp_path / "verify.json").read_text())
+    layouts = {c["layout"] for c in report["cases"]}
+    assert {"dp=2,tp=4,zero=3,sp", "dp=2,tp=2,pp=2,zero=1,sp,zb-h1,m=4",
+            "dp=2,tp=2,pp=2,zero=1,interleaved-1f1b,m=4"} <= layouts
+    assert {c["engine"] for c in report["cases"]} == {"explicit", "torch"}
+    assert report["pass"] and all(c["pass"] for c in report["cases"])
+    assert all(c["ledger_vs_formula_max_deviation"] < 1e-9 for c in report["cases"])
 
 
 def test_trace_prints_every_collective_and_matches_formula(cache_dir):
@@ -125,8 +153,9 @@ def test_train_under_torchrun_uses_its_world(cache_dir, tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "SHARDWISE_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
     p = subprocess.run([str(torchrun), "--nproc-per-node", "2", "-m", "shardwise", "train",
-                        "--model", "tiny", "--steps", "3", "--tokenizer", "bytes", "--seq-len",
-                        "32", "--out", str(tmp_path / "r")], env=env, stdout=subprocess.PIPE,
+                        "--model", "tiny", "--dp", "2", "--steps", "3", "--tokenizer", "bytes",
+                        "--seq-len", "32", "--out", str(tmp_path / "r")], env=env,
+                       stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True, timeout=240)
     assert p.returncode == 0, p.stdout
     assert "[rank 0] shardwise train: tiny" in p.stdout and "dp=2" in p.stdout

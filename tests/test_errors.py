@@ -13,7 +13,8 @@ from shardwise.launch import spawn
 # as creating the process group; finishing quickly with the error proves the check comes first.
 AS_RANK_1_OF_2 = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
                   "MASTER_PORT": "29999"}
-QUICK = ["--model", "tiny", "--steps", "2", "--tokenizer", "bytes", "--seq-len", "32"]
+# --dp 2: the 2-rank world of AS_RANK_1_OF_2 (the default layout, dp=2 × tp=2, has 4 ranks)
+QUICK = ["--model", "tiny", "--steps", "2", "--tokenizer", "bytes", "--seq-len", "32", "--dp", "2"]
 
 
 def expect_error(proc, *words):
@@ -70,7 +71,7 @@ def test_sequence_longer_than_corpus_allows(cache_dir, tmp_path):
     small = tmp_path / "small.txt"
     small.write_text("x = 1\n" * 50)  # 300 bytes: far fewer than 16 sequences of 129
     p = run_cli(["train", "--model", "tiny", "--tokenizer", "bytes", "--seq-len", "128",
-                 "--data", small], cache_dir, timeout=60, env=AS_RANK_1_OF_2)
+                 "--dp", "2", "--data", small], cache_dir, timeout=60, env=AS_RANK_1_OF_2)
     expect_error(p, "--seq-len 128 is longer than the corpus allows")
 
 

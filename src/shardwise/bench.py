@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from .bench_layout import alternate, make_run, make_workload, timed_step
 from .config import TrainConfig
-from .models import build_model
 from .parallel.apply import parallelize
 from .parallel.data import dp_grad_bytes_formula
 from .topology import Topology, init_distributed
-from .train.optim import build_optimizer
-from .train.step import train_step
-from .train.workload import SyntheticLMWorkload
 
 VARIANTS = {
     "explicit DP (overlap)": dict(engine="explicit", overlap=True),
@@ -39,30 +35,23 @@ def bench_worker(args) -> int:
     n = dist.get_world_size()
     topo = Topology(dp=n)
     cfg = TrainConfig(model=args.model, seq_len=args.seq_len, micro_batch=args.micro_batch)
-    work = SyntheticLMWorkload(vocab_size=4096, seq_len=args.seq_len, num_train=4096, num_val=1)
+    work = make_workload(args.model, args.seq_len, 4096, 4096)
     global_batch = args.micro_batch * n
-    runs = {}
-    for name, kw in VARIANTS.items():
-        torch.manual_seed(0)
-        model = build_model(args.model, vocab_size=work.vocab_size)
-        engine = parallelize(model, topo, engine=kw["engine"], bucket_mb=args.bucket_mb,
-                             overlap=kw["overlap"])
-        runs[name] = {"engine": engine, "model": model, "opt": build_optimizer(engine, cfg),
-                      "sampler": work.sampler(global_batch, n, topo.index("dp"), 0), "times": []}
+    runs = {name: make_run(lambda m, kw=kw: parallelize(m, topo, engine=kw["engine"],
+                                                         bucket_mb=args.bucket_mb,
+                                                         overlap=kw["overlap"]),
+                           args.model, work, cfg, global_batch, n, topo.index("dp"))
+            for name, kw in VARIANTS.items()}
 
     def one_step(r):
-        batch = work.batches(r["sampler"].next_local_batch(), args.micro_batch)
-        t0 = time.perf_counter()
-        train_step(r["engine"], batch, r["opt"], topo, max_norm=1.0)
-        return time.perf_counter() - t0
+        dt, _ = timed_step(r, work, args.micro_batch, topo)
+        r["grad_bytes_ledger"] = topo.ledger.step_bytes("grad")
+        return dt
 
     for r in runs.values():  # warm-up
         one_step(r)
-    for _ in range(args.rounds):
-        for name, r in runs.items():
-            r["times"] += [one_step(r) for _ in range(args.steps)]
-            r["grad_bytes_ledger"] = topo.ledger.step_bytes("grad")
-    model = next(iter(runs.values()))["model"]
+    alternate(runs, args.rounds, args.steps, one_step)  # A B C A B C …
+    model = next(iter(runs.values()))["engine"].module
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     formula = dp_grad_bytes_formula(grad_bytes, n)
     tokens = global_batch * args.seq_len

@@ -25,18 +25,16 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from .bench_layout import alternate, make_run, timed_step
 from .config import TrainConfig
 from .models import build_model
 from .parallel.pipeline import SCHEDULES, bubble_formula, build_pipeline, validate_pp
 from .parallel.pipeline.runtime import gather_timeline
 from .topology import Topology, init_distributed
-from .train.optim import build_optimizer
-from .train.step import train_step
 from .train.workload import SyntheticLMWorkload
 from .viz.timeline import bubble_of, draw_timeline, write_chrome_trace
 
@@ -70,19 +68,14 @@ def _setup(args, p):
 
 
 def _make(args, topo, work, cfg, engine, schedule):
-    torch.manual_seed(0)
-    model = build_model(args.model, vocab_size=work.vocab_size, n_layers=args.n_layers)
-    eng = build_pipeline(model, topo, engine=engine, schedule=schedule,
-                         microbatches=args.microbatches)
-    return {"engine": eng, "opt": build_optimizer(eng, cfg),
-            "sampler": work.sampler(args.micro_batch * args.microbatches, 1, 0, 0), "times": []}
+    return make_run(lambda m: build_pipeline(m, topo, engine=engine, schedule=schedule,
+                                             microbatches=args.microbatches),
+                    args.model, work, cfg, args.micro_batch * args.microbatches, 1, 0,
+                    n_layers=args.n_layers)
 
 
 def _step(run, work, args, topo):
-    batch = work.batches(run["sampler"].next_local_batch(), args.micro_batch)
-    t0 = time.perf_counter()
-    train_step(run["engine"], batch, run["opt"], topo, max_norm=1.0)
-    return time.perf_counter() - t0
+    return timed_step(run, work, args.micro_batch, topo)[0]
 
 
 def bench_pp_worker(args) -> int:
@@ -121,9 +114,7 @@ def bench_pp_worker(args) -> int:
         runs = {e: _make(args, topo, work, cfg, e, schedule) for e in ("explicit", "torch")}
         for r in runs.values():
             _step(r, work, args, topo)  # warm-up
-        for _ in range(args.rounds):
-            for r in runs.values():
-                r["times"] += [_step(r, work, args, topo) for _ in range(args.steps)]
+        alternate(runs, args.rounds, args.steps, lambda r: _step(r, work, args, topo))
         med = {e: statistics.median(r["times"]) for e, r in runs.items()}
         rows.append({"schedule": schedule, "explicit_s": med["explicit"], "torch_s": med["torch"],
                      "ratio": med["explicit"] / med["torch"],

@@ -24,19 +24,16 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from .bench_layout import alternate, make_run, make_workload, timed_step
 from .config import TrainConfig
 from .models import build_model
 from .parallel.dtensor_tp import parallelize_tensor_dtensor
 from .parallel.tensor import parallelize_tensor, tp_step_bytes_formula, validate_tp
 from .topology import Topology, init_distributed
-from .train.optim import build_optimizer
-from .train.step import train_step
-from .train.workload import SyntheticLMWorkload
 
 VARIANTS = {
     "explicit TP": dict(kind="explicit", sp=False),
@@ -80,24 +77,19 @@ def bench_tp_worker(args) -> int:
     init_distributed("cpu", 300)
     tp = dist.get_world_size()
     cfg = TrainConfig(model=args.model, seq_len=args.seq_len, micro_batch=args.micro_batch)
-    work = SyntheticLMWorkload(vocab_size=4096, seq_len=args.seq_len, num_train=4096, num_val=1)
+    work = make_workload(args.model, args.seq_len, 4096, 4096)
     mcfg = build_model(args.model, vocab_size=work.vocab_size).config
     validate_tp(mcfg, tp, True, args.seq_len)  # before any collective
     topo = Topology(tp=tp)
     runs = {}
     for name, kw in VARIANTS.items():
-        torch.manual_seed(0)
-        model = build_model(args.model, vocab_size=work.vocab_size)
-        engine = (parallelize_tensor(model, topo, sp=kw["sp"]) if kw["kind"] == "explicit"
-                  else parallelize_tensor_dtensor(model, topo, sp=kw["sp"]))
-        runs[name] = {"engine": engine, "opt": build_optimizer(engine, cfg), "times": [],
-                      "sampler": work.sampler(args.micro_batch, 1, 0, 0), **kw}
+        wrap = (lambda m, sp=kw["sp"]: parallelize_tensor(m, topo, sp=sp)) \
+            if kw["kind"] == "explicit" else \
+            (lambda m, sp=kw["sp"]: parallelize_tensor_dtensor(m, topo, sp=sp))
+        runs[name] = make_run(wrap, args.model, work, cfg, args.micro_batch, 1, 0) | kw
 
     def one_step(r):
-        batch = work.batches(r["sampler"].next_local_batch(), args.micro_batch)
-        t0 = time.perf_counter()
-        train_step(r["engine"], batch, r["opt"], topo, max_norm=1.0)
-        return time.perf_counter() - t0
+        return timed_step(r, work, args.micro_batch, topo)[0]
 
     (probe,) = work.batches(torch.arange(args.micro_batch), args.micro_batch)
     for r in runs.values():  # warm-up step, booked; activation bytes; then DTensor unbooked
@@ -106,9 +98,7 @@ def bench_tp_worker(args) -> int:
         r["activation_bytes"] = activation_bytes(r["engine"], probe)
         if r["kind"] == "torch":
             r["engine"].book_collectives = False
-    for _ in range(args.rounds):
-        for r in runs.values():
-            r["times"] += [one_step(r) for _ in range(args.steps)]
+    alternate(runs, args.rounds, args.steps, one_step)  # A B C D A B C D …
     tokens = args.micro_batch * args.seq_len
     results = []
     for name, r in runs.items():

@@ -18,19 +18,15 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from .bench_layout import alternate, make_run, make_workload, timed_step
 from .config import TrainConfig
-from .models import build_model
 from .parallel.fsdp import TorchZero
 from .parallel.zero import ZeroDataParallel
 from .topology import Topology, init_distributed
-from .train.optim import build_optimizer
-from .train.step import train_step
-from .train.workload import SyntheticLMWorkload
 
 VARIANTS = {
     "explicit ZeRO-3 (prefetch)": lambda m, topo: ZeroDataParallel(m, topo, 3, prefetch=True),
@@ -49,29 +45,21 @@ def bench_zero(args) -> int:
     n = dist.get_world_size()
     topo = Topology(dp=n)
     cfg = TrainConfig(model=args.model, seq_len=args.seq_len, micro_batch=args.micro_batch)
-    work = SyntheticLMWorkload(vocab_size=4096, seq_len=args.seq_len, num_train=4096, num_val=1)
+    work = make_workload(args.model, args.seq_len, 4096, 4096)
     global_batch = args.micro_batch * n
-    runs = {}
-    for name, make in VARIANTS.items():
-        torch.manual_seed(0)
-        engine = make(build_model(args.model, vocab_size=work.vocab_size), topo)
-        runs[name] = {"engine": engine, "opt": build_optimizer(engine, cfg), "times": [],
-                      "sampler": work.sampler(global_batch, n, topo.index("dp"), 0)}
+    runs = {name: make_run(lambda m, make=make: make(m, topo), args.model, work, cfg,
+                           global_batch, n, topo.index("dp"))
+            for name, make in VARIANTS.items()}
 
     def one_step(r):
-        batch = work.batches(r["sampler"].next_local_batch(), args.micro_batch)
-        t0 = time.perf_counter()
-        train_step(r["engine"], batch, r["opt"], topo, max_norm=1.0, zero_grad=False)
-        dt = time.perf_counter() - t0
+        dt, _ = timed_step(r, work, args.micro_batch, topo, zero_grad=False)
         r["bytes"] = {t: topo.ledger.step_bytes(t) for t in ("grad", "param", "grad_norm")}
         r["state"] = r["engine"].model_state_bytes(r["opt"])
         return dt
 
     for r in runs.values():  # warm-up
         one_step(r)
-    for _ in range(args.rounds):  # A B C A B C …
-        for r in runs.values():
-            r["times"] += [one_step(r) for _ in range(args.steps)]
+    alternate(runs, args.rounds, args.steps, one_step)  # A B C A B C …
     base = statistics.median(runs[BASELINE]["times"])
     tokens = global_batch * args.seq_len
     results = []

@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--layouts", nargs="+", metavar="LAYOUT",
                    help="layouts such as dp=2 (default: every layout that fits --nproc)")
     v.add_argument("--engine", choices=("explicit", "torch", "both"), default="both")
+    v.add_argument("--bounded", action="store_true",
+                   help="only the compositions of exactly --nproc ranks, a bounded subset "
+                        "(for --nproc 8)")
     v.add_argument("--models", default="tiny,mlp-tiny",
                    help="comma-separated test models (default tiny,mlp-tiny)")
     v.add_argument("--steps", type=int, default=3)
@@ -64,11 +67,35 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--schedule", default="1f1b", help="pp suite: schedule(s), comma-separated "
                    "or 'all'")
     b.add_argument("--microbatches", type=int, default=8, help="pp suite: m")
-    b.add_argument("--n-layers", type=int, default=8, help="pp suite: model layers")
+    b.add_argument("--n-layers", type=int, default=0, help="model layers (default: the "
+                   "preset's; pp suite: 8)")
     b.add_argument("--bubble-only", action="store_true", help="pp suite: skip the torch engine")
-    b.add_argument("--vocab", type=int, default=256, help="pp suite: vocabulary size")
+    b.add_argument("--vocab", type=int, default=0, help="vocabulary size (default 4096; pp "
+                   "suite: 256)")
+    b.add_argument("--layout", action="append", default=[], metavar="LAYOUT",
+                   help="bench this layout (verify's syntax, e.g. dp=2,tp=2,zero=3): explicit "
+                   "vs torch engine, alternating; repeat, or use --layouts, for one table")
+    b.add_argument("--layouts", nargs="+", default=[], metavar="LAYOUT",
+                   help="several layouts at once (same as repeating --layout)")
+    b.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="layout bench: compute dtype (bf16 autocast)")
+    b.add_argument("--ac", default="none", choices=("none", "selective", "full"),
+                   help="layout bench: activation checkpointing, passed to the model")
+    b.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="layout bench: dtype of the dp gradient reduction")
+    b.add_argument("--timeout", type=float, default=300.0, help="process-group timeout (s)")
     b.add_argument("--out", default="benchmarks/results")
     b.set_defaults(func=cmd_bench)
+
+    e = sub.add_parser("export", help="write a checkpoint as a Hugging Face LlamaForCausalLM "
+                       "folder (config.json, model.safetensors, tokenizer files)")
+    e.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="a run folder (its latest checkpoint), or a checkpoints/step_N folder")
+    e.add_argument("--to", required=True, choices=("hf",), help="output format")
+    e.add_argument("out", metavar="OUT", help="new folder to write")
+    e.add_argument("--tokenizer", metavar="FILE.json", default=None,
+                   help="ship this tokenizer instead of the run's own")
+    e.set_defaults(func=cmd_export)
     return p
 
 
@@ -145,7 +172,32 @@ def cmd_trace(args, argv) -> int:
     return _run_or_spawn(args, argv, cfg.world_size(), lambda: trace_worker(cfg))
 
 
+def cmd_export(args, argv) -> int:
+    """One process, no process group: read the checkpoint, write the HF folder."""
+    from .interop.hf import export_hf
+
+    out = export_hf(args.checkpoint, args.out, tokenizer=args.tokenizer)
+    print(f"shardwise export: {args.checkpoint} → {out} (LlamaForCausalLM: config.json, "
+          "model.safetensors, tokenizer.json, tokenizer_config.json)")
+    return 0
+
+
 def cmd_bench(args, argv) -> int:
+    args.layouts = [*args.layout, *args.layouts]
+    if args.layouts:  # the generic layout bench (bench_layout.py); --suite is ignored
+        from .bench_layout import bench_layouts_worker, check_layouts
+
+        need = check_layouts(args.layouts)  # syntax errors before anything is spawned
+        if args.nproc == 0:
+            args.nproc = need
+            argv = [*argv, "--nproc", str(need)]
+        elif args.nproc < need:
+            raise ShardwiseConfigError(f"--layout needs {need} ranks but --nproc is "
+                                       f"{args.nproc}: raise --nproc or drop the layout")
+        args.vocab = args.vocab or 4096
+        return _run_or_spawn(args, argv, args.nproc, lambda: bench_layouts_worker(args))
+    args.n_layers = args.n_layers or 8  # the suites' defaults
+    args.vocab = args.vocab or 256
     if args.nproc == 0:
         args.nproc = 4 if args.suite == "pp" else 2
         argv = [*argv, "--nproc", str(args.nproc)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from pathlib import Path
 import tomllib
 import typing
 
@@ -24,11 +25,14 @@ class TrainConfig:
     n_layers: int = 0  # override the preset's layer count (0 = the preset's)
     tie_embeddings: bool = True
     dropout: float = 0.0
-    # layout (world size = dp × tp × pp)
+    init_from_hf: str = ""  # a local HF LlamaForCausalLM folder: its architecture and weights
+    # layout (world size = dp × tp × pp). The default layout, dp=2 × tp=2 with ZeRO-1, applies
+    # only when no degree is chosen; choosing any of dp/tp/pp sets the others to 1 and zero to 0
+    # unless they are chosen too (see :func:`from_args`)
     dp: int = 2
-    tp: int = 1
+    tp: int = 2
     pp: int = 1
-    zero: int = 0
+    zero: int = 1
     sp: bool = False
     schedule: str = "1f1b"
     microbatches: int = 0  # pipeline microbatches per step (0 = global batch / (dp × micro-batch))
@@ -41,13 +45,14 @@ class TrainConfig:
     reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after each forward
     # data
     data: str = ""  # "" = the embedded default corpus (the stdlib's .py sources)
+    task: str = "lm"  # lm (packed text) | sft (alpaca-style .jsonl, prompt tokens masked)
     tokenizer: str = "bpe"  # bpe | bytes | FILE.json
     vocab_size: int = 4096  # BPE vocabulary size when training one
     seq_len: int = 128
     global_batch: int = 16  # sequences per optimizer step, all dp ranks together
     micro_batch: int = 8  # sequences per forward/backward on one rank
     # optimisation
-    steps: int = 300
+    steps: int = 200  # make train: 4 ranks on 2 CPU cores stay under ~3 min (300 did not)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
@@ -57,6 +62,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global grad L2 norm; 0 = off
     seed: int = 0
     dtype: str = "fp32"  # fp32 | bf16 (autocast compute, fp32 master weights and grads)
+    reduce_dtype: str = "fp32"  # fp32 | bf16: the dtype gradients are reduced in over dp
+    ac: str = "none"  # activation checkpointing per block: none | selective | full
+    peak_tflops: float = 0.0  # MFU: peak dense TFLOP/s of one GPU / CPU core (0 = table/probe)
     device: str = "cpu"  # cpu | cuda
     # run
     out: str = ""  # "" = runs/<timestamp>
@@ -64,6 +72,9 @@ class TrainConfig:
     eval_every: int = 50
     eval_sequences: int = 64
     save_every: int = 0  # 0 = only the final checkpoint
+    keep: int = 0  # keep only the K newest complete checkpoints (0 = keep all)
+    resume: str = ""  # "" = start fresh; auto = newest complete checkpoint in --out; or a PATH
+    async_save: bool = False  # write checkpoints in the background (dcp.async_save)
     sample_tokens: int = 200
     timeout: float = 300.0  # process-group timeout, seconds
 
@@ -80,13 +91,20 @@ class TrainConfig:
         return self.micro_batch, max(1, local // self.micro_batch)
 
     def model_overrides(self) -> dict:
-        """Preset fields this config overrides (``--n-layers``)."""
-        return {"n_layers": self.n_layers} if self.n_layers else {}
+        """Preset fields this config overrides (``--n-layers``; with ``--init-from-hf`` the HF
+        folder's architecture, read from its config.json — see :mod:`shardwise.interop.hf`)."""
+        over = {}
+        if self.init_from_hf:
+            from .interop.hf import hf_model_overrides
+
+            over = {k: v for k, v in hf_model_overrides(self.init_from_hf).items()
+                    if k != "vocab_size"}
+        return {**over, "n_layers": self.n_layers} if self.n_layers else over
 
     def model_layers(self) -> int:
         from .models import preset_config
 
-        return self.n_layers or preset_config(self.model).n_layers
+        return self.n_layers or preset_config(self.model, **self.model_overrides()).n_layers
 
     def stage_split(self) -> list[int] | None:
         """``--layers-per-stage "3,3,2"`` as a list (None when empty)."""
@@ -118,6 +136,10 @@ CHOICES = {
     "schedule": ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"),
     "engine": ("explicit", "torch"),
     "dtype": ("fp32", "bf16"),
+    "task": ("lm", "sft"),
+    "device": ("cpu", "cuda"),
+    "reduce_dtype": ("fp32", "bf16"),
+    "ac": ("none", "selective", "full"),
 }
 
 
@@ -149,9 +171,31 @@ def from_args(args: argparse.Namespace, **defaults) -> TrainConfig:
         cfg = apply_toml(cfg, args.config)
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     given = {k: v for k, v in vars(args).items() if k in names}
-    if "dp" not in given and ("tp" in given or "pp" in given):
-        given["dp"] = 1  # --tp/--pp alone: the default dp=2 would silently double the world
-    return dataclasses.replace(cfg, **given)
+    chosen = set(given) | set(defaults) | _toml_keys(getattr(args, "config", None))
+    if chosen & {"dp", "tp", "pp"}:  # a layout was chosen: the default one does not apply
+        for k in ("dp", "tp", "pp"):  # e.g. --tp 2 alone is tp=2 × dp=1, not × dp=2
+            if k not in chosen:
+                given[k] = 1
+        if "zero" not in chosen:
+            given["zero"] = 0
+    cfg = dataclasses.replace(cfg, **given)
+    if not chosen & {"dp", "tp", "pp"} and cfg.tp > 1:
+        from .models import MLP_PRESETS
+
+        if cfg.model in MLP_PRESETS:  # TP splits attention heads: the MLP's default is dp only
+            cfg = dataclasses.replace(cfg, tp=1)
+    return cfg
+
+
+def _toml_keys(path: str | None) -> set[str]:
+    """Field names a ``--config`` file sets (empty without one; errors are apply_toml's)."""
+    if not path or not os.path.isfile(path):
+        return set()
+    try:
+        with open(path, "rb") as f:
+            return {k.replace("-", "_") for k in tomllib.load(f)}
+    except tomllib.TOMLDecodeError:
+        return set()
 
 
 def apply_toml(cfg: TrainConfig, path: str) -> TrainConfig:
@@ -202,7 +246,10 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
                                    f"{model_names()}")
     for key, allowed in CHOICES.items():
         if getattr(cfg, key) not in allowed:
-            raise ShardwiseConfigError(f"--{key} {getattr(cfg, key)!r}: choose from {allowed}")
+            raise ShardwiseConfigError(f"--{key.replace('_', '-')} {getattr(cfg, key)!r}: "
+                                       f"choose from {allowed}")
+    _validate_task_and_init(cfg)
+    _validate_ranges(cfg)
     _validate_layout(cfg)
     per_step = cfg.dp * cfg.micro_batch
     if cfg.pp > 1 and cfg.microbatches:
@@ -219,7 +266,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
             f"--global-batch {cfg.global_batch} is not divisible by dp × micro-batch = "
             f"{cfg.dp} × {cfg.micro_batch} = {per_step}: choose a multiple of {per_step} "
             f"(e.g. {lo} or {lo + per_step}) or change --micro-batch")
-    if cfg.model in PRESETS and cfg.seq_len > PRESETS[cfg.model]["max_seq_len"]:
+    if cfg.model in PRESETS and cfg.seq_len > PRESETS[cfg.model]["max_seq_len"] \
+            and not cfg.init_from_hf:  # (the HF model's own limit is checked above)
         raise ShardwiseConfigError(
             f"--seq-len {cfg.seq_len} exceeds the {cfg.model} model's max_seq_len "
             f"{PRESETS[cfg.model]['max_seq_len']}: choose --seq-len ≤ "
@@ -228,13 +276,24 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
         raise ShardwiseConfigError(f"--data {cfg.data}: no such file or folder; give a .txt, "
                                    ".jsonl or .parquet file or a folder of them, or omit --data "
                                    "for the embedded default corpus")
-    if cfg.out and os.path.exists(os.path.join(cfg.out, "metrics.jsonl")):
+    _validate_checkpointing(cfg)
+    if cfg.out and os.path.exists(os.path.join(cfg.out, "metrics.jsonl")) and not cfg.resume:
         raise ShardwiseConfigError(
             f"--out {cfg.out} already holds a run (metrics.jsonl): choose a new --out (a config "
-            "file from an earlier run keeps its out = ...; override it with --out), or remove "
+            "file from an earlier run keeps its out = ...; override it with --out), pass "
+            "--resume auto to continue that run, or remove "
             "the folder")
     if cfg.lr <= 0:
         raise ShardwiseConfigError(f"--lr {cfg.lr} must be > 0")
+    if cfg.ac == "selective" and cfg.pp > 1 and cfg.schedule == "zb-h1":
+        raise ShardwiseConfigError(
+            "--ac selective with --schedule zb-h1: zero-bubble splits each backward in two "
+            "(input, then weight gradients), and PyTorch's selective checkpoint can be "
+            "back-propagated through only once: use --ac full (recomputes per pass) or another "
+            "--schedule")
+    if cfg.peak_tflops < 0:
+        raise ShardwiseConfigError(f"--peak-tflops {cfg.peak_tflops} must be ≥ 0 (0 = the "
+                                   "device's table value, or a measured CPU peak)")
     if cfg.timeout <= 0:
         raise ShardwiseConfigError(f"--timeout {cfg.timeout} must be > 0 seconds")
 
@@ -273,3 +332,123 @@ def _validate_layout(cfg: TrainConfig) -> None:
                     virtual_stages=cfg.virtual_stages or None,
                     layers_per_stage=cfg.stage_split())
 
+
+def _validate_ranges(cfg: TrainConfig) -> None:
+    """Numbers that would otherwise fail late (a ZeroDivisionError at step 1, AdamW's ValueError
+    after the process group exists) or silently do the wrong thing (a negative clip norm flips
+    the gradients; min-lr-ratio > 1 makes the "decay" grow the LR)."""
+    for name, value, low in (("log-every", cfg.log_every, 1), ("eval-every", cfg.eval_every, 1),
+                             ("eval-sequences", cfg.eval_sequences, 1),
+                             ("warmup-steps", cfg.warmup_steps, 0),
+                             ("microbatches", cfg.microbatches, 0),
+                             ("virtual-stages", cfg.virtual_stages, 0),
+                             ("sample-tokens", cfg.sample_tokens, 0)):
+        if value < low:
+            raise ShardwiseConfigError(f"--{name} {value} must be ≥ {low}")
+    if cfg.grad_clip < 0:
+        raise ShardwiseConfigError(f"--grad-clip {cfg.grad_clip} must be ≥ 0 (a max gradient "
+                                   "norm; 0 = no clipping)")
+    if not 0 <= cfg.dropout < 1:
+        raise ShardwiseConfigError(f"--dropout {cfg.dropout} must be in [0, 1) (a drop "
+                                   "probability; 0 = off)")
+    if cfg.bucket_mb <= 0:
+        raise ShardwiseConfigError(f"--bucket-mb {cfg.bucket_mb} must be > 0 MiB (e.g. 25; a "
+                                   "tiny value means one all-reduce per parameter)")
+    if cfg.weight_decay < 0:
+        raise ShardwiseConfigError(f"--weight-decay {cfg.weight_decay} must be ≥ 0 (e.g. 0.1)")
+    for name, value in (("beta1", cfg.beta1), ("beta2", cfg.beta2)):
+        if not 0 <= value < 1:
+            raise ShardwiseConfigError(f"--{name} {value} must be in [0, 1) (AdamW's moment "
+                                       "decay, e.g. 0.9 and 0.95)")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise ShardwiseConfigError(f"--min-lr-ratio {cfg.min_lr_ratio} must be in [0, 1] (the "
+                                   "final LR as a fraction of --lr)")
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ShardwiseConfigError("--device cuda, but this torch sees no CUDA device "
+                                       f"(torch {torch.__version__}): use --device cpu, or "
+                                       "install a CUDA build of torch on a GPU machine")
+
+
+def _validate_task_and_init(cfg: TrainConfig) -> None:
+    """``--task sft`` needs a Llama model and a ``.jsonl`` file; ``--init-from-hf DIR`` needs a
+    loadable Llama folder (config.json read here; weights when the model is built) whose
+    context fits ``--seq-len``. Reads files only: runs before any collective."""
+    from .models import MLP_PRESETS
+
+    if cfg.task == "sft":
+        if cfg.model in MLP_PRESETS:
+            raise ShardwiseConfigError(f"--task sft trains a language model; --model {cfg.model} "
+                                       "is the MLP: choose --model tiny, small or base")
+        if not cfg.data:
+            raise ShardwiseConfigError("--task sft needs --data FILE.jsonl with one "
+                                       '{"instruction", "input", "output"} record per line '
+                                       "(see examples/sft_sample.jsonl)")
+        if not cfg.data.endswith(".jsonl"):
+            raise ShardwiseConfigError(f"--task sft --data {cfg.data}: expected a .jsonl file of "
+                                       '{"instruction", "input", "output"} records (see '
+                                       "examples/sft_sample.jsonl)")
+    if cfg.init_from_hf:
+        if cfg.model in MLP_PRESETS:
+            raise ShardwiseConfigError(f"--init-from-hf loads a Llama; --model {cfg.model} is the "
+                                       "MLP: drop --model (the HF config.json decides the shape)")
+        from .interop.hf import check_weight_files
+
+        from .interop.hf import hf_to_llama_config, read_hf_config
+
+        over = cfg.model_overrides()  # raises on a missing/unsupported folder
+        # no weights, a truncated file, or tensors that do not fit config.json
+        check_weight_files(cfg.init_from_hf, hf_to_llama_config(read_hf_config(cfg.init_from_hf)))
+        if cfg.seq_len > over["max_seq_len"]:
+            raise ShardwiseConfigError(
+                f"--seq-len {cfg.seq_len} exceeds the HF model's max_position_embeddings "
+                f"{over['max_seq_len']}: choose --seq-len ≤ {over['max_seq_len']}")
+
+
+def _validate_checkpointing(cfg: TrainConfig) -> None:
+    """``--save-every``, ``--keep``, ``--resume`` and ``--out`` (writable), before anything starts.
+    The checkpoint itself is checked on every rank before any collective
+    (:func:`shardwise.train.checkpoint.find_resume_checkpoint`)."""
+    if cfg.save_every < 0:
+        raise ShardwiseConfigError(f"--save-every {cfg.save_every} must be ≥ 0 (0 = only the "
+                                   "final checkpoint)")
+    if cfg.keep < 0:
+        raise ShardwiseConfigError(f"--keep {cfg.keep} must be ≥ 0 (0 = keep every checkpoint)")
+    if cfg.resume == "auto" and not cfg.out:
+        raise ShardwiseConfigError("--resume auto looks for checkpoints in --out, but no --out "
+                                   "was given: pass --out DIR (the same folder on every restart)")
+    if cfg.resume and cfg.resume != "auto" and not os.path.exists(cfg.resume):
+        raise ShardwiseConfigError(f"--resume {cfg.resume}: no such folder: give a "
+                                   "checkpoints/step_N folder, a run folder, or auto")
+    if cfg.out:
+        check_out_writable(cfg.out)
+
+
+def check_out_writable(out: str) -> None:
+    """Raise :class:`ShardwiseConfigError` unless ``out`` is (or can be created as) a writable
+    folder, before anything starts: creates it (as the run would) and writes and removes a probe
+    file in it."""
+    p = Path(out).absolute()
+    if p.exists() and not p.is_dir():
+        raise ShardwiseConfigError(f"--out {out}: exists and is not a folder: choose a folder "
+                                   "path for the run's outputs")
+    anc = p
+    while not anc.exists():
+        anc = anc.parent
+    if not anc.is_dir():
+        raise ShardwiseConfigError(f"--out {out}: cannot be created because {anc} is a file, not "
+                                   "a folder: choose another --out")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise ShardwiseConfigError(f"--out {out}: {anc} is not writable by this user: choose a "
+                                   "writable --out (or fix the folder's permissions)")
+    # permissions do not tell everything (root, read-only or special file systems): try it
+    probe = p / f".shardwise-write-test-{os.getpid()}"
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ShardwiseConfigError(f"--out {out}: cannot write there ({e.strerror or e}): choose "
+                                   "a writable --out") from None

@@ -49,9 +49,13 @@ def _forward(stream, rank: int, sink, tail: collections.deque) -> None:
 
 
 def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float = 5.0,
-          program: list[str] | None = None) -> int:
+          program: list[str] | None = None, _attempt: int = 0) -> int:
     """Run ``program *argv`` (default ``python -m shardwise``) as ``nproc`` local ranks; return 0
-    or the first failing rank's exit code (the other ranks are then stopped)."""
+    or the first failing rank's exit code (the other ranks are then stopped).
+
+    The master port is free when picked but is bound only when rank 0 creates its store, seconds
+    later; if another process took it meanwhile (EADDRINUSE while creating the store), the
+    workers are started again on a new port, up to twice."""
     program = program or [sys.executable, "-m", "shardwise"]
     port = free_port()
     base = {**os.environ, **(env or {})}
@@ -94,6 +98,13 @@ def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float =
         code = 130
     for t in threads:
         t.join(timeout=2)
+    if code not in (0, 130) and _attempt < 2 and any(
+            b"EADDRINUSE" in line for line in tails[rank]) and any(
+            b"TCPStore" in line or b"init_process_group" in line for line in tails[rank]):
+        print(f"[launcher] port {port} was taken before rank {rank} could listen on it "
+              "(EADDRINUSE): starting the workers again on another port", file=sys.stderr,
+              flush=True)
+        return spawn(argv, nproc, env, grace_s, program, _attempt=_attempt + 1)
     if code not in (0, 130):  # the first failure's own words, after the other ranks' echoes
         sink.write(f"[launcher] rank {rank} failed first (exit code {code}); its last "
                    f"lines:\n".encode() + b"\n".join(tails[rank]) + b"\n")

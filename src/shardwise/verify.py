@@ -64,10 +64,29 @@ def parse_layout(text: str) -> Layout:
     return layout
 
 
-def layouts_that_fit(nproc: int) -> list[Layout]:
-    """Every implemented layout on at most ``nproc`` ranks, bounded: DP dp = 1…nproc; ZeRO 1/2/3
-    with dp = 2…nproc; TP tp ∈ {2, 4} ∩ ≤ nproc, with and without SP; PP pp = 2…nproc with every
-    schedule and m ∈ {pp, 2·pp}, plus an odd m for schedules that allow it."""
+def layouts_that_fit(nproc: int, bounded: bool = False) -> list[Layout]:
+    """The layouts ``verify`` runs on ``nproc`` ranks.
+
+    Full (``bounded=False``): every single strategy on at most ``nproc`` ranks — DP dp =
+    1…nproc; ZeRO 1/2/3 with dp = 2…nproc; TP tp ∈ {2, 4} with and without SP; PP pp =
+    2…nproc with every schedule and m ∈ {pp, 2·pp} plus an odd m where the schedule allows
+    it — then every factorization nproc = pp·dp·tp with at least two degrees > 1 (the
+    compositions) × ZeRO stages (0…3 without pp, 0/1 with pp: ZeRO-2/3 + PP is refused) ×
+    schedules (m = 2·pp) × SP on/off where tp > 1.
+
+    Bounded (``bounded=True``, for large worlds such as 8): only the compositions of exactly
+    ``nproc`` ranks, each factorization once with its most composed options (highest ZeRO
+    stage, SP, zb-h1), and the 3D factorization also with interleaved 1F1B and ZeRO-1."""
+    comps = _compositions(nproc)
+    if bounded:
+        out = []
+        for pp, dp, tp in _factorizations(nproc):
+            opts = [lay for lay in comps if (lay.pp, lay.dp, lay.tp) == (pp, dp, tp)]
+            out.append(opts[-1])  # the most composed: highest ZeRO stage, SP, zb-h1
+            if min(pp, dp, tp) > 1:  # 3D: also interleaved 1F1B without SP, ZeRO-1
+                out += [lay for lay in opts if lay.schedule == "interleaved-1f1b"
+                        and not lay.sp and lay.zero == 1]
+        return list(dict.fromkeys(out))
     out = [Layout(dp=d) for d in range(1, nproc + 1)]
     out += [Layout(dp=d, zero=z) for z in (1, 2, 3) for d in range(2, nproc + 1)]
     out += [Layout(tp=t, sp=sp) for t in (2, 4) if t <= nproc for sp in (False, True)]
@@ -75,6 +94,33 @@ def layouts_that_fit(nproc: int) -> list[Layout]:
         for sched in SCHEDULES:
             ms = [p, 2 * p] + ([p + 1] if sched != "interleaved-1f1b" and (p + 1) % 2 else [])
             out += [Layout(pp=p, schedule=sched, microbatches=m) for m in ms]
+    return out + comps
+
+
+def _factorizations(n: int) -> list[tuple[int, int, int]]:
+    """(pp, dp, tp) with pp·dp·tp = n and at least two degrees > 1; tp ≤ 4 (the verify Llama
+    has 4 kv heads)."""
+    out = []
+    for pp in range(1, n + 1):
+        for dp in range(1, n + 1):
+            if n % (pp * dp) == 0:
+                tp = n // (pp * dp)
+                if tp <= 4 and sum(d > 1 for d in (pp, dp, tp)) >= 2:
+                    out.append((pp, dp, tp))
+    return out
+
+
+def _compositions(n: int) -> list[Layout]:
+    out = []
+    for pp, dp, tp in _factorizations(n):
+        zeros = ([0] + ([1] if dp > 1 else [])) if pp > 1 else ([0, 1, 2, 3] if dp > 1 else [0])
+        scheds = SCHEDULES if pp > 1 else ("1f1b",)
+        sps = (False, True) if tp > 1 else (False,)
+        for z in zeros:
+            for sched in scheds:
+                for sp in sps:
+                    out.append(Layout(pp=pp, dp=dp, tp=tp, zero=z, sp=sp, schedule=sched,
+                                      microbatches=2 * pp if pp > 1 else 0))
     return out
 
 
@@ -172,7 +218,7 @@ def verify_worker(args) -> int:
     init_distributed("cpu", args.timeout)
     world = dist.get_world_size()
     layouts = list(dict.fromkeys([parse_layout(s) for s in args.layouts] if args.layouts
-                                 else layouts_that_fit(world)))  # each layout once
+                                 else layouts_that_fit(world, args.bounded)))  # each layout once
     for lay in layouts:
         if lay.world > world:
             raise ShardwiseConfigError(f"layout {lay.name()} needs {lay.world} ranks but verify "
@@ -185,6 +231,7 @@ def verify_worker(args) -> int:
                       seed=args.seed)
     engines = ENGINES if args.engine == "both" else (args.engine,)
     rows = []
+    topos: dict[tuple[int, int, int], Topology] = {}
     for model_name in args.models.split(","):
         overrides = MODEL_OVERRIDES.get(model_name, {})
         work = _workload(model_name, cfg.seed, overrides)
@@ -192,8 +239,10 @@ def verify_worker(args) -> int:
         for lay in layouts:
             if not applies(lay, model_name):
                 continue
-            topo = Topology(lay.pp, lay.dp, lay.tp, ranks=range(lay.world),
-                            timeout_s=args.timeout)
+            shape = (lay.pp, lay.dp, lay.tp)
+            if shape not in topos:  # process groups are created once per grid shape
+                topos[shape] = Topology(*shape, ranks=range(lay.world), timeout_s=args.timeout)
+            topo = topos[shape]
             # micro-batches per rank: the pipeline's m, else two (gradient accumulation)
             n_micro = lay.microbatches or (lay.pp if lay.pp > 1 else 2)
             global_batch = args.micro_batch * n_micro * lay.dp
@@ -273,7 +322,12 @@ def trace_worker(cfg: TrainConfig) -> int:
             m.to(topo.device), topo, layout, engine=cfg.engine, bucket_mb=cfg.bucket_mb,
             overlap=cfg.overlap, prefetch=cfg.prefetch,
             reshard_after_forward=cfg.reshard_after_forward,
-            layers_per_stage=cfg.stage_split(), seed=cfg.seed), overrides=cfg.model_overrides())
+            layers_per_stage=cfg.stage_split(), seed=cfg.seed, reduce_dtype=cfg.reduce_dtype),
+        overrides={**cfg.model_overrides(), "ac": cfg.ac})
+    # --ac: a recompute's collectives (TP) are booked apart from the step (phase "recompute")
+    from .models import set_activation_checkpointing
+
+    set_activation_checkpointing(model, cfg.ac, lambda: topo.ledger.phase("recompute"))
     micro_batch, n_micro = cfg.microbatching()
     sampler = work.sampler(cfg.global_batch, topo.size("dp"), topo.index("dp"), cfg.seed)
     for _ in range(2 if layout.pp > 1 else 1):  # pipeline: trace the second, warm step

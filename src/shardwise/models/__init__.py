@@ -13,6 +13,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from .ac import AC_MODES, checkpoint_block, set_activation_checkpointing
 from .llama import IGNORE_INDEX, PRESETS, Llama, LlamaConfig, generate, lm_loss
 from .mlp import MLPConfig, StackedMLP, mse_loss, regression_data
 
@@ -35,9 +36,15 @@ def preset_config(name: str, vocab_size: int = 4096, **overrides):
 def build_model(name: str, vocab_size: int = 4096, **overrides) -> nn.Module:
     """Build preset ``name`` (see :func:`model_names`) on the current default device/dtype.
     ``overrides`` replace config fields (e.g. ``tie_embeddings=False``, ``n_layers=3``).
-    Initialisation uses the global torch RNG: seed it identically for identical models."""
+    Initialisation uses the global torch RNG: seed it identically for identical models.
+    ``ac="none"|"selective"|"full"`` sets activation checkpointing on every block (see
+    :mod:`.ac`; use :func:`set_activation_checkpointing` to also name a recompute context, e.g.
+    the ledger phase that books a recompute's TP collectives)."""
+    ac = overrides.pop("ac", "none")
     cfg = preset_config(name, vocab_size, **overrides)
-    return Llama(cfg) if isinstance(cfg, LlamaConfig) else StackedMLP(cfg)
+    model = Llama(cfg) if isinstance(cfg, LlamaConfig) else StackedMLP(cfg)
+    set_activation_checkpointing(model, ac)
+    return model
 
 
 def loss_sum_and_count(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,6 +66,7 @@ def config_of(model: nn.Module):
     return dataclasses.asdict(model.config)
 
 
-__all__ = ["IGNORE_INDEX", "MLP_PRESETS", "PRESETS", "Llama", "LlamaConfig", "MLPConfig", "StackedMLP",
-           "build_model", "count_items", "generate", "lm_loss", "loss_sum_and_count",
-           "model_names", "mse_loss", "preset_config", "regression_data"]
+__all__ = ["AC_MODES", "IGNORE_INDEX", "MLP_PRESETS", "PRESETS", "Llama", "LlamaConfig",
+           "MLPConfig", "StackedMLP", "build_model", "checkpoint_block", "count_items", "generate",
+           "lm_loss", "loss_sum_and_count", "model_names", "mse_loss", "preset_config",
+           "regression_data", "set_activation_checkpointing"]

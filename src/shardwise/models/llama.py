@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ac import CheckpointedBlock
+
 
 @dataclasses.dataclass
 class LlamaConfig:
@@ -135,8 +137,11 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + ffn(norm(·))."""
+class TransformerBlock(CheckpointedBlock, nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + ffn(norm(·)). x [b, s, d] → [b, s, d].
+
+    ``ac_mode`` ("none" | "selective" | "full", see :mod:`.ac`) checkpoints the body *inside*
+    this forward, so hooks on the block fire once."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -147,6 +152,9 @@ class TransformerBlock(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x, cos, sin):
+        return self.run(self._body, x, cos, sin)
+
+    def _body(self, x, cos, sin):
         x = x + self.dropout(self.attention(self.attention_norm(x), cos, sin))
         return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
 

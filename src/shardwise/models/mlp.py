@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ac import CheckpointedBlock
+
 
 @dataclasses.dataclass
 class MLPConfig:
@@ -29,8 +31,8 @@ class MLPConfig:
         return self.n_layers * (2 * self.d_model * self.d_ff + self.d_ff + self.d_model)
 
 
-class MLPBlock(nn.Module):
-    """x [b, D] → x + W_out(gelu(W_in x)) [b, D]."""
+class MLPBlock(CheckpointedBlock, nn.Module):
+    """x [b, D] → x + W_out(gelu(W_in x)) [b, D]. ``ac_mode``: see :mod:`.ac`."""
 
     def __init__(self, cfg: MLPConfig):
         super().__init__()
@@ -38,6 +40,9 @@ class MLPBlock(nn.Module):
         self.w_out = nn.Linear(cfg.d_ff, cfg.d_model)
 
     def forward(self, x):
+        return self.run(self._body, x)
+
+    def _body(self, x):
         return x + self.w_out(F.gelu(self.w_in(x)))
 
 

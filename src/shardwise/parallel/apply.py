@@ -139,17 +139,19 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
             from .zero import ZeroDataParallel
 
             return ZeroDataParallel(model, topo, layout.zero, prefetch=prefetch,
-                                    reshard_after_forward=reshard_after_forward, overlap=overlap)
+                                    reshard_after_forward=reshard_after_forward, overlap=overlap,
+                                    reduce_dtype=reduce_dtype)
         from .fsdp import TorchZero
 
-        return TorchZero(model, topo, layout.zero, bucket_mb=bucket_mb)
+        return TorchZero(model, topo, layout.zero, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
     if engine == "explicit":
         from .data import DataParallel
 
-        return DataParallel(model, topo, bucket_mb=bucket_mb, overlap=overlap)
+        return DataParallel(model, topo, bucket_mb=bucket_mb, overlap=overlap,
+                            reduce_dtype=reduce_dtype)
     from .builtin import TorchDataParallel
 
-    return TorchDataParallel(model, topo, bucket_mb=bucket_mb)
+    return TorchDataParallel(model, topo, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
 
 
 def _check_reduce_dtype(reduce_dtype: str) -> None:

@@ -25,12 +25,41 @@ def _ledger_sum_hook(topo, bucket) -> torch.futures.Future[torch.Tensor]:
     return comm.all_reduce_future(bucket.buffer(), topo, "dp", tag="grad")
 
 
-class TorchDataParallel(Engine):
-    """DDP with the same interface as :class:`~shardwise.parallel.data.DataParallel`."""
+def _ledger_sum_hook_bf16(topo, bucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook with bf16 compression (what ``torch.distributed.algorithms.ddp_comm_hooks
+    .default_hooks.bf16_compress_hook`` does), all-reduced through :mod:`shardwise.comm`: cast
+    the bucket to bf16, SUM-all-reduce it over dp (booked: half the bytes), cast the sum back
+    into the fp32 bucket."""
+    buf = bucket.buffer()
+    low = buf.to(torch.bfloat16)
 
-    def __init__(self, module: nn.Module, topo, bucket_mb: float = 25.0):
+    def decompress(fut):
+        buf.copy_(fut.value())
+        return buf
+
+    return comm.all_reduce_future(low, topo, "dp", tag="grad").then(decompress)
+
+
+def ddp_comm_hook(reduce_dtype: str = "fp32"):
+    """The ledger-booked SUM comm hook for gradients reduced in ``reduce_dtype`` ("fp32" |
+    "bf16"); raises :class:`~shardwise.errors.ShardwiseConfigError` for another dtype."""
+    from ..errors import ShardwiseConfigError
+
+    hooks = {"fp32": _ledger_sum_hook, "bf16": _ledger_sum_hook_bf16}
+    if reduce_dtype not in hooks:
+        raise ShardwiseConfigError(f"--reduce-dtype {reduce_dtype!r}: choose fp32 or bf16")
+    return hooks[reduce_dtype]
+
+
+class TorchDataParallel(Engine):
+    """DDP with the same interface as :class:`~shardwise.parallel.data.DataParallel`.
+    ``reduce_dtype``: "fp32" | "bf16" (bf16 compression hook, booked in the ledger)."""
+
+    def __init__(self, module: nn.Module, topo, bucket_mb: float = 25.0,
+                 reduce_dtype: str = "fp32"):
+        hook = ddp_comm_hook(reduce_dtype)  # checked before any collective
         super().__init__(module)
-        self.topo = topo
+        self.topo, self.reduce_dtype = topo, reduce_dtype
         # DDP broadcasts rank 0's parameters at construction (its own call, not in the ledger).
         # Buffers (RoPE tables) are deterministic: no need to sync them every forward.
         no_buffer_sync = ({"forward_sync_buffers": False}
@@ -38,7 +67,7 @@ class TorchDataParallel(Engine):
                           else {"broadcast_buffers": False})
         self.ddp = DDP(module, process_group=topo.group("dp"), bucket_cap_mb=bucket_mb,
                        **no_buffer_sync)
-        self.ddp.register_comm_hook(topo, _ledger_sum_hook)
+        self.ddp.register_comm_hook(topo, hook)
 
     def forward(self, *args, **kwargs):
         return self.ddp(*args, **kwargs)
@@ -48,4 +77,13 @@ class TorchDataParallel(Engine):
 
     def finish_gradient_sync(self) -> None:
         """Nothing to do: DDP waits for its buckets at the end of backward."""
+
+    def bytes_formula(self, micro_steps: int, sequences: int, seq_len: int,
+                      dtype: str = "fp32") -> dict[str, float]:
+        """{"grad": 2(n−1)/n · Ψ · b_r}: one SUM all-reduce of every gradient per step, b_r = 4
+        (fp32) or 2 (bf16 compression). ZeRO paper §7.1; scaling book ch. 5."""
+        b = 2 if self.reduce_dtype == "bf16" else 4
+        psi = sum(p.numel() for p in self.module.parameters())
+        n = self.topo.size("dp")
+        return {"grad": 2 * (n - 1) / n * psi * b if n > 1 else 0.0}
 

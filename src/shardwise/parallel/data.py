@@ -17,6 +17,8 @@ Collectives (per optimizer step, n = dp degree, Ψ parameters of b bytes each)
 * one all_reduce of the gradients, split into buckets: 2(n−1)/n · Ψ·b bytes sent per rank
   (ring all-reduce; ZeRO paper, Rajbhandari et al. 2019 §7.1 "Data Parallel Communication Volume";
   JAX scaling book ch. 5, "Data parallelism")
+  With ``reduce_dtype="bf16"`` the buckets are bf16: b = 2, half the bytes
+  (:func:`reduce_torch_dtype`).
 * one all_reduce of the step's token count T before the forward (8 bytes), tag "loss"
 * (bookkeeping in the train loop: one all_reduce of the summed loss for logging, tag "loss")
 
@@ -41,15 +43,31 @@ import torch
 from torch import nn
 
 from .. import comm
+from ..errors import ShardwiseConfigError
 from .engine import Engine
+
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def reduce_torch_dtype(reduce_dtype: str) -> torch.dtype:
+    """The torch dtype gradients are reduced in over dp: "fp32" (exact sums of fp32 gradients)
+    or "bf16" (each rank rounds its local gradient to bf16, the sum is formed in bf16 and cast
+    back to fp32: half the bytes for 8 mantissa bits instead of 24 — PyTorch FSDP's
+    ``MixedPrecision(reduce_dtype=torch.bfloat16)``, Megatron-LM's ``--grad-reduce-in-bf16``).
+    Raises :class:`ShardwiseConfigError` otherwise."""
+    if reduce_dtype not in REDUCE_DTYPES:
+        raise ShardwiseConfigError(f"reduce_dtype {reduce_dtype!r}: choose fp32 or bf16 "
+                                   "(--reduce-dtype)")
+    return REDUCE_DTYPES[reduce_dtype]
 
 
 class _Bucket:
-    """Consecutive parameters (in backward order) whose gradients travel in one flat buffer."""
+    """Consecutive parameters (in backward order) whose gradients travel in one flat buffer
+    of ``dtype`` (the reduce dtype; the parameters' own dtype when None)."""
 
-    def __init__(self, params: list[nn.Parameter]):
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype | None = None):
         self.params = params
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype or params[0].dtype,
                                   device=params[0].device)
         self.views, offset = [], 0
         for p in params:
@@ -74,11 +92,16 @@ class DataParallel(Engine):
 
     ``bucket_mb``: bucket size in MB (2**20 bytes). ``overlap=False`` launches every bucket only in
     :meth:`finish_gradient_sync` (after backward), for measuring what overlap buys.
+    ``reduce_dtype``: "fp32" | "bf16": the buckets hold (and the all-reduce moves) gradients in
+    that dtype; they are cast back to the parameters' dtype after (:func:`reduce_torch_dtype`).
+    Raises :class:`ShardwiseConfigError` for another ``reduce_dtype`` (before any collective).
     """
 
-    def __init__(self, module: nn.Module, topo, bucket_mb: float = 25.0, overlap: bool = True):
+    def __init__(self, module: nn.Module, topo, bucket_mb: float = 25.0, overlap: bool = True,
+                 reduce_dtype: str = "fp32"):
+        rdtype = reduce_torch_dtype(reduce_dtype)  # checked before any collective
         super().__init__(module)
-        self.topo, self.overlap = topo, overlap
+        self.topo, self.overlap, self.reduce_dtype = topo, overlap, reduce_dtype
         self._sync = True
         params = [p for p in module.parameters() if p.requires_grad]
         with topo.ledger.phase("init"):
@@ -89,12 +112,12 @@ class DataParallel(Engine):
         current, size = [], 0
         for p in reversed(params):  # ≈ the order gradients become ready in backward
             if current and (size + p.numel() * p.element_size() > cap or p.dtype != current[0].dtype):
-                self.buckets.append(_Bucket(current))
+                self.buckets.append(_Bucket(current, rdtype))
                 current, size = [], 0
             current.append(p)
             size += p.numel() * p.element_size()
         if current:
-            self.buckets.append(_Bucket(current))
+            self.buckets.append(_Bucket(current, rdtype))
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self._next = 0  # index of the next bucket to launch
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
@@ -123,7 +146,7 @@ class DataParallel(Engine):
             if p.grad is None:  # unused on this rank: contributes zeros
                 view.zero_()
             else:
-                view.copy_(p.grad)
+                view.copy_(p.grad)  # casts to the reduce dtype (bf16: rounds)
         # SUM, not average: each rank's loss was already divided by the global token count
         bucket.handle = comm.all_reduce(bucket.buffer, self.topo, "dp", tag="grad", async_op=True)
 
@@ -137,11 +160,20 @@ class DataParallel(Engine):
             bucket.handle.wait()
             for p, view in zip(bucket.params, bucket.views):
                 if p.grad is None:
-                    p.grad = view.clone()
+                    p.grad = view.to(p.dtype, copy=True)
                 else:
-                    p.grad.copy_(view)
+                    p.grad.copy_(view)  # casts back from the reduce dtype
             bucket.handle, bucket.ready = None, 0
         self._next = 0
+
+    def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
+                      dtype: str = "fp32") -> dict[str, float]:
+        """{"grad": bytes} this rank sends per step: :func:`dp_grad_bytes_formula` of the
+        gradients *in the reduce dtype* (bf16: half of fp32), whatever ``micro_steps`` (one
+        all-reduce per step) and ``dtype`` (autocast leaves gradients fp32)."""
+        grad_bytes = sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+        return {"grad": dp_grad_bytes_formula(grad_bytes, self.topo.size("dp"))}
+
 
 def dp_grad_bytes_formula(grad_bytes: float, n: int) -> float:
     """Bytes each rank sends to all-reduce ``grad_bytes`` of gradients over ``n`` dp ranks:

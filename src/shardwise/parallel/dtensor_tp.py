@@ -40,6 +40,7 @@ it with dropout 0.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 
 import torch
@@ -64,11 +65,16 @@ class BookFunctionalCollectives(TorchDispatchMode):
     """While active, book every ``torch.ops._c10d_functional`` collective in ``topo.ledger``
     (op, axis found from the process group's name, dtype, shape, S, ring bytes). S follows the
     ledger's convention: the all-gather's output, the reduce-scatter's input, the buffer of an
-    all-reduce."""
+    all-reduce.
 
-    def __init__(self, topo):
+    ``c10d_tag``: also book the in-place process-group all-reduce ``c10d::allreduce_`` under
+    this tag (FSDP2's ``replicate`` all-reduces gradients with ``torch.distributed.all_reduce``
+    itself, with no hook to route it through :mod:`shardwise.comm`). Leave it None wherever
+    :mod:`shardwise.comm` issues all-reduces inside the mode (they would be booked twice)."""
+
+    def __init__(self, topo, c10d_tag: str | None = None):
         super().__init__()
-        self.topo = topo
+        self.topo, self.c10d_tag = topo, c10d_tag
         self.axis_of = {topo.group(a).group_name: a for a in ("pp", "dp", "tp", "world")}
 
     def _axis_by_ranks(self, group_name: str) -> str:
@@ -95,6 +101,8 @@ class BookFunctionalCollectives(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         packet = func._overloadpacket
         ns, name = packet._qualified_op_name.split("::")
+        if ns == "c10d" and name == "allreduce_" and self.c10d_tag is not None:
+            self._book_c10d_allreduce(args, time.perf_counter() - t0, f"{ns}.{name}")
         if ns in ("_c10d_functional", "_c10d_functional_autograd") and name in _OP_NAMES:
             op = _OP_NAMES[name]
             group = next(a for a in reversed(args) if isinstance(a, str))
@@ -109,6 +117,21 @@ class BookFunctionalCollectives(TorchDispatchMode):
                 seconds=time.perf_counter() - t0, phase=self.topo.ledger.current_phase,
                 tag="tp_bwd" if backward else "tp_fwd", impl=f"{ns}.{name}"))
         return out
+
+
+    def _book_c10d_allreduce(self, args, seconds: float, impl: str) -> None:
+        """Book ``c10d::allreduce_(tensors, process_group, ...)``: one record per tensor,
+        S = its bytes, on the axis whose ranks the process group holds."""
+        pg = dist.ProcessGroup.unbox(args[1])
+        axis = self.topo.axis_of_ranks(dist.get_process_group_ranks(pg)) or pg.group_name
+        n = self.topo.size(axis) if axis in ("pp", "dp", "tp", "world") else pg.size()
+        for t in args[0]:
+            size = t.numel() * t.element_size()
+            self.topo.ledger.add(CommRecord(
+                op="all_reduce", axis=axis, group_size=n,
+                dtype=str(t.dtype).replace("torch.", ""), shape=tuple(t.shape), size_bytes=size,
+                wire_bytes=ring_bytes("all_reduce", size, n), seconds=seconds,
+                phase=self.topo.ledger.current_phase, tag=self.c10d_tag, impl=impl))
 
 
 def dtensor_tp_plan(model: Llama, sp: bool) -> dict:
@@ -256,6 +279,16 @@ class TorchTensorParallel(Engine):
         return {n: (p.grad.full_tensor() if _is_dtensor(p.grad) else p.grad).detach().clone()
                 for n, p in self.module.named_parameters() if p.grad is not None}
 
+    def full_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+        """{FQN: {"step", "exp_avg", "exp_avg_sq"}} in full shape (``full_tensor()`` of the
+        DTensor state: collective over tp)."""
+        return dtensor_full_optimizer_state(self.module, optimizer)
+
+    def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
+        """Cut full-shape state to this rank's tp shards (no collective); ``KeyError`` for
+        missing FQNs."""
+        dtensor_load_full_optimizer_state(self.module, optimizer, state)
+
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
         """Bytes of this rank's local shards (DTensor ``numel()`` is the global size)."""
         params = [_local(p) for p in dict.fromkeys(self.module.parameters())]
@@ -269,6 +302,67 @@ class TorchTensorParallel(Engine):
                                         for v in state.values() if isinstance(v, torch.Tensor))
         out["total"] = out["params"] + out["grads"] + out["optimizer"]
         return out
+
+
+@contextlib.contextmanager
+def _quiet_redistribute():
+    """``full_tensor()`` of a ``_StridedShard`` DTensor logs a warning per call (two all-gathers
+    instead of one): silence it while gathering for parity checks."""
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def dtensor_full_optimizer_state(module: nn.Module, optimizer) -> dict[str, dict]:
+    """{FQN: {key: full tensor or scalar}} of ``optimizer``'s state for the DTensor (or plain)
+    parameters of ``module`` (``full_tensor()``: collective over the parameter's mesh; every
+    rank must call it)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    out = {}
+    with _quiet_redistribute():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p)
+                if not state:
+                    continue
+                entry = {}
+                for k, v in state.items():
+                    if _is_dtensor(v):
+                        v = v.full_tensor()
+                    entry[k] = v.detach().clone() if torch.is_tensor(v) else v
+                out[names[id(p)]] = entry
+    return out
+
+
+def dtensor_load_full_optimizer_state(module: nn.Module, optimizer, state: dict) -> None:
+    """Inverse of :func:`dtensor_full_optimizer_state`: each full tensor is cut to the
+    parameter's local shard with ``distribute_tensor(..., src_data_rank=None)`` (no collective);
+    ``step`` is kept as saved. Raises ``KeyError`` naming missing FQNs, ``ValueError`` for a
+    shape that differs from the parameter's."""
+    from torch.distributed.tensor import distribute_tensor
+
+    named = dict(module.named_parameters())
+    missing = [n for n in named if n not in state]
+    if missing:
+        raise KeyError(f"optimizer state lacks {len(missing)} parameters, e.g. {missing[:3]}")
+    for n, p in named.items():
+        entry = {}
+        for k, v in state[n].items():
+            if torch.is_tensor(v) and k != "step":
+                if tuple(v.shape) != tuple(p.shape):
+                    raise ValueError(f"optimizer state {n}.{k} has shape {tuple(v.shape)}, the "
+                                     f"parameter {tuple(p.shape)}: saved from another model?")
+                v = v.detach().to(p.device, p.dtype)
+                v = (distribute_tensor(v.clone(), p.device_mesh, p.placements, src_data_rank=None)
+                     if _is_dtensor(p) else v.clone())
+            elif torch.is_tensor(v):
+                v = v.detach().clone()
+            entry[k] = v
+        optimizer.state[p] = entry
 
 
 def parallelize_tensor_dtensor(model: Llama, topo, sp: bool = False, *,

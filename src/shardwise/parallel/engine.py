@@ -148,8 +148,10 @@ class Engine(nn.Module):
             raise KeyError(f"optimizer state lacks {len(missing)} parameters, e.g. "
                            f"{missing[:3]}")
         for n, p in named.items():
-            optimizer.state[p] = {k: (v.detach().clone().to(p.device) if torch.is_tensor(v)
-                                      and k != "step" else v) for k, v in state[n].items()}
+            optimizer.state[p] = {k: (v.detach().clone().to(p.device if k != "step"
+                                                               else v.device)
+                                      if torch.is_tensor(v) else v)
+                                  for k, v in state[n].items()}
 
 
 def _nbytes(t) -> int:

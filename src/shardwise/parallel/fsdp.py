@@ -46,7 +46,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import comm
-from .builtin import _ledger_sum_hook  # DDP comm hook: SUM all_reduce through the ledger
+from .builtin import ddp_comm_hook  # DDP comm hook: SUM all_reduce through the ledger
 from .engine import Engine, clip_replicated_grad_norm_
 from .zero import (_optimizer_state_tensors, _storage_bytes, assign_units, validate_zero,
                    zero_memory_formula, zero_step_bytes_formula)
@@ -99,13 +99,18 @@ class TorchZero(Engine):
 
     ``units``: submodule FQNs wrapped by ``fully_shard`` before the root (default: every
     transformer / MLP block); ignored for stage 1. ``bucket_mb``: DDP bucket size (stage 1).
-    Raises :class:`ShardwiseConfigError` (before any collective) for dp < 2 or bad units.
-    Parameters are broadcast from dp index 0 first (ledger phase ``init``).
+    ``reduce_dtype``: "fp32" | "bf16", the dtype gradients travel in over dp — FSDP2's
+    ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` (stages 2, 3; the sharded gradient is
+    cast back to fp32), DDP's bf16 compression hook through the ledger (stage 1).
+    Raises :class:`ShardwiseConfigError` (before any collective) for dp < 2, bad units or another
+    reduce dtype. Parameters are broadcast from dp index 0 first (ledger phase ``init``).
     """
 
     def __init__(self, module: nn.Module, topo, stage: int, *, units: list[str] | None = None,
-                 bucket_mb: float = 25.0):
+                 bucket_mb: float = 25.0, reduce_dtype: str = "fp32"):
         validate_zero(stage, topo.size("dp"), engine="torch")
+        hook = ddp_comm_hook(reduce_dtype)  # validates reduce_dtype
+        self.reduce_dtype = reduce_dtype
         named_units = assign_units(module, units)  # same checks (tied weights) as explicit ZeRO
         super().__init__(module)
         self.topo, self.stage, self.n = topo, stage, topo.size("dp")
@@ -117,20 +122,24 @@ class TorchZero(Engine):
                               else {"broadcast_buffers": False})
             self.ddp = DDP(module, process_group=topo.group("dp"), bucket_cap_mb=bucket_mb,
                            gradient_as_bucket_view=True, **no_buffer_sync)
-            self.ddp.register_comm_hook(topo, _ledger_sum_hook)
+            self.ddp.register_comm_hook(topo, hook)
             return
         with topo.ledger.phase("init"), torch.no_grad():
             for p in module.parameters():  # fully_shard keeps each rank's own chunk
                 comm.broadcast(p.data, topo, "dp", src=0, tag="init")
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if reduce_dtype == "bf16" else None)
         mesh = topo.mesh["dp"]
         reshard = stage == 3
         self.fsdp_modules = []
         for name, mod, _ in named_units:
             if name != "root":
-                self.fsdp_modules.append(fully_shard(mod, mesh=mesh, reshard_after_forward=reshard))
+                self.fsdp_modules.append(fully_shard(mod, mesh=mesh, reshard_after_forward=reshard,
+                                                     mp_policy=mp))
         # root: FSDP2's default (None) keeps it gathered from forward to backward, which needs
         # it first (output head); stage 2: nothing is resharded after forward
-        self.fsdp_modules.append(fully_shard(module, mesh=mesh,
+        self.fsdp_modules.append(fully_shard(module, mesh=mesh, mp_policy=mp,
                                              reshard_after_forward=None if reshard else False))
         self.unit_names = [name for name, _, _ in named_units if name != "root"]
         for m in self.fsdp_modules:
@@ -158,9 +167,15 @@ class TorchZero(Engine):
 
     @torch.no_grad()
     def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Evaluation: (loss sum, counted items) of ``batch`` under ``no_grad`` (FSDP2 then frees
-        each unit, the root included, right after its forward)."""
-        return super().loss_sum_and_count(batch)
+        """Evaluation: (loss sum, counted items) of ``batch`` under ``no_grad``. FSDP2 keeps
+        units with ``reshard_after_forward=False`` (the root; every unit at stage 2) gathered
+        after a forward even without grad, so they are resharded here: otherwise the next
+        training step would skip their all-gather (the ledger would fall short of the formula)."""
+        out = super().loss_sum_and_count(batch)
+        if self.stage != 1:
+            for m in self.fsdp_modules:
+                m.reshard()
+        return out
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -192,6 +207,60 @@ class TorchZero(Engine):
             return ZeroRedundancyOptimizer(param_groups, optimizer_class=optimizer_class,
                                            process_group=self.topo.group("dp"), **kwargs)
         return optimizer_class(param_groups, **kwargs)
+
+    # -- layout-free optimizer state -------------------------------------------------------------
+    def full_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+        """{FQN: {"step", "exp_avg", "exp_avg_sq"}} in full parameter shape, on every dp rank.
+
+        FSDP2: the AdamW state is DTensors sharded like the parameters: ``full_tensor()``
+        (DTensor's own all-gathers, not in the ledger). Stage 1: ZeroRedundancyOptimizer keeps a
+        parameter's state only on its owner rank, so the owner broadcasts it over dp
+        (``comm.broadcast``, phase ``checkpoint``, tag ``optim_state``: one packed fp32 tensor
+        [1 + 1 + 2·numel] = (has-state flag, step, exp_avg, exp_avg_sq) per parameter).
+        Collective: every dp rank calls it."""
+        if self.stage != 1:
+            from .dtensor_tp import dtensor_full_optimizer_state
+
+            return dtensor_full_optimizer_state(self.module, optimizer)
+        owner = optimizer._param_to_rank  # ZeroRedundancyOptimizer: dp group rank = dp index
+        out = {}
+        with self.topo.ledger.phase("checkpoint"):
+            for n, p in self.module.named_parameters():
+                packed = torch.zeros(2 + 2 * p.numel(), dtype=torch.float32, device=p.device)
+                st = optimizer.optim.state.get(p) if owner[p] == self.topo.index("dp") else None
+                if st:
+                    packed[0] = 1.0
+                    packed[1] = float(st["step"])
+                    packed[2:2 + p.numel()] = st["exp_avg"].reshape(-1)
+                    packed[2 + p.numel():] = st["exp_avg_sq"].reshape(-1)
+                comm.broadcast(packed, self.topo, "dp", src=owner[p], tag="optim_state")
+                if packed[0] > 0:
+                    out[n] = {"step": packed[1].clone(),
+                              "exp_avg": packed[2:2 + p.numel()].view_as(p).clone(),
+                              "exp_avg_sq": packed[2 + p.numel():].view_as(p).clone()}
+        return out
+
+    def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
+        """Inverse of :meth:`full_optimizer_state` (state possibly saved under another layout):
+        FSDP2 cuts each full tensor to this rank's dp shard (``distribute_tensor``, no
+        collective); stage 1 keeps only the parameters this rank owns (into
+        ``optimizer.optim``). Raises ``KeyError`` naming missing FQNs."""
+        if self.stage != 1:
+            from .dtensor_tp import dtensor_load_full_optimizer_state
+
+            dtensor_load_full_optimizer_state(self.module, optimizer, state)
+            return
+        named = dict(self.module.named_parameters())
+        missing = [n for n in named if n not in state]
+        if missing:
+            raise KeyError(f"optimizer state lacks {len(missing)} parameters, e.g. "
+                           f"{missing[:3]}")
+        owner = optimizer._param_to_rank
+        for n, p in named.items():
+            if owner[p] == self.topo.index("dp"):
+                optimizer.optim.state[p] = {
+                    k: (v.detach().clone().to(p.device) if torch.is_tensor(v) else v)
+                    for k, v in state[n].items()}
 
     # -- inspection -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -252,13 +321,19 @@ class TorchZero(Engine):
         are not booked (``unbooked_param_broadcast``). FSDP2: :func:`zero_step_bytes_formula`
         with FSDP2's per-parameter padding; the root is gathered once per micro-step, blocks
         twice with reshard-after-forward (stage 3), once without (stage 2)."""
+        b_r = 2 if self.reduce_dtype == "bf16" else 4  # gradients travel in the reduce dtype
         if self.stage == 1:
             out = zero_step_bytes_formula(0, self._numel, self.n, 4)
+            out["grad"] *= b_r / 4
+            out["total"] = out["grad"] + out["param"] + out["grad_norm"]
             out["unbooked_param_broadcast"] = (self.n - 1) / self.n * 4 * self._numel
             return out
         block_numel = sum(math.ceil(p.shape[0] / self.n) * self.n * (p.numel() // p.shape[0])
                           for m in self.fsdp_modules[:-1] for p in m.parameters())
-        return zero_step_bytes_formula(3, self.padded_numel, self.n, 4, micro_steps=micro_steps,
-                                       regathered=block_numel if self.reshard_after_forward
-                                       else 0)
+        out = zero_step_bytes_formula(3, self.padded_numel, self.n, 4, micro_steps=micro_steps,
+                                      regathered=block_numel if self.reshard_after_forward
+                                      else 0)
+        out["grad"] *= b_r / 4
+        out["total"] = out["grad"] + out["param"] + out["grad_norm"]
+        return out
 

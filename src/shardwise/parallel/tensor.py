@@ -472,8 +472,11 @@ class TensorParallel(Engine):
     * ``named_full_parameters`` / ``named_full_gradients``: shards all-gathered over tp, padding
       stripped, keyed by the plain model's names (phase ``"gather"``, not part of the step).
 
-    A DP wrapper can sit on top (issue #6): the local shards are ordinary Parameters whose
-    gradients it would sum over dp after :meth:`finish_gradient_sync`."""
+    * ``full_optimizer_state`` / ``load_full_optimizer_state``: AdamW's moments gathered to /
+      sliced from full parameter shape like the parameters (layout-free checkpoints).
+
+    DP or ZeRO sits on top in :mod:`.compose` (dp × tp): the local shards are ordinary
+    Parameters whose gradients are summed over dp."""
 
     count_axes = ("dp",)
     reduce_loss_axes = ("dp",)
@@ -515,11 +518,17 @@ class TensorParallel(Engine):
 
     def finish_gradient_sync(self) -> None:
         """With SP: SUM the norm weights' partial gradients over tp (one flat all-reduce)."""
-        if not self.sp or not self.replicated:
+        if self.sp:
+            self.reduce_replicated_grads(tag="grad")
+
+    def reduce_replicated_grads(self, tag: str = "grad") -> None:
+        """SUM the replicated parameters' (norm weights') gradients over tp: one flat
+        all-reduce of (2L+1)·d fp32 (what SP needs; :mod:`.compose` calls it with its own tag)."""
+        if not self.replicated:
             return
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                           for p in self.replicated])
-        comm.all_reduce(flat, self.topo, AXIS, tag="grad")
+        comm.all_reduce(flat, self.topo, AXIS, tag=tag)
         offset = 0
         for p in self.replicated:
             g = flat[offset: offset + p.numel()].view_as(p)
@@ -559,6 +568,41 @@ class TensorParallel(Engine):
         with self.topo.ledger.phase("gather"):
             comm.all_gather(full, shard, self.topo, AXIS, tag="gather")
         return full[: p.tp_full_size].movedim(0, dim).contiguous()
+
+    def _local(self, full: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+        """The inverse of :meth:`_full`: this rank's shard of a full-shape tensor (zero padding
+        where the parameter is padded, e.g. the vocabulary rows). No collective."""
+        full = full.detach().to(p.device, p.dtype)
+        if not hasattr(p, "tp_shard_dim"):
+            return full.clone()
+        dim = p.tp_shard_dim
+        return _local_chunk(full, dim, self.topo, padded=p.shape[dim] * self.topo.size(AXIS))
+
+    def full_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+        """{plain FQN: {"step", "exp_avg", "exp_avg_sq"}} with every state tensor shaped like its
+        parameter gathered to full shape over tp as :meth:`named_full_parameters` does (padding
+        stripped; phase ``"gather"``). Collective over tp."""
+        out = {}
+        for n, p in self.module.named_parameters():  # the same order on every tp rank
+            st = optimizer.state.get(p)
+            if st:
+                out[n] = {k: (self._full(v, p) if torch.is_tensor(v) and v.shape == p.shape
+                              else (v.clone() if torch.is_tensor(v) else v))
+                          for k, v in st.items()}
+        return out
+
+    def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
+        """Slice full-shape state (from any layout) to this rank's shards. No collective.
+        Raises ``KeyError`` naming the FQNs missing from ``state``."""
+        named = dict(self.module.named_parameters())
+        missing = [n for n in named if n not in state]
+        if missing:
+            raise KeyError(f"optimizer state lacks {len(missing)} parameters, e.g. "
+                           f"{missing[:3]}")
+        for n, p in named.items():
+            optimizer.state[p] = {k: (self._local(v, p) if torch.is_tensor(v) and v.dim() > 0
+                                      else (v.clone() if torch.is_tensor(v) else v))
+                                  for k, v in state[n].items()}
 
     def named_full_parameters(self) -> dict[str, torch.Tensor]:
         """{plain FQN: full-shape parameter}; collective over tp (every tp rank must call it)."""

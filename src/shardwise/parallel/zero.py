@@ -43,6 +43,8 @@ b bytes per element, ring collectives (:mod:`shardwise.comm.ledger`): an all_red
   ``reshard_after_forward=False`` no unit is, which gives 2Ψb(n−1)/n at ZeRO-2's parameter memory
   during forward/backward (PyTorch FSDP's SHARD_GRAD_OP). With M gradient-accumulation micro-steps
   the parameter all-gathers happen M times; the gradient reduce-scatter once.
+* ``reduce_dtype="bf16"``: the gradient reduce_scatter moves bf16 (b = 2 in its term only);
+  the summed slice is cast back to fp32 (PyTorch FSDP's ``MixedPrecision(reduce_dtype)``).
 * Every stage: one all_reduce of one fp64 scalar (the sum of squared gradient elements of the
   local shards) for the global gradient norm: 2(n−1)/n · 8 bytes. Clipping needs the norm of
   the *whole* gradient; the local shard's norm would clip every rank by a different factor.
@@ -117,6 +119,7 @@ from torch import nn
 
 from .. import comm
 from ..errors import ShardwiseConfigError
+from .data import reduce_torch_dtype
 from .engine import Engine
 
 STAGES = (1, 2, 3)
@@ -149,7 +152,8 @@ def zero_memory_formula(stage: int, psi: float, n: int, bytes_param: float = 4,
 
 def zero_step_bytes_formula(stage: int, psi: float, n: int, bytes_per_elem: float = 4, *,
                             micro_steps: int = 1, regathered: float | None = None,
-                            grad_norm: bool = True) -> dict[str, float]:
+                            grad_norm: bool = True,
+                            grad_bytes_per_elem: float | None = None) -> dict[str, float]:
     """Bytes one rank sends per optimizer step for the ZeRO ``stage`` (0 = DP), by ledger tag.
 
     ``psi``: elements that travel, i.e. Σ over units of the *padded* unit size ⌈Ψ_u/n⌉·n (the flat
@@ -157,7 +161,8 @@ def zero_step_bytes_formula(stage: int, psi: float, n: int, bytes_per_elem: floa
     Returns ``{"grad", "param", "grad_norm", "total"}``:
 
     * ``grad``: stage 0: all_reduce of the gradients, 2(n−1)/n·Ψb; stages 1–3: one
-      reduce_scatter, (n−1)/n·Ψb (once per step, whatever ``micro_steps``).
+      reduce_scatter, (n−1)/n·Ψb (once per step, whatever ``micro_steps``). Here b is
+      ``grad_bytes_per_elem`` when given (the reduce dtype: 2 for bf16), else ``bytes_per_elem``.
     * ``param``: stages 1–2: one all_gather of the updated parameters after the optimizer step,
       (n−1)/n·Ψb. Stage 3: per micro-step, an all_gather of every unit before its forward and of
       ``regathered`` elements again before their backward: micro_steps·(n−1)/n·(Ψ + regathered)·b.
@@ -174,15 +179,16 @@ def zero_step_bytes_formula(stage: int, psi: float, n: int, bytes_per_elem: floa
     if stage not in (0, *STAGES):
         raise ValueError(f"ZeRO stage {stage}: choose 0, 1, 2 or 3")
     f = (n - 1) / n if n > 1 else 0.0
+    gb = bytes_per_elem if grad_bytes_per_elem is None else grad_bytes_per_elem
     if stage == 0:
-        out = {"grad": 2 * f * psi * bytes_per_elem, "param": 0.0, "grad_norm": 0.0}
+        out = {"grad": 2 * f * psi * gb, "param": 0.0, "grad_norm": 0.0}
     else:
         if stage < 3:
             param = f * psi * bytes_per_elem
         else:
             again = psi if regathered is None else regathered
             param = micro_steps * f * (psi + again) * bytes_per_elem
-        out = {"grad": f * psi * bytes_per_elem, "param": param,
+        out = {"grad": f * psi * gb, "param": param,
                "grad_norm": 2 * f * 8 if grad_norm else 0.0}
     out["total"] = out["grad"] + out["param"] + out["grad_norm"]
     return out
@@ -325,6 +331,16 @@ class _Unit:
         return [(p, flat[o: o + k].view_as(p))
                 for p, o, k in zip(self.params, self.offsets, self.numels)]
 
+    def pieces(self) -> list[tuple[int, int, int]]:
+        """(j, a, b) for every parameter j with elements in this rank's slice: its flat range
+        [a, b) ⊂ [lo, hi) (so ``shard[a − lo: b − lo]`` is that piece)."""
+        out = []
+        for j, (off, k) in enumerate(zip(self.offsets, self.numels)):
+            a, b = max(off, self.lo), min(off + k, self.hi)
+            if a < b:
+                out.append((j, a, b))
+        return out
+
     def gathered_bytes(self) -> int:
         return self.full.untyped_storage().nbytes()
 
@@ -386,17 +402,25 @@ class ZeroDataParallel(Engine):
     ``reshard_after_forward``: ZeRO-3 frees a unit after its forward (True: 3Ψ traffic, least
     memory) or keeps it until its backward is done (False: 2Ψ). ``overlap``: launch each unit's
     gradient reduce_scatter from the backward hooks (True) or all after backward (False).
+    ``reduce_dtype``: "fp32" | "bf16", the dtype the gradients are reduce-scattered in (cast back
+    to fp32 into the slice after; see :func:`~.data.reduce_torch_dtype`).
 
-    Raises :class:`ShardwiseConfigError` (before any collective) for dp < 2, a bad stage, or bad
-    ``units`` (see :func:`assign_units`). Construction broadcasts each flat buffer from dp index 0
+    Inside a dp × tp layout (``topo.size("tp") > 1``, :mod:`.compose`) the module holds this tp
+    rank's shards; parameters marked ``tp_shard_dim`` are tp-sharded, the others replicated over
+    tp, and :meth:`clip_grad_norm_` counts each element of the whole model once (see there).
+
+    Raises :class:`ShardwiseConfigError` (before any collective) for dp < 2, a bad stage, a bad
+    ``reduce_dtype``, or bad ``units`` (see :func:`assign_units`). Construction broadcasts each flat buffer from dp index 0
     (ledger phase ``init``). After wrapping, do not move or re-create the model's parameters
     (``.to()``, ``load_state_dict`` into them); in ZeRO-3 read full parameters only through
     :meth:`named_full_parameters` or inside :meth:`summon_full_params`.
     """
 
     def __init__(self, module: nn.Module, topo, stage: int, *, units: list[str] | None = None,
-                 prefetch: bool = True, reshard_after_forward: bool = True, overlap: bool = True):
+                 prefetch: bool = True, reshard_after_forward: bool = True, overlap: bool = True,
+                 reduce_dtype: str = "fp32"):
         validate_zero(stage, topo.size("dp"))
+        rdtype = reduce_torch_dtype(reduce_dtype)
         named_units = assign_units(module, units)  # all checks done before the first collective
         super().__init__(module)
         self.topo, self.stage = topo, stage
@@ -404,6 +428,7 @@ class ZeroDataParallel(Engine):
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
         self.overlap = overlap
+        self.reduce_dtype, self._rdtype = reduce_dtype, rdtype  # of the gradient reduce_scatter
         self.units = [_Unit(name, mod, named, self.n, self.rank)
                       for name, mod, named in named_units]
         self.root = self.units[0] if self.units and self.units[0].name == "root" else None
@@ -565,11 +590,16 @@ class ZeroDataParallel(Engine):
             self._sync = prev
 
     def forward_backward(self, microbatches, denom, dtype="fp32"):
+        self.begin_forward_backward()
+        return super().forward_backward(microbatches, denom, dtype)
+
+    def begin_forward_backward(self) -> None:
+        """Call before a step's first forward (an engine composing this one runs its own
+        micro-batch loop): every unit starts sharded and the gathered peak is measured afresh."""
         if self.stage == 3:  # start every step sharded, whatever ran before (e.g. an evaluation
             for u in self.units:  # forward with grad enabled leaves the root gathered)
                 self._reshard(u)
         self.gathered_peak_bytes = 0
-        return super().forward_backward(microbatches, denom, dtype)
 
     @torch.no_grad()
     def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -596,6 +626,7 @@ class ZeroDataParallel(Engine):
     @torch.no_grad()
     def _launch_reduce(self, u: _Unit) -> None:
         """Sum the unit's flat gradient over dp, leaving this rank's slice [k] (reduce_scatter)."""
+        rdtype = self._rdtype
         if self.stage == 1:
             for p, view in u.views(u.grad_full):  # .grad should be our view; repair if replaced
                 if p.grad is None:
@@ -603,18 +634,18 @@ class ZeroDataParallel(Engine):
                 elif p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)
                     p.grad = view
-            out = torch.empty_like(u.shard_grad)  # [k]; copied into grad_full's slice after
-            handle = comm.reduce_scatter(out, u.grad_full, self.topo, "dp", tag="grad",
-                                         async_op=True)
-            u.reduce = (handle, out)
-        else:
-            flat = torch.zeros(u.padded, dtype=u.dtype, device=u.device)  # [P_u], padding 0
+            flat = u.grad_full if rdtype == u.dtype else u.grad_full.to(rdtype)  # [P_u]
+            out = torch.empty(u.shard_numel, dtype=rdtype, device=u.device)  # [k]; copied
+        else:  # into grad_full's slice after (the input aliases it)
+            flat = torch.zeros(u.padded, dtype=rdtype, device=u.device)  # [P_u], padding 0
             for p, view in u.views(flat):
                 if p.grad is not None:
-                    view.copy_(p.grad)
+                    view.copy_(p.grad)  # casts to the reduce dtype
                     p.grad = None  # ZeRO-2/3: the full gradient is not kept
-            u.reduce = (comm.reduce_scatter(u.shard_grad, flat, self.topo, "dp", tag="grad",
-                                            async_op=True), flat)
+            out = u.shard_grad if rdtype == u.dtype else torch.empty(
+                u.shard_numel, dtype=rdtype, device=u.device)  # [k]
+        u.reduce = (comm.reduce_scatter(out, flat, self.topo, "dp", tag="grad", async_op=True),
+                    flat, out)
         self._next_reduce += 1
 
     @torch.no_grad()
@@ -624,10 +655,10 @@ class ZeroDataParallel(Engine):
         for u in self._reduce_order[self._next_reduce:]:
             self._launch_reduce(u)
         for u in self._reduce_order:
-            handle, buf = u.reduce
+            handle, _, out = u.reduce
             handle.wait()
-            if self.stage == 1:
-                u.shard_grad.copy_(buf)
+            if out is not u.shard_grad:
+                u.shard_grad.copy_(out)  # (ZeRO-1: out of the aliased buffer; bf16 → fp32)
             u.reduce, u.grads_complete = None, False
         self._next_reduce = 0
         if self.stage == 3:
@@ -639,10 +670,30 @@ class ZeroDataParallel(Engine):
         """Global L2 norm of the gradient (all shards of all units), clipping to ``max_norm`` if
         > 0. One all_reduce of the fp64 sum of squares of the local slices (padding is 0), so
         every rank gets the norm of the *whole* gradient and scales by the same factor; the
-        factor is ``torch.nn.utils.clip_grad_norm_``'s: min(1, max_norm / (norm + 1e-6))."""
+        factor is ``torch.nn.utils.clip_grad_norm_``'s: min(1, max_norm / (norm + 1e-6)).
+
+        Inside dp × tp (tp > 1) each element of the whole model must be counted once: the
+        slice's squares are split into tp-sharded pieces (``tp_shard_dim``: different elements
+        on every tp rank) and tp-replicated ones (the same elements on every tp rank). The
+        sharded part is first all-reduced over tp (tag ``"norm"``, one fp64 scalar), then
+        sharded_tp + replicated is all-reduced over dp (``"grad_norm"``):
+        Σ_dp (Σ_tp sharded + replicated) counts every sharded element once and every replicated
+        element once (its tp copies are never summed)."""
         sq = torch.zeros(1, dtype=torch.float64, device=self.units[0].device)
-        for u in self.units:
-            sq += u.shard_grad.double().pow(2).sum()
+        if self.topo.size("tp") == 1:
+            for u in self.units:
+                sq += u.shard_grad.double().pow(2).sum()
+        else:
+            sharded = torch.zeros_like(sq)
+            for u in self.units:
+                for j, a, b in u.pieces():
+                    part = u.shard_grad[a - u.lo: b - u.lo].double().pow(2).sum()
+                    if hasattr(u.params[j], "tp_shard_dim"):
+                        sharded += part
+                    else:
+                        sq += part
+            comm.all_reduce(sharded, self.topo, "tp", tag="norm")
+            sq += sharded
         comm.all_reduce(sq, self.topo, "dp", tag="grad_norm")
         norm = sq.sqrt().to(self.units[0].dtype)[0]
         if max_norm and max_norm > 0:
@@ -668,16 +719,14 @@ class ZeroDataParallel(Engine):
         each piece's ``.grad`` is the matching view of the slice's summed gradient."""
         group_of = {id(p): i for i, g in enumerate(param_groups) for p in g["params"]}
         pieces: list[list[torch.Tensor]] = [[] for _ in param_groups]
-        for u in self.units:
-            for p, off, k in zip(u.params, u.offsets, u.numels):
-                if id(p) not in group_of:
+        for ui, u in enumerate(self.units):
+            for j, a, b in u.pieces():  # parameters owned by other ranks have no piece here
+                if id(u.params[j]) not in group_of:
                     continue  # not optimized (as in the plain model with these groups)
-                a, b = max(off, u.lo), min(off + k, u.hi)
-                if a >= b:
-                    continue  # owned by other ranks
                 piece = u.shard[a - u.lo: b - u.lo]
                 piece.grad = u.shard_grad[a - u.lo: b - u.lo]
-                pieces[group_of[id(p)]].append(piece)
+                piece.zero_slot = (ui, j, a, b)  # where it lives: for full_optimizer_state
+                pieces[group_of[id(u.params[j])]].append(piece)
         known = {id(p) for u in self.units for p in u.params}
         missing = [i for i in group_of if i not in known]
         if missing:
@@ -708,6 +757,99 @@ class ZeroDataParallel(Engine):
                                    async_op=True) for u in self.units]
         for h in handles:
             h.wait()
+
+    # -- tp-replicated gradients (dp × tp with sequence parallelism) ----------------------------
+    def _replicated_pieces(self) -> list[tuple[_Unit, int, int]]:
+        return [(u, a, b) for u in self.units for j, a, b in u.pieces()
+                if not hasattr(u.params[j], "tp_shard_dim")]
+
+    def replicated_slice_numel(self) -> int:
+        """Elements of this rank's slices that belong to tp-replicated parameters (no
+        ``tp_shard_dim``; the norm weights in a TP model)."""
+        return sum(b - a for _, a, b in self._replicated_pieces())
+
+    @torch.no_grad()
+    def reduce_replicated_grads(self, axis: str = "tp", tag: str = "sp_grad") -> None:
+        """SUM over ``axis`` the gradient pieces of this rank's slices that belong to
+        tp-replicated parameters (call after :meth:`finish_gradient_sync`). With sequence
+        parallelism each tp rank saw only s/tp positions, so the norm weights' gradients are
+        partial sums over tp; only the summed dp slice this rank owns needs completing: one flat
+        all_reduce of :meth:`replicated_slice_numel` elements (the tp peers of a rank have the
+        same unit layout, hence the same pieces). Nothing is sent when the slice holds none."""
+        pieces = self._replicated_pieces()
+        if not pieces:
+            return
+        flat = torch.cat([u.shard_grad[a - u.lo: b - u.lo] for u, a, b in pieces])
+        comm.all_reduce(flat, self.topo, axis, tag=tag)
+        offset = 0
+        for u, a, b in pieces:
+            u.shard_grad[a - u.lo: b - u.lo].copy_(flat[offset: offset + b - a])
+            offset += b - a
+
+    # -- layout-free optimizer state ------------------------------------------------------------
+    @torch.no_grad()
+    def full_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+        """{FQN: {"step": fp32 [], "exp_avg": [param shape], "exp_avg_sq": ...}}: every state
+        tensor of the optimizer's pieces written into a zero [P_u] buffer at its flat position and
+        all-gathered over dp (ledger phase ``checkpoint``; one all_gather per unit and state key),
+        the step counters all-reduced (MAX) over dp. Shapes are those of this module's
+        parameters (inside dp × tp: the tp shard; :mod:`.compose` gathers over tp). Parameters
+        without state (never stepped) are absent. Collective over dp; every dp rank must hold
+        state for some piece or none does (true after any step: each slice holds optimized
+        elements), since the state keys are read from this rank's own state."""
+        units_state = [dict() for _ in self.units]  # per unit: {j: (piece state, a, b)}
+        keys: set[str] = set()
+        for group in optimizer.param_groups:
+            for piece in group["params"]:
+                st = optimizer.state.get(piece)
+                if st:
+                    ui, j, a, b = piece.zero_slot
+                    units_state[ui][j] = (st, a, b)
+                    keys |= {k for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
+        out = {}
+        with self.topo.ledger.phase("checkpoint"):
+            for u, held in zip(self.units, units_state):
+                steps = torch.zeros(len(u.params), dtype=torch.float64, device=u.device)
+                for j, (st, _, _) in held.items():
+                    steps[j] = float(st["step"]) + 1.0  # 0 = no state on this rank
+                comm.all_reduce(steps, self.topo, "dp", op="max", tag="checkpoint")
+                full = {}
+                for k in sorted(keys):
+                    mine = torch.zeros(u.padded, dtype=u.dtype, device=u.device)
+                    for st, a, b in held.values():
+                        mine[a:b] = st[k].reshape(-1)
+                    full[k] = torch.empty_like(mine)
+                    comm.all_gather(full[k], mine[u.lo:u.hi].clone(), self.topo, "dp",
+                                    tag="checkpoint")
+                for j, (fqn, p) in enumerate(zip(u.fqns, u.params)):
+                    if steps[j] > 0:
+                        o, k_ = u.offsets[j], u.numels[j]
+                        out[fqn] = {"step": torch.tensor(float(steps[j]) - 1.0),
+                                    **{k: full[k][o: o + k_].view_as(p).clone() for k in full}}
+        return out
+
+    @torch.no_grad()
+    def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
+        """The inverse of :meth:`full_optimizer_state` (the state may come from any layout):
+        each piece of this rank's slices gets its elements of every full-shape state tensor and
+        its own copy of ``step``. No collective. Raises ``KeyError`` naming the FQNs this rank's
+        pieces need but ``state`` lacks."""
+        todo = [(piece, self.units[piece.zero_slot[0]], *piece.zero_slot[1:])
+                for group in optimizer.param_groups for piece in group["params"]]
+        missing = sorted({u.fqns[j] for _, u, j, _, _ in todo if u.fqns[j] not in state})
+        if missing:
+            raise KeyError(f"optimizer state lacks {len(missing)} parameters, e.g. {missing[:3]}")
+        for piece, u, j, a, b in todo:
+            o = u.offsets[j]
+            new = {}
+            for k, v in state[u.fqns[j]].items():
+                if k == "step":
+                    new[k] = torch.tensor(float(v), dtype=torch.float32)
+                elif torch.is_tensor(v) and v.dim() > 0:
+                    new[k] = v.reshape(-1)[a - o: b - o].to(piece.device, piece.dtype).clone()
+                else:
+                    new[k] = v
+            optimizer.state[piece] = new
 
     # -- inspection -----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -788,15 +930,17 @@ class ZeroDataParallel(Engine):
                                    bytes_optim=2 * self.units[0].full.element_size())
 
     def step_bytes_formula(self, micro_steps: int = 1) -> dict[str, float]:
-        """:func:`zero_step_bytes_formula` with this engine's padded Ψ and what ZeRO-3 gathers a
-        second time for backward: every block if ``reshard_after_forward`` (not the root, which
-        stays gathered), else nothing."""
+        """:func:`zero_step_bytes_formula` with this engine's padded Ψ, the reduce dtype's bytes
+        for the gradient reduce_scatter, and what ZeRO-3 gathers a second time for backward:
+        every block if ``reshard_after_forward`` (not the root, which stays gathered), else
+        nothing. Inside dp × tp the tp scalar of the norm (tag ``"norm"``) is not included."""
         regathered = None
         if self.stage == 3:
             regathered = (sum(u.padded for u in self.blocks) if self.reshard_after_forward else 0)
-        return zero_step_bytes_formula(self.stage, self.padded_numel, self.n,
-                                       self.units[0].full.element_size(),
-                                       micro_steps=micro_steps, regathered=regathered)
+        return zero_step_bytes_formula(
+            self.stage, self.padded_numel, self.n, self.units[0].full.element_size(),
+            micro_steps=micro_steps, regathered=regathered,
+            grad_bytes_per_elem=torch.empty(0, dtype=self._rdtype).element_size())
 
 
 _SHARDED_CLASSES: dict[type, type] = {}

@@ -19,10 +19,12 @@ import torch
 
 from .. import comm
 from ..config import TrainConfig, validate
-from ..models import build_model
+from ..flops import mfu, peak_devices, peak_flops, step_flops
+from ..models import build_model, set_activation_checkpointing
 from ..parallel.apply import Layout, parallelize
 from ..topology import Topology, init_distributed
-from .checkpoint import save_checkpoint
+from .checkpoint import (Checkpointer, check_disk_space, checkpoint_bytes_estimate,
+                         find_resume_checkpoint, load_model, restore_training_state)
 from .metrics import MetricsLogger, plot_loss
 from .optim import build_optimizer, build_scheduler
 from .step import train_step
@@ -84,6 +86,8 @@ def train(cfg: TrainConfig) -> dict:
             f"--global-batch {cfg.global_batch} needs {cfg.global_batch} training sequences but "
             f"the data gives {work.num_train} at --seq-len {cfg.seq_len}: lower --global-batch "
             f"or --seq-len, or give more --data")
+    # --resume: pick and verify the checkpoint, and check it fits this model (files only)
+    resume_from = _find_resume(cfg, work, rank)
 
     init_distributed(cfg.device, cfg.timeout)
     topo = Topology(cfg.pp, cfg.dp, cfg.tp, device=cfg.device, timeout_s=cfg.timeout)
@@ -98,12 +102,23 @@ def train(cfg: TrainConfig) -> dict:
     # -- model: same seed on every rank → same init; DP also broadcasts from dp index 0 ------
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, vocab_size=work.vocab_size, **work.model_overrides(cfg))
+    if cfg.init_from_hf:  # HF weights into the plain model, so every layout starts from them
+        from ..interop.hf import load_hf_weights
+
+        load_hf_weights(model, cfg.init_from_hf)
+    if resume_from is not None:  # layout-free weights into the plain model, before parallelize
+        load_model(resume_from, model)
     model.to(topo.device)
     n_params = sum(p.numel() for p in model.parameters())
+    model_cfg = model.config  # before parallelize: a pipeline keeps only this rank's stage
+    # --ac: checkpoint inside each block; collectives a recompute re-issues (TP) are booked
+    # under phase "recompute", outside the step's bytes (see models/ac.py)
+    set_activation_checkpointing(model, cfg.ac, lambda: topo.ledger.phase("recompute"))
     engine = parallelize(model, topo, Layout.from_config(cfg), engine=cfg.engine,
                          bucket_mb=cfg.bucket_mb, overlap=cfg.overlap, prefetch=cfg.prefetch,
                          reshard_after_forward=cfg.reshard_after_forward,
-                         layers_per_stage=cfg.stage_split(), seed=cfg.seed)
+                         layers_per_stage=cfg.stage_split(), seed=cfg.seed,
+                         reduce_dtype=cfg.reduce_dtype)
     micro_batch, n_micro = cfg.microbatching()
     optimizer = build_optimizer(engine, cfg)
     scheduler = build_scheduler(optimizer, cfg)
@@ -112,7 +127,22 @@ def train(cfg: TrainConfig) -> dict:
              f"{topo.describe()}, engine={cfg.engine}, data={work.description}")
     log.info(f"  {cfg.steps} steps × {cfg.global_batch} sequences × {cfg.seq_len} tokens; "
              f"{n_micro} micro-batches of {micro_batch} per rank per step; output → {out}")
+    for line in describe_groups(topo):
+        log.info(line)
+    # MFU: model FLOPs of a step (every position of the global batch; flops.py has the
+    # convention and its sources) over the peak of all ranks
+    seq = cfg.seq_len if work.kind == "lm" else 1
+    flops_step = step_flops(model_cfg, cfg.global_batch, seq)
+    peak, peak_src = peak_flops(topo.device, cfg.dtype, cfg.peak_tflops)
+    n_peak = peak_devices(topo.device, topo.world_size)  # CPU: ranks sharing a core share it
+    log.info(f"  precision: compute {cfg.dtype}, master weights/gradients/AdamW state fp32, "
+             f"gradient reduction {cfg.reduce_dtype}; activation checkpointing: {cfg.ac}; "
+             f"{flops_step / 1e9:,.2f} GFLOP per step (6·N + 12·L·d·s per token); peak "
+             f"{peak / 1e12:.3f} TFLOP/s × {n_peak} "
+             f"{'GPUs' if topo.device.type == 'cuda' else 'cores'} ({peak_src})")
 
+    if resume_from is not None and is_main:  # steps after the checkpoint are redone
+        _truncate_metrics(out / "metrics.jsonl", _checkpoint_step(resume_from))
     metrics = MetricsLogger(out, enabled=is_main)
     show_bar = is_main and (sys.stderr.isatty() or os.environ.get("SHARDWISE_TTY") == "1")
     bar = None
@@ -120,12 +150,27 @@ def train(cfg: TrainConfig) -> dict:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, desc="train", dynamic_ncols=True, file=sys.stderr)
-    val_losses = [(0, evaluate(engine, work, topo, cfg))]
-    log.info(f"step 0: validation loss {val_losses[0][1]:.4f}")
-    metrics.log({"step": 0, "val_loss": val_losses[0][1]})
-    tokens_seen, times = 0, []
-    for step in range(1, cfg.steps + 1):
-        batch = work.batches(sampler.next_local_batch(), micro_batch)
+    checkpointer = Checkpointer(out, topo, keep=cfg.keep, async_save=cfg.async_save)
+    start, times = 0, []
+    if resume_from is not None:  # optimizer state → this rank's shards; LR, data position, RNG
+        got = restore_training_state(resume_from, engine, optimizer, scheduler=scheduler,
+                                     sampler=sampler, rank=topo.index("world"))
+        start, tokens_seen, val_losses = got.step, got.tokens_seen, got.val_losses
+        log.info(f"resumed from {resume_from} (step {start}, saved under layout "
+                 f"{got.meta.get('layout')}): optimizer state "
+                 f"{'restored' if got.optimizer_restored else 'NOT in the checkpoint (fresh)'}"
+                 f", RNG {'restored' if got.rng_restored else 'seeded (no state for this rank)'}")
+    else:
+        val_losses = [(0, evaluate(engine, work, topo, cfg))]
+        log.info(f"step 0: validation loss {val_losses[0][1]:.4f}")
+        metrics.log({"step": 0, "val_loss": val_losses[0][1]})
+        tokens_seen = 0
+    if bar is not None:
+        bar.update(start)
+    for step in range(start + 1, cfg.steps + 1):
+        local = sampler.next_local_batch()
+        _test_log_samples(step, local, topo)
+        batch = work.batches(local, micro_batch)
         t0 = time.perf_counter()
         res = train_step(engine, batch, optimizer, topo, max_norm=cfg.grad_clip,
                          scheduler=scheduler, dtype=cfg.dtype, measure_memory=True)
@@ -138,12 +183,18 @@ def train(cfg: TrainConfig) -> dict:
         rec = {"step": step, "loss": res.loss, "lr": scheduler.get_last_lr()[0],
                "grad_norm": res.grad_norm, "tokens": tokens_seen,
                "tokens_per_s": res.tokens / dt, "step_time_s": dt,
+               # achieved model TFLOP/s of all ranks together, and MFU (flops.py)
+               "tflops": flops_step / dt / 1e12,
+               "mfu": mfu(flops_step, dt, peak, n_peak),
                "comm_bytes": topo.ledger.step_bytes(),
                # model state this rank holds (bytes): parameters + gradients + optimizer state
                "mem_bytes": res.state_bytes["total"],
                **{f"mem_{k}_bytes": v for k, v in res.state_bytes.items() if k != "total"}}
         if step == 1 and is_main:
             write_ledger_json(out / "ledger.json", topo, engine, cfg)
+        if step == start + 1:  # the first step this run takes (step 1 unless resumed)
+            for line in describe_traffic(topo, engine, cfg):
+                log.info(line)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             rec["val_loss"] = evaluate(engine, work, topo, cfg)
             val_losses.append((step, rec["val_loss"]))
@@ -155,18 +206,26 @@ def train(cfg: TrainConfig) -> dict:
         if step % cfg.log_every == 0 or step == cfg.steps or "val_loss" in rec:
             msg = (f"step {step}/{cfg.steps}: loss {res.loss:.4f}, lr {rec['lr']:.2e}, "
                    f"grad norm {res.grad_norm:.3f}, {rec['tokens_per_s']:,.0f} tok/s, "
-                   f"{dt * 1e3:.0f} ms/step")
+                   f"{dt * 1e3:.0f} ms/step, {rec['tflops']:.3f} TFLOP/s, MFU {rec['mfu']:.1%}")
             if "val_loss" in rec:
                 msg += f", validation loss {rec['val_loss']:.4f}"
             (bar.write(msg) if bar is not None else log.info(msg))
         if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
-            save_checkpoint(out, step, engine, optimizer, topo, meta=_meta(cfg, sampler))
+            checkpointer.save(step, engine, optimizer, scheduler=scheduler, sampler=sampler,
+                              extra_meta=_meta(cfg, tokens_seen, val_losses, model_cfg))
+        _test_kill(step, checkpointer)
     if bar is not None:
         bar.close()
     metrics.close()
 
     # -- the end: checkpoint (every rank), then rank 0 draws and samples ---------------------
-    ckpt = save_checkpoint(out, cfg.steps, engine, optimizer, topo, meta=_meta(cfg, sampler))
+    ckpt = resume_from  # a run resumed at its last step has nothing more to save
+    if start < cfg.steps:
+        ckpt = checkpointer.save(cfg.steps, engine, optimizer, scheduler=scheduler,
+                                 sampler=sampler,
+                                 extra_meta=_meta(cfg, tokens_seen, val_losses, model_cfg))
+    checkpointer.close()  # waits for an async save to be written and committed
+    times = times or [float("nan")]
     with engine.full_model() as full:  # every rank together: sharded weights gather here
         sample = work.sample_text(full, cfg) if full is not None else None
     summary = {
@@ -176,6 +235,10 @@ def train(cfg: TrainConfig) -> dict:
         "tokens_per_s": cfg.global_batch * cfg.seq_len / sorted(times)[len(times) // 2],
         "params": n_params, "out": str(out), "checkpoint": str(ckpt),
     }
+    # model TFLOP/s and MFU at the median step (flops.py: 6·N + 12·L·d·s per token)
+    summary["tflops"] = flops_step / summary["median_step_s"] / 1e12
+    summary["mfu"] = mfu(flops_step, summary["median_step_s"], peak, n_peak)
+    summary["peak_tflops"] = peak * n_peak / 1e12  # of all devices (CPU: cores) together
     if is_main:
         plot_loss(out)
         if sample is not None:
@@ -185,12 +248,132 @@ def train(cfg: TrainConfig) -> dict:
         log.info(f"done in {summary['wall_s']:.0f} s: validation loss "
                  f"{summary['val_loss_start']:.3f} → {summary['val_loss_end']:.3f}, "
                  f"{summary['tokens_per_s']:,.0f} tokens/s (median step "
-                 f"{summary['median_step_s'] * 1e3:.0f} ms); outputs in {out}")
+                 f"{summary['median_step_s'] * 1e3:.0f} ms, {summary['tflops']:.3f} TFLOP/s, "
+                 f"MFU {summary['mfu']:.1%}); outputs in {out}")
     return summary
 
 
-def _meta(cfg: TrainConfig, sampler) -> dict:
-    return {"sampler": sampler.state_dict(), "config": dataclasses.asdict(cfg)}
+def _meta(cfg: TrainConfig, tokens_seen: int, val_losses: list, model_cfg) -> dict:
+    """The run's bookkeeping for ``meta.json`` (the checkpointer adds step, sampler, scheduler)."""
+    return {"config": dataclasses.asdict(cfg), "tokens_seen": tokens_seen,
+            "val_losses": [list(v) for v in val_losses],
+            "model_config": (dataclasses.asdict(model_cfg) if dataclasses.is_dataclass(model_cfg)
+                             else None)}
+
+
+# -- resume ------------------------------------------------------------------------------------
+def _find_resume(cfg: TrainConfig, work, rank: int) -> Path | None:
+    """``--resume auto|PATH`` → a verified checkpoint folder (None: start fresh), checked against
+    this model's parameter names and shapes (built on the meta device), and the disk space the
+    run's checkpoints need. Reads files only, so a bad checkpoint fails before any collective;
+    every rank decides the same from the same files."""
+    warn = log.warning if rank == 0 else (lambda msg: None)
+    folder = None
+    if cfg.resume:
+        folder = find_resume_checkpoint(cfg.resume, cfg.out, warn=warn)
+        if folder is None:
+            log.info(f"--resume auto: no checkpoint in {cfg.out}/checkpoints yet: starting fresh")
+    if folder is not None or cfg.out:
+        from .checkpoint import check_model_compatible
+
+        with torch.device("meta"):
+            shape = build_model(cfg.model, vocab_size=work.vocab_size,
+                                **work.model_overrides(cfg))
+        if folder is not None:
+            check_model_compatible(folder, shape, json.loads((folder / "meta.json").read_text()))
+        if cfg.out:
+            n = sum(p.numel() for p in shape.parameters())
+            check_disk_space(cfg.out, checkpoint_bytes_estimate(n, cfg.keep))
+    return folder
+
+
+def _checkpoint_step(folder: Path) -> int:
+    return int(json.loads((Path(folder) / "meta.json").read_text())["step"])
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Keep the ``metrics.jsonl`` records up to ``step`` (the resumed run logs the rest again)."""
+    if path.is_file():
+        keep = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+
+
+# -- test-only hooks (environment variables; documented in docs/checkpointing.md) ---------------
+def _test_log_samples(step: int, local: torch.Tensor, topo) -> None:
+    """``SHARDWISE_TEST_SAMPLE_LOG=DIR`` (tests only): append this rank's sample indices of
+    ``step`` to ``DIR/samples_rank<r>.jsonl``, with torchrun's restart count, to prove that a
+    restarted job skips and repeats nothing."""
+    d = os.environ.get("SHARDWISE_TEST_SAMPLE_LOG")
+    if d:
+        rec = {"step": step, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+               "indices": local.tolist()}
+        with open(Path(d) / f"samples_rank{topo.index('world')}.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def _test_kill(step: int, checkpointer) -> None:
+    """``SHARDWISE_TEST_KILL_AT_STEP=K`` (tests only): after step K (and its checkpoint, waited
+    for), SIGKILL this worker, or only rank ``SHARDWISE_TEST_KILL_RANK`` if set; only in the first
+    attempt of a torchrun job (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so a restart runs on."""
+    at = os.environ.get("SHARDWISE_TEST_KILL_AT_STEP")
+    if not at or int(at) != step or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+        return
+    checkpointer.wait(barrier=True)
+    who = os.environ.get("SHARDWISE_TEST_KILL_RANK")
+    if who is None or int(who) == checkpointer.topo.index("world"):
+        import signal
+
+        print(f"[test] SHARDWISE_TEST_KILL_AT_STEP={step}: SIGKILL rank "
+              f"{checkpointer.topo.index('world')}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def describe_groups(topo) -> list[str]:
+    """Log lines: the mesh shape and, per axis of size > 1, the global ranks of each group
+    (from ``topo.grid`` [pp, dp, tp], tp innermost)."""
+    from ..topology import AXES
+
+    lines = [f"  mesh (pp, dp, tp) = {tuple(topo.grid.shape)}, rank r = (pp·{topo.size('dp')} + "
+             f"dp)·{topo.size('tp')} + tp"]
+    for dim, axis in enumerate(AXES):
+        if topo.size(axis) > 1:
+            groups = topo.grid.movedim(dim, -1).reshape(-1, topo.size(axis)).tolist()
+            lines.append(f"    {axis} groups: " + " ".join(
+                "{" + ",".join(map(str, g)) + "}" for g in groups))
+    return lines
+
+
+def describe_traffic(topo, engine, cfg: TrainConfig) -> list[str]:
+    """Log lines after step 1: the bytes this rank sent in the step per axis, *measured* by the
+    ledger (phase "step"), next to the layout's formula total (:mod:`shardwise.formulas`), and
+    what a recompute (``--ac``) re-sent. Every rank computes it; rank 0 logs."""
+    from ..formulas import step_bytes_formula
+
+    per_axis: dict[str, float] = {}
+    for r in topo.ledger.step_records():
+        per_axis[r.axis] = per_axis.get(r.axis, 0.0) + r.wire_bytes
+    measured = sum(per_axis.values())
+    _, n_micro = cfg.microbatching()
+    try:
+        formula = step_bytes_formula(engine, topo, micro_steps=n_micro,
+                                     sequences=cfg.global_batch // cfg.dp, seq_len=cfg.seq_len,
+                                     dtype=cfg.dtype)["total"]
+        ratio = f"{measured / formula:.4f}" if formula else "—"
+        tail = f"; formula {formula:,.0f} B, ledger/formula {ratio}"
+    except NotImplementedError:
+        tail = "; no formula for this engine"
+    parts = ", ".join(f"{a} {b:,.0f} B" for a, b in sorted(per_axis.items()) if b)
+    lines = [f"  traffic per step (rank 0, ledger of step 1): {parts or 'none'} = "
+             f"{measured:,.0f} B{tail}"]
+    recompute = sum(r.wire_bytes for r in topo.ledger.records[topo.ledger._step_start:]
+                    if r.phase == "recompute")
+    if recompute:
+        lines.append(f"  recompute (--ac {cfg.ac}) re-sent {recompute:,.0f} B in backward, "
+                     "booked outside the step (phase \"recompute\")")
+    return lines
 
 
 def write_ledger_json(path: Path, topo, engine, cfg: TrainConfig) -> None:

@@ -1,12 +1,21 @@
-"""What a run trains on: packed text for the Llama-style models, or the synthetic regression set
-for the stacked-MLP model. Both expose the same small interface to the loop."""
+"""What a run trains on: packed text for the Llama-style models (``--task lm``), alpaca-style
+instruction records with the prompt masked (``--task sft``, :mod:`shardwise.data.sft`), or the
+synthetic regression set for the stacked-MLP model. All expose the same small interface to the
+loop; :func:`load_workload` picks one from ``--model`` and ``--task``.
+
+With ``--init-from-hf DIR`` the model's vocabulary is the HF model's (``vocab_size`` in its
+config.json, which must hold every id of the tokenizer), and ``--tokenizer bpe`` (the default)
+means the folder's own ``tokenizer.json`` when it has one."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from ..config import TrainConfig
 from ..data import DistributedSampler, prepare_lm_data
+from ..errors import ShardwiseConfigError
 from ..models import IGNORE_INDEX, MLP_PRESETS, MLPConfig, generate, regression_data
 
 
@@ -16,9 +25,9 @@ class LMWorkload:
     kind = "lm"
 
     def __init__(self, cfg: TrainConfig):
-        self.data = prepare_lm_data(cfg.data or None, cfg.tokenizer, cfg.vocab_size, cfg.seq_len,
-                                    min_train_sequences=cfg.global_batch)
-        self.vocab_size = self.data.vocab_size
+        self.data = prepare_lm_data(cfg.data or None, tokenizer_spec(cfg), cfg.vocab_size,
+                                    cfg.seq_len, min_train_sequences=cfg.global_batch)
+        self.vocab_size = model_vocab(cfg, self.data.vocab_size)
         self.num_train, self.num_val = len(self.data.train), len(self.data.val)
         src = cfg.data or "embedded stdlib corpus"
         self.description = (f"{src} ({self.num_train:,} train / {self.num_val:,} val sequences, "
@@ -78,11 +87,78 @@ class RegressionWorkload:
         return None
 
 
+def tokenizer_spec(cfg: TrainConfig) -> str:
+    """``--tokenizer``, except that with ``--init-from-hf DIR`` the default ``bpe`` means
+    ``DIR/tokenizer.json`` when that file exists (the model's ids must mean the same tokens)."""
+    hf_tok = os.path.join(cfg.init_from_hf, "tokenizer.json") if cfg.init_from_hf else ""
+    if cfg.tokenizer == "bpe" and hf_tok and os.path.isfile(hf_tok):
+        return hf_tok
+    return cfg.tokenizer
+
+
+def model_vocab(cfg: TrainConfig, tokenizer_vocab: int) -> int:
+    """Rows of the model's embedding: the tokenizer's vocabulary, or with ``--init-from-hf``
+    the HF model's (which must cover every tokenizer id)."""
+    if not cfg.init_from_hf:
+        return tokenizer_vocab
+    from ..interop.hf import hf_model_overrides
+
+    hf_vocab = hf_model_overrides(cfg.init_from_hf)["vocab_size"]
+    if tokenizer_vocab > hf_vocab:
+        raise ShardwiseConfigError(
+            f"--init-from-hf {cfg.init_from_hf}: the tokenizer ({tokenizer_spec(cfg)}) has "
+            f"{tokenizer_vocab} ids but the model only {hf_vocab} embeddings: use the model's own "
+            "tokenizer (--tokenizer DIR/tokenizer.json)")
+    return hf_vocab
+
+
+class SFTWorkload(LMWorkload):
+    """Alpaca-style records, one example per padded row, prompt targets masked (see
+    :mod:`shardwise.data.sft`): ``input_ids`` [b, seq_len], ``labels`` [b, seq_len] with
+    ``IGNORE_INDEX`` on prompt and padding positions, so the loss is the mean over response
+    tokens of the global batch."""
+
+    kind = "lm"
+
+    def __init__(self, cfg: TrainConfig):
+        from ..data.sft import prepare_sft_data
+
+        self.data = prepare_sft_data(cfg.data, tokenizer_spec(cfg), cfg.vocab_size, cfg.seq_len)
+        self.vocab_size = model_vocab(cfg, self.data.vocab_size)
+        self.num_train, self.num_val = len(self.data.train), len(self.data.val)
+        if self.num_train < cfg.global_batch:
+            raise ShardwiseConfigError(
+                f"--global-batch {cfg.global_batch} needs {cfg.global_batch} training examples but "
+                f"--data {cfg.data} gives {self.num_train} (one example per sequence): lower "
+                "--global-batch or add records")
+        st = self.data.stats
+        self.description = (
+            f"SFT {cfg.data} ({self.num_train:,} train / {self.num_val:,} val examples, one per "
+            f"padded sequence: {st['padding_fraction']:.0%} padding; {st['train_dropped']} dropped "
+            f"(prompt > seq-len), {st['truncated']} truncated; tokenizer {tokenizer_spec(cfg)}, "
+            f"vocab {self.data.vocab_size})")
+
+    def batches(self, indices: torch.Tensor, micro_batch: int, split: str = "train") -> list[dict]:
+        """Rows ``indices`` of ``split``: ``{"input_ids", "labels"}`` micro-batches."""
+        rows = (self.data.train if split == "train" else self.data.val).index_select(0, indices)
+        labels = (self.data.train_labels if split == "train"
+                  else self.data.val_labels).index_select(0, indices)
+        return [{"input_ids": r[:, :-1].contiguous(), "labels": lb.contiguous()}
+                for r, lb in zip(rows.split(micro_batch), labels.split(micro_batch))]
+
+    def sample_text(self, model, cfg: TrainConfig, prompt: str | None = None) -> str:
+        """The model's response to the first validation prompt (seeded)."""
+        return super().sample_text(model, cfg, prompt=prompt or self.data.prompts[0])
+
+
 def load_workload(cfg: TrainConfig):
-    """The data for ``cfg.model``. Raises ShardwiseConfigError on bad data (before any
+    """The data for ``cfg.model`` and ``cfg.task``: regression for the MLP, SFT records for
+    ``--task sft``, else packed text. Raises ShardwiseConfigError on bad data (before any
     collective: it reads files and the token cache only)."""
     if cfg.model in MLP_PRESETS:
         return RegressionWorkload(cfg)
+    if cfg.task == "sft":
+        return SFTWorkload(cfg)
     return LMWorkload(cfg)
 
 

@@ -3,8 +3,9 @@
 Read in this order: :mod:`.schedules` (what each rank does, as printable data),
 :mod:`.simulate` (what that costs: bubble, deadlock, memory), :mod:`.split` (how the model is
 cut), :mod:`.runtime` (how the actions run, with every send and receive), :mod:`.builtin`
-(the same through ``torch.distributed.pipelining``). The math and the measurements are in
-``docs/pipeline-parallel.md``.
+(the same through ``torch.distributed.pipelining``); compositions: :mod:`.tp_stage` (TP + SP
+inside a stage), :mod:`.zero1` (ZeRO-1 of a stage over dp). The math and the measurements are in
+``docs/pipeline-parallel.md`` and ``docs/composition.md``.
 """
 
 from .schedules import (SCHEDULES, Action, Schedule, build_schedule, check_schedule,
@@ -12,25 +13,35 @@ from .schedules import (SCHEDULES, Action, Schedule, build_schedule, check_sched
 from .simulate import (Costs, DeadlockError, Event, ScheduleError, SimResult, bubble_formula,
                        simulate)
 from .split import StageModule, split_layers, validate_pp
-from .runtime import PipelineParallel, gather_timeline, p2p_bytes_formula  # noqa: E402
+from .runtime import (PipelineParallel, gather_timeline, p2p_bytes_formula,  # noqa: E402
+                      validate_composition)
 
 
 def build_pipeline(model, topo, *, layout=None, engine: str = "explicit",
                    schedule: str = "1f1b", microbatches: int | None = None,
                    virtual_stages: int | None = None, layers_per_stage: list[int] | None = None,
-                   seed: int = 0, **dp_kw):
+                   seed: int = 0, sp: bool = False, zero: int = 0, reduce_dtype: str = "fp32",
+                   **dp_kw):
     """The pipeline engine for ``engine`` ("explicit" → :class:`.runtime.PipelineParallel`,
-    "torch" → :class:`.builtin.TorchPipelineParallel`). ``layout`` (a
-    :class:`~shardwise.parallel.apply.Layout`) overrides ``schedule``/``microbatches``/
-    ``virtual_stages``; ``dp_kw``: the dp-axis options of :func:`~..apply.parallelize`.
+    "torch" → :class:`.builtin.TorchPipelineParallel`), composed with TP (+SP) inside each
+    stage (tp = ``topo.size("tp")``) and DP / ZeRO-1 over dp (docs/composition.md).
+
+    ``layout`` (a :class:`~shardwise.parallel.apply.Layout`) overrides ``schedule``/
+    ``microbatches``/``virtual_stages``/``sp``/``zero``. ``seed``: TP dropout RNG;
+    ``reduce_dtype``: "fp32" | "bf16" dp gradient reduction. ``dp_kw``: the other dp-axis
+    options of :func:`~..apply.parallelize` (``bucket_mb``, ``overlap``, ``prefetch``,
+    ``reshard_after_forward``): accepted and unused — a stage's gradients are reduced once,
+    after the last microbatch, as one flat buffer, and ZeRO-2/3 are refused with pp.
     Raises ``ValueError`` for an unknown engine, :class:`~shardwise.errors.ShardwiseConfigError`
-    for invalid pipeline settings."""
+    for invalid settings (before any collective)."""
     if layout is not None:
         schedule = layout.schedule
         microbatches = layout.microbatches or None
         virtual_stages = layout.virtual_stages or None
+        sp, zero = layout.sp, layout.zero
     kw = dict(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
-              layers_per_stage=layers_per_stage)
+              layers_per_stage=layers_per_stage, sp=sp, zero=zero, seed=seed,
+              reduce_dtype=reduce_dtype)
     if engine == "explicit":
         return PipelineParallel(model, topo, **kw)
     if engine == "torch":
@@ -44,4 +55,4 @@ __all__ = ["SCHEDULES", "Action", "Costs", "DeadlockError", "Event", "PipelinePa
            "Schedule", "ScheduleError", "SimResult", "StageModule", "bubble_formula",
            "build_pipeline", "build_schedule", "check_schedule", "compute_order",
            "format_schedule", "gather_timeline", "p2p_bytes_formula", "peak_activations",
-           "simulate", "split_layers", "validate_pp"]
+           "simulate", "split_layers", "validate_composition", "validate_pp"]

@@ -1,9 +1,28 @@
-"""``--engine torch`` for pipelines: the same stage split, run by ``torch.distributed.pipelining``.
+"""``--engine torch`` for pipelines: the same stage split, run by ``torch.distributed.pipelining``,
+with TP inside each stage by DTensor and DP / ZeRO-1 over dp (as torchtitan composes PP × TP × DP).
 
 Schedule mapping: gpipe → ``ScheduleGPipe``, 1f1b → ``Schedule1F1B``, interleaved-1f1b →
 ``ScheduleInterleaved1F1B`` (v stages per rank, stage s on rank s % p), zb-h1 →
 ``ScheduleInterleavedZeroBubble`` with one stage per rank (its placement of the W passes is
 ZB-H1's: rank r delays them by r microbatches).
+
+TP (tp > 1): each stage's modules get ``parallelize_module`` on ``topo.mesh["tp"]`` with
+:func:`~..dtensor_tp.dtensor_tp_plan` restricted to the modules the stage holds (torchtitan
+applies TP to each stage's model chunk the same way), except that the head returns its *local*
+logits [b, s, V/tp] as a plain tensor: a pipeline stage's outputs are plain tensors. The loss
+wraps them back into a DTensor sharded on the vocabulary and runs ``F.cross_entropy`` under
+``loss_parallel()`` (the whole schedule step runs under it, so its backward does too). The hidden
+state between stages is the plain local tensor: [b, s, d] replicated, [b, s/tp, d] with SP.
+DTensor's collectives are booked in the ledger by
+:class:`~..dtensor_tp.BookFunctionalCollectives` (tags ``tp_fwd``/``tp_bwd``).
+
+DP: after the schedule, this stage's gradients (their local shards) are all-reduced over dp
+through :mod:`shardwise.comm`, DDP's arithmetic (a SUM all-reduce of every gradient after the
+last microbatch: DDP under ``no_sync`` for the first m−1). ZeRO-1:
+``torch.distributed.optim.ZeroRedundancyOptimizer`` over the dp group on top of that all-reduce —
+PyTorch's ZeRO-1, as :mod:`..fsdp` uses it (each rank steps the whole parameters it owns, then
+broadcasts them: those broadcasts are not in the ledger). With tp > 1 it is given the DTensor
+parameters' local shards (plain tensors of equal shapes on the dp peers of one tp index).
 
 What PyTorch does and we do not: it splits the concatenated batch back into microbatches
 (``tensor_split`` on dim 0, so equal-size microbatches come back unchanged), exchanges tensor
@@ -12,17 +31,58 @@ metadata between stages on the first step, and sends activations and gradients w
 **not** in the ledger (like DDP's construction broadcast). Loss: our ``loss_fn`` returns the
 microbatch's token-loss sum divided by the global token count, with ``scale_grads=False``, so
 gradients are ∇ of the global mean, as in the explicit engine. Everything after the pipeline —
-the tied-embedding gradient swap, the dp all-reduce, the global norm, the optimizer — is the
-explicit engine's (:class:`.runtime.PipelineParallel`), through :mod:`shardwise.comm`.
+the tied-embedding gradient swap, the SP norm-weight gradients, the dp reduction, the global
+norm — is the explicit engine's (:class:`.runtime.PipelineParallel`), through
+:mod:`shardwise.comm`, on the local shards.
 """
 
 from __future__ import annotations
 
-import torch
+import contextlib
+import types
 
+import torch
+import torch.nn.functional as F
+
+from ... import comm
+from ...errors import ShardwiseConfigError
+from ...models.llama import IGNORE_INDEX
 from ..engine import autocast
-from .runtime import PipelineParallel
-from .split import activation_shape, first_stage_input, loss_sum
+from .runtime import PipelineParallel, _local
+from .split import first_stage_input, loss_sum
+
+
+def _local_shard_zero_class():
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    class LocalShardZeRO(ZeroRedundancyOptimizer):
+        """``ZeroRedundancyOptimizer`` over the local shards of DTensor parameters: ``step``
+        hands each shard its DTensor gradient's local tensor first; ``zero_grad`` clears the
+        DTensor gradients too (``pairs``: (DTensor parameter, its local tensor))."""
+
+        pairs: list = []
+
+        def step(self, closure=None, **kwargs):
+            for p, t in self.pairs:
+                t.grad = None if p.grad is None else _local(p.grad)
+            return super().step(closure, **kwargs)
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            for p, t in self.pairs:
+                p.grad = t.grad = None
+            super().zero_grad(set_to_none)
+
+    return LocalShardZeRO
+
+
+def _LocalShardZeRO(*args, **kwargs):
+    return _local_shard_zero_class()(*args, **kwargs)
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def _schedule_class(name: str):
@@ -39,10 +99,162 @@ class TorchPipelineParallel(PipelineParallel):
     Same constructor arguments and the same interface; ``timeline`` holds one event per step
     ("STEP") rather than per action (PyTorch does not expose its action timestamps)."""
 
+    _engine_name = "torch"
+
     def __init__(self, model, topo, **kw):
         super().__init__(model, topo, **kw)
         self._torch_schedules = {}
         self._denom, self._loss, self._dtype = 1.0, None, "fp32"
+
+    _in_loss_parallel = False  # inside forward_backward's loss_parallel() (not re-entrant)
+
+    # -- composition hooks of the explicit engine ---------------------------------------------
+    def _convert_tp(self, stage, seed):
+        """DTensor TP on this stage's modules (see the module docstring). Returns None (DTensor
+        dropout draws from the default RNG: use dropout 0, as with the DTensor TP engine)."""
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        from ..dtensor_tp import dtensor_tp_plan
+
+        cfg = stage.config
+        # the whole model's plan (it only counts the layers), restricted to this stage's modules
+        plan = dtensor_tp_plan(types.SimpleNamespace(layers=[None] * cfg.n_layers), self.sp)
+        mine = dict(stage.named_modules())
+        plan = {k: v for k, v in plan.items() if k in mine}
+        if "output" in plan:  # plain local logits [b, s, V/tp] out of the pipeline stage
+            act = Shard(1) if self.sp else None
+            plan["output"] = ColwiseParallel(**({"input_layouts": act} if act else {}),
+                                             output_layouts=Shard(-1), use_local_output=True)
+        parallelize_module(stage, self.topo.mesh["tp"], plan)
+        for c in stage.chunks:
+            c.sp_degree = self.tp if self.sp else 1
+        return None
+
+    def _build_zero1(self):
+        """PyTorch's ZeRO-1 is an optimizer (:meth:`make_optimizer`); gradients are
+        all-reduced over dp as without ZeRO, so no flat buffers here."""
+        return None
+
+    def _tp_sharded(self, p) -> bool:
+        return _is_dtensor(p) and any(pl.is_shard() for pl in p.placements)
+
+    def _sync_sp_grads(self) -> None:
+        """SP: DTensor leaves the norm weights' gradients ``Partial(sum)``; reduce them in one
+        flat all-reduce over tp (tag ``grad``) and store them ``Replicate``."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        partial = [p for p in self._params() if _is_dtensor(p.grad)
+                   and any(pl.is_partial() for pl in p.grad.placements)]
+        if not partial:
+            return
+        flat = torch.cat([p.grad.to_local().reshape(-1) for p in partial])
+        comm.all_reduce(flat, self.topo, "tp", tag="grad")
+        offset = 0
+        for p in partial:
+            shape = p.grad.to_local().shape
+            local = flat[offset: offset + shape.numel()].view(shape).clone()
+            offset += shape.numel()
+            p.grad = DTensor.from_local(local, p.device_mesh, [Replicate()], run_check=False)
+
+    @torch.no_grad()
+    def finish_gradient_sync(self) -> None:
+        """First give every DTensor gradient its parameter's placements: DTensor leaves the
+        vocab-parallel embedding's gradient ``Replicate`` (full [V, d] on every tp rank) though
+        the weight is ``Shard(0)``; Replicate → Shard is a local slice, no collective. Then the
+        explicit engine's tied swap, SP sum, dp reduction on the local shards."""
+        for p in self._params():
+            g = p.grad
+            if _is_dtensor(g) and _is_dtensor(p) and tuple(g.placements) != tuple(p.placements) \
+                    and not any(pl.is_partial() for pl in g.placements):
+                p.grad = g.redistribute(p.device_mesh, p.placements)
+        super().finish_gradient_sync()
+
+    def model_state_bytes(self, optimizer=None) -> dict[str, int]:
+        """Bytes of this rank's local shards (a DTensor's ``numel()`` is the global size)."""
+        from ..engine import model_state_bytes
+
+        params = self._params()
+        out = model_state_bytes([], None)
+        out["params"] = sum(_local(p).numel() * _local(p).element_size() for p in params)
+        out["grads"] = sum(_local(p.grad).numel() * _local(p.grad).element_size()
+                           for p in params if p.grad is not None)
+        inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: local one
+        if inner is not None:
+            for state in inner.state.values():
+                out["optimizer"] += sum(_local(v).numel() * _local(v).element_size()
+                                        for v in state.values() if torch.is_tensor(v))
+        out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        return out
+
+    def _full(self, t, p):
+        return (t.full_tensor() if _is_dtensor(t) else t).detach().clone()
+
+    def _shard_of(self, full, p):
+        if not _is_dtensor(p):
+            return full.detach().clone().to(p.device)
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(full.to(p.device), p.device_mesh, p.placements)
+
+    def make_optimizer(self, param_groups: list[dict], **adamw) -> torch.optim.Optimizer:
+        """AdamW over this stage's parameters; ZeRO-1: ``ZeroRedundancyOptimizer`` over dp."""
+        if self.zero != 1:
+            return super().make_optimizer(param_groups, **adamw)
+        tied = self.module.tied_output
+        if tied is not None:
+            groups = [dict(g, params=[p for p in g["params"] if p is not tied])
+                      for g in param_groups]
+            next(g for g in groups if g.get("weight_decay", 0.0) == 0.0)["params"].append(tied)
+            param_groups = [g for g in groups if g["params"]]
+        # DTensor (tp-sharded) parameters: ZeroRedundancyOptimizer partitions and broadcasts
+        # plain tensors, so it gets their local shards — the dp peers of one tp index hold
+        # shards of the same shapes, and its in-place broadcast updates the DTensors' storage
+        pairs = [(p, _local(p)) for g in param_groups for p in g["params"]]
+        local_of = {id(p): t for p, t in pairs}
+        param_groups = [dict(g, params=[local_of[id(p)] for p in g["params"]])
+                        for g in param_groups]
+        first, *rest = param_groups
+        opt = _LocalShardZeRO(first["params"], optimizer_class=torch.optim.AdamW,
+                              process_group=self.topo.group("dp"),
+                              **{k: v for k, v in first.items() if k != "params"}, **adamw)
+        for g in rest:
+            opt.add_param_group(dict(g, **{k: v for k, v in adamw.items() if k not in g}))
+        opt.pairs = [(p, t) for p, t in pairs if t is not p]
+        return opt
+
+    def full_optimizer_state(self, optimizer):
+        """Full-shape AdamW state (DTensor states gathered over tp). Not for ZeRO-1
+        (ZeroRedundancyOptimizer keeps state only on the owning rank): ShardwiseConfigError."""
+        if self.zero == 1:
+            raise ShardwiseConfigError("--engine torch --zero 1 with --pp: the optimizer state "
+                                       "lives in ZeroRedundancyOptimizer's partitions; use "
+                                       "--engine explicit for layout-free optimizer checkpoints")
+        return super().full_optimizer_state(optimizer)
+
+    def load_full_optimizer_state(self, optimizer, state):
+        if self.zero == 1:
+            raise ShardwiseConfigError("--engine torch --zero 1 with --pp: use --engine explicit "
+                                       "for layout-free optimizer checkpoints")
+        return super().load_full_optimizer_state(optimizer, state)
+
+    def _loss_sum(self, y: torch.Tensor, mb: dict) -> torch.Tensor:
+        """tp = 1: the plain loss. tp > 1: ``y`` = local logits [b, s, V/tp] (torch.chunk
+        columns) → a DTensor sharded on the vocabulary → ``F.cross_entropy`` under
+        ``loss_parallel()``; returns the local (replicated) fp32 sum."""
+        if self.tp == 1:
+            return loss_sum(y, mb)
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        shape = (*y.shape[:-1], self.module.config.vocab_size)
+        stride = torch.empty(shape, device="meta").stride()
+        logits = DTensor.from_local(y, self.topo.mesh["tp"], [Shard(-1)], run_check=False,
+                                    shape=shape, stride=stride)
+        with loss_parallel() if not self._in_loss_parallel else contextlib.nullcontext():
+            s = F.cross_entropy(logits.flatten(0, 1).float(), mb["labels"].flatten(),
+                                ignore_index=IGNORE_INDEX, reduction="sum")
+        return s.to_local()
 
     def _stages(self, mb: dict, dtype: str):
         """One ``PipelineStage`` per local chunk, with *static* tensor metadata (meta tensors of
@@ -52,7 +264,7 @@ class TorchPipelineParallel(PipelineParallel):
         from torch.distributed.pipelining import PipelineStage
 
         device = next(self.module.parameters()).device
-        hidden = activation_shape(mb, self.module.config)
+        hidden = self._act_shape(mb)
         x = first_stage_input(mb)
         stages = []
         for c in self.chunks:
@@ -63,7 +275,8 @@ class TorchPipelineParallel(PipelineParallel):
                                          requires_grad=True)
             if c.is_last and self.module.is_llama:  # logits, in the autocast dtype
                 out_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-                example_out = torch.empty((*x.shape, self.module.config.vocab_size),
+                vocab = _local(self.module.output.weight).shape[0]  # local columns (tp)
+                example_out = torch.empty((*x.shape, vocab),
                                           dtype=out_dtype, device="meta", requires_grad=True)
             else:
                 example_out = torch.empty(hidden, dtype=torch.float32, device="meta",
@@ -76,7 +289,7 @@ class TorchPipelineParallel(PipelineParallel):
     def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         key = "labels" if self.module.is_llama else "targets"
         with autocast(self._dtype, output.device):
-            s = loss_sum(output, {key: target})
+            s = self._loss_sum(output, {key: target})
         self._loss += s.detach().double()
         return s / self._denom
 
@@ -113,15 +326,29 @@ class TorchPipelineParallel(PipelineParallel):
             key = "labels" if self.module.is_llama else "targets"
             kw["target"] = torch.cat([mb[key] for mb in microbatches]).to(device)
         t0 = time.time()
-        with autocast(dtype, device):
-            sched.step(*args, return_outputs=False, **kw)
+        ctx = contextlib.ExitStack()
+        if self.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            from ..dtensor_tp import BookFunctionalCollectives
+
+            ctx.enter_context(BookFunctionalCollectives(self.topo))
+            ctx.enter_context(loss_parallel())  # its backward runs inside the step too
+            self._in_loss_parallel = True
+        try:
+            with ctx, autocast(dtype, device):
+                sched.step(*args, return_outputs=False, **kw)
+        finally:
+            self._in_loss_parallel = False
         self.timeline = [("STEP", 0, 0, -1, t0, time.time())]
         return self._loss
 
-    def step_bytes_formula(self, micro_steps: int, sequences: int, seq_len: int = 1,
-                           **kw) -> dict[str, float]:
-        """As :meth:`.runtime.PipelineParallel.step_bytes_formula`, with ``pp_fwd``/``pp_bwd``
-        = 0: PyTorch's own point-to-point traffic does not go through the ledger."""
-        out = super().step_bytes_formula(micro_steps, sequences, seq_len, **kw)
+    def bytes_formula(self, micro_steps: int, sequences: int, seq_len: int = 1,
+                      dtype: str = "fp32") -> dict[str, float]:
+        """As :meth:`.runtime.PipelineParallel.bytes_formula`, with ``pp_fwd``/``pp_bwd`` = 0:
+        PyTorch's own point-to-point traffic does not go through the ledger; ZeRO-1: the
+        gradient all-reduce (2(n−1)/n·Ψ_s) and no ``param`` (ZeroRedundancyOptimizer's
+        broadcasts are not booked)."""
+        out = super().bytes_formula(micro_steps, sequences, seq_len, dtype)
         out["pp_fwd"] = out["pp_bwd"] = 0.0
         return out

@@ -37,18 +37,30 @@ Execution of the actions (one pp rank; see :mod:`.schedules` for the vocabulary)
   group of our own: group creation is collective over the whole world, and an engine is built
   only by the ranks of its layout.)
 
+Composition (docs/composition.md): TP (+SP) inside each stage (:mod:`.tp_stage`), the
+schedule across stages, DP / ZeRO-1 (:mod:`.zero1`) over dp after the last microbatch. Every
+rank talks only to the pp neighbours with its own (dp, tp) index — the topology's pp groups.
+
 Collectives per optimizer step (rank r of p; v chunks; m microbatches; A = bytes of one
-activation [b, s, d]; Ψ_r = bytes of this rank's parameters)
+activation as sent: [b, s, d], with SP this tp rank's [b, s/tp, d]; Ψ_r = bytes of this rank's
+parameters, its tp shards)
 ----------------------------------------------------------------------------------------------
 * activations: ``m·A`` per chunk not holding the last stage: ``m·A·(v − [r = p−1])`` sent;
   gradients: ``m·A·(v − [r = 0])`` sent (see :func:`p2p_bytes_formula`), tags ``pp_fwd``,
   ``pp_bwd``;
-* tied embedding (p > 1): the first and the last rank swap their gradient of the V×d table: each
-  sends ``V·d·4`` bytes (tag ``tied``); the middle ranks send nothing;
-* global gradient norm: one fp64 scalar all-reduced over pp, 2(p−1)/p·8 bytes (tag ``norm``);
-* dp > 1: one all-reduce of this stage's gradients over dp, 2(n−1)/n·Ψ_r (tag ``grad``);
+* tp > 1: Megatron f/g (or SP all-gather / reduce-scatter) per block of this stage, the
+  embedding exit on the first stage, the head entry and the vocab-parallel cross-entropy on the
+  last (tags ``tp_fwd``, ``tp_bwd``, ``ce``); with SP, one all-reduce over tp of the norm
+  weights' partial gradients (tag ``grad``);
+* tied embedding (p > 1): the first and the last rank of each tp index swap their gradient of
+  the [V_pad/tp, d] table shard: each sends ``V_pad/tp·d·4`` bytes (tag ``tied``);
+* global gradient norm: one fp64 scalar all-reduced over tp, dp (ZeRO-1 only) and pp
+  (tag ``norm``);
+* dp > 1: one all-reduce of this stage's gradients over dp, 2(n−1)/n·Ψ_r (tag ``grad``), or with
+  ZeRO-1 a reduce-scatter (n−1)/n·P_r (``grad``) and, after the optimizer step, an all-gather
+  (n−1)/n·P_r (``param``), P_r = Ψ_r padded to a multiple of n;
 * token count (over dp) and loss sum (over pp then dp): fp64 scalars (tag ``loss``, issued by
-  the train step).
+  the train step). :meth:`PipelineParallel.bytes_formula` has every term.
 """
 
 from __future__ import annotations
@@ -63,10 +75,23 @@ from ... import comm
 from ...errors import ShardwiseConfigError
 from ...models import count_items
 from ..engine import Engine, autocast
+from ..tensor import validate_tp, vocab_parallel_cross_entropy
 from .schedules import build_schedule, check_schedule
 from .split import StageModule, activation_shape, first_stage_input, loss_sum
+from .tp_stage import convert_stage_tp, cut_tp_shard, gather_tp_shard
+from .zero1 import StageZero1
 
 KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+# autograd nodes of the collectives that end a TP region (comm/autograd.py): zb-h1's W pass
+# starts below them (see PipelineParallel._record_output)
+_TP_EXIT_NODES = ("ReduceScatterToSPBackward", "ReduceFromTPBackward")
+
+
+def _local(t):
+    """This rank's local tensor of a DTensor (the torch engine's TP shards), else ``t``."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 class _GradTraffic:
@@ -102,33 +127,39 @@ def p2p_bytes_formula(pp_index: int, p: int, v: int, m: int, act_bytes: int) -> 
 
 
 class PipelineParallel(Engine):
-    """Pipeline parallelism over ``topo``'s "pp" axis with an explicit schedule.
+    """Pipeline parallelism over ``topo``'s "pp" axis with an explicit schedule, composed with
+    TP (+SP) inside each stage and DP / ZeRO-1 over "dp".
 
     ``model``: the plain model (Llama or StackedMLP), built identically on every rank; this rank
-    keeps only its stages (:class:`.split.StageModule`, available as ``.module``).
-    ``schedule``: gpipe | 1f1b | interleaved-1f1b | zb-h1. ``virtual_stages``: chunks per rank
-    (interleaving; default 2). ``layers_per_stage``: explicit split (one count per stage).
-    ``microbatches``: the expected m, validated here (the actual m is the length of the list
-    passed to :meth:`forward_backward`; a schedule is built, validated and cached per m).
+    keeps only its stages (:class:`.split.StageModule`, available as ``.module``), converted for
+    tensor parallelism when tp > 1 (:mod:`.tp_stage`; Llama only). ``schedule``: gpipe | 1f1b |
+    interleaved-1f1b | zb-h1. ``virtual_stages``: chunks per rank (interleaving; default 2).
+    ``layers_per_stage``: explicit split (one count per stage). ``microbatches``: the expected
+    m, validated here (the actual m is the length of the list passed to
+    :meth:`forward_backward`; a schedule is built, validated and cached per m). ``sp``:
+    sequence parallelism inside the stages. ``zero``: 0 (each stage's gradients all-reduced over
+    dp) or 1 (:class:`.zero1.StageZero1`: reduce-scatter, sharded AdamW, all-gather).
+    ``reduce_dtype``: "fp32" | "bf16", the dtype of the dp gradient reduction. ``seed``: the
+    TP dropout RNG regions.
 
-    dp > 1 is supported (each stage's gradients are all-reduced over dp after the pipeline);
-    tp > 1 is not. Raises :class:`ShardwiseConfigError` for invalid settings, before any
-    collective."""
+    Raises :class:`ShardwiseConfigError` for invalid settings, before any collective."""
 
     count_axes = ("dp",)
     reduce_loss_axes = ("pp", "dp")
 
     def __init__(self, model: nn.Module, topo, *, schedule: str = "1f1b",
                  microbatches: int | None = None, virtual_stages: int | None = None,
-                 layers_per_stage: list[int] | None = None):
-        if topo.size("tp") > 1:
-            raise ShardwiseConfigError("the pipeline engine does not compose with --tp > 1 yet: "
-                                       "use --tp 1")
+                 layers_per_stage: list[int] | None = None, sp: bool = False, zero: int = 0,
+                 seed: int = 0, reduce_dtype: str = "fp32"):
+        self.tp, self.sp, self.zero = topo.size("tp"), bool(sp), int(zero)
+        validate_composition(model, topo, schedule=schedule, sp=sp, zero=zero,
+                             reduce_dtype=reduce_dtype, engine=self._engine_name)
         self.p, self.pp_index = topo.size("pp"), topo.index("pp")
         self.v = check_schedule(schedule, self.p, microbatches or self.p, virtual_stages)
         stage = StageModule(model, self.pp_index, self.p, self.v, layers_per_stage)
         super().__init__(stage)
         self.topo, self.schedule_name = topo, schedule
+        self.reduce_dtype = reduce_dtype
         self.chunks = stage.chunks
         self.is_first, self.is_last = self.pp_index == 0, self.pp_index == self.p - 1
         self._schedules = {}
@@ -136,19 +167,50 @@ class PipelineParallel(Engine):
         self.timeline: list[tuple] = []  # last step: (kind, mb, chunk, peer, t_start, t_end) s
         self.peak_alive = 0  # last step: max (microbatch, chunk) pairs holding activations
         self._capture = None
+        self.rng = self._convert_tp(stage, seed) if self.tp > 1 else None
         if self._split_backward:
             self._hook_param_modules()
         self._grad_traffic = _GradTraffic(topo)  # gradients: another FIFO (module docstring)
         with topo.ledger.phase("init"):
             if topo.size("dp") > 1:  # replicas of a stage start identical
                 for p in stage.parameters():
-                    comm.broadcast(p.data, topo, "dp", src=0, tag="init")
+                    comm.broadcast(_local(p.data), topo, "dp", src=0, tag="init")
             if stage.tied and self.p > 1 and (self.is_first or self.is_last):
                 if self.is_first:
-                    comm.send(stage.tok_embeddings.weight.data, topo, "pp", self.p - 1,
+                    comm.send(_local(stage.tok_embeddings.weight.data), topo, "pp", self.p - 1,
                               tag="init")
                 else:
-                    comm.recv(stage.tied_output.data, topo, "pp", 0, tag="init")
+                    comm.recv(_local(stage.tied_output.data), topo, "pp", 0, tag="init")
+        self.zero1 = self._build_zero1() if self.zero == 1 else None
+
+    _engine_name = "explicit"
+
+    def _convert_tp(self, stage, seed):
+        """Megatron TP inside the stage (explicit modules of :mod:`..tensor`)."""
+        return convert_stage_tp(stage, self.topo, self.sp, seed=seed)
+
+    def _build_zero1(self):
+        """ZeRO-1 over dp for this stage (:class:`.zero1.StageZero1`)."""
+        return StageZero1(self._params(), self.topo, self.reduce_dtype)
+
+    def _params(self) -> list[nn.Parameter]:
+        """This stage's trainable parameters, each once, in module order."""
+        return [p for p in dict.fromkeys(self.module.parameters()) if p.requires_grad]
+
+    def _tp_sharded(self, p) -> bool:
+        """Whether ``p`` is a tp shard (else it is replicated over tp: norm weights)."""
+        return hasattr(p, "tp_shard_dim")
+
+    def _counted(self, p) -> bool:
+        """Whether this rank counts ``p``'s gradient in the global norm: each element once —
+        the tied copy is counted on the first stage, a tp-replicated parameter on tp index 0."""
+        if p is self.module.tied_output:
+            return False
+        return self.tp == 1 or self._tp_sharded(p) or self.topo.index("tp") == 0
+
+    def norm_axes(self) -> list[str]:
+        """Axes the squared-norm scalar is summed over: tp (shards), dp (ZeRO-1 slices), pp."""
+        return ([a for a in ("tp",) if self.tp > 1] + (["dp"] if self.zero1 else []) + ["pp"])
 
     # -- schedule --------------------------------------------------------------------------
     def schedule(self, m: int):
@@ -168,8 +230,38 @@ class PipelineParallel(Engine):
             m.register_forward_hook(self._record_output)
 
     def _record_output(self, module, args, output):
-        if self._capture is not None and isinstance(output, torch.Tensor) and output.requires_grad:
-            self._capture.append((list(module.parameters(recurse=False)), output))
+        """Record where W will start for ``module``'s weights: its output or, when the output
+        leaves a TP region through a collective (row-parallel / vocab-parallel embedding exit),
+        the edge *into* that collective (an autograd ``GradientEdge``): the collective's
+        backward (SP: an all-gather) then runs once, in I, and W only traverses the local
+        matmul to the weights."""
+        if self._capture is None or not isinstance(output, torch.Tensor) \
+                or not output.requires_grad:
+            return
+        target = output
+        fn = output.grad_fn
+        if fn is not None and type(fn).__name__ in _TP_EXIT_NODES:
+            from torch.autograd.graph import GradientEdge
+
+            node, nr = fn.next_functions[0]
+            if node is not None:
+                target = GradientEdge(node, nr)
+        self._capture.append((list(module.parameters(recurse=False)), target))
+
+    # -- the loss of the last stage ------------------------------------------------------------
+    def _act_shape(self, mb: dict) -> tuple[int, ...]:
+        """The tensor between stages: [b, s, d], with SP [b, s/tp, d]; MLP [b, D]."""
+        return activation_shape(mb, self.module.config, self.tp if self.sp else 1)
+
+    def _loss_sum(self, y: torch.Tensor, mb: dict) -> torch.Tensor:
+        """The token-loss sum (fp32 scalar) of the last stage's output ``y``: full logits (tp=1)
+        or local logits [b, s, V_pad/tp] through the vocab-parallel cross-entropy (the same
+        complete sum on every tp rank)."""
+        if self.tp > 1:
+            head = self.module.output
+            return vocab_parallel_cross_entropy(y, mb["labels"], head.vocab_start,
+                                                head.vocab_size, self.topo).sum()
+        return loss_sum(y, mb)
 
     # -- one step -----------------------------------------------------------------------------
     def forward_backward(self, microbatches: list[dict], denom: float,
@@ -183,7 +275,7 @@ class PipelineParallel(Engine):
         sched = self.schedule(len(microbatches))
         device = next(self.module.parameters()).device
         mbs = [{k: t.to(device, non_blocking=True) for k, t in mb.items()} for mb in microbatches]
-        shape = activation_shape(mbs[0], self.module.config)
+        shape = self._act_shape(mbs[0])
         act_dtype = next(self.module.parameters()).dtype
         loss = torch.zeros(1, dtype=torch.float64, device=device)
         inputs, outputs, out_grads, in_grads, wgrad = {}, {}, {}, {}, {}
@@ -205,10 +297,10 @@ class PipelineParallel(Engine):
                 comm.recv(buf, grad_topo, "pp", a.peer, tag="pp_bwd")
                 out_grads[key] = buf
             elif a.kind == "SEND_F":
-                t = outputs[key].detach().to(act_dtype)
+                t = outputs[key].detach().to(act_dtype).contiguous()
                 sends.append((comm.send(t, topo, "pp", a.peer, tag="pp_fwd", async_op=True), t))
             elif a.kind == "SEND_B":
-                t = in_grads.pop(key).to(act_dtype)
+                t = in_grads.pop(key).to(act_dtype).contiguous()
                 sends.append((comm.send(t, grad_topo, "pp", a.peer, tag="pp_bwd",
                                         async_op=True), t))
             elif a.kind == "F":
@@ -217,7 +309,7 @@ class PipelineParallel(Engine):
                 with autocast(dtype, device):
                     y = chunk(x)
                     if chunk.is_last:
-                        s = loss_sum(y, mbs[a.microbatch])
+                        s = self._loss_sum(y, mbs[a.microbatch])
                         loss += s.detach().double()
                         y = s / denom  # back-propagate the share of the global mean
                 captures[key], self._capture = self._capture, None
@@ -261,39 +353,91 @@ class PipelineParallel(Engine):
         return loss
 
     # -- the formula the ledger is checked against -------------------------------------------
-    def step_bytes_formula(self, micro_steps: int, sequences: int, seq_len: int = 1,
-                           **_) -> dict[str, float]:
-        """Bytes this rank sends in one optimizer step, by tag (see the module docstring):
-        ``pp_fwd``/``pp_bwd`` (:func:`p2p_bytes_formula` with A = (sequences / micro_steps) ·
-        seq_len · d_model · element bytes for a Llama, (sequences / micro_steps) · D · bytes for
-        an MLP; activations travel in the parameter dtype), ``tied`` (V·d·bytes on the first and
-        the last rank when embeddings are tied), ``norm`` (2(p−1)/p · 8), ``grad`` (dp > 1:
-        2(n−1)/n · this stage's parameter bytes). The loss/count scalars are the caller's."""
+    def bytes_formula(self, micro_steps: int, sequences: int, seq_len: int = 1,
+                      dtype: str = "fp32") -> dict[str, float]:
+        """Bytes this rank sends in one optimizer step, by ledger tag (float). ``micro_steps`` =
+        m microbatches, ``sequences`` this pipeline's sequences per step, ``seq_len`` tokens
+        each, ``dtype`` the autocast dtype. n = tp, N = sequences·seq_len tokens,
+        r = 2(n−1)/n (ring all-reduce), h = (n−1)/n (all-gather / reduce-scatter):
+
+        * ``pp_fwd``/``pp_bwd``: :func:`p2p_bytes_formula` with A = bytes of one microbatch's
+          hidden state as sent: (sequences/m)·seq_len·d·4 replicated over tp, divided by tp with
+          SP (each tp rank sends its sequence shard); MLP: (sequences/m)·D·4.
+        * ``tp_fwd``/``tp_bwd`` (tp > 1): Megatron f/g per block of this rank's L_s blocks
+          (all its chunks), plus the embedding exit on the first stage and the head entry on
+          the last — :func:`~..tensor.tp_step_bytes_formula`'s terms restricted to this stage:
+          no SP fwd = r·(E·W + 2L_s·X), bwd = r·(2L_s·W + H·W); SP fwd = bwd =
+          h·(E·W + 2L_s·W + 2L_s·X + H·W), with W = N·d·4, X = N·d·(2 if bf16 else 4) (the
+          row-parallel outputs under autocast), E/H = 1 on the stage holding the embedding /
+          head. ``ce`` (last stage): r·3N·4 (vocab-parallel cross-entropy).
+        * ``tied``: the first and the last stage swap their [V_pad/tp, d] shard's gradient.
+        * ``grad``: dp > 1 — ZeRO-0: r_dp·Ψ_s·b (all-reduce of this stage's local parameters,
+          b = 2 for bf16 reduction else 4); ZeRO-1: h_dp·P_s·b (reduce-scatter of the padded
+          flat buffer). Plus with SP: r·(tp-replicated parameter bytes) (norm weights' partial
+          gradients summed over tp). ``param`` (ZeRO-1): h_dp·P_s·4, the all-gather after the
+          optimizer step (ZeRO paper §7.2.1).
+        * ``norm``: one fp64 scalar all-reduced over each of :meth:`norm_axes`.
+
+        The loss/count scalars are added by :func:`shardwise.formulas.step_bytes_formula`.
+        Sources: Megatron-LM §3 and Narayanan et al. 2021 §2.3 (PP × TP), Korthikanti et al.
+        2022 §4.2.2 (SP), ZeRO paper §7, JAX scaling book ch. 5 (collective costs)."""
         from ...comm.ledger import ring_bytes
 
         stage = self.module
-        elem = next(stage.parameters()).element_size()
+        params = self._params()
+        elem = _local(params[0]).element_size()
+        n, dp = self.tp, self.topo.size("dp")
         rows = sequences // micro_steps
-        tokens = rows * seq_len if stage.is_llama else rows
-        act = tokens * stage.config.d_model * elem
+        d = stage.config.d_model
+        if stage.is_llama:
+            act = rows * (seq_len // (n if self.sp else 1)) * d * elem
+        else:
+            act = rows * d * elem
         out = {k: float(v) for k, v in
                p2p_bytes_formula(self.pp_index, self.p, self.v, micro_steps, act).items()}
         tied = stage.tied and self.p > 1 and (self.is_first or self.is_last)
-        out["tied"] = float(stage.config.vocab_size * stage.config.d_model * elem) if tied else 0.0
-        out["norm"] = ring_bytes("all_reduce", 8, self.p)
-        stage_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
-        out["grad"] = ring_bytes("all_reduce", stage_bytes, self.topo.size("dp"))
+        w = (stage.tok_embeddings.weight if self.is_first else stage.tied_output) if tied else None
+        out["tied"] = float(_local(w).numel() * elem) if tied else 0.0
+        out["norm"] = sum(ring_bytes("all_reduce", 8, self.topo.size(a)) for a in self.norm_axes())
+        red = 2 if self.reduce_dtype == "bf16" else elem
+        if self.zero1 is not None:
+            out["grad"] = ring_bytes("reduce_scatter", self.zero1.padded * red, dp)
+            out["param"] = ring_bytes("all_gather", self.zero1.padded * elem, dp)
+        else:
+            out["grad"] = ring_bytes("all_reduce", sum(_local(p).numel() for p in params) * red,
+                                     dp)
+        if n > 1:
+            r, h = 2 * (n - 1) / n, (n - 1) / n
+            blocks = sum(len(c.layers) for c in self.chunks)
+            e, hd = float(stage.holds_embedding), float(stage.holds_head)
+            wide = sequences * seq_len * d * 4
+            exit_b = sequences * seq_len * d * (2 if dtype == "bf16" else 4)
+            if not self.sp:
+                out["tp_fwd"] = r * (e * wide + 2 * blocks * exit_b)
+                out["tp_bwd"] = r * (2 * blocks * wide + hd * wide)
+            else:
+                out["tp_fwd"] = out["tp_bwd"] = h * (e * wide + 2 * blocks * wide
+                                                     + 2 * blocks * exit_b + hd * wide)
+                rep = sum(_local(p).numel() * elem for p in params if not self._tp_sharded(p))
+                out["grad"] += ring_bytes("all_reduce", rep, n)
+            out["ce"] = hd * r * 3 * sequences * seq_len * 4
         return out
+
+    def step_bytes_formula(self, micro_steps: int, sequences: int, seq_len: int = 1,
+                           dtype: str = "fp32", **_) -> dict[str, float]:
+        """Alias of :meth:`bytes_formula` (the name the single-strategy engines use)."""
+        return self.bytes_formula(micro_steps, sequences, seq_len, dtype)
 
     # -- evaluation ------------------------------------------------------------------------------
     def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss sum fp64 [1], counted items) of ``batch`` (the same dict on every pp rank), for
         evaluation: one forward through every stage in order (RECV_F, F, SEND_F per chunk; no
         pipelining across batches, no backward), the last stage's loss sum all-reduced over pp
-        (tag "eval") so every rank returns it. Collective over pp: all ranks call it together."""
+        (tag "eval") so every rank returns it. Collective over pp (and tp): all ranks call it
+        together."""
         device = next(self.module.parameters()).device
         mb = {k: t.to(device) for k, t in batch.items()}
-        shape = activation_shape(mb, self.module.config)
+        shape = self._act_shape(mb)
         act_dtype = next(self.module.parameters()).dtype
         loss = torch.zeros(1, dtype=torch.float64, device=device)
         sends = []
@@ -307,7 +451,7 @@ class PipelineParallel(Engine):
                     comm.recv(x, self.topo, "pp", (s - 1) % self.p, tag="eval")
                 y = chunk(x)
                 if chunk.is_last:
-                    loss += loss_sum(y, mb).double()
+                    loss += self._loss_sum(y, mb).double()
                 else:
                     y = y.to(act_dtype).contiguous()
                     sends.append((comm.send(y, self.topo, "pp", (s + 1) % self.p, tag="eval",
@@ -323,62 +467,105 @@ class PipelineParallel(Engine):
         yield None
 
     # -- after backward --------------------------------------------------------------------------
+    def _sync_sp_grads(self) -> None:
+        """SP: the tp-replicated parameters (norm weights) saw only this rank's sequence shard:
+        SUM their partial gradients over tp, one flat all-reduce (tag ``grad``)."""
+        rep = [p for p in self._params() if not self._tp_sharded(p)]
+        if not rep:
+            return
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in rep])
+        comm.all_reduce(flat, self.topo, "tp", tag="grad")
+        offset = 0
+        for p in rep:
+            g = flat[offset: offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+
+    @torch.no_grad()
     def finish_gradient_sync(self) -> None:
-        """Sum the tied embedding's gradients between the first and the last rank, then (dp > 1)
-        all-reduce this stage's gradients over dp (SUM: each loss was already divided by the
-        global token count)."""
+        """Sum the tied embedding's gradient shard between the first and the last stage (each
+        tp index with its own), then with SP sum the norm weights' partial gradients over tp,
+        then (dp > 1) reduce this stage's gradients over dp: all-reduce (ZeRO-0) or
+        reduce-scatter into this rank's slice (ZeRO-1), SUM (each loss was already divided by
+        the global token count), in ``reduce_dtype``."""
         stage = self.module
         if stage.tied and self.p > 1 and (self.is_first or self.is_last):
             w = stage.tok_embeddings.weight if self.is_first else stage.tied_output
             if w.grad is None:
                 w.grad = torch.zeros_like(w)
-            buf = torch.empty_like(w.grad)
+            g = _local(w.grad)
+            buf = torch.empty_like(g)
             peer = self.p - 1 if self.is_first else 0
             # first rank sends then receives, last rank receives then sends: safe even if
             # sends block until matched
             if self.is_first:
-                comm.send(w.grad, self.topo, "pp", peer, tag="tied")
+                comm.send(g, self.topo, "pp", peer, tag="tied")
                 comm.recv(buf, self.topo, "pp", peer, tag="tied")
             else:
                 comm.recv(buf, self.topo, "pp", peer, tag="tied")
-                comm.send(w.grad, self.topo, "pp", peer, tag="tied")
-            w.grad.add_(buf)  # g_first + g_last on both ranks (addition commutes exactly)
-        if self.topo.size("dp") > 1:
-            params = [p for p in stage.parameters() if p.requires_grad]
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            comm.all_reduce(flat, self.topo, "dp", tag="grad")
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset: offset + p.numel()].view_as(p))
-                offset += p.numel()
+                comm.send(g, self.topo, "pp", peer, tag="tied")
+            g.add_(buf)  # g_first + g_last on both ranks (addition commutes exactly)
+        if self.tp > 1 and self.sp:
+            self._sync_sp_grads()
+        if self.topo.size("dp") == 1:
+            return
+        if self.zero1 is not None:
+            self.zero1.reduce_scatter()
+            return
+        params = self._params()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [_local(p.grad) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.reduce_dtype == "bf16":
+            flat = flat.to(torch.bfloat16)
+        comm.all_reduce(flat, self.topo, "dp", tag="grad")
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
 
+    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Global L2 norm over all stages: each rank sums its gradients' squares (the tied copy
-        on the last rank left out: the weight is counted once, on the first rank), one fp64
-        all-reduce over pp, then clip every gradient by max_norm / (norm + 1e-6) if that is < 1
-        (the rule of ``torch.nn.utils.clip_grad_norm_``). Returns the norm before clipping."""
-        stage = self.module
-        device = next(stage.parameters()).device
+        """Global L2 norm over all three axes, each element once: every rank sums the squares of
+        the gradient elements it counts (:meth:`_counted`: tp shards on every tp rank,
+        tp-replicated parameters on tp index 0, the tied copy not on the last stage; ZeRO-1:
+        its dp slice, else dp replicas are identical and counted once by not reducing over
+        dp), then one fp64 all-reduce over each of :meth:`norm_axes` (tag ``norm``). Clips every
+        gradient by max_norm / (norm + 1e-6) if that is < 1 (the rule of
+        ``torch.nn.utils.clip_grad_norm_``). Returns the norm before clipping."""
+        device = next(self.module.parameters()).device
         sq = torch.zeros(1, dtype=torch.float64, device=device)
-        for p in stage.parameters():
-            if p.grad is not None and p is not stage.tied_output:
-                sq += p.grad.detach().double().pow(2).sum()
-        comm.all_reduce(sq, self.topo, "pp", tag="norm")
+        if self.zero1 is not None:
+            z = self.zero1
+            for p, a, b in z.pieces():
+                if self._counted(p):
+                    sq += z.shard_grad[a - z.lo: b - z.lo].double().pow(2).sum()
+            grads = [z.shard_grad]
+        else:
+            grads = [_local(p.grad) for p in self._params() if p.grad is not None]
+            for p in self._params():
+                if p.grad is not None and self._counted(p):
+                    sq += _local(p.grad).double().pow(2).sum()
+        for axis in self.norm_axes():
+            comm.all_reduce(sq, self.topo, axis, tag="norm")
         norm = sq.sqrt()
         if max_norm and max_norm > 0:
             coef = max_norm / (float(norm) + 1e-6)
             if coef < 1.0:
-                for p in stage.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
+                for g in grads:
+                    g.mul_(coef)
         return norm.float()
 
     def make_optimizer(self, param_groups: list[dict], **adamw) -> torch.optim.Optimizer:
-        """AdamW over this stage's parameters. The last rank's copy of a tied embedding is an
-        embedding (no weight decay), as in the plain model, although it sits in an nn.Linear."""
+        """AdamW over this stage's parameters (ZeRO-1: over this rank's dp slice of them). The
+        last rank's copy of a tied embedding is an embedding (no weight decay), as in the plain
+        model, although it sits in the head."""
         tied = self.module.tied_output
         if tied is not None:
             groups = [dict(g, params=[p for p in g["params"] if p is not tied])
@@ -386,20 +573,115 @@ class PipelineParallel(Engine):
             nd = next(g for g in groups if g.get("weight_decay", 0.0) == 0.0)
             nd["params"].append(tied)
             param_groups = [g for g in groups if g["params"]]
+        if self.zero1 is not None:
+            return self.zero1.make_optimizer(param_groups, **adamw)
         return torch.optim.AdamW(param_groups, **adamw)
+
+    # -- full-shape views (parity checks, checkpoints) -------------------------------------------
+    def _full(self, t: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+        """The full (unpadded) tensor of ``t``, a tp shard shaped like ``p`` (collective over
+        tp for shards, phase ``gather``)."""
+        if self.tp == 1 or not self._tp_sharded(p):
+            return t.detach().clone()
+        return gather_tp_shard(t, p, self.topo)
+
+    def _named(self):
+        """(plain-model FQN, param) for this stage, each parameter once."""
+        seen, out = set(), []
+        for n, p in self.module.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((self.module.fqn(n), p))
+        return out
 
     def named_full_parameters(self) -> dict[str, torch.Tensor]:
         """This stage's parameters keyed by the plain model's names (the last rank's tied copy
-        as ``tok_embeddings.weight``)."""
-        return {self.module.fqn(n): p.detach() for n, p in self.module.named_parameters()}
+        as ``tok_embeddings.weight``), gathered over tp. Collective over tp."""
+        return {n: self._full(p.detach(), p) for n, p in self._named()}
 
     def named_full_gradients(self) -> dict[str, torch.Tensor]:
-        return {self.module.fqn(n): p.grad for n, p in self.module.named_parameters()
-                if p.grad is not None}
+        """This stage's summed gradients in full shape (ZeRO-1: the slices gathered over dp,
+        then tp shards over tp). Collective over dp (ZeRO-1) and tp."""
+        if self.zero1 is not None:
+            grads = self.zero1.full_gradients()
+            return {n: self._full(grads[id(p)], p) for n, p in self._named()}
+        return {n: self._full(p.grad, p) for n, p in self._named() if p.grad is not None}
+
+    def full_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+        """{plain FQN: {"step", "exp_avg", "exp_avg_sq"}} in full parameter shape for this
+        stage (ZeRO-1 slices gathered over dp, tp shards over tp, padding stripped). Empty
+        before the first step. Collective over dp and tp."""
+        if self.zero1 is not None:
+            local = self.zero1.full_state(optimizer)
+        else:
+            local = {id(p): st for p, st in optimizer.state.items() if st}
+        out = {}
+        for n, p in self._named():
+            st = local.get(id(p))
+            if not st:
+                continue
+            out[n] = {k: (self._full(v, p) if torch.is_tensor(v) and k != "step"
+                          else (v.detach().clone() if torch.is_tensor(v) else v))
+                      for k, v in st.items()}
+        return out
+
+    def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
+        """Set ``optimizer``'s state from :meth:`full_optimizer_state`'s form (possibly saved
+        under another layout): each full tensor is cut to this rank's tp shard (padded as the
+        shard is) and, with ZeRO-1, to its dp slice. Raises ``KeyError`` naming the FQNs this
+        stage needs but ``state`` lacks."""
+        named = self._named()
+        missing = [n for n, _ in named if n not in state]
+        if missing:
+            raise KeyError(f"optimizer state lacks {len(missing)} parameters, e.g. "
+                           f"{missing[:3]}")
+        local = {}
+        for n, p in named:
+            local[id(p)] = {k: (self._shard_of(v, p) if torch.is_tensor(v) and k != "step" else v)
+                            for k, v in state[n].items()}
+        if self.zero1 is not None:
+            self.zero1.load_state(optimizer, local)
+            return
+        for p in self._params():
+            optimizer.state[p] = local[id(p)]
+
+    def _shard_of(self, full: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+        """This rank's tp shard of ``full`` (the inverse of :meth:`_full`)."""
+        if self.tp == 1 or not self._tp_sharded(p):
+            return full.detach().clone().to(p.device)
+        return cut_tp_shard(full, p, self.topo)
 
     @contextlib.contextmanager
     def sync_gradients(self, enabled: bool):
         yield
+
+
+def validate_composition(model, topo, *, schedule: str, sp: bool, zero: int, reduce_dtype: str,
+                         engine: str = "explicit") -> None:
+    """Raise :class:`ShardwiseConfigError` (before any collective) for a pipeline composition
+    that cannot run: ZeRO-2/3 (see ``check_supported`` in :mod:`..apply`), ZeRO-1 without dp,
+    SP without tp, TP on a model without a TP plan or with degrees that do not divide it, an
+    unknown reduce dtype."""
+    tp, dp = topo.size("tp"), topo.size("dp")
+    if zero not in (0, 1):
+        raise ShardwiseConfigError(
+            f"--zero {zero} with --pp: only ZeRO-1 composes with pipeline parallelism (ZeRO-2/3 "
+            "would reduce-scatter gradients / re-gather parameters for each of the m "
+            "microbatches; DeepSpeed refuses it too): use --zero 1 or 0, or --pp 1")
+    if zero == 1 and dp < 2:
+        raise ShardwiseConfigError("--zero 1 shards the optimizer state over the dp ranks, but "
+                                   "dp=1: use --dp ≥ 2, or --zero 0")
+    if sp and tp == 1:
+        raise ShardwiseConfigError("--sp (sequence parallelism) needs --tp > 1: it shards the "
+                                   "activations between TP regions over the tp ranks")
+    if reduce_dtype not in ("fp32", "bf16"):
+        raise ShardwiseConfigError(f"--reduce-dtype {reduce_dtype!r}: choose fp32 or bf16")
+    if tp > 1:
+        if not hasattr(model, "tok_embeddings"):
+            raise ShardwiseConfigError("--tp with --pp: tensor parallelism needs a Llama-style "
+                                       "model (--model tiny, small or base); the MLP models "
+                                       "have no TP plan")
+        validate_tp(model.config, tp, sp)
 
 
 def gather_timeline(engine: PipelineParallel, topo) -> list:

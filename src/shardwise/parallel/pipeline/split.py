@@ -27,7 +27,9 @@ Tied embeddings (Press & Wolf 2017): the plain model's ``output.weight`` *is*
 ``tok_embeddings.weight``. With p > 1 the two live on different ranks, so the last rank gets its
 own ``output.weight``, a copy of the embedding; after every backward the two gradients are summed
 between the first and the last rank (:mod:`.runtime`), so both copies stay equal after every
-optimizer step. With p = 1 the tie is kept as it is.
+optimizer step. With p = 1 the tie is kept as it is. With tp > 1 (:mod:`.tp_stage`) both copies
+are vocab-parallel: the first and the last rank of each tp index hold the same rows and swap
+their shard's gradient.
 """
 
 from __future__ import annotations
@@ -113,7 +115,9 @@ class Chunk(nn.Module):
 
     Input: token ids [b, s] (first stage of a Llama), inputs [b, D] (first stage of an MLP), or
     the hidden state [b, s, d] / [b, D] from the previous stage. Output: the hidden state, or the
-    logits [b, s, V] / predictions [b, D] on the last stage."""
+    logits [b, s, V] / predictions [b, D] on the last stage. Converted for TP
+    (:mod:`.tp_stage`): the hidden state is [b, s, d] replicated over tp, or with SP this tp
+    rank's sequence shard [b, s/tp, d]; the last stage returns local logits [b, s, V_pad/tp]."""
 
     def __init__(self, index: int, n_stages: int, layers: list[nn.Module], is_llama: bool,
                  tok_embeddings=None, norm=None, output=None, rope=None):
@@ -123,15 +127,18 @@ class Chunk(nn.Module):
         self.tok_embeddings = tok_embeddings
         self.layers = nn.ModuleList(layers)
         self.norm, self.output = norm, output
+        # sequence parallelism inside the stage (tp > 1 with SP): the hidden state between
+        # stages is this tp rank's sequence shard [b, s/sp_degree, d]; RoPE needs the full s
+        self.sp_degree = 1
         if rope is not None:
             self.register_buffer("rope_cos", rope[0], persistent=False)
             self.register_buffer("rope_sin", rope[1], persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.shape[1] * (1 if self.tok_embeddings is not None else self.sp_degree)
         if self.tok_embeddings is not None:
-            x = self.tok_embeddings(x)  # [b, s] → [b, s, d]
+            x = self.tok_embeddings(x)  # [b, s] → [b, s, d] (SP: [b, s/tp, d])
         if self.is_llama:
-            s = x.shape[1]
             cos, sin = self.rope_cos[:s], self.rope_sin[:s]
             for layer in self.layers:
                 x = layer(x, cos, sin)  # [b, s, d]
@@ -213,11 +220,15 @@ def first_stage_input(mb: dict) -> torch.Tensor:
     return mb["input_ids"] if "input_ids" in mb else mb["inputs"]
 
 
-def activation_shape(mb: dict, config) -> tuple[int, ...]:
+def activation_shape(mb: dict, config, seq_shards: int = 1) -> tuple[int, ...]:
     """Shape of the tensor passed between stages for microbatch ``mb``: [b, s, d_model] for a
-    Llama, [b, D] for an MLP."""
+    Llama, [b, D] for an MLP. ``seq_shards`` = tp with sequence parallelism: each tp rank sends
+    its sequence shard [b, s/tp, d_model] (to the same tp index of the next stage)."""
     x = first_stage_input(mb)
-    return (*x.shape, config.d_model) if "input_ids" in mb else tuple(x.shape)
+    if "input_ids" not in mb:
+        return tuple(x.shape)
+    b, s = x.shape
+    return (b, s // seq_shards, config.d_model)
 
 
 def loss_sum(out: torch.Tensor, mb: dict) -> torch.Tensor:

@@ -1,0 +1,439 @@
+"""``shardwise bench --layout L``: any layout, explicit engine vs torch engine, alternating.
+
+For each layout (verify's syntax, :func:`shardwise.verify.parse_layout`: ``dp=2``,
+``dp=2,tp=2,zero=3``, ``pp=2,dp=2,tp=2,1f1b,m=4`` …) every rank of one spawned world builds the
+sub-topology ``Topology(pp, dp, tp, ranks=range(pp·dp·tp))``; its members build the layout twice
+with :func:`~shardwise.parallel.apply.parallelize`, ``engine="explicit"`` and ``engine="torch"``,
+from the same seed (identical weights), each with its own AdamW and the same batches. Then:
+
+1. one warm-up step per engine (discarded). It is the step whose collectives are compared with
+   the formula: ledger bytes this rank sent / :func:`shardwise.formulas.step_bytes_formula`
+   (target 1.00), and the model-state bytes this rank holds after the optimizer step
+   (``engine.model_state_bytes``: parameters + gradients + AdamW state) /
+   :func:`shardwise.formulas.memory_formula` where one exists (DP 16Ψ, ZeRO 4Ψ+4Ψ+8Ψ/N … —
+   Rajbhandari et al. 2020 §3.1, §5). Engines that book PyTorch's collectives through a
+   dispatch mode (DTensor TP: ``book_collectives``) then stop booking, as in ``--suite tp``:
+   the booking costs Python time per op that the explicit engine does not pay;
+2. ``rounds`` rounds of ``steps`` timed steps per engine, alternating A B A B …, so that drift in
+   the machine's speed (other jobs on the same cores) hits both engines alike. The order of the
+   timed blocks is recorded (``order`` in ``bench.json``);
+3. per engine: the median step time (a step ends when the slowest rank of the layout finishes:
+   the maximum over ranks of each rank's median), tokens/s = global tokens per step (sequences ×
+   seq_len, all dp replicas) / median, and the explicit / torch step-time ratio (target ≤ 1.0,
+   the shared ARCHITECTURE sketch's "Numbers we hold ourselves to").
+
+A layout or engine that raises (not built yet, refused, crashed mid-step) gets a row with the
+error instead of numbers; the other rows still run. Rank 0 prints a Markdown table and writes
+``bench.md``, ``bench.json`` and ``bench.png`` (bars: median step time per layout and engine,
+with the ratio on top) into ``out``.
+
+Bytes, seconds and memory are per rank; the ledger ratio is Σ over the layout's ranks of ledger
+bytes / Σ of formula bytes (``worst_rank_deviation``: max over ranks of |ledger/formula − 1|).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from . import comm
+from .config import TrainConfig
+from .errors import ShardwiseConfigError
+from .formulas import memory_formula, step_bytes_formula
+from .models import build_model
+from .parallel.apply import Layout, parallelize
+from .topology import Topology, init_distributed
+from .train.optim import build_optimizer
+from .train.step import train_step
+from .train.workload import RegressionWorkload, SyntheticLMWorkload
+
+ENGINES = ("explicit", "torch")
+# one float64 vector per (rank, engine) in the all-gather, in this order
+_FIELDS = ("member", "failed", "median_s", "ledger_bytes", "formula_bytes", "mem_bytes",
+           "mem_formula_bytes", "steps_timed")
+
+
+# ---------------------------------------------------------------- shared by every bench suite
+
+def make_workload(model: str, seq_len: int, vocab: int, num_train: int, seed: int = 0):
+    """The benchmark's data: random token sequences for the Llama presets (``vocab``,
+    ``seq_len``), the synthetic regression task for ``mlp*``. ``num_train`` sequences."""
+    if model.startswith("mlp"):
+        return RegressionWorkload(TrainConfig(model=model, seed=seed), num_train=num_train,
+                                  num_val=1)
+    return SyntheticLMWorkload(vocab_size=vocab, seq_len=seq_len, num_train=num_train,
+                               num_val=1, seed=seed)
+
+
+def make_run(wrap, model: str, work, cfg: TrainConfig, global_batch: int, dp: int,
+             dp_index: int, seed: int = 0, **model_kw) -> dict:
+    """One benchmark variant: seed the RNG, build ``model`` (so every variant starts from the
+    same weights), wrap it with ``wrap(model) -> Engine``, build its optimizer and a sampler of
+    ``global_batch`` sequences per step over ``dp`` replicas. Returns the run dict the timing
+    helpers use (``engine``, ``opt``, ``sampler``, ``times``)."""
+    torch.manual_seed(seed)
+    kw = {"vocab_size": work.vocab_size} if work.kind == "lm" else {}
+    engine = wrap(build_model(model, **kw, **model_kw))
+    return {"engine": engine, "opt": build_optimizer(engine, cfg), "times": [],
+            "sampler": work.sampler(global_batch, dp, dp_index, seed)}
+
+
+def timed_step(run: dict, work, micro_batch: int, topo, *, dtype: str = "fp32",
+               measure_memory: bool = False, zero_grad: bool = True):
+    """One optimizer step of ``run`` on its next batch (cut into ``micro_batch``-sequence
+    micro-batches), clipping at global norm 1.0; returns (wall seconds of ``train_step``, its
+    StepResult). ``zero_grad=False`` leaves the gradients allocated until the next step."""
+    batch = work.batches(run["sampler"].next_local_batch(), micro_batch)
+    t0 = time.perf_counter()
+    res = train_step(run["engine"], batch, run["opt"], topo, max_norm=1.0, dtype=dtype,
+                     measure_memory=measure_memory, zero_grad=zero_grad)
+    return time.perf_counter() - t0, res
+
+
+def alternate(runs: dict, rounds: int, steps: int, step_fn, order: list | None = None) -> None:
+    """Time ``runs`` alternately: ``rounds`` × (for each run in order: ``steps`` calls of
+    ``step_fn(run) -> seconds``, appended to ``run["times"]``), i.e. A B A B … so that drift in
+    the machine's speed hits every variant alike. ``order`` (if given) receives the name of each
+    timed block as it runs."""
+    for _ in range(rounds):
+        for name, r in runs.items():
+            if r.get("error"):
+                continue
+            if order is not None:
+                order.append(name)
+            r["times"] += [step_fn(r) for _ in range(steps)]
+
+
+# ---------------------------------------------------------------- the generic layout bench
+
+def _short(e: BaseException) -> str:
+    msg = f"{type(e).__name__}: {e}".replace("\n", " ").replace("|", "/")
+    return msg if len(msg) <= 160 else msg[:157] + "…"
+
+
+def _disable_booking(engine) -> bool:
+    """Stop dispatch-mode booking of PyTorch's collectives (DTensor) after the booked step."""
+    found = False
+    for m in engine.modules():
+        if hasattr(m, "book_collectives"):
+            m.book_collectives = False
+            found = True
+    return found
+
+
+def _with_recompute_phase(engine, topo):
+    """--ac: book the collectives a recompute re-issues (TP) under phase "recompute", so the
+    step's ledger still matches the formula (see shardwise.models.ac)."""
+    from .models import set_activation_checkpointing
+
+    mode = next((m.ac_mode for m in engine.modules() if hasattr(m, "ac_mode")), "none")
+    set_activation_checkpointing(engine, mode, lambda: topo.ledger.phase("recompute"))
+    return engine
+
+
+def bench_one_layout(layout: Layout, topo, args, order: list) -> dict:
+    """Run the explicit and the torch engine of ``layout`` on this member rank of ``topo``;
+    returns ``{engine: {...}}`` with this rank's numbers or ``{"error": text}``."""
+    n_micro = layout.microbatches or (layout.pp if layout.pp > 1 else 1)
+    dp = layout.dp
+    global_batch = args.micro_batch * n_micro * dp
+    work = make_workload(args.model, args.seq_len, args.vocab,
+                         max(256, global_batch * (2 + args.rounds * args.steps)))
+    seq_len = args.seq_len if work.kind == "lm" else 1
+    cfg = TrainConfig(model=args.model, seq_len=args.seq_len, micro_batch=args.micro_batch)
+    model_kw = {}
+    if args.n_layers:
+        model_kw["n_layers"] = args.n_layers
+    if args.ac and args.ac != "none":
+        model_kw["ac"] = args.ac
+    runs: dict[str, dict] = {}
+    for eng in ENGINES:
+        try:
+            runs[eng] = make_run(
+                lambda m, eng=eng: _with_recompute_phase(parallelize(
+                    m, topo, layout, engine=eng, bucket_mb=args.bucket_mb, seed=0,
+                    reduce_dtype=getattr(args, "reduce_dtype", "fp32")), topo),
+                args.model, work, cfg, global_batch, dp, topo.index("dp"), **model_kw)
+        except Exception as e:  # not built yet / refused: a row saying so
+            runs[eng] = {"error": _short(e), "times": []}
+            if topo.rank == 0:  # the same error on every rank: print it once
+                print(f"[bench] {layout.name()} {eng}: {runs[eng]['error']}",
+                      file=sys.stderr, flush=True)
+
+    def step(r, **kw):
+        try:
+            dt, res = timed_step(r, work, args.micro_batch, topo, dtype=args.dtype, **kw)
+            return dt, res
+        except Exception as e:
+            r["error"] = _short(e)
+            traceback.print_exc()
+            return float("nan"), None
+
+    for eng, r in runs.items():  # warm-up: the booked step, compared with the formulas
+        if r.get("error"):
+            continue
+        _, res = step(r, measure_memory=True)
+        if res is None:
+            continue
+        formula = step_bytes_formula(r["engine"], topo, micro_steps=n_micro,
+                                     sequences=global_batch // dp, seq_len=seq_len,
+                                     dtype=args.dtype)
+        r["ledger_bytes"] = topo.ledger.step_bytes()
+        r["formula_bytes"] = formula["total"]
+        r["ledger_by_tag"], r["seconds_by_tag"] = {}, {}
+        for rec in topo.ledger.step_records():  # bytes; seconds launch → completion (async:
+            key = f"{rec.tag}@{rec.axis}"        # includes the overlapped compute)
+            r["ledger_by_tag"][key] = r["ledger_by_tag"].get(key, 0.0) + rec.wire_bytes
+            r["seconds_by_tag"][key] = r["seconds_by_tag"].get(key, 0.0) + rec.seconds
+        r["formula_by_tag"] = {k: v for k, v in formula.items() if k != "total"}
+        r["mem"] = res.state_bytes
+        mf = memory_formula(r["engine"], topo)
+        r["mem_formula"] = mf["total"] if mf else None
+        r["booking_off"] = _disable_booking(r["engine"])
+
+    def timed(r):
+        if r.get("error"):
+            return float("nan")
+        return step(r)[0]
+
+    alternate(runs, args.rounds, args.steps, timed, order)
+    out = {}
+    for eng, r in runs.items():
+        times = [t for t in r["times"] if t == t]
+        if r.get("error") or not times:
+            out[eng] = {"error": r.get("error", "no timed step")}
+            continue
+        out[eng] = {"median_s": statistics.median(times), "steps_timed": len(times),
+                    "times_s": r["times"],
+                    "ledger_bytes": r["ledger_bytes"], "formula_bytes": r["formula_bytes"],
+                    "ledger_by_tag": r["ledger_by_tag"], "formula_by_tag": r["formula_by_tag"],
+                    "seconds_by_tag": r["seconds_by_tag"],
+                    "mem": r["mem"], "mem_formula": r["mem_formula"],
+                    "booking_off_after_warmup": r["booking_off"]}
+    out["_meta"] = {"global_batch": global_batch, "n_micro": n_micro,
+                    "tokens_per_step": global_batch * seq_len}
+    return out
+
+
+def _parse(text: str):
+    """(Layout, None), or (None, why) for a layout ``check_supported`` refuses (a row of the
+    table). Raises :class:`ShardwiseConfigError` for text that is not a layout at all."""
+    from .verify import parse_layout
+
+    try:
+        return parse_layout(text), None
+    except ShardwiseConfigError as e:
+        if "write each layout as" in str(e):  # syntax: the user must fix the command line
+            raise
+        return None, str(e)
+
+
+def check_layouts(texts: list[str]) -> int:
+    """Parse every layout (syntax errors raise :class:`ShardwiseConfigError` before anything is
+    spawned); return the ranks the largest runnable one needs (at least 1)."""
+    return max([1] + [lay.world for lay, _ in map(_parse, texts) if lay is not None])
+
+
+def _vector(res: dict | None) -> torch.Tensor:
+    v = torch.zeros(len(ENGINES), len(_FIELDS), dtype=torch.float64)
+    if res is None:
+        return v
+    for i, eng in enumerate(ENGINES):
+        r = res[eng]
+        v[i, 0] = 1.0
+        if "error" in r:
+            v[i, 1] = 1.0
+            continue
+        v[i, 2:] = torch.tensor([r["median_s"], r["ledger_bytes"], r["formula_bytes"],
+                                 r["mem"]["total"], r["mem_formula"] or 0.0, r["steps_timed"]],
+                                dtype=torch.float64)
+    return v
+
+
+def bench_layouts_worker(args) -> int:
+    """Worker body (every rank of the spawned world). ``args``: ``layouts`` (strings),
+    ``model``, ``steps``, ``rounds``, ``seq_len``, ``micro_batch``, ``dtype``, ``ac``,
+    ``n_layers``, ``vocab``, ``bucket_mb``, ``timeout``, ``out``. Returns 0 (a failing layout is
+    a row of the table, not a failure of the command)."""
+    import torch.distributed as dist
+
+    layouts = [(s, *_parse(s)) for s in args.layouts]  # refused layouts become rows
+    init_distributed("cpu", args.timeout)
+    world = dist.get_world_size()
+    for s, lay, _ in layouts:
+        if lay is not None and lay.world > world:
+            raise ShardwiseConfigError(f"layout {s} needs {lay.world} ranks but the bench runs "
+                                       f"{world}: raise --nproc or drop the layout")
+    rank = dist.get_rank()
+    everyone = Topology(dp=world, timeout_s=args.timeout)
+    rows, order_all = [], {}
+    for s, lay, refused in layouts:
+        if lay is None:
+            rows.append({"layout": s, "error": refused})
+            continue
+        topo = Topology(lay.pp, lay.dp, lay.tp, ranks=range(lay.world), timeout_s=args.timeout)
+        order: list[str] = []
+        res = None
+        if topo.member:
+            try:
+                res = bench_one_layout(lay, topo, args, order)
+            except Exception as e:
+                traceback.print_exc()
+                res = {eng: {"error": _short(e)} for eng in ENGINES} | {"_meta": {}}
+        vec = _vector(res)
+        gathered = torch.zeros(world, *vec.shape, dtype=torch.float64)
+        with everyone.ledger.phase("bench"):
+            comm.all_gather(gathered.view(-1), vec.view(-1), everyone, "world")
+        if rank == 0:
+            rows.append(_row(s, lay, res, gathered, order))
+            order_all[lay.name()] = order
+    if rank == 0:
+        write_report(rows, args, world)
+    return 0
+
+
+def _row(text: str, lay: Layout, res: dict, g: torch.Tensor, order: list) -> dict:
+    """Combine every rank's vector (``g``: [world, engines, fields]) with rank 0's details."""
+    row = {"layout": lay.name(), "world": lay.world, "order": order,
+           **{k: res["_meta"].get(k) for k in ("global_batch", "n_micro", "tokens_per_step")}}
+    for i, eng in enumerate(ENGINES):
+        members = g[:, i, 0] == 1
+        gm = g[members, i]
+        if bool((gm[:, 1] == 1).any()):
+            mine = res[eng].get("error") if "error" in res[eng] else None
+            bad = [int(r) for r in torch.nonzero(members).flatten()
+                   if g[r, i, 1] == 1]
+            row[eng] = {"error": mine or f"failed on rank(s) {bad} (see their stderr)"}
+            continue
+        med = float(gm[:, 2].max())
+        ledger, formula = gm[:, 3], gm[:, 4]
+        dev = float(max((abs(a / b - 1) if b else abs(a)) for a, b in
+                        zip(ledger.tolist(), formula.tolist())))
+        mem_i = int(gm[:, 5].argmax())
+        mf = float(gm[mem_i, 6]) or None
+        row[eng] = {
+            "median_step_s": med,
+            "tokens_per_s": row["tokens_per_step"] / med,
+            "ledger_bytes_rank0": res[eng]["ledger_bytes"],
+            "formula_bytes_rank0": res[eng]["formula_bytes"],
+            "ledger_by_tag_rank0": res[eng]["ledger_by_tag"],
+            "formula_by_tag_rank0": res[eng]["formula_by_tag"],
+            "comm_seconds_by_tag_rank0": res[eng]["seconds_by_tag"],
+            "ledger_over_formula": float(ledger.sum() / formula.sum()) if formula.sum() else None,
+            "worst_rank_deviation": dev,
+            "model_state_bytes_max_rank": float(gm[mem_i, 5]),
+            "memory_formula_bytes": mf,
+            "memory_over_formula": float(gm[mem_i, 5]) / mf if mf else None,
+            "model_state_rank0": res[eng]["mem"],
+            "steps_timed": int(gm[0, 7]),
+            "step_times_s_rank0": res[eng]["times_s"],
+            "booking_off_after_warmup": res[eng]["booking_off_after_warmup"],
+        }
+    e, t = row["explicit"], row["torch"]
+    both = "median_step_s" in e and "median_step_s" in t
+    row["explicit_over_torch"] = e["median_step_s"] / t["median_step_s"] if both else None
+    row["explicit_over_torch_paired"] = (
+        paired_ratio(e["step_times_s_rank0"], t["step_times_s_rank0"],
+                     len(order) // 2 or 1) if both else None)
+    # the fastest step of each engine: the one least disturbed by other jobs on the cores
+    row["explicit_over_torch_min"] = (min(e["step_times_s_rank0"]) /
+                                      min(t["step_times_s_rank0"]) if both else None)
+    return row
+
+
+def paired_ratio(a: list[float], b: list[float], rounds: int) -> float | None:
+    """Median over rounds of median(A's block) / median(B's block): each round's two blocks ran
+    back to back, so slow drift of the machine cancels within a pair (rank 0's times)."""
+    if not a or not b or len(a) % rounds or len(b) % rounds:
+        return None
+    ka, kb = len(a) // rounds, len(b) // rounds
+    return statistics.median(statistics.median(a[i * ka:(i + 1) * ka]) /
+                             statistics.median(b[i * kb:(i + 1) * kb]) for i in range(rounds))
+
+
+def _fmt(x, spec, dash="—"):
+    return dash if x is None else format(x, spec)
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| layout | ranks | engine | median step (ms) | tokens/s | ledger / formula | "
+             "model state / rank (MiB) | state / formula | explicit / torch (paired) |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['layout']} | | | refused: {row['error']} | | | | | |")
+            continue
+        for eng in ENGINES:
+            r = row[eng]
+            ratio = (f"{_fmt(row['explicit_over_torch'], '.3f')} "
+                     f"({_fmt(row.get('explicit_over_torch_paired'), '.3f')})"
+                     if eng == "explicit" else "")
+            if "error" in r:
+                lines.append(f"| {row['layout']} | {row['world']} | {eng} | error: "
+                             f"{r['error']} | | | | | {ratio} |")
+                continue
+            lines.append(
+                f"| {row['layout']} | {row['world']} | {eng} | {r['median_step_s'] * 1e3:.1f} "
+                f"| {r['tokens_per_s']:,.0f} | {_fmt(r['ledger_over_formula'], '.4f')} "
+                f"| {r['model_state_bytes_max_rank'] / 2**20:.2f} "
+                f"| {_fmt(r['memory_over_formula'], '.4f')} | {ratio} |")
+    return "\n".join(lines)
+
+
+def draw_chart(rows: list[dict], path: Path, title: str) -> Path | None:
+    """Grouped bars: median step time (ms) per layout, explicit vs torch; the ratio on top."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "error" not in r]
+    if not ok:
+        return None
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(ok) + 2), 4))
+    xs = range(len(ok))
+    w = 0.38
+    for k, (eng, color) in enumerate(zip(ENGINES, ("tab:blue", "tab:orange"))):
+        vals = [r[eng].get("median_step_s", 0.0) * 1e3 for r in ok]
+        ax.bar([x + (k - 0.5) * w for x in xs], vals, w, label=eng, color=color)
+    for x, r in zip(xs, ok):
+        top = max(r[e].get("median_step_s", 0.0) for e in ENGINES) * 1e3
+        label = (f"{r['explicit_over_torch']:.2f}×" if r["explicit_over_torch"] is not None
+                 else "error")
+        ax.text(x, top * 1.02, label, ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs), [r["layout"] for r in ok], rotation=20, ha="right", fontsize=8)
+    ax.set_ylim(0, 1.15 * max(max(r[e].get("median_step_s", 0.0) for e in ENGINES)
+                              for r in ok) * 1e3 or 1.0)
+    ax.set_ylabel("median step time (ms)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(rows: list[dict], args, world: int) -> None:
+    """Rank 0: print the table; write ``bench.md``, ``bench.json``, ``bench.png`` in ``out``."""
+    head = (f"Layout bench: model {args.model}, {args.micro_batch} × {args.seq_len} tokens per "
+            f"micro-batch, dtype {args.dtype}, {args.rounds} rounds × {args.steps} timed steps "
+            f"per engine (A B A B …, after 1 warm-up step), {world} processes, torch "
+            f"{torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    md = head + "\n\n" + format_table(rows)
+    print(md, flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.md").write_text(md + "\n")
+    config = {k: v for k, v in vars(args).items() if not callable(v)}
+    (out / "bench.json").write_text(json.dumps({"config": config | {"world": world},
+                                                "rows": rows}, indent=2, default=str))
+    png = draw_chart(rows, out / "bench.png", f"explicit vs torch, {args.model}, {world} "
+                     "processes (ratio above the bars)")
+    if png:
+        print(f"bench: {out / 'bench.md'}, {out / 'bench.json'}, {png}", flush=True)

@@ -1,0 +1,199 @@
+"""Supervised fine-tuning data: alpaca-style records, prompt tokens masked out of the loss.
+
+Input: a ``.jsonl`` file, one JSON object per line with string fields ``instruction``,
+``output`` and optionally ``input`` (blank lines are skipped). Each record becomes the text
+``PROMPT + output + EOS`` with the prompt template of Stanford Alpaca (Taori et al. 2023)::
+
+    Below is an instruction that describes a task[, paired with an input that provides further
+    context]. Write a response that appropriately completes the request.
+
+    ### Instruction:
+    {instruction}
+
+    [### Input:
+    {input}
+
+    ]### Response:
+    {output}<eos>
+
+Masking: the prompt and the response are tokenized separately and concatenated, so the boundary
+is exact. Row ``t`` of the labels is the next token ``tokens[t + 1]`` when that token belongs to
+the response (or is the final EOS), and ``IGNORE_INDEX`` (−100) when it is a prompt token or
+padding. The loss is the mean over response tokens only, so prompt tokens contribute exactly zero
+gradient (tests/test_sft.py checks ∂loss/∂logits = 0 at every masked position).
+
+Packing: **one example per row, right-padded** to ``seq_len + 1`` tokens (padding id = EOS,
+label −100). With causal attention a real token only attends to earlier positions, i.e. to its
+own example, never to padding or to another example — no attention mask and no model change are
+needed. The cost is the padding: the run description reports the fraction of padded positions
+(compute spent on them is wasted). Greedy packing with block-diagonal attention would recover
+it but needs a varlen/document mask in the model. An example longer than the row is cut on the
+right (its response truncated); one whose prompt alone fills the row is dropped (it has no
+response token to learn), and both are counted in ``stats``.
+
+Split: record ``i`` is validation when ``i % val_every == val_every - 1``; with fewer than
+``val_every`` records, the last one. The token rows are not cached (an SFT file is small).
+
+Errors: :class:`~shardwise.errors.ShardwiseConfigError` naming ``FILE:LINE`` and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shardwise.data.tokenizer import Tokenizer, load_tokenizer
+from shardwise.errors import ShardwiseConfigError
+
+IGNORE_INDEX = -100  # the same value as shardwise.models.IGNORE_INDEX (data/ imports no models)
+
+PROMPT_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further "
+    "context. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately "
+    "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+
+
+def format_prompt(record: dict) -> str:
+    """The Alpaca prompt of ``record`` (the text before the response)."""
+    if record.get("input"):
+        return PROMPT_WITH_INPUT.format(instruction=record["instruction"], input=record["input"])
+    return PROMPT_NO_INPUT.format(instruction=record["instruction"])
+
+
+def load_sft_records(path: str | os.PathLike) -> list[dict]:
+    """Parse and check the records of ``path`` (see module doc).
+
+    Raises:
+        ShardwiseConfigError: missing file, a line that is not a JSON object, a missing or
+            non-string ``instruction``/``output``, a non-string ``input``, fewer than 2 records.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ShardwiseConfigError(f"--data {path}: no such file: give a .jsonl file of "
+                                   '{"instruction", "input", "output"} records')
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ShardwiseConfigError(f"--data {path}: not UTF-8 (byte offset {e.start}): "
+                                   "re-encode the file as UTF-8") from None
+    records = []
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"--data {path}:{no}"
+        try:
+            rec = json.loads(line)
+        except ValueError as e:
+            raise ShardwiseConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno}): "
+                                       "write one JSON object per line") from None
+        if not isinstance(rec, dict):
+            raise ShardwiseConfigError(f"{where}: expected a JSON object with \"instruction\" and "
+                                       f"\"output\", got {type(rec).__name__}")
+        for key in ("instruction", "output"):
+            if key not in rec:
+                raise ShardwiseConfigError(f"{where}: missing field {key!r}: every record needs "
+                                           '"instruction" and "output" ("input" is optional)')
+            if not isinstance(rec[key], str):
+                raise ShardwiseConfigError(f"{where}: field {key!r} is "
+                                           f"{type(rec[key]).__name__}, not a string: quote it")
+        if not isinstance(rec.get("input", ""), str):
+            raise ShardwiseConfigError(f"{where}: field 'input' is {type(rec['input']).__name__}, "
+                                       "not a string: quote it or leave it out")
+        records.append(rec)
+    if len(records) < 2:
+        raise ShardwiseConfigError(f"--data {path}: {len(records)} record(s); SFT needs at least "
+                                   "2 (one is held out for validation): add records")
+    return records
+
+
+def encode_example(tok: Tokenizer, record: dict, seq_len: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """One record → (``tokens`` [seq_len + 1] int64, ``labels`` [seq_len] int64, response
+    tokens kept), or None when the prompt alone fills the row.
+
+    ``tokens[:-1]`` are the model's inputs; ``labels[t] = tokens[t + 1]`` for response/EOS
+    targets and :data:`IGNORE_INDEX` for prompt targets and padding."""
+    prompt = tok.encode(format_prompt(record))
+    response = tok.encode(record["output"]) + [tok.eos_id]
+    if len(prompt) > seq_len:  # no response token would be a target inside the row
+        return None
+    full = (prompt + response)[: seq_len + 1]
+    kept = len(full) - len(prompt)
+    tokens = torch.full((seq_len + 1,), tok.eos_id, dtype=torch.long)
+    tokens[: len(full)] = torch.tensor(full, dtype=torch.long)
+    labels = torch.full((seq_len,), IGNORE_INDEX, dtype=torch.long)
+    # target positions t whose next token is a response token: t + 1 in [len(prompt), len(full))
+    labels[len(prompt) - 1: len(full) - 1] = tokens[len(prompt): len(full)]
+    return tokens, labels, kept
+
+
+@dataclass
+class SFTData:
+    """Padded SFT rows. ``train``/``val``: ``[n, seq_len + 1]`` int64 tokens;
+    ``train_labels``/``val_labels``: ``[n, seq_len]`` int64 (−100 = not counted)."""
+
+    train: torch.Tensor
+    train_labels: torch.Tensor
+    val: torch.Tensor
+    val_labels: torch.Tensor
+    tokenizer: Tokenizer
+    vocab_size: int
+    prompts: list[str] = field(default_factory=list)  # validation prompts (for sampling)
+    stats: dict = field(default_factory=dict)
+
+
+def prepare_sft_data(path: str | os.PathLike, tokenizer: str = "bpe", vocab_size: int = 4096,
+                     seq_len: int = 128, val_every: int = 20, cache_dir: Path | None = None
+                     ) -> SFTData:
+    """Records of ``path`` → padded token rows and masked labels (see module doc).
+
+    ``tokenizer``: ``"bytes"``, a tokenizer ``.json``, or ``"bpe"`` (trained on the training
+    records' prompt + response text, cached like the LM tokenizer).
+
+    Raises:
+        ShardwiseConfigError: as :func:`load_sft_records`; or every example of a split is dropped
+            because its prompt is longer than ``seq_len`` tokens.
+    """
+    from shardwise.data.corpus import default_cache_dir
+
+    records = load_sft_records(path)
+    is_val = [i % val_every == val_every - 1 for i in range(len(records))]
+    if not any(is_val):
+        is_val[-1] = True
+    train_recs = [r for r, v in zip(records, is_val) if not v]
+    val_recs = [r for r, v in zip(records, is_val) if v]
+    docs = [format_prompt(r) + r["output"] for r in train_recs]
+    tok = load_tokenizer(tokenizer, docs, vocab_size,
+                         Path(cache_dir) if cache_dir is not None else default_cache_dir())
+    stats = {"records": len(records)}
+    out = []
+    for name, recs in (("train", train_recs), ("val", val_recs)):
+        rows = [encode_example(tok, r, seq_len) for r in recs]
+        kept = [x for x in rows if x is not None]
+        if not kept:
+            longest = min(len(tok.encode(format_prompt(r))) for r in recs)
+            raise ShardwiseConfigError(
+                f"--task sft: every {name} prompt is longer than --seq-len {seq_len} tokens "
+                f"(shortest: {longest}), so no response token fits: raise --seq-len (≥ "
+                f"{longest + 16}) or shorten the instructions")
+        stats[f"{name}_examples"] = len(kept)
+        stats[f"{name}_dropped"] = len(rows) - len(kept)
+        stats[f"{name}_response_tokens"] = int(sum(k for _, _, k in kept))
+        out.append((torch.stack([t for t, _, _ in kept]), torch.stack([lb for _, lb, _ in kept])))
+        if name == "train":
+            n_real = sum(min(len(tok.encode(format_prompt(r))) + len(tok.encode(r["output"])) + 1,
+                             seq_len + 1) - 1 for r, x in zip(recs, rows) if x is not None)
+            stats["padding_fraction"] = 1 - n_real / (len(kept) * seq_len)
+            stats["truncated"] = sum(1 for r, x in zip(recs, rows) if x is not None and
+                                     x[2] < len(tok.encode(r["output"])) + 1)
+    (train, train_labels), (val, val_labels) = out
+    return SFTData(train=train, train_labels=train_labels, val=val, val_labels=val_labels,
+                   tokenizer=tok, vocab_size=tok.vocab_size,
+                   prompts=[format_prompt(r) for r in val_recs], stats=stats)

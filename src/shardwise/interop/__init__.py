@@ -1,0 +1,19 @@
+"""Weights in and out of shardwise: Hugging Face ``LlamaForCausalLM`` folders (:mod:`.hf`).
+
+Nothing here touches a process group: export reads a checkpoint on one process, and import
+fills the *plain* model before ``parallelize``, so it works for every layout.
+"""
+
+from .hf import (
+    export_hf,
+    from_hf_state_dict,
+    hf_to_llama_config,
+    llama_to_hf_config,
+    load_hf_weights,
+    read_checkpoint,
+    read_hf_config,
+    to_hf_state_dict,
+)
+
+__all__ = ["export_hf", "from_hf_state_dict", "hf_to_llama_config", "llama_to_hf_config",
+           "load_hf_weights", "read_checkpoint", "read_hf_config", "to_hf_state_dict"]

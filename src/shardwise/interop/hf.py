@@ -1,0 +1,669 @@
+"""Hugging Face ``LlamaForCausalLM`` folders in and out of shardwise's Llama.
+
+Export (``shardwise export --checkpoint DIR --to hf OUT``, :func:`export_hf`) reads one of our
+checkpoints (``checkpoints/step_N/``: DCP files with full-shape tensors under ``model.<FQN>``, and
+``meta.json`` with the run's config) on one process, renames the tensors, and writes::
+
+    OUT/config.json            LlamaConfig fields (architectures = ["LlamaForCausalLM"])
+    OUT/model.safetensors      fp32 tensors under Hugging Face names
+    OUT/tokenizer.json         the run's tokenizer as a `tokenizers` file (when it can be found)
+    OUT/tokenizer_config.json  PreTrainedTokenizerFast, eos token, model_max_length
+    OUT/generation_config.json eos/bos ids
+
+Import (``shardwise train --init-from-hf DIR``, :func:`load_hf_weights`) reads such a folder
+(``model.safetensors``, a sharded ``model.safetensors.index.json``, or ``pytorch_model.bin``) into
+the *plain* model before ``parallelize``, so any layout starts from it.
+
+Name map (ours ↔ Hugging Face; ``{i}`` = layer index)::
+
+    tok_embeddings.weight                    model.embed_tokens.weight         [V, d]
+    layers.{i}.attention_norm.weight         model.layers.{i}.input_layernorm.weight
+    layers.{i}.attention.wq.weight           model.layers.{i}.self_attn.q_proj.weight [h·hd, d]
+    layers.{i}.attention.wk.weight           model.layers.{i}.self_attn.k_proj.weight [k·hd, d]
+    layers.{i}.attention.wv.weight           model.layers.{i}.self_attn.v_proj.weight [k·hd, d]
+    layers.{i}.attention.wo.weight           model.layers.{i}.self_attn.o_proj.weight [d, h·hd]
+    layers.{i}.ffn_norm.weight               model.layers.{i}.post_attention_layernorm.weight
+    layers.{i}.feed_forward.w1.weight        model.layers.{i}.mlp.gate_proj.weight    [f, d]
+    layers.{i}.feed_forward.w3.weight        model.layers.{i}.mlp.up_proj.weight      [f, d]
+    layers.{i}.feed_forward.w2.weight        model.layers.{i}.mlp.down_proj.weight    [d, f]
+    norm.weight                              model.norm.weight
+    output.weight                            lm_head.weight (absent when tied)  [V, d]
+
+No tensor is permuted. Meta's original Llama code applies RoPE to *interleaved* pairs
+(x[2j], x[2j+1]); Hugging Face's converter therefore permutes the rows of q_proj/k_proj so that
+its "rotate-half" RoPE (pairs x[j], x[j + hd/2]) computes the same thing. Our
+:func:`shardwise.models.llama.apply_rope` is rotate-half too, with the same frequencies
+θ_j = theta^(−2j/hd) (Su et al. 2021, RoFormer, eq. 34), so the weights map 1:1 (tests/test_hf.py
+checks the logits, which would differ if either side rotated other pairs). GQA: k/v projections
+hold ``num_key_value_heads`` heads, query head ``q`` uses kv head ``q // (h/k)`` on both sides.
+RMSNorm: ``rms_norm_eps`` ↔ ``norm_eps``; both normalise in fp32 and multiply by the weight.
+
+GPT-2 (``model_type = "gpt2"``) is refused: it has learned absolute position embeddings,
+LayerNorm with bias, a GELU MLP and biases on every projection; our Llama family (RoPE, RMSNorm,
+SwiGLU, no biases) cannot express it, so a conversion would not compute the same function.
+
+Errors: every bad folder or checkpoint raises :class:`~shardwise.errors.ShardwiseConfigError`
+naming the file and the fix. Nothing here needs a process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..errors import ShardwiseConfigError
+
+# (our FQN pattern, HF name pattern) for the per-layer tensors; {i} is the layer index.
+_LAYER_MAP = [
+    ("attention_norm.weight", "input_layernorm.weight"),
+    ("attention.wq.weight", "self_attn.q_proj.weight"),
+    ("attention.wk.weight", "self_attn.k_proj.weight"),
+    ("attention.wv.weight", "self_attn.v_proj.weight"),
+    ("attention.wo.weight", "self_attn.o_proj.weight"),
+    ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    ("feed_forward.w1.weight", "mlp.gate_proj.weight"),
+    ("feed_forward.w3.weight", "mlp.up_proj.weight"),
+    ("feed_forward.w2.weight", "mlp.down_proj.weight"),
+]
+_TOP_MAP = [("tok_embeddings.weight", "model.embed_tokens.weight"),
+            ("norm.weight", "model.norm.weight"),
+            ("output.weight", "lm_head.weight")]
+_OURS_TO_HF = {**dict(_TOP_MAP), **{f"layers.{{i}}.{a}": f"model.layers.{{i}}.{b}"
+                                    for a, b in _LAYER_MAP}}
+# tensors some HF checkpoints carry that are recomputed, not learned
+_HF_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq|"
+                         r"model\.rotary_emb\.inv_freq")
+
+
+def _rename(name: str, table: dict[str, str]) -> str | None:
+    m = re.match(r"^(model\.)?layers\.(\d+)\.(.+)$", name)
+    if m:
+        i = m.group(2)
+        for src, dst in table.items():
+            if "{i}" in src and src.format(i=i) == name:
+                return dst.format(i=i)
+        return None
+    return table.get(name)
+
+
+def to_hf_state_dict(state: dict[str, torch.Tensor], tie_embeddings: bool
+                     ) -> dict[str, torch.Tensor]:
+    """Our plain-model FQNs → Hugging Face names (same tensors, no copy, no permutation).
+
+    ``output.weight`` is dropped when ``tie_embeddings`` (HF ties ``lm_head`` to the embedding).
+    Raises ShardwiseConfigError for a name with no HF counterpart."""
+    out, unknown = {}, []
+    for name, t in state.items():
+        if name == "output.weight" and tie_embeddings:
+            continue
+        hf = _rename(name, _OURS_TO_HF)
+        if hf is None:
+            unknown.append(name)
+        else:
+            out[hf] = t
+    if unknown:
+        raise ShardwiseConfigError(f"no Hugging Face name for {unknown[:5]}: only the Llama "
+                                   "models (--model tiny/small/base) export to HF")
+    return out
+
+
+def from_hf_state_dict(hf: dict[str, torch.Tensor], tie_embeddings: bool, source: str = "HF"
+                       ) -> dict[str, torch.Tensor]:
+    """Hugging Face names → our FQNs (the inverse of :func:`to_hf_state_dict`).
+
+    With ``tie_embeddings`` the embedding is also returned as ``output.weight`` (our tied
+    model's state dict holds both names for one tensor) and any ``lm_head.weight`` is ignored.
+    Raises ShardwiseConfigError listing names we cannot place (biases, other architectures)."""
+    back = {v: k for k, v in _OURS_TO_HF.items()}
+    out, unknown = {}, []
+    for name, t in hf.items():
+        if _HF_IGNORED.fullmatch(name) or (name == "lm_head.weight" and tie_embeddings):
+            continue
+        ours = _rename(name, back)
+        if ours is None:
+            unknown.append(name)
+        else:
+            out[ours] = t
+    if unknown:
+        raise ShardwiseConfigError(
+            f"{source}: tensors {unknown[:6]}{' …' if len(unknown) > 6 else ''} have no place in "
+            "shardwise's Llama (no biases, RMSNorm, SwiGLU): only bias-free Llama checkpoints "
+            "load; check model_type/attention_bias/mlp_bias in config.json")
+    if tie_embeddings and "tok_embeddings.weight" in out:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+# ---------------------------------------------------------------------------------- configs
+
+def llama_to_hf_config(cfg, eos_id: int | None = None) -> dict:
+    """Our :class:`~shardwise.models.LlamaConfig` → a ``config.json`` dict for LlamaForCausalLM.
+
+    Writes the RoPE base both as ``rope_theta`` (transformers 4.x) and ``rope_parameters``
+    (5.x), so either version reads it."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "initializer_range": cfg.init_std,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "tie_word_embeddings": bool(cfg.tie_embeddings),
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+
+
+def read_hf_config(folder: str | os.PathLike) -> dict:
+    """``folder/config.json`` as a dict. Raises ShardwiseConfigError if the folder or the file
+    is missing or is not JSON."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ShardwiseConfigError(f"--init-from-hf {folder}: no such folder: give a local "
+                                   "Hugging Face model folder (config.json + model.safetensors)")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ShardwiseConfigError(f"--init-from-hf {folder}: no config.json there: give the "
+                                   "folder that save_pretrained wrote")
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ShardwiseConfigError(f"{path}: not valid JSON ({e}): re-save the model with "
+                                   "save_pretrained") from None
+    if not isinstance(data, dict):
+        raise ShardwiseConfigError(f"{path}: expected a JSON object of config fields")
+    return data
+
+
+def hf_to_llama_config(hf: dict, source: str = "config.json"):
+    """A Hugging Face config dict → our LlamaConfig, or ShardwiseConfigError saying why the
+    architecture cannot be expressed (GPT-2, biases, RoPE scaling, another activation …)."""
+    from ..models import LlamaConfig
+
+    mt = hf.get("model_type")
+    if mt == "gpt2":
+        raise ShardwiseConfigError(
+            f"{source}: model_type 'gpt2' cannot be loaded: GPT-2 uses learned absolute position "
+            "embeddings, LayerNorm with bias, a GELU MLP and biased projections, which "
+            "shardwise's Llama family (RoPE, RMSNorm, SwiGLU, no biases) cannot express: "
+            "give a LlamaForCausalLM folder (model_type 'llama')")
+    if mt != "llama":
+        raise ShardwiseConfigError(f"{source}: model_type {mt!r} is not supported: give a "
+                                   "LlamaForCausalLM folder (model_type 'llama')")
+    for key, ok in (("attention_bias", False), ("mlp_bias", False)):
+        if hf.get(key, ok) != ok:
+            raise ShardwiseConfigError(f"{source}: {key} = {hf[key]} but shardwise's Llama has "
+                                       "no biases: only bias-free Llama checkpoints load")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ShardwiseConfigError(f"{source}: hidden_act {hf['hidden_act']!r}: shardwise's "
+                                   "SwiGLU uses silu; only silu Llama checkpoints load")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) \
+        else "default"
+    if rope_type != "default":
+        raise ShardwiseConfigError(
+            f"{source}: RoPE scaling {rope_type!r} is not implemented (shardwise's RoPE is the "
+            "plain rotate-half of RoFormer): use a checkpoint without rope_scaling")
+    try:
+        d, h = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        cfg = LlamaConfig(
+            vocab_size=int(hf["vocab_size"]), d_model=d,
+            n_layers=int(hf["num_hidden_layers"]), n_heads=h,
+            n_kv_heads=int(hf.get("num_key_value_heads") or h),
+            d_ff=int(hf["intermediate_size"]),
+            max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+            rope_theta=float(hf.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            init_std=float(hf.get("initializer_range", 0.02)))
+    except KeyError as e:
+        raise ShardwiseConfigError(f"{source}: missing field {e.args[0]!r}: re-save the model "
+                                   "with save_pretrained") from None
+    except ValueError as e:  # LlamaConfig's own checks (heads divide d_model, even head_dim)
+        raise ShardwiseConfigError(f"{source}: {e}") from None
+    if hf.get("head_dim") not in (None, cfg.head_dim):
+        raise ShardwiseConfigError(
+            f"{source}: head_dim {hf['head_dim']} ≠ hidden_size / num_attention_heads = "
+            f"{cfg.head_dim}: shardwise derives head_dim; such checkpoints do not load")
+    return cfg
+
+
+ARCH_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len",
+               "rope_theta", "norm_eps", "tie_embeddings")
+
+
+def hf_model_overrides(folder: str | os.PathLike) -> dict:
+    """The LlamaConfig fields (:data:`ARCH_FIELDS` + ``vocab_size``) of the HF folder, for
+    ``build_model(preset, **overrides)``. Raises as :func:`hf_to_llama_config`."""
+    cfg = hf_to_llama_config(read_hf_config(folder), source=f"{folder}/config.json")
+    return {k: getattr(cfg, k) for k in (*ARCH_FIELDS, "vocab_size")}
+
+
+# ---------------------------------------------------------------------------------- weights
+
+def read_hf_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of a HF folder as fp32 CPU tensors: ``model.safetensors``, the shards listed
+    in ``model.safetensors.index.json``, or ``pytorch_model.bin`` (loaded weights_only)."""
+    out: dict[str, torch.Tensor] = {}
+    for f in weight_files(folder):
+        if not f.is_file():
+            raise ShardwiseConfigError(f"{f}: listed in the index but missing: copy the whole "
+                                       "model folder")
+        try:
+            if f.suffix == ".safetensors":
+                from safetensors.torch import load_file
+
+                part = load_file(str(f))
+            else:
+                part = torch.load(f, map_location="cpu", weights_only=True)
+        except ImportError:
+            raise ShardwiseConfigError("reading .safetensors needs the safetensors package: "
+                                       "pip install 'shardwise[hf]'") from None
+        except Exception as e:  # truncated or corrupt file: the libraries raise various types
+            raise ShardwiseConfigError(f"{f}: cannot be read ({type(e).__name__}: {e}): the file "
+                                       "is corrupt or truncated; copy it again") from None
+        out.update({k: v.float() for k, v in part.items()})
+    return out
+
+
+def weight_files(folder: str | os.PathLike) -> list[Path]:
+    """The weight files of a HF folder (see :func:`read_hf_weights`); ShardwiseConfigError when
+    there are none. Cheap: reads at most the index."""
+    folder = Path(folder)
+    single, index, pt = (folder / "model.safetensors", folder / "model.safetensors.index.json",
+                         folder / "pytorch_model.bin")
+    files: list[Path]
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError) as e:
+            raise ShardwiseConfigError(f"{index}: not a safetensors index ({e}): re-save the "
+                                       "model with save_pretrained") from None
+        files = [folder / s for s in shards]
+    elif pt.is_file():
+        files = [pt]
+    else:
+        raise ShardwiseConfigError(
+            f"--init-from-hf {folder}: no weights (model.safetensors, model.safetensors.index.json "
+            "or pytorch_model.bin): save the model with save_pretrained into that folder")
+    return files
+
+
+def check_weight_files(folder: str | os.PathLike, cfg=None) -> None:
+    """Cheap pre-flight (headers only) for ``--init-from-hf``, run by ``config.validate`` before
+    any collective: the weight files exist, every ``.safetensors`` header covers its file (a
+    truncated copy fails here, on every rank, instead of after the process group exists), and,
+    given our LlamaConfig ``cfg``, the tensor names and shapes fit it."""
+    shapes: dict[str, tuple] = {}
+    for f in weight_files(folder):
+        if not f.is_file():
+            raise ShardwiseConfigError(f"{f}: listed in the index but missing: copy the whole "
+                                       "model folder")
+        if f.suffix != ".safetensors":
+            continue
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            raise ShardwiseConfigError("reading .safetensors needs the safetensors package: "
+                                       "pip install 'shardwise[hf]'") from None
+        try:
+            with safe_open(str(f), "pt") as handle:
+                shapes.update({k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()})
+        except Exception as e:  # SafetensorError: truncated or not a safetensors file
+            raise ShardwiseConfigError(f"{f}: cannot be read ({e}): the file is corrupt or "
+                                       "truncated; copy it again") from None
+    if cfg is None or not shapes:
+        return
+    from ..models import Llama
+
+    back = {v: k for k, v in _OURS_TO_HF.items()}
+    got, unknown = {}, []
+    for name, shape in shapes.items():
+        if _HF_IGNORED.fullmatch(name) or (name == "lm_head.weight" and cfg.tie_embeddings):
+            continue
+        ours = _rename(name, back)
+        (unknown.append(name) if ours is None else got.__setitem__(ours, shape))
+    if unknown:
+        raise ShardwiseConfigError(
+            f"{folder}: tensors {unknown[:6]} have no place in shardwise's Llama (no biases, "
+            "RMSNorm, SwiGLU): only bias-free Llama checkpoints load")
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Llama(cfg).named_parameters()}
+    bad = [f"{k}: file {got.get(k, 'missing')} vs config.json {expected.get(k, 'absent')}"
+           for k in sorted(set(expected) | set(got)) if got.get(k) != expected.get(k)]
+    if bad:
+        raise ShardwiseConfigError(f"{folder}: the weights do not fit its config.json "
+                                   f"({len(bad)} mismatched: {bad[:4]}): config.json and the "
+                                   "weights must come from the same save_pretrained")
+
+
+@torch.no_grad()
+def load_hf_weights(model, folder: str | os.PathLike) -> None:
+    """Copy the HF Llama folder's weights into our plain ``model`` (in place, before
+    ``parallelize``). The architecture must match (build the model with
+    :func:`hf_model_overrides`); raises ShardwiseConfigError listing missing/unexpected names
+    and shape mismatches."""
+    cfg = hf_to_llama_config(read_hf_config(folder), source=f"{folder}/config.json")
+    ours = from_hf_state_dict(read_hf_weights(folder), cfg.tie_embeddings, source=str(folder))
+    _copy_into(model, ours, str(folder))
+
+
+def _copy_into(model, state: dict[str, torch.Tensor], source: str) -> None:
+    target = model.state_dict()
+    missing = sorted(set(target) - set(state))
+    extra = sorted(set(state) - set(target))
+    shapes = [f"{k}: {tuple(state[k].shape)} vs model {tuple(target[k].shape)}"
+              for k in target if k in state and state[k].shape != target[k].shape]
+    if missing or extra or shapes:
+        parts = ([f"missing {missing[:6]}"] if missing else []) + \
+                ([f"unexpected {extra[:6]}"] if extra else []) + \
+                ([f"shape mismatch {shapes[:6]}"] if shapes else [])
+        raise ShardwiseConfigError(f"{source}: weights do not fit the model ({'; '.join(parts)}): "
+                                   "the model config and the weights must come from the same "
+                                   "checkpoint")
+    for k, t in target.items():
+        t.copy_(state[k].to(t.dtype))
+
+
+# ------------------------------------------------------------------------------ checkpoints
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A run folder, its ``checkpoints/`` folder (→ the one ``latest`` names), or a
+    ``step_N`` folder → the ``step_N`` folder. Raises ShardwiseConfigError saying what is
+    there."""
+    p = Path(path)
+    if not p.exists():
+        raise ShardwiseConfigError(f"--checkpoint {p}: no such folder: give a run folder, its "
+                                   "checkpoints/ folder or a checkpoints/step_N folder")
+    for base in (p, p / "checkpoints"):
+        latest = base / "latest"
+        if latest.is_file():
+            name = latest.read_text().strip()
+            if not (base / name).is_dir():
+                raise ShardwiseConfigError(f"{latest} names {name!r}, which does not exist: "
+                                           "pass a complete checkpoints/step_N folder")
+            return base / name
+    if (p / "meta.json").exists() or (p / ".metadata").exists():
+        return p
+    raise ShardwiseConfigError(f"--checkpoint {p}: no checkpoint there (no meta.json/.metadata, "
+                               "no checkpoints/latest): pass a run folder or a checkpoints/step_N "
+                               "folder")
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict, Path]:
+    """The model tensors (our FQN → full-shape fp32 tensor), ``meta.json`` and the step folder
+    of a checkpoint, read on this one process (``dcp.load(no_dist=True)``; the optimizer state is
+    not read). Raises ShardwiseConfigError naming the file when something is missing or corrupt."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    step = resolve_checkpoint(path)
+    meta_path = step / "meta.json"
+    if not meta_path.is_file():
+        raise ShardwiseConfigError(f"{meta_path}: missing: the checkpoint is incomplete (its "
+                                   "save did not finish): use an earlier checkpoints/step_N")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ShardwiseConfigError(f"{meta_path}: not valid JSON ({e}): the checkpoint is "
+                                   "corrupt: use an earlier checkpoints/step_N") from None
+    _check_marker(step, meta)
+    try:
+        md = FileSystemReader(str(step)).read_metadata()
+    except Exception as e:  # missing or corrupt .metadata
+        raise ShardwiseConfigError(f"{step / '.metadata'}: cannot be read ({type(e).__name__}): "
+                                   "the checkpoint is corrupt or incomplete: use an earlier "
+                                   "checkpoints/step_N") from None
+    state = {}
+    for key, tmd in md.state_dict_metadata.items():
+        for prefix in ("model.", "model/"):
+            if key.startswith(prefix) and hasattr(tmd, "size"):
+                state[key] = torch.empty(tuple(tmd.size), dtype=tmd.properties.dtype)
+    if not state:
+        raise ShardwiseConfigError(f"{step}: no model tensors in the checkpoint (keys "
+                                   f"{sorted(md.state_dict_metadata)[:4]}): not a shardwise "
+                                   "checkpoint")
+    _check_storage_files(step, md)
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=str(step), no_dist=True)
+    except (Exception, CheckpointException) as e:  # corrupt .distcp: assorted errors, which
+        # DCP wraps in CheckpointException (a BaseException whose text holds a traceback)
+        inner = next(iter(getattr(e, "failures", {}).values()), e)
+        inner = getattr(inner, "exc", inner)
+        raise ShardwiseConfigError(f"{step}: the tensor files cannot be read "
+                                   f"({type(inner).__name__}: {str(inner).splitlines()[0][:160]}):"
+                                   " the checkpoint is corrupt: use an earlier "
+                                   "checkpoints/step_N") from None
+    model = {k.split(".", 1)[1] if k.startswith("model.") else k.split("/", 1)[1]: v.float()
+             for k, v in state.items()}
+    return model, meta, step
+
+
+def _check_marker(step: Path, meta: dict) -> None:
+    """Checkpoints written with a completion marker (``COMPLETE``: the files and their sizes,
+    train/checkpoint.py, meta ``format`` ≥ 2) must have it, and every file must have the size it
+    had when written."""
+    marker = step / "COMPLETE"
+    if not marker.is_file():
+        if meta.get("format", 1) >= 2:
+            raise ShardwiseConfigError(f"checkpoint {step} has no completion marker (COMPLETE): its "
+                                       "save did not finish: use an earlier checkpoints/step_N")
+        return
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (ValueError, KeyError, UnicodeDecodeError) as e:
+        raise ShardwiseConfigError(f"{marker}: unreadable completion marker ({e}): use an "
+                                   "earlier checkpoints/step_N") from None
+    for rel, want in files.items():
+        f = step / rel
+        if not f.is_file() or f.stat().st_size != want.get("bytes", f.stat().st_size):
+            have = f.stat().st_size if f.is_file() else "missing"
+            raise ShardwiseConfigError(f"{f}: {have} bytes but {want.get('bytes')} were written: "
+                                       "the checkpoint is corrupt: use an earlier "
+                                       "checkpoints/step_N")
+
+
+def _check_storage_files(step: Path, md) -> None:
+    """Every byte range the DCP metadata promises must exist: names a missing or truncated
+    ``.distcp`` file (a crash mid-copy, a full disk) instead of a deep unpickling error."""
+    need: dict[str, int] = {}
+    for info in getattr(md, "storage_data", {}).values():
+        path = getattr(info, "relative_path", None)
+        if path is not None:
+            need[path] = max(need.get(path, 0), info.offset + info.length)
+    for rel, size in sorted(need.items()):
+        f = step / rel
+        if not f.is_file():
+            raise ShardwiseConfigError(f"{f}: missing (listed in {step / '.metadata'}): the "
+                                       "checkpoint is incomplete: use an earlier "
+                                       "checkpoints/step_N")
+        if f.stat().st_size < size:
+            raise ShardwiseConfigError(f"{f}: truncated ({f.stat().st_size} of {size} bytes): the "
+                                       "checkpoint is corrupt: use an earlier checkpoints/step_N")
+
+
+def checkpoint_model_config(state: dict[str, torch.Tensor], meta: dict):
+    """The LlamaConfig a checkpoint was trained with: ``meta["model_config"]`` when the run
+    recorded it, else the run config's preset + ``n_layers`` + ``tie_embeddings`` (+ the
+    ``--init-from-hf`` folder's architecture), with the vocabulary read off the embedding.
+    Raises ShardwiseConfigError when the tensors do not fit that config (listing them)."""
+    from ..models import LlamaConfig, PRESETS, preset_config
+
+    run = meta.get("config", {})
+    if "model_config" in meta:
+        cfg = LlamaConfig(**meta["model_config"])
+    else:
+        name = run.get("model", "")
+        if name not in PRESETS:
+            raise ShardwiseConfigError(f"the checkpoint's model {name!r} is not a Llama preset: "
+                                       "only the Llama models (tiny/small/base) export to HF")
+        if "tok_embeddings.weight" not in state:
+            raise ShardwiseConfigError("the checkpoint has no tok_embeddings.weight (a pipeline "
+                                       "checkpoint missing a stage?): cannot export")
+        over = {"vocab_size": state["tok_embeddings.weight"].shape[0],
+                "tie_embeddings": run.get("tie_embeddings", True)}
+        if run.get("n_layers"):
+            over["n_layers"] = run["n_layers"]
+        if run.get("init_from_hf") and Path(run["init_from_hf"]).is_dir():
+            over.update({k: v for k, v in hf_model_overrides(run["init_from_hf"]).items()
+                         if k != "vocab_size"})
+        cfg = preset_config(name, **over)
+    from ..models import Llama
+
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Llama(cfg).named_parameters()}
+    got = {k: tuple(v.shape) for k, v in state.items()}
+    bad = [f"{k}: checkpoint {got.get(k, 'missing')} vs config {expected.get(k, 'absent')}"
+           for k in sorted(set(expected) | set(got)) if got.get(k) != expected.get(k)]
+    if bad:
+        raise ShardwiseConfigError(f"the checkpoint's tensors do not fit its model config "
+                                   f"({len(bad)} mismatched: {bad[:6]}): was it written by another "
+                                   "version or edited?")
+    return cfg
+
+
+# ------------------------------------------------------------------------------- tokenizers
+
+def byte_tokenizer_json():
+    """Our :class:`~shardwise.data.ByteTokenizer` (ids 0..255 = UTF-8 bytes, 256 = EOS) as a
+    ``tokenizers.Tokenizer``: a byte-level BPE with no merges whose vocabulary puts byte ``b``
+    at id ``b`` (GPT-2's byte→unicode alphabet), then ``<|endoftext|>`` at 256."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    # GPT-2's reversible byte → printable-unicode map (Radford et al. 2019, encoder.py)
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + n)
+            n += 1
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    return tok
+
+
+def _tokenizer_from_run(run: dict, step: Path):
+    """Our tokenizer of a run, or None: a ``tokenizer.json`` saved beside the checkpoint, else
+    rebuilt from the run config (bytes, a tokenizer file, or the cached BPE of its data)."""
+    from ..data.tokenizer import ByteTokenizer, load_tokenizer
+
+    for cand in (step / "tokenizer.json", step.parent.parent / "tokenizer.json"):
+        if cand.is_file():
+            return load_tokenizer(str(cand), None, 0, Path("."))
+    spec = run.get("tokenizer", "bpe")
+    hf_tok = Path(run.get("init_from_hf") or "") / "tokenizer.json"
+    if spec == "bpe" and run.get("init_from_hf") and hf_tok.is_file():
+        spec = str(hf_tok)  # what train/workload.py's tokenizer_spec resolved it to
+    if spec == "bytes":
+        return ByteTokenizer()
+    if spec.endswith(".json"):
+        return load_tokenizer(spec, None, 0, Path("."))
+    if run.get("task") == "sft":
+        from ..data.sft import prepare_sft_data
+
+        return prepare_sft_data(run["data"], spec, run.get("vocab_size", 4096),
+                                run.get("seq_len", 128)).tokenizer
+    from ..data import prepare_lm_data
+
+    return prepare_lm_data(run.get("data") or None, spec, run.get("vocab_size", 4096),
+                           run.get("seq_len", 128)).tokenizer
+
+
+def write_tokenizer_files(tok, out: Path, max_len: int) -> None:
+    """``tokenizer.json`` + ``tokenizer_config.json`` (PreTrainedTokenizerFast) for ``tok``."""
+    from ..data.tokenizer import ByteTokenizer
+
+    text = byte_tokenizer_json().to_str() if isinstance(tok, ByteTokenizer) else tok.to_str()
+    (out / "tokenizer.json").write_text(text)
+    eos = json.loads(text)
+    eos_tok = next((a["content"] for a in eos.get("added_tokens", [])
+                    if a.get("id") == tok.eos_id), "<|endoftext|>")
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_tok, "bos_token": eos_tok,
+        "model_max_length": max_len, "clean_up_tokenization_spaces": False}, indent=2))
+
+
+# ----------------------------------------------------------------------------------- export
+
+def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike,
+              tokenizer: str | None = None) -> Path:
+    """Write a LlamaForCausalLM folder ``out`` from one of our checkpoints (see module doc).
+
+    ``tokenizer``: a tokenizer ``.json`` to ship instead of the run's own. The folder is written
+    as ``out.tmp`` and renamed when complete. Returns ``out``. Raises ShardwiseConfigError for
+    an existing non-empty ``out``, a missing/corrupt checkpoint, or a non-Llama model."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ShardwiseConfigError(f"export: {out} already exists and is not empty: choose a "
+                                   "new output folder or remove it")
+    state, meta, step = read_checkpoint(checkpoint)
+    cfg = checkpoint_model_config(state, meta)
+    run = meta.get("config", {})
+    try:
+        if tokenizer:
+            from ..data.tokenizer import load_tokenizer
+
+            tok = load_tokenizer(tokenizer, None, 0, Path("."))
+        else:
+            tok = _tokenizer_from_run(run, step)
+    except ShardwiseConfigError as e:
+        raise ShardwiseConfigError(f"export: could not rebuild the run's tokenizer ({e}): pass "
+                                   "--tokenizer FILE.json") from None
+    if tok.vocab_size > cfg.vocab_size:
+        raise ShardwiseConfigError(f"export: the tokenizer has {tok.vocab_size} ids but the model "
+                                   f"only {cfg.vocab_size} embeddings: pass the run's own "
+                                   "--tokenizer")
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise ShardwiseConfigError("export --to hf needs safetensors: pip install "
+                                   "'shardwise[hf]'") from None
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise ShardwiseConfigError(f"export: cannot create {tmp} ({e.strerror}): choose a "
+                                   "writable output folder") from None
+    hf = {k: v.contiguous() for k, v in to_hf_state_dict(state, cfg.tie_embeddings).items()}
+    save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(llama_to_hf_config(cfg, tok.eos_id), indent=2))
+    (tmp / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": tok.eos_id, "eos_token_id": tok.eos_id}, indent=2))
+    write_tokenizer_files(tok, tmp, cfg.max_seq_len)
+    if out.exists():
+        out.rmdir()  # empty (checked above)
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,289 @@
+"""Checkpoints: exact resume (SIGKILL included), resharding across layouts, crash recovery under
+torchrun, and the failures (corrupt/truncated files, another model, unwritable --out).
+
+References are independent of the code under test: the uninterrupted run (same layout: bitwise),
+and a single-process run computed here (other layouts: rtol 1e-5).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, run_cli, run_world
+
+sys.path.insert(0, str(ROOT / "tests" / "workers"))
+import ckpt_cases  # noqa: E402  (the matrix lists and the reference's settings)
+
+# -- the resharding matrix: (from-layout, to-layout), verify's syntax, "@torch" = PyTorch engine.
+# Saved after K steps under FROM, resumed under TO to step N; losses vs one process, rtol 1e-5.
+MATRIX = [(f, t) for f in ckpt_cases.FROM for t in ckpt_cases.TO]
+# entries that do not pass yet, each with the reason (strict: the test fails once they pass)
+KNOWN_GAPS: dict[tuple[str, str], str] = {}
+
+TRAIN = ["train", "--model", "tiny", "--dp", "2", "--steps", "6", "--seq-len", "32",
+         "--global-batch", "8", "--micro-batch", "2", "--tokenizer", "bytes", "--save-every", "2",
+         "--eval-every", "100", "--eval-sequences", "8", "--sample-tokens", "4", "--log-every",
+         "1", "--timeout", "60"]
+
+
+def metrics(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def samples(d, rank):
+    p = Path(d) / f"samples_rank{rank}.jsonl"
+    return [json.loads(line) for line in p.read_text().splitlines()]
+
+
+def final_params(run):
+    """The final checkpoint's weights and AdamW state, read here in one process."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from shardwise.train.checkpoint import _dcp_load, load_full_optimizer_state
+
+    step = Path(run) / "checkpoints" / "step_6"
+    md = FileSystemReader(str(step)).read_metadata()
+    model = {k[6:]: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+             for k, v in md.state_dict_metadata.items() if k.startswith("model.")}
+    _dcp_load({"model": model}, step)
+    return model, load_full_optimizer_state(step)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, cache_dir):
+    """6 steps, dp=2, a checkpoint every 2 steps, sample indices logged."""
+    d = tmp_path_factory.mktemp("straight")
+    (d / "samples").mkdir()
+    r = run_cli([*TRAIN, "--out", d / "run"], cache_dir,
+                env={"SHARDWISE_TEST_SAMPLE_LOG": str(d / "samples")})
+    assert r.returncode == 0, r.stdout[-3000:]
+    return d
+
+
+@pytest.mark.timeout(400)
+def test_sigkill_every_worker_then_resume_is_bitwise_exact(straight, tmp_path, cache_dir):
+    out = tmp_path / "run"
+    env = {"SHARDWISE_TEST_KILL_AT_STEP": "4"}  # every rank SIGKILLs itself after step 4's save
+    r = run_cli([*TRAIN, "--out", out, "--async-save", "--keep", "1"], cache_dir, env=env)
+    assert r.returncode != 0 and "SIGKILL rank 0" in r.stdout, r.stdout[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_4"]
+    assert [m["step"] for m in metrics(out)] == [0, 1, 2, 3, 4]
+    r = run_cli([*TRAIN, "--out", out, "--async-save", "--keep", "1", "--resume", "auto"],
+                cache_dir)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "resumed from" in r.stdout and "optimizer state restored" in r.stdout
+    # every logged number of every step, bitwise (JSON floats round-trip exactly)
+    ref, got = metrics(straight / "run"), metrics(out)
+    keys = ("step", "loss", "grad_norm", "lr", "tokens", "val_loss")
+    assert [{k: m.get(k) for k in keys} for m in got] == [{k: m.get(k) for k in keys} for m in ref]
+    # final weights and AdamW state, bitwise
+    (pa, oa), (pb, ob) = final_params(straight / "run"), final_params(out)
+    assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+    assert oa.keys() == ob.keys()
+    assert all(torch.equal(oa[k][s], ob[k][s]) for k in oa for s in oa[k])
+    # --keep 1: only the newest complete checkpoint is left
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_6"]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_6"
+
+
+@pytest.mark.timeout(500)
+def test_torchrun_restarts_after_a_worker_is_killed(straight, tmp_path, cache_dir):
+    """rank 1 SIGKILLs itself after step 3 (checkpoint at 2): torchrun restarts both workers,
+    they resume from step 2 and finish with the uninterrupted run's losses, bitwise."""
+    out, log = tmp_path / "run", tmp_path / "samples"
+    log.mkdir()
+    env = {**os.environ, "SHARDWISE_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1",
+           "SHARDWISE_TEST_KILL_AT_STEP": "3", "SHARDWISE_TEST_KILL_RANK": "1",
+           "SHARDWISE_TEST_SAMPLE_LOG": str(log),
+           # torchrun's shared rendezvous store keeps the first attempt's keys, so a restarted
+           # group can read a dead peer's address (pytorch/pytorch#135712): give each attempt
+           # its own store, as docs/multi-node.md advises for every job with --max-restarts
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "2", "--monitor-interval", "0.5", "-m", "shardwise", *TRAIN,
+           "--out", str(out), "--resume", "auto"]
+    r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=480)
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert "SIGKILL rank 1" in r.stdout and "resumed from" in r.stdout, r.stdout[-4000:]
+    ref, got = metrics(straight / "run"), metrics(out)
+    assert [m["step"] for m in got] == list(range(7))  # each step once (metrics truncated)
+    assert [m.get("loss") for m in got] == [m.get("loss") for m in ref]
+    assert got[-1]["loss"] == ref[-1]["loss"]
+    # the samples: attempt 0 trained 1..3 (+ rank 0 drew step 4 before it was stopped), the
+    # restart begins exactly after the checkpoint (step 3) and draws what the straight run drew
+    for rank in (0, 1):
+        want = {s["step"]: s["indices"] for s in samples(straight / "samples", rank)}
+        recs = samples(log, rank)
+        first = [s for s in recs if s["restart"] == 0]
+        again = [s for s in recs if s["restart"] > 0]
+        assert [s["step"] for s in first][:3] == [1, 2, 3]
+        assert [s["step"] for s in again] == [3, 4, 5, 6]
+        kept = [s for s in first if s["step"] <= 2] + again  # what the final model trained on
+        assert [s["step"] for s in kept] == list(range(1, 7))
+        assert all(s["indices"] == want[s["step"]] for s in kept)
+        assert all(s["indices"] == want[s["step"]] for s in recs)  # and the redone step too
+    flat = [i for rank in (0, 1) for s in samples(log, rank)
+            if s["restart"] > 0 or s["step"] <= 2 for i in s["indices"]]
+    assert len(flat) == len(set(flat)) == 6 * 8  # no sample twice, none missing
+
+
+# ------------------------------------------------------------------------- resharding matrix
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    out = tmp_path_factory.mktemp("matrix")
+    run_world(ROOT / "tests" / "workers" / "ckpt_cases.py", out, nproc=4)
+    merged = {}
+    for r in range(4):
+        for key, val in torch.load(out / f"matrix_rank{r}.pt", weights_only=False).items():
+            merged.setdefault(key, []).append(val)
+    return merged
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Single process, the worker's model/data/optimizer: the losses of steps 1..N."""
+    from shardwise.parallel.engine import Local
+    from shardwise.train.optim import build_optimizer, build_scheduler
+    from shardwise.train.step import train_step
+
+    work = ckpt_cases.workload()
+    torch.manual_seed(ckpt_cases.CFG.seed)
+    model = ckpt_cases.build_model("tiny", vocab_size=67, tie_embeddings=True)
+    eng = Local(model)
+    opt = build_optimizer(eng, ckpt_cases.CFG)
+    sched = build_scheduler(opt, ckpt_cases.CFG)
+    sampler = work.sampler(ckpt_cases.GLOBAL_BATCH, 1, 0, ckpt_cases.CFG.seed)
+    return [train_step(eng, work.batches(sampler.next_local_batch(), ckpt_cases.MICRO), opt,
+                       max_norm=ckpt_cases.CFG.grad_clip, scheduler=sched).loss
+            for _ in range(ckpt_cases.N)]
+
+
+def _close(got, want):
+    return len(got) == len(want) and all(abs(a - b) <= 1e-6 + 1e-5 * abs(b)
+                                         for a, b in zip(got, want))
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("src,dst", [
+    pytest.param(f, t, marks=pytest.mark.xfail(reason=KNOWN_GAPS[(f, t)], strict=True))
+    if (f, t) in KNOWN_GAPS else (f, t) for f, t in MATRIX])
+def test_resharding_matrix(matrix, reference, src, dst):
+    K = ckpt_cases.K
+    for rank_res in matrix[(src, "save")]:  # every member rank saw the reference's first K
+        assert rank_res["error"] is None, rank_res["error"]
+        assert _close(rank_res["losses"], reference[:K])
+    runs = matrix[(src, dst)]
+    for rank_res in runs:
+        assert rank_res["error"] is None, rank_res["error"]
+        assert _close(rank_res["losses"], reference[K:]), (rank_res["losses"], reference[K:])
+
+
+@pytest.mark.timeout(400)
+def test_matrix_detects_a_lost_optimizer_state(matrix, reference):
+    """Control: resuming without the AdamW moments must move the loss past the tolerance."""
+    for rank_res in matrix[(ckpt_cases.FROM[0], "control")]:
+        assert rank_res["error"] is None, rank_res["error"]
+        assert not _close(rank_res["losses"], reference[ckpt_cases.K:])
+
+
+# ------------------------------------------------------------------------------- failures
+
+def _copy_run(straight, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(straight / "run" / "checkpoints", run / "checkpoints")
+    return run
+
+
+def test_truncated_and_corrupt_checkpoints_are_named_and_skipped(straight, tmp_path):
+    from shardwise.train.checkpoint import CheckpointError, find_resume_checkpoint
+
+    run = _copy_run(straight, tmp_path)
+    ck = run / "checkpoints"
+    shard = ck / "step_6" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-10])  # truncated
+    warnings = []
+    assert find_resume_checkpoint("auto", str(run), warn=warnings.append) == ck / "step_4"
+    assert len(warnings) == 1 and str(shard) in warnings[0] and "truncated" in warnings[0]
+    with pytest.raises(CheckpointError, match=f"{shard}.*truncated"):
+        find_resume_checkpoint(str(ck / "step_6"), str(run))
+    # same size, one byte flipped: only the hash can tell
+    meta = ck / "step_4" / "__0_0.distcp"
+    data = bytearray(meta.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    meta.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{meta} does not match the SHA-256"):
+        find_resume_checkpoint(str(ck / "step_4"), str(run))
+    # an interrupted save (a .tmp folder, or a folder without its marker) is skipped by name
+    shutil.copytree(ck / "step_2", ck / "step_8.tmp")
+    (ck / "step_8.tmp" / "COMPLETE").unlink()
+    warnings.clear()
+    assert find_resume_checkpoint("auto", str(run), warn=warnings.append) == ck / "step_2"
+    assert "step_8.tmp" in warnings[0] and "no completion marker" in warnings[0]
+    assert len(warnings) == 3  # step_8.tmp, step_6 (truncated), step_4 (hash)
+
+
+@pytest.mark.timeout(300)
+def test_cli_errors_name_the_file_the_keys_and_the_folder(straight, tmp_path, cache_dir):
+    run = _copy_run(straight, tmp_path)
+    shard = run / "checkpoints" / "step_6" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    base = [a if a != "2" or i != TRAIN.index("--dp") + 1 else "1" for i, a in enumerate(TRAIN)]
+    # a truncated checkpoint named explicitly: exit 2, the file named, no traceback
+    r = run_cli([*base, "--out", tmp_path / "a", "--resume", run / "checkpoints" / "step_6"],
+                cache_dir)
+    assert r.returncode == 2 and f"{shard} has 100 bytes" in r.stdout, r.stdout[-2000:]
+    assert "Traceback" not in r.stdout
+    # another model configuration: every mismatched key and shape listed
+    r = run_cli([*base, "--out", tmp_path / "b", "--n-layers", "3", "--resume",
+                 run / "checkpoints" / "step_4"], cache_dir)
+    assert r.returncode == 2, r.stdout[-2000:]
+    assert "saved from another model configuration" in r.stdout
+    assert "'layers.2.attention.wq.weight'" in r.stdout and "--model tiny" in r.stdout
+    # an --out that cannot be written: refused by the launcher before any worker starts
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = run_cli([*TRAIN, "--out", blocker / "run"], cache_dir)
+    assert r.returncode == 2 and f"{blocker} is a file, not a folder" in r.stdout, r.stdout
+    assert "[rank" not in r.stdout
+
+
+def test_model_mismatch_lists_shapes(straight):
+    from shardwise.models import build_model
+    from shardwise.train.checkpoint import CheckpointError, check_model_compatible
+
+    step = straight / "run" / "checkpoints" / "step_2"
+    with torch.device("meta"):
+        other = build_model("tiny", vocab_size=300)
+    with pytest.raises(CheckpointError, match=r"tok_embeddings.weight: \[257, 32\] in the "
+                                              r"checkpoint vs \[300, 32\] in this model"):
+        check_model_compatible(step, other)
+
+
+def test_disk_space_and_out_checks(tmp_path):
+    from shardwise.config import TrainConfig, validate
+    from shardwise.errors import ShardwiseConfigError
+    from shardwise.train.checkpoint import check_disk_space, checkpoint_bytes_estimate
+
+    with pytest.raises(ShardwiseConfigError, match="MiB free on its file system"):
+        check_disk_space(str(tmp_path / "x"), 1 << 62)
+    check_disk_space(str(tmp_path / "x"), 1)
+    assert checkpoint_bytes_estimate(1000, keep=2) == 3 * 4 * 1000 * 3
+    (tmp_path / "metrics.jsonl").write_text("")
+    cfg = TrainConfig(model="tiny", out=str(tmp_path))
+    with pytest.raises(ShardwiseConfigError, match="--resume auto to continue"):
+        validate(cfg)
+    validate(TrainConfig(model="tiny", out=str(tmp_path), resume="auto"))  # allowed
+    with pytest.raises(ShardwiseConfigError, match="no --out was given"):
+        validate(TrainConfig(model="tiny", resume="auto"))
+    with pytest.raises(ShardwiseConfigError, match="--keep -1"):
+        validate(TrainConfig(model="tiny", keep=-1))

@@ -1,0 +1,283 @@
+"""Explicit dp × tp (TP inside, DP / ZeRO-1/2/3 over dp) against a single-process reference
+computed here, the ledger against the formula, bf16 gradient reduction, layout-free optimizer
+state (save under one layout, resume under another), the dropout RNG and bad input.
+
+One 4-rank world (tests/workers/compose2d_cases.py) runs every case; dp=2 × tp=2 on a GQA model
+(8 heads, 4 kv heads, d=32, 2 layers, d_ff=64) with vocabulary 67 (tp does not divide it), 3 AdamW
+steps of 8 sequences, 2 micro-batches per dp rank, clipping that binds."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardwise.data import DistributedSampler
+from shardwise.models import build_model
+from shardwise.train.workload import SyntheticLMWorkload
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+from conftest import run_world  # noqa: E402
+import compose2d_cases as W  # noqa: E402
+
+RTOL, ATOL = 1e-5, 1e-6
+RANKS = range(4)
+D, L, F_FF, H, K, HD, V = 32, 2, 64, 8, 4, 4, 67  # the model of W.MODEL, written out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compose2d")
+    run_world(W.__file__, out)
+    return out
+
+
+def _load(out, name, rank):
+    return torch.load(out / f"{name}_rank{rank}.pt", weights_only=False)
+
+
+def _reference(tied, steps):
+    """Plain model and torch AdamW (decay on matrices, none on norms/embeddings), the whole
+    global batch in one forward, F.cross_entropy mean over counted tokens, clip_grad_norm_.
+    Nothing from shardwise.train or shardwise.parallel. Returns per-step loss, norm, grads,
+    params and AdamW state by parameter name."""
+    work = SyntheticLMWorkload(vocab_size=V, seq_len=W.SEQ, num_train=64, num_val=4, seed=0)
+    torch.manual_seed(0)
+    model = build_model("tiny", vocab_size=V, tie_embeddings=tied, **W.MODEL)
+    named = dict(model.named_parameters())
+    no_decay = [p for n, p in named.items() if p.dim() < 2 or "tok_embeddings" in n]
+    decay = [p for n, p in named.items() if not (p.dim() < 2 or "tok_embeddings" in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=W.LR,
+                            betas=(0.9, 0.95), eps=1e-8)
+    sampler = DistributedSampler(64, W.GLOBAL_BATCH, 1, 0, seed=0)
+    ref = {k: [] for k in ("loss", "grad_norm", "grads", "params", "state", "val_logits")}
+    (val,) = work.batches(torch.arange(4), 4, split="val")
+    for _ in range(steps):
+        (batch,) = work.batches(sampler.next_global_batch(), W.GLOBAL_BATCH)
+        loss = F.cross_entropy(model(batch["input_ids"]).reshape(-1, V),
+                               batch["labels"].reshape(-1), ignore_index=-100)
+        loss.backward()
+        ref["grad_norm"].append(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                               W.MAX_NORM).item())
+        ref["loss"].append(loss.item())
+        ref["grads"].append({n: p.grad.clone() for n, p in named.items()})
+        opt.step()
+        opt.zero_grad()
+        ref["params"].append({n: p.detach().clone() for n, p in named.items()})
+        ref["state"].append({n: {k: v.clone() for k, v in opt.state[p].items()}
+                             for n, p in named.items()})
+        with torch.no_grad():
+            ref["val_logits"].append(model(val["input_ids"]))
+    ref["val_labels"] = val["labels"]
+    return ref
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {tied: _reference(tied, W.RESUME_STEPS) for tied in (True, False)}
+
+
+def _close(a, b, rtol=RTOL, atol=ATOL, what=""):
+    torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol, msg=what)
+
+
+def _local_numel(tied, tp=2):
+    """Ψ_tp of one rank's TP shard, from the model dimensions: vocabulary padded to a multiple
+    of tp, attention split by heads, SwiGLU by d_ff, norm weights replicated."""
+    vpad = -(-V // tp) * tp
+    per_layer = (D * (H + 2 * K) * HD + H * HD * D + 3 * D * F_FF) // tp + 2 * D
+    return vpad // tp * D * (1 if tied else 2) + L * per_layer + D
+
+
+CASES = [W.case_name(*c) for c in W.PARITY]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero,sp,tied", W.PARITY, ids=CASES)
+def test_parity_with_single_process(results, references, zero, sp, tied):
+    ref = references[tied]
+    for rank in RANKS:
+        rec = _load(results, W.case_name(zero, sp, tied), rank)
+        for step in range(W.STEPS):
+            what = f"rank {rank} step {step}"
+            _close(torch.tensor(rec["loss"][step]), torch.tensor(ref["loss"][step]), what=what)
+            _close(torch.tensor(rec["grad_norm"][step]), torch.tensor(ref["grad_norm"][step]),
+                   what=what)
+            assert ref["grad_norm"][step] > W.MAX_NORM  # clipping binds at every step
+            assert rec["grads"][step].keys() == ref["grads"][step].keys()
+            for name, g in rec["grads"][step].items():
+                _close(g, ref["grads"][step][name], what=f"{what} grad {name}")
+        logits = ref["val_logits"][W.STEPS - 1]  # evaluation and sampling paths
+        _close(rec["full_logits"], logits, atol=1e-5, what="full_model logits")
+        ce = F.cross_entropy(logits.reshape(-1, V), ref["val_labels"].reshape(-1),
+                             ignore_index=-100, reduction="sum")
+        _close(torch.tensor(rec["eval_loss_sum"]), ce, what="eval loss sum")
+        for name, p in rec["params"].items():
+            # AdamW divides each element by its own RMS: round-off of the sharded matmuls in a
+            # near-zero gradient moves a parameter by up to ~lr·(steps); gradients are strict
+            _close(p, ref["params"][W.STEPS - 1][name], atol=2e-5, what=f"param {name}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero,sp,tied", W.PARITY + W.BF16,
+                         ids=CASES + [W.case_name(*c, "bf16") for c in W.BF16])
+def test_ledger_equals_formula(results, zero, sp, tied):
+    for reduce_dtype in (("fp32", "bf16") if (zero, sp, tied) in W.BF16 else ("fp32",)):
+        sp_slices = []
+        for rank in RANKS:
+            rec = _load(results, W.case_name(zero, sp, tied, reduce_dtype), rank)
+            for step in range(W.STEPS):
+                measured, formula = rec["bytes"][step], rec["engine_formula"][step]
+                for tag in set(measured) | set(formula):
+                    if tag in ("total", "checkpoint"):
+                        continue
+                    m, f = measured.get(tag, 0.0), formula.get(tag, 0.0)
+                    assert m == pytest.approx(f, rel=1e-12, abs=1e-9), (rank, step, tag, m, f)
+                total = rec["formula"][step]["total"]  # formulas.step_bytes_formula
+                assert measured["total"] == pytest.approx(total, rel=1e-12)
+                assert measured["checkpoint"] == 0  # state gathers are outside the step
+            # independent numbers: Ψ_tp from the dimensions; DP's ring all-reduce of it
+            assert rec["local_numel"] == _local_numel(tied)
+            b = 2 if reduce_dtype == "bf16" else 4
+            if zero == 0:
+                assert rec["bytes"][0]["grad"] == 2 * (2 - 1) / 2 * _local_numel(tied) * b
+                assert rec["bytes"][0]["sp_grad"] == (2 * (2 - 1) / 2 * (2 * L + 1) * D * 4
+                                                      if sp else 0)
+            else:
+                sp_slices.append(rec["sp_slice_numel"])
+            assert rec["bytes"][0]["tp_fwd"] > 0 and rec["bytes"][0]["loss"] == 2 * 8.0
+        if zero and sp:  # ranks (dp 0, tp j), (dp 1, tp j) own disjoint halves of the norms
+            assert sp_slices[0] + sp_slices[2] == (2 * L + 1) * D
+            assert sp_slices[0] == sp_slices[1] and sp_slices[2] == sp_slices[3]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero,sp,tied", W.BF16, ids=[W.case_name(*c) for c in W.BF16])
+def test_bf16_reduction_halves_dp_bytes(results, references, zero, sp, tied):
+    ref = references[tied]
+    for rank in RANKS:
+        fp32 = _load(results, W.case_name(zero, sp, tied), rank)
+        bf16 = _load(results, W.case_name(zero, sp, tied, "bf16"), rank)
+        diffs = []
+        for step in range(W.STEPS):
+            assert fp32["grad_dtypes"][step] == ["float32"]
+            assert bf16["grad_dtypes"][step] == ["bfloat16"]
+            assert bf16["bytes"][step]["grad"] == fp32["bytes"][step]["grad"] / 2
+            for tag in ("tp_fwd", "tp_bwd", "ce", "param", "sp_grad", "norm", "loss"):
+                assert bf16["bytes"][step][tag] == fp32["bytes"][step][tag], tag
+            # bf16 keeps 8 mantissa bits: the loss stays close, gradients within ~1 %
+            assert bf16["loss"][step] == pytest.approx(ref["loss"][step], rel=1e-4)
+            for name, g in bf16["grads"][step].items():
+                r = ref["grads"][step][name]
+                assert (g - r).norm() <= 1e-2 * r.norm() + 1e-7, (step, name)
+                diffs.append(float((g - fp32["grads"][step][name]).abs().max()))
+        assert max(diffs) > 0  # the reduction really was rounded to bf16
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero", W.PLAIN_ZERO)
+def test_plain_dp_bf16_reduction(results, references, zero):
+    """Without TP: DataParallel's bf16 buckets / ZeroDataParallel's bf16 reduce_scatter book half
+    the gradient bytes, the formula follows, and the loss stays close to the reference's."""
+    ref = references[True]
+    for rank in RANKS:
+        fp32 = _load(results, f"plain_z{zero}_fp32", rank)
+        bf16 = _load(results, f"plain_z{zero}_bf16", rank)
+        for step in range(2):
+            assert (fp32["grad_dtypes"][step], bf16["grad_dtypes"][step]) == (["float32"],
+                                                                              ["bfloat16"])
+            assert bf16["bytes"][step]["grad"] == fp32["bytes"][step]["grad"] / 2 > 0
+            for rec in (fp32, bf16):
+                assert rec["bytes"][step]["total"] == pytest.approx(
+                    rec["formula"][step]["total"], rel=1e-12)
+                assert rec["bytes"][step]["grad"] == pytest.approx(
+                    rec["formula"][step]["grad"], rel=1e-12)
+            assert fp32["loss"][step] == pytest.approx(ref["loss"][step], rel=RTOL)
+            assert bf16["loss"][step] == pytest.approx(ref["loss"][step], rel=1e-4)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero,sp,tied", W.PARITY, ids=CASES)
+def test_full_optimizer_state_matches_reference(results, references, zero, sp, tied):
+    ref_state = references[tied]["state"][W.STEPS - 1]
+    for rank in RANKS:
+        state = _load(results, W.case_name(zero, sp, tied), rank)["opt_state"]
+        assert state.keys() == ref_state.keys()
+        for name, st in state.items():
+            assert float(st["step"]) == W.STEPS
+            _close(st["exp_avg"], ref_state[name]["exp_avg"], what=f"exp_avg {name}")
+            _close(st["exp_avg_sq"], ref_state[name]["exp_avg_sq"], rtol=1e-4, atol=1e-12,
+                   what=f"exp_avg_sq {name}")
+        rec = _load(results, W.case_name(zero, sp, tied), rank)
+        mem, formula = rec["state_bytes"], rec["memory_formula"]
+        for key in ("params", "grads"):
+            assert mem[key] == pytest.approx(formula[key], rel=0.02), key
+        # the optimizer also holds AdamW's fp32 step counter per tensor (piece)
+        assert formula["optimizer"] <= mem["optimizer"] <= 1.02 * formula["optimizer"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("target", W.RESUME_TARGETS)
+def test_resume_under_another_layout(results, references, target):
+    """Saved after step 2 of dp=2,tp=2,zero=3,sp; steps 3 and 4 under ``target`` must match the
+    uninterrupted run; with fresh optimizer state (the negative control) they must not."""
+    ref = references[True]
+    src = _load(results, "resume_source", 0)
+    for step in range(W.RESUME_STEPS):  # the source itself follows the reference
+        _close(torch.tensor(src["loss"][step]), torch.tensor(ref["loss"][step]))
+    for name, st in src["saved_state"].items():  # full state after step 2 = the reference's
+        assert float(st["step"]) == W.SAVE_AFTER
+        _close(st["exp_avg"], ref["state"][W.SAVE_AFTER - 1][name]["exp_avg"])
+    ranks = range(2) if target == "tp2" else RANKS
+    for rank in ranks:
+        rec = _load(results, f"resume_{target}", rank)
+        if target != "fresh_state":  # the round trip full → shards → full is exact
+            for name, st in src["saved_state"].items():
+                for k, v in st.items():
+                    assert torch.equal(rec["loaded_state"][name][k], v), (name, k)
+        losses = rec["loss"]
+        params = rec["params"]
+        if target == "fresh_state":
+            assert losses[0] == pytest.approx(src["loss"][W.SAVE_AFTER], rel=1e-12)  # same params
+            assert abs(losses[1] - src["loss"][W.SAVE_AFTER + 1]) > 1e-5  # moments matter
+            worst = max(float((params[0][n] - src["params"][W.SAVE_AFTER][n]).abs().max())
+                        for n in params[0])
+            assert worst > 1e-4
+            continue
+        for i, step in enumerate(range(W.SAVE_AFTER, W.RESUME_STEPS)):
+            _close(torch.tensor(losses[i]), torch.tensor(src["loss"][step]), what=f"loss {step}")
+            for name, p in params[i].items():
+                _close(p, src["params"][step][name], what=f"step {step} param {name}")
+        for name, st in rec["final_state"].items():
+            _close(st["exp_avg"], src["final_state"][name]["exp_avg"], what=name)
+            _close(st["exp_avg_sq"], src["final_state"][name]["exp_avg_sq"], rtol=1e-4,
+                   atol=1e-12, what=name)
+
+
+@pytest.mark.timeout(300)
+def test_dropout_rng_per_dp_replica(results):
+    """Residual dropout without SP acts on tp-replicated activations: the same mask on both tp
+    ranks of a dp row; the two dp rows (different data in training) draw different masks."""
+    recs = {(r["dp"], r["tp"]): r["masks"] for r in (_load(results, "dropout", k) for k in RANKS)}
+    assert len(recs[(0, 0)]) == 2 * L  # attention and MLP branch of each block
+    for a, b in zip(recs[(0, 0)], recs[(0, 1)]):
+        assert torch.equal(a, b)
+    for a, b in zip(recs[(1, 0)], recs[(1, 1)]):
+        assert torch.equal(a, b)
+    for a, b in zip(recs[(0, 0)], recs[(1, 0)]):
+        assert not torch.equal(a, b)
+        assert 0.3 < a.float().mean() < 0.7  # about half dropped
+
+
+@pytest.mark.timeout(300)
+def test_bad_input_raises_config_error(results):
+    expect = {"mlp": "Llama", "reduce_dtype": "fp32 or bf16", "tp_heads": "n_kv_heads",
+              "wrong_topology": "Topology", "dp_reduce_dtype": "fp32 or bf16",
+              "zero_reduce_dtype": "fp32 or bf16"}
+    msgs = _load(results, "errors", 0)
+    assert msgs.keys() == expect.keys()
+    for key, needle in expect.items():
+        assert "WRONG ERROR TYPE" not in msgs[key] and msgs[key] != "NO ERROR", msgs[key]
+        assert needle in msgs[key], (key, msgs[key])
