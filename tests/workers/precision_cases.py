@@ -31,6 +31,10 @@ CASES = [  # (layout, engine, reduce dtype of the bf16 run)
     ("dp=2,zero=3", "explicit", "fp32"),
     ("tp=2", "explicit", "fp32"),
     ("pp=2,1f1b,m=2", "explicit", "fp32"),
+    ("dp=2,tp=2,zero=1", "explicit", "bf16"),  # the compositions: FSDP+TP, PP×TP, PP×DP
+    ("dp=2,tp=2,zero=3", "torch", "fp32"),
+    ("tp=2,pp=2,1f1b,m=2", "explicit", "fp32"),
+    ("dp=2,pp=2,zero=1,1f1b,m=2", "explicit", "fp32"),
 ]
 STEPS, GLOBAL_BATCH, MICRO, V, S, LR = 20, 8, 2, 67, 16, 1e-2
 
