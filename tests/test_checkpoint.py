@@ -23,8 +23,6 @@ import ckpt_cases  # noqa: E402  (the matrix lists and the reference's settings)
 # -- the resharding matrix: (from-layout, to-layout), verify's syntax, "@torch" = PyTorch engine.
 # Saved after K steps under FROM, resumed under TO to step N; losses vs one process, rtol 1e-5.
 MATRIX = [(f, t) for f in ckpt_cases.FROM for t in ckpt_cases.TO]
-# entries that do not pass yet, each with the reason (strict: the test fails once they pass)
-KNOWN_GAPS: dict[tuple[str, str], str] = {}
 
 TRAIN = ["train", "--model", "tiny", "--dp", "2", "--steps", "6", "--seq-len", "32",
          "--global-batch", "8", "--micro-batch", "2", "--tokenizer", "bytes", "--save-every", "2",
@@ -174,9 +172,7 @@ def _close(got, want):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("src,dst", [
-    pytest.param(f, t, marks=pytest.mark.xfail(reason=KNOWN_GAPS[(f, t)], strict=True))
-    if (f, t) in KNOWN_GAPS else (f, t) for f, t in MATRIX])
+@pytest.mark.parametrize("src,dst", MATRIX)
 def test_resharding_matrix(matrix, reference, src, dst):
     K = ckpt_cases.K
     for rank_res in matrix[(src, "save")]:  # every member rank saw the reference's first K
