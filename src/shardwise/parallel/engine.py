@@ -148,10 +148,13 @@ class Engine(nn.Module):
             raise KeyError(f"optimizer state lacks {len(missing)} parameters, e.g. "
                            f"{missing[:3]}")
         for n, p in named.items():
-            optimizer.state[p] = {k: (v.detach().clone().to(p.device if k != "step"
-                                                               else v.device)
-                                      if torch.is_tensor(v) else v)
-                                  for k, v in state[n].items()}
+            optimizer.state[p] = {k: (self._state_to_local(v, p, k) if torch.is_tensor(v)
+                                      else v) for k, v in state[n].items()}
+
+    def _state_to_local(self, full: torch.Tensor, p: nn.Parameter, key: str) -> torch.Tensor:
+        """One full-shape optimizer-state tensor of ``p`` → the copy this rank keeps (here: the
+        whole tensor on ``p``'s device; ``step`` stays where it is). Sharded engines slice."""
+        return full.detach().clone().to(p.device if key != "step" else full.device)
 
 
 def _nbytes(t) -> int:

@@ -591,18 +591,10 @@ class TensorParallel(Engine):
                           for k, v in st.items()}
         return out
 
-    def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
-        """Slice full-shape state (from any layout) to this rank's shards. No collective.
-        Raises ``KeyError`` naming the FQNs missing from ``state``."""
-        named = dict(self.module.named_parameters())
-        missing = [n for n in named if n not in state]
-        if missing:
-            raise KeyError(f"optimizer state lacks {len(missing)} parameters, e.g. "
-                           f"{missing[:3]}")
-        for n, p in named.items():
-            optimizer.state[p] = {k: (self._local(v, p) if torch.is_tensor(v) and v.dim() > 0
-                                      else (v.clone() if torch.is_tensor(v) else v))
-                                  for k, v in state[n].items()}
+    def _state_to_local(self, full: torch.Tensor, p: nn.Parameter, key: str) -> torch.Tensor:
+        """Full-shape state (from any layout) → this rank's tp shard of it (no collective);
+        scalars (``step``) are copied."""
+        return self._local(full, p) if full.dim() > 0 else full.clone()
 
     def named_full_parameters(self) -> dict[str, torch.Tensor]:
         """{plain FQN: full-shape parameter}; collective over tp (every tp rank must call it)."""
