@@ -401,6 +401,9 @@ RANK_CASES = [
                                              f["ck_marked"] / "checkpoints" / "step_2"],
      ["was saved from another model configuration", "layers.2.attention.wq.weight",
       "--model tiny"]),
+    ("resume-past-steps", lambda f: [*Q, "--steps", "1", "--resume",
+                                     f["ck_marked"] / "checkpoints" / "step_2"],
+     ["is at step 2, past --steps 1", "pass --steps greater than 2"]),
 ]
 
 

@@ -19,6 +19,7 @@ import torch
 
 from .. import comm
 from ..config import TrainConfig, validate
+from ..errors import ShardwiseConfigError
 from ..flops import mfu, peak_devices, peak_flops, step_flops
 from ..models import build_model, set_activation_checkpointing
 from ..parallel.apply import Layout, parallelize
@@ -273,6 +274,11 @@ def _find_resume(cfg: TrainConfig, work, rank: int) -> Path | None:
         folder = find_resume_checkpoint(cfg.resume, cfg.out, warn=warn)
         if folder is None:
             log.info(f"--resume auto: no checkpoint in {cfg.out}/checkpoints yet: starting fresh")
+        elif _checkpoint_step(folder) > cfg.steps:
+            raise ShardwiseConfigError(
+                f"--resume: {folder} is at step {_checkpoint_step(folder)}, past --steps "
+                f"{cfg.steps}: pass --steps greater than {_checkpoint_step(folder)} to train on "
+                "(the LR schedule follows --steps)")
     if folder is not None or cfg.out:
         from .checkpoint import check_model_compatible
 
