@@ -21,13 +21,13 @@ from shardwise.models import LlamaConfig, build_model
 from shardwise.parallel import tensor as T
 from shardwise.parallel.tensor import (parallelize_tensor, tp_step_bytes_formula, validate_tp,
                                        valid_tp_degrees)
+from shardwise.parity import ATOL, RTOL, assert_parity, reference_run
 from shardwise.train.workload import SyntheticLMWorkload
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from conftest import run_world  # noqa: E402
 import tp_cases as W  # noqa: E402
 
-RTOL, ATOL = 1e-5, 1e-6
 CASES = list(itertools.product(W.TPS, W.ENGINES, W.SPS, W.TIED))
 
 
@@ -39,36 +39,22 @@ def results(tmp_path_factory):
 
 
 def _reference(tied):
-    """Plain model and AdamW, the whole global batch in one forward, F.cross_entropy mean over
-    counted tokens, clip_grad_norm_. Nothing from shardwise.train or shardwise.parallel."""
+    """shardwise.parity's plain-PyTorch reference (AdamW, the whole global batch in one forward,
+    F.cross_entropy mean over counted tokens, clip_grad_norm_), and the evaluation loss sum of
+    rows 0..7 at the initialisation."""
     work = SyntheticLMWorkload(vocab_size=67, seq_len=16, num_train=64, num_val=4, seed=0)
     torch.manual_seed(0)
     model = build_model("tiny", vocab_size=67, tie_embeddings=tied, **W.MODEL)
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "tok_embeddings" in n]
-    decay = [p for n, p in model.named_parameters() if not (p.dim() < 2 or "tok_embeddings" in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=W.LR,
-                            betas=(0.9, 0.95), eps=1e-8)
-    sampler = DistributedSampler(64, W.GLOBAL_BATCH, 1, 0, seed=0)
-    ref = {"loss": [], "grad_norm": [], "grads": []}
     with torch.no_grad():
         (mb,) = work.batches(torch.arange(8), 8)
-        ref["eval_loss_sum"] = F.cross_entropy(model(mb["input_ids"]).reshape(-1, 67),
-                                               mb["labels"].reshape(-1), ignore_index=-100,
-                                               reduction="sum").item()
-    for _ in range(W.STEPS):
-        (batch,) = work.batches(sampler.next_global_batch(), W.GLOBAL_BATCH)
-        logits = model(batch["input_ids"])
-        loss = F.cross_entropy(logits.reshape(-1, 67), batch["labels"].reshape(-1),
-                               ignore_index=-100)
-        loss.backward()
-        ref["grad_norm"].append(torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                               W.MAX_NORM).item())
-        ref["loss"].append(loss.item())
-        ref["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad()
-    ref["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        eval_loss_sum = F.cross_entropy(model(mb["input_ids"]).reshape(-1, 67),
+                                        mb["labels"].reshape(-1), ignore_index=-100,
+                                        reduction="sum").item()
+    sampler = DistributedSampler(64, W.GLOBAL_BATCH, 1, 0, seed=0)
+    batches = [work.batches(sampler.next_global_batch(), W.GLOBAL_BATCH)[0]
+               for _ in range(W.STEPS)]
+    ref = reference_run(model, batches, lrs=[W.LR] * W.STEPS, max_norm=W.MAX_NORM)
+    ref["eval_loss_sum"] = eval_loss_sum
     return ref
 
 
@@ -84,23 +70,14 @@ def _load(out, tp, engine, sp, tied):
 
 @pytest.mark.parametrize("tp,engine,sp,tied", CASES)
 def test_tp_matches_single_process(results, references, tp, engine, sp, tied):
+    """The evaluation loss at the initialisation, then every step's loss, clipped norm,
+    gradients and parameters by shardwise.parity's rule."""
     ref = references[tied]
+    assert all(n > W.MAX_NORM for n in ref["grad_norm"])  # clipping binds
     for rank, rec in enumerate(_load(results, tp, engine, sp, tied)):
         torch.testing.assert_close(torch.tensor(rec["eval_loss_sum"]),
                                    torch.tensor(ref["eval_loss_sum"]), rtol=RTOL, atol=ATOL)
-        for step in range(W.STEPS):
-            torch.testing.assert_close(torch.tensor(rec["loss"][step]),
-                                       torch.tensor(ref["loss"][step]), rtol=RTOL, atol=ATOL)
-            torch.testing.assert_close(torch.tensor(rec["grad_norm"][step]),
-                                       torch.tensor(ref["grad_norm"][step]), rtol=RTOL, atol=ATOL)
-            assert ref["grad_norm"][step] > W.MAX_NORM  # clipping binds
-            assert rec["grads"][step].keys() == ref["grads"][step].keys()
-            for name, g in ref["grads"][step].items():
-                torch.testing.assert_close(rec["grads"][step][name], g, rtol=RTOL, atol=ATOL,
-                                           msg=lambda m: f"rank {rank} step {step} {name}: {m}")
-        for name, p in ref["params"].items():
-            torch.testing.assert_close(rec["params"][name], p, rtol=RTOL, atol=ATOL,
-                                       msg=lambda m: f"rank {rank} final {name}: {m}")
+        assert_parity(rec, ref, where=f"rank {rank}")
 
 
 def test_reference_has_gqa_and_an_indivisible_vocabulary():

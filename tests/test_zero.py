@@ -13,17 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from shardwise.data import DistributedSampler
 from shardwise.errors import ShardwiseConfigError
+from shardwise.parity import ATOL, RTOL, assert_parity, reference_model_at, reference_run
 from shardwise.parallel.zero import validate_zero, zero_memory_formula, zero_step_bytes_formula
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from conftest import run_world  # noqa: E402
 import zero_cases as W  # noqa: E402
 
-RTOL, ATOL = 1e-5, 1e-6
 IDS = [W.case_name(*c) for c in W.CASES]
 
 
@@ -35,37 +34,18 @@ def results(tmp_path_factory):
 
 
 def _reference(model_name):
-    """Plain model, plain torch.optim.AdamW (default foreach) with its own two groups, the whole
-    global batch in one forward, torch's clip_grad_norm_. Nothing from shardwise.train/parallel."""
+    """shardwise.parity's plain-PyTorch reference (torch.optim.AdamW with its own two groups, the
+    whole global batch in one forward, torch's clip_grad_norm_), plus the evaluation output of
+    the trained model and the unit sizes the docs define."""
     work = W.workload(model_name)
     model = W.make_model(model_name)
     max_norm = W.MODELS[model_name][2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "tok_embeddings" in n]
-    decay = [p for n, p in model.named_parameters() if not (p.dim() < 2 or "tok_embeddings" in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=W.LR,
-                            betas=(0.9, 0.95), eps=1e-8)
     sampler = DistributedSampler(64, W.GLOBAL_BATCH, 1, 0, seed=0)
-    ref = {"loss": [], "grad_norm": [], "grads": [], "params": []}
-    for _ in range(W.STEPS):
-        (batch,) = work.batches(sampler.next_global_batch(), W.GLOBAL_BATCH)
-        if "input_ids" in batch:
-            logits = model(batch["input_ids"])
-            loss = F.cross_entropy(logits.reshape(-1, 67), batch["labels"].reshape(-1),
-                                   ignore_index=-100)
-        else:
-            loss = F.mse_loss(model(batch["inputs"]), batch["targets"])
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        ref["loss"].append(loss.item())
-        ref["grad_norm"].append(norm.item())
-        ref["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad()
-        ref["params"].append({n: p.detach().clone() for n, p in model.named_parameters()})
+    batches = [work.batches(sampler.next_global_batch(), W.GLOBAL_BATCH)[0]
+               for _ in range(W.STEPS)]
+    ref = reference_run(model, batches, lrs=[W.LR] * W.STEPS, max_norm=max_norm)
     (batch,) = work.batches(torch.arange(4), 4, split="val")
-    with torch.no_grad():
-        ref["eval_out"] = model(batch.get("input_ids", batch.get("inputs")))
+    ref["eval_x"] = batch.get("input_ids", batch.get("inputs"))
     names = [n for n, _ in model.named_parameters()]
     ref["psi"] = sum(p.numel() for p in model.parameters())  # tied weight once
     ref["shapes"] = {n: p.shape for n, p in model.named_parameters()}
@@ -103,19 +83,12 @@ def test_padding_case_really_pads(references):
 
 @pytest.mark.parametrize("case", W.CASES, ids=IDS)
 def test_zero_matches_single_process(results, references, case):
-    """Every step: loss, clipped global grad norm, every (gathered) gradient and parameter."""
+    """Every step: loss, clipped global grad norm, every (gathered) gradient and parameter, by
+    shardwise.parity's rule; the tied weight appears once."""
     ref = references[case[0]]
+    assert all(n > ref["max_norm"] for n in ref["grad_norm"])  # clipping binds
     for rank, rec in enumerate(_load(results, case)):
-        for step in range(W.STEPS):
-            where = f"rank {rank} step {step}"
-            _close(rec["loss"][step], ref["loss"][step], f"{where} loss")
-            _close(rec["grad_norm"][step], ref["grad_norm"][step], f"{where} grad norm")
-            assert ref["grad_norm"][step] > ref["max_norm"]  # clipping binds
-            assert rec["grads"][step].keys() == ref["grads"][step].keys()  # tied weight once
-            for name, g in ref["grads"][step].items():
-                _close(rec["grads"][step][name], g, f"{where} grad {name}")
-            for name, p in ref["params"][step].items():
-                _close(rec["params"][step][name], p, f"{where} param {name}")
+        assert_parity(rec, ref, where=f"rank {rank}")
 
 
 @pytest.mark.parametrize("case", [c for c in W.CASES if c[3] == "explicit"],
@@ -127,10 +100,12 @@ def test_evaluation_forward_after_training(results, references, case):
     ref = references[case[0]]
     stage = case[1]
     for rec in _load(results, case):
-        _close(rec["eval_out"], ref["eval_out"], "eval output")
+        with torch.no_grad():  # the reference model where this run ended (shardwise.parity)
+            want = reference_model_at(ref, rec["params"][-1])(ref["eval_x"])
+        _close(rec["eval_out"], want, "eval output")
         assert rec["params_bytes_after_eval"] == rec["state_bytes"]["params"]
         for out in rec["full_model_out"]:  # engine.full_model(): two forwards, one gather
-            _close(out, ref["eval_out"], "full_model output")
+            _close(out, want, "full_model output")
         assert rec["full_model_gathers"] == (len(ref["units"]) if stage == 3 else 0)
         assert rec["params_bytes_after_full_model"] == rec["state_bytes"]["params"]
 

@@ -2,8 +2,8 @@
 
 Each rank writes ``<out>/<case>_rank<r>.pt`` with what it saw and computed: the sample indices of
 each step, the loss and grad norm of each step, every gradient after each step's sync, the
-ledger's bytes, and the final parameters. The test compares them with a reference it computes
-itself in one process.
+ledger's bytes, and the parameters after each step. The test compares them with a reference it
+computes itself in one process.
 """
 
 import sys
@@ -39,8 +39,9 @@ def main(out: str) -> None:
                 opt = build_optimizer(wrapped, cfg)
                 sampler = work.sampler(GLOBAL_BATCH, dp, topo.index("dp"), seed=0)
                 micro = GLOBAL_BATCH // dp // accum
-                rec = {"indices": [], "loss": [], "grad_norm": [], "grads": [], "grad_bytes": [],
-                       "total_bytes": [], "n_buckets": len(getattr(wrapped, "buckets", []))}
+                rec = {"indices": [], "loss": [], "grad_norm": [], "grads": [], "params": [],
+                       "grad_bytes": [], "total_bytes": [],
+                       "n_buckets": len(getattr(wrapped, "buckets", []))}
                 for _ in range(STEPS):
                     idx = sampler.next_local_batch()
                     res = train_step(wrapped, work.batches(idx, micro), opt, topo,
@@ -49,9 +50,10 @@ def main(out: str) -> None:
                     rec["loss"].append(res.loss)
                     rec["grad_norm"].append(res.grad_norm)
                     rec["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+                    rec["params"].append({n: p.detach().clone()
+                                          for n, p in model.named_parameters()})
                     rec["grad_bytes"].append(topo.ledger.step_bytes("grad"))
                     rec["total_bytes"].append(topo.ledger.step_bytes())
-                rec["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
                 torch.save(rec, f"{out}/dp{dp}_{engine}_acc{accum}_rank{rank}.pt")
     # overlap: how many bucket all-reduces are in flight when backward returns
     topo = Topology(dp=2, ranks=range(2), timeout_s=60)

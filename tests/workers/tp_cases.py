@@ -4,7 +4,7 @@ Parity cases: tp ∈ {2, 4} × engine ∈ {explicit, torch} × sp ∈ {off, on} 
 GQA model (8 query heads, 4 kv heads) with vocabulary 67 (no tp divides it), 3 AdamW steps of a
 global batch of 8 sequences in 2 micro-batches, clipping that binds. Each rank writes
 ``<out>/<case>_rank<r>.pt``: loss, grad norm, every gradient gathered to full shape and the
-ledger's bytes per tag at each step, and the final full parameters.
+ledger's bytes per tag and the full parameters at each step.
 
 Dropout cases (explicit, tp=2, dropout 0.5, sp off/on): the residual-dropout masks and block
 outputs of one forward, and draws from the two RNG regions, per rank.
@@ -47,7 +47,8 @@ def run_parity(topo, work, tp, engine, sp, tied, out, rank):
         wrapped = parallelize_tensor_dtensor(model, topo, sp=sp)
     opt = build_optimizer(wrapped, TrainConfig(model="tiny", lr=LR, weight_decay=0.1))
     sampler = work.sampler(GLOBAL_BATCH, 1, 0, seed=0)  # every tp rank: the whole batch
-    rec = {"loss": [], "grad_norm": [], "grads": [], "bytes": [], "total_bytes": []}
+    rec = {"loss": [], "grad_norm": [], "grads": [], "params": [], "bytes": [],
+           "total_bytes": []}
     with torch.no_grad():  # the evaluation path: loss sum of rows 0..7 before training
         (mb,) = work.batches(torch.arange(8), 8)
         rec["eval_loss_sum"] = float(wrapped.loss_sum_and_count(mb)[0])
@@ -58,8 +59,9 @@ def run_parity(topo, work, tp, engine, sp, tied, out, rank):
         rec["total_bytes"].append(topo.ledger.step_bytes())
         rec["loss"].append(res.loss)
         rec["grad_norm"].append(res.grad_norm)
-        rec["grads"].append(wrapped.named_full_gradients())
-    rec["params"] = wrapped.named_full_parameters()
+        rec["grads"].append({n: g.clone() for n, g in wrapped.named_full_gradients().items()})
+        rec["params"].append({n: p.detach().clone()
+                              for n, p in wrapped.named_full_parameters().items()})
     if engine == "explicit":  # local rows beyond the real vocabulary (zero padding)
         emb = model.tok_embeddings
         pad = emb.weight[max(0, 67 - emb.vocab_start):]

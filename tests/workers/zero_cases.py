@@ -96,8 +96,9 @@ def run_case(out, topo, rank, model, stage, dp, engine, accum, prefetch, reshard
         rec["formula"].append(wrapped.step_bytes_formula(accum))
         rec["loss"].append(res.loss)
         rec["grad_norm"].append(res.grad_norm)
-        rec["grads"].append(wrapped.named_full_gradients())
-        rec["params"].append(wrapped.named_full_parameters())
+        rec["grads"].append({n: g.clone() for n, g in wrapped.named_full_gradients().items()})
+        rec["params"].append({n: p.detach().clone()
+                              for n, p in wrapped.named_full_parameters().items()})
         if engine == "explicit":  # the padding of this rank's slices: must stay exactly zero
             pads = [t[max(u.numel - u.lo, 0):] for u in wrapped.units
                     for t in (u.shard, u.shard_grad)]

@@ -1,0 +1,348 @@
+"""Parity with one process: the single-process reference, and the one comparison rule that every
+parity test and ``shardwise verify`` apply to a parallel run.
+
+**The reference** (:func:`reference_run`) is written in plain PyTorch and uses nothing from
+``shardwise.train`` or ``shardwise.parallel``: the seeded plain model, the *whole* global batch in
+one forward, ``F.cross_entropy`` averaged over counted tokens (or ``F.mse_loss`` for the
+regression MLP), ``torch.nn.utils.clip_grad_norm_`` and ``torch.optim.AdamW`` (two groups: decay on
+matrices, none on vectors and embeddings). A parallel run must reproduce it.
+
+**The rule** (:func:`compare`), per step:
+
+* *Loss, gradient norm, every gradient* (after clipping: what the optimizer used), elementwise
+  ``|mine − ref| ≤ ATOL + RTOL·|ref|`` with ``RTOL = 1e-5`` and ``ATOL = 1e-6``, where at step
+  t ≥ 1 the reference is evaluated **at the run's own parameters** after step t − 1
+  (:func:`reference_at`, teacher forcing). Otherwise step t's gradients would also carry the
+  parameter differences that AdamW amplified at the steps before (below: up to ~lr·1e-2 per
+  element), times the loss's curvature, and no fixed tolerance would hold for them on every CPU;
+  evaluated at the same parameters, the two gradients differ by the round-off of one step only
+  (measured here: < 1e-7 on the 8-layer verify model). Why these are
+  safe on any CPU: a parallel layout and the reference sum the same terms in different orders
+  (ring all-reduce vs. one sequential sum, sharded vs. whole matmuls, SIMD widths). For n fp32
+  terms two orders differ by at most 2·γ_n·Σ|x_i| with γ_n = n·u/(1 − n·u), u = 2⁻²⁴
+  (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., §4.2); the worst case is
+  pessimistic, and the expected error of random-sign round-off grows like √n·u·Σ|x_i| (Higham &
+  Mary, SISC 2019, Thm. 3.1). The test models are tiny (d = 32, ≤ 8 layers, ≤ 128 tokens a step,
+  losses ~4 and gradients ≤ ~0.3 in size), so √n·u·Σ|x| stays below ~1e-8: RTOL is 168 ulps and
+  ATOL ~100× the expected error. Losses and gradients do not amplify round-off, so a gradient that
+  is wrong by more than that is a bug, not arithmetic. ``make test-cpu-paths`` runs these checks
+  under four CPU math paths (``ATEN_CPU_CAPABILITY``, ``MKL_CBWR``) to show it.
+
+* *Parameters after AdamW steps*, elementwise ``|Δp_t| ≤ ATOL + RTOL·|p_t| + Σ_{s≤t} lr_s·B_s``
+  (:func:`adamw_param_bound`). AdamW moves each element by ``lr·u`` with ``u = m̂/(√v̂ + ε)``
+  (Loshchilov & Hutter 2019, Alg. 2; torch's ``AdamW``), and ``u`` is very sensitive to its
+  gradient where √v̂ is of order ε: at step 1 ``u = g/(|g| + ε)``, so a round-off of 1e-10 in a
+  gradient of 1e-10 moves ``u`` by ~1e-2 and the weight by ~lr·1e-2, far above ATOL. No fixed
+  tolerance can be right there, so the bound is *derived* from what was measured. With ``e_s =
+  |g_s' − g_s|`` the measured gradient error of each element at step s (gradients after
+  clipping), ``a_s = (1−β1)β1^{t−s}/(1−β1^t)`` and ``b_s = (1−β2)β2^{t−s}/(1−β2^t)`` the bias
+  corrected EMA weights:
+
+  - ``|δm̂_t| ≤ Σ_s a_s·e_s`` (m̂ is linear in g),
+  - ``|δ√v̂_t| ≤ √(Σ_s b_s·e_s²)`` (√v̂ is a weighted ℓ2 norm of the g's: Minkowski),
+  - so, exactly and not to first order, with ``s_t = √v̂_t`` and ``u_t`` of the reference,
+    ``|δu_t| ≤ B_t = (|δm̂_t| + |u_t|·|δ√v̂_t|) / (max(s_t − |δ√v̂_t|, 0) + ε)``,
+  - and ``p_t = (1 − lr_t·λ)·p_{t−1} − lr_t·u_t`` with ``0 ≤ 1 − lr_t·λ ≤ 1`` gives
+    ``|δp_t| ≤ |δp_{t−1}| + lr_t·B_t``.
+
+  The gradients of later steps are computed from the (slightly different) parameters, and that is
+  inside the *measured* e_s (the run's gradients against the free-running reference's), so the
+  bound holds over many steps. ATOL and RTOL then only have to
+  cover AdamW's own fp32 arithmetic (a few ulps of p and of lr·u a step, ≤ 1e-8 here). Where
+  gradients agree to round-off and √v̂ ≫ ε, B_t is ~1e-10 and the check is as strict as ATOL.
+
+An optimizer that is wrong (a missed bias correction, a wrong shard of the state, a skipped
+weight decay) moves parameters by O(lr) where B_t is tiny, and fails; a gradient that is wrong
+fails the gradient check first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+RTOL, ATOL = 1e-5, 1e-6
+IGNORE_INDEX = -100
+
+
+# -- the single-process reference ----------------------------------------------------------------
+def reference_run(model: nn.Module, global_batches: list[dict], *, lrs: list[float],
+                  weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
+                  eps: float = 1e-8, max_norm: float = 0.0, keep_state: bool = False) -> dict:
+    """Train ``model`` in this process, one AdamW step per batch of ``global_batches``.
+
+    Each batch is the whole global batch of a step: ``{"input_ids": [B, S], "labels": [B, S]}``
+    (cross-entropy averaged over labels ≠ -100) or ``{"inputs": [B, D], "targets": [B, D]}``
+    (mean squared error). ``lrs[t]`` is step t's learning rate; ``max_norm > 0`` clips the global
+    L2 norm (``clip_grad_norm_``). Returns ``{"loss": [T], "grad_norm": [T]`` (before clipping),
+    ``"grads": [T × {name: grad after clipping}], "params": [T × {name: param after step t}],
+    "lrs", "betas", "eps"}`` and, with ``keep_state``, ``"state": {name: {"exp_avg",
+    "exp_avg_sq"}}`` after the last step. Names are the plain model's (a tied weight once).
+    Raises ValueError if ``lrs`` and ``global_batches`` differ in length."""
+    if len(lrs) != len(global_batches):
+        raise ValueError(f"{len(global_batches)} batches but {len(lrs)} learning rates")
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    named = dict(model.named_parameters())
+    decay = [p for p in named.values() if p.dim() >= 2 and id(p) not in embeddings]
+    no_decay = [p for p in named.values() if p.dim() < 2 or id(p) in embeddings]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lrs[0],
+                            betas=betas, eps=eps)
+    out = {"loss": [], "grad_norm": [], "grads": [], "params": [], "lrs": list(lrs),
+           "betas": tuple(betas), "eps": eps, "model": model, "batches": list(global_batches),
+           "max_norm": max_norm}
+    for lr, batch in zip(lrs, global_batches):
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss, norm, grads = _loss_and_grads(model, batch, max_norm)
+        out["loss"].append(loss)
+        out["grad_norm"].append(norm)
+        out["grads"].append(grads)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out["params"].append({n: p.detach().clone() for n, p in named.items()})
+    if keep_state:
+        out["state"] = {n: {k: opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")}
+                        for n, p in named.items() if p in opt.state}
+    return out
+
+
+def _loss_and_grads(model, batch, max_norm) -> tuple[float, float, dict]:
+    """Forward + backward of one whole batch, then the clip: (loss, norm before clipping,
+    {name: gradient after clipping})."""
+    named = dict(model.named_parameters())
+    loss = reference_loss(model, batch)
+    loss.backward()
+    if max_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in named.values()
+                                                     if p.grad is not None]))
+    return (loss.item(), norm.item(),
+            {n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None})
+
+
+def reference_model_at(ref: dict, params: dict[str, torch.Tensor]) -> nn.Module:
+    """The reference's plain model holding ``params`` (``{name: full-shape tensor}`` for every
+    parameter, e.g. a parallel run's after some step): to evaluate the reference where the run
+    is, so that comparisons see one step's round-off only (module docstring). Overwrites the
+    parameters of ``ref["model"]``. Raises KeyError naming a parameter ``params`` lacks."""
+    model = ref["model"]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name not in params:
+                raise KeyError(f"reference_model_at: no value for parameter {name}")
+            p.copy_(params[name])
+    model.zero_grad(set_to_none=True)
+    return model
+
+
+def reference_at(ref: dict, params: dict[str, torch.Tensor], step: int) -> dict:
+    """The reference's computation of step ``step`` (its batch, its clip) evaluated at
+    ``params`` (:func:`reference_model_at`, e.g. a parallel run's after step − 1): ``{"loss",
+    "grad_norm", "grads"}``. Raises KeyError naming a parameter ``params`` lacks."""
+    model = reference_model_at(ref, params)
+    loss, norm, grads = _loss_and_grads(model, ref["batches"][step], ref["max_norm"])
+    model.zero_grad(set_to_none=True)
+    return {"loss": loss, "grad_norm": norm, "grads": grads}
+
+
+def reference_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    """The reference's scalar loss of one whole batch (see :func:`reference_run`)."""
+    if "input_ids" in batch:
+        logits = model(batch["input_ids"])  # [B, S, V]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
+                               ignore_index=IGNORE_INDEX)
+    return F.mse_loss(model(batch["inputs"]), batch["targets"])
+
+
+# -- the AdamW parameter bound -------------------------------------------------------------------
+def adamw_param_bound(ref_grads: list[torch.Tensor], grad_errors: list[torch.Tensor],
+                      lrs: list[float], betas: tuple[float, float] = (0.9, 0.95),
+                      eps: float = 1e-8) -> list[torch.Tensor]:
+    """Per step t, the elementwise bound Σ_{s≤t} lr_s·B_s on |p_t' − p_t| that AdamW's
+    normalisation can make of gradient errors (module docstring; Loshchilov & Hutter 2019,
+    Alg. 2). ``ref_grads[s]`` is the reference's gradient of one parameter at step s (after
+    clipping), ``grad_errors[s]`` the measured |g_s' − g_s|, both of the parameter's shape;
+    ``lrs[s]`` step s's learning rate. Returns float64 tensors of that shape, one per step.
+    Raises ValueError on mismatched lengths."""
+    if not len(ref_grads) == len(grad_errors) <= len(lrs):
+        raise ValueError(f"{len(ref_grads)} gradients, {len(grad_errors)} errors, {len(lrs)} lrs")
+    b1, b2 = betas
+    m = v = em = ev2 = cum = None
+    out = []
+    for t, (g, e) in enumerate(zip(ref_grads, grad_errors), start=1):
+        g, e = g.detach().double(), e.detach().double().abs()
+        if m is None:
+            m, v, em, ev2, cum = (torch.zeros_like(g) for _ in range(5))
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        em = b1 * em + (1 - b1) * e
+        ev2 = b2 * ev2 + (1 - b2) * e * e
+        c1, c2 = 1 - b1 ** t, math.sqrt(1 - b2 ** t)
+        m_hat, s, dm, ds = m / c1, v.sqrt() / c2, em / c1, ev2.sqrt() / c2
+        u = m_hat.abs() / (s + eps)
+        cum = cum + lrs[t - 1] * (dm + u * ds) / ((s - ds).clamp(min=0) + eps)
+        out.append(cum.clone())
+    return out
+
+
+# -- the comparison ------------------------------------------------------------------------------
+@dataclasses.dataclass
+class ParityReport:
+    """Worst differences of a run against the reference, and what failed.
+
+    ``max_*_diff``: largest |mine − ref| (loss, grad norm, any gradient element, any parameter
+    element); ``tol_ratio``: the largest |mine − ref| / (ATOL + RTOL·|ref|) over losses, norms
+    and gradients (≤ 1 when they pass: the margin left); ``param_bound_ratio``: the largest |Δp| / (ATOL + RTOL·|p| + AdamW bound), ≤ 1
+    when parameters pass; ``max_param_bound``: the largest AdamW term Σ lr·B used, and
+    ``worst_param``: where it was (name, index, its gradient error and √v̂, for the table's
+    footnote); ``failures``: one line per failed check (empty when the run matches)."""
+    max_loss_diff: float = 0.0
+    max_norm_diff: float = 0.0
+    max_grad_diff: float = 0.0
+    max_param_diff: float = 0.0
+    tol_ratio: float = 0.0
+    param_bound_ratio: float = 0.0
+    max_param_bound: float = 0.0
+    worst_param: str = ""
+    failures: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def merge(self, other: "ParityReport") -> "ParityReport":
+        """The worst of both (for several ranks or stages of one run)."""
+        worst = max((self, other), key=lambda r: r.max_param_bound)
+        return ParityReport(*(max(getattr(self, f), getattr(other, f)) for f in _MAXED),
+                            worst_param=worst.worst_param, failures=self.failures + other.failures)
+
+
+_MAXED = ("max_loss_diff", "max_norm_diff", "max_grad_diff", "max_param_diff", "tol_ratio",
+          "param_bound_ratio", "max_param_bound")
+
+
+def _check(report, what, mine, ref, extra=None) -> tuple[float, float]:
+    """Elementwise |mine − ref| ≤ ATOL + RTOL·|ref| (+ extra); books failures. Returns (the
+    largest |mine − ref|, the largest |mine − ref| / tolerance)."""
+    a, b = torch.as_tensor(mine).detach().double(), torch.as_tensor(ref).detach().double()
+    if a.shape != b.shape:
+        report.failures.append(f"{what}: shape {tuple(a.shape)} != reference {tuple(b.shape)}")
+        return math.inf, math.inf
+    diff = (a - b).abs()
+    tol = ATOL + RTOL * b.abs() + (0 if extra is None else extra)
+    if not diff.numel():
+        return 0.0, 0.0
+    ratio = diff / tol
+    bad = ~(ratio <= 1)  # NaN fails too
+    if bad.any():
+        i = int(torch.nan_to_num(ratio, nan=math.inf).argmax())
+        idx = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), diff.shape)) \
+            if diff.dim() else ()
+        flat = lambda t: float(t.reshape(-1)[i]) if t.numel() > 1 else float(t)  # noqa: E731
+        report.failures.append(
+            f"{what}: {int(bad.sum())} of {diff.numel()} elements outside the tolerance; worst at "
+            f"{idx}: {flat(a):.9g} vs reference {flat(b):.9g}, |Δ| {flat(diff):.3g} > "
+            f"{flat(tol if torch.is_tensor(tol) else torch.tensor(tol)):.3g}"
+            + (" (ATOL + RTOL·|ref| + AdamW bound)" if extra is not None else
+               f" (ATOL {ATOL:g} + RTOL {RTOL:g}·|ref|)"))
+    return (float(torch.nan_to_num(diff, nan=math.inf).max()),
+            float(torch.nan_to_num(ratio, nan=math.inf).max()))
+
+
+def compare(mine: dict, ref: dict, *, where: str = "", all_names: bool = True) -> ParityReport:
+    """Check a run ``mine`` against ``ref`` (from :func:`reference_run`) with the rule of the
+    module docstring.
+
+    ``mine`` holds ``"loss": [T]``, optionally ``"grad_norm": [T]``, ``"grads": [T × {name:
+    full-shape gradient after clipping}]``, ``"params"``: ``[T × {name: tensor}]`` after each
+    step (or ``{name: tensor}`` after the last, for T = 1), and, when ``"params"`` holds only
+    some parameters (a pipeline stage's), ``"params_full": [T × {name: tensor}]`` with all of
+    them, to evaluate the reference at (:func:`reference_at`). ``T`` may be less than the
+    reference's steps. Names of grads and params may be a subset of the reference's unless
+    ``all_names``. ``where`` prefixes every failure line (e.g. ``"rank 1"``). Returns a
+    :class:`ParityReport`. Raises ValueError when T > 1 and no per-step parameters are given."""
+    rep = ParityReport()
+    pre = f"{where} " if where else ""
+    steps = len(mine["loss"])
+    params = mine.get("params")
+    per_step = isinstance(params, (list, tuple))
+    forcing = mine.get("params_full", params if per_step else None)
+    if steps > 1 and forcing is None:
+        raise ValueError("compare: a run of several steps needs its parameters after each step "
+                         "(mine['params'] as a list, or mine['params_full'])")
+    for t in range(steps):
+        # step 0 starts from the shared initialisation; later steps from the run's own params
+        at = ({k: ref[k][t] for k in ("loss", "grad_norm", "grads")} if t == 0
+              else reference_at(ref, forcing[t - 1], t))
+        d, r = _check(rep, f"{pre}step {t} loss", mine["loss"][t], at["loss"])
+        rep.max_loss_diff, rep.tol_ratio = max(rep.max_loss_diff, d), max(rep.tol_ratio, r)
+        if mine.get("grad_norm") is not None:
+            d, r = _check(rep, f"{pre}step {t} grad norm", mine["grad_norm"][t], at["grad_norm"])
+            rep.max_norm_diff, rep.tol_ratio = max(rep.max_norm_diff, d), max(rep.tol_ratio, r)
+        grads = mine["grads"][t]
+        if all_names and set(grads) != set(at["grads"]):
+            rep.failures.append(f"{pre}step {t}: gradient names differ from the reference's: "
+                                f"{sorted(set(grads) ^ set(at['grads']))}")
+        for name, g in grads.items():
+            if name not in at["grads"]:
+                rep.failures.append(f"{pre}step {t}: no reference gradient for {name}")
+                continue
+            d, r = _check(rep, f"{pre}step {t} grad {name}", g, at["grads"][name])
+            rep.max_grad_diff, rep.tol_ratio = max(rep.max_grad_diff, d), max(rep.tol_ratio, r)
+    if params is None:
+        return rep
+    checks = list(enumerate(params)) if per_step else [(steps - 1, params)]
+    for t, named in checks:
+        if all_names and set(named) != set(ref["params"][t]):
+            rep.failures.append(f"{pre}step {t}: parameter names differ from the reference's")
+        for name, p in named.items():
+            if name not in ref["params"][t]:
+                rep.failures.append(f"{pre}no reference parameter {name}")
+                continue
+            missing = [s for s in range(t + 1) if name not in mine["grads"][s]]
+            if missing:
+                rep.failures.append(f"{pre}{name}: no gradient at step(s) {missing} to bound "
+                                    "its parameter with")
+                continue
+            g_ref = [ref["grads"][s][name] for s in range(t + 1)]
+            if any(mine["grads"][s][name].shape != g_ref[s].shape for s in range(t + 1)):
+                continue  # the gradient check has failed already
+            err = [(mine["grads"][s][name].detach().double() - g_ref[s].double()).abs()
+                   for s in range(t + 1)]
+            bound = adamw_param_bound(g_ref, err, ref["lrs"], ref["betas"], ref["eps"])[-1]
+            label = "final" if not per_step else f"step {t}"
+            d, ratio = _check(rep, f"{pre}{label} param {name}", p, ref["params"][t][name],
+                              bound)
+            rep.param_bound_ratio = max(rep.param_bound_ratio, ratio)
+            rep.max_param_diff = max(rep.max_param_diff, d)
+            if bound.numel() and float(bound.max()) > rep.max_param_bound:
+                i = int(bound.argmax())
+                idx = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), bound.shape))
+                rep.max_param_bound = float(bound.max())
+                rep.worst_param = (f"{name}{list(idx)} at step {t}: gradient errors "
+                                   f"{[f'{float(e.reshape(-1)[i]):.1e}' for e in err]}, "
+                                   f"reference gradients "
+                                   f"{[f'{float(g.reshape(-1)[i]):.1e}' for g in g_ref]}")
+    return rep
+
+
+def assert_parity(mine: dict, ref: dict, *, where: str = "", all_names: bool = True,
+                  shown: int = 8) -> ParityReport:
+    """:func:`compare`, raising AssertionError with the first ``shown`` failure lines."""
+    rep = compare(mine, ref, where=where, all_names=all_names)
+    if rep.failures:
+        more = len(rep.failures) - shown
+        raise AssertionError("\n".join(rep.failures[:shown]
+                                       + ([f"... and {more} more"] if more > 0 else [])))
+    return rep
+
+
+RULE = (f"loss, grad norm, gradients: |Δ| ≤ {ATOL:g} + {RTOL:g}·|ref| at every step; "
+        f"parameters: |Δp_t| ≤ {ATOL:g} + {RTOL:g}·|p_t| + Σ_s≤t lr_s·(|δm̂_s| + |û_s|·|δ√v̂_s|)"
+        "/(max(√v̂_s − |δ√v̂_s|, 0) + ε), from the measured gradient errors (shardwise.parity)")

@@ -1,0 +1,125 @@
+"""The comparison rule of shardwise.parity: the AdamW parameter bound holds (torch's own AdamW
+in float64, gradients perturbed on purpose), it is tight where it matters, and compare() fails a
+run whose gradients or optimizer are wrong."""
+
+import math
+
+import pytest
+import torch
+
+from shardwise.parity import ATOL, RTOL, adamw_param_bound, compare, reference_run
+
+
+def _adamw(grads, lrs, betas=(0.9, 0.95), eps=1e-8, wd=0.1):
+    """torch.optim.AdamW in float64 fed the given gradients: parameters after each step."""
+    p = torch.nn.Parameter(torch.linspace(-1, 1, grads[0].numel(), dtype=torch.float64))
+    opt = torch.optim.AdamW([p], lr=lrs[0], betas=betas, eps=eps, weight_decay=wd)
+    out = []
+    for g, lr in zip(grads, lrs):
+        opt.param_groups[0]["lr"] = lr
+        p.grad = g.clone()
+        opt.step()
+        out.append(p.detach().clone())
+    return out
+
+
+def test_step_one_sign_flip_hand_worked():
+    """g = +1e-10 in the reference, −1e-10 in the run: u = ±1e-10/(1e-10 + 1e-8) = ±0.0099, so
+    |Δp| = lr·0.0198 = 5.94e-6 at lr 3e-4 (six times ATOL). The bound: |δm̂| = 2e-10,
+    |δ√v̂| ≤ 2e-10, B = (2e-10 + 0.0099·2e-10)/(max(1e-10 − 2e-10, 0) + 1e-8) = 0.0202."""
+    lr = 3e-4
+    g = torch.tensor([1e-10], dtype=torch.float64)
+    (pa,), (pb,) = _adamw([g], [lr]), _adamw([-g], [lr])
+    got = float((pa - pb).abs())
+    assert got == pytest.approx(lr * 2 * 1e-10 / (1e-10 + 1e-8), rel=1e-9)
+    assert got > 5 * ATOL  # a fixed atol would call this a mismatch
+    bound = float(adamw_param_bound([g], [2 * g], [lr])[0])
+    u = 1e-10 / (1e-10 + 1e-8)
+    assert bound == pytest.approx(lr * (2e-10 + u * 2e-10) / 1e-8, rel=1e-9)
+    assert got <= bound <= 1.05 * got  # holds, and tight (within 5 %) here
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bound_holds_for_random_perturbations_over_steps(seed):
+    """Gradients spanning 1e-12 … 1 (around ε and far above), relative errors up to 1e-2 and
+    absolute ones around ε, 5 steps with a changing lr: the real difference never exceeds the
+    bound; and where |g| ≫ ε the bound is far below ATOL (the check stays strict)."""
+    g = torch.Generator().manual_seed(seed)
+    n, steps, lrs = 4000, 5, [1e-3, 3e-3, 2e-3, 1e-3, 5e-4]
+    scale = 10 ** torch.empty(n, dtype=torch.float64).uniform_(-12, 0, generator=g)
+    ref = [scale * torch.randn(n, dtype=torch.float64, generator=g) for _ in range(steps)]
+    err = [r * 1e-2 * torch.randn(n, dtype=torch.float64, generator=g)
+           + 1e-9 * torch.randn(n, dtype=torch.float64, generator=g) for r in ref]
+    mine = [r + e for r, e in zip(ref, err)]
+    pa, pb = _adamw(ref, lrs), _adamw(mine, lrs)
+    bounds = adamw_param_bound(ref, [e.abs() for e in err], lrs)
+    for t in range(steps):
+        diff = (pa[t] - pb[t]).abs()
+        assert bool((diff <= bounds[t] * (1 + 1e-9) + 1e-15).all()), t
+    big = scale > 1e-3  # gradients ≫ ε, with round-off-sized errors (1e-7 relative)
+    strict = adamw_param_bound(ref, [1e-7 * r.abs() for r in ref], lrs)[-1]
+    assert float(strict[big].max()) < 1e-2 * ATOL
+
+
+def _toy():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    x = torch.randn(3, 16, 4, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(3, 16, 4, generator=torch.Generator().manual_seed(2))
+    return model, [{"inputs": x[i], "targets": y[i]} for i in range(3)]
+
+
+def _mine_from(ref, **changes):
+    mine = {"loss": list(ref["loss"]), "grad_norm": list(ref["grad_norm"]),
+            "grads": [{n: g.clone() for n, g in s.items()} for s in ref["grads"]],
+            "params": [{n: p.clone() for n, p in s.items()} for s in ref["params"]]}
+    mine.update(changes)
+    return mine
+
+
+def test_compare_passes_itself_and_fails_a_flipped_gradient_or_a_wrong_optimizer():
+    model, batches = _toy()
+    ref = reference_run(model, batches, lrs=[1e-2] * 3, max_norm=0.0)
+    assert compare(_mine_from(ref), ref).ok
+    # a gradient element off by 1e-4 (the issue's control): reported at that step
+    bad = _mine_from(ref)
+    bad["grads"][1]["0.weight"][2, 1] += 1e-4
+    rep = compare(bad, ref)
+    assert not rep.ok and any("step 1 grad 0.weight" in f and "(2, 1)" in f for f in rep.failures)
+    # the optimizer skipped weight decay once: every matrix element is off by lr·λ·|p|
+    model2, _ = _toy()
+    ref2 = reference_run(model2, batches, lrs=[1e-2] * 3, weight_decay=0.0)
+    rep = compare(_mine_from(ref, params=ref2["params"]), ref)  # same gradients
+    assert any("step 0 param 0.weight" in f for f in rep.failures), rep.failures
+    assert not math.isnan(rep.param_bound_ratio) and rep.param_bound_ratio > 1
+
+
+def test_compare_nan_and_shape_fail():
+    model, batches = _toy()
+    ref = reference_run(model, batches[:2], lrs=[1e-2] * 2)
+    nan = _mine_from(ref, loss=[ref["loss"][0], float("nan")])
+    assert any("step 1 loss" in f for f in compare(nan, ref).failures)
+    shaped = _mine_from(ref)
+    shaped["grads"][0]["2.bias"] = torch.zeros(5)
+    assert any("shape" in f for f in compare(shaped, ref).failures)
+
+
+def test_tolerances_are_the_stated_ones():
+    assert (RTOL, ATOL) == (1e-5, 1e-6)
+    assert RTOL / 2 ** -24 == pytest.approx(167.8, abs=0.1)  # 168 fp32 ulps
+
+
+def test_later_steps_are_compared_at_the_runs_own_parameters():
+    """A run whose step-0 update differs (lr 2e-2 instead of 1e-2): its step-1 and step-2
+    gradients differ from the free-running reference's by far more than ATOL, but equal the
+    reference evaluated at the run's own parameters, so only its parameters fail."""
+    model, batches = _toy()
+    ref = reference_run(model, batches, lrs=[1e-2] * 3)
+    other, _ = _toy()
+    run = reference_run(other, batches, lrs=[2e-2, 1e-2, 1e-2])
+    assert max(float((run["grads"][1][n] - g).abs().max())
+               for n, g in ref["grads"][1].items()) > 100 * ATOL
+    rep = compare(_mine_from(run), ref)
+    assert rep.failures and all(" param " in f for f in rep.failures), rep.failures
+    with pytest.raises(ValueError, match="parameters after each step"):
+        compare({**_mine_from(run), "params": run["params"][-1]}, ref)
