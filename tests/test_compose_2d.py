@@ -15,13 +15,13 @@ import torch.nn.functional as F
 
 from shardwise.data import DistributedSampler
 from shardwise.models import build_model
+from shardwise.parity import ATOL, RTOL, assert_parity, reference_model_at, reference_run
 from shardwise.train.workload import SyntheticLMWorkload
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from conftest import run_world  # noqa: E402
 import compose2d_cases as W  # noqa: E402
 
-RTOL, ATOL = 1e-5, 1e-6
 RANKS = range(4)
 D, L, F_FF, H, K, HD, V = 32, 2, 64, 8, 4, 4, 67  # the model of W.MODEL, written out
 
@@ -38,39 +38,18 @@ def _load(out, name, rank):
 
 
 def _reference(tied, steps):
-    """Plain model and torch AdamW (decay on matrices, none on norms/embeddings), the whole
-    global batch in one forward, F.cross_entropy mean over counted tokens, clip_grad_norm_.
-    Nothing from shardwise.train or shardwise.parallel. Returns per-step loss, norm, grads,
-    params and AdamW state by parameter name."""
+    """shardwise.parity's plain-PyTorch reference (torch AdamW with decay on matrices only, the
+    whole global batch in one forward, F.cross_entropy mean over counted tokens,
+    clip_grad_norm_), with AdamW's state after each step, and the validation rows."""
     work = SyntheticLMWorkload(vocab_size=V, seq_len=W.SEQ, num_train=64, num_val=4, seed=0)
     torch.manual_seed(0)
     model = build_model("tiny", vocab_size=V, tie_embeddings=tied, **W.MODEL)
-    named = dict(model.named_parameters())
-    no_decay = [p for n, p in named.items() if p.dim() < 2 or "tok_embeddings" in n]
-    decay = [p for n, p in named.items() if not (p.dim() < 2 or "tok_embeddings" in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=W.LR,
-                            betas=(0.9, 0.95), eps=1e-8)
     sampler = DistributedSampler(64, W.GLOBAL_BATCH, 1, 0, seed=0)
-    ref = {k: [] for k in ("loss", "grad_norm", "grads", "params", "state", "val_logits")}
-    (val,) = work.batches(torch.arange(4), 4, split="val")
-    for _ in range(steps):
-        (batch,) = work.batches(sampler.next_global_batch(), W.GLOBAL_BATCH)
-        loss = F.cross_entropy(model(batch["input_ids"]).reshape(-1, V),
-                               batch["labels"].reshape(-1), ignore_index=-100)
-        loss.backward()
-        ref["grad_norm"].append(torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                               W.MAX_NORM).item())
-        ref["loss"].append(loss.item())
-        ref["grads"].append({n: p.grad.clone() for n, p in named.items()})
-        opt.step()
-        opt.zero_grad()
-        ref["params"].append({n: p.detach().clone() for n, p in named.items()})
-        ref["state"].append({n: {k: v.clone() for k, v in opt.state[p].items()}
-                             for n, p in named.items()})
-        with torch.no_grad():
-            ref["val_logits"].append(model(val["input_ids"]))
-    ref["val_labels"] = val["labels"]
+    batches = [work.batches(sampler.next_global_batch(), W.GLOBAL_BATCH)[0]
+               for _ in range(steps)]
+    ref = reference_run(model, batches, lrs=[W.LR] * steps, max_norm=W.MAX_NORM,
+                        keep_state=True)
+    (ref["val"],) = work.batches(torch.arange(4), 4, split="val")
     return ref
 
 
@@ -97,27 +76,20 @@ CASES = [W.case_name(*c) for c in W.PARITY]
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("zero,sp,tied", W.PARITY, ids=CASES)
 def test_parity_with_single_process(results, references, zero, sp, tied):
+    """Every step's loss, clipped norm, gradients and parameters by shardwise.parity's rule;
+    the evaluation and sampling paths after training against the reference model holding this
+    run's final parameters."""
     ref = references[tied]
+    assert all(n > W.MAX_NORM for n in ref["grad_norm"][:W.STEPS])  # clipping binds
     for rank in RANKS:
         rec = _load(results, W.case_name(zero, sp, tied), rank)
-        for step in range(W.STEPS):
-            what = f"rank {rank} step {step}"
-            _close(torch.tensor(rec["loss"][step]), torch.tensor(ref["loss"][step]), what=what)
-            _close(torch.tensor(rec["grad_norm"][step]), torch.tensor(ref["grad_norm"][step]),
-                   what=what)
-            assert ref["grad_norm"][step] > W.MAX_NORM  # clipping binds at every step
-            assert rec["grads"][step].keys() == ref["grads"][step].keys()
-            for name, g in rec["grads"][step].items():
-                _close(g, ref["grads"][step][name], what=f"{what} grad {name}")
-        logits = ref["val_logits"][W.STEPS - 1]  # evaluation and sampling paths
-        _close(rec["full_logits"], logits, atol=1e-5, what="full_model logits")
-        ce = F.cross_entropy(logits.reshape(-1, V), ref["val_labels"].reshape(-1),
+        assert_parity(rec, ref, where=f"rank {rank}")
+        with torch.no_grad():  # where this run ended: one forward's round-off only
+            logits = reference_model_at(ref, rec["params"][-1])(ref["val"]["input_ids"])
+        _close(rec["full_logits"], logits, what="full_model logits")
+        ce = F.cross_entropy(logits.reshape(-1, V), ref["val"]["labels"].reshape(-1),
                              ignore_index=-100, reduction="sum")
         _close(torch.tensor(rec["eval_loss_sum"]), ce, what="eval loss sum")
-        for name, p in rec["params"].items():
-            # AdamW divides each element by its own RMS: round-off of the sharded matmuls in a
-            # near-zero gradient moves a parameter by up to ~lr·(steps); gradients are strict
-            _close(p, ref["params"][W.STEPS - 1][name], atol=2e-5, what=f"param {name}")
 
 
 @pytest.mark.timeout(300)
@@ -201,16 +173,15 @@ def test_plain_dp_bf16_reduction(results, references, zero):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("zero,sp,tied", W.PARITY, ids=CASES)
 def test_full_optimizer_state_matches_reference(results, references, zero, sp, tied):
-    ref_state = references[tied]["state"][W.STEPS - 1]
+    """The layout-free AdamW state against the reference's, within the bound that the measured
+    gradient errors give (shardwise.parity.adamw_state_bound); memory against the formula."""
+    ref = references[tied]
     for rank in RANKS:
-        state = _load(results, W.case_name(zero, sp, tied), rank)["opt_state"]
-        assert state.keys() == ref_state.keys()
-        for name, st in state.items():
-            assert float(st["step"]) == W.STEPS
-            _close(st["exp_avg"], ref_state[name]["exp_avg"], what=f"exp_avg {name}")
-            _close(st["exp_avg_sq"], ref_state[name]["exp_avg_sq"], rtol=1e-4, atol=1e-12,
-                   what=f"exp_avg_sq {name}")
         rec = _load(results, W.case_name(zero, sp, tied), rank)
+        state = rec["opt_state"]
+        assert state.keys() == ref["state"][W.STEPS - 1].keys()
+        assert all(float(st["step"]) == W.STEPS for st in state.values())
+        assert_parity({**rec, "state": state}, ref, where=f"rank {rank}")
         mem, formula = rec["state_bytes"], rec["memory_formula"]
         for key in ("params", "grads"):
             assert mem[key] == pytest.approx(formula[key], rel=0.02), key
@@ -221,15 +192,16 @@ def test_full_optimizer_state_matches_reference(results, references, zero, sp, t
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("target", W.RESUME_TARGETS)
 def test_resume_under_another_layout(results, references, target):
-    """Saved after step 2 of dp=2,tp=2,zero=3,sp; steps 3 and 4 under ``target`` must match the
-    uninterrupted run; with fresh optimizer state (the negative control) they must not."""
+    """Saved after step 2 of dp=2,tp=2,zero=3,sp; steps 3 and 4 under ``target`` continue the
+    run: its trajectory (the source's first 2 steps, then the target's) matches one process by
+    shardwise.parity's rule, moments included; with fresh optimizer state (the negative control)
+    they must not."""
     ref = references[True]
     src = _load(results, "resume_source", 0)
-    for step in range(W.RESUME_STEPS):  # the source itself follows the reference
-        _close(torch.tensor(src["loss"][step]), torch.tensor(ref["loss"][step]))
-    for name, st in src["saved_state"].items():  # full state after step 2 = the reference's
-        assert float(st["step"]) == W.SAVE_AFTER
-        _close(st["exp_avg"], ref["state"][W.SAVE_AFTER - 1][name]["exp_avg"])
+    assert_parity(src, ref, where="source")  # the source itself follows the reference
+    head = {k: src[k][:W.SAVE_AFTER] for k in ("loss", "grads", "params")}
+    assert all(float(st["step"]) == W.SAVE_AFTER for st in src["saved_state"].values())
+    assert_parity({**head, "state": src["saved_state"]}, ref, where="saved state")
     ranks = range(2) if target == "tp2" else RANKS
     for rank in ranks:
         rec = _load(results, f"resume_{target}", rank)
@@ -246,14 +218,9 @@ def test_resume_under_another_layout(results, references, target):
                         for n in params[0])
             assert worst > 1e-4
             continue
-        for i, step in enumerate(range(W.SAVE_AFTER, W.RESUME_STEPS)):
-            _close(torch.tensor(losses[i]), torch.tensor(src["loss"][step]), what=f"loss {step}")
-            for name, p in params[i].items():
-                _close(p, src["params"][step][name], what=f"step {step} param {name}")
-        for name, st in rec["final_state"].items():
-            _close(st["exp_avg"], src["final_state"][name]["exp_avg"], what=name)
-            _close(st["exp_avg_sq"], src["final_state"][name]["exp_avg_sq"], rtol=1e-4,
-                   atol=1e-12, what=name)
+        resumed = {k: head[k] + rec[k] for k in ("loss", "grads", "params")}
+        assert_parity({**resumed, "state": rec["final_state"]}, ref,
+                      where=f"{target} rank {rank}")
 
 
 @pytest.mark.timeout(300)

@@ -7,11 +7,13 @@ import math
 import pytest
 import torch
 
-from shardwise.parity import ATOL, RTOL, adamw_param_bound, compare, reference_run
+from shardwise.parity import (ATOL, RTOL, adamw_param_bound, adamw_state_bound, compare,
+                              reference_run)
 
 
-def _adamw(grads, lrs, betas=(0.9, 0.95), eps=1e-8, wd=0.1):
-    """torch.optim.AdamW in float64 fed the given gradients: parameters after each step."""
+def _adamw(grads, lrs, betas=(0.9, 0.95), eps=1e-8, wd=0.1, state=False):
+    """torch.optim.AdamW in float64 fed the given gradients: parameters after each step (and
+    its final moments with ``state``)."""
     p = torch.nn.Parameter(torch.linspace(-1, 1, grads[0].numel(), dtype=torch.float64))
     opt = torch.optim.AdamW([p], lr=lrs[0], betas=betas, eps=eps, weight_decay=wd)
     out = []
@@ -20,7 +22,7 @@ def _adamw(grads, lrs, betas=(0.9, 0.95), eps=1e-8, wd=0.1):
         p.grad = g.clone()
         opt.step()
         out.append(p.detach().clone())
-    return out
+    return (out, opt.state[p]) if state else out
 
 
 def test_step_one_sign_flip_hand_worked():
@@ -51,11 +53,14 @@ def test_bound_holds_for_random_perturbations_over_steps(seed):
     err = [r * 1e-2 * torch.randn(n, dtype=torch.float64, generator=g)
            + 1e-9 * torch.randn(n, dtype=torch.float64, generator=g) for r in ref]
     mine = [r + e for r, e in zip(ref, err)]
-    pa, pb = _adamw(ref, lrs), _adamw(mine, lrs)
+    (pa, sa), (pb, sb) = _adamw(ref, lrs, state=True), _adamw(mine, lrs, state=True)
     bounds = adamw_param_bound(ref, [e.abs() for e in err], lrs)
     for t in range(steps):
         diff = (pa[t] - pb[t]).abs()
         assert bool((diff <= bounds[t] * (1 + 1e-9) + 1e-15).all()), t
+    for key, tol in zip(("exp_avg", "exp_avg_sq"),
+                        adamw_state_bound(ref, [e.abs() for e in err])):
+        assert bool(((sa[key] - sb[key]).abs() <= tol).all()), key
     big = scale > 1e-3  # gradients ≫ ε, with round-off-sized errors (1e-7 relative)
     strict = adamw_param_bound(ref, [1e-7 * r.abs() for r in ref], lrs)[-1]
     assert float(strict[big].max()) < 1e-2 * ATOL

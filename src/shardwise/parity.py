@@ -80,8 +80,8 @@ def reference_run(model: nn.Module, global_batches: list[dict], *, lrs: list[flo
     (mean squared error). ``lrs[t]`` is step t's learning rate; ``max_norm > 0`` clips the global
     L2 norm (``clip_grad_norm_``). Returns ``{"loss": [T], "grad_norm": [T]`` (before clipping),
     ``"grads": [T × {name: grad after clipping}], "params": [T × {name: param after step t}],
-    "lrs", "betas", "eps"}`` and, with ``keep_state``, ``"state": {name: {"exp_avg",
-    "exp_avg_sq"}}`` after the last step. Names are the plain model's (a tied weight once).
+    "lrs", "betas", "eps", "model", "batches", "max_norm"}`` and, with ``keep_state``,
+    ``"state": [T × {name: {"exp_avg", "exp_avg_sq"}}]`` after each step. Names are the plain model's (a tied weight once).
     Raises ValueError if ``lrs`` and ``global_batches`` differ in length."""
     if len(lrs) != len(global_batches):
         raise ValueError(f"{len(global_batches)} batches but {len(lrs)} learning rates")
@@ -105,9 +105,10 @@ def reference_run(model: nn.Module, global_batches: list[dict], *, lrs: list[flo
         opt.step()
         opt.zero_grad(set_to_none=True)
         out["params"].append({n: p.detach().clone() for n, p in named.items()})
-    if keep_state:
-        out["state"] = {n: {k: opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")}
-                        for n, p in named.items() if p in opt.state}
+        if keep_state:
+            out.setdefault("state", []).append(
+                {n: {k: opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")}
+                 for n, p in named.items() if p in opt.state})
     return out
 
 
@@ -191,6 +192,25 @@ def adamw_param_bound(ref_grads: list[torch.Tensor], grad_errors: list[torch.Ten
     return out
 
 
+def adamw_state_bound(ref_grads: list[torch.Tensor], grad_errors: list[torch.Tensor],
+                      betas: tuple[float, float] = (0.9, 0.95)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Elementwise tolerances on AdamW's moments after the last of the given steps (torch's
+    ``exp_avg`` m = Σ_s (1−β1)β1^{t−s}·g_s and ``exp_avg_sq`` v = Σ_s (1−β2)β2^{t−s}·g_s², no
+    bias correction; Kingma & Ba 2015, Alg. 1): with the measured errors e_s,
+    |δm| ≤ Σ w_s·(e_s + RTOL·|g_s|) and |δv| ≤ Σ w'_s·(2|g_s|·e_s + e_s² + RTOL·g_s²), where the
+    RTOL terms cover the EMAs' own fp32 rounding (measured against Σ|terms|, as m may cancel).
+    Returns (tolerance of exp_avg, tolerance of exp_avg_sq), float64 of the gradient's shape."""
+    b1, b2 = betas
+    tm = tv = None
+    for g, e in zip(ref_grads, grad_errors):
+        g, e = g.detach().double().abs(), e.detach().double().abs()
+        if tm is None:
+            tm, tv = torch.zeros_like(g), torch.zeros_like(g)
+        tm = b1 * tm + (1 - b1) * (e + RTOL * g)
+        tv = b2 * tv + (1 - b2) * (2 * g * e + e * e + RTOL * g * g)
+    return tm, tv
+
+
 # -- the comparison ------------------------------------------------------------------------------
 @dataclasses.dataclass
 class ParityReport:
@@ -227,15 +247,16 @@ _MAXED = ("max_loss_diff", "max_norm_diff", "max_grad_diff", "max_param_diff", "
           "param_bound_ratio", "max_param_bound")
 
 
-def _check(report, what, mine, ref, extra=None) -> tuple[float, float]:
-    """Elementwise |mine − ref| ≤ ATOL + RTOL·|ref| (+ extra); books failures. Returns (the
-    largest |mine − ref|, the largest |mine − ref| / tolerance)."""
+def _check(report, what, mine, ref, tol=None, kind="") -> tuple[float, float]:
+    """Elementwise |mine − ref| ≤ tol (default ATOL + RTOL·|ref|; ``kind`` names another in
+    the failure line); books failures. Returns (the largest |mine − ref|, the largest
+    |mine − ref| / tol)."""
     a, b = torch.as_tensor(mine).detach().double(), torch.as_tensor(ref).detach().double()
     if a.shape != b.shape:
         report.failures.append(f"{what}: shape {tuple(a.shape)} != reference {tuple(b.shape)}")
         return math.inf, math.inf
     diff = (a - b).abs()
-    tol = ATOL + RTOL * b.abs() + (0 if extra is None else extra)
+    tol = ATOL + RTOL * b.abs() if tol is None else torch.as_tensor(tol, dtype=torch.float64)
     if not diff.numel():
         return 0.0, 0.0
     ratio = diff / tol
@@ -248,9 +269,7 @@ def _check(report, what, mine, ref, extra=None) -> tuple[float, float]:
         report.failures.append(
             f"{what}: {int(bad.sum())} of {diff.numel()} elements outside the tolerance; worst at "
             f"{idx}: {flat(a):.9g} vs reference {flat(b):.9g}, |Δ| {flat(diff):.3g} > "
-            f"{flat(tol if torch.is_tensor(tol) else torch.tensor(tol)):.3g}"
-            + (" (ATOL + RTOL·|ref| + AdamW bound)" if extra is not None else
-               f" (ATOL {ATOL:g} + RTOL {RTOL:g}·|ref|)"))
+            f"{flat(tol.expand_as(diff)):.3g} ({kind or f'ATOL {ATOL:g} + RTOL {RTOL:g}·|ref|'})")
     return (float(torch.nan_to_num(diff, nan=math.inf).max()),
             float(torch.nan_to_num(ratio, nan=math.inf).max()))
 
@@ -265,7 +284,9 @@ def compare(mine: dict, ref: dict, *, where: str = "", all_names: bool = True) -
     some parameters (a pipeline stage's), ``"params_full": [T × {name: tensor}]`` with all of
     them, to evaluate the reference at (:func:`reference_at`). ``T`` may be less than the
     reference's steps. Names of grads and params may be a subset of the reference's unless
-    ``all_names``. ``where`` prefixes every failure line (e.g. ``"rank 1"``). Returns a
+    ``all_names``. With ``"state": {name: {"exp_avg", "exp_avg_sq", …}}`` (the run's full
+    AdamW state after its last step) and a reference run with ``keep_state``, the moments are
+    checked against :func:`adamw_state_bound`. ``where`` prefixes every failure line (e.g. ``"rank 1"``). Returns a
     :class:`ParityReport`. Raises ValueError when T > 1 and no per-step parameters are given."""
     rep = ParityReport()
     pre = f"{where} " if where else ""
@@ -305,20 +326,14 @@ def compare(mine: dict, ref: dict, *, where: str = "", all_names: bool = True) -
             if name not in ref["params"][t]:
                 rep.failures.append(f"{pre}no reference parameter {name}")
                 continue
-            missing = [s for s in range(t + 1) if name not in mine["grads"][s]]
-            if missing:
-                rep.failures.append(f"{pre}{name}: no gradient at step(s) {missing} to bound "
-                                    "its parameter with")
+            g_ref, err = _grad_errors(rep, pre, mine, ref, name, t + 1)
+            if err is None:
                 continue
-            g_ref = [ref["grads"][s][name] for s in range(t + 1)]
-            if any(mine["grads"][s][name].shape != g_ref[s].shape for s in range(t + 1)):
-                continue  # the gradient check has failed already
-            err = [(mine["grads"][s][name].detach().double() - g_ref[s].double()).abs()
-                   for s in range(t + 1)]
             bound = adamw_param_bound(g_ref, err, ref["lrs"], ref["betas"], ref["eps"])[-1]
             label = "final" if not per_step else f"step {t}"
-            d, ratio = _check(rep, f"{pre}{label} param {name}", p, ref["params"][t][name],
-                              bound)
+            ref_p = ref["params"][t][name].double()
+            d, ratio = _check(rep, f"{pre}{label} param {name}", p, ref_p,
+                              ATOL + RTOL * ref_p.abs() + bound, "ATOL + RTOL·|ref| + AdamW bound")
             rep.param_bound_ratio = max(rep.param_bound_ratio, ratio)
             rep.max_param_diff = max(rep.max_param_diff, d)
             if bound.numel() and float(bound.max()) > rep.max_param_bound:
@@ -329,7 +344,41 @@ def compare(mine: dict, ref: dict, *, where: str = "", all_names: bool = True) -
                                    f"{[f'{float(e.reshape(-1)[i]):.1e}' for e in err]}, "
                                    f"reference gradients "
                                    f"{[f'{float(g.reshape(-1)[i]):.1e}' for g in g_ref]}")
+    if mine.get("state") is not None:  # AdamW's moments after the run's last step
+        ref_state = ref["state"][steps - 1]
+        if all_names and set(mine["state"]) != set(ref_state):
+            rep.failures.append(f"{pre}optimizer state names differ from the reference's")
+        for name, st in mine["state"].items():
+            g_ref, err = _grad_errors(rep, pre, mine, ref, name, steps)
+            if err is None:
+                continue
+            for key, tol in zip(("exp_avg", "exp_avg_sq"),
+                                adamw_state_bound(g_ref, err, ref["betas"])):
+                _, ratio = _check(rep, f"{pre}{key} {name}", st[key], ref_state[name][key], tol,
+                                  "RTOL·Σw|g| + bound from the gradient errors")
+                rep.param_bound_ratio = max(rep.param_bound_ratio, ratio)
     return rep
+
+
+def _grad_errors(rep, pre, mine, ref, name, steps):
+    """(the reference's gradients of ``name`` at steps 0 … steps−1, the run's |errors| against
+    them), or (None, None) with a failure booked when the run lacks one."""
+    missing = [s for s in range(steps) if name not in mine["grads"][s]]
+    if missing:
+        rep.failures.append(f"{pre}{name}: no gradient at step(s) {missing} to bound its "
+                            "parameter and optimizer state with")
+        return None, None
+    g_ref = [ref["grads"][s][name] for s in range(steps)]
+    if any(mine["grads"][s][name].shape != g_ref[s].shape for s in range(steps)):
+        return None, None  # the gradient check has failed already
+    return g_ref, [(mine["grads"][s][name].detach().double() - g_ref[s].double()).abs()
+                   for s in range(steps)]
+
+
+def stages_together(per_rank: list[list[dict]]) -> list[dict]:
+    """Per step, the union of several ranks' ``{name: tensor}`` (pipeline stages, each with its
+    own parameters): the ``"params_full"`` that :func:`compare` evaluates the reference at."""
+    return [{n: t for rank in step for n, t in rank.items()} for step in zip(*per_rank)]
 
 
 def assert_parity(mine: dict, ref: dict, *, where: str = "", all_names: bool = True,

@@ -70,13 +70,18 @@ def _step(engine, opt, topo, sampler, work, micro):
                       max_norm=MAX_NORM, zero_grad=False)
 
 
+def _copies(named: dict) -> dict:
+    """Detached copies (some engines return their live tensors, which later steps change)."""
+    return {n: t.detach().clone() for n, t in named.items()}
+
+
 def run_parity(topo, work, zero, sp, tied, reduce_dtype, out, rank):
     engine = parallelize(make_model(tied), topo, Layout(dp=2, tp=2, zero=zero, sp=sp), seed=0,
                          reduce_dtype=reduce_dtype)
     opt = _optimizer(engine)
     sampler = work.sampler(GLOBAL_BATCH, 2, topo.index("dp"), seed=0)
-    rec = {k: [] for k in ("loss", "grad_norm", "grads", "bytes", "formula", "engine_formula",
-                           "grad_dtypes")}
+    rec = {k: [] for k in ("loss", "grad_norm", "grads", "params", "bytes", "formula",
+                           "engine_formula", "grad_dtypes")}
     local_seqs = GLOBAL_BATCH // 2
     for _ in range(STEPS):
         res = _step(engine, opt, topo, sampler, work, MICRO_BATCH)
@@ -89,8 +94,8 @@ def run_parity(topo, work, zero, sp, tied, reduce_dtype, out, rank):
         rec["engine_formula"].append(engine.bytes_formula(2, local_seqs, SEQ))
         rec["loss"].append(res.loss)
         rec["grad_norm"].append(res.grad_norm)
-        rec["grads"].append(engine.named_full_gradients())
-    rec["params"] = engine.named_full_parameters()
+        rec["grads"].append(_copies(engine.named_full_gradients()))
+        rec["params"].append(_copies(engine.named_full_parameters()))
     (val,) = work.batches(torch.arange(4), 4, split="val")
     rec["eval_loss_sum"] = float(engine.loss_sum_and_count(val)[0])  # no_grad inside
     with torch.no_grad(), engine.full_model() as full:  # sampling: full weights, full logits
@@ -132,10 +137,11 @@ def run_resume_source(topo, work, out, rank):
     engine = parallelize(make_model(), topo, _resume_layout("dp2_tp2_zero3_sp"), seed=0)
     opt = _optimizer(engine)
     sampler = work.sampler(GLOBAL_BATCH, 2, topo.index("dp"), seed=0)
-    rec = {"loss": [], "params": []}
+    rec = {"loss": [], "grads": [], "params": []}
     for step in range(RESUME_STEPS):
         rec["loss"].append(_step(engine, opt, topo, sampler, work, MICRO_BATCH).loss)
-        rec["params"].append(engine.named_full_parameters())
+        rec["grads"].append(_copies(engine.named_full_gradients()))
+        rec["params"].append(_copies(engine.named_full_parameters()))
         if step + 1 == SAVE_AFTER:
             rec["saved_state"] = engine.full_optimizer_state(opt)
             rec["saved_params"] = engine.named_full_parameters()
@@ -161,11 +167,12 @@ def run_resume_target(topo, work, target, saved_params, saved_state, out, rank):
     sampler = work.sampler(GLOBAL_BATCH, dp, topo.index("dp") if dp > 1 else 0, seed=0)
     for _ in range(SAVE_AFTER):
         sampler.next_local_batch()  # the data position of the checkpoint
-    rec["loss"], rec["params"] = [], []
+    rec["loss"], rec["grads"], rec["params"] = [], [], []
     micro = GLOBAL_BATCH // dp // 2
     for _ in range(SAVE_AFTER, RESUME_STEPS):
         rec["loss"].append(_step(engine, opt, topo, sampler, work, micro).loss)
-        rec["params"].append(engine.named_full_parameters())
+        rec["grads"].append(_copies(engine.named_full_gradients()))
+        rec["params"].append(_copies(engine.named_full_parameters()))
     rec["final_state"] = engine.full_optimizer_state(opt)
     torch.save(rec, f"{out}/resume_{target}_rank{rank}.pt")
 

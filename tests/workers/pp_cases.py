@@ -63,7 +63,7 @@ def run_case(work, topo, pp, dp, schedule, m, engine, overrides, lps, out, rank)
                          layers_per_stage=lps)
     opt = build_optimizer(eng, cfg)
     sampler = work.sampler(MICRO * m * dp, dp, topo.index("dp"), seed=0)
-    rec = {"loss": [], "grad_norm": [], "grads": [], "bytes": [], "peak_alive": []}
+    rec = {"loss": [], "grad_norm": [], "grads": [], "params": [], "bytes": [], "peak_alive": []}
     with torch.no_grad():  # evaluation path: one forward through the stages, before training
         rec["eval"] = [t.clone() for t in eng.loss_sum_and_count(
             work.batches(torch.arange(EVAL_ROWS), EVAL_ROWS)[0])]
@@ -73,12 +73,12 @@ def run_case(work, topo, pp, dp, schedule, m, engine, overrides, lps, out, rank)
         rec["loss"].append(res.loss)
         rec["grad_norm"].append(res.grad_norm)
         rec["grads"].append({n: g.clone() for n, g in eng.named_full_gradients().items()})
+        rec["params"].append({n: t.clone() for n, t in eng.named_full_parameters().items()})
         by_tag = {}
         for r in topo.ledger.step_records():
             by_tag[r.tag] = by_tag.get(r.tag, 0.0) + r.wire_bytes
         rec["bytes"].append(by_tag)
         rec["peak_alive"].append(eng.peak_alive)
-    rec["params"] = {n: t.clone() for n, t in eng.named_full_parameters().items()}
     rec["pp_index"] = topo.index("pp")
     name = case_name(pp, dp, schedule, m, engine, _suffix(overrides, lps))
     torch.save(rec, f"{out}/{name}_rank{rank}.pt")
