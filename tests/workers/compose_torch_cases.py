@@ -70,7 +70,11 @@ def _step(engine, opt, topo, sampler, work, micro_batch, rec=None):
         rec["formula"].append(f)
         rec["loss"].append(res.loss)
         rec["grad_norm"].append(res.grad_norm)
-        rec["grads"].append(engine.named_full_gradients())
+        rec["grads"].append({n: g.detach().clone()
+                             for n, g in engine.named_full_gradients().items()})
+        if "params" in rec:
+            rec["params"].append({n: p.detach().clone()
+                                  for n, p in engine.named_full_parameters().items()})
     return res
 
 
@@ -79,8 +83,8 @@ def run_parity(topo, topo4, topo_tp, work, zero, sp, out, rank):
     engine = parallelize(_model(), topo, layout, engine="torch")
     opt = build_optimizer(engine, CFG)
     sampler = work.sampler(GLOBAL_BATCH, 2, topo.index("dp"), seed=0)
-    rec = {"loss": [], "grad_norm": [], "grads": [], "bytes": [], "total_bytes": [],
-           "formula": [], "engine": type(engine).__name__}
+    rec = {"loss": [], "grad_norm": [], "grads": [], "params": [], "bytes": [],
+           "total_bytes": [], "formula": [], "engine": type(engine).__name__}
     for _ in range(STEPS):
         _step(engine, opt, topo, sampler, work, MICRO_BATCH, rec)
     if zero == 3 and not sp:
@@ -121,8 +125,9 @@ def roundtrip(engine, opt, topo, topo4, topo_tp, sampler, work):
     for _ in range(STEPS):
         s1.next_local_batch()
     plain = train_step(local, work.batches(s1.next_local_batch(), MICRO_BATCH), opt1,
-                       max_norm=MAX_NORM).loss
+                       max_norm=MAX_NORM, zero_grad=False).loss
     after["plain"] = local.full_optimizer_state(opt1)
+    plain_grads = {n: p.grad.clone() for n, p in local.module.named_parameters()}
     if topo_tp.member:  # torch tp=2 (DTensor) on ranks 0, 1
         eng_tp, opt_tp = restored(lambda m: parallelize(m, topo_tp, Layout(tp=2),
                                                         engine="torch"))
@@ -135,7 +140,9 @@ def roundtrip(engine, opt, topo, topo4, topo_tp, sampler, work):
         tp2, after["tp2"] = plain, after["plain"]  # not a member: nothing to compare
     after["own"] = engine.full_optimizer_state(opt)
     return {"own": own, "dp4_zero3": dp4, "dp4_zero1": z1, "plain": plain, "tp2": tp2,
-            "state_keys": sorted(state), "step": step, "state_after": after}
+            "state_keys": sorted(state), "step": step, "state_after": after,
+            "params": {n: p.detach().clone() for n, p in params.items()},
+            "plain_grads": plain_grads}
 
 
 def run_bf16(topo, work, zero, out, rank):
