@@ -59,7 +59,7 @@ def run_case(work, topo, case, out, rank):
     eng = parallelize(model, topo, layout, engine=engine)
     opt = build_optimizer(eng, cfg)
     sampler = work.sampler(MICRO * m * dp, dp, topo.index("dp"), seed=0)
-    rec = {"loss": [], "grad_norm": [], "grads": [], "bytes": [], "formula": [],
+    rec = {"loss": [], "grad_norm": [], "grads": [], "params": [], "bytes": [], "formula": [],
            "coords": dict(topo.coords)}
     with torch.no_grad():  # evaluation path: one forward through the stages, before training
         rec["eval"] = float(eng.loss_sum_and_count(
@@ -76,7 +76,7 @@ def run_case(work, topo, case, out, rank):
         rec["loss"].append(res.loss)
         rec["grad_norm"].append(res.grad_norm)
         rec["grads"].append({n: g.clone() for n, g in eng.named_full_gradients().items()})
-    rec["params"] = {n: t.clone() for n, t in eng.named_full_parameters().items()}
+        rec["params"].append({n: t.clone() for n, t in eng.named_full_parameters().items()})
     if not (engine == "torch" and zero):  # ZeroRedundancyOptimizer: refused (see builtin.py)
         state = eng.full_optimizer_state(opt)
         rec["opt_state"] = state
