@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import torch
 
@@ -265,6 +266,7 @@ def verify_worker(args) -> int:
             n_micro = lay.microbatches or (lay.pp if lay.pp > 1 else 2)
             global_batch = args.micro_batch * n_micro * lay.dp
             for eng in engines:
+                t0 = time.perf_counter()
                 if topo.member:
                     if global_batch not in refs:
                         refs[global_batch] = reference_run(model_name, work, cfg, global_batch,
@@ -293,6 +295,7 @@ def verify_worker(args) -> int:
                              "param_diff_over_bound": float(vec[5]),
                              "max_adamw_bound": float(vec[7]),
                              "ledger_vs_formula_max_deviation": ratio_dev,
+                             "seconds": time.perf_counter() - t0,
                              "pass": bool(vec[3] == 0) and ratio_dev < 1e-9})
     ok = all(r["pass"] for r in rows)
     if dist.get_rank() == 0:
