@@ -6,7 +6,18 @@ BIN     := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 
-.PHONY: install train test bench clean
+# The parity and verify tests, run by `make test-cpu-paths` under several CPU math paths (each
+# sums in other orders, as another machine's CPU would; docs/parity.md). CI runs the default.
+PARITY_TESTS := tests/test_parity_rule.py tests/test_dp_parity.py tests/test_zero.py \
+	tests/test_tensor_parallel.py tests/test_pipeline_parity.py tests/test_compose_2d.py \
+	tests/test_compose_torch.py tests/test_pipeline_compose.py \
+	tests/test_checkpoint.py::test_resharding_matrix \
+	tests/test_cli.py::test_train_end_to_end_in_each_layout_gives_the_dp_run_validation_losses \
+	tests/test_cli.py::test_verify_passes_every_layout_that_fits_both_engines \
+	tests/test_cli.py::test_verify_bounded_8_rank_compositions
+CPU_PATHS := default ATEN_CPU_CAPABILITY=avx2 ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE
+
+.PHONY: install train test test-cpu-paths bench clean
 
 install: $(STAMP)
 
@@ -22,6 +33,15 @@ train: install
 
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+test-cpu-paths: install
+	@for path in $(CPU_PATHS); do \
+	  if [ "$$path" = default ]; then set -- ; else set -- "$$path"; fi; \
+	  echo "== CPU math path: $${1:-default} (torch CPU capability: $$(env "$$@" \
+	    $(BIN)/python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())'))"; \
+	  env "$$@" OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(PARITY_TESTS) \
+	    || exit 1; \
+	done
 
 bench: install
 	OMP_NUM_THREADS=1 $(BIN)/shardwise bench

@@ -23,7 +23,7 @@ from shardwise.train.optim import build_optimizer
 from shardwise.train.step import train_step
 from shardwise.train.workload import RegressionWorkload, SyntheticLMWorkload
 
-STEPS, MICRO, MAX_NORM, LR, N_LAYERS = 3, 2, 0.3, 1e-4, 8
+STEPS, MICRO, MAX_NORM, LR, N_LAYERS = 3, 2, 0.3, 3e-4, 8
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 ODD_M = {2: 3, 4: 5}
 EVAL_ROWS = 4  # evaluation batch: the first 4 training rows
