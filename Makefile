@@ -13,8 +13,7 @@ PARITY_TESTS := tests/test_parity_rule.py tests/test_dp_parity.py tests/test_zer
 	tests/test_compose_torch.py tests/test_pipeline_compose.py \
 	tests/test_checkpoint.py::test_resharding_matrix \
 	tests/test_cli.py::test_train_end_to_end_in_each_layout_gives_the_dp_run_validation_losses \
-	tests/test_cli.py::test_verify_passes_every_layout_that_fits_both_engines \
-	tests/test_cli.py::test_verify_bounded_8_rank_compositions
+	tests/test_verify_n4.py tests/test_verify_n8.py
 CPU_PATHS := default ATEN_CPU_CAPABILITY=avx2 ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE
 
 .PHONY: install train test test-cpu-paths bench clean
@@ -31,15 +30,17 @@ $(STAMP): pyproject.toml Makefile
 train: install
 	OMP_NUM_THREADS=1 $(BIN)/shardwise train
 
+# Two pytest workers, a test file each (--dist loadfile: a module's spawned world stays in one
+# worker); the 10 slowest tests are printed at the end.
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=10
 
 test-cpu-paths: install
 	@for path in $(CPU_PATHS); do \
 	  if [ "$$path" = default ]; then set -- ; else set -- "$$path"; fi; \
 	  echo "== CPU math path: $${1:-default} (torch CPU capability: $$(env "$$@" \
 	    $(BIN)/python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())'))"; \
-	  env "$$@" OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(PARITY_TESTS) \
+	  env "$$@" OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile $(PARITY_TESTS) \
 	    || exit 1; \
 	done
 

@@ -319,6 +319,15 @@ def compare(mine: dict, ref: dict, *, where: str = "", all_names: bool = True) -
     if params is None:
         return rep
     checks = list(enumerate(params)) if per_step else [(steps - 1, params)]
+    history = {}  # name → (reference gradients, errors, bounds) over all steps, computed once
+
+    def history_of(name):
+        if name not in history:
+            g_ref, err = _grad_errors(rep, pre, mine, ref, name, steps)
+            history[name] = (g_ref, err, None if err is None else adamw_param_bound(
+                g_ref, err, ref["lrs"], ref["betas"], ref["eps"]))
+        return history[name]
+
     for t, named in checks:
         if all_names and set(named) != set(ref["params"][t]):
             rep.failures.append(f"{pre}step {t}: parameter names differ from the reference's")
@@ -326,10 +335,10 @@ def compare(mine: dict, ref: dict, *, where: str = "", all_names: bool = True) -
             if name not in ref["params"][t]:
                 rep.failures.append(f"{pre}no reference parameter {name}")
                 continue
-            g_ref, err = _grad_errors(rep, pre, mine, ref, name, t + 1)
+            g_ref, err, bounds = history_of(name)
             if err is None:
                 continue
-            bound = adamw_param_bound(g_ref, err, ref["lrs"], ref["betas"], ref["eps"])[-1]
+            g_ref, err, bound = g_ref[:t + 1], err[:t + 1], bounds[t]
             label = "final" if not per_step else f"step {t}"
             ref_p = ref["params"][t][name].double()
             d, ratio = _check(rep, f"{pre}{label} param {name}", p, ref_p,
@@ -349,7 +358,7 @@ def compare(mine: dict, ref: dict, *, where: str = "", all_names: bool = True) -
         if all_names and set(mine["state"]) != set(ref_state):
             rep.failures.append(f"{pre}optimizer state names differ from the reference's")
         for name, st in mine["state"].items():
-            g_ref, err = _grad_errors(rep, pre, mine, ref, name, steps)
+            g_ref, err, _ = history_of(name)
             if err is None:
                 continue
             for key, tol in zip(("exp_avg", "exp_avg_sq"),

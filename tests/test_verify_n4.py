@@ -1,0 +1,41 @@
+"""``shardwise verify --nproc 4``: parity of every layout with one process by
+shardwise.parity's rule, and the ledger against the formula. A file of its own, so that
+the suite's two workers (pytest-xdist, one file each) run the two verify worlds side by side."""
+
+import json
+
+import pytest
+
+from conftest import run_cli
+
+
+@pytest.mark.timeout(600)
+def test_verify_passes_every_layout_that_fits_both_engines(cache_dir, tmp_path):
+    """N = 4: every single strategy and every factorization of 4 over (pp, dp, tp) × ZeRO
+    stages × schedules × SP, both engines, both test models; ledger bytes = formula for each."""
+    p = run_cli(["verify", "--nproc", "4", "--json", tmp_path / "verify.json"], cache_dir,
+                timeout=580)
+    assert p.returncode == 0, p.stdout
+    report = json.loads((tmp_path / "verify.json").read_text())
+    cases = {(c["layout"], c["engine"], c["model"]) for c in report["cases"]}
+    for engine in ("explicit", "torch"):
+        for model in ("tiny", "mlp-tiny"):
+            for dp in (1, 2, 3, 4):
+                assert (f"dp={dp}", engine, model) in cases
+            for zero in (1, 2, 3):
+                assert (f"dp=4,zero={zero}", engine, model) in cases
+            for sched in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"):
+                assert (f"dp=2,pp=2,zero=1,{sched},m=4", engine, model) in cases
+        for tp in ("tp=2", "tp=2,sp", "tp=4", "tp=4,sp"):
+            assert (tp, engine, "tiny") in cases
+        for zero in ("", ",zero=1", ",zero=2", ",zero=3"):  # FSDP+TP and DP×TP
+            for sp in ("", ",sp"):
+                assert (f"dp=2,tp=2{zero}{sp}", engine, "tiny") in cases
+        for sched in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"):  # PP×TP
+            assert (f"tp=2,pp=2,sp,{sched},m=4", engine, "tiny") in cases
+    assert report["pass"] and all(c["pass"] for c in report["cases"])
+    assert all(c["ledger_vs_formula_max_deviation"] < 1e-9 for c in report["cases"])
+    assert all(c["diff_over_tolerance"] <= 1 and c["param_diff_over_bound"] <= 1
+               for c in report["cases"])
+    assert report["rule"].startswith("loss, grad norm, gradients") and "rule: " in p.stdout
+    assert f"{len(report['cases'])}/{len(report['cases'])} passed" in p.stdout

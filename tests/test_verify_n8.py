@@ -1,0 +1,28 @@
+"""``shardwise verify --nproc 8 --bounded``: parity of every layout with one process by
+shardwise.parity's rule, and the ledger against the formula. A file of its own, so that
+the suite's two workers (pytest-xdist, one file each) run the two verify worlds side by side."""
+
+import json
+
+import pytest
+
+from conftest import run_cli
+
+
+@pytest.mark.timeout(400)
+def test_verify_bounded_8_rank_compositions(cache_dir, tmp_path):
+    """N = 8, bounded: each factorization of 8 with at least two degrees > 1 (FSDP+TP with
+    tp = 4 and with dp = 4, PP×TP, PP×DP, 3D with zb-h1 + SP and with interleaved 1F1B)."""
+    p = run_cli(["verify", "--nproc", "8", "--bounded", "--json", tmp_path / "verify.json"],
+                cache_dir, timeout=380)
+    assert p.returncode == 0, p.stdout
+    report = json.loads((tmp_path / "verify.json").read_text())
+    layouts = {c["layout"] for c in report["cases"]}
+    assert {"dp=2,tp=4,zero=3,sp", "dp=2,tp=2,pp=2,zero=1,sp,zb-h1,m=4",
+            "dp=2,tp=2,pp=2,zero=1,interleaved-1f1b,m=4"} <= layouts
+    assert {c["engine"] for c in report["cases"]} == {"explicit", "torch"}
+    assert report["pass"] and all(c["pass"] for c in report["cases"])
+    assert all(c["ledger_vs_formula_max_deviation"] < 1e-9 for c in report["cases"])
+    assert all(c["diff_over_tolerance"] <= 1 and c["param_diff_over_bound"] <= 1
+               for c in report["cases"])
+    assert report["rule"].startswith("loss, grad norm, gradients") and "rule: " in p.stdout
