@@ -154,6 +154,25 @@ def broadcast(tensor: torch.Tensor, topo, axis: str, src: int = 0, *, tag: str =
                                          async_op=a))
 
 
+def broadcast_coalesced(tensors: list[torch.Tensor], topo, axis: str, src: int = 0, *,
+                        tag: str = "") -> None:
+    """Broadcast several tensors in place from index ``src`` of ``axis`` in one call per dtype
+    (flattened into one buffer, sent, copied back): the same bytes as one :func:`broadcast`
+    per tensor, (n−1)/n · Σ S, booked once per dtype. Every rank passes tensors of the same
+    shapes and dtypes in the same order (e.g. a model's parameters at construction)."""
+    if topo.size(axis) == 1 or not tensors:
+        return
+    by_dtype: dict = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        broadcast(flat, topo, axis, src, tag=tag)
+        with torch.no_grad():
+            for t, part in zip(group, flat.split([t.numel() for t in group])):
+                t.copy_(part.view_as(t))
+
+
 def all_to_all(output: torch.Tensor, input: torch.Tensor, topo, axis: str, *, tag: str = "",
                async_op: bool = False):
     """Split ``input`` [n·k, ...] into n chunks, send chunk j to rank j of ``axis``, receive into

@@ -69,7 +69,8 @@ from ..comm.ledger import ring_bytes
 from ..errors import ShardwiseConfigError
 from .data import DataParallel
 from .engine import Engine, autocast
-from .tensor import TensorParallel, parallelize_tensor, tp_step_bytes_formula
+from .tensor import (TensorParallel, gather_full, gather_named_full, parallelize_tensor,
+                     tp_step_bytes_formula)
 from .zero import ZeroDataParallel, zero_memory_formula
 
 
@@ -151,8 +152,7 @@ class DataTensorParallel(Engine):
 
     # -- full-shape views (parity checks, checkpoints) ------------------------------------------
     def _tp_full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        named = dict(self.module.named_parameters())
-        return {n: self.tp._full(t, named[n]) for n, t in local.items()}
+        return gather_named_full(local, dict(self.module.named_parameters()), self.tp.topo)
 
     def named_full_parameters(self) -> dict[str, torch.Tensor]:
         """{plain FQN: full-shape parameter}: ZeRO shards gathered over dp, then TP shards over
@@ -175,8 +175,13 @@ class DataTensorParallel(Engine):
             return self.tp.full_optimizer_state(optimizer)
         named = dict(self.module.named_parameters())
         local = self.dp.full_optimizer_state(optimizer)
-        return {n: {k: (self.tp._full(v, named[n]) if torch.is_tensor(v) and v.dim() > 0 else v)
-                    for k, v in st.items()} for n, st in local.items()}
+        keys = [(n, k) for n, st in local.items() for k, v in st.items()
+                if torch.is_tensor(v) and v.dim() > 0]
+        full = gather_full([(local[n][k], named[n]) for n, k in keys], self.tp.topo)
+        out = {n: dict(st) for n, st in local.items()}
+        for (n, k), t in zip(keys, full):
+            out[n][k] = t
+        return out
 
     def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
         """Full-shape state (from any layout) → this rank's tp shard → its dp slice. No

@@ -104,9 +104,8 @@ class DataParallel(Engine):
         self.topo, self.overlap, self.reduce_dtype = topo, overlap, reduce_dtype
         self._sync = True
         params = [p for p in module.parameters() if p.requires_grad]
-        with topo.ledger.phase("init"):
-            for p in params:  # replicas identical from the start
-                comm.broadcast(p.data, topo, "dp", src=0, tag="init")
+        with topo.ledger.phase("init"):  # replicas identical from the start
+            comm.broadcast_coalesced([p.data for p in params], topo, "dp", tag="init")
         cap = max(1, int(bucket_mb * 2**20))
         self.buckets: list[_Bucket] = []
         current, size = [], 0

@@ -878,19 +878,31 @@ class ZeroDataParallel(Engine):
             yield self.module
 
     @torch.no_grad()
-    def _gather_flat(self, shard: torch.Tensor, u: _Unit) -> torch.Tensor:
-        full = torch.empty(u.padded, dtype=u.dtype, device=u.device)
+    def _gather_flats(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each unit's padded flat buffer ``[P_u]`` from every rank's slice ``shards[u]``
+        ``[P_u/n]``: one all_gather over dp for all the units (ledger phase ``verify``) of
+        ``[Σ P_u/n]`` into ``[n, Σ P_u/n]``, whose unit columns, rank after rank, are the flat
+        buffer. Collective over dp."""
+        if len({s.dtype for s in shards}) > 1:  # one gather per unit then
+            return [x for s in shards for x in self._gather_flats([s])]
+        mine = torch.cat(shards)
+        rows = mine.new_empty(self.n * mine.numel())
         with self.topo.ledger.phase("verify"):
-            comm.all_gather(full, shard, self.topo, "dp", tag="verify")
-        return full
+            comm.all_gather(rows, mine, self.topo, "dp", tag="verify")
+        rows, start, out = rows.view(self.n, -1), 0, []
+        for s in shards:
+            out.append(rows[:, start:start + s.numel()].reshape(-1))
+            start += s.numel()
+        return out
 
     def named_full_parameters(self) -> dict[str, torch.Tensor]:
         """{FQN: full-shape parameter} (tied weight once). ZeRO-1/2: the model's own (replicated)
         parameters; ZeRO-3: all-gathered from the shards (ledger phase ``verify``). Collective
         for ZeRO-3."""
         out = {}
-        for u in self.units:
-            flat = u.full if self.stage < 3 else self._gather_flat(u.shard, u)
+        flats = ([u.full for u in self.units] if self.stage < 3
+                 else self._gather_flats([u.shard for u in self.units]))
+        for u, flat in zip(self.units, flats):
             for fqn, (_, view) in zip(u.fqns, u.views(flat)):
                 out[fqn] = view.detach().clone()
         return out
@@ -899,8 +911,7 @@ class ZeroDataParallel(Engine):
         """{FQN: full-shape summed (and clipped) gradient}, all-gathered from every rank's slice
         (ledger phase ``verify``). Call after :meth:`finish_gradient_sync`. Collective."""
         out = {}
-        for u in self.units:
-            flat = self._gather_flat(u.shard_grad, u)
+        for u, flat in zip(self.units, self._gather_flats([u.shard_grad for u in self.units])):
             for fqn, (_, view) in zip(u.fqns, u.views(flat)):
                 out[fqn] = view.clone()
         return out

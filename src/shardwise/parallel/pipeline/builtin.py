@@ -190,6 +190,9 @@ class TorchPipelineParallel(PipelineParallel):
     def _full(self, t, p):
         return (t.full_tensor() if _is_dtensor(t) else t).detach().clone()
 
+    def _full_all(self, pairs):
+        return [self._full(t, p) for t, p in pairs]  # DTensor: full_tensor() per tensor
+
     def _shard_of(self, full, p):
         if not _is_dtensor(p):
             return full.detach().clone().to(p.device)

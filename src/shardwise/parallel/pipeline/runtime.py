@@ -75,7 +75,7 @@ from ... import comm
 from ...errors import ShardwiseConfigError
 from ...models import count_items
 from ..engine import Engine, autocast
-from ..tensor import validate_tp, vocab_parallel_cross_entropy
+from ..tensor import gather_full, validate_tp, vocab_parallel_cross_entropy
 from .schedules import build_schedule, check_schedule
 from .split import StageModule, activation_shape, first_stage_input, loss_sum
 from .tp_stage import convert_stage_tp, cut_tp_shard, gather_tp_shard
@@ -173,8 +173,8 @@ class PipelineParallel(Engine):
         self._grad_traffic = _GradTraffic(topo)  # gradients: another FIFO (module docstring)
         with topo.ledger.phase("init"):
             if topo.size("dp") > 1:  # replicas of a stage start identical
-                for p in stage.parameters():
-                    comm.broadcast(_local(p.data), topo, "dp", src=0, tag="init")
+                comm.broadcast_coalesced([_local(p.data) for p in stage.parameters()], topo,
+                                         "dp", tag="init")
             if stage.tied and self.p > 1 and (self.is_first or self.is_last):
                 if self.is_first:
                     comm.send(_local(stage.tok_embeddings.weight.data), topo, "pp", self.p - 1,
@@ -594,18 +594,28 @@ class PipelineParallel(Engine):
                 out.append((self.module.fqn(n), p))
         return out
 
+    def _full_all(self, pairs: list[tuple[torch.Tensor, nn.Parameter]]) -> list[torch.Tensor]:
+        """:meth:`_full` of each pair; the tp shards in one all_gather
+        (:func:`..tensor.gather_full`)."""
+        if self.tp == 1:
+            return [t.detach().clone() for t, _ in pairs]
+        return gather_full(pairs, self.topo)
+
     def named_full_parameters(self) -> dict[str, torch.Tensor]:
         """This stage's parameters keyed by the plain model's names (the last rank's tied copy
         as ``tok_embeddings.weight``), gathered over tp. Collective over tp."""
-        return {n: self._full(p.detach(), p) for n, p in self._named()}
+        named = self._named()
+        return dict(zip([n for n, _ in named], self._full_all([(p, p) for _, p in named])))
 
     def named_full_gradients(self) -> dict[str, torch.Tensor]:
         """This stage's summed gradients in full shape (ZeRO-1: the slices gathered over dp,
         then tp shards over tp). Collective over dp (ZeRO-1) and tp."""
         if self.zero1 is not None:
             grads = self.zero1.full_gradients()
-            return {n: self._full(grads[id(p)], p) for n, p in self._named()}
-        return {n: self._full(p.grad, p) for n, p in self._named() if p.grad is not None}
+            pairs = [(n, grads[id(p)], p) for n, p in self._named()]
+        else:
+            pairs = [(n, p.grad, p) for n, p in self._named() if p.grad is not None]
+        return dict(zip([n for n, _, _ in pairs], self._full_all([(g, p) for _, g, p in pairs])))
 
     def full_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
         """{plain FQN: {"step", "exp_avg", "exp_avg_sq"}} in full parameter shape for this

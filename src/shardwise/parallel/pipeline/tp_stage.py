@@ -31,7 +31,7 @@ from ... import comm
 from ...errors import ShardwiseConfigError
 from ..tensor import (AXIS, TPRNG, TensorParallelAttention, TensorParallelSwiGLU, TPDropout,
                       VocabParallelEmbedding, VocabParallelHead, _leftovers, _local_chunk,
-                      validate_tp)
+                      gather_full, validate_tp)
 from .split import StageModule
 
 
@@ -51,8 +51,7 @@ def convert_stage_tp(stage: StageModule, topo, sp: bool = False, *, seed: int = 
                                    "TP plan")
     validate_tp(stage.config, n, sp)
     with topo.ledger.phase("init"):
-        for p in stage.parameters():
-            comm.broadcast(p.data, topo, AXIS, src=0, tag="init")
+        comm.broadcast_coalesced([p.data for p in stage.parameters()], topo, AXIS, tag="init")
     rng = TPRNG(seed, topo)
     for layer in stage.layers.values():
         layer.attention = TensorParallelAttention(layer.attention, topo, sp, rng)
@@ -87,14 +86,9 @@ def tp_replicated(p: nn.Parameter) -> bool:
 
 def gather_tp_shard(t: torch.Tensor, p: nn.Parameter, topo) -> torch.Tensor:
     """The full tensor of ``t``, a tp shard shaped like ``p`` (split on ``p.tp_shard_dim``):
-    all-gathered over tp (phase ``gather``, tag ``gather``), vocabulary padding stripped.
-    Collective over tp."""
-    n, dim = topo.size(AXIS), p.tp_shard_dim
-    shard = t.detach().movedim(dim, 0).contiguous()
-    full = shard.new_empty((n * shard.shape[0], *shard.shape[1:]))
-    with topo.ledger.phase("gather"):
-        comm.all_gather(full, shard, topo, AXIS, tag="gather")
-    return full[: p.tp_full_size].movedim(0, dim).contiguous()
+    all-gathered over tp (phase ``gather``, tag ``gather``), vocabulary padding stripped
+    (:func:`..tensor.gather_full` of one tensor). Collective over tp."""
+    return gather_full([(t, p)], topo)[0]
 
 
 def cut_tp_shard(full: torch.Tensor, p: nn.Parameter, topo) -> torch.Tensor:
