@@ -31,17 +31,18 @@ train: install
 	OMP_NUM_THREADS=1 $(BIN)/shardwise train
 
 # Two pytest workers, a test file each (--dist loadfile: a module's spawned world stays in one
-# worker); the 10 slowest tests are printed at the end.
+# worker), in collection order (--no-loadscope-reorder: tests/conftest.py puts the two long
+# verify files first, one per worker); the 10 slowest tests are printed at the end.
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=10
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=10
 
 test-cpu-paths: install
 	@for path in $(CPU_PATHS); do \
 	  if [ "$$path" = default ]; then set -- ; else set -- "$$path"; fi; \
 	  echo "== CPU math path: $${1:-default} (torch CPU capability: $$(env "$$@" \
 	    $(BIN)/python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())'))"; \
-	  env "$$@" OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile $(PARITY_TESTS) \
-	    || exit 1; \
+	  env "$$@" OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile \
+	    --no-loadscope-reorder $(PARITY_TESTS) || exit 1; \
 	done
 
 bench: install

@@ -310,63 +310,105 @@ def compare(mine: dict, ref: dict, *, where: str = "", all_names: bool = True) -
         if all_names and set(grads) != set(at["grads"]):
             rep.failures.append(f"{pre}step {t}: gradient names differ from the reference's: "
                                 f"{sorted(set(grads) ^ set(at['grads']))}")
+        names = []
         for name, g in grads.items():
             if name not in at["grads"]:
                 rep.failures.append(f"{pre}step {t}: no reference gradient for {name}")
-                continue
-            d, r = _check(rep, f"{pre}step {t} grad {name}", g, at["grads"][name])
-            rep.max_grad_diff, rep.tol_ratio = max(rep.max_grad_diff, d), max(rep.tol_ratio, r)
+            elif g.shape != at["grads"][name].shape:
+                _check(rep, f"{pre}step {t} grad {name}", g, at["grads"][name])
+            else:
+                names.append(name)
+        want = _flat([at["grads"][n] for n in names])
+        d, r = _check_flat(rep, f"{pre}step {t} grad", names, [grads[n].shape for n in names],
+                           _flat([grads[n] for n in names]), want, ATOL + RTOL * want.abs(),
+                           f"ATOL {ATOL:g} + RTOL {RTOL:g}·|ref|")
+        rep.max_grad_diff, rep.tol_ratio = max(rep.max_grad_diff, d), max(rep.tol_ratio, r)
     if params is None:
         return rep
     checks = list(enumerate(params)) if per_step else [(steps - 1, params)]
-    history = {}  # name → (reference gradients, errors, bounds) over all steps, computed once
-
-    def history_of(name):
-        if name not in history:
-            g_ref, err = _grad_errors(rep, pre, mine, ref, name, steps)
-            history[name] = (g_ref, err, None if err is None else adamw_param_bound(
-                g_ref, err, ref["lrs"], ref["betas"], ref["eps"]))
-        return history[name]
-
     for t, named in checks:
         if all_names and set(named) != set(ref["params"][t]):
             rep.failures.append(f"{pre}step {t}: parameter names differ from the reference's")
-        for name, p in named.items():
+        for name in named:
             if name not in ref["params"][t]:
                 rep.failures.append(f"{pre}no reference parameter {name}")
-                continue
-            g_ref, err, bounds = history_of(name)
-            if err is None:
-                continue
-            g_ref, err, bound = g_ref[:t + 1], err[:t + 1], bounds[t]
-            label = "final" if not per_step else f"step {t}"
-            ref_p = ref["params"][t][name].double()
-            d, ratio = _check(rep, f"{pre}{label} param {name}", p, ref_p,
-                              ATOL + RTOL * ref_p.abs() + bound, "ATOL + RTOL·|ref| + AdamW bound")
-            rep.param_bound_ratio = max(rep.param_bound_ratio, ratio)
-            rep.max_param_diff = max(rep.max_param_diff, d)
-            if bound.numel() and float(bound.max()) > rep.max_param_bound:
-                i = int(bound.argmax())
-                idx = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), bound.shape))
-                rep.max_param_bound = float(bound.max())
-                rep.worst_param = (f"{name}{list(idx)} at step {t}: gradient errors "
-                                   f"{[f'{float(e.reshape(-1)[i]):.1e}' for e in err]}, "
-                                   f"reference gradients "
-                                   f"{[f'{float(g.reshape(-1)[i]):.1e}' for g in g_ref]}")
+    # every element of every parameter at once: the gradient history, flattened and
+    # concatenated over the names, gives the bound elementwise (one pass, not one per tensor)
+    names = [n for n in checks[-1][1] if n in ref["params"][0]
+             and _grad_errors(rep, pre, mine, ref, n, steps)[1] is not None]
+    shapes = [ref["params"][0][n].shape for n in names]
+    sizes = [math.prod(sh) for sh in shapes]
+    g_ref = [_flat([ref["grads"][s][n] for n in names]) for s in range(steps)]
+    err = [(_flat([mine["grads"][s][n] for n in names]) - g).abs() for s, g in enumerate(g_ref)]
+    bounds = adamw_param_bound(g_ref, err, ref["lrs"], ref["betas"], ref["eps"])
+    for t, named in checks:
+        label = "final" if not per_step else f"step {t}"
+        ref_p = _flat([ref["params"][t][n] for n in names])
+        d, ratio = _check_flat(rep, f"{pre}{label} param", names, shapes,
+                               _flat([named[n] for n in names]), ref_p,
+                               ATOL + RTOL * ref_p.abs() + bounds[t],
+                               "ATOL + RTOL·|ref| + AdamW bound")
+        rep.param_bound_ratio = max(rep.param_bound_ratio, ratio)
+        rep.max_param_diff = max(rep.max_param_diff, d)
+    if names and bounds[checks[-1][0]].numel():
+        t = checks[-1][0]
+        i = int(bounds[t].argmax())
+        name, j = _locate(names, sizes, i)
+        idx = [int(x) for x in torch.unravel_index(torch.tensor(j), ref["params"][0][name].shape)]
+        rep.max_param_bound = float(bounds[t][i])
+        rep.worst_param = (f"{name}{idx} at step {t}: gradient errors "
+                           f"{[f'{float(e[i]):.1e}' for e in err[:t + 1]]}, reference gradients "
+                           f"{[f'{float(g[i]):.1e}' for g in g_ref[:t + 1]]}")
     if mine.get("state") is not None:  # AdamW's moments after the run's last step
         ref_state = ref["state"][steps - 1]
         if all_names and set(mine["state"]) != set(ref_state):
             rep.failures.append(f"{pre}optimizer state names differ from the reference's")
-        for name, st in mine["state"].items():
-            g_ref, err, _ = history_of(name)
-            if err is None:
-                continue
-            for key, tol in zip(("exp_avg", "exp_avg_sq"),
-                                adamw_state_bound(g_ref, err, ref["betas"])):
-                _, ratio = _check(rep, f"{pre}{key} {name}", st[key], ref_state[name][key], tol,
-                                  "RTOL·Σw|g| + bound from the gradient errors")
-                rep.param_bound_ratio = max(rep.param_bound_ratio, ratio)
+        held = [n for n in names if n in mine["state"]]
+        missing = sorted(set(mine["state"]) - set(names))
+        if missing:
+            rep.failures.append(f"{pre}optimizer state without a checked parameter: {missing}")
+        keep = torch.cat([torch.full((k,), n in mine["state"]) for n, k in zip(names, sizes)]) \
+            if names else torch.zeros(0, dtype=torch.bool)
+        tols = adamw_state_bound([g[keep] for g in g_ref], [e[keep] for e in err], ref["betas"])
+        for key, tol in zip(("exp_avg", "exp_avg_sq"), tols):
+            _, ratio = _check_flat(rep, f"{pre}{key}", held,
+                                   [ref["params"][0][n].shape for n in held],
+                                   _flat([mine["state"][n][key] for n in held]),
+                                   _flat([ref_state[n][key] for n in held]), tol,
+                                   "RTOL·Σw|g| + bound from the gradient errors")
+            rep.param_bound_ratio = max(rep.param_bound_ratio, ratio)
     return rep
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors flattened and concatenated, in float64 (an empty list: an empty tensor)."""
+    return (torch.cat([t.detach().reshape(-1).double() for t in tensors]) if tensors
+            else torch.zeros(0, dtype=torch.float64))
+
+
+def _locate(names: list[str], sizes: list[int], i: int) -> tuple[str, int]:
+    """(name, flat index within it) of element ``i`` of a concatenation of ``sizes``."""
+    for name, k in zip(names, sizes):
+        if i < k:
+            return name, i
+        i -= k
+    raise IndexError(i)
+
+
+def _check_flat(rep, what, names, shapes, mine, ref, tol, kind) -> tuple[float, float]:
+    """:func:`_check` of tensors flattened and concatenated (``names`` of ``shapes``), in one
+    pass; on a failure, one line per failing tensor with the element's index in it. Returns
+    (max |Δ|, max |Δ| / tol)."""
+    probe = ParityReport()
+    d, ratio = _check(probe, what, mine, ref, tol, kind)
+    if probe.failures:
+        start = 0
+        for name, shape in zip(names, shapes):
+            k = math.prod(shape)
+            cut = lambda t: t[start:start + k].view(shape)  # noqa: E731
+            _check(rep, f"{what} {name}", cut(mine), cut(ref), cut(tol), kind)
+            start += k
+    return d, ratio
 
 
 def _grad_errors(rep, pre, mine, ref, name, steps):
