@@ -1,9 +1,9 @@
 """Pipeline parity against a single-process reference computed here, independently of shardwise's
 training step: pp ∈ {2, 4} × every schedule × m ∈ {pp, 2·pp, odd} × engine ∈ {explicit, torch},
 tied embeddings, 3 AdamW steps with clipping that binds; each stage's loss, gradients and
-parameters match the reference's at every step by shardwise.parity's rule. Also: activation memory per
-schedule (counted by the runtime), the ledger's point-to-point bytes against the formula, and a
-timeline PNG + Chrome trace of a real pp=4 1F1B run."""
+parameters match the reference's at every step by shardwise.parity's rule. Also: activation
+memory per schedule (counted by the runtime), the ledger's point-to-point bytes against the
+formula, and a timeline PNG + Chrome trace of a real pp=4 1F1B run."""
 
 import json
 import sys

@@ -81,7 +81,8 @@ def reference_run(model: nn.Module, global_batches: list[dict], *, lrs: list[flo
     L2 norm (``clip_grad_norm_``). Returns ``{"loss": [T], "grad_norm": [T]`` (before clipping),
     ``"grads": [T × {name: grad after clipping}], "params": [T × {name: param after step t}],
     "lrs", "betas", "eps", "model", "batches", "max_norm"}`` and, with ``keep_state``,
-    ``"state": [T × {name: {"exp_avg", "exp_avg_sq"}}]`` after each step. Names are the plain model's (a tied weight once).
+    ``"state": [T × {name: {"exp_avg", "exp_avg_sq"}}]`` after each step. Names are the plain
+    model's (a tied weight once).
     Raises ValueError if ``lrs`` and ``global_batches`` differ in length."""
     if len(lrs) != len(global_batches):
         raise ValueError(f"{len(global_batches)} batches but {len(lrs)} learning rates")
@@ -193,7 +194,8 @@ def adamw_param_bound(ref_grads: list[torch.Tensor], grad_errors: list[torch.Ten
 
 
 def adamw_state_bound(ref_grads: list[torch.Tensor], grad_errors: list[torch.Tensor],
-                      betas: tuple[float, float] = (0.9, 0.95)) -> tuple[torch.Tensor, torch.Tensor]:
+                      betas: tuple[float, float] = (0.9, 0.95)
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Elementwise tolerances on AdamW's moments after the last of the given steps (torch's
     ``exp_avg`` m = Σ_s (1−β1)β1^{t−s}·g_s and ``exp_avg_sq`` v = Σ_s (1−β2)β2^{t−s}·g_s², no
     bias correction; Kingma & Ba 2015, Alg. 1): with the measured errors e_s,
@@ -218,10 +220,11 @@ class ParityReport:
 
     ``max_*_diff``: largest |mine − ref| (loss, grad norm, any gradient element, any parameter
     element); ``tol_ratio``: the largest |mine − ref| / (ATOL + RTOL·|ref|) over losses, norms
-    and gradients (≤ 1 when they pass: the margin left); ``param_bound_ratio``: the largest |Δp| / (ATOL + RTOL·|p| + AdamW bound), ≤ 1
-    when parameters pass; ``max_param_bound``: the largest AdamW term Σ lr·B used, and
-    ``worst_param``: where it was (name, index, its gradient error and √v̂, for the table's
-    footnote); ``failures``: one line per failed check (empty when the run matches)."""
+    and gradients (≤ 1 when they pass: the margin left); ``param_bound_ratio``: the largest
+    |Δp| / (ATOL + RTOL·|p| + AdamW bound), and of AdamW's moments against theirs, ≤ 1 when they
+    pass; ``max_param_bound``: the largest AdamW term Σ lr·B used, and ``worst_param``: where it
+    was (name, index, its gradient errors and reference gradients, for verify's footnote);
+    ``failures``: one line per failed check (empty when the run matches)."""
     max_loss_diff: float = 0.0
     max_norm_diff: float = 0.0
     max_grad_diff: float = 0.0
@@ -235,16 +238,6 @@ class ParityReport:
     @property
     def ok(self) -> bool:
         return not self.failures
-
-    def merge(self, other: "ParityReport") -> "ParityReport":
-        """The worst of both (for several ranks or stages of one run)."""
-        worst = max((self, other), key=lambda r: r.max_param_bound)
-        return ParityReport(*(max(getattr(self, f), getattr(other, f)) for f in _MAXED),
-                            worst_param=worst.worst_param, failures=self.failures + other.failures)
-
-
-_MAXED = ("max_loss_diff", "max_norm_diff", "max_grad_diff", "max_param_diff", "tol_ratio",
-          "param_bound_ratio", "max_param_bound")
 
 
 def _check(report, what, mine, ref, tol=None, kind="") -> tuple[float, float]:
@@ -286,8 +279,9 @@ def compare(mine: dict, ref: dict, *, where: str = "", all_names: bool = True) -
     reference's steps. Names of grads and params may be a subset of the reference's unless
     ``all_names``. With ``"state": {name: {"exp_avg", "exp_avg_sq", …}}`` (the run's full
     AdamW state after its last step) and a reference run with ``keep_state``, the moments are
-    checked against :func:`adamw_state_bound`. ``where`` prefixes every failure line (e.g. ``"rank 1"``). Returns a
-    :class:`ParityReport`. Raises ValueError when T > 1 and no per-step parameters are given."""
+    checked against :func:`adamw_state_bound`. ``where`` prefixes every failure line (e.g.
+    ``"rank 1"``). Returns a :class:`ParityReport`. Raises ValueError when T > 1 and no
+    per-step parameters are given."""
     rep = ParityReport()
     pre = f"{where} " if where else ""
     steps = len(mine["loss"])
