@@ -189,12 +189,12 @@ def _whole_model(params: dict, ref_params: dict, topo: Topology) -> dict:
 
 
 def run_case(model_name, work, layout, engine_name, topo, cfg, ref, micro_batch, n_micro,
-             steps, overrides=None) -> parity.ParityReport:
+             steps, overrides=None) -> tuple[parity.ParityReport, float]:
     """Train ``steps`` steps of ``layout`` on ``topo`` and compare them with ``ref`` by
     :func:`shardwise.parity.compare` (loss, grad norm, every gathered gradient and parameter
     this rank's stage holds), and the ledger's bytes against
-    :func:`shardwise.formulas.step_bytes_formula`. Returns the report, with the ledger's worst
-    |measured / formula − 1| over the steps as ``bytes_dev``."""
+    :func:`shardwise.formulas.step_bytes_formula`. Returns (the report, the ledger's worst
+    |measured / formula − 1| over the steps)."""
     model, engine, opt, sched = _make(
         model_name, work, cfg, lambda m: parallelize(m, topo, layout, engine=engine_name,
                                                      seed=cfg.seed), overrides=overrides)
@@ -222,9 +222,7 @@ def run_case(model_name, work, layout, engine_name, topo, cfg, ref, micro_batch,
         mine["params"].append(params)
         mine["params_full"].append(_whole_model(params, ref["params"][0], topo)
                                    if layout.pp > 1 else params)
-    report = parity.compare(mine, ref, all_names=layout.pp == 1)
-    report.bytes_dev = bytes_dev
-    return report
+    return parity.compare(mine, ref, all_names=layout.pp == 1), bytes_dev
 
 
 def verify_worker(args) -> int:
@@ -271,15 +269,16 @@ def verify_worker(args) -> int:
                     if global_batch not in refs:
                         refs[global_batch] = reference_run(model_name, work, cfg, global_batch,
                                                            args.steps, overrides)
-                    r = run_case(model_name, work, lay, eng, topo, cfg, refs[global_batch],
-                                 args.micro_batch, n_micro, args.steps, overrides)
+                    r, bytes_dev = run_case(model_name, work, lay, eng, topo, cfg,
+                                            refs[global_batch], args.micro_batch, n_micro,
+                                            args.steps, overrides)
                     for line in r.failures[:3]:  # what failed, from the rank that saw it
                         print(f"verify: {lay.name()} {eng} {model_name}: {line}", flush=True)
                     if r.max_param_bound > worst_bound[0]:
                         worst_bound = (r.max_param_bound, f"{lay.name()} {eng} {model_name}: "
                                                           f"{r.worst_param}")
                     vec = torch.tensor([r.max_loss_diff, r.max_grad_diff, r.max_param_diff,
-                                        float(not r.ok), r.bytes_dev, r.param_bound_ratio,
+                                        float(not r.ok), bytes_dev, r.param_bound_ratio,
                                         r.max_norm_diff, r.max_param_bound, r.tol_ratio],
                                        dtype=torch.float64)
                 else:
