@@ -26,7 +26,8 @@ matrices, none on vectors and embeddings). A parallel run must reproduce it.
   losses ~4 and gradients ≤ ~0.3 in size), so √n·u·Σ|x| stays below ~1e-8: RTOL is 168 ulps and
   ATOL ~100× the expected error. Losses and gradients do not amplify round-off, so a gradient that
   is wrong by more than that is a bug, not arithmetic. ``make test-cpu-paths`` runs these checks
-  under four CPU math paths (``ATEN_CPU_CAPABILITY``, ``MKL_CBWR``) to show it.
+  under five CPU math paths (``ATEN_CPU_CAPABILITY``, ``MKL_CBWR``, ``MKL_ENABLE_INSTRUCTIONS``)
+  to show it.
 
 * *Parameters after AdamW steps*, elementwise ``|Δp_t| ≤ ATOL + RTOL·|p_t| + Σ_{s≤t} lr_s·B_s``
   (:func:`adamw_param_bound`). AdamW moves each element by ``lr·u`` with ``u = m̂/(√v̂ + ε)``
