@@ -30,12 +30,15 @@ def run_cli(args, cache, timeout=240, env=None, cwd=None):
 
 
 def run_world(worker, out, nproc: int = 4) -> None:
-    """Spawn ``nproc`` gloo ranks running the script ``worker`` with argument ``out`` (one world
-    per test module: the cases all run inside it), and fail if any rank failed."""
-    from shardwise.launch import spawn
-
-    code = spawn([str(out)], nproc, program=[sys.executable, str(worker)])
-    assert code == 0, f"the worker world of {Path(worker).name} failed (see its output above)"
+    """Run the script ``worker`` with argument ``out`` as ``nproc`` gloo ranks (one world per
+    test module: the cases all run inside it), and fail if any rank failed. The ranks are forked
+    from one launcher process (``python -m shardwise.launch``), which imports torch once for all
+    of them; pytest's own worker runs threads, so it cannot fork them itself."""
+    p = subprocess.run([sys.executable, "-m", "shardwise.launch", "--nproc", str(nproc),
+                        str(worker), str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True)
+    print(p.stdout)  # the ranks' output, shown by pytest when the test fails
+    assert p.returncode == 0, f"the worker world of {Path(worker).name} failed (output above)"
 
 
 def pytest_collection_modifyitems(items):

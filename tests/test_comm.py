@@ -1,14 +1,13 @@
 """shardwise.comm: every collective gives the right values on its axis, and the ledger books the
 ring-formula bytes for it (hand-worked here)."""
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from shardwise.comm import Ledger, ring_bytes
-from shardwise.launch import spawn
+from conftest import run_world
 
 WORKER = Path(__file__).parent / "workers" / "comm_cases.py"
 
@@ -28,7 +27,7 @@ def test_ring_formulas_hand_worked():
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("comm")
-    assert spawn([str(out)], 4, program=[sys.executable, str(WORKER)]) == 0
+    run_world(WORKER, out, 4)
     return [torch.load(out / f"rank{r}.pt") for r in range(4)]
 
 

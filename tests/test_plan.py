@@ -46,11 +46,10 @@ GiB = 2**30
 
 @pytest.fixture(scope="module")
 def own_runs(tmp_path_factory):
-    from shardwise.launch import spawn
+    from conftest import run_world
 
     out = tmp_path_factory.mktemp("plan")
-    code = spawn([str(out)], 4, program=[sys.executable, str(Path(__file__).resolve())])
-    assert code == 0, "the plan worker world failed (see its output above)"
+    run_world(Path(__file__).resolve(), out, 4)
     return out
 
 

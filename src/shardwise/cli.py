@@ -99,11 +99,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _run_or_spawn(args, argv, nproc: int, work) -> int:
-    """Run ``work()`` here if inside a world (or nproc == 1); else spawn ``nproc`` ranks."""
+def _run_or_spawn(args, argv, nproc: int, work, device: str = "cpu") -> int:
+    """Run ``work()`` here if inside a world (or nproc == 1); else spawn ``nproc`` ranks (forked
+    from this process on CPU: :func:`shardwise.launch.spawn`)."""
     if is_worker() or nproc == 1:
         return _as_worker(work)
-    return spawn(argv, nproc)
+    return spawn(argv, nproc, fork=device == "cpu")
 
 
 def _as_worker(work) -> int:
@@ -138,7 +139,7 @@ def cmd_train(args, argv) -> int:
 
             load_workload(cfg)  # build the tokenizer/token cache once; raises on bad data
             out = cfg.out or default_out_dir()
-            return spawn([*argv, "--out", out], cfg.world_size())
+            return spawn([*argv, "--out", out], cfg.world_size(), fork=cfg.device == "cpu")
     return _as_worker(lambda: train(cfg) and 0)
 
 
@@ -169,7 +170,7 @@ def cmd_trace(args, argv) -> int:
             global_batch=(cfg.global_batch if "global_batch" in vars(args)
                           else max(cfg.global_batch, cfg.dp * (cfg.microbatches or cfg.pp))))
     validate(cfg)
-    return _run_or_spawn(args, argv, cfg.world_size(), lambda: trace_worker(cfg))
+    return _run_or_spawn(args, argv, cfg.world_size(), lambda: trace_worker(cfg), cfg.device)
 
 
 def cmd_export(args, argv) -> int:
@@ -195,7 +196,8 @@ def cmd_bench(args, argv) -> int:
             raise ShardwiseConfigError(f"--layout needs {need} ranks but --nproc is "
                                        f"{args.nproc}: raise --nproc or drop the layout")
         args.vocab = args.vocab or 4096
-        return _run_or_spawn(args, argv, args.nproc, lambda: bench_layouts_worker(args))
+        return _run_or_spawn(args, argv, args.nproc, lambda: bench_layouts_worker(args),
+                             getattr(args, "device", "cpu"))
     args.n_layers = args.n_layers or 8  # the suites' defaults
     args.vocab = args.vocab or 256
     if args.nproc == 0:
@@ -210,7 +212,8 @@ def cmd_bench(args, argv) -> int:
         from .bench_tp import bench_tp_worker as worker
     else:
         from .bench_pp import bench_pp_worker as worker
-    return _run_or_spawn(args, argv, args.nproc, lambda: worker(args))
+    return _run_or_spawn(args, argv, args.nproc, lambda: worker(args),
+                         getattr(args, "device", "cpu"))
 
 
 def main(argv: list[str] | None = None) -> int:

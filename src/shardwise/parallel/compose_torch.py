@@ -84,9 +84,9 @@ from ..errors import ShardwiseConfigError
 from ..models.llama import Llama, TransformerBlock
 from .engine import Engine, autocast
 from .fsdp import AllGather, _LedgerAllGather, _LedgerReduceScatter
-from .dtensor_tp import (BookFunctionalCollectives, _is_dtensor, _local, _quiet_redistribute,
+from .dtensor_tp import (BookFunctionalCollectives, _is_dtensor, _local,
                          dtensor_full_optimizer_state, dtensor_load_full_optimizer_state,
-                         parallelize_tensor_dtensor)
+                         named_full, parallelize_tensor_dtensor)
 from .tensor import validate_tp
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -145,6 +145,7 @@ class TorchParallel2D(Engine):
                  book_collectives: bool = True):
         super().__init__(module)
         self.topo, self.layout, self.sp, self.zero = topo, layout, layout.sp, layout.zero
+        self._full_cache: dict = {}  # full_tensors: element positions per layout
         self.tp_engine, self.units = tp_engine, units
         self.reshard_after_forward = reshard_after_forward
         self.reduce_dtype = reduce_dtype
@@ -231,24 +232,23 @@ class TorchParallel2D(Engine):
 
     # -- inspection -------------------------------------------------------------------------
     def named_full_parameters(self) -> dict[str, torch.Tensor]:
-        """{plain FQN: full tensor}: DTensor ``full_tensor()`` over the (dp, tp) mesh
-        (collective; DTensor's own calls, not in the ledger)."""
+        """{plain FQN: full tensor}: :func:`..dtensor_tp.full_tensors` over the (dp, tp) mesh
+        (one all_gather per mesh dim for all parameters, phase ``gather``)."""
         self._reshard()
-        with _quiet_redistribute():
-            return {n: (p.full_tensor() if _is_dtensor(p) else p).detach().clone()
-                    for n, p in self.module.named_parameters()}
+        return named_full(dict(self.module.named_parameters()), self.topo, self._full_cache)
 
     def named_full_gradients(self) -> dict[str, torch.Tensor]:
+        """{plain FQN: full gradient}, gathered like :meth:`named_full_parameters`."""
         self._reshard()
-        with _quiet_redistribute():
-            return {n: (p.grad.full_tensor() if _is_dtensor(p.grad) else p.grad).detach().clone()
-                    for n, p in self.module.named_parameters() if p.grad is not None}
+        return named_full({n: p.grad for n, p in self.module.named_parameters()
+                           if p.grad is not None}, self.topo, self._full_cache)
 
     def full_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
         """{FQN: {"step", "exp_avg", "exp_avg_sq"}} in full shape: the AdamW state tensors are
-        DTensors laid out like their parameters, so ``full_tensor()`` (collective)."""
+        DTensors laid out like their parameters, so :func:`..dtensor_tp.full_tensors`
+        (collective)."""
         self._reshard()
-        return dtensor_full_optimizer_state(self.module, optimizer)
+        return dtensor_full_optimizer_state(self.module, optimizer, self.topo, self._full_cache)
 
     def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
         """Slice full-shape state into this rank's shards: ``distribute_tensor(full, mesh,

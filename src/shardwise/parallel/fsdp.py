@@ -114,6 +114,7 @@ class TorchZero(Engine):
         named_units = assign_units(module, units)  # same checks (tied weights) as explicit ZeRO
         super().__init__(module)
         self.topo, self.stage, self.n = topo, stage, topo.size("dp")
+        self._full_cache: dict = {}  # full_tensors: element positions per layout
         self._numel = sum(p.numel() for _, _, ps in named_units for _, p in ps)
         if stage == 1:
             # gradient_as_bucket_view: .grad are views of DDP's buckets, so gradients take 4Ψ
@@ -221,7 +222,8 @@ class TorchZero(Engine):
         if self.stage != 1:
             from .dtensor_tp import dtensor_full_optimizer_state
 
-            return dtensor_full_optimizer_state(self.module, optimizer)
+            return dtensor_full_optimizer_state(self.module, optimizer, self.topo,
+                                                self._full_cache)
         owner = optimizer._param_to_rank  # ZeroRedundancyOptimizer: dp group rank = dp index
         out = {}
         with self.topo.ledger.phase("checkpoint"):
@@ -263,27 +265,19 @@ class TorchZero(Engine):
                     for k, v in state[n].items()}
 
     # -- inspection -----------------------------------------------------------------------------
-    @torch.no_grad()
-    def _full(self, t: torch.Tensor) -> torch.Tensor:
-        """Full tensor of a dim-0-sharded DTensor: pad the local rows to c = ⌈d₀/n⌉, all_gather
-        through :mod:`comm` (phase ``verify``), drop the padding rows at the end."""
-        if not hasattr(t, "to_local"):
-            return t.detach().clone()
-        local, d0 = t.to_local(), t.shape[0]
-        c = math.ceil(d0 / self.n)
-        padded = torch.zeros((c, *t.shape[1:]), dtype=local.dtype, device=local.device)
-        padded[: local.shape[0]] = local
-        out = torch.empty((self.n * c, *t.shape[1:]), dtype=local.dtype, device=local.device)
-        with self.topo.ledger.phase("verify"):
-            comm.all_gather(out, padded, self.topo, "dp", tag="verify")
-        return out[:d0].clone()
-
     def named_full_parameters(self) -> dict[str, torch.Tensor]:
-        return {n: self._full(p) for n, p in self.module.named_parameters()}
+        """{FQN: full tensor}: FSDP2's dim-0 shards gathered over dp in one all_gather for all
+        parameters (:func:`.dtensor_tp.full_tensors`, phase ``gather``); DDP's are copies."""
+        from .dtensor_tp import named_full
+
+        return named_full(dict(self.module.named_parameters()), self.topo, self._full_cache)
 
     def named_full_gradients(self) -> dict[str, torch.Tensor]:
-        return {n: self._full(p.grad) for n, p in self.module.named_parameters()
-                if p.grad is not None}
+        """{FQN: full gradient}, gathered like :meth:`named_full_parameters`."""
+        from .dtensor_tp import named_full
+
+        return named_full({n: p.grad for n, p in self.module.named_parameters()
+                           if p.grad is not None}, self.topo, self._full_cache)
 
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
         """Bytes of the storages this rank holds (local shards for FSDP2, with FSDP2's dim-0

@@ -48,6 +48,7 @@ from ... import comm
 from ...errors import ShardwiseConfigError
 from ...models.llama import IGNORE_INDEX
 from ..engine import autocast
+from ..dtensor_tp import full_tensors
 from .runtime import PipelineParallel, _local
 from .split import first_stage_input, loss_sum
 
@@ -104,6 +105,7 @@ class TorchPipelineParallel(PipelineParallel):
     def __init__(self, model, topo, **kw):
         super().__init__(model, topo, **kw)
         self._torch_schedules = {}
+        self._full_cache: dict = {}  # full_tensors: element positions per layout
         self._denom, self._loss, self._dtype = 1.0, None, "fp32"
 
     _in_loss_parallel = False  # inside forward_backward's loss_parallel() (not re-entrant)
@@ -187,11 +189,10 @@ class TorchPipelineParallel(PipelineParallel):
         out["total"] = out["params"] + out["grads"] + out["optimizer"]
         return out
 
-    def _full(self, t, p):
-        return (t.full_tensor() if _is_dtensor(t) else t).detach().clone()
-
     def _full_all(self, pairs):
-        return [self._full(t, p) for t, p in pairs]  # DTensor: full_tensor() per tensor
+        """Full copies of ``pairs``' tensors: the DTensor shards in one all_gather over tp
+        (:func:`..dtensor_tp.full_tensors`, phase ``gather``)."""
+        return full_tensors([t for t, _ in pairs], self.topo, self._full_cache)
 
     def _shard_of(self, full, p):
         if not _is_dtensor(p):

@@ -78,7 +78,7 @@ from ..engine import Engine, autocast
 from ..tensor import gather_full, validate_tp, vocab_parallel_cross_entropy
 from .schedules import build_schedule, check_schedule
 from .split import StageModule, activation_shape, first_stage_input, loss_sum
-from .tp_stage import convert_stage_tp, cut_tp_shard, gather_tp_shard
+from .tp_stage import convert_stage_tp, cut_tp_shard
 from .zero1 import StageZero1
 
 KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -578,13 +578,6 @@ class PipelineParallel(Engine):
         return torch.optim.AdamW(param_groups, **adamw)
 
     # -- full-shape views (parity checks, checkpoints) -------------------------------------------
-    def _full(self, t: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
-        """The full (unpadded) tensor of ``t``, a tp shard shaped like ``p`` (collective over
-        tp for shards, phase ``gather``)."""
-        if self.tp == 1 or not self._tp_sharded(p):
-            return t.detach().clone()
-        return gather_tp_shard(t, p, self.topo)
-
     def _named(self):
         """(plain-model FQN, param) for this stage, each parameter once."""
         seen, out = set(), []
@@ -595,8 +588,8 @@ class PipelineParallel(Engine):
         return out
 
     def _full_all(self, pairs: list[tuple[torch.Tensor, nn.Parameter]]) -> list[torch.Tensor]:
-        """:meth:`_full` of each pair; the tp shards in one all_gather
-        (:func:`..tensor.gather_full`)."""
+        """Full (unpadded) copies of tensors shaped like their parameter's tp shard: the tp
+        shards in one all_gather over tp (:func:`..tensor.gather_full`, phase ``gather``)."""
         if self.tp == 1:
             return [t.detach().clone() for t, _ in pairs]
         return gather_full(pairs, self.topo)
@@ -625,14 +618,20 @@ class PipelineParallel(Engine):
             local = self.zero1.full_state(optimizer)
         else:
             local = {id(p): st for p, st in optimizer.state.items() if st}
-        out = {}
+        out, where, pairs = {}, [], []
         for n, p in self._named():
             st = local.get(id(p))
             if not st:
                 continue
-            out[n] = {k: (self._full(v, p) if torch.is_tensor(v) and k != "step"
-                          else (v.detach().clone() if torch.is_tensor(v) else v))
-                      for k, v in st.items()}
+            entry = out[n] = {}
+            for k, v in st.items():
+                if torch.is_tensor(v) and k != "step":
+                    where.append((entry, k))
+                    pairs.append((v, p))
+                else:
+                    entry[k] = v.detach().clone() if torch.is_tensor(v) else v
+        for (entry, k), full in zip(where, self._full_all(pairs)):  # one gather for all
+            entry[k] = full
         return out
 
     def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
@@ -656,7 +655,7 @@ class PipelineParallel(Engine):
             optimizer.state[p] = local[id(p)]
 
     def _shard_of(self, full: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
-        """This rank's tp shard of ``full`` (the inverse of :meth:`_full`)."""
+        """This rank's tp shard of ``full`` (the inverse of :meth:`_full_all`)."""
         if self.tp == 1 or not self._tp_sharded(p):
             return full.detach().clone().to(p.device)
         return cut_tp_shard(full, p, self.topo)

@@ -31,7 +31,7 @@ from ... import comm
 from ...errors import ShardwiseConfigError
 from ..tensor import (AXIS, TPRNG, TensorParallelAttention, TensorParallelSwiGLU, TPDropout,
                       VocabParallelEmbedding, VocabParallelHead, _leftovers, _local_chunk,
-                      gather_full, validate_tp)
+                      validate_tp)
 from .split import StageModule
 
 
@@ -84,15 +84,8 @@ def tp_replicated(p: nn.Parameter) -> bool:
     return not hasattr(p, "tp_shard_dim")
 
 
-def gather_tp_shard(t: torch.Tensor, p: nn.Parameter, topo) -> torch.Tensor:
-    """The full tensor of ``t``, a tp shard shaped like ``p`` (split on ``p.tp_shard_dim``):
-    all-gathered over tp (phase ``gather``, tag ``gather``), vocabulary padding stripped
-    (:func:`..tensor.gather_full` of one tensor). Collective over tp."""
-    return gather_full([(t, p)], topo)[0]
-
-
 def cut_tp_shard(full: torch.Tensor, p: nn.Parameter, topo) -> torch.Tensor:
-    """This tp rank's shard of ``full`` (the inverse of :func:`gather_tp_shard`): zero-padded
+    """This tp rank's shard of ``full`` (the inverse of :func:`..tensor.gather_full`): zero-padded
     on ``p.tp_shard_dim`` to n × the shard's size, then the rank's contiguous chunk."""
     n, dim = topo.size(AXIS), p.tp_shard_dim
     return _local_chunk(full.to(p.device), dim, topo, p.shape[dim] * n)
