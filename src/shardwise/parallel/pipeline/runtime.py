@@ -37,6 +37,14 @@ Execution of the actions (one pp rank; see :mod:`.schedules` for the vocabulary)
   group of our own: group creation is collective over the whole world, and an engine is built
   only by the ranks of its layout.)
 
+Unequal micro-batches: the microbatches of a step may differ in rows (e.g. 3, 3 and 2, when a
+batch does not split evenly). Every pp rank is handed the same list (``train_step`` passes each
+rank the whole list, inputs and labels), so each rank sizes the buffer of every RECV from that
+microbatch's own dict (:func:`.split.activation_shape`): no shape travels, nothing is added to
+the ledger. The loss needs nothing either: each microbatch's loss sum is divided by the global
+token count T, so unequal rows (and unequal counted tokens) weigh exactly as in one process. TP
+(+SP) shards the sequence and the vocabulary, never the rows, so it is unaffected.
+
 Composition (docs/composition.md): TP (+SP) inside each stage (:mod:`.tp_stage`), the
 schedule across stages, DP / ZeRO-1 (:mod:`.zero1`) over dp after the last microbatch. Every
 rank talks only to the pp neighbours with its own (dp, tp) index — the topology's pp groups.
@@ -47,7 +55,7 @@ parameters, its tp shards)
 ----------------------------------------------------------------------------------------------
 * activations: ``m·A`` per chunk not holding the last stage: ``m·A·(v − [r = p−1])`` sent;
   gradients: ``m·A·(v − [r = 0])`` sent (see :func:`p2p_bytes_formula`), tags ``pp_fwd``,
-  ``pp_bwd``;
+  ``pp_bwd``; with unequal microbatches m·A is Σ_b A_b, the bytes of all the step's rows;
 * tp > 1: Megatron f/g (or SP all-gather / reduce-scatter) per block of this stage, the
   embedding exit on the first stage, the head entry and the vocab-parallel cross-entropy on the
   last (tags ``tp_fwd``, ``tp_bwd``, ``ce``); with SP, one all-reduce over tp of the norm
@@ -119,7 +127,8 @@ def p2p_bytes_formula(pp_index: int, p: int, v: int, m: int, act_bytes: int) -> 
     ``{"pp_fwd": m·A·(v − [r = p−1]), "pp_bwd": m·A·(v − [r = 0])}`` for p > 1, A = bytes of one
     activation [b, s, d]. Every stage except the last sends its output once per microbatch, every
     stage except the first its input gradient (GPipe/1F1B/ZB-H1: v = 1; interleaving: each of the
-    v chunks on a rank is a stage)."""
+    v chunks on a rank is a stage). Microbatches of unequal rows: m·A becomes Σ_b A_b; pass
+    m = 1 and ``act_bytes`` = that sum (what :meth:`PipelineParallel.bytes_formula` does)."""
     if p == 1:
         return {"pp_fwd": 0, "pp_bwd": 0}
     return {"pp_fwd": m * act_bytes * (v - (pp_index == p - 1)),
@@ -270,12 +279,17 @@ class PipelineParallel(Engine):
 
         ``microbatches``: the same list of dicts on every pp rank (``input_ids``/``labels`` or
         ``inputs``/``targets``, [b, s] each; the first stage reads the inputs, the last the
-        labels). ``denom``: the global count of counted tokens. Returns this rank's loss sum,
+        labels); their row counts b may differ (each receive is sized from its own
+        microbatch; a rank needs the inputs or the labels of each to know its shape).
+        ``denom``: the global count of counted tokens. Returns this rank's loss sum,
         fp64 [1] (0 except on the last stage). Raises ShardwiseConfigError for an invalid m."""
         sched = self.schedule(len(microbatches))
         device = next(self.module.parameters()).device
         mbs = [{k: t.to(device, non_blocking=True) for k, t in mb.items()} for mb in microbatches]
-        shape = self._act_shape(mbs[0])
+        # every receive buffer is sized from its own microbatch, which may differ from the
+        # others (e.g. rows 3, 3, 2): all pp ranks hold the same list, so both ends of a
+        # message agree on its shape without sending it (module docstring, "Unequal ...")
+        shapes = [self._act_shape(mb) for mb in mbs]
         act_dtype = next(self.module.parameters()).dtype
         loss = torch.zeros(1, dtype=torch.float64, device=device)
         inputs, outputs, out_grads, in_grads, wgrad = {}, {}, {}, {}, {}
@@ -289,11 +303,11 @@ class PipelineParallel(Engine):
             chunk = self.chunks[a.chunk]
             t0 = time.time()
             if a.kind == "RECV_F":
-                buf = torch.empty(shape, dtype=act_dtype, device=device)
+                buf = torch.empty(shapes[a.microbatch], dtype=act_dtype, device=device)
                 comm.recv(buf, topo, "pp", a.peer, tag="pp_fwd")
                 inputs[key] = buf.requires_grad_()
             elif a.kind == "RECV_B":
-                buf = torch.empty(shape, dtype=act_dtype, device=device)
+                buf = torch.empty(shapes[a.microbatch], dtype=act_dtype, device=device)
                 comm.recv(buf, grad_topo, "pp", a.peer, tag="pp_bwd")
                 out_grads[key] = buf
             elif a.kind == "SEND_F":
@@ -356,13 +370,17 @@ class PipelineParallel(Engine):
     def bytes_formula(self, micro_steps: int, sequences: int, seq_len: int = 1,
                       dtype: str = "fp32") -> dict[str, float]:
         """Bytes this rank sends in one optimizer step, by ledger tag (float). ``micro_steps`` =
-        m microbatches, ``sequences`` this pipeline's sequences per step, ``seq_len`` tokens
-        each, ``dtype`` the autocast dtype. n = tp, N = sequences·seq_len tokens,
-        r = 2(n−1)/n (ring all-reduce), h = (n−1)/n (all-gather / reduce-scatter):
+        m microbatches (the bytes do not depend on it: they are sums over the rows, equal
+        microbatches or not), ``sequences`` this pipeline's sequences per step (Σ of the
+        microbatches' rows), ``seq_len`` tokens each, ``dtype`` the autocast dtype. n = tp,
+        N = sequences·seq_len tokens, r = 2(n−1)/n (ring all-reduce), h = (n−1)/n (all-gather /
+        reduce-scatter):
 
-        * ``pp_fwd``/``pp_bwd``: :func:`p2p_bytes_formula` with A = bytes of one microbatch's
-          hidden state as sent: (sequences/m)·seq_len·d·4 replicated over tp, divided by tp with
-          SP (each tp rank sends its sequence shard); MLP: (sequences/m)·D·4.
+        * ``pp_fwd``/``pp_bwd``: :func:`p2p_bytes_formula` with m·A = bytes of the hidden
+          states of all m microbatches as sent, sequences·seq_len·d·4 replicated over tp,
+          divided by tp with SP (each tp rank sends its sequence shard); MLP: sequences·D·4.
+          Written as a sum over the rows, it holds for unequal microbatches too (3, 3, 2
+          rows: 8·seq_len·d·4, not 3·⌊8/3⌋·seq_len·d·4).
         * ``tp_fwd``/``tp_bwd`` (tp > 1): Megatron f/g per block of this rank's L_s blocks
           (all its chunks), plus the embedding exit on the first stage and the head entry on
           the last — :func:`~..tensor.tp_step_bytes_formula`'s terms restricted to this stage:
@@ -387,14 +405,15 @@ class PipelineParallel(Engine):
         params = self._params()
         elem = _local(params[0]).element_size()
         n, dp = self.tp, self.topo.size("dp")
-        rows = sequences // micro_steps
         d = stage.config.d_model
+        # Σ_b A_b over the m microbatches = the bytes of all the step's rows (equal or not):
+        # p2p_bytes_formula's m·A with m = 1 and A = that sum
         if stage.is_llama:
-            act = rows * (seq_len // (n if self.sp else 1)) * d * elem
+            acts = sequences * (seq_len // (n if self.sp else 1)) * d * elem
         else:
-            act = rows * d * elem
+            acts = sequences * d * elem
         out = {k: float(v) for k, v in
-               p2p_bytes_formula(self.pp_index, self.p, self.v, micro_steps, act).items()}
+               p2p_bytes_formula(self.pp_index, self.p, self.v, 1, acts).items()}
         tied = stage.tied and self.p > 1 and (self.is_first or self.is_last)
         w = (stage.tok_embeddings.weight if self.is_first else stage.tied_output) if tied else None
         out["tied"] = float(_local(w).numel() * elem) if tied else 0.0

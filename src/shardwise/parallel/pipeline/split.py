@@ -222,13 +222,18 @@ def first_stage_input(mb: dict) -> torch.Tensor:
 
 def activation_shape(mb: dict, config, seq_shards: int = 1) -> tuple[int, ...]:
     """Shape of the tensor passed between stages for microbatch ``mb``: [b, s, d_model] for a
-    Llama, [b, D] for an MLP. ``seq_shards`` = tp with sequence parallelism: each tp rank sends
-    its sequence shard [b, s/tp, d_model] (to the same tp index of the next stage)."""
-    x = first_stage_input(mb)
-    if "input_ids" not in mb:
-        return tuple(x.shape)
-    b, s = x.shape
-    return (b, s // seq_shards, config.d_model)
+    Llama, [b, D] for an MLP, with b this microbatch's own rows (microbatches of one step may
+    differ). ``seq_shards`` = tp with sequence parallelism: each tp rank sends its sequence
+    shard [b, s/tp, d_model] (to the same tp index of the next stage). Read from the inputs
+    (``input_ids`` [b, s] / ``inputs`` [b, D]) or, on a rank given only the targets, from
+    ``labels`` [b, s] / ``targets`` [b, D] (same shape). Raises ``KeyError`` if ``mb`` has
+    none of them."""
+    if "input_ids" in mb or "labels" in mb:
+        b, s = (mb["input_ids"] if "input_ids" in mb else mb["labels"]).shape
+        return (b, s // seq_shards, config.d_model)
+    if "inputs" in mb or "targets" in mb:
+        return tuple((mb["inputs"] if "inputs" in mb else mb["targets"]).shape)
+    raise KeyError(f"a microbatch needs input_ids/labels or inputs/targets, got {sorted(mb)}")
 
 
 def loss_sum(out: torch.Tensor, mb: dict) -> torch.Tensor:
