@@ -98,12 +98,11 @@ def test_torchrun_restarts_after_a_worker_is_killed(straight, tmp_path, cache_di
     log.mkdir()
     env = {**os.environ, "SHARDWISE_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1",
            "SHARDWISE_TEST_KILL_AT_STEP": "3", "SHARDWISE_TEST_KILL_RANK": "1",
-           "SHARDWISE_TEST_SAMPLE_LOG": str(log),
-           # torchrun's shared rendezvous store keeps the first attempt's keys, so a restarted
-           # group can read a dead peer's address (pytorch/pytorch#135712): give each attempt
-           # its own store, as docs/multi-node.md advises for every job with --max-restarts
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+           "SHARDWISE_TEST_SAMPLE_LOG": str(log)}
+    # as the README's torchrun line is written: torchrun's shared rendezvous store, which keeps
+    # the first attempt's keys (pytorch/pytorch#135712; init_distributed prefixes each attempt's)
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", "2", "--monitor-interval", "0.5", "-m", "shardwise", *TRAIN,

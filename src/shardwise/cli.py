@@ -12,9 +12,9 @@ import os
 import sys
 import traceback
 
-from .config import add_config_flags, from_args, validate
+from .config import add_config_flags, check_timeout, from_args, validate
 from .errors import ShardwiseConfigError
-from .launch import is_worker, spawn
+from .launch import is_worker, spawn, watch_launcher
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -148,6 +148,7 @@ def cmd_verify(args, argv) -> int:
 
     if args.nproc < 1:
         raise ShardwiseConfigError(f"--nproc {args.nproc} must be at least 1")
+    check_timeout(args.timeout)
     for s in args.layouts or []:
         lay = parse_layout(s)
         if lay.world > args.nproc:
@@ -185,6 +186,7 @@ def cmd_export(args, argv) -> int:
 
 def cmd_bench(args, argv) -> int:
     args.layouts = [*args.layout, *args.layouts]
+    check_timeout(args.timeout)
     if args.layouts:  # the generic layout bench (bench_layout.py); --suite is ignored
         from .bench_layout import bench_layouts_worker, check_layouts
 
@@ -217,6 +219,7 @@ def cmd_bench(args, argv) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    watch_launcher()  # a worker of our launcher dies with it (no-op elsewhere)
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)

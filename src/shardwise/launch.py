@@ -5,7 +5,11 @@ environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free po
 ``OMP_NUM_THREADS=1`` each (two threads per worker on two cores measured 3–6× slower), and
 prefixes every line they print with their rank. When any worker exits non-zero, the others are
 stopped at once (SIGTERM, then SIGKILL) and its exit code is returned: a failure never leaves the
-rest waiting in a collective until the timeout.
+rest waiting in a collective until the timeout. Workers never outlive the launcher: each one asks
+the kernel for SIGKILL when its parent dies (Linux ``PR_SET_PDEATHSIG``; elsewhere a thread that
+watches the parent), so a launcher killed by any signal (SIGKILL included, or SIGHUP from a closed
+terminal) takes its workers with it; on SIGTERM and SIGHUP the launcher stops its workers first,
+as on Ctrl-C.
 
 On CPU the workers are forked from the launcher (``fork=True``) instead of started as new
 interpreters: each new interpreter spends about 3 s of CPU importing torch and the parts of it a
@@ -20,6 +24,7 @@ interpreter is started as before.
 from __future__ import annotations
 
 import collections
+import ctypes
 import importlib
 import io
 import os
@@ -44,13 +49,56 @@ PRELOAD = ("torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp"
            "shardwise.verify")
 
 
+_watching = False  # watch_launcher has run in this process
+
+
+def watch_launcher() -> None:
+    """In a worker of :func:`spawn` (``SHARDWISE_LAUNCHER_PID`` set): die with the launcher.
+    Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``; elsewhere a daemon thread polls ``getppid()``
+    each second. If the launcher is already gone when this runs, exit at once (status 1)."""
+    global _watching
+    launcher = os.environ.get("SHARDWISE_LAUNCHER_PID")
+    if not launcher or "WORLD_SIZE" not in os.environ or _watching:
+        return
+    _watching = True
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            armed = ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0
+        except (OSError, AttributeError):  # no libc prctl: fall back to the thread
+            armed = False
+    if os.getppid() != int(launcher):  # it died before the request took effect
+        os._exit(1)
+    if not armed:
+        def watch():
+            while os.getppid() == int(launcher):
+                time.sleep(1.0)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="shardwise-launcher-watch", daemon=True).start()
+
+
+class _Stopped(Exception):
+    """Raised in the launcher by a SIGTERM or SIGHUP handler while it waits for its workers."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum, frame):
+    raise _Stopped(signum)
+
+
 def can_fork() -> bool:
     """Whether forking workers from this process is safe (see the module docstring): a POSIX
     fork exists, torch runs one intra-op thread (no OpenMP pool to inherit half-alive), CUDA is
-    not initialised, and this process runs no other Python thread."""
+    not initialised, and this process runs no other Python thread. ``SHARDWISE_FORK=0`` in the
+    environment turns forking off (new interpreters, as on GPU)."""
     import torch
 
-    return (hasattr(os, "fork") and torch.get_num_threads() == 1
+    return (hasattr(os, "fork") and os.environ.get("SHARDWISE_FORK", "1") != "0"
+            and torch.get_num_threads() == 1
             and not torch.cuda.is_initialized() and threading.active_count() == 1)
 
 
@@ -95,6 +143,7 @@ def _worker_main(argv: list[str], env: dict, out_fd: int, script: str | None = N
     handler of the launcher runs here)."""
     code = 1
     try:
+        watch_launcher()
         os.setsid()
         os.dup2(out_fd, 1)
         os.dup2(out_fd, 2)
@@ -171,7 +220,8 @@ def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float =
     base = {**os.environ, **(env or {})}
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
                 LOCAL_WORLD_SIZE=str(nproc), OMP_NUM_THREADS=base.get("OMP_NUM_THREADS", "1"),
-                PYTHONUNBUFFERED="1", SHARDWISE_LAUNCHER="1")
+                PYTHONUNBUFFERED="1", SHARDWISE_LAUNCHER="1",
+                SHARDWISE_LAUNCHER_PID=str(os.getpid()))
     if sys.stderr.isatty():
         base["SHARDWISE_TTY"] = "1"
     script = program[1] if (len(program) == 2 and program[0] == sys.executable
@@ -197,7 +247,12 @@ def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float =
                              daemon=True)
         t.start()
         threads.append(t)
-    code = 0
+    code, failed, previous = 0, [], {}
+    try:
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # stop the workers, as on Ctrl-C
+            previous[sig] = signal.signal(sig, _raise_stopped)
+    except ValueError:  # not the main thread: signals stay as they are
+        pass
     try:
         while True:
             codes = [p.poll() for p in procs]
@@ -216,16 +271,24 @@ def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float =
     except KeyboardInterrupt:
         _stop(procs, grace_s)
         code = 130
+    except _Stopped as stop:
+        print(f"[launcher] {stop}: stopping the {nproc} rank(s)", file=sys.stderr, flush=True)
+        _stop(procs, grace_s)
+        code = 128 + stop.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     for t in threads:
         t.join(timeout=2)
-    if code not in (0, 130) and _attempt < 2 and any(
+    stopped = code in (130, 128 + signal.SIGTERM, 128 + signal.SIGHUP) and not failed
+    if not stopped and code != 0 and _attempt < 2 and any(
             b"EADDRINUSE" in line for line in tails[rank]) and any(
             b"TCPStore" in line or b"init_process_group" in line for line in tails[rank]):
         print(f"[launcher] port {port} was taken before rank {rank} could listen on it "
               "(EADDRINUSE): starting the workers again on another port", file=sys.stderr,
               flush=True)
         return spawn(argv, nproc, env, grace_s, program, fork, _attempt=_attempt + 1)
-    if code not in (0, 130):  # the first failure's own words, after the other ranks' echoes
+    if not stopped and code != 0:  # the first failure's own words, after the other ranks' echoes
         sink.write(f"[launcher] rank {rank} failed first (exit code {code}); its last "
                    f"lines:\n".encode() + b"\n".join(tails[rank]) + b"\n")
         sink.flush()

@@ -61,6 +61,13 @@ def init_distributed(device: str = "cpu", timeout_s: float = 300.0) -> tuple[int
     ``(rank, world_size)``. Without ``WORLD_SIZE`` in the environment, a world of one process
     (in-memory store). The backend follows ``device``; every collective times out after
     ``timeout_s`` seconds (and sub-groups get the same timeout, see :class:`Topology`).
+
+    Under torchrun with its shared rendezvous store (``TORCHELASTIC_USE_AGENT_STORE=True``, the
+    default), the store outlives a restart attempt, and a restarted group can read a dead peer's
+    address from the attempt before (gloo: ``connectFullMesh failed … Connection refused``;
+    pytorch/pytorch#135712). So every attempt's keys live under their own prefix
+    (``TORCHELASTIC_RESTART_COUNT``): ``--max-restarts`` works without
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -71,6 +78,13 @@ def init_distributed(device: str = "cpu", timeout_s: float = 300.0) -> tuple[int
     if "WORLD_SIZE" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's shared store
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=False, timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, timeout=timeout, rank=rank, world_size=world,
+                                store=dist.PrefixStore(f"shardwise/attempt_{attempt}/", store))
     else:
         dist.init_process_group(backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()

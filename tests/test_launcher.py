@@ -1,0 +1,73 @@
+"""The local launcher (``shardwise.launch.spawn``): its workers never outlive it, whatever stops it
+(issue: after ``kill`` of the launcher both workers kept training). Each case starts a 2-rank run
+that would take minutes, waits until it trains, signals the launcher, and then looks for any
+process still running the run's command line."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def _pids_of(marker: str) -> list[int]:
+    """PIDs of live processes whose command line contains ``marker`` (Linux /proc)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                state = next((ln for ln in (d / "status").read_text().splitlines()
+                              if ln.startswith("State:")), "")
+            except OSError:
+                continue
+            if marker in cmd and "zombie" not in state:
+                out.append(int(d.name))
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs Linux /proc")
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sig,fork", [(signal.SIGKILL, "1"), (signal.SIGTERM, "1"),
+                                      (signal.SIGHUP, "1"), (signal.SIGKILL, "0")])
+def test_no_worker_outlives_its_launcher(sig, fork, tmp_path, cache_dir):
+    """Workers forked from the launcher (SHARDWISE_FORK=1, CPU) and started as new interpreters
+    (=0, as on GPU): after SIGKILL (no handler can run), SIGTERM and SIGHUP of the launcher."""
+    out = tmp_path / f"run-{sig.name}"
+    env = {**os.environ, "SHARDWISE_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1",
+           "SHARDWISE_FORK": fork}
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+              "SHARDWISE_LAUNCHER_PID"):
+        env.pop(k, None)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "shardwise", "train", "--model", "tiny", "--tokenizer", "bytes",
+         "--seq-len", "16", "--global-batch", "4", "--micro-batch", "2", "--dp", "2",
+         "--steps", "100000", "--log-every", "1", "--eval-every", "100000", "--out", str(out)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        metrics = out / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert launcher.poll() is None, f"the run ended early (exit {launcher.returncode})"
+            assert time.monotonic() < deadline, "the run did not start training in 120 s"
+            time.sleep(0.2)
+        workers = [p for p in _pids_of(str(out)) if p != launcher.pid]
+        assert len(workers) == 2, f"expected 2 workers running, found {workers}"
+        launcher.send_signal(sig)
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while _pids_of(str(out)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _pids_of(str(out))
+        assert not left, f"workers {left} still run 10 s after the launcher got {sig.name}"
+        if sig != signal.SIGKILL:  # stopped by the launcher itself, with the shell's code
+            assert launcher.returncode == 128 + sig
+    finally:
+        for pid in [launcher.pid, *_pids_of(str(out))]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
