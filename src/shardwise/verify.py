@@ -8,7 +8,10 @@ global batches from the same initialisation), by that module's one rule: losses,
 gradients within rtol 1e-5 / atol 1e-6 of the reference evaluated at the run's own parameters,
 parameters within the AdamW bound derived from the measured gradient errors; and the ledger's
 bytes with the layout's formula. Rank 0 prints the table and the rule; exit status 1 on any
-mismatch.
+mismatch. A case that fails or hangs (a collective times out after ``--timeout`` s) fails on its
+own: the ranks agree on each case's outcome through the rendezvous store (not the process
+groups, which a timed-out collective leaves unusable), and after a failure every rank builds a
+fresh world (new process groups under a new store prefix) before the next case.
 
 trace: one step of a layout; rank 0 prints every collective of the step (op, axis, shape, bytes
 sent) and the total next to the formula.
@@ -17,6 +20,7 @@ sent) and the total next to the formula.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -225,6 +229,52 @@ def run_case(model_name, work, layout, engine_name, topo, cfg, ref, micro_batch,
     return parity.compare(mine, ref, all_names=layout.pp == 1), bytes_dev
 
 
+def _agree(store, key: str, error: str, world: int, timeout_s: float) -> list[str]:
+    """Every rank's outcome of one case, through the rendezvous ``store`` (not a process group:
+    after a timed-out collective the groups are unusable). This rank sets ``key/<rank>`` to
+    ``error`` ("" when it passed); all ranks wait for all keys (up to ``timeout_s`` + 60 s: a
+    rank stuck in a collective reports once its own timeout fires). Returns the non-empty
+    errors as "rank r: …"."""
+    import datetime
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    store.set(f"{key}/{rank}", error or "ok")
+    keys = [f"{key}/{r}" for r in range(world)]
+    store.wait(keys, datetime.timedelta(seconds=timeout_s + 60))
+    out = []
+    for r, k in enumerate(keys):
+        v = store.get(k).decode(errors="replace")
+        if v != "ok":
+            out.append(f"rank {r}: {v}")
+    return out
+
+
+def _fresh_world(store, attempt: int, timeout_s: float) -> None:
+    """Replace the default process group (and with it every subgroup) by a new one whose keys
+    live under ``verify/world<attempt>/`` of ``store``. Collective over the world."""
+    import datetime
+
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"verify/world{attempt}/", store),
+                            rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _test_hang(name: str, timeout_s: float) -> None:
+    """Test hook: ``SHARDWISE_TEST_HANG_CASE="<layout> <engine> <model>"`` makes rank 0 of that
+    case sleep past the timeout and then fail, as a rank stuck in a hung collective would."""
+    import torch.distributed as dist
+
+    if os.environ.get("SHARDWISE_TEST_HANG_CASE") == name and dist.get_rank() == 0:
+        time.sleep(timeout_s + 2)
+        raise RuntimeError(f"test hook: rank 0 hung in {name} for {timeout_s + 2:g} s")
+
+
 def verify_worker(args) -> int:
     """Run every case on this rank; rank 0 prints the table and writes the JSON."""
     import torch.distributed as dist
@@ -240,6 +290,8 @@ def verify_worker(args) -> int:
             raise ShardwiseConfigError(f"layout {lay.name()} needs {lay.world} ranks but verify "
                                        f"runs {world}: raise --nproc or drop the layout")
     everyone = Topology(dp=world, timeout_s=args.timeout)
+    store = dist.distributed_c10d._get_default_store()  # outlives a rebuilt world (a reference)
+    n_case, attempt = 0, 0
     # lr 3e-4: Adam divides each element by its own RMS, so for gradients near zero the
     # round-off of a different summation order (~1e-9) becomes a visible update; at this lr it
     # stays below atol. Gradients themselves are compared strictly at every step.
@@ -265,24 +317,53 @@ def verify_worker(args) -> int:
             global_batch = args.micro_batch * n_micro * lay.dp
             for eng in engines:
                 t0 = time.perf_counter()
+                name, error = f"{lay.name()} {eng} {model_name}", ""
+                vec = torch.zeros(9, dtype=torch.float64)
                 if topo.member:
-                    if global_batch not in refs:
-                        refs[global_batch] = reference_run(model_name, work, cfg, global_batch,
-                                                           args.steps, overrides)
-                    r, bytes_dev = run_case(model_name, work, lay, eng, topo, cfg,
-                                            refs[global_batch], args.micro_batch, n_micro,
-                                            args.steps, overrides)
-                    for line in r.failures[:3]:  # what failed, from the rank that saw it
-                        print(f"verify: {lay.name()} {eng} {model_name}: {line}", flush=True)
-                    if r.max_param_bound > worst_bound[0]:
-                        worst_bound = (r.max_param_bound, f"{lay.name()} {eng} {model_name}: "
-                                                          f"{r.worst_param}")
-                    vec = torch.tensor([r.max_loss_diff, r.max_grad_diff, r.max_param_diff,
-                                        float(not r.ok), bytes_dev, r.param_bound_ratio,
-                                        r.max_norm_diff, r.max_param_bound, r.tol_ratio],
-                                       dtype=torch.float64)
-                else:
-                    vec = torch.zeros(9, dtype=torch.float64)
+                    try:
+                        if global_batch not in refs:
+                            refs[global_batch] = reference_run(model_name, work, cfg,
+                                                               global_batch, args.steps,
+                                                               overrides)
+                        _test_hang(name, args.timeout)
+                        r, bytes_dev = run_case(model_name, work, lay, eng, topo, cfg,
+                                                refs[global_batch], args.micro_batch, n_micro,
+                                                args.steps, overrides)
+                    except Exception as e:  # noqa: BLE001 - the case fails, the others run
+                        error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+                    else:
+                        for line in r.failures[:3]:  # what failed, from the rank that saw it
+                            print(f"verify: {name}: {line}", flush=True)
+                        if r.max_param_bound > worst_bound[0]:
+                            worst_bound = (r.max_param_bound, f"{name}: {r.worst_param}")
+                        vec = torch.tensor([r.max_loss_diff, r.max_grad_diff,
+                                            r.max_param_diff, float(not r.ok), bytes_dev,
+                                            r.param_bound_ratio, r.max_norm_diff,
+                                            r.max_param_bound, r.tol_ratio],
+                                           dtype=torch.float64)
+                n_case += 1
+                errors = _agree(store, f"verify/case{n_case}", error, world, args.timeout)
+                if errors:  # this case failed on its own; the next one gets a fresh world
+                    if dist.get_rank() == 0:
+                        print(f"verify: {name}: FAILED: {errors[0]}"
+                              + (f" (and {len(errors) - 1} more rank(s))"
+                                 if len(errors) > 1 else ""), flush=True)
+                    attempt += 1
+                    _fresh_world(store, attempt, args.timeout)
+                    topos.clear()
+                    everyone = Topology(dp=world, timeout_s=args.timeout)
+                    topo = topos[shape] = Topology(*shape, ranks=range(lay.world),
+                                                   timeout_s=args.timeout)
+                    nan = float("nan")
+                    rows.append({"layout": lay.name(), "engine": eng, "model": model_name,
+                                 "max_loss_diff": nan, "max_grad_diff": nan,
+                                 "max_grad_norm_diff": nan, "diff_over_tolerance": nan,
+                                 "max_param_diff": nan, "param_diff_over_bound": nan,
+                                 "max_adamw_bound": nan,
+                                 "ledger_vs_formula_max_deviation": nan,
+                                 "seconds": time.perf_counter() - t0, "pass": False,
+                                 "error": errors[0]})
+                    continue
                 with everyone.ledger.phase("verify"):
                     comm.all_reduce(vec, everyone, "world", op="max")
                 ratio_dev = float(vec[4])
