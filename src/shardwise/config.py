@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from pathlib import Path
 import tomllib
@@ -75,6 +76,7 @@ class TrainConfig:
     keep: int = 0  # keep only the K newest complete checkpoints (0 = keep all)
     resume: str = ""  # "" = start fresh; auto = newest complete checkpoint in --out; or a PATH
     async_save: bool = False  # write checkpoints in the background (dcp.async_save)
+    allow_data_change: bool = False  # --resume on data whose fingerprint differs (on purpose)
     sample_tokens: int = 200
     timeout: float = 300.0  # process-group timeout, seconds
 
@@ -232,6 +234,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     from .models import MLP_PRESETS, PRESETS, model_names
     from .topology import validate_degrees
 
+    _validate_finite(cfg)
     if cfg.n_layers < 0:
         raise ShardwiseConfigError(f"--n-layers {cfg.n_layers} must be ≥ 1 (or 0 for the preset)")
     for name, value in (("dp", cfg.dp), ("tp", cfg.tp), ("pp", cfg.pp), ("steps", cfg.steps),
@@ -294,8 +297,45 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if cfg.peak_tflops < 0:
         raise ShardwiseConfigError(f"--peak-tflops {cfg.peak_tflops} must be ≥ 0 (0 = the "
                                    "device's table value, or a measured CPU peak)")
-    if cfg.timeout <= 0:
-        raise ShardwiseConfigError(f"--timeout {cfg.timeout} must be > 0 seconds")
+    check_timeout(cfg.timeout)
+
+
+# The smallest --timeout accepted, seconds: a floor, not a recommendation (the default is 300).
+# Far below it a run cannot even start (--timeout 0.001 failed connecting to the rendezvous
+# store: "client socket has timed out after 1ms"), and near it ordinary scheduling (a rank on a
+# busy CPU descheduled, a peer slower by a step) already looks like a hung peer.
+MIN_TIMEOUT_S = 1.0
+
+
+def check_timeout(seconds: float, flag: str = "--timeout") -> None:
+    """Raise :class:`ShardwiseConfigError` unless the process-group timeout ``seconds`` is a
+    finite number ≥ :data:`MIN_TIMEOUT_S` (``train``, ``trace`` through :func:`validate`;
+    ``verify`` and ``bench`` call it for their own ``--timeout``). Runs before any collective."""
+    if not math.isfinite(seconds):
+        raise ShardwiseConfigError(f"{flag} {seconds} must be a finite number of seconds: give "
+                                   "e.g. 300 (the default)")
+    if seconds <= 0:
+        raise ShardwiseConfigError(f"{flag} {seconds} must be > 0 seconds")
+    if seconds < MIN_TIMEOUT_S:
+        raise ShardwiseConfigError(
+            f"{flag} {seconds} s is too short to be meaningful: the start-up rendezvous and "
+            "every collective must finish within it (a rank waits that long for its slowest "
+            f"peer): choose {flag} ≥ {MIN_TIMEOUT_S:g} s (default 300)")
+
+
+def _validate_finite(cfg: TrainConfig) -> None:
+    """Every float field (``--lr``, ``--timeout``, ``--bucket-mb``, …) must be finite. NaN
+    passes every range check below (each comparison with NaN is false) and infinity passes the
+    lower bounds; both then fail late — AdamW's ValueError on rank 0 after the process group
+    exists, a ``timedelta`` overflow — or silently (NaN weights). Checked for every float field
+    of :class:`TrainConfig`, so a new one is covered too."""
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(cfg, f.name)
+        if hints[f.name] is float and not math.isfinite(value):
+            raise ShardwiseConfigError(
+                f"--{f.name.replace('_', '-')} {value} must be a finite number (not NaN or "
+                f"infinity): give a finite value, e.g. the default {f.default!r}")
 
 
 def _validate_layout(cfg: TrainConfig) -> None:

@@ -16,13 +16,25 @@ Pipeline (:func:`prepare_lm_data`):
 
 Steps 1–3 are cached as int32 ``.npy`` streams keyed by the data source, the tokenizer and
 ``val_every``; only step 4 depends on ``seq_len``, so changing it re-uses the cache. Every rank may
-call this at once: one builds under a file lock, the others wait and then read.
+call this at once: one builds under a file lock, the others wait and then read. Each file is
+written atomically (temporary name, fsync, rename), and ``meta.json``, written last, records
+every file's size and SHA-256; a reader checks them and rebuilds an entry that does not match
+(truncated, damaged, or missing a file) instead of failing on it. A cache folder that cannot be
+written is a :class:`~shardwise.errors.ShardwiseConfigError` (when something must be built).
+
+Memory: a document longer than
+:data:`~shardwise.data.tokenizer.LONG_TEXT_CHUNK_CHARS` characters is encoded in pieces cut at
+whitespace (:func:`~shardwise.data.tokenizer.split_long_text`; the same tokens as one encode, for
+the built-in tokenizers), and each ``encode_batch`` call gets at most ``_ENCODE_BATCH_CHARS``
+characters, so peak memory no longer grows with the longest document (a single-line 24 MB file
+went from 4.1 GiB to 0.43 GiB of peak RSS: benchmarks/data_memory.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +42,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardwise.data._cache import atomic_save_npy, atomic_write_bytes, cache_key, file_lock
+from shardwise.data._cache import (
+    atomic_save_npy,
+    atomic_write_bytes,
+    cache_key,
+    check_cache_writable,
+    file_digest,
+    file_lock,
+)
 from shardwise.data.corpus import corpus_fingerprint, default_cache_dir, load_documents
 from shardwise.data.sampler import DistributedSampler, microbatches  # noqa: F401  (re-exported)
 from shardwise.data.tokenizer import (
@@ -38,12 +57,17 @@ from shardwise.data.tokenizer import (
     HFTokenizer,
     Tokenizer,
     load_tokenizer,
+    split_long_text,
     tokenizer_fingerprint,
 )
 from shardwise.errors import ShardwiseConfigError
 
-_FORMAT = "lm-tokens-v1"  # bump when the cached layout or the split/EOS rules change
-_ENCODE_CHUNK_DOCS = 512  # documents per encode_batch call: bounds peak memory on big corpora
+_FORMAT = "lm-tokens-v2"  # bump when the cached layout or the split/EOS rules change
+_ENTRY_FILES = ("train.npy", "val.npy", "tokenizer.json")  # meta.json records their digests
+# Per encode_batch call, at most this many texts and characters: the Rust encoder keeps every
+# encoding of a call (ids, offsets, token strings: ~160 bytes per character) until it returns.
+_ENCODE_BATCH_DOCS = 512
+_ENCODE_BATCH_CHARS = 1 << 20
 
 
 @dataclass
@@ -111,18 +135,30 @@ def prepare_lm_data(
         val_every,
     )
     entry = cache_dir / "tokens" / key[:24]
-    if not (entry / "meta.json").exists():
+    found = _read_entry(entry)
+    if not isinstance(found, tuple):  # absent, or damaged: build it (once, under the lock)
+        check_cache_writable(cache_dir)  # the lock file lives there too
         with file_lock(entry.with_suffix(".lock")):
-            if not (entry / "meta.json").exists():  # another rank may have built it meanwhile
+            found = _read_entry(entry)  # another rank may have built it meanwhile
+            if not isinstance(found, tuple):
+                if found is not None:
+                    print(f"shardwise: the token cache {entry} is damaged ({found}): rebuilding",
+                          file=sys.stderr, flush=True)
                 _build_entry(entry, data, tokenizer, vocab_size, val_every, cache_dir)
-    meta = json.loads((entry / "meta.json").read_text())
+                found = _read_entry(entry)
+        if not isinstance(found, tuple):
+            raise ShardwiseConfigError(
+                f"the token cache {entry} reads back damaged right after it was written "
+                f"({found}): the file system under the cache loses writes: set SHARDWISE_CACHE "
+                "to a folder on another disk")
+    meta, train_stream, val_stream = found
     if meta["tokenizer"] == "bytes":
         tok: Tokenizer = ByteTokenizer()
     else:
         tok = HFTokenizer.from_file(entry / "tokenizer.json", name=meta["tokenizer_name"])
 
-    train = _pack(np.load(entry / "train.npy"), seq_len)
-    val = _pack(np.load(entry / "val.npy"), seq_len)
+    train = _pack(train_stream, seq_len)
+    val = _pack(val_stream, seq_len)
     if meta["val_split"] == "documents":
         split = f"val split (documents i with i % {val_every} == {val_every - 1})"
     else:
@@ -154,13 +190,74 @@ def _pack(stream: np.ndarray, seq_len: int) -> torch.Tensor:
     return torch.from_numpy(packed)
 
 
+def _read_entry(entry: Path) -> tuple[dict, np.ndarray, np.ndarray] | str | None:
+    """The cache entry's ``(meta, train stream, val stream)``, verified: ``meta.json`` parses and
+    is of this format, and every file in it has the size and SHA-256 that ``meta.json``
+    records. ``None`` when there is no entry yet; a short reason (e.g. ``"train.npy has 128 of
+    4096 bytes"``) when it is damaged."""
+    try:
+        meta = json.loads((entry / "meta.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:  # truncated JSON, bad bytes
+        return f"meta.json cannot be read: {err}"
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if not isinstance(files, dict) or meta.get("format") != _FORMAT:
+        return f"meta.json is not a complete {_FORMAT} record"
+    for name in _ENTRY_FILES:
+        want, path = files.get(name) or {}, entry / name
+        if not path.is_file():
+            return f"{name} is missing"
+        got = file_digest(path)
+        if got["bytes"] != want.get("bytes"):
+            return f"{name} has {got['bytes']} of {want.get('bytes')} bytes"
+        if got["sha256"] != want.get("sha256"):
+            return f"{name} does not match its SHA-256"
+    try:
+        return meta, np.load(entry / "train.npy"), np.load(entry / "val.npy")
+    except (OSError, ValueError) as err:
+        return f"a token stream cannot be read: {err}"
+
+
 def _encode_stream(tok: Tokenizer, docs: list[str]) -> np.ndarray:
-    """Encode ``docs`` and concatenate them, ``eos_id`` after each: ``[total_tokens]`` int32."""
-    parts = []
-    for start in range(0, len(docs), _ENCODE_CHUNK_DOCS):
-        for ids in tok.encode_batch(docs[start : start + _ENCODE_CHUNK_DOCS]):
-            parts.append(np.asarray(ids, dtype=np.int32))
-            parts.append(np.asarray([tok.eos_id], dtype=np.int32))
+    """Encode ``docs`` and concatenate them, ``eos_id`` after each: ``[total_tokens]`` int32.
+
+    With a tokenizer whose ``chunk_safe`` is true, a document longer than
+    :data:`~shardwise.data.tokenizer.LONG_TEXT_CHUNK_CHARS` is encoded as the pieces of
+    :func:`~shardwise.data.tokenizer.split_long_text` (the same tokens); other tokenizers get
+    every document whole. Texts go to ``encode_batch`` in groups of at most
+    ``_ENCODE_BATCH_DOCS`` texts and ``_ENCODE_BATCH_CHARS`` characters (one longer text alone),
+    and each group's ids become one int32 array at once, so peak memory is bounded by a group.
+    """
+    eos = np.asarray([tok.eos_id], dtype=np.int32)
+    chunk = getattr(tok, "chunk_safe", False)
+    parts: list[np.ndarray] = []
+    batch: list[str] = []
+    ends: list[bool] = []  # ends[i]: batch[i] is the last piece of its document (EOS after it)
+    chars = 0
+
+    def flush() -> None:
+        group = []
+        for ids, end in zip(tok.encode_batch(batch), ends):
+            group.append(np.asarray(ids, dtype=np.int32))
+            if end:
+                group.append(eos)
+        if group:
+            parts.append(np.concatenate(group))
+        batch.clear()
+        ends.clear()
+
+    for doc in docs:
+        pieces = split_long_text(doc) if chunk else [doc]
+        for i, piece in enumerate(pieces):
+            if batch and (chars + len(piece) > _ENCODE_BATCH_CHARS
+                          or len(batch) >= _ENCODE_BATCH_DOCS):
+                flush()
+                chars = 0
+            batch.append(piece)
+            ends.append(i == len(pieces) - 1)
+            chars += len(piece)
+    flush()
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
 
 
@@ -181,6 +278,7 @@ def _build_entry(
         cut = len(train) - len(train) // val_every
         train, val, val_split = train[:cut], train[cut:], "tail"
 
+    (entry / "meta.json").unlink(missing_ok=True)  # readers of a damaged entry wait on the lock
     atomic_save_npy(entry / "train.npy", train)
     atomic_save_npy(entry / "val.npy", val)
     tok.save(entry / "tokenizer.json")
@@ -197,5 +295,6 @@ def _build_entry(
         "val_tokens": int(len(val)),
         "val_split": val_split,
         "build_seconds": round(time.perf_counter() - started, 3),
+        "files": {name: file_digest(entry / name) for name in _ENTRY_FILES},  # read back
     }
     atomic_write_bytes(entry / "meta.json", json.dumps(meta, indent=1).encode())

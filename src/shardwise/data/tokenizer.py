@@ -9,6 +9,13 @@ tokenizers; a user file with a lossy normalizer, e.g. lower-casing, cannot round
 Byte-level BPE as in GPT-2 (Radford et al. 2019, "Language Models are Unsupervised Multitask
 Learners", §2.2): start from the 256 byte symbols, pre-split text with the GPT-2 regex, and merge
 the most frequent adjacent pair until the vocabulary is full.
+
+Long documents: HF ``tokenizers`` holds per-character bookkeeping (alignments, offsets, token
+strings) for a whole text while it trains on or encodes it, ~160 bytes per character, so one
+24 MB single-line file took ~4 GB. Texts longer than :data:`LONG_TEXT_CHUNK_CHARS` are therefore
+cut by :func:`split_long_text` before training and encoding, at borders where the GPT-2 regex
+always splits too, so the pieces give the same pre-tokens — and so the same merges and the same
+ids — as the whole text (:attr:`HFTokenizer.chunk_safe` says when a tokenizer qualifies).
 """
 
 from __future__ import annotations
@@ -16,10 +23,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import sys
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from shardwise.data._cache import atomic_write_bytes, cache_key, file_lock
+from shardwise.data._cache import atomic_write_bytes, cache_key, check_cache_writable, file_lock
 from shardwise.errors import ShardwiseConfigError
 
 EOS_TOKEN = "<|endoftext|>"
@@ -29,12 +38,76 @@ _EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>")
 # (the full 12 MB: ~2.5 s) for nearly the same merges; encoding the whole corpus is the larger cost.
 BPE_TRAIN_BUDGET_CHARS = 3_000_000
 # Bump when the BPE recipe changes, so cached tokenizers trained the old way are not reused.
-_BPE_RECIPE = "bytelevel-bpe-v1"
+# v2: long documents are cut into pieces (split_long_text) and the budget holds for them too.
+_BPE_RECIPE = "bytelevel-bpe-v2"
+# Texts longer than this many characters are trained on and encoded in pieces of at most this
+# many (split_long_text); 0 = never cut. 64 Ki characters keep one piece's bookkeeping in the
+# Rust library near 10 MB; pieces stay long enough that the cut borders cost nothing measurable.
+LONG_TEXT_CHUNK_CHARS = 65_536
+# A border: a space, newline or tab after a non-whitespace character (re's \S is not
+# str.isspace(), which covers the GPT-2 regex's \s and more); a piece starts at its second char.
+_BORDER = re.compile(r"\S[ \n\t]")
+
+
+def split_long_text(text: str, max_chars: int | None = None) -> list[str]:
+    """Cut ``text`` into pieces of at most ``max_chars`` characters whose concatenation is
+    ``text``; ``[text]`` when it is short enough (or ``max_chars`` is 0).
+
+    ``max_chars`` defaults to :data:`LONG_TEXT_CHUNK_CHARS` (read at call time). Each cut goes
+    before the last space, newline or tab in the window whose preceding character is not
+    whitespace (``str.isspace``, which covers the tokenizer regex's ``\\s``). Why the pieces
+    encode like the whole: the GPT-2 pre-tokenizer regex is
+    ``'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+``;
+    whitespace in a pre-token is either one leading space (`` ?`` before letters, digits or
+    punctuation) or a run of whitespace alone, so no pre-token holds a non-whitespace character
+    followed by a whitespace one — every cut falls between two pre-tokens — and the lookahead
+    ``(?!\\S)`` (the character after a whitespace run) never looks across a cut, since the
+    character before a cut is not whitespace. The pre-tokens of the pieces are therefore
+    exactly those of ``text``, and a byte-level BPE gives the same ids. Only a window with no
+    such border (``max_chars`` characters without a space after a non-space, e.g. a base64
+    blob) is cut hard at ``max_chars``; then the one pre-token across the cut is split in two.
+
+    Raises nothing; ``max_chars < 0`` is treated as 0.
+    """
+    if max_chars is None:
+        max_chars = LONG_TEXT_CHUNK_CHARS
+    if max_chars <= 0 or len(text) <= max_chars:
+        return [text]
+    pieces, start = [], 0
+    while len(text) - start > max_chars:
+        hi = start + max_chars  # the next piece is text[start:cut], start < cut <= hi
+        cut = _last_border(text, start, hi)
+        cut = cut if cut > start else hi  # no border in the window: cut hard
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
+def _last_border(text: str, lo: int, hi: int) -> int:
+    """The largest ``cut`` in ``(lo, hi]`` with ``text[cut]`` a space/newline/tab and
+    ``text[cut - 1]`` not whitespace; -1 if none. Scans windows growing leftwards from ``hi``."""
+    span = 256
+    while True:
+        a = max(lo, hi - span)
+        last = None
+        for last in _BORDER.finditer(text, a, hi + 1):
+            pass
+        if last is not None:
+            return last.start() + 1
+        if a == lo:
+            return -1
+        span *= 16
 
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    """What the data pipeline and the training loop need from a tokenizer."""
+    """What the data pipeline and the training loop need from a tokenizer.
+
+    Optional: ``chunk_safe`` (bool, default False), true when encoding the pieces of
+    :func:`split_long_text` gives the same ids as encoding the whole text; the data pipeline
+    then encodes long documents in pieces.
+    """
 
     name: str
     vocab_size: int  # ids are in [0, vocab_size)
@@ -52,6 +125,7 @@ class ByteTokenizer:
     name = "bytes"
     vocab_size = 257
     eos_id = 256
+    chunk_safe = True  # the UTF-8 of a concatenation is the concatenation of the UTF-8s
 
     def encode(self, text: str) -> list[int]:
         """The UTF-8 bytes of ``text`` as ints in [0, 256)."""
@@ -88,6 +162,7 @@ class HFTokenizer:
         if hasattr(tok, "encode_special_tokens"):
             tok.encode_special_tokens = True  # literal "<|endoftext|>" in text stays text
         self._tok = tok
+        self._chunk_safe: bool | None = None
         self.name = name
         self.eos_id = tok.token_to_id(eos)
         self.vocab_size = max(tok.get_vocab_size(with_added_tokens=True), self.eos_id + 1)
@@ -105,6 +180,28 @@ class HFTokenizer:
                 "saved by `tokenizers` (tok.save(path)), 'bpe' or 'bytes'"
             ) from err
         return cls(tok, name or f"file:{path}")
+
+    @property
+    def chunk_safe(self) -> bool:
+        """True when the pieces of :func:`split_long_text` encode to the same ids as the whole
+        text: a GPT-2-style byte-level tokenizer — no normalizer, pre-tokenizer
+        ``ByteLevel(add_prefix_space=False, use_regex=True)`` (the GPT-2 regex, see
+        :func:`split_long_text`), and no added token matched inside text (special tokens are
+        encoded as text here). The BPE that ``load_tokenizer("bpe", ...)`` trains qualifies; a
+        user file with another pre-tokenizer is encoded whole (memory then grows with its longest
+        document)."""
+        if self._chunk_safe is None:
+            from tokenizers import pre_tokenizers
+
+            pre = self._tok.pre_tokenizer
+            added = self._tok.get_added_tokens_decoder().values()
+            self._chunk_safe = bool(
+                self._tok.normalizer is None
+                and isinstance(pre, pre_tokenizers.ByteLevel)
+                and not pre.add_prefix_space and pre.use_regex
+                and getattr(self._tok, "encode_special_tokens", False)
+                and all(t.special for t in added))
+        return self._chunk_safe
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, no special tokens added."""
@@ -188,11 +285,22 @@ def _tokenizer_file(spec: str) -> Path:
 
 
 def bpe_training_sample(documents: list[str], budget: int = BPE_TRAIN_BUDGET_CHARS) -> list[str]:
-    """Every k-th document, k = ceil(total characters / budget): ~``budget`` characters of whole
-    documents spread evenly over the corpus (all of it when it is smaller). Deterministic."""
+    """The texts BPE training reads: ~``budget`` characters spread evenly over the corpus.
+
+    Every k-th document, k = ceil(total characters / budget) (all of them when the corpus is
+    smaller), each cut by :func:`split_long_text` into pieces of at most
+    :data:`LONG_TEXT_CHUNK_CHARS` characters: the trainer counts the same pre-tokens as in the
+    whole documents, so it learns the same merges, at bounded memory. When a few huge documents
+    make these pieces hold more than twice the budget (one single-line file is one document),
+    every k'-th piece is kept instead, k' = ceil(their characters / budget). Deterministic.
+    """
     total = sum(len(d) for d in documents)
     stride = max(1, -(-total // budget))
-    return documents[::stride]
+    pieces = [p for d in documents[::stride] for p in split_long_text(d)]
+    chars = sum(len(p) for p in pieces)
+    if chars > 2 * budget:
+        pieces = pieces[:: -(-chars // budget)]
+    return pieces
 
 
 def _cached_bpe(documents: list[str] | None, vocab_size: int, cache_dir: Path) -> HFTokenizer:
@@ -211,11 +319,28 @@ def _cached_bpe(documents: list[str] | None, vocab_size: int, cache_dir: Path) -
     key = cache_key(_BPE_RECIPE, vocab_size, cache_key(*sample))
     path = cache_dir / "tokenizers" / f"bpe-{vocab_size}-{key[:16]}.json"
     name = f"bpe{vocab_size}-{key[:8]}"
-    if not path.exists():
+    tok = _cached_tokenizer(path, name)
+    if tok is None:  # absent or damaged: train it (once, under the lock)
+        check_cache_writable(cache_dir)
         with file_lock(path.with_suffix(".lock")):
-            if not path.exists():  # another rank may have built it while we waited
+            tok = _cached_tokenizer(path, name)  # another rank may have built it while we waited
+            if tok is None:
+                if path.exists():
+                    print(f"shardwise: the cached tokenizer {path} cannot be read: retraining it",
+                          file=sys.stderr, flush=True)
                 atomic_write_bytes(path, _train_bpe(sample, vocab_size).to_str().encode())
-    return HFTokenizer.from_file(path, name=name)
+                tok = HFTokenizer.from_file(path, name=name)
+    return tok
+
+
+def _cached_tokenizer(path: Path, name: str) -> HFTokenizer | None:
+    """The cached BPE at ``path``; None when absent or unreadable (e.g. truncated JSON)."""
+    if not path.is_file():
+        return None
+    try:
+        return HFTokenizer.from_file(path, name=name)
+    except ShardwiseConfigError:
+        return None
 
 
 def _train_bpe(texts: list[str], vocab_size: int):
