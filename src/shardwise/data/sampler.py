@@ -6,7 +6,10 @@ dp>1 run see the same global batch in the same order, which is what the parity t
 a checkpoint taken at dp=4 resumes exactly at dp=2 (the state holds no rank-dependent part).
 
 Epoch ``e`` is ``torch.randperm(num_samples)`` from ``torch.Generator().manual_seed(seed + e)``;
-global batches are consecutive slices of it, and a tail shorter than a global batch is dropped.
+global batches are consecutive slices of it, and a tail shorter than a global batch is dropped:
+``num_samples % global_batch`` sequences per epoch (the last ones of that epoch's shuffle, so a
+different set each epoch) do not train in that epoch. The loop logs and records the counts
+(:meth:`DistributedSampler.epoch_counts`), so the tail is never dropped silently.
 """
 
 from __future__ import annotations
@@ -70,6 +73,18 @@ class DistributedSampler:
     def steps_per_epoch(self) -> int:
         """Global batches per epoch: ``num_samples // global_batch`` (the tail is dropped)."""
         return self.num_samples // self.global_batch
+
+    @property
+    def dropped_per_epoch(self) -> int:
+        """Sequences of each epoch that no step trains on: ``num_samples % global_batch``."""
+        return self.num_samples - self.steps_per_epoch * self.global_batch
+
+    def epoch_counts(self) -> dict[str, int]:
+        """``{"sequences_per_epoch", "steps_per_epoch", "dropped_per_epoch"}``: the sequences in
+        the split (each epoch shuffles all of them), the global batches cut from an epoch, and
+        the tail left over (``sequences = steps × global_batch + dropped``)."""
+        return {"sequences_per_epoch": self.num_samples, "steps_per_epoch": self.steps_per_epoch,
+                "dropped_per_epoch": self.dropped_per_epoch}
 
     def _permutation(self) -> torch.Tensor:
         if self._perm_epoch != self.epoch:

@@ -13,7 +13,8 @@ DCP files              ``model.<FQN>``: every parameter in its *full* shape unde
 ``rng/rank_<r>.pt``    rank r's RNG states: python ``random``, numpy, torch CPU (and CUDA)
 ``meta.json``          ``step``, sampler position, LR-scheduler state, tokens seen, validation
                        losses so far, the run config, the model config, the layout it was saved
-                       under, whether the optimizer state is inside
+                       under, whether the optimizer state is inside, ``finite``, and ``data``
+                       (the fingerprint of the training data, :func:`data_fingerprint`)
 ``COMPLETE``           the completion marker, written last: size and SHA-256 of every other file
 =====================  ==========================================================================
 
@@ -28,7 +29,27 @@ renames the folder to ``step_<N>`` (``os.replace``, atomic on POSIX) and only th
 Resuming (:func:`find_resume_checkpoint`) scans the ``step_*`` folders newest first, skips (with
 a warning naming it) any folder without its marker, and re-hashes the files of the one it picks:
 a truncated or corrupted file is reported by name, and ``--resume auto`` falls back to the
-previous complete checkpoint.
+previous complete checkpoint. Incomplete folders alone count as no checkpoint: ``--resume auto``
+says so in one warning and starts fresh (a crash during the first save must not block a
+restart).
+
+Never a non-finite checkpoint. Before writing, every rank checks its parameters and AdamW state
+for NaN/inf and the flags are all-reduced (one all-reduce, shared with the optimizer-shape
+check), so every rank agrees: a non-finite state is never written or marked complete, and the
+run stops with :class:`DivergedError` naming the last good checkpoint. ``meta.json`` records
+``"finite": true``, and ``--keep`` rotation never deletes the newest finite checkpoint.
+
+Failures to write (a full disk, an unwritable folder) become one :class:`CheckpointError` on
+every rank that names the folder, the free space and the fix, instead of DCP's or
+``torch.save``'s raw errors (``enforce fail at inline_container.cc``); the partial ``.tmp``
+folder is removed. :func:`check_checkpoints_writable` catches an unwritable ``checkpoints/``
+before the run starts.
+
+The run folder. One run at a time: rank 0 holds an exclusive ``flock`` on ``<out>/run.lock``
+(:func:`lock_run_folder`, pid and host written into it) for the life of the run. The data the
+run trains on is fingerprinted (:func:`data_fingerprint`: files, sizes, SHA-256 of the token
+rows) into ``meta.json``; a resume on other data is refused (:func:`check_same_data`) unless
+``--allow-data-change``.
 
 Async save (``--async-save``): ``dcp.async_save`` copies the state to CPU memory and writes it in
 a background thread, over a separate gloo process group (so its collectives never interleave with
@@ -72,6 +93,39 @@ _STEP_RE = re.compile(r"^step_(\d+)(\.tmp)?$")
 class CheckpointError(ShardwiseConfigError):
     """A checkpoint that cannot be used: incomplete, corrupt, or for another model. The message
     names the folder or file and what to do instead."""
+
+
+class DivergedError(ShardwiseConfigError):
+    """Training went non-finite (loss, gradient norm, parameters or AdamW state are NaN/inf).
+    The message names the step and the last good checkpoint to resume from."""
+
+
+def last_good_checkpoint(root: Path, fallback: Path | None = None) -> Path | None:
+    """The newest complete checkpoint in ``root`` that is finite (every checkpoint this module
+    commits is; one whose ``meta.json`` says ``"finite": false`` is passed over), else
+    ``fallback`` (e.g. the checkpoint the run resumed from, outside ``root``)."""
+    for _, p in complete_checkpoints(root):
+        if _is_finite(p):
+            return p
+    return fallback
+
+
+def diverged_message(step: int, what: str, last_good: Path | None) -> str:
+    """The one-line message of :class:`DivergedError`: ``what`` went non-finite at ``step``."""
+    if last_good is None:
+        where = ("no checkpoint was saved before it: start again with a lower --lr or a "
+                 "--grad-clip (e.g. 1.0)")
+    else:
+        where = (f"the last good checkpoint is {last_good}: resume from it (--resume "
+                 f"{last_good}) with a lower --lr or a --grad-clip (e.g. 1.0), or check the data")
+    return f"training diverged at step {step}: {what} is not finite; {where}"
+
+
+def _is_finite(folder: Path) -> bool:
+    try:
+        return json.loads((Path(folder) / "meta.json").read_text()).get("finite", True) is True
+    except (OSError, ValueError):
+        return False
 
 
 # ------------------------------------------------------------------------------------ saving
@@ -136,11 +190,14 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
 
 
 def prune(root: Path, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` newest complete checkpoints (``keep`` = 0: keep all).
-    Returns the deleted folders."""
+    """Delete all but the ``keep`` newest complete checkpoints (``keep`` = 0: keep all), but
+    never the newest finite one (:func:`last_good_checkpoint`), even when it is older than
+    the ``keep`` newest. Returns the deleted folders."""
     if keep <= 0:
         return []
-    gone = [p for _, p in complete_checkpoints(root)[keep:]]
+    complete = [p for _, p in complete_checkpoints(root)]
+    good = last_good_checkpoint(root)
+    gone = [p for p in complete[keep:] if p != good]
     for p in gone:
         shutil.rmtree(p, ignore_errors=True)
     return gone
@@ -155,13 +212,20 @@ class Checkpointer:
         keep: after each save, delete all but the ``keep`` newest complete checkpoints (0: all).
         async_save: write with ``dcp.async_save`` in the background (see the module docstring).
             Creates one more gloo process group here, so construct it on every rank together.
+        data: the run's :func:`data_fingerprint`, stored as ``meta.json`` ``"data"`` in every
+            checkpoint (checked on resume by :func:`check_same_data`).
+        resumed_from: the checkpoint the run resumed from: the last good one until this run
+            commits its own (named by :class:`DivergedError`).
     """
 
-    def __init__(self, out, topo, keep: int = 0, async_save: bool = False):
+    def __init__(self, out, topo, keep: int = 0, async_save: bool = False,
+                 data: dict | None = None, resumed_from: Path | None = None):
         self.root = Path(out) / "checkpoints"
         self.topo = topo
         self.keep = keep
         self.async_save = async_save
+        self.data = data
+        self.resumed_from = resumed_from
         self.is_writer = topo.index("world") == 0
         self._pending: tuple | None = None  # (future, committer thread or None, final folder)
         self._error: list[BaseException] = []
@@ -173,6 +237,12 @@ class Checkpointer:
             # the step's collectives on the main groups
             self._pg = dist.new_group(topo.ranks, backend="gloo")
 
+    def last_good(self) -> Path | None:
+        """The newest finite complete checkpoint of this run folder, or the one the run resumed
+        from (:func:`last_good_checkpoint`). Files only; call :meth:`wait` first with async
+        saves."""
+        return last_good_checkpoint(self.root, self.resumed_from)
+
     def save(self, step: int, engine, optimizer, *, scheduler=None, sampler=None,
              extra_meta: dict | None = None) -> Path:
         """Write checkpoint ``step`` (collective over ``topo``'s world). Returns the final folder
@@ -182,8 +252,15 @@ class Checkpointer:
         collective for sharded engines; ledger phase ``checkpoint``). An engine whose optimizer
         state does not come back in full parameter shape is saved without it
         (``meta.json: "optimizer_saved": false``, with a warning) rather than with wrong shapes.
+
+        Raises (on every rank alike):
+            DivergedError: a parameter or optimizer tensor on some rank is NaN/inf: nothing is
+                written (the message names the last good checkpoint).
+            CheckpointError: the files cannot be written (full disk, unwritable folder): the
+                message names the folder, the free space and the fix.
         """
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         self.wait()
         topo = self.topo
@@ -195,10 +272,22 @@ class Checkpointer:
             bad = [k for k, st in optim.items() for n, v in st.items()
                    if torch.is_tensor(v) and v.dim() > 0 and (k not in model or
                                                               v.shape != model[k].shape)]
-            # every rank must agree whether the optimizer state goes in
-            flag = torch.tensor([1.0 if bad else 0.0], device=topo.device)
+            nonfinite = [k for k, v in model.items() if not bool(torch.isfinite(v).all())]
+            nonfinite += [f"optimizer.{k}.{n}" for k, st in optim.items() for n, v in st.items()
+                          if torch.is_tensor(v) and v.is_floating_point()
+                          and not bool(torch.isfinite(v).all())]
+            # every rank must agree whether the optimizer state goes in, and whether any rank's
+            # state is non-finite (then nobody writes): one all-reduce of both flags
+            flag = torch.tensor([1.0 if bad else 0.0, 1.0 if nonfinite else 0.0],
+                                device=topo.device)
             comm.all_reduce(flag, topo, "world", op="max", tag="checkpoint")
-            with_optim = flag.item() == 0.0
+            if flag[1].item() != 0.0:
+                what = (f"the state to checkpoint ({len(nonfinite)} tensors on this rank, e.g. "
+                        f"{nonfinite[:2]})" if nonfinite else
+                        "the state to checkpoint (on another rank)")
+                raise DivergedError(diverged_message(step, what, self.last_good()) +
+                                    f" (step_{step} was not saved)")
+            with_optim = flag[0].item() == 0.0
             if not with_optim and self.is_writer:
                 log.warning(f"checkpoint step {step}: {type(engine).__name__}.full_optimizer_state "
                             "does not return full-shape state (e.g. "
@@ -207,24 +296,46 @@ class Checkpointer:
             state = {"model": model}
             if with_optim:
                 state["optimizer"] = optim
+            failed = None
             if self.is_writer:  # a stale .tmp of an interrupted save of the same step
-                if tmp.exists():
-                    shutil.rmtree(tmp)
-                (tmp / "rng").mkdir(parents=True)
-            comm.broadcast_object(str(tmp), topo, "world", tag="checkpoint")  # the folder exists
-        torch.save(rng_state(), tmp / "rng" / f"rank_{topo.index('world')}.pt")
-        meta = {"format": FORMAT, "step": step, "optimizer_saved": with_optim,
+                try:
+                    if tmp.exists():
+                        shutil.rmtree(tmp)
+                    (tmp / "rng").mkdir(parents=True)
+                except OSError as e:
+                    failed = self._write_failed(step, tmp, e)
+            # the folder exists (or why not: every rank raises the same error)
+            failed = comm.broadcast_object((str(tmp), failed), topo, "world",
+                                           tag="checkpoint")[1]
+            if failed:
+                raise CheckpointError(failed)
+        try:
+            torch.save(rng_state(), tmp / "rng" / f"rank_{topo.index('world')}.pt")
+        except (OSError, RuntimeError) as e:  # RuntimeError: torch.save's inline_container.cc
+            raise CheckpointError(self._write_failed(step, tmp, e)) from None
+        meta = {"format": FORMAT, "step": step, "optimizer_saved": with_optim, "finite": True,
                 "world_size": topo.world_size, "layout": topo.describe(),
                 **({"sampler": sampler.state_dict()} if sampler is not None else {}),
                 **({"scheduler": scheduler.state_dict()} if scheduler is not None else {}),
+                **({"data": self.data} if self.data is not None else {}),
                 **(extra_meta or {})}
         if not self.async_save:
             with topo.ledger.phase("checkpoint"):
-                dcp.save(state, checkpoint_id=str(tmp), process_group=topo.group("world"))
+                try:
+                    dcp.save(state, checkpoint_id=str(tmp), process_group=topo.group("world"))
+                except (Exception, CheckpointException) as e:  # DCP raises on every rank alike
+                    raise CheckpointError(self._write_failed(step, tmp, e)) from None
                 # dcp.save returns on the coordinator after every rank's files are written
+                failed = None
                 if self.is_writer:
-                    self._commit(tmp, final, step, meta)
-                comm.broadcast_object(final.name, topo, "world", tag="checkpoint")  # committed
+                    try:
+                        self._commit(tmp, final, step, meta)
+                    except OSError as e:
+                        failed = self._write_failed(step, tmp, e)
+                failed = comm.broadcast_object((final.name, failed), topo, "world",
+                                               tag="checkpoint")[1]  # committed (or not)
+                if failed:
+                    raise CheckpointError(failed)
             return final
         # async: stage a private copy (training goes on mutating the live tensors)
         state = _clone(state)
@@ -243,6 +354,31 @@ class Checkpointer:
         self._pending = (fut, thread, final)
         return final
 
+    def _write_failed(self, step: int, tmp: Path, e: BaseException) -> str:
+        """The one-line message for a save that could not write ``tmp`` (after removing what it
+        wrote, rank 0, to give the space back): the cause, the free space, the fix."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        if self.is_writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, CheckpointException) and e.failures:  # the first rank's own error
+            e = next(iter(e.failures.values()))[0]
+        cause = " ".join(str(e).split())[:200] or type(e).__name__
+        anc = self.root
+        while not anc.exists() and anc != anc.parent:
+            anc = anc.parent
+        try:
+            free = f"{shutil.disk_usage(anc).free / 2**20:,.1f} MiB free on its file system"
+        except OSError:
+            free = "free space unknown"
+        last = self.last_good()
+        then = (f"resume with --resume {last}" if last is not None
+                else "start the run again")
+        return (f"checkpoint step {step}: cannot write {tmp} ({type(e).__name__}: {cause}); "
+                f"{free}: the disk may be full or the folder not writable: free space (or "
+                f"lower --keep), fix the folder's permissions or choose another --out, then "
+                f"{then}")
+
     def _commit(self, tmp: Path, final: Path, step: int, meta: dict) -> None:
         """Rank 0, after every rank wrote: meta.json, the marker, rename, ``latest``, prune."""
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
@@ -260,13 +396,22 @@ class Checkpointer:
         """Block until the pending async save is written and committed (no-op otherwise).
         ``barrier``: also make every rank wait until rank 0 has committed (collective)."""
         if self._pending is not None:
+            from torch.distributed.checkpoint.api import CheckpointException
+
             fut, thread, final = self._pending
             self._pending = None
-            fut.result()
+            step, tmp = int(final.name.split("_")[1]), final.with_name(final.name + ".tmp")
+            try:
+                fut.result()
+            except (Exception, CheckpointException) as e:
+                raise CheckpointError(self._write_failed(step, tmp, e)) from None
             if thread is not None:
                 thread.join()
             if self._error:
-                raise self._error.pop()
+                e = self._error.pop()
+                if isinstance(e, (OSError, RuntimeError, CheckpointException)):
+                    raise CheckpointError(self._write_failed(step, tmp, e)) from None
+                raise e
             if barrier:
                 with self.topo.ledger.phase("checkpoint"):
                     comm.broadcast_object(final.name, self.topo, "world", tag="checkpoint")
@@ -335,18 +480,27 @@ def find_resume_checkpoint(spec: str, out: str, warn=None) -> Path | None:
     """Resolve ``--resume`` to one verified checkpoint folder, reading files only (no collective).
 
     ``spec``: ``"auto"`` — the newest complete, intact checkpoint in ``<out>/checkpoints``, or
-    None when there is none yet (start fresh); a ``step_<N>`` folder — that one; a run folder or
-    its ``checkpoints/`` folder — the newest complete, intact one there. Folders without their
-    marker and corrupt ones are skipped with a ``warn(message)`` naming them.
+    None when there is none yet (start fresh): folders without their completion marker (a save
+    interrupted by a crash, e.g. ``step_5.tmp``) count as none, said in one ``warn`` line; a
+    ``step_<N>`` folder — that one; a run folder or its ``checkpoints/`` folder — the newest
+    complete, intact one there. Folders without their marker and corrupt ones are skipped with
+    a ``warn(message)`` naming them.
 
     Raises:
-        CheckpointError: a named step folder is incomplete or corrupt; a folder holds
-            checkpoints but none is usable; ``spec`` does not exist.
+        CheckpointError: a named step folder is incomplete or corrupt; a folder holds complete
+            checkpoints but none is intact; a run folder holds no complete checkpoint; ``spec``
+            does not exist.
     """
     warn = warn or (lambda msg: None)
     if spec == "auto":
         root = Path(out) / "checkpoints"
         if not list_checkpoints(root):
+            return None
+        if not complete_checkpoints(root):  # only interrupted saves: nothing to resume
+            names = ", ".join(p.name for _, p in list_checkpoints(root))
+            warn(f"--resume auto: {root} holds only incomplete checkpoints ({names}: saves "
+                 f"interrupted before their {MARKER} marker), which count as none: starting "
+                 "fresh")
             return None
     else:
         p = Path(spec)
@@ -360,6 +514,11 @@ def find_resume_checkpoint(spec: str, out: str, warn=None) -> Path | None:
         if not list_checkpoints(root):
             raise CheckpointError(f"--resume {spec}: no checkpoints/step_N folders there: give "
                                   "a checkpoints/step_N folder, a run folder, or auto")
+        if not complete_checkpoints(root):
+            raise CheckpointError(f"--resume {spec}: {root} holds only incomplete checkpoints "
+                                  f"({', '.join(q.name for _, q in list_checkpoints(root))}: "
+                                  f"no {MARKER} marker, their saves were interrupted): start "
+                                  "fresh (drop --resume) or give another checkpoint")
     problems = []
     for _, folder in list_checkpoints(root):
         try:
@@ -488,8 +647,10 @@ def restore_training_state(folder: Path, engine, optimizer, *, scheduler=None, s
     """After ``parallelize``: the optimizer state (full shapes → this rank's shards via
     ``engine.load_full_optimizer_state``), the LR scheduler, the sampler position, and this
     rank's RNG states (when the checkpoint has a file for ``rank``; a run resumed on more ranks
-    than it was saved with keeps its seeded RNG on the new ranks). No collective of its own
-    (an engine's ``load_full_optimizer_state`` may have one)."""
+    than it was saved with keeps its seeded RNG on the new ranks). A ``--lr`` other than the
+    checkpoint's is honoured: the schedule keeps its position and scales to the new peak (the
+    way to continue after a divergence). No collective of its own (an engine's
+    ``load_full_optimizer_state`` may have one)."""
     folder = Path(folder)
     meta = json.loads((folder / "meta.json").read_text())
     optimizer_restored = False
@@ -502,7 +663,15 @@ def restore_training_state(folder: Path, engine, optimizer, *, scheduler=None, s
                                   "state of another model") from None
         optimizer_restored = True
     if scheduler is not None and "scheduler" in meta:
+        base = list(scheduler.base_lrs)  # this run's --lr
         scheduler.load_state_dict(meta["scheduler"])
+        if list(scheduler.base_lrs) != base:  # --lr changed on resume (e.g. after a divergence):
+            log.info(f"--lr {base[0]:g} differs from the checkpoint's {scheduler.base_lrs[0]:g}: "
+                     "the schedule goes on from its step with the new --lr")
+            scheduler.base_lrs = base  # the schedule's position is kept, its peak is the new one
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # get_lr() outside step()
+                scheduler._last_lr = list(scheduler.get_lr())
         # LambdaLR.load_state_dict restores the counters but not the groups' current lr
         for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
             group["lr"] = lr
@@ -539,6 +708,178 @@ def check_disk_space(out: str, need_bytes: int) -> None:
             f"checkpoints need about {need_bytes / 2**20:,.1f} MiB (parameters + AdamW state, "
             "per kept checkpoint + the one being written): free space, lower --keep, or choose "
             "another --out")
+
+
+def check_checkpoints_writable(out: str, rank: int = 0) -> None:
+    """Raise :class:`CheckpointError` unless ``<out>/checkpoints`` (when it exists) is a folder
+    this process can create a checkpoint folder and a file in: tried with a probe folder that is
+    removed again (permission bits do not tell for root or read-only mounts). Files only: call
+    it on every rank before any collective (each rank writes its own shard there)."""
+    root = Path(out) / "checkpoints"
+    if not root.exists():
+        return  # created by the first save; --out itself was probed by validate
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is a file, not a folder, so no checkpoint can be written "
+                              "there: move the file away or choose another --out")
+    probe = root / f".write-test-{os.getpid()}-{rank}.tmp"
+    try:
+        probe.mkdir()
+        (probe / "probe").write_bytes(b"")
+    except OSError as e:
+        raise CheckpointError(f"{root} is not writable by this process ({e.strerror or e}): "
+                              "fix its permissions (e.g. chmod u+w) or choose another "
+                              "--out") from None
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+
+
+LOCK_FILE = "run.lock"  # in the run folder: JSON {"pid", "host", "started"} of the holder
+
+
+class RunFolderBusyError(ShardwiseConfigError):
+    """Another run holds the run folder's lock (:func:`lock_run_folder`); the message names its
+    pid and host."""
+
+
+def lock_run_folder(out: str) -> tuple[object | None, str | None]:
+    """Take the run folder's exclusive lock: ``fcntl.flock(LOCK_EX | LOCK_NB)`` on
+    ``<out>/run.lock`` (created, with ``out``, if missing), then write this process's pid, host
+    and start time into it. Call on rank 0 (or a launcher) before anything is written.
+
+    Returns:
+        ``(handle, None)``: keep ``handle`` open for the life of the run; closing it, or the
+        process ending in any way (SIGKILL included), releases the lock. ``(None, message)``:
+        another process holds it, and the message (for a :class:`RunFolderBusyError`) names
+        that run's pid and host and the fix; returned, not raised, so the caller can tell the
+        other ranks first. ``(None, None)``: the file system cannot lock (a warning is logged);
+        the run goes on unguarded.
+    """
+    import fcntl
+    import socket
+    import time
+
+    path = Path(out) / LOCK_FILE
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+")  # never truncate before holding the lock: it names the holder
+    except OSError as e:
+        return None, (f"--out {out}: cannot create its lock file {path} ({e.strerror or e}): "
+                      "choose a writable --out")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        text = f.read()
+        f.close()
+        try:
+            who = json.loads(text)
+            holder = f"pid {who['pid']} on host {who['host']}, started {who['started']}"
+        except (ValueError, KeyError, TypeError):
+            holder = "pid and host not yet written"
+        return None, (f"--out {out} is in use by another run ({holder}; lock {path}): wait for "
+                      "it to finish or stop it, or choose another --out")
+    except OSError as e:  # e.g. ENOLCK on a network file system without locking
+        f.close()
+        log.warning(f"--out {out}: cannot lock {path} ({e.strerror or e}): a second run in this "
+                    "folder would not be refused")
+        return None, None
+    f.seek(0)
+    f.truncate()
+    f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                        "started": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+    f.flush()
+    return f, None
+
+
+# ---------------------------------------------------------------------------- data fingerprint
+
+_LISTED_FILES = 20  # data files listed by name in the fingerprint (all are counted)
+
+
+def data_fingerprint(work, data: str = "") -> dict:
+    """What the run trains on, for ``meta.json`` ``"data"``: ``source`` (``data``, or the
+    embedded corpus / synthetic set), ``files`` and ``bytes`` (count and total size of the data
+    files), ``listing`` (``[path, bytes]`` of the first 20 files), ``rows`` (training sequences)
+    and ``sha256`` of the training and validation rows exactly as the model sees them (tokens,
+    SFT labels; the regression tensors). Reads the files' sizes only; hashing ~100 MB of rows
+    takes ~0.05 s. Identical on every rank (same files, same tokens).
+
+    Args:
+        work: a workload of :mod:`shardwise.train.workload` (``data.train``/``data.val``
+            tensors, or ``train``/``val`` dicts of tensors).
+        data: ``--data`` ("" = the embedded default corpus).
+    """
+    h = hashlib.sha256()
+    tensors = []
+    src = getattr(work, "data", None)
+    if src is not None and hasattr(src, "train"):
+        tensors = [src.train, src.val, getattr(src, "train_labels", None),
+                   getattr(src, "val_labels", None)]
+    else:  # the regression workload: dicts of tensors
+        for split in (getattr(work, "train", {}), getattr(work, "val", {})):
+            tensors += [split[k] for k in sorted(split)]
+    for t in tensors:
+        if t is not None:
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.detach().cpu().contiguous().numpy())
+    fp = {"source": data or ("embedded stdlib corpus" if getattr(work, "kind", "") == "lm"
+                             else "synthetic"),
+          "rows": int(work.num_train), "sha256": h.hexdigest()}
+    if getattr(work, "kind", "") == "lm":
+        from ..data import source_files
+
+        files = [(str(p), p.stat().st_size) for p in source_files(data or None)]
+        fp.update(files=len(files), bytes=sum(b for _, b in files),
+                  listing=[list(f) for f in files[:_LISTED_FILES]] if data else [])
+    return fp
+
+
+def check_same_data(folder: Path, meta: dict, fingerprint: dict, config: dict | None = None,
+                    allow: bool = False, warn=None) -> None:
+    """Compare this run's :func:`data_fingerprint` with the one saved in checkpoint ``folder``
+    (``meta`` = its ``meta.json``; a checkpoint without one is not checked). ``config``: this
+    run's config as a dict, to name the flags the rows depend on that changed. Files only, so
+    it runs on every rank before any collective.
+
+    Raises:
+        CheckpointError: the training rows differ (the message says how: sequence count, files,
+            sizes, flags) and ``allow`` (``--allow-data-change``) is False; with ``allow`` it is
+            a ``warn(message)`` instead.
+    """
+    saved = meta.get("data")
+    if not saved or saved.get("sha256") == fingerprint.get("sha256"):
+        return
+    diffs = []
+    if saved.get("rows") != fingerprint.get("rows"):
+        diffs.append(f"{saved.get('rows')} training sequences then, {fingerprint.get('rows')} "
+                     "now")
+    if (saved.get("files"), saved.get("bytes")) != (fingerprint.get("files"),
+                                                    fingerprint.get("bytes")):
+        diffs.append(f"{saved.get('files')} file(s) of {saved.get('bytes')} bytes then, "
+                     f"{fingerprint.get('files')} of {fingerprint.get('bytes')} now")
+    then = {p: b for p, b in saved.get("listing", [])}
+    now = {p: b for p, b in fingerprint.get("listing", [])}
+    changed = [f"{p} {then[p]} → {now[p]} bytes" for p in then if p in now and then[p] != now[p]]
+    changed += [f"{p} gone" for p in then if p not in now]
+    changed += [f"{p} new" for p in now if p not in then]
+    if changed:
+        diffs.append(", ".join(changed[:4]) + (" …" if len(changed) > 4 else ""))
+    if not diffs:
+        diffs.append("same files and sizes, other contents")
+    run, mine = meta.get("config", {}), config or {}
+    flags = [f"--{k.replace('_', '-')} {run[k]!r} → {mine[k]!r}"
+             for k in ("data", "tokenizer", "seq_len", "vocab_size", "task")
+             if k in run and k in mine and run[k] != mine[k]]
+    if flags:
+        diffs.append("flags: " + ", ".join(flags))
+    msg = (f"checkpoint {folder} was saved while training on other data (source "
+           f"{saved.get('source')!r}; token rows SHA-256 {str(saved.get('sha256'))[:12]}… then, "
+           f"{str(fingerprint.get('sha256'))[:12]}… now; {'; '.join(diffs)})")
+    if allow:
+        (warn or log.warning)(f"{msg}: --allow-data-change given, training on the new data")
+        return
+    raise CheckpointError(f"{msg}: resume with the same --data, --tokenizer and --seq-len, or "
+                          "pass --allow-data-change to train on the new data on purpose")
 
 
 def save_checkpoint(out: Path, step: int, engine, optimizer, topo, meta: dict) -> Path:

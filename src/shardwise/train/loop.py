@@ -24,8 +24,11 @@ from ..flops import mfu, peak_devices, peak_flops, step_flops
 from ..models import build_model, set_activation_checkpointing
 from ..parallel.apply import Layout, parallelize
 from ..topology import Topology, init_distributed
-from .checkpoint import (Checkpointer, check_disk_space, checkpoint_bytes_estimate,
-                         find_resume_checkpoint, load_model, restore_training_state)
+from .checkpoint import (Checkpointer, DivergedError, RunFolderBusyError,
+                         check_checkpoints_writable, check_disk_space, check_same_data,
+                         checkpoint_bytes_estimate, data_fingerprint, diverged_message,
+                         find_resume_checkpoint, load_model, lock_run_folder,
+                         restore_training_state)
 from .metrics import MetricsLogger, plot_loss
 from .optim import build_optimizer, build_scheduler
 from .step import train_step
@@ -49,21 +52,51 @@ def default_out_dir() -> str:
     return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
 
 
+def eval_shard(n: int, dp: int, r: int, micro_batch: int) -> tuple[torch.Tensor, int]:
+    """This dp rank's share of ``n`` evaluation sequences, and the forwards every rank runs.
+
+    Rank ``r`` takes rows ``[r·n // dp, (r+1)·n // dp)``: the shares are disjoint, cover
+    ``0..n-1`` exactly once and differ in size by at most one (a rank may get none when
+    ``n < dp``). Every rank runs ``ceil(ceil(n / dp) / micro_batch)`` forwards, the most any
+    rank needs, so collectives inside forward (ZeRO-3/FSDP gathers, TP, PP) stay matched.
+
+    Returns:
+        (row indices ``[n_r]`` int64, forwards per rank).
+
+    Raises:
+        ShardwiseConfigError: ``n``, ``dp`` or ``micro_batch`` below 1, or ``r`` not in
+            ``[0, dp)``.
+    """
+    if n < 1 or dp < 1 or micro_batch < 1 or not 0 <= r < dp:
+        raise ShardwiseConfigError(
+            f"evaluation split needs n ≥ 1, dp ≥ 1, micro_batch ≥ 1 and 0 ≤ r < dp, got n={n}, "
+            f"dp={dp}, r={r}, micro_batch={micro_batch}: check --eval-sequences and --dp")
+    most = -(-n // dp)  # the largest share
+    return torch.arange(r * n // dp, (r + 1) * n // dp), -(-most // micro_batch)
+
+
 @torch.no_grad()
 def evaluate(engine, work, topo, cfg: TrainConfig) -> float:
-    """Token-weighted mean loss on the first ``eval_sequences`` validation sequences (rounded
-    down to a multiple of dp), split evenly over dp ranks so every rank runs the same number of
-    forwards (sharded engines gather inside them); the sums are all-reduced over dp (phase
-    "eval")."""
+    """Token-weighted mean loss over exactly the first ``N = min(num_val, eval_sequences)``
+    validation sequences, each counted once, so the value is the same at every dp (to fp32
+    round-off). The sequences are split over dp ranks by :func:`eval_shard`; a rank with fewer
+    micro-batches than the most loaded one runs padding forwards (validation row 0) whose loss
+    sum and token count are not added, because sharded engines gather inside forward and every
+    rank must issue the same collectives. The [loss sum, tokens] pair is all-reduced over dp
+    (phase "eval"); a collective over the layout: every rank calls it together."""
     dp, r = topo.size("dp"), topo.index("dp")
-    n = max(dp, min(work.num_val, cfg.eval_sequences) // dp * dp)
-    idx = torch.arange(n)[r * n // dp:(r + 1) * n // dp] % work.num_val
+    micro = cfg.microbatching()[0]
+    idx, forwards = eval_shard(min(work.num_val, cfg.eval_sequences), dp, r, micro)
+    batches = work.batches(idx, micro, split="val") if idx.numel() else []
     sums = torch.zeros(2, dtype=torch.float64, device=topo.device)  # [loss sum, tokens]
     engine.eval()
-    for mb in work.batches(idx, cfg.microbatching()[0], split="val"):
+    for i in range(forwards):
+        real = i < len(batches)
+        mb = batches[i] if real else work.batches(torch.zeros(1, dtype=torch.long), 1, "val")[0]
         s, c = engine.loss_sum_and_count({k: v.to(topo.device) for k, v in mb.items()})
-        sums[0] += s.double().sum()  # engines return [] or [1]
-        sums[1] += torch.as_tensor(c).sum()
+        if real:  # padding: the forward ran (matched collectives); its sums count zero
+            sums[0] += s.double().sum()  # engines return [] or [1]
+            sums[1] += torch.as_tensor(c).sum()
     engine.train()
     with topo.ledger.phase("eval"):
         comm.all_reduce(sums, topo, "dp", tag="eval")
@@ -87,13 +120,21 @@ def train(cfg: TrainConfig) -> dict:
             f"--global-batch {cfg.global_batch} needs {cfg.global_batch} training sequences but "
             f"the data gives {work.num_train} at --seq-len {cfg.seq_len}: lower --global-batch "
             f"or --seq-len, or give more --data")
-    # --resume: pick and verify the checkpoint, and check it fits this model (files only)
-    resume_from = _find_resume(cfg, work, rank)
+    # one run per folder: rank 0 locks it before anything is written; a refusal reaches every
+    # rank with the run's first broadcast below, and every rank raises the same error
+    out_name = cfg.out or default_out_dir()
+    run_lock, refused = lock_run_folder(out_name) if rank == 0 else (None, None)
+    # --resume: pick and verify the checkpoint, check it fits this model and data (files only)
+    fingerprint = data_fingerprint(work, cfg.data)
+    resume_from = None if refused else _find_resume(cfg, work, rank, fingerprint)
 
     init_distributed(cfg.device, cfg.timeout)
     topo = Topology(cfg.pp, cfg.dp, cfg.tp, device=cfg.device, timeout_s=cfg.timeout)
     with topo.ledger.phase("init"):
-        out = Path(comm.broadcast_object(cfg.out or default_out_dir(), topo, "world"))
+        out, refused = comm.broadcast_object((out_name, refused), topo, "world")
+    if refused:
+        raise RunFolderBusyError(refused)
+    out = Path(out)
     cfg = dataclasses.replace(cfg, out=str(out))
     is_main = topo.index("world") == 0
     if is_main:
@@ -128,6 +169,10 @@ def train(cfg: TrainConfig) -> dict:
              f"{topo.describe()}, engine={cfg.engine}, data={work.description}")
     log.info(f"  {cfg.steps} steps × {cfg.global_batch} sequences × {cfg.seq_len} tokens; "
              f"{n_micro} micro-batches of {micro_batch} per rank per step; output → {out}")
+    epoch = sampler.epoch_counts()  # the tail shorter than a global batch is dropped
+    log.info(f"  epoch: {epoch['sequences_per_epoch']:,} training sequences = "
+             f"{epoch['steps_per_epoch']:,} steps × {cfg.global_batch} + "
+             f"{epoch['dropped_per_epoch']:,} dropped (the tail of each epoch's shuffle)")
     for line in describe_groups(topo):
         log.info(line)
     # MFU: model FLOPs of a step (every position of the global batch; flops.py has the
@@ -144,6 +189,8 @@ def train(cfg: TrainConfig) -> dict:
 
     if resume_from is not None and is_main:  # steps after the checkpoint are redone
         _truncate_metrics(out / "metrics.jsonl", _checkpoint_step(resume_from))
+    elif is_main:  # a fresh start (e.g. --resume auto with nothing to resume): fresh logs
+        _fresh_logs(out)
     metrics = MetricsLogger(out, enabled=is_main)
     show_bar = is_main and (sys.stderr.isatty() or os.environ.get("SHARDWISE_TTY") == "1")
     bar = None
@@ -151,7 +198,8 @@ def train(cfg: TrainConfig) -> dict:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, desc="train", dynamic_ncols=True, file=sys.stderr)
-    checkpointer = Checkpointer(out, topo, keep=cfg.keep, async_save=cfg.async_save)
+    checkpointer = Checkpointer(out, topo, keep=cfg.keep, async_save=cfg.async_save,
+                                data=fingerprint, resumed_from=resume_from)
     start, times = 0, []
     if resume_from is not None:  # optimizer state → this rank's shards; LR, data position, RNG
         got = restore_training_state(resume_from, engine, optimizer, scheduler=scheduler,
@@ -178,9 +226,14 @@ def train(cfg: TrainConfig) -> dict:
         dt = time.perf_counter() - t0
         times.append(dt)
         tokens_seen += res.tokens
-        if not math.isfinite(res.loss):
-            raise FloatingPointError(f"loss is {res.loss} at step {step}: lower --lr or check "
-                                     "the data")
+        if not (math.isfinite(res.loss) and math.isfinite(res.grad_norm)):
+            # both are global values, the same on every rank: every rank stops here together
+            metrics.log({"step": step, "loss": res.loss, "grad_norm": res.grad_norm,
+                         "lr": scheduler.get_last_lr()[0]})  # the step that diverged, on record
+            checkpointer.wait(barrier=True)  # a pending async save (of a finite state) lands
+            raise DivergedError(diverged_message(
+                step, f"the loss ({res.loss}) or the gradient norm ({res.grad_norm})",
+                checkpointer.last_good()))
         rec = {"step": step, "loss": res.loss, "lr": scheduler.get_last_lr()[0],
                "grad_norm": res.grad_norm, "tokens": tokens_seen,
                "tokens_per_s": res.tokens / dt, "step_time_s": dt,
@@ -235,6 +288,7 @@ def train(cfg: TrainConfig) -> dict:
         "median_step_s": sorted(times)[len(times) // 2],
         "tokens_per_s": cfg.global_batch * cfg.seq_len / sorted(times)[len(times) // 2],
         "params": n_params, "out": str(out), "checkpoint": str(ckpt),
+        **epoch,  # sequences_per_epoch, steps_per_epoch, dropped_per_epoch
     }
     # model TFLOP/s and MFU at the median step (flops.py: 6·N + 12·L·d·s per token)
     summary["tflops"] = flops_step / summary["median_step_s"] / 1e12
@@ -251,6 +305,8 @@ def train(cfg: TrainConfig) -> dict:
                  f"{summary['tokens_per_s']:,.0f} tokens/s (median step "
                  f"{summary['median_step_s'] * 1e3:.0f} ms, {summary['tflops']:.3f} TFLOP/s, "
                  f"MFU {summary['mfu']:.1%}); outputs in {out}")
+    if run_lock is not None:  # the run folder is free for the next run
+        run_lock.close()
     return summary
 
 
@@ -263,17 +319,26 @@ def _meta(cfg: TrainConfig, tokens_seen: int, val_losses: list, model_cfg) -> di
 
 
 # -- resume ------------------------------------------------------------------------------------
-def _find_resume(cfg: TrainConfig, work, rank: int) -> Path | None:
+def _find_resume(cfg: TrainConfig, work, rank: int, fingerprint: dict) -> Path | None:
     """``--resume auto|PATH`` → a verified checkpoint folder (None: start fresh), checked against
-    this model's parameter names and shapes (built on the meta device), and the disk space the
-    run's checkpoints need. Reads files only, so a bad checkpoint fails before any collective;
-    every rank decides the same from the same files."""
-    warn = log.warning if rank == 0 else (lambda msg: None)
+    this model's parameter names and shapes (built on the meta device) and this run's data
+    (``fingerprint``, :func:`~shardwise.train.checkpoint.check_same_data`), and the disk space
+    and the writable ``checkpoints/`` folder the run needs. Reads files only, so a bad
+    checkpoint fails before any collective; every rank decides the same from the same files."""
+    warned = []
+
+    def warn(msg: str) -> None:
+        warned.append(msg)
+        if rank == 0:
+            log.warning(msg)
+
     folder = None
     if cfg.resume:
         folder = find_resume_checkpoint(cfg.resume, cfg.out, warn=warn)
         if folder is None:
-            log.info(f"--resume auto: no checkpoint in {cfg.out}/checkpoints yet: starting fresh")
+            if not warned:  # (incomplete checkpoints alone were reported in one warning)
+                log.info(f"--resume auto: no checkpoint in {cfg.out}/checkpoints yet: starting "
+                         "fresh")
         elif _checkpoint_step(folder) > cfg.steps:
             raise ShardwiseConfigError(
                 f"--resume: {folder} is at step {_checkpoint_step(folder)}, past --steps "
@@ -286,15 +351,29 @@ def _find_resume(cfg: TrainConfig, work, rank: int) -> Path | None:
             shape = build_model(cfg.model, vocab_size=work.vocab_size,
                                 **work.model_overrides(cfg))
         if folder is not None:
-            check_model_compatible(folder, shape, json.loads((folder / "meta.json").read_text()))
+            meta = json.loads((folder / "meta.json").read_text())
+            check_model_compatible(folder, shape, meta)
+            check_same_data(folder, meta, fingerprint, dataclasses.asdict(cfg),
+                            allow=cfg.allow_data_change, warn=warn)
         if cfg.out:
             n = sum(p.numel() for p in shape.parameters())
             check_disk_space(cfg.out, checkpoint_bytes_estimate(n, cfg.keep))
+            check_checkpoints_writable(cfg.out, rank)
     return folder
 
 
 def _checkpoint_step(folder: Path) -> int:
     return int(json.loads((Path(folder) / "meta.json").read_text())["step"])
+
+
+def _fresh_logs(out: Path) -> None:
+    """A fresh start in a folder an earlier attempt wrote to (``--resume auto`` that found no
+    complete checkpoint): remove the logs a run appends to, ``metrics.jsonl`` and the
+    TensorBoard events in ``tb/``, so no step is logged twice. Rank 0, holding the run lock."""
+    import shutil
+
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    shutil.rmtree(out / "tb", ignore_errors=True)
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
