@@ -323,6 +323,9 @@ def check_timeout(seconds: float, flag: str = "--timeout") -> None:
             f"peer): choose {flag} ≥ {MIN_TIMEOUT_S:g} s (default 300)")
 
 
+FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: AdamW casts lr to it
+
+
 def _validate_finite(cfg: TrainConfig) -> None:
     """Every float field (``--lr``, ``--timeout``, ``--bucket-mb``, …) must be finite. NaN
     passes every range check below (each comparison with NaN is false) and infinity passes the
@@ -332,10 +335,11 @@ def _validate_finite(cfg: TrainConfig) -> None:
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         value = getattr(cfg, f.name)
-        if hints[f.name] is float and not math.isfinite(value):
+        if hints[f.name] is float and not (math.isfinite(value) and abs(value) <= FP32_MAX):
             raise ShardwiseConfigError(
-                f"--{f.name.replace('_', '-')} {value} must be a finite number (not NaN or "
-                f"infinity): give a finite value, e.g. the default {f.default!r}")
+                f"--{f.name.replace('_', '-')} {value} must be a finite number within fp32's "
+                f"range (±{FP32_MAX:.3g}; not NaN or infinity): give a finite value, e.g. the "
+                f"default {f.default!r}")
 
 
 def _validate_layout(cfg: TrainConfig) -> None:
