@@ -9,3 +9,11 @@ Checks run on every rank before any collective, so a bad input never leaves a ra
 
 class ShardwiseConfigError(ValueError):
     """Bad configuration or input data. The message names the constraint and the fix."""
+
+
+class CollectiveTimeout(ShardwiseConfigError):
+    """A collective of :mod:`shardwise.comm` did not complete within the process group's
+    timeout. The message names the collective (op, axis, tag, dtype, shape, group size, the
+    timeout); the usual cause is a collective called from a subset of the ranks (e.g. a
+    checkpoint save on rank 0 only) or collectives called in different orders on different
+    ranks. Raised chained to torch.distributed's own error (``__cause__``)."""

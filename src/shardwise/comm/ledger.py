@@ -26,8 +26,9 @@ the ledger can be compared with them exactly. ``seconds`` is wall time from laun
 (for an async op: until its ``wait()`` returned), so it includes any time spent waiting for peers.
 
 Records carry a ``phase`` (``"step"`` for the optimizer step being measured, ``"init"``,
-``"eval"``, ``"verify"``...) and a ``tag`` saying why the collective ran (``"grad"`` for gradient
-sync, ``"loss"`` for loss bookkeeping...). :meth:`Ledger.step_records` returns one step's records.
+``"eval"``, ``"verify"``, ``"order_check"`` for the first step's ZeRO-3/FSDP2 unit-order agreement
+...) and a ``tag`` saying why the collective ran (``"grad"`` for gradient sync, ``"loss"`` for
+loss bookkeeping...). :meth:`Ledger.step_records` returns one step's records (phase ``"step"``).
 """
 
 from __future__ import annotations

@@ -14,15 +14,25 @@ Backend quirks live here and nowhere else:
   is also exact for fp32 when the divisor is a power of two.
 * gloo cannot all-gather shards of unequal size: :func:`all_gather` takes equal shards only, and
   callers pad (ZeRO pads every flat buffer to a multiple of the group size).
+* A collective that does not complete within the process group's timeout fails in torch with a
+  backend's raw text (gloo: ``Timed out waiting 3000ms for recv operation to complete``), after
+  the timeout. Every function here turns that into one line naming the collective (op, axis,
+  tag, dtype, shape, group size, the timeout) and its usual cause — called from a subset of the
+  ranks, or in different orders on different ranks — as a
+  :class:`~shardwise.errors.CollectiveTimeout` chained to torch's error. Other errors pass
+  through unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
 import time
 
 import torch
 import torch.distributed as dist
 
+from ..errors import CollectiveTimeout
 from .ledger import CommRecord, ring_bytes
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -30,16 +40,65 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-class Handle:
-    """An in-flight async collective. :meth:`wait` blocks until done and books it in the ledger."""
+# torch.distributed reports a timeout as a RuntimeError (DistBackendError on some paths) whose
+# text is the backend's: gloo "Timed out waiting 3000ms for recv operation to complete" (and, on
+# the next call over the broken connection, "Application timeout caused pair closure"), NCCL
+# "Watchdog caught collective operation timeout", the store "... timed out".
+_TIMEOUT_TEXT = re.compile(r"timed out|timeout", re.IGNORECASE)
 
-    def __init__(self, work, finish):
-        self._work, self._finish, self.done = work, finish, False
+
+def _timeout_s(topo, axis: str, exc: BaseException) -> float | None:
+    """The timeout (seconds) of the process group of ``axis``, or the one gloo's message names,
+    or None if neither can be read."""
+    try:
+        return topo.group(axis)._get_backend(topo.device).options._timeout.total_seconds()
+    except Exception:  # noqa: BLE001 - private API of the pinned torch; fall back to the text
+        m = re.search(r"waiting (\d+)\s*ms", str(exc))
+        return int(m.group(1)) / 1000.0 if m else None
+
+
+def _timeout_error(exc: BaseException, topo, op: str, axis: str, what, tag: str
+                   ) -> CollectiveTimeout:
+    """The one-line :class:`CollectiveTimeout` for torch's timeout ``exc`` of collective ``op``
+    over ``axis``; ``what``: its buffer (a tensor, named by dtype and shape) or a description;
+    ``tag``: the ledger tag."""
+    if isinstance(what, torch.Tensor):
+        what = f"{str(what.dtype).replace('torch.', '')} {list(what.shape)}"
+    t = _timeout_s(topo, axis, exc)
+    after = f"after the process group's timeout of {t:g} s" if t is not None else \
+        "after the process group's timeout"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return CollectiveTimeout(
+        f"{op} over axis {axis!r} (tag {tag!r}, {what}, group of {topo.size(axis)} ranks) timed "
+        f"out on rank {rank} {after}: it was probably called from a subset of the ranks (e.g. a "
+        f"checkpoint save or a log line on rank 0 only), or the ranks called collectives in "
+        f"different orders; issue every collective on every rank of the group, in the same order")
+
+
+@contextlib.contextmanager
+def _naming_timeouts(topo, op: str, axis: str, what, tag: str):
+    """Re-raise torch's timeout inside the block as :func:`_timeout_error`'s one line (chained
+    to it); any other error passes through unchanged."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not _TIMEOUT_TEXT.search(str(e)):
+            raise
+        raise _timeout_error(e, topo, op, axis, what, tag) from e
+
+
+class Handle:
+    """An in-flight async collective. :meth:`wait` blocks until done and books it in the ledger;
+    it raises :class:`CollectiveTimeout` if the collective timed out."""
+
+    def __init__(self, work, finish, guard=contextlib.nullcontext):
+        self._work, self._finish, self._guard, self.done = work, finish, guard, False
 
     def wait(self) -> None:
         if not self.done:
             if self._work is not None:
-                self._work.wait()
+                with self._guard():
+                    self._work.wait()
             self._finish()
             self.done = True
 
@@ -55,19 +114,26 @@ def _book(topo, op, axis, tensor_like, size_bytes, t0, impl, tag):
 
 
 def _run(topo, op, axis, tensor_like, size_bytes, impl, tag, async_op, launch, after=None):
-    """Launch ``launch()`` (a torch.distributed call); book it on completion; run ``after``."""
+    """Launch ``launch()`` (a torch.distributed call); book it on completion; run ``after``.
+    A timeout, at launch (a blocking call) or in :meth:`Handle.wait`, is raised as
+    :class:`CollectiveTimeout`."""
     t0 = time.perf_counter()
+
+    def guard():
+        return _naming_timeouts(topo, op, axis, tensor_like, tag)
+
     if topo.size(axis) == 1:  # a group of one: nothing moves; still booked (0 bytes)
         work = None
     else:
-        work = launch(async_op)
+        with guard():
+            work = launch(async_op)
 
     def finish():
         if after is not None:
             after()
         _book(topo, op, axis, tensor_like, size_bytes, t0, impl, tag)
 
-    h = Handle(work if async_op else None, finish)
+    h = Handle(work if async_op else None, finish, guard)
     if not async_op:
         h.wait()
         return None
@@ -105,6 +171,8 @@ def all_reduce_future(tensor: torch.Tensor, topo, axis: str, *, tag: str = "") -
         fut = dist.all_reduce(tensor, group=topo.group(axis), async_op=True).get_future()
 
     def done(f):
+        with _naming_timeouts(topo, "all_reduce", axis, tensor, tag):
+            f.value()  # re-raises the collective's error, if it failed
         _book(topo, "all_reduce", axis, tensor, _nbytes(tensor), t0, "all_reduce", tag)
         return tensor
 
@@ -218,7 +286,9 @@ def broadcast_object(obj, topo, axis: str = "world", src: int = 0, *, tag: str =
     t0 = time.perf_counter()
     box = [obj]
     if topo.size(axis) > 1:
-        dist.broadcast_object_list(box, src=topo.global_rank(axis, src), group=topo.group(axis))
+        with _naming_timeouts(topo, "broadcast", axis, "a pickled object", tag):
+            dist.broadcast_object_list(box, src=topo.global_rank(axis, src),
+                                       group=topo.group(axis))
     payload = torch.empty(len(pickle.dumps(box[0])), dtype=torch.uint8)
     _book(topo, "broadcast", axis, payload, payload.numel(), t0, "broadcast_object_list", tag)
     return box[0]

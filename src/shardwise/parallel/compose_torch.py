@@ -84,6 +84,7 @@ from ..errors import ShardwiseConfigError
 from ..models.llama import Llama, TransformerBlock
 from .engine import Engine, autocast
 from .fsdp import AllGather, _LedgerAllGather, _LedgerReduceScatter
+from .zero import UnitOrderCheck
 from .dtensor_tp import (BookFunctionalCollectives, _is_dtensor, _local,
                          dtensor_full_optimizer_state, dtensor_load_full_optimizer_state,
                          named_full, parallelize_tensor_dtensor)
@@ -384,6 +385,14 @@ def parallelize_2d_torch(model: Llama, topo, layout, *, bucket_mb: float = 25.0,
         if layout.zero and AllGather is not None:
             u.set_custom_all_gather(_LedgerAllGather(topo))
             u.set_custom_reduce_scatter(_LedgerReduceScatter(topo))
-    return TorchParallel2D(model, topo, layout, tp_engine, units,
-                           reshard_after_forward=reshard, reduce_dtype=reduce_dtype,
-                           local_shapes=local_shapes, book_collectives=book_collectives)
+    # each unit's all-gather / gradient reduction is issued as it runs: on the first forward
+    # every rank agrees on the unit first (hooks run before FSDP2's), see zero.UnitOrderCheck
+    fqn = {id(m): n for n, m in model.named_modules()}
+    order = UnitOrderCheck(topo, [fqn[id(b)] for b in blocks],
+                           f"FSDP2 (dp × tp, --zero {layout.zero} --engine torch)")
+    order.hook_forward(units[:-1], model)
+    engine = TorchParallel2D(model, topo, layout, tp_engine, units,
+                             reshard_after_forward=reshard, reduce_dtype=reduce_dtype,
+                             local_shapes=local_shapes, book_collectives=book_collectives)
+    engine._order = order
+    return engine

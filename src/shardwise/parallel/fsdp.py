@@ -48,8 +48,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .. import comm
 from .builtin import ddp_comm_hook  # DDP comm hook: SUM all_reduce through the ledger
 from .engine import Engine, clip_replicated_grad_norm_
-from .zero import (_optimizer_state_tensors, _storage_bytes, assign_units, validate_zero,
-                   zero_memory_formula, zero_step_bytes_formula)
+from .zero import (UnitOrderCheck, _optimizer_state_tensors, _storage_bytes, assign_units,
+                   validate_zero, zero_memory_formula, zero_step_bytes_formula)
 
 try:  # FSDP2's pluggable collectives (private module in torch 2.13)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -150,6 +150,12 @@ class TorchZero(Engine):
                 m.set_custom_all_gather(_LedgerAllGather(topo))
                 m.set_custom_reduce_scatter(_LedgerReduceScatter(topo))
         self.reshard_after_forward = reshard
+        # FSDP2 all-gathers a unit in its pre-forward hook: on the first forward every rank
+        # first agrees on the unit (hooks prepended before FSDP2's), so that a rank-dependent
+        # order is an error, not mismatched gathers (silently wrong gradients)
+        self._order = UnitOrderCheck(topo, self.unit_names,
+                                     f"FSDP2 (--zero {stage} --engine torch)")
+        self._order.hook_forward(self.fsdp_modules[:-1], module)
 
     def forward(self, *args, **kwargs):
         return self.ddp(*args, **kwargs) if self.stage == 1 else self.module(*args, **kwargs)

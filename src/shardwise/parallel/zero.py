@@ -92,10 +92,13 @@ forward hook frees the unit (``reshard_after_forward``) and wraps its output in
 :class:`_PreBackward`, an identity whose backward gathers the unit again just before autograd
 enters it and prefetches the unit that backward reaches next (FSDP paper, "Backward
 Prefetching"). When the last gradient of a unit has arrived the unit is freed again. Units are
-assumed to run their forward in the order given (module order by default); another order stays
-correct, the prefetch is then just wasted. A forward under ``no_grad`` (evaluation) frees every
-unit after it; :meth:`ZeroDataParallel.full_model` keeps them all gathered for many forwards
-(sampling); every step starts with all units freed.
+assumed to run their forward in the order given (module order by default); another order, the
+same on every rank, stays correct, the prefetch is then just wasted. An order that differs
+between ranks would pair different units' all-gathers: on the first step every rank agrees on
+each unit before gathering it (:class:`UnitOrderCheck`), and a mismatch is a clear error. A
+forward under ``no_grad`` (evaluation) frees every unit after it;
+:meth:`ZeroDataParallel.full_model` keeps them all gathered for many forwards (sampling); every
+step starts with all units freed.
 
 **Tied embeddings.** A tied weight is one parameter and must live in exactly one unit, gathered
 whenever any module using it runs. The default puts ``tok_embeddings``, the final ``norm`` and
@@ -345,6 +348,117 @@ class _Unit:
         return self.full.untyped_storage().nbytes()
 
 
+# -- the first step: every rank runs the units in the same order ----------------------------------
+
+ORDER_CHECK_PHASE = "order_check"  # ledger phase of UnitOrderCheck (not in a step's bytes)
+
+
+def _ordinal(k: int) -> str:
+    """1 → "1st", 2 → "2nd", 11 → "11th"."""
+    suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+    return f"{k}{suffix}"
+
+
+class UnitOrderCheck:
+    """The first step's check that every rank runs the ZeRO-3 / FSDP2 units in the same order.
+
+    A unit's parameters are all-gathered when it runs (or is prefetched), so the all-gathers of
+    two ranks pair up only if both run the units in the same order. A model whose forward
+    depends on the rank (``if rank == 1: blocks = reversed(blocks)``) would otherwise hang in the
+    gathers, or, with units of equal size, silently gather one unit's shards into another's
+    parameters (wrong gradients). :meth:`agree` is called before a unit's forward (and, in the
+    explicit engine, its backward) does anything else, so before its all-gather: one all_gather
+    over ``axis`` of an int64 [3] row (pass, position k in the pass, unit index; index −1 = the
+    end of the pass), booked under ledger phase ``"order_check"``, tag ``"unit_order"`` (not in
+    :meth:`~shardwise.comm.Ledger.step_bytes`). Every rank compares the rows and on any
+    difference raises the same :class:`ShardwiseConfigError`, naming what each rank wanted; no
+    rank goes on to a mismatched gather. The end-of-pass row catches a rank that runs more or
+    fewer units than the others. After :meth:`finish` of a pass the check costs nothing: only
+    the first forward and the first backward pay, (units + 1) all_gathers of S = n·24 bytes
+    ((n−1)/n · S sent each) per pass checked. The explicit engine checks forward and backward;
+    FSDP2 (:meth:`hook_forward`) the forward, whose order its backward follows.
+
+    ``names``: the units' FQNs, by index. ``what``: the engine, as the message names it.
+    ``axis``: "world" when the layout has no pipeline stages (every rank runs the same units,
+    so tp peers are compared too), else "dp". No collective when that axis has one rank.
+    """
+
+    PASSES = ("forward", "backward")
+    END = -1
+
+    def __init__(self, topo, names: list[str], what: str):
+        self.topo, self.names, self.what = topo, list(names), what
+        self.axis = "world" if topo.size("pp") == 1 else "dp"
+        self.active = dict.fromkeys(self.PASSES, topo.size(self.axis) > 1)
+        self.count = dict.fromkeys(self.PASSES, 0)
+        self._handles: list = []
+
+    def agree(self, pass_: str, index: int) -> None:
+        """All ranks of the axis agree that the next unit of ``pass_`` ("forward" |
+        "backward") is unit ``index`` (``END``: the pass is over). Collective while the pass's
+        check is active (a no-op after :meth:`finish`). Raises :class:`ShardwiseConfigError`
+        on every rank if any rank wanted another unit."""
+        if not self.active[pass_]:
+            return
+        k = self.count[pass_]
+        self.count[pass_] += 1
+        n = self.topo.size(self.axis)
+        mine = torch.tensor([self.PASSES.index(pass_), k, index], dtype=torch.int64,
+                            device=self.topo.device)  # [3]
+        rows = mine.new_empty(n * 3)  # [n·3]: rank i's row at [3i, 3i + 3)
+        with self.topo.ledger.phase(ORDER_CHECK_PHASE):
+            comm.all_gather(rows, mine, self.topo, self.axis, tag="unit_order")
+        rows = rows.view(n, 3).tolist()
+        if any(r != rows[0] for r in rows):
+            raise ShardwiseConfigError(self._message(rows))
+
+    def finish(self, pass_: str) -> None:
+        """The check of ``pass_`` is done (every rank agreed): stop checking it."""
+        self.active[pass_] = False
+        if not any(self.active.values()):
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+
+    def hook_forward(self, units: list[nn.Module], root: nn.Module) -> None:
+        """Check the forward order of ``units`` (index j = ``names[j]``): a forward pre-hook on
+        each, registered with ``prepend=True`` so that it runs before the hooks already there
+        (FSDP2's pre-forward, which all-gathers the unit), and a forward hook on ``root`` that
+        checks the end of the forward and finishes the check. Removed once finished."""
+        self.active["backward"] = False  # FSDP2's backward order follows its forward's
+        for j, m in enumerate(units):
+            self._handles.append(m.register_forward_pre_hook(
+                lambda mod, args, j=j: self.agree("forward", j), prepend=True))
+
+        def end(mod, args, out):
+            self.agree("forward", self.END)
+            self.finish("forward")
+
+        self._handles.append(root.register_forward_hook(end))
+
+    def _message(self, rows: list[list[int]]) -> str:
+        p0, k0, _ = rows[0]
+
+        def wanted(row):
+            p, k, i = row
+            where = "" if (p, k) == (p0, k0) else f" ({_ordinal(k + 1)} of {self.PASSES[p]})"
+            if i == self.END:
+                return f"the end of {self.PASSES[p]} (after {k} units)"
+            return f"{self.names[i]}{where}"
+
+        by_unit: dict[str, list[int]] = {}
+        for r, row in enumerate(rows):
+            by_unit.setdefault(wanted(row), []).append(self.topo.global_rank(self.axis, r))
+        said = ", ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} wanted {w}"
+                         for w, rs in by_unit.items())
+        return (f"{self.what}: the units run in a rank-dependent order: for the "
+                f"{_ordinal(k0 + 1)} unit gathered in {self.PASSES[p0]}, {said}. Each unit's "
+                f"parameter all-gather (and gradient reduction) is issued in the order the units "
+                f"run, so these collectives would pair different units across the ranks (a "
+                f"hang, or wrong gradients): make the module order the same on every rank (no "
+                f"rank-dependent control flow over the units)")
+
+
 class _PreBackward(torch.autograd.Function):
     """Identity on a unit's output; its backward runs ``hook()`` when the output's gradient is
     ready, i.e. just before autograd enters the unit's backward. Moves no data itself."""
@@ -447,6 +561,10 @@ class ZeroDataParallel(Engine):
             for p in u.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         module.register_forward_pre_hook(self._model_pre_forward)
+        # ZeRO-3 gathers each unit as it runs: on the first step, check the order is the same on
+        # every rank before each gather (UnitOrderCheck), so a rank-dependent order is an error
+        self._order = UnitOrderCheck(topo, [u.name for u in self.blocks],
+                                     "ZeRO-3 (--zero 3 --engine explicit)")
         if stage == 3:
             module.register_forward_hook(self._model_post_forward)
             for u in self.blocks:
@@ -551,6 +669,8 @@ class ZeroDataParallel(Engine):
         self._prefetch(self._neighbour(self.root, +1))  # overlaps the embedding lookup
 
     def _model_post_forward(self, module, args, out):
+        self._order.agree("forward", UnitOrderCheck.END)  # first forward: same unit count
+        self._order.finish("forward")
         if not torch.is_grad_enabled():  # evaluation: no backward will come to free them
             for u in self.units:
                 self._reshard(u)
@@ -559,7 +679,10 @@ class ZeroDataParallel(Engine):
         return _wrap_outputs(out, lambda: self._pre_backward(self.root))
 
     def _make_pre_forward(self, u: _Unit):
+        j = self.blocks.index(u)
+
         def hook(module, args):
+            self._order.agree("forward", j)  # first forward: before any gather of this unit
             self._unshard(u)
             self._prefetch(self._neighbour(u, +1))
         return hook
@@ -576,6 +699,8 @@ class ZeroDataParallel(Engine):
 
     def _pre_backward(self, u: _Unit | None) -> None:
         """Autograd is about to enter unit ``u`` (None: the model's output, no root unit)."""
+        if self._order.active["backward"] and u is not None and u is not self.root:
+            self._order.agree("backward", self.blocks.index(u))  # before any gather of u
         self._unshard(u)
         self._prefetch(self._neighbour(u, -1))
 
@@ -651,7 +776,11 @@ class ZeroDataParallel(Engine):
     @torch.no_grad()
     def finish_gradient_sync(self) -> None:
         """Launch the reduce_scatters not launched yet (units with an unused parameter, or
-        ``overlap=False``), in backward order, wait for all, and (ZeRO-3) free every unit."""
+        ``overlap=False``), in backward order, wait for all, and (ZeRO-3) free every unit.
+        Ends the first step's unit-order check of backward (:class:`UnitOrderCheck`)."""
+        if self.stage == 3:
+            self._order.agree("backward", UnitOrderCheck.END)
+            self._order.finish("backward")
         for u in self._reduce_order[self._next_reduce:]:
             self._launch_reduce(u)
         for u in self._reduce_order:
