@@ -131,8 +131,19 @@ def _compositions(n: int) -> list[Layout]:
 # The verify models: the `tiny` Llama widened to 8 heads / 4 kv heads (tp ∈ {2, 4}) and 8 layers
 # (pp = 4 with two interleaved chunks), vocab 67 (no small degree divides it); `mlp-tiny` with
 # 8 layers and d_ff 33 (flat shards need padding).
-MODEL_OVERRIDES = {"tiny": dict(n_heads=8, n_kv_heads=4, n_layers=8),
-                   "mlp-tiny": dict(n_layers=8, d_ff=33)}
+MODEL_OVERRIDES = {"tiny": dict(n_heads=8, n_kv_heads=4), "mlp-tiny": dict(d_ff=33)}
+MIN_LAYERS = 4
+
+
+def layers_for(layout: Layout) -> int:
+    """Layers of verify's test models under ``layout``: :data:`MIN_LAYERS`, or one per pipeline
+    stage where there are more (pp × virtual stages: pp = 4 with interleaved 1F1B needs 8). Each
+    layout runs the smallest model that still gives every stage (and every chunk) blocks of its
+    own; the reference is built with the same depth."""
+    if layout.pp == 1:
+        return MIN_LAYERS
+    v = layout.virtual_stages or (2 if layout.schedule == "interleaved-1f1b" else 1)
+    return max(MIN_LAYERS, layout.pp * v)
 
 
 def applies(layout: Layout, model: str) -> bool:
@@ -308,6 +319,7 @@ def verify_worker(args) -> int:
         for lay in layouts:
             if not applies(lay, model_name):
                 continue
+            ov = {**overrides, "n_layers": layers_for(lay)}
             shape = (lay.pp, lay.dp, lay.tp)
             if shape not in topos:  # process groups are created once per grid shape
                 topos[shape] = Topology(*shape, ranks=range(lay.world), timeout_s=args.timeout)
@@ -321,14 +333,14 @@ def verify_worker(args) -> int:
                 vec = torch.zeros(9, dtype=torch.float64)
                 if topo.member:
                     try:
-                        if global_batch not in refs:
-                            refs[global_batch] = reference_run(model_name, work, cfg,
-                                                               global_batch, args.steps,
-                                                               overrides)
+                        key = (ov["n_layers"], global_batch)
+                        if key not in refs:
+                            refs[key] = reference_run(model_name, work, cfg, global_batch,
+                                                      args.steps, ov)
                         _test_hang(name, args.timeout)
                         r, bytes_dev = run_case(model_name, work, lay, eng, topo, cfg,
-                                                refs[global_batch], args.micro_batch, n_micro,
-                                                args.steps, overrides)
+                                                refs[key], args.micro_batch, n_micro,
+                                                args.steps, ov)
                     except Exception as e:  # noqa: BLE001 - the case fails, the others run
                         error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
                     else:
