@@ -1,9 +1,9 @@
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -19,24 +19,25 @@ def cache_dir(tmp_path_factory):
 
 
 def run_cli(args, cache, timeout=240, env=None, cwd=None):
-    """Run ``python -m shardwise *args``; returns CompletedProcess (stdout+stderr merged)."""
+    """Run ``python -m shardwise *args``; returns CompletedProcess (stdout+stderr merged). The
+    process is forked from a server that imported torch and shardwise once (tests/zygote.py;
+    ``SHARDWISE_ZYGOTE=0``: a new interpreter each time)."""
     e = {**os.environ, "SHARDWISE_CACHE": str(cache), "OMP_NUM_THREADS": "1", **(env or {})}
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         if env is None or k not in env:
             e.pop(k, None)
-    return subprocess.run([sys.executable, "-m", "shardwise", *map(str, args)], env=e,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout, cwd=cwd)
+    return zygote.run([str(a) for a in args], e, timeout, cwd)
 
 
 def run_world(worker, out, nproc: int = 4) -> None:
     """Run the script ``worker`` with argument ``out`` as ``nproc`` gloo ranks (one world per
     test module: the cases all run inside it), and fail if any rank failed. The ranks are forked
-    from one launcher process (``python -m shardwise.launch``), which imports torch once for all
-    of them; pytest's own worker runs threads, so it cannot fork them itself."""
-    p = subprocess.run([sys.executable, "-m", "shardwise.launch", "--nproc", str(nproc),
-                        str(worker), str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       text=True)
+    from one launcher (``python -m shardwise.launch``, itself forked from tests/zygote.py's
+    server), which imported torch once for all of them; pytest's own worker runs threads, so it
+    cannot fork them itself."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = zygote.run(["--nproc", str(nproc), str(worker), str(out)], env, None,
+                   module="shardwise.launch")
     print(p.stdout)  # the ranks' output, shown by pytest when the test fails
     assert p.returncode == 0, f"the worker world of {Path(worker).name} failed (output above)"
 
