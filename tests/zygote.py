@@ -78,16 +78,27 @@ def _serve(path: str) -> None:
 def _child(req: dict) -> None:
     """Become ``python -m shardwise *req["args"]`` and exit with its status."""
     import ctypes
+    import io
     import traceback
 
     code = 1
     try:
         ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # die with the server
-        from shardwise.launch import become_new_process
-
-        become_new_process(os.open(req["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644),
-                           req["env"])
+        os.setsid()
+        fd = os.open(req["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True,
+                                      encoding="utf-8")
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                      encoding="utf-8", errors="backslashreplace")
         os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
         sys.argv = [sys.executable, *req["args"]]
         if req.get("module") == "shardwise.launch":  # python -m shardwise.launch ARGS
             from shardwise.launch import main

@@ -135,25 +135,6 @@ class _Forked:
         return self.returncode
 
 
-def become_new_process(out_fd: int, env: dict) -> None:
-    """In a freshly forked child: what a new interpreter started with ``start_new_session`` and
-    PYTHONUNBUFFERED would have: its own session, stdout and stderr into ``out_fd`` (closed
-    here) unbuffered, default SIGTERM/SIGHUP/SIGINT handling, and ``env`` as its environment."""
-    os.setsid()
-    os.dup2(out_fd, 1)
-    os.dup2(out_fd, 2)
-    os.close(out_fd)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True,
-                                  encoding="utf-8", errors="strict")
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
-                                  encoding="utf-8", errors="backslashreplace")
-    os.environ.clear()
-    os.environ.update(env)
-
-
 def _worker_main(argv: list[str], env: dict, out_fd: int, script: str | None = None) -> None:
     """Body of a forked worker: its own session (as ``start_new_session``), the environment
     ``env``, stdout and stderr into ``out_fd`` unbuffered (as PYTHONUNBUFFERED), default signal
@@ -162,8 +143,20 @@ def _worker_main(argv: list[str], env: dict, out_fd: int, script: str | None = N
     handler of the launcher runs here)."""
     code = 1
     try:
-        become_new_process(out_fd, env)
-        watch_launcher()  # reads the worker's env (SHARDWISE_LAUNCHER_PID), so after it is set
+        watch_launcher()
+        os.setsid()
+        os.dup2(out_fd, 1)
+        os.dup2(out_fd, 2)
+        os.close(out_fd)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True,
+                                      encoding=sys.stdout.encoding, errors=sys.stdout.errors)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                      encoding=sys.stderr.encoding, errors="backslashreplace")
+        os.environ.clear()
+        os.environ.update(env)
         if script is None:
             from .cli import main
 
