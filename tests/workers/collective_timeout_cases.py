@@ -63,9 +63,14 @@ def main(out):
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(res, f)
     # no barrier on the broken groups (it would pair with rank 0's failed call); the store is
-    # enough to leave together
-    store.set(f"timeout_exit_{rank}", "1")
-    store.wait([f"timeout_exit_{1 - rank}"], datetime.timedelta(seconds=WAIT_S))
+    # enough to leave together. Rank 0 hosts the store, so it leaves last: rank 1's "done" is
+    # its last store call (a rank 0 that left first would reset rank 1's pending wait)
+    if rank == 0:
+        store.set("timeout_exit_0", "1")
+        store.wait(["timeout_exit_1"], datetime.timedelta(seconds=WAIT_S))
+    else:
+        store.wait(["timeout_exit_0"], datetime.timedelta(seconds=WAIT_S))
+        store.set("timeout_exit_1", "1")
 
 
 if __name__ == "__main__":
