@@ -71,3 +71,53 @@ def test_no_worker_outlives_its_launcher(sig, fork, tmp_path, cache_dir):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+SCRIPT = '''
+import pathlib, sys, time
+import torch.distributed as dist
+from shardwise.topology import init_distributed
+init_distributed("cpu", timeout_s=30)
+beat = pathlib.Path(sys.argv[1]) / f"beat{dist.get_rank()}"
+while True:  # runs until something stops it
+    beat.write_text(str(time.time()))
+    time.sleep(0.2)
+'''
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs Linux /proc")
+@pytest.mark.timeout(120)
+def test_forked_script_workers_die_with_their_launcher(tmp_path):
+    """``python -m shardwise.launch --nproc 2 script.py`` (how the suite starts its worker
+    worlds): the forked script workers die too when the launcher gets SIGKILL. (They were not
+    watched: the watch was armed before the worker's own environment was set.)"""
+    script = tmp_path / "forever.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+        "SHARDWISE_LAUNCHER_PID")}
+    env.update(OMP_NUM_THREADS="1", SHARDWISE_FORK="1")
+    launcher = subprocess.Popen([sys.executable, "-m", "shardwise.launch", "--nproc", "2",
+                                 str(script), str(tmp_path)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"beat{r}").exists() for r in range(2)):
+            assert launcher.poll() is None, f"the world ended early (exit {launcher.returncode})"
+            assert time.monotonic() < deadline, "the workers did not start in 60 s"
+            time.sleep(0.2)
+        workers = [p for p in _pids_of(str(script)) if p != launcher.pid]
+        assert len(workers) == 2, f"expected 2 workers running, found {workers}"
+        launcher.kill()
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while _pids_of(str(script)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _pids_of(str(script))
+        assert not left, f"workers {left} still run 10 s after the launcher got SIGKILL"
+    finally:
+        for pid in [launcher.pid, *_pids_of(str(script))]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -143,7 +143,6 @@ def _worker_main(argv: list[str], env: dict, out_fd: int, script: str | None = N
     handler of the launcher runs here)."""
     code = 1
     try:
-        watch_launcher()
         os.setsid()
         os.dup2(out_fd, 1)
         os.dup2(out_fd, 2)
@@ -157,6 +156,7 @@ def _worker_main(argv: list[str], env: dict, out_fd: int, script: str | None = N
                                       encoding=sys.stderr.encoding, errors="backslashreplace")
         os.environ.clear()
         os.environ.update(env)
+        watch_launcher()  # reads SHARDWISE_LAUNCHER_PID from the worker's own environment
         if script is None:
             from .cli import main
 
