@@ -91,9 +91,12 @@ def test_sigkill_every_worker_then_resume_is_bitwise_exact(straight, tmp_path, c
 
 
 @pytest.mark.timeout(500)
-def test_torchrun_restarts_after_a_worker_is_killed(straight, tmp_path, cache_dir):
-    """rank 1 SIGKILLs itself after step 3 (checkpoint at 2): torchrun restarts both workers,
-    they resume from step 2 and finish with the uninterrupted run's losses, bitwise."""
+@pytest.mark.parametrize("launcher", ["torchrun", "shardwise"])
+def test_restarts_after_a_worker_is_killed(launcher, straight, tmp_path, cache_dir):
+    """rank 1 SIGKILLs itself after step 3 (checkpoint at 2): torchrun (``--max-restarts 2``), or
+    our own launcher (``shardwise train --max-restarts 2``: the same elastic agent), restarts
+    both workers, they resume from step 2 and finish with the uninterrupted run's losses,
+    bitwise."""
     out, log = tmp_path / "run", tmp_path / "samples"
     log.mkdir()
     env = {**os.environ, "SHARDWISE_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1",
@@ -104,11 +107,15 @@ def test_torchrun_restarts_after_a_worker_is_killed(straight, tmp_path, cache_di
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "2", "--monitor-interval", "0.5", "-m", "shardwise", *TRAIN,
-           "--out", str(out), "--resume", "auto"]
-    r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       timeout=480)
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               "2", "--max-restarts", "2", "--monitor-interval", "0.5", "-m", "shardwise", *TRAIN,
+               "--out", str(out), "--resume", "auto"]
+        r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, timeout=480)
+    else:
+        r = run_cli([*TRAIN, "--out", out, "--resume", "auto", "--max-restarts", "2"], cache_dir,
+                    timeout=480, env={k: env[k] for k in env if k.startswith("SHARDWISE_TEST")})
     assert r.returncode == 0, r.stdout[-4000:]
     assert "SIGKILL rank 1" in r.stdout and "resumed from" in r.stdout, r.stdout[-4000:]
     ref, got = metrics(straight / "run"), metrics(out)

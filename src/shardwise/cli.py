@@ -139,7 +139,8 @@ def cmd_train(args, argv) -> int:
 
             load_workload(cfg)  # build the tokenizer/token cache once; raises on bad data
             out = cfg.out or default_out_dir()
-            return spawn([*argv, "--out", out], cfg.world_size(), fork=cfg.device == "cpu")
+            return spawn([*argv, "--out", out], cfg.world_size(), fork=cfg.device == "cpu",
+                         max_restarts=cfg.max_restarts)
     return _as_worker(lambda: train(cfg) and 0)
 
 

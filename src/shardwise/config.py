@@ -79,6 +79,7 @@ class TrainConfig:
     allow_data_change: bool = False  # --resume on data whose fingerprint differs (on purpose)
     sample_tokens: int = 200
     timeout: float = 300.0  # process-group timeout, seconds
+    max_restarts: int = 0  # local launcher: restart every rank up to N times after a failure
 
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
@@ -466,6 +467,14 @@ def _validate_checkpointing(cfg: TrainConfig) -> None:
     if cfg.resume and cfg.resume != "auto" and not os.path.exists(cfg.resume):
         raise ShardwiseConfigError(f"--resume {cfg.resume}: no such folder: give a "
                                    "checkpoints/step_N folder, a run folder, or auto")
+    if cfg.max_restarts < 0:
+        raise ShardwiseConfigError(f"--max-restarts {cfg.max_restarts} must be ≥ 0 (0 = a "
+                                   "failed rank stops the run)")
+    if cfg.max_restarts and cfg.resume != "auto":
+        raise ShardwiseConfigError(
+            f"--max-restarts {cfg.max_restarts} restarts every rank from the newest checkpoint "
+            "in --out: add --resume auto and --out DIR (and --save-every K, so that there is a "
+            "checkpoint to go back to)")
     if cfg.out:
         check_out_writable(cfg.out)
 
