@@ -1,6 +1,6 @@
 """``shardwise bench --layout L``: any layout, explicit engine vs torch engine, alternating.
 
-For each layout (verify's syntax, :func:`shardwise.verify.parse_layout`: ``dp=2``,
+For each layout (verify's syntax, :func:`shardwise.parallel.apply.parse_layout`: ``dp=2``,
 ``dp=2,tp=2,zero=3``, ``pp=2,dp=2,tp=2,1f1b,m=4`` …) every rank of one spawned world builds the
 sub-topology ``Topology(pp, dp, tp, ranks=range(pp·dp·tp))``; its members build the layout twice
 with :func:`~shardwise.parallel.apply.parallelize`, ``engine="explicit"`` and ``engine="torch"``,
@@ -224,7 +224,7 @@ def bench_one_layout(layout: Layout, topo, args, order: list) -> dict:
 def _parse(text: str):
     """(Layout, None), or (None, why) for a layout ``check_supported`` refuses (a row of the
     table). Raises :class:`ShardwiseConfigError` for text that is not a layout at all."""
-    from .verify import parse_layout
+    from .parallel.apply import parse_layout
 
     try:
         return parse_layout(text), None

@@ -36,27 +36,7 @@ from .parallel.pipeline import SCHEDULES, bubble_formula, build_pipeline, valida
 from .parallel.pipeline.runtime import gather_timeline
 from .topology import Topology, init_distributed
 from .train.workload import SyntheticLMWorkload
-from .viz.timeline import bubble_of, draw_timeline, write_chrome_trace
-
-
-def trace_pipeline(engine, topo, out_dir, name: str = "pipeline_timeline",
-                   title: str | None = None) -> dict | None:
-    """Gather ``engine``'s last step (every pp rank must call this: it is a collective over
-    "pp") and, on pp index 0 of dp index 0, write ``out_dir/<name>.png`` and
-    ``out_dir/<name>.trace.json``. Returns ``{"png", "trace", "bubble", "events"}`` there
-    (bubble: measured fraction; events: times in seconds), None on the other ranks."""
-    events = gather_timeline(engine, topo)
-    if topo.index("pp") != 0 or topo.index("dp") != 0:
-        return None
-    out = Path(out_dir)
-    p = topo.size("pp")
-    m = max((e.microbatch for e in events), default=-1) + 1
-    title = title or (f"{engine.schedule_name}: pp={p}, m={m}, v={engine.v} — real run, "
-                      f"{type(engine).__name__}")
-    png = draw_timeline(events, out / f"{name}.png", title=title, unit="seconds")
-    trace = write_chrome_trace(events, out / f"{name}.trace.json", time_scale=1e6)
-    return {"png": str(png), "trace": str(trace), "bubble": bubble_of(events, p),
-            "events": events}
+from .viz.timeline import bubble_of, trace_pipeline
 
 
 def _setup(args, p):

@@ -31,7 +31,7 @@ from .config import CHOICES, TrainConfig
 from .errors import ShardwiseConfigError
 from .formulas import memory_formula, step_bytes_formula
 from .models import build_model
-from .parallel.apply import Layout, check_supported, parallelize
+from .parallel.apply import Layout, check_supported, parallelize, parse_layout  # noqa: F401
 from .topology import Topology
 from .train.optim import build_optimizer, build_scheduler, lr_multiplier
 from .parallel.engine import Local
@@ -42,30 +42,6 @@ RTOL, ATOL = parity.RTOL, parity.ATOL
 SCHEDULES = CHOICES["schedule"]
 MODELS = ("tiny", "mlp-tiny")
 ENGINES = ("explicit", "torch")
-
-
-def parse_layout(text: str) -> Layout:
-    """``"dp=2"``, ``"dp=2,zero=3"``, ``"tp=2,sp"``, ``"pp=4,schedule=1f1b,m=8"`` → Layout.
-    Raises ShardwiseConfigError naming the syntax."""
-    kw: dict = {}
-    for part in text.split(","):
-        key, _, value = (x.strip() for x in part.partition("="))
-        if key == "sp" and not value:
-            kw["sp"] = True
-        elif key in SCHEDULES and not value:
-            kw["schedule"] = key
-        elif key == "schedule" and value in SCHEDULES:
-            kw["schedule"] = value
-        elif key in ("dp", "tp", "pp", "zero", "m", "microbatches", "v") and value.isdigit():
-            kw[{"m": "microbatches", "v": "virtual_stages"}.get(key, key)] = int(value)
-        else:
-            raise ShardwiseConfigError(
-                f"--layouts {text!r}: write each layout as comma-separated parts: dp=N, tp=N, "
-                f"pp=N, zero=Z, sp, a schedule ({', '.join(SCHEDULES)}), m=M (e.g. dp=2,zero=3 "
-                "or pp=2,1f1b,m=4)")
-    layout = Layout(**kw)
-    check_supported(layout)
-    return layout
 
 
 def layouts_that_fit(nproc: int, bounded: bool = False) -> list[Layout]:
@@ -469,7 +445,7 @@ def trace_worker(cfg: TrainConfig) -> int:
                                  dtype=cfg.dtype)
     pictures = None
     if layout.pp > 1:  # the real run's timeline (every pp rank takes part; pp index 0 draws)
-        from .bench_pp import trace_pipeline
+        from .viz.timeline import trace_pipeline
 
         pictures = trace_pipeline(engine, topo, cfg.out or "runs/trace",
                                   name=f"trace_{cfg.schedule}")

@@ -66,6 +66,32 @@ class Layout:
                    virtual_stages=getattr(cfg, "virtual_stages", 0))
 
 
+def parse_layout(text: str) -> Layout:
+    """``"dp=2"``, ``"dp=2,zero=3"``, ``"tp=2,sp"``, ``"pp=4,schedule=1f1b,m=8"`` → Layout.
+    Raises ShardwiseConfigError naming the syntax."""
+    from .pipeline import SCHEDULES
+
+    kw: dict = {}
+    for part in text.split(","):
+        key, _, value = (x.strip() for x in part.partition("="))
+        if key == "sp" and not value:
+            kw["sp"] = True
+        elif key in SCHEDULES and not value:
+            kw["schedule"] = key
+        elif key == "schedule" and value in SCHEDULES:
+            kw["schedule"] = value
+        elif key in ("dp", "tp", "pp", "zero", "m", "microbatches", "v") and value.isdigit():
+            kw[{"m": "microbatches", "v": "virtual_stages"}.get(key, key)] = int(value)
+        else:
+            raise ShardwiseConfigError(
+                f"--layouts {text!r}: write each layout as comma-separated parts: dp=N, tp=N, "
+                f"pp=N, zero=Z, sp, a schedule ({', '.join(SCHEDULES)}), m=M (e.g. dp=2,zero=3 "
+                "or pp=2,1f1b,m=4)")
+    layout = Layout(**kw)
+    check_supported(layout)
+    return layout
+
+
 def check_supported(layout: Layout) -> None:
     """Raise :class:`ShardwiseConfigError` (before any collective) for a layout no engine runs.
 
