@@ -39,3 +39,11 @@ def test_verify_passes_every_layout_that_fits_both_engines(cache_dir, tmp_path):
                for c in report["cases"])
     assert report["rule"].startswith("loss, grad norm, gradients") and "rule: " in p.stdout
     assert f"{len(report['cases'])}/{len(report['cases'])} passed" in p.stdout
+    # the report's per-case losses and traffic (what benchmarks/verify_diff.py compares): a loss
+    # per step, and the ranks' summed ring all-reduce bytes d·2(d−1)/d·G = 2(d−1)·G for dp = d
+    assert all(len(c["losses"]) == report["steps"] for c in report["cases"])
+    by = {(c["layout"], c["engine"], c["model"]): c["bytes_per_tag"] for c in report["cases"]}
+    for engine in ("explicit", "torch"):
+        for model in ("tiny", "mlp-tiny"):
+            grad = {d: by[f"dp={d}", engine, model]["grad all_reduce dp"] for d in (2, 3, 4)}
+            assert grad[2] > 0 and grad[3] == 2 * grad[2] and grad[4] == 3 * grad[2], grad

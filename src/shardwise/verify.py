@@ -180,12 +180,13 @@ def _whole_model(params: dict, ref_params: dict, topo: Topology) -> dict:
 
 
 def run_case(model_name, work, layout, engine_name, topo, cfg, ref, micro_batch, n_micro,
-             steps, overrides=None) -> tuple[parity.ParityReport, float]:
+             steps, overrides=None) -> tuple[parity.ParityReport, float, dict]:
     """Train ``steps`` steps of ``layout`` on ``topo`` and compare them with ``ref`` by
     :func:`shardwise.parity.compare` (loss, grad norm, every gathered gradient and parameter
     this rank's stage holds), and the ledger's bytes against
     :func:`shardwise.formulas.step_bytes_formula`. Returns (the report, the ledger's worst
-    |measured / formula − 1| over the steps)."""
+    |measured / formula − 1| over the steps, this rank's traffic: :func:`step_traffic` of the
+    last step and the losses of every step)."""
     model, engine, opt, sched = _make(
         model_name, work, cfg, lambda m: parallelize(m, topo, layout, engine=engine_name,
                                                      seed=cfg.seed), overrides=overrides)
@@ -213,7 +214,41 @@ def run_case(model_name, work, layout, engine_name, topo, cfg, ref, micro_batch,
         mine["params"].append(params)
         mine["params_full"].append(_whole_model(params, ref["params"][0], topo)
                                    if layout.pp > 1 else params)
-    return parity.compare(mine, ref, all_names=layout.pp == 1), bytes_dev
+    traffic = {"bytes": step_traffic(topo.ledger), "losses": [float(x) for x in mine["loss"]]}
+    return parity.compare(mine, ref, all_names=layout.pp == 1), bytes_dev, traffic
+
+
+def step_traffic(ledger) -> dict[str, float]:
+    """This rank's wire bytes of the ledger's current step, keyed ``"<tag> <op> <axis>"`` (one
+    key per kind of traffic; what a refactor must leave equal, or rename)."""
+    out: dict[str, float] = {}
+    for r in ledger.step_records():
+        key = f"{r.tag} {r.op} {r.axis}"
+        out[key] = out.get(key, 0.0) + r.wire_bytes
+    return out
+
+
+def _collect_traffic(store, key: str, traffic: dict, world: int, timeout_s: float) -> dict:
+    """Every rank's :func:`run_case` traffic of one case, through the rendezvous ``store`` (not
+    a collective: ``comm`` stays the only place collectives are issued). Each rank sets
+    ``key/<rank>``; rank 0 returns {"losses": its own, "bytes": summed over the ranks}; the
+    others return {}. Every rank calls it, a failed one with {} (rank 0 waits up to
+    ``timeout_s`` + 60 s, as :func:`_agree`: a rank stuck in a collective gets here once its own
+    timeout fires)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    store.set(f"{key}/{rank}", json.dumps(traffic))
+    if rank != 0:
+        return {}
+    store.wait([f"{key}/{r}" for r in range(world)], datetime.timedelta(seconds=timeout_s + 60))
+    total: dict[str, float] = {}
+    for r in range(world):
+        for k, b in json.loads(store.get(f"{key}/{r}")).get("bytes", {}).items():
+            total[k] = total.get(k, 0.0) + b
+    return {"losses": traffic.get("losses", []), "bytes": dict(sorted(total.items()))}
 
 
 def _agree(store, key: str, error: str, world: int, timeout_s: float) -> list[str]:
@@ -307,6 +342,7 @@ def verify_worker(args) -> int:
                 t0 = time.perf_counter()
                 name, error = f"{lay.name()} {eng} {model_name}", ""
                 vec = torch.zeros(9, dtype=torch.float64)
+                traffic: dict = {}
                 if topo.member:
                     try:
                         key = (ov["n_layers"], global_batch)
@@ -314,9 +350,9 @@ def verify_worker(args) -> int:
                             refs[key] = reference_run(model_name, work, cfg, global_batch,
                                                       args.steps, ov)
                         _test_hang(name, args.timeout)
-                        r, bytes_dev = run_case(model_name, work, lay, eng, topo, cfg,
-                                                refs[key], args.micro_batch, n_micro,
-                                                args.steps, ov)
+                        r, bytes_dev, traffic = run_case(model_name, work, lay, eng, topo,
+                                                         cfg, refs[key], args.micro_batch,
+                                                         n_micro, args.steps, ov)
                     except Exception as e:  # noqa: BLE001 - the case fails, the others run
                         error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
                     else:
@@ -330,6 +366,8 @@ def verify_worker(args) -> int:
                                             r.max_param_bound, r.tol_ratio],
                                            dtype=torch.float64)
                 n_case += 1
+                traffic = _collect_traffic(store, f"verify/case{n_case}/traffic", traffic,
+                                           world, args.timeout)
                 errors = _agree(store, f"verify/case{n_case}", error, world, args.timeout)
                 if errors:  # this case failed on its own; the next one gets a fresh world
                     if dist.get_rank() == 0:
@@ -364,7 +402,10 @@ def verify_worker(args) -> int:
                              "max_adamw_bound": float(vec[7]),
                              "ledger_vs_formula_max_deviation": ratio_dev,
                              "seconds": time.perf_counter() - t0,
-                             "pass": bool(vec[3] == 0) and ratio_dev < 1e-9})
+                             "pass": bool(vec[3] == 0) and ratio_dev < 1e-9,
+                             # rank 0's losses; last step's wire bytes summed over the ranks
+                             "losses": traffic.get("losses", []),
+                             "bytes_per_tag": traffic.get("bytes", {})})
     ok = all(r["pass"] for r in rows)
     if dist.get_rank() == 0:
         print(format_table(rows, args.steps))
