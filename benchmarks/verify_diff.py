@@ -10,10 +10,13 @@ For each case (layout, engine, model) in either report it checks that
   a change of summation order needs (default 0: bitwise);
 - its wire bytes per kind of traffic (``"<tag> <op> <axis>"``, last step, summed over the ranks)
   are equal. A tag renamed by the change shows as one key gone and one key new with the same
-  bytes: listed as a rename (``--renames old=new,...`` accepts it), never as equal.
+  bytes: listed as a rename. ``--renames old=new,...`` accepts one; ``old`` is a tag (renamed on
+  every axis) or a whole key (``"grad all_reduce tp=sp_grad all_reduce tp"``: only there).
+  Bytes moved between tags with the case's total unchanged are a *retag*, listed as such
+  (``--allow-retag`` accepts them).
 
 Prints one line per difference and a summary; exit status 0 when nothing differs (accepted
-renames aside), 1 otherwise, 2 on unreadable input.
+renames and retags aside), 1 otherwise, 2 on unreadable input.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def diff_bytes(before: dict, after: dict, renames: dict[str, str]) -> list[str]:
     mapped: dict[str, float] = {}
     for key, b in before.items():
         tag, rest = split_key(key)
-        k = f"{renames.get(tag, tag)} {rest}"
+        k = renames[key] if key in renames else f"{renames.get(tag, tag)} {rest}"
         mapped[k] = mapped.get(k, 0.0) + b
     out = []
     gone = {k: b for k, b in mapped.items() if k not in after}
@@ -63,8 +66,10 @@ def diff_bytes(before: dict, after: dict, renames: dict[str, str]) -> list[str]:
     return out
 
 
-def compare(before: dict, after: dict, rtol: float, renames: dict[str, str]) -> list[str]:
-    lines = []
+def compare(before: dict, after: dict, rtol: float, renames: dict[str, str],
+            allow_retag: bool = False) -> tuple[list[str], list[str]]:
+    """(differences, retags): one line each, per case."""
+    lines, retags = [], []
     for key in sorted(set(before) | set(after)):
         name = " ".join(key)
         if key not in after or key not in before:
@@ -80,9 +85,16 @@ def compare(before: dict, after: dict, rtol: float, renames: dict[str, str]) -> 
             if not (x == y or (rtol and math.isclose(x, y, rel_tol=rtol, abs_tol=0.0))):
                 lines.append(f"{name}: step {step} loss {x!r} → {y!r} "
                              f"(relative {abs(y - x) / max(abs(x), 1e-30):.2e})")
-        for d in diff_bytes(b.get("bytes_per_tag", {}), a.get("bytes_per_tag", {}), renames):
-            lines.append(f"{name}: {d}")
-    return lines
+        bb, ab = b.get("bytes_per_tag", {}), a.get("bytes_per_tag", {})
+        diffs = diff_bytes(bb, ab, renames)
+        if diffs and sum(bb.values()) == sum(ab.values()):  # bytes moved between tags only
+            retags += [f"{name}: retag (total {sum(ab.values()):,.0f} B unchanged): {d}"
+                       for d in diffs]
+            if not allow_retag:
+                lines += [f"{name}: retag: {d}" for d in diffs]
+        else:
+            lines += [f"{name}: {d}" for d in diffs]
+    return lines, retags
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rtol", type=float, default=0.0,
                     help="relative tolerance on losses (default 0: bitwise)")
     ap.add_argument("--renames", default="",
-                    help="accepted tag renames, old=new,old2=new2")
+                    help="accepted tag renames, old=new,old2=new2 (a tag, or a whole key)")
+    ap.add_argument("--allow-retag", action="store_true",
+                    help="accept bytes moved between tags when a case's total is unchanged")
     a = ap.parse_args(argv)
     try:
         before, after = load(a.before), load(a.after)
@@ -101,12 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as e:
         print(f"verify_diff: error: {e}", file=sys.stderr)
         return 2
-    lines = compare(before, after, a.rtol, renames)
+    lines, retags = compare(before, after, a.rtol, renames, a.allow_retag)
     for line in lines:
         print(line)
+    if a.allow_retag:
+        for line in retags:
+            print(line)
     n = len(set(before) | set(after))
     print(f"verify_diff: {n} cases, {len(lines)} difference(s)"
-          + (f"; accepted renames {a.renames}" if renames else ""))
+          + (f"; accepted renames {a.renames}" if renames else "")
+          + (f"; accepted retags: {len(retags)}" if a.allow_retag else ""))
     return 1 if lines else 0
 
 

@@ -137,7 +137,7 @@ def test_bf16_reduction_halves_dp_bytes(results, references, zero, sp, tied):
             assert fp32["grad_dtypes"][step] == ["float32"]
             assert bf16["grad_dtypes"][step] == ["bfloat16"]
             assert bf16["bytes"][step]["grad"] == fp32["bytes"][step]["grad"] / 2
-            for tag in ("tp_fwd", "tp_bwd", "ce", "param", "sp_grad", "norm", "loss"):
+            for tag in ("tp_fwd", "tp_bwd", "ce", "param", "sp_grad", "grad_norm", "loss"):
                 assert bf16["bytes"][step][tag] == fp32["bytes"][step][tag], tag
             # bf16 keeps 8 mantissa bits: the loss stays close, gradients within ~1 %
             assert bf16["loss"][step] == pytest.approx(ref["loss"][step], rel=1e-4)

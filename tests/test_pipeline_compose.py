@@ -116,7 +116,7 @@ def test_ledger_bytes_equal_formula_and_hand_count(results, case):
             assert by_tag.get("tied", 0) == (math.ceil(W.V / tp) * D * 4 if first or last else 0)
             norm = 2 * (pp - 1) / pp * 8 + (2 * (tp - 1) / tp * 8 if tp > 1 else 0)
             norm += 2 * (dp - 1) / dp * 8 if zero else 0
-            assert by_tag.get("norm", 0) == pytest.approx(norm)
+            assert by_tag.get("grad_norm", 0) == pytest.approx(norm)
             if zero and tp == 1:  # full stage shapes = local shapes
                 local_numel = sum(p.numel() for p in rec["params"][-1].values())
                 padded = math.ceil(local_numel / dp) * dp

@@ -138,7 +138,7 @@ def test_ledger_bytes_equal_formula(results, case):
             assert by_tag.get("pp_fwd", 0) == m * act * (v - (r == pp - 1))
             assert by_tag.get("pp_bwd", 0) == m * act * (v - (r == 0))
             assert by_tag.get("tied", 0) == (V * D * 4 if tied and r in (0, pp - 1) else 0)
-            assert by_tag.get("norm", 0) == pytest.approx(2 * (pp - 1) / pp * 8)
+            assert by_tag.get("grad_norm", 0) == pytest.approx(2 * (pp - 1) / pp * 8)
             assert by_tag.get("grad", 0) == pytest.approx(2 * (dp - 1) / dp * stage_bytes)
             # token count over dp; loss sum over pp and over dp
             assert by_tag.get("loss", 0) == pytest.approx(

@@ -47,3 +47,19 @@ def test_a_renamed_tag_is_named_and_accepted_only_when_asked(tmp_path, capsys):
     assert run(tmp_path, [case()], [renamed]) == 1
     assert "renamed to loss_sum all_reduce dp?" in capsys.readouterr().out
     assert run(tmp_path, [case()], [renamed], "--renames", "loss=loss_sum") == 0
+
+
+def test_a_rename_on_one_axis_and_a_retag(tmp_path, capsys):
+    before = case(bytes_per_tag={"grad all_reduce dp": 1000.0, "grad all_reduce tp": 64.0,
+                                 "tp_fwd all_reduce tp": 500.0})
+    after = case(bytes_per_tag={"grad all_reduce dp": 1000.0, "sp_grad all_reduce tp": 64.0,
+                                "tp_fwd all_reduce tp": 400.0, "ce all_reduce tp": 100.0})
+    key_rename = ["--renames", "grad all_reduce tp=sp_grad all_reduce tp"]
+    assert run(tmp_path, [before], [after], *key_rename) == 1  # the split is still reported
+    out = capsys.readouterr().out
+    assert "retag: tp_fwd all_reduce tp: 500 B → 400 B" in out and "grad all_reduce dp" not in out
+    assert run(tmp_path, [before], [after], *key_rename, "--allow-retag") == 0
+    assert "accepted retags: 2" in capsys.readouterr().out
+    moved = case(bytes_per_tag={"grad all_reduce dp": 1000.0, "grad all_reduce tp": 64.0,
+                                "tp_fwd all_reduce tp": 501.0})  # the total changed: not a retag
+    assert run(tmp_path, [before], [moved], "--allow-retag") == 1

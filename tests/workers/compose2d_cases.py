@@ -37,7 +37,7 @@ from shardwise.train.workload import SyntheticLMWorkload
 
 STEPS, GLOBAL_BATCH, MICRO_BATCH, MAX_NORM, LR, SEQ = 3, 8, 2, 0.3, 3e-4, 16
 MODEL = dict(n_heads=8, n_kv_heads=4)  # tiny: d=32, 2 layers, d_ff=64, GQA; vocab 67
-TAGS = ("tp_fwd", "tp_bwd", "ce", "grad", "param", "sp_grad", "norm", "grad_norm", "loss",
+TAGS = ("tp_fwd", "tp_bwd", "ce", "grad", "param", "sp_grad", "grad_norm", "loss",
         "checkpoint")
 PARITY = [(0, False, True), (0, True, False), (1, False, True), (1, True, False),
           (2, True, True), (3, True, True), (3, False, False)]  # (zero, sp, tied)

@@ -39,7 +39,7 @@ STEPS, GLOBAL_BATCH, MICRO_BATCH, MAX_NORM, LR = 3, 8, 2, 0.3, 3e-4
 MODEL = dict(n_heads=8, n_kv_heads=4)  # tiny: d=32, 2 layers, d_ff=64; GQA with k < h
 CASES = [(0, False), (1, False), (2, True), (3, False)]  # (zero, sp); verify adds zero=3,sp
 BF16_ZEROS = (0, 3)
-TAGS = ("grad", "param", "grad_norm", "norm", "tp_fwd", "tp_bwd", "loss")
+TAGS = ("grad", "param", "grad_norm", "tp_fwd", "tp_bwd", "ce", "sp_grad", "loss")
 CFG = TrainConfig(model="tiny", lr=LR, weight_decay=0.1)
 
 

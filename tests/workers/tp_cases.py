@@ -31,7 +31,7 @@ from shardwise.train.workload import SyntheticLMWorkload
 STEPS, GLOBAL_BATCH, MICRO_BATCH, MAX_NORM, LR = 3, 8, 4, 0.3, 3e-4
 MODEL = dict(n_heads=8, n_kv_heads=4)  # tiny: d=32, 2 layers, d_ff=64; GQA with k < h
 TPS, ENGINES, SPS, TIED = (2, 4), ("explicit", "torch"), (False, True), (True, False)
-TAGS = ("tp_fwd", "tp_bwd", "ce", "grad", "norm", "loss")
+TAGS = ("tp_fwd", "tp_bwd", "ce", "sp_grad", "grad_norm", "loss")
 
 
 def case_name(tp, engine, sp, tied):

@@ -219,13 +219,14 @@ class DataTensorParallel(Engine):
         tp_n, dp_n = self.topo.size("tp"), self.topo.size("dp")
         t = tp_step_bytes_formula(self.module.config, sequences, seq_len, tp_n, self.sp,
                                   dp=dp_n, dtype=dtype)
-        out = {k: t[k] for k in ("tp_fwd", "tp_bwd", "ce", "norm", "loss")}
+        out = {k: t[k] for k in ("tp_fwd", "tp_bwd", "ce", "grad_norm", "loss")}
         if not self.zero:
             out.update(self.dp.bytes_formula())  # "grad": 2(n−1)/n · Ψ_tp · b
-            out["sp_grad"] = t["grad"]  # (2L+1)·d fp32 over tp (0 without SP)
+            out["sp_grad"] = t["sp_grad"]  # (2L+1)·d fp32 over tp (0 without SP)
         else:
             z = self.dp.step_bytes_formula(micro_steps)
-            out.update({k: z[k] for k in ("grad", "param", "grad_norm")})
+            out.update({k: z[k] for k in ("grad", "param")})
+            out["grad_norm"] += z["grad_norm"]  # over tp (t's) and over dp
             out["sp_grad"] = (ring_bytes("all_reduce", 4 * self.dp.replicated_slice_numel(), tp_n)
                               if self.sp else 0.0)
         out["total"] = sum(out.values())

@@ -172,7 +172,8 @@ class TorchParallel2D(Engine):
 
         device = self.topo.device
         loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
-        book = (BookFunctionalCollectives(self.topo, c10d_tag="grad" if self.zero == 0 else None)
+        book = (BookFunctionalCollectives(self.topo, c10d_tag="grad" if self.zero == 0 else None,
+                                          sp_grad=self.sp)
                 if self.book_collectives else contextlib.nullcontext())
         with book:
             for i, mb in enumerate(microbatches):
@@ -213,7 +214,7 @@ class TorchParallel2D(Engine):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """‖g‖² over every element once: local Σ g² split into tp-sharded and tp-replicated
         parameters; FSDP2 (dp-sharded) all-reduces both over dp (fp64 [2], tag ``grad_norm``);
-        the tp-sharded part is then all-reduced over tp (fp64 [1], tag ``norm``). Clips like
+        the tp-sharded part is then all-reduced over tp (fp64 [1], tag ``grad_norm`` too). Clips like
         ``torch.nn.utils.clip_grad_norm_`` (coefficient min(1, max_norm/(‖g‖+1e-6))); returns the
         norm before clipping (fp32 [])."""
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
@@ -223,7 +224,7 @@ class TorchParallel2D(Engine):
         if self.zero:  # FSDP2: every gradient is sharded over dp
             comm.all_reduce(sq, self.topo, "dp", tag="grad_norm")
         tp_part = sq[:1].clone()
-        comm.all_reduce(tp_part, self.topo, "tp", tag="norm")
+        comm.all_reduce(tp_part, self.topo, "tp", tag="grad_norm")
         total = (tp_part[0] + sq[1]).sqrt().float()
         if max_norm and max_norm > 0:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -304,14 +305,14 @@ class TorchParallel2D(Engine):
           m·(n−1)/n·(Ψ + Ψ_blocks)·b; (zero 1/2) m·(n−1)/n·Ψ·b. ZeRO paper §5.3 / §7.2.2.
         * ``grad``: one reduce-scatter per step (n−1)/n·Ψ·b_r (zero ≥ 1); zero 0 one all-reduce
           2(n−1)/n·Ψ·b_r (ZeRO paper §7.1; scaling book ch. 5).
-        * ``grad_norm``: zero ≥ 1 one fp64 [2] all-reduce over dp, 2(n−1)/n·16; ``norm``: one
-          fp64 [1] all-reduce over tp, 2(t−1)/t·8.
-        * ``tp_fwd``/``tp_bwd``: DTensor's activation and cross-entropy collectives, the
-          explicit TP formula's ``tp_fwd + tp_bwd + ce`` (:func:`tp_step_bytes_formula`;
-          Megatron-LM §3, Korthikanti et al. 2022 §4.2.2): ``tp_fwd`` = its ``tp_fwd`` + ``ce``
-          (``loss_parallel`` all-reduces the max and the sums in forward; its backward is
-          local), ``tp_bwd`` = its ``tp_bwd`` + (SP) the norm weights' gradient all-reduce
-          r_t·(2L+1)·d·4, which FSDP2 issues inside backward (``Partial → Replicate``).
+        * ``grad_norm``: zero ≥ 1 one fp64 [2] all-reduce over dp, 2(n−1)/n·16; plus one fp64
+          [1] all-reduce over tp, 2(t−1)/t·8.
+        * ``tp_fwd``/``tp_bwd``/``ce``/``sp_grad``: DTensor's activation collectives, the
+          cross-entropy's (``loss_parallel`` all-reduces the max and the sums in forward; its
+          backward is local) and (SP) the norm weights' gradient all-reduce r_t·(2L+1)·d·4,
+          which FSDP2 issues inside backward (``Partial → Replicate``): the explicit TP
+          formula's (:func:`tp_step_bytes_formula`; Megatron-LM §3, Korthikanti et al. 2022
+          §4.2.2), booked under the same tags.
 
         Raises nothing; padding per rank makes the bytes differ between tp ranks when tp does
         not divide the vocabulary (each rank's own shard sizes are used)."""
@@ -333,11 +334,11 @@ class TorchParallel2D(Engine):
             out["param"] = micro_steps * f * (psi + again) * 4
             out["grad"] = f * psi * b_r
             out["grad_norm"] = ring_bytes("all_reduce", 16, n)
-        out["norm"] = ring_bytes("all_reduce", 8, t)
+        out["grad_norm"] += ring_bytes("all_reduce", 8, t)
         tpf = tp_step_bytes_formula(self.module.config, sequences, seq_len, t, self.sp,
                                     dtype=dtype)
-        out["tp_fwd"] = tpf["tp_fwd"] + tpf["ce"]
-        out["tp_bwd"] = tpf["tp_bwd"] + tpf["grad"]
+        for tag in ("tp_fwd", "tp_bwd", "ce", "sp_grad"):
+            out[tag] = tpf[tag]
         return out
 
 

@@ -32,7 +32,8 @@ DTensor issues its collectives through functional collectives, not :mod:`shardwi
 the ledger still sees them, :class:`BookFunctionalCollectives` (a ``TorchDispatchMode``, the
 mechanism of PyTorch's own ``CommDebugMode``) books every functional collective dispatched during
 ``forward_backward`` in ``topo.ledger`` (tag ``"tp_fwd"`` in forward, ``"tp_bwd"`` inside
-backward; ``seconds`` = launch time only: functional collectives are waited for lazily).
+backward, ``"ce"`` for ``loss_parallel``'s cross-entropy, as the explicit engine books them;
+``seconds`` = launch time only: functional collectives are waited for lazily).
 Limitations: dropout in this path draws from the default RNG (no tp-aware RNG regions), so use
 it with dropout 0.
 """
@@ -61,6 +62,20 @@ _OP_NAMES = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce",
              "broadcast_": "broadcast"}
 
 
+_TAG_OVERRIDE: list[str] = []  # booked_as's stack
+
+
+@contextlib.contextmanager
+def booked_as(tag: str):
+    """Inside the block, :class:`BookFunctionalCollectives` books DTensor's collectives under
+    ``tag`` (the cross-entropy under ``loss_parallel``: ``"ce"``)."""
+    _TAG_OVERRIDE.append(tag)
+    try:
+        yield
+    finally:
+        _TAG_OVERRIDE.pop()
+
+
 class BookFunctionalCollectives(TorchDispatchMode):
     """While active, book every ``torch.ops._c10d_functional`` collective in ``topo.ledger``
     (op, axis found from the process group's name, dtype, shape, S, ring bytes). S follows the
@@ -70,11 +85,16 @@ class BookFunctionalCollectives(TorchDispatchMode):
     ``c10d_tag``: also book the in-place process-group all-reduce ``c10d::allreduce_`` under
     this tag (FSDP2's ``replicate`` all-reduces gradients with ``torch.distributed.all_reduce``
     itself, with no hook to route it through :mod:`shardwise.comm`). Leave it None wherever
-    :mod:`shardwise.comm` issues all-reduces inside the mode (they would be booked twice)."""
+    :mod:`shardwise.comm` issues all-reduces inside the mode (they would be booked twice).
 
-    def __init__(self, topo, c10d_tag: str | None = None):
+    Tags (docs/architecture.md, "Ledger tags"): ``tp_fwd``/``tp_bwd`` by direction, except
+    inside :func:`booked_as` (``loss_parallel``'s cross-entropy: ``ce``, as the explicit
+    engine's) and, with ``sp_grad=True`` (FSDP2 + TP with SP), a backward all-reduce over tp:
+    under SP the only one is the norm weights' ``Partial`` gradients, ``sp_grad``."""
+
+    def __init__(self, topo, c10d_tag: str | None = None, sp_grad: bool = False):
         super().__init__()
-        self.topo, self.c10d_tag = topo, c10d_tag
+        self.topo, self.c10d_tag, self.sp_grad = topo, c10d_tag, sp_grad
         self.axis_of = {topo.group(a).group_name: a for a in ("pp", "dp", "tp", "world")}
 
     def _axis_by_ranks(self, group_name: str) -> str:
@@ -111,11 +131,14 @@ class BookFunctionalCollectives(TorchDispatchMode):
             size = full.numel() * full.element_size()
             n = self.topo.size(axis) if axis in ("pp", "dp", "tp", "world") else 1
             backward = torch._C._current_graph_task_id() != -1
+            tag = _TAG_OVERRIDE[-1] if _TAG_OVERRIDE else ("tp_bwd" if backward else "tp_fwd")
+            if self.sp_grad and backward and op == "all_reduce" and axis == "tp":
+                tag = "sp_grad"
             self.topo.ledger.add(CommRecord(
                 op=op, axis=axis, group_size=n, dtype=str(full.dtype).replace("torch.", ""),
                 shape=tuple(full.shape), size_bytes=size, wire_bytes=ring_bytes(op, size, n),
                 seconds=time.perf_counter() - t0, phase=self.topo.ledger.current_phase,
-                tag="tp_bwd" if backward else "tp_fwd", impl=f"{ns}.{name}"))
+                tag=tag, impl=f"{ns}.{name}"))
         return out
 
 
@@ -202,7 +225,7 @@ class TorchTensorParallel(Engine):
         from torch.distributed.tensor.parallel import loss_parallel
 
         logits = self.module(batch["input_ids"])  # DTensor [b, s, V], Shard(-1) over tp
-        with loss_parallel():
+        with loss_parallel(), booked_as("ce"):
             return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(),
                                    ignore_index=IGNORE_INDEX, reduction="sum")
 
@@ -234,7 +257,7 @@ class TorchTensorParallel(Engine):
         """With SP, DTensor leaves the norm weights' gradients ``Partial(sum)`` (each rank summed
         over its sequence shard) and would reduce them lazily, wherever they are next used. We
         reduce them here, all in one flat all-reduce over tp through :mod:`shardwise.comm`
-        (tag ``"grad"``, as the explicit engine does), and store them ``Replicate``."""
+        (tag ``"sp_grad"``, as the explicit engine does), and store them ``Replicate``."""
         from torch.distributed.tensor import DTensor, Replicate
 
         partial = [p for p in self.module.parameters() if _is_dtensor(p.grad)
@@ -242,7 +265,7 @@ class TorchTensorParallel(Engine):
         if not partial:
             return
         flat = torch.cat([p.grad.to_local().reshape(-1) for p in partial])
-        comm.all_reduce(flat, self.topo, AXIS, tag="grad")
+        comm.all_reduce(flat, self.topo, AXIS, tag="sp_grad")
         offset = 0
         for p in partial:
             local = flat[offset: offset + p.numel()].view(p.grad.to_local().shape).clone()
@@ -262,7 +285,7 @@ class TorchTensorParallel(Engine):
                 sharded += sq
             else:
                 replicated += sq
-        comm.all_reduce(sharded, self.topo, AXIS, tag="norm")
+        comm.all_reduce(sharded, self.topo, AXIS, tag="grad_norm")
         total = (sharded + replicated).sqrt().float().squeeze(0)
         if max_norm and max_norm > 0:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

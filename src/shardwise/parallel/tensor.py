@@ -511,7 +511,7 @@ class TensorParallel(Engine):
       (norm weights') partial gradients, tag ``"grad"``; without SP their gradients are already
       identical on every tp rank and nothing is sent.
     * ``clip_grad_norm_``: ‖g‖² = all-reduce_tp(Σ over sharded params of ‖g_shard‖²) + Σ over
-      replicated params of ‖g‖² (counted once), one fp64 scalar, tag ``"norm"``.
+      replicated params of ‖g‖² (counted once), one fp64 scalar, tag ``"grad_norm"``.
     * ``named_full_parameters`` / ``named_full_gradients``: shards all-gathered over tp, padding
       stripped, keyed by the plain model's names (phase ``"gather"``, not part of the step).
 
@@ -562,7 +562,7 @@ class TensorParallel(Engine):
     def finish_gradient_sync(self) -> None:
         """With SP: SUM the norm weights' partial gradients over tp (one flat all-reduce)."""
         if self.sp:
-            self.reduce_replicated_grads(tag="grad")
+            self.reduce_replicated_grads(tag="sp_grad")
 
     def reduce_replicated_grads(self, tag: str = "grad") -> None:
         """SUM the replicated parameters' (norm weights') gradients over tp: one flat
@@ -593,7 +593,7 @@ class TensorParallel(Engine):
             return out
 
         sharded = sq(self.sharded)
-        comm.all_reduce(sharded, self.topo, AXIS, tag="norm")
+        comm.all_reduce(sharded, self.topo, AXIS, tag="grad_norm")
         total = (sharded + sq(self.replicated)).sqrt().float().squeeze(0)
         if max_norm and max_norm > 0:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -801,8 +801,8 @@ def tp_step_bytes_formula(model_config, sequences: int, seq_len: int, tp: int, s
       outputs) and, with SP, their backward all-gathers carry bf16 (2 bytes); everything else
       (the embedding output, the residual stream, the gradients entering the regions) is fp32.
     * ``ce`` — the vocab-parallel cross-entropy: r·(N + 2N)·4 (MAX of [N], SUM of [2, N], fp32).
-    * ``grad`` — SP only: r·(2L + 1)·d·4, the norm weights' gradients (fp32).
-    * ``norm`` — r·8: the sharded params' squared gradient norm (fp64 scalar) over tp.
+    * ``sp_grad`` — SP only: r·(2L + 1)·d·4, the norm weights' gradients (fp32).
+    * ``grad_norm`` — r·8: the sharded params' squared gradient norm (fp64 scalar) over tp.
     * ``loss`` — 2·(2(dp−1)/dp)·8: token count and loss sum over dp (0 at dp = 1).
 
     Init broadcasts, ``named_full_*`` gathers and evaluation are outside the step. Source:
@@ -819,7 +819,7 @@ def tp_step_bytes_formula(model_config, sequences: int, seq_len: int, tp: int, s
         fwd = h * (wide + 2 * L * wide + 2 * L * exit_b + wide)  # emb RS, AG+RS ×2L, head AG
         bwd = h * (wide + 2 * L * wide + 2 * L * exit_b + wide)  # head RS, RS+AG ×2L, emb AG
     out = {"tp_fwd": fwd, "tp_bwd": bwd, "ce": r * 3 * tokens * 4,
-           "grad": r * (2 * L + 1) * d * 4 if sp else 0.0, "norm": r * 8,
+           "sp_grad": r * (2 * L + 1) * d * 4 if sp else 0.0, "grad_norm": r * 8,
            "loss": 2 * (2 * (dp - 1) / dp * 8)}
     out["total"] = sum(out.values())
     return out

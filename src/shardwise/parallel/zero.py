@@ -804,7 +804,7 @@ class ZeroDataParallel(Engine):
         Inside dp × tp (tp > 1) each element of the whole model must be counted once: the
         slice's squares are split into tp-sharded pieces (``tp_shard_dim``: different elements
         on every tp rank) and tp-replicated ones (the same elements on every tp rank). The
-        sharded part is first all-reduced over tp (tag ``"norm"``, one fp64 scalar), then
+        sharded part is first all-reduced over tp (tag ``"grad_norm"``, one fp64 scalar), then
         sharded_tp + replicated is all-reduced over dp (``"grad_norm"``):
         Σ_dp (Σ_tp sharded + replicated) counts every sharded element once and every replicated
         element once (its tp copies are never summed)."""
@@ -821,7 +821,7 @@ class ZeroDataParallel(Engine):
                         sharded += part
                     else:
                         sq += part
-            comm.all_reduce(sharded, self.topo, "tp", tag="norm")
+            comm.all_reduce(sharded, self.topo, "tp", tag="grad_norm")
             sq += sharded
         comm.all_reduce(sq, self.topo, "dp", tag="grad_norm")
         norm = sq.sqrt().to(self.units[0].dtype)[0]
@@ -1073,7 +1073,7 @@ class ZeroDataParallel(Engine):
         """:func:`zero_step_bytes_formula` with this engine's padded Ψ, the reduce dtype's bytes
         for the gradient reduce_scatter, and what ZeRO-3 gathers a second time for backward:
         every block if ``reshard_after_forward`` (not the root, which stays gathered), else
-        nothing. Inside dp × tp the tp scalar of the norm (tag ``"norm"``) is not included."""
+        nothing. Inside dp × tp the tp scalar of the norm (tag ``"grad_norm"`` on axis tp) is not included."""
         regathered = None
         if self.stage == 3:
             regathered = (sum(u.padded for u in self.blocks) if self.reshard_after_forward else 0)

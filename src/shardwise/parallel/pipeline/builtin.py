@@ -143,7 +143,7 @@ class TorchPipelineParallel(PipelineParallel):
 
     def _sync_sp_grads(self) -> None:
         """SP: DTensor leaves the norm weights' gradients ``Partial(sum)``; reduce them in one
-        flat all-reduce over tp (tag ``grad``) and store them ``Replicate``."""
+        flat all-reduce over tp (tag ``sp_grad``) and store them ``Replicate``."""
         from torch.distributed.tensor import DTensor, Replicate
 
         partial = [p for p in self._params() if _is_dtensor(p.grad)
@@ -151,7 +151,7 @@ class TorchPipelineParallel(PipelineParallel):
         if not partial:
             return
         flat = torch.cat([p.grad.to_local().reshape(-1) for p in partial])
-        comm.all_reduce(flat, self.topo, "tp", tag="grad")
+        comm.all_reduce(flat, self.topo, "tp", tag="sp_grad")
         offset = 0
         for p in partial:
             shape = p.grad.to_local().shape
@@ -255,7 +255,10 @@ class TorchPipelineParallel(PipelineParallel):
         stride = torch.empty(shape, device="meta").stride()
         logits = DTensor.from_local(y, self.topo.mesh["tp"], [Shard(-1)], run_check=False,
                                     shape=shape, stride=stride)
-        with loss_parallel() if not self._in_loss_parallel else contextlib.nullcontext():
+        from ..dtensor_tp import booked_as
+
+        with (loss_parallel() if not self._in_loss_parallel else contextlib.nullcontext()), \
+                booked_as("ce"):
             s = F.cross_entropy(logits.flatten(0, 1).float(), mb["labels"].flatten(),
                                 ignore_index=IGNORE_INDEX, reduction="sum")
         return s.to_local()

@@ -59,11 +59,11 @@ parameters, its tp shards)
 * tp > 1: Megatron f/g (or SP all-gather / reduce-scatter) per block of this stage, the
   embedding exit on the first stage, the head entry and the vocab-parallel cross-entropy on the
   last (tags ``tp_fwd``, ``tp_bwd``, ``ce``); with SP, one all-reduce over tp of the norm
-  weights' partial gradients (tag ``grad``);
+  weights' partial gradients (tag ``sp_grad``);
 * tied embedding (p > 1): the first and the last rank of each tp index swap their gradient of
   the [V_pad/tp, d] table shard: each sends ``V_pad/tp·d·4`` bytes (tag ``tied``);
 * global gradient norm: one fp64 scalar all-reduced over tp, dp (ZeRO-1 only) and pp
-  (tag ``norm``);
+  (tag ``grad_norm``);
 * dp > 1: one all-reduce of this stage's gradients over dp, 2(n−1)/n·Ψ_r (tag ``grad``), or with
   ZeRO-1 a reduce-scatter (n−1)/n·P_r (``grad``) and, after the optimizer step, an all-gather
   (n−1)/n·P_r (``param``), P_r = Ψ_r padded to a multiple of n;
@@ -391,10 +391,11 @@ class PipelineParallel(Engine):
         * ``tied``: the first and the last stage swap their [V_pad/tp, d] shard's gradient.
         * ``grad``: dp > 1 — ZeRO-0: r_dp·Ψ_s·b (all-reduce of this stage's local parameters,
           b = 2 for bf16 reduction else 4); ZeRO-1: h_dp·P_s·b (reduce-scatter of the padded
-          flat buffer). Plus with SP: r·(tp-replicated parameter bytes) (norm weights' partial
-          gradients summed over tp). ``param`` (ZeRO-1): h_dp·P_s·4, the all-gather after the
-          optimizer step (ZeRO paper §7.2.1).
-        * ``norm``: one fp64 scalar all-reduced over each of :meth:`norm_axes`.
+          flat buffer). ``param`` (ZeRO-1): h_dp·P_s·4, the all-gather after the optimizer
+          step (ZeRO paper §7.2.1).
+        * ``sp_grad`` (SP): r·(tp-replicated parameter bytes), the norm weights' partial
+          gradients summed over tp.
+        * ``grad_norm``: one fp64 scalar all-reduced over each of :meth:`norm_axes`.
 
         The loss/count scalars are added by :func:`shardwise.formulas.step_bytes_formula`.
         Sources: Megatron-LM §3 and Narayanan et al. 2021 §2.3 (PP × TP), Korthikanti et al.
@@ -417,7 +418,8 @@ class PipelineParallel(Engine):
         tied = stage.tied and self.p > 1 and (self.is_first or self.is_last)
         w = (stage.tok_embeddings.weight if self.is_first else stage.tied_output) if tied else None
         out["tied"] = float(_local(w).numel() * elem) if tied else 0.0
-        out["norm"] = sum(ring_bytes("all_reduce", 8, self.topo.size(a)) for a in self.norm_axes())
+        out["grad_norm"] = sum(ring_bytes("all_reduce", 8, self.topo.size(a))
+                               for a in self.norm_axes())
         red = 2 if self.reduce_dtype == "bf16" else elem
         if self.zero1 is not None:
             out["grad"] = ring_bytes("reduce_scatter", self.zero1.padded * red, dp)
@@ -438,7 +440,7 @@ class PipelineParallel(Engine):
                 out["tp_fwd"] = out["tp_bwd"] = h * (e * wide + 2 * blocks * wide
                                                      + 2 * blocks * exit_b + hd * wide)
                 rep = sum(_local(p).numel() * elem for p in params if not self._tp_sharded(p))
-                out["grad"] += ring_bytes("all_reduce", rep, n)
+                out["sp_grad"] = ring_bytes("all_reduce", rep, n)
             out["ce"] = hd * r * 3 * sequences * seq_len * 4
         return out
 
@@ -488,13 +490,13 @@ class PipelineParallel(Engine):
     # -- after backward --------------------------------------------------------------------------
     def _sync_sp_grads(self) -> None:
         """SP: the tp-replicated parameters (norm weights) saw only this rank's sequence shard:
-        SUM their partial gradients over tp, one flat all-reduce (tag ``grad``)."""
+        SUM their partial gradients over tp, one flat all-reduce (tag ``sp_grad``)."""
         rep = [p for p in self._params() if not self._tp_sharded(p)]
         if not rep:
             return
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                           for p in rep])
-        comm.all_reduce(flat, self.topo, "tp", tag="grad")
+        comm.all_reduce(flat, self.topo, "tp", tag="sp_grad")
         offset = 0
         for p in rep:
             g = flat[offset: offset + p.numel()].view_as(p)
@@ -555,7 +557,7 @@ class PipelineParallel(Engine):
         the gradient elements it counts (:meth:`_counted`: tp shards on every tp rank,
         tp-replicated parameters on tp index 0, the tied copy not on the last stage; ZeRO-1:
         its dp slice, else dp replicas are identical and counted once by not reducing over
-        dp), then one fp64 all-reduce over each of :meth:`norm_axes` (tag ``norm``). Clips every
+        dp), then one fp64 all-reduce over each of :meth:`norm_axes` (tag ``grad_norm``). Clips every
         gradient by max_norm / (norm + 1e-6) if that is < 1 (the rule of
         ``torch.nn.utils.clip_grad_norm_``). Returns the norm before clipping."""
         device = next(self.module.parameters()).device
@@ -572,7 +574,7 @@ class PipelineParallel(Engine):
                 if p.grad is not None and self._counted(p):
                     sq += _local(p.grad).double().pow(2).sum()
         for axis in self.norm_axes():
-            comm.all_reduce(sq, self.topo, axis, tag="norm")
+            comm.all_reduce(sq, self.topo, axis, tag="grad_norm")
         norm = sq.sqrt()
         if max_norm and max_norm > 0:
             coef = max_norm / (float(norm) + 1e-6)
