@@ -214,9 +214,9 @@ class TorchParallel2D(Engine):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """‖g‖² over every element once: local Σ g² split into tp-sharded and tp-replicated
         parameters; FSDP2 (dp-sharded) all-reduces both over dp (fp64 [2], tag ``grad_norm``);
-        the tp-sharded part is then all-reduced over tp (fp64 [1], tag ``grad_norm`` too). Clips like
-        ``torch.nn.utils.clip_grad_norm_`` (coefficient min(1, max_norm/(‖g‖+1e-6))); returns the
-        norm before clipping (fp32 [])."""
+        the tp-sharded part is then all-reduced over tp (fp64 [1], tag ``grad_norm`` too).
+        Clips like ``torch.nn.utils.clip_grad_norm_`` (coefficient min(1, max_norm/(‖g‖+1e-6)));
+        returns the norm before clipping (fp32 [])."""
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         sq = torch.zeros(2, dtype=torch.float64, device=self.topo.device)
         for g in grads:
