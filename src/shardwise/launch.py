@@ -96,9 +96,9 @@ def _forked_worker(argv: list[str], env: dict, script: str | None) -> int:
     files: its own session (as ``start_new_session``; a terminal's Ctrl-C goes to the launcher,
     which stops the workers), the caller's environment ``env`` on top, unbuffered output (as
     PYTHONUNBUFFERED), default signal handlers (the agent's are inherited), the launcher watch;
-    then ``python -m shardwise *argv`` (its ``__main__``; or the Python file ``script`` as ``__main__`` with
-    ``argv``, as ``python script *argv`` would). Returns 0; with any other status it calls
-    ``os._exit`` (no handler of the launcher's runs here)."""
+    then ``python -m shardwise *argv`` (its ``__main__``; or the Python file ``script`` as
+    ``__main__`` with ``argv``, as ``python script *argv`` would). Returns 0; with any other
+    status it calls ``os._exit`` (no handler of the launcher's runs here)."""
     code = 1
     try:
         os.setsid()

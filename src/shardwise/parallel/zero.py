@@ -1073,7 +1073,8 @@ class ZeroDataParallel(Engine):
         """:func:`zero_step_bytes_formula` with this engine's padded Ψ, the reduce dtype's bytes
         for the gradient reduce_scatter, and what ZeRO-3 gathers a second time for backward:
         every block if ``reshard_after_forward`` (not the root, which stays gathered), else
-        nothing. Inside dp × tp the tp scalar of the norm (tag ``"grad_norm"`` on axis tp) is not included."""
+        nothing. Inside dp × tp the tp scalar of the norm (tag ``"grad_norm"`` on axis tp) is
+        not included."""
         regathered = None
         if self.stage == 3:
             regathered = (sum(u.padded for u in self.blocks) if self.reshard_after_forward else 0)

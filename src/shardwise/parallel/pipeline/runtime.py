@@ -557,8 +557,8 @@ class PipelineParallel(Engine):
         the gradient elements it counts (:meth:`_counted`: tp shards on every tp rank,
         tp-replicated parameters on tp index 0, the tied copy not on the last stage; ZeRO-1:
         its dp slice, else dp replicas are identical and counted once by not reducing over
-        dp), then one fp64 all-reduce over each of :meth:`norm_axes` (tag ``grad_norm``). Clips every
-        gradient by max_norm / (norm + 1e-6) if that is < 1 (the rule of
+        dp), then one fp64 all-reduce over each of :meth:`norm_axes` (tag ``grad_norm``). Clips
+        every gradient by max_norm / (norm + 1e-6) if that is < 1 (the rule of
         ``torch.nn.utils.clip_grad_norm_``). Returns the norm before clipping."""
         device = next(self.module.parameters()).device
         sq = torch.zeros(1, dtype=torch.float64, device=device)
