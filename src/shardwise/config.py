@@ -473,8 +473,8 @@ def _validate_checkpointing(cfg: TrainConfig) -> None:
     if cfg.max_restarts and cfg.resume != "auto":
         raise ShardwiseConfigError(
             f"--max-restarts {cfg.max_restarts} restarts every rank from the newest checkpoint "
-            "in --out: add --resume auto and --out DIR (and --save-every K, so that there is a "
-            "checkpoint to go back to)")
+            "in --out: add --resume auto (with --out DIR, the same folder on every attempt, and "
+            "--save-every K, so that there is a checkpoint to go back to)")
     if cfg.out:
         check_out_writable(cfg.out)
 

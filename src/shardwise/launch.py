@@ -183,7 +183,7 @@ def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float =
     """Run ``program *argv`` (default ``python -m shardwise``) as ``nproc`` local ranks under
     PyTorch's elastic agent (:func:`torch.distributed.launcher.api.elastic_launch`, the agent
     torchrun runs; ``--standalone``'s rendezvous: c10d on a port the agent binds itself); return
-    0, or the exit code of the rank that failed first (128 + N for signal N), after the agent has
+    0, or the exit code of the first failed rank the agent saw (128 + N for signal N), after the agent has
     stopped the others (SIGTERM, then SIGKILL after ``grace_s`` seconds).
 
     ``fork``: run ``python -m shardwise *argv`` (or, for ``program = [python, script.py]``, the
@@ -255,8 +255,9 @@ def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float =
         code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
         sys.stdout.flush()
         last = "".join(f"[rank {rank}] {ln}\n" for ln in _last_lines(logs, failure.local_rank))
-        sys.stderr.write(f"[launcher] rank {rank} failed first (exit code {code}); the others "
-                         f"were stopped. Its last lines:\n{last}")
+        sys.stderr.write(f"[launcher] rank {rank} failed (exit code {code}; the first failure "
+                         f"the agent saw); any rank still running was stopped. Its last "
+                         f"lines:\n{last}")
         sys.stderr.flush()
     except SignalException as stop:
         code = 128 + int(stop.sigval)
