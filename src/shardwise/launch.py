@@ -183,8 +183,8 @@ def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float =
     """Run ``program *argv`` (default ``python -m shardwise``) as ``nproc`` local ranks under
     PyTorch's elastic agent (:func:`torch.distributed.launcher.api.elastic_launch`, the agent
     torchrun runs; ``--standalone``'s rendezvous: c10d on a port the agent binds itself); return
-    0, or the exit code of the first failed rank the agent saw (128 + N for signal N), after the agent has
-    stopped the others (SIGTERM, then SIGKILL after ``grace_s`` seconds).
+    0, or the exit code of the first failed rank the agent saw (128 + N for signal N), after the
+    agent has stopped the others (SIGTERM, then SIGKILL after ``grace_s`` seconds).
 
     ``fork``: run ``python -m shardwise *argv`` (or, for ``program = [python, script.py]``, the
     script) in workers forked from this process (:func:`_forked_worker`), only where
