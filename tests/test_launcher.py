@@ -29,6 +29,28 @@ def _pids_of(marker: str) -> list[int]:
     return out
 
 
+def _signal_and_expect_no_worker(launcher, marker: str, sig) -> None:
+    """Check 2 workers run (processes with ``marker`` in their command line, not the launcher),
+    send ``sig`` to the launcher, and fail if any worker is still alive 10 s after it exited."""
+    workers = [p for p in _pids_of(marker) if p != launcher.pid]
+    assert len(workers) == 2, f"expected 2 workers running, found {workers}"
+    launcher.send_signal(sig)
+    launcher.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while _pids_of(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _pids_of(marker)
+    assert not left, f"workers {left} still run 10 s after the launcher got {sig.name}"
+
+
+def _kill_all(launcher, marker: str) -> None:
+    for pid in [launcher.pid, *_pids_of(marker)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 @pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs Linux /proc")
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("sig,fork", [(signal.SIGKILL, "1"), (signal.SIGTERM, "1"),
@@ -54,23 +76,11 @@ def test_no_worker_outlives_its_launcher(sig, fork, tmp_path, cache_dir):
             assert launcher.poll() is None, f"the run ended early (exit {launcher.returncode})"
             assert time.monotonic() < deadline, "the run did not start training in 120 s"
             time.sleep(0.2)
-        workers = [p for p in _pids_of(str(out)) if p != launcher.pid]
-        assert len(workers) == 2, f"expected 2 workers running, found {workers}"
-        launcher.send_signal(sig)
-        launcher.wait(timeout=30)
-        deadline = time.monotonic() + 10
-        while _pids_of(str(out)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = _pids_of(str(out))
-        assert not left, f"workers {left} still run 10 s after the launcher got {sig.name}"
+        _signal_and_expect_no_worker(launcher, str(out), sig)
         if sig != signal.SIGKILL:  # stopped by the launcher itself, with the shell's code
             assert launcher.returncode == 128 + sig
     finally:
-        for pid in [launcher.pid, *_pids_of(str(out))]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_all(launcher, str(out))
 
 
 SCRIPT = '''
@@ -106,18 +116,6 @@ def test_forked_script_workers_die_with_their_launcher(tmp_path):
             assert launcher.poll() is None, f"the world ended early (exit {launcher.returncode})"
             assert time.monotonic() < deadline, "the workers did not start in 60 s"
             time.sleep(0.2)
-        workers = [p for p in _pids_of(str(script)) if p != launcher.pid]
-        assert len(workers) == 2, f"expected 2 workers running, found {workers}"
-        launcher.kill()
-        launcher.wait(timeout=30)
-        deadline = time.monotonic() + 10
-        while _pids_of(str(script)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = _pids_of(str(script))
-        assert not left, f"workers {left} still run 10 s after the launcher got SIGKILL"
+        _signal_and_expect_no_worker(launcher, str(script), signal.SIGKILL)
     finally:
-        for pid in [launcher.pid, *_pids_of(str(script))]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_all(launcher, str(script))
