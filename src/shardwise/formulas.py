@@ -1,7 +1,8 @@
 """The textbook bytes of one optimizer step, for whatever layout an engine runs.
 
-Each strategy owns its formula (next to its math, with its sources); this module only picks the
-one for an engine and adds the bookkeeping every step does, so ``trace``, ``verify`` and the run
+Each strategy owns its formula (next to its math, with its sources), and every engine answers
+``bytes_formula(micro_steps, sequences, seq_len, dtype)`` with its strategy's (or, composed, the
+sum of its parts'); this module adds the bookkeeping every step does, so ``trace``, ``verify`` and the run
 folder's ``ledger.json`` compare the ledger with the same numbers:
 
 * DP: 2(n−1)/n · gradient bytes (``parallel/data.py``: ZeRO paper §7.1, scaling book ch. 5)
@@ -12,8 +13,7 @@ folder's ``ledger.json`` compare the ledger with the same numbers:
 * every layout: the token count before the forward and the loss sum after the step, one fp64
   scalar all-reduce each over every axis the engine reduces them on.
 
-All values are bytes this rank sends in one step (float). Raises ``NotImplementedError`` for an
-engine this module does not know.
+All values are bytes this rank sends in one step (float).
 """
 
 from __future__ import annotations
@@ -32,50 +32,17 @@ def step_bytes_formula(engine, topo, *, micro_steps: int, sequences: int, seq_le
 
     ``micro_steps``: micro-batches per rank per step; ``sequences``: sequences this rank
     processes per step (all micro-batches); ``seq_len``: tokens per sequence."""
-    from .parallel.builtin import TorchDataParallel
-    from .parallel.data import DataParallel, dp_grad_bytes_formula
-
-    out: dict[str, float]
-    name = type(engine).__name__
-    if hasattr(engine, "bytes_formula"):  # composed engines own their sum of parts
-        out = dict(engine.bytes_formula(micro_steps=micro_steps, sequences=sequences,
-                                        seq_len=seq_len, dtype=dtype))
-        out.pop("total", None)
-        out.pop("loss", None)
-    elif isinstance(engine, (DataParallel, TorchDataParallel)):
-        grad_bytes = sum(p.numel() * p.element_size() for p in engine.module.parameters())
-        out = {"grad": dp_grad_bytes_formula(grad_bytes, topo.size("dp"))}
-    elif name in ("ZeroDataParallel", "TorchZero"):
-        z = engine.step_bytes_formula(micro_steps=micro_steps)
-        out = {k: v for k, v in z.items() if k in ("grad", "param", "grad_norm")}
-    elif name in ("TensorParallel", "TorchTensorParallel"):
-        from .parallel.tensor import tp_step_bytes_formula
-
-        t = tp_step_bytes_formula(engine.module.config, sequences, seq_len, topo.size("tp"),
-                                  engine.sp, dp=topo.size("dp"), dtype=dtype)
-        out = {k: v for k, v in t.items() if k not in ("total", "loss")}
-    elif name in ("PipelineParallel", "TorchPipelineParallel"):
-        out = dict(engine.step_bytes_formula(micro_steps=micro_steps, sequences=sequences,
-                                             seq_len=seq_len))
-        out.pop("total", None)
-        out.pop("loss", None)
-    else:
-        raise NotImplementedError(f"no byte formula for engine {name}")
+    out = dict(engine.bytes_formula(micro_steps=micro_steps, sequences=sequences,
+                                    seq_len=seq_len, dtype=dtype))
+    out.pop("total", None)
+    out.pop("loss", None)
     out["loss"] = _scalar_all_reduces(engine, topo)
     out["total"] = sum(out.values())
     return out
 
 
 def memory_formula(engine, topo) -> dict[str, float] | None:
-    """Model-state bytes the papers predict for this rank, or None where no closed form is
-    wired: DP 4Ψ + 4Ψ + 8Ψ (fp32 AdamW; ZeRO paper §3.1); ZeRO the engine's
-    ``memory_formula()`` (4Ψ+4Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N)."""
-    from .parallel.builtin import TorchDataParallel
-    from .parallel.data import DataParallel
-
-    if isinstance(engine, (DataParallel, TorchDataParallel)):
-        psi = sum(p.numel() for p in engine.module.parameters())
-        return {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi, "total": 16 * psi}
-    if hasattr(engine, "memory_formula"):
-        return dict(engine.memory_formula())
-    return None
+    """Model-state bytes the papers predict for this rank (the engine's ``memory_formula()``:
+    DP 4Ψ + 4Ψ + 8Ψ, fp32 AdamW, ZeRO paper §3.1; ZeRO 4Ψ+4Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N), or None
+    where no closed form is wired."""
+    return engine.memory_formula()

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import comm
+from .data import dp_memory_formula
 from .engine import Engine
 
 
@@ -86,4 +87,8 @@ class TorchDataParallel(Engine):
         psi = sum(p.numel() for p in self.module.parameters())
         n = self.topo.size("dp")
         return {"grad": 2 * (n - 1) / n * psi * b if n > 1 else 0.0}
+
+    def memory_formula(self) -> dict[str, float]:
+        """:func:`.data.dp_memory_formula` of this replica."""
+        return dp_memory_formula(sum(p.numel() for p in dict.fromkeys(self.module.parameters())))
 

@@ -68,9 +68,8 @@ from torch import nn
 from ..comm.ledger import ring_bytes
 from ..errors import ShardwiseConfigError
 from .data import DataParallel
-from .engine import Engine, autocast
-from .tensor import (TensorParallel, gather_full, gather_named_full, parallelize_tensor,
-                     tp_step_bytes_formula)
+from .engine import Engine
+from .tensor import TensorParallel, parallelize_tensor, tp_step_bytes_formula
 from .zero import ZeroDataParallel, zero_memory_formula
 
 
@@ -96,24 +95,13 @@ class DataTensorParallel(Engine):
     def sync_gradients(self, enabled: bool):
         return self.dp.sync_gradients(enabled)
 
-    def forward_backward(self, microbatches: list[dict], denom: float,
-                         dtype: str = "fp32") -> torch.Tensor:
-        """Each micro-batch [b, s] (the same on every tp rank of this dp row): local logits
-        [b, s, V_pad/tp] → vocab-parallel loss sum / ``denom`` → backward. The dp gradient
-        reduction is enabled on the last micro-step only (gradient accumulation). Returns this
-        dp row's loss sum (fp64 [1])."""
-        if self.zero:
-            self.dp.begin_forward_backward()
-        device = self.topo.device
-        loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
-        for i, mb in enumerate(microbatches):
-            mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
-            with self.dp.sync_gradients(i == len(microbatches) - 1):
-                with autocast(dtype, device):
-                    s, _ = self.tp.loss_sum_and_count(mb)
-                (s / denom).backward()
-            loss_sum += s.detach().double()
-        return loss_sum
+    def begin_forward_backward(self) -> None:
+        self.dp.begin_forward_backward()
+
+    def loss_sum(self, batch: dict) -> torch.Tensor:
+        """The vocab-parallel loss sum of this dp row's micro-batch [b, s] (local logits
+        [b, s, V_pad/tp]), the same on every tp rank of the row."""
+        return self.tp.loss_sum(batch)
 
     def finish_gradient_sync(self) -> None:
         """Wait for the dp reduction (all-reduce / reduce-scatter), then, with SP, SUM the norm
@@ -150,49 +138,18 @@ class DataTensorParallel(Engine):
         with self.dp.full_model(), self.tp.gathered_logits() as model:
             yield model
 
-    # -- full-shape views (parity checks, checkpoints) ------------------------------------------
-    def _tp_full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return gather_named_full(local, dict(self.module.named_parameters()), self.tp.topo)
+    # -- full-shape views (parity checks, checkpoints): dp part by the dp engine ------------
+    def dp_parameters(self) -> dict[str, torch.Tensor]:
+        return self.dp.dp_parameters()
 
-    def named_full_parameters(self) -> dict[str, torch.Tensor]:
-        """{plain FQN: full-shape parameter}: ZeRO shards gathered over dp, then TP shards over
-        tp. Collective over dp and tp."""
-        if not self.zero:
-            return self.tp.named_full_parameters()
-        return self._tp_full(self.dp.named_full_parameters())
+    def dp_gradients(self) -> dict[str, torch.Tensor]:
+        return self.dp.dp_gradients()
 
-    def named_full_gradients(self) -> dict[str, torch.Tensor]:
-        """{plain FQN: full-shape gradient} (after the step's sync and clipping), gathered like
-        :meth:`named_full_parameters`. Collective over dp and tp."""
-        if not self.zero:
-            return self.tp.named_full_gradients()
-        return self._tp_full(self.dp.named_full_gradients())
+    def dp_optimizer_state(self, optimizer) -> dict[str, dict]:
+        return self.dp.dp_optimizer_state(optimizer)
 
-    def full_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
-        """{plain FQN: {"step", "exp_avg", "exp_avg_sq"}} in full parameter shape: ZeRO's slices
-        gathered over dp to the TP-local shape, then over tp. Collective over dp and tp."""
-        if not self.zero:
-            return self.tp.full_optimizer_state(optimizer)
-        named = dict(self.module.named_parameters())
-        local = self.dp.full_optimizer_state(optimizer)
-        keys = [(n, k) for n, st in local.items() for k, v in st.items()
-                if torch.is_tensor(v) and v.dim() > 0]
-        full = gather_full([(local[n][k], named[n]) for n, k in keys], self.tp.topo)
-        out = {n: dict(st) for n, st in local.items()}
-        for (n, k), t in zip(keys, full):
-            out[n][k] = t
-        return out
-
-    def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
-        """Full-shape state (from any layout) → this rank's tp shard → its dp slice. No
-        collective. Raises ``KeyError`` naming missing FQNs."""
-        if not self.zero:
-            return self.tp.load_full_optimizer_state(optimizer, state)
-        named = dict(self.module.named_parameters())
-        local = {n: {k: (self.tp._local(v, named[n]) if torch.is_tensor(v) and v.dim() > 0
-                         else v) for k, v in st.items()}
-                 for n, st in state.items() if n in named}
-        self.dp.load_full_optimizer_state(optimizer, local)
+    def dp_load_optimizer_state(self, optimizer, local: dict[str, dict]) -> None:
+        self.dp.dp_load_optimizer_state(optimizer, local)
 
     # -- accounting -----------------------------------------------------------------------------
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:

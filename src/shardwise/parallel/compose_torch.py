@@ -53,9 +53,9 @@ Collectives and the ledger (tags as booked):
 * ``tp_fwd`` / ``tp_bwd`` — DTensor's functional collectives over tp (activations, the
   vocab-parallel cross-entropy and, with SP, the norm weights' partial gradients, which FSDP2
   redistributes ``Partial → Replicate`` before reducing over dp), booked by the dispatch mode;
-* ``grad_norm`` (dp) and ``norm`` (tp) — the global gradient norm: one fp64 [2] all-reduce of
-  (Σ g² of tp-sharded, Σ g² of tp-replicated local shards) over dp (FSDP2 only: ``replicate``'s
-  gradients are whole over dp), then one fp64 [1] all-reduce of the tp-sharded part over tp;
+* ``grad_norm`` (dp and tp) — the global gradient norm (:func:`.params.grad_norm_`): Σ g² of
+  the local shards, a tp-replicated one counted on tp index 0 only, one fp64 [1] all-reduce
+  over dp (FSDP2 only: ``replicate``'s gradients are whole over dp), then one over tp;
 * ``loss`` — token count and loss sum over dp (``train_step``).
 
 The initial broadcast of the parameters over dp is booked (phase ``init``); not in the ledger:
@@ -82,31 +82,14 @@ from .. import comm
 from ..comm.ledger import ring_bytes
 from ..errors import ShardwiseConfigError
 from ..models.llama import Llama, TransformerBlock
-from .engine import Engine, autocast
+from .engine import Engine
 from .fsdp import AllGather, _LedgerAllGather, _LedgerReduceScatter
 from .zero import UnitOrderCheck
-from .dtensor_tp import (BookFunctionalCollectives, _is_dtensor, _local,
-                         dtensor_full_optimizer_state, dtensor_load_full_optimizer_state,
-                         named_full, parallelize_tensor_dtensor)
+from .params import is_dtensor as _is_dtensor, local as _local
+from .dtensor_tp import BookFunctionalCollectives, parallelize_tensor_dtensor
 from .tensor import validate_tp
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _placement_on(p, axis: str):
-    """The placement of DTensor ``p`` on mesh dim ``axis`` ("dp" | "tp"), or None when ``p`` is
-    not a DTensor or its mesh lacks that dim (parameters TP leaves plain — the norms without
-    SP — become DTensors on the 1-D dp mesh only)."""
-    if not _is_dtensor(p):
-        return None
-    names = p.device_mesh.mesh_dim_names or ()
-    return p.placements[names.index(axis)] if axis in names else None
-
-
-def _tp_sharded(p) -> bool:
-    """Whether ``p`` is sharded over tp (a Shard placement on the mesh's "tp" dim)."""
-    pl = _placement_on(p, "tp")
-    return pl is not None and pl.is_shard()
 
 
 def validate_2d_torch(model, topo, layout, reduce_dtype: str) -> None:
@@ -146,7 +129,6 @@ class TorchParallel2D(Engine):
                  book_collectives: bool = True):
         super().__init__(module)
         self.topo, self.layout, self.sp, self.zero = topo, layout, layout.sp, layout.zero
-        self._full_cache: dict = {}  # full_tensors: element positions per layout
         self.tp_engine, self.units = tp_engine, units
         self.reshard_after_forward = reshard_after_forward
         self.reduce_dtype = reduce_dtype
@@ -164,27 +146,21 @@ class TorchParallel2D(Engine):
         finally:
             self.module.set_requires_gradient_sync(True)
 
-    def forward_backward(self, microbatches, denom, dtype="fp32"):
-        """Each micro-batch: forward → ``loss_parallel`` CE sum / ``denom`` → backward, gradient
-        sync on the last one only. DTensor's collectives (and ``replicate``'s dp all-reduce) are
-        booked while this runs. Returns this rank's loss sum (fp64 [1])."""
+    def loss_sum(self, batch: dict) -> torch.Tensor:
+        """The ``loss_parallel`` CE sum (a DTensor scalar, Replicate over tp)."""
+        return self.tp_engine._loss_sum(batch)
+
+    def booking(self):
+        """Book DTensor's collectives (and ``replicate``'s dp all-reduce) during the step."""
+        if not self.book_collectives:
+            return contextlib.nullcontext()
+        return BookFunctionalCollectives(self.topo, c10d_tag="grad" if self.zero == 0 else None,
+                                         sp_grad=self.sp)
+
+    def backward_context(self):
         from torch.distributed.tensor.parallel import loss_parallel
 
-        device = self.topo.device
-        loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
-        book = (BookFunctionalCollectives(self.topo, c10d_tag="grad" if self.zero == 0 else None,
-                                          sp_grad=self.sp)
-                if self.book_collectives else contextlib.nullcontext())
-        with book:
-            for i, mb in enumerate(microbatches):
-                mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
-                with self.sync_gradients(i == len(microbatches) - 1):
-                    with autocast(dtype, device):
-                        s = self.tp_engine._loss_sum(mb)
-                    with loss_parallel():
-                        (s / denom).backward()
-                loss_sum += _local(s.detach()).double()
-        return loss_sum
+        return loss_parallel()
 
     @torch.no_grad()
     def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,54 +186,18 @@ class TorchParallel2D(Engine):
                     pl.is_partial() for pl in p.grad.placements):
                 raise RuntimeError(f"gradient of {n} still Partial {p.grad.placements}")
 
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """‖g‖² over every element once: local Σ g² split into tp-sharded and tp-replicated
-        parameters; FSDP2 (dp-sharded) all-reduces both over dp (fp64 [2], tag ``grad_norm``);
-        the tp-sharded part is then all-reduced over tp (fp64 [1], tag ``grad_norm`` too).
-        Clips like ``torch.nn.utils.clip_grad_norm_`` (coefficient min(1, max_norm/(‖g‖+1e-6)));
-        returns the norm before clipping (fp32 [])."""
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        sq = torch.zeros(2, dtype=torch.float64, device=self.topo.device)
-        for g in grads:
-            sq[0 if _tp_sharded(g) else 1] += _local(g).double().pow(2).sum()
-        if self.zero:  # FSDP2: every gradient is sharded over dp
-            comm.all_reduce(sq, self.topo, "dp", tag="grad_norm")
-        tp_part = sq[:1].clone()
-        comm.all_reduce(tp_part, self.topo, "tp", tag="grad_norm")
-        total = (tp_part[0] + sq[1]).sqrt().float()
-        if max_norm and max_norm > 0:
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for g in grads:
-                _local(g).mul_(coef)
-        return total
+    def norm_axes(self) -> tuple[str, ...]:
+        """FSDP2 (zero ≥ 1): every gradient is a dp shard, and tp shards differ over tp;
+        ``replicate`` (zero 0): dp replicas are identical, so tp only."""
+        return ("dp", "tp") if self.zero else ("tp",)
 
     # -- inspection -------------------------------------------------------------------------
-    def named_full_parameters(self) -> dict[str, torch.Tensor]:
-        """{plain FQN: full tensor}: :func:`..dtensor_tp.full_tensors` over the (dp, tp) mesh
-        (one all_gather per mesh dim for all parameters, phase ``gather``)."""
+    def named_params(self):
+        """The base engine's full-shape views and optimizer-state conversion read the
+        parameters through this: resharded first (:meth:`_reshard`), so they are the DTensor
+        shards, gathered over the (dp, tp) mesh by :func:`.params.to_full`."""
         self._reshard()
-        return named_full(dict(self.module.named_parameters()), self.topo, self._full_cache)
-
-    def named_full_gradients(self) -> dict[str, torch.Tensor]:
-        """{plain FQN: full gradient}, gathered like :meth:`named_full_parameters`."""
-        self._reshard()
-        return named_full({n: p.grad for n, p in self.module.named_parameters()
-                           if p.grad is not None}, self.topo, self._full_cache)
-
-    def full_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
-        """{FQN: {"step", "exp_avg", "exp_avg_sq"}} in full shape: the AdamW state tensors are
-        DTensors laid out like their parameters, so :func:`..dtensor_tp.full_tensors`
-        (collective)."""
-        self._reshard()
-        return dtensor_full_optimizer_state(self.module, optimizer, self.topo, self._full_cache)
-
-    def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
-        """Slice full-shape state into this rank's shards: ``distribute_tensor(full, mesh,
-        placements, src_data_rank=None)`` (every rank holds ``full``: local slicing, no
-        collective; it undoes ``_StridedShard`` too). Raises ``KeyError`` for missing FQNs."""
-        self._reshard()
-        dtensor_load_full_optimizer_state(self.module, optimizer, state)
+        return super().named_params()
 
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
         """Bytes of this rank's local shards (params, grads, optimizer state)."""
@@ -305,8 +245,8 @@ class TorchParallel2D(Engine):
           m·(n−1)/n·(Ψ + Ψ_blocks)·b; (zero 1/2) m·(n−1)/n·Ψ·b. ZeRO paper §5.3 / §7.2.2.
         * ``grad``: one reduce-scatter per step (n−1)/n·Ψ·b_r (zero ≥ 1); zero 0 one all-reduce
           2(n−1)/n·Ψ·b_r (ZeRO paper §7.1; scaling book ch. 5).
-        * ``grad_norm``: zero ≥ 1 one fp64 [2] all-reduce over dp, 2(n−1)/n·16; plus one fp64
-          [1] all-reduce over tp, 2(t−1)/t·8.
+        * ``grad_norm``: zero ≥ 1 one fp64 [1] all-reduce over dp, 2(n−1)/n·8; plus one fp64
+          [1] all-reduce over tp, 2(t−1)/t·8 (:func:`.params.grad_norm_`).
         * ``tp_fwd``/``tp_bwd``/``ce``/``sp_grad``: DTensor's activation collectives, the
           cross-entropy's (``loss_parallel`` all-reduces the max and the sums in forward; its
           backward is local) and (SP) the norm weights' gradient all-reduce r_t·(2L+1)·d·4,
@@ -333,7 +273,7 @@ class TorchParallel2D(Engine):
             again = self._padded_local_numel(block_names) if self.reshard_after_forward else 0
             out["param"] = micro_steps * f * (psi + again) * 4
             out["grad"] = f * psi * b_r
-            out["grad_norm"] = ring_bytes("all_reduce", 16, n)
+            out["grad_norm"] = ring_bytes("all_reduce", 8, n)
         out["grad_norm"] += ring_bytes("all_reduce", 8, t)
         tpf = tp_step_bytes_formula(self.module.config, sequences, seq_len, t, self.sp,
                                     dtype=dtype)

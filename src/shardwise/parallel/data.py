@@ -173,6 +173,16 @@ class DataParallel(Engine):
         grad_bytes = sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
         return {"grad": dp_grad_bytes_formula(grad_bytes, self.topo.size("dp"))}
 
+    def memory_formula(self) -> dict[str, float]:
+        """:func:`dp_memory_formula` of this replica."""
+        return dp_memory_formula(sum(p.numel() for p in dict.fromkeys(self.module.parameters())))
+
+
+def dp_memory_formula(psi: int) -> dict[str, float]:
+    """Model-state bytes of a replica of Ψ parameters with fp32 AdamW: 4Ψ parameters, 4Ψ
+    gradients, 8Ψ optimizer state (ZeRO paper §3.1)."""
+    return {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi, "total": 16 * psi}
+
 
 def dp_grad_bytes_formula(grad_bytes: float, n: int) -> float:
     """Bytes each rank sends to all-reduce ``grad_bytes`` of gradients over ``n`` dp ranks:

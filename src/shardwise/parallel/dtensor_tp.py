@@ -53,7 +53,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .. import comm
 from ..comm.ledger import CommRecord, ring_bytes
 from ..models.llama import IGNORE_INDEX, Llama
-from .engine import Engine, autocast, model_state_bytes
+from .engine import Engine, model_state_bytes
+from .params import is_dtensor as _is_dtensor, local as _local, sum_coalesced_
 from .tensor import AXIS, _check_plan_covers, tp_plan, validate_tp
 
 _OP_NAMES = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce",
@@ -190,18 +191,20 @@ def dtensor_tp_plan(model: Llama, sp: bool) -> dict:
     return plan
 
 
-def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
+def reduce_partial_grads(params, topo, tag: str = "sp_grad") -> None:
+    """SP under DTensor: the norm weights' gradients are left ``Partial(sum)`` (each tp rank
+    summed over its sequence shard) and DTensor would reduce them lazily, wherever they are next
+    used. Reduce them here instead, all in one flat all-reduce over tp through
+    :mod:`shardwise.comm` (:func:`.params.sum_coalesced_`, tag ``sp_grad`` as on the explicit
+    engine), and store them ``Replicate``. Nothing is sent when no gradient is Partial."""
+    from torch.distributed.tensor import DTensor, Replicate
 
-    return isinstance(t, DTensor)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if _is_dtensor(t) else t
-
-
-def _is_sharded(t) -> bool:
-    return _is_dtensor(t) and any(pl.is_shard() for pl in t.placements)
+    partial = [p for p in params if _is_dtensor(p.grad)
+               and any(pl.is_partial() for pl in p.grad.placements)]
+    locals_ = [p.grad.to_local().clone() for p in partial]
+    sum_coalesced_(locals_, topo, AXIS, tag=tag)
+    for p, t in zip(partial, locals_):
+        p.grad = DTensor.from_local(t, p.device_mesh, [Replicate()], run_check=False)
 
 
 class TorchTensorParallel(Engine):
@@ -218,7 +221,6 @@ class TorchTensorParallel(Engine):
     def __init__(self, module: Llama, topo, sp: bool, book_collectives: bool = True):
         super().__init__(module)
         self.topo, self.sp, self.book_collectives = topo, sp, book_collectives
-        self._full_cache: dict = {}  # full_tensors: element positions per layout
 
     def _loss_sum(self, batch: dict) -> torch.Tensor:
         """Token-loss sum through ``loss_parallel``: a DTensor scalar, Replicate over tp."""
@@ -234,84 +236,36 @@ class TorchTensorParallel(Engine):
         for evaluation under ``torch.no_grad()``."""
         return _local(self._loss_sum(batch)), (batch["labels"] != IGNORE_INDEX).sum()
 
-    def forward_backward(self, microbatches, denom, dtype="fp32"):
-        """Like :meth:`TensorParallel.forward_backward`, through ``loss_parallel`` (its backward
-        must run under the context too), booking DTensor's collectives if ``book_collectives``."""
+    def loss_sum(self, batch: dict) -> torch.Tensor:
+        return self._loss_sum(batch)
+
+    def booking(self):
+        """Book DTensor's collectives during the step if ``book_collectives``."""
+        return (BookFunctionalCollectives(self.topo) if self.book_collectives
+                else contextlib.nullcontext())
+
+    def backward_context(self):
+        """``loss_parallel``: its backward must run under the context too."""
         from torch.distributed.tensor.parallel import loss_parallel
 
-        device = self.topo.device
-        loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
-        book = BookFunctionalCollectives(self.topo) if self.book_collectives else \
-            contextlib.nullcontext()
-        with book:
-            for mb in microbatches:
-                mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
-                with autocast(dtype, device):
-                    s = self._loss_sum(mb)
-                with loss_parallel():
-                    (s / denom).backward()
-                loss_sum += _local(s.detach()).double()
-        return loss_sum
+        return loss_parallel()
 
     def finish_gradient_sync(self) -> None:
-        """With SP, DTensor leaves the norm weights' gradients ``Partial(sum)`` (each rank summed
-        over its sequence shard) and would reduce them lazily, wherever they are next used. We
-        reduce them here, all in one flat all-reduce over tp through :mod:`shardwise.comm`
-        (tag ``"sp_grad"``, as the explicit engine does), and store them ``Replicate``."""
-        from torch.distributed.tensor import DTensor, Replicate
+        """With SP: :func:`reduce_partial_grads` (one flat all-reduce over tp, ``sp_grad``)."""
+        reduce_partial_grads(self.module.parameters(), self.topo)
 
-        partial = [p for p in self.module.parameters() if _is_dtensor(p.grad)
-                   and any(pl.is_partial() for pl in p.grad.placements)]
-        if not partial:
-            return
-        flat = torch.cat([p.grad.to_local().reshape(-1) for p in partial])
-        comm.all_reduce(flat, self.topo, AXIS, tag="sp_grad")
-        offset = 0
-        for p in partial:
-            local = flat[offset: offset + p.numel()].view(p.grad.to_local().shape).clone()
-            offset += p.numel()
-            p.grad = DTensor.from_local(local, p.device_mesh, [Replicate()], run_check=False)
+    def norm_axes(self) -> tuple[str, ...]:
+        return (AXIS,)
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """‖g‖² = all-reduce_tp(Σ ‖local shard‖² of Shard-placed grads) + Σ ‖g‖² of replicated
-        grads (DTensor Replicate or plain), counted once. Clips like
-        ``torch.nn.utils.clip_grad_norm_``; returns the norm before clipping."""
-        sharded = torch.zeros(1, dtype=torch.float64, device=self.topo.device)
-        replicated = torch.zeros(1, dtype=torch.float64, device=self.topo.device)
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        for g in grads:
-            sq = _local(g).detach().double().pow(2).sum()
-            if _is_sharded(g):
-                sharded += sq
-            else:
-                replicated += sq
-        comm.all_reduce(sharded, self.topo, AXIS, tag="grad_norm")
-        total = (sharded + replicated).sqrt().float().squeeze(0)
-        if max_norm and max_norm > 0:
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            with torch.no_grad():
-                for g in grads:
-                    _local(g).mul_(coef)
-        return total
+    def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
+                      dtype: str = "fp32") -> dict[str, float]:
+        """The explicit engine's :func:`~.tensor.tp_step_bytes_formula`: DTensor moves the same
+        bytes under the same tags (booked by :class:`BookFunctionalCollectives`)."""
+        from .tensor import tp_step_bytes_formula
 
-    def named_full_parameters(self) -> dict[str, torch.Tensor]:
-        """{plain FQN: full tensor} (:func:`full_tensors`: one all_gather over tp)."""
-        return named_full(dict(self.module.named_parameters()), self.topo, self._full_cache)
-
-    def named_full_gradients(self) -> dict[str, torch.Tensor]:
-        """{plain FQN: full gradient} (:func:`full_tensors`: one all_gather over tp)."""
-        return named_full({n: p.grad for n, p in self.module.named_parameters()
-                           if p.grad is not None}, self.topo, self._full_cache)
-
-    def full_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
-        """{FQN: {"step", "exp_avg", "exp_avg_sq"}} in full shape (:func:`full_tensors` of the
-        DTensor state: collective over tp)."""
-        return dtensor_full_optimizer_state(self.module, optimizer, self.topo, self._full_cache)
-
-    def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
-        """Cut full-shape state to this rank's tp shards (no collective); ``KeyError`` for
-        missing FQNs."""
-        dtensor_load_full_optimizer_state(self.module, optimizer, state)
+        t = tp_step_bytes_formula(self.module.config, sequences, seq_len, self.topo.size(AXIS),
+                                  self.sp, dp=self.topo.size("dp"), dtype=dtype)
+        return {k: v for k, v in t.items() if k not in ("total", "loss")}
 
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
         """Bytes of this rank's local shards (DTensor ``numel()`` is the global size)."""
@@ -441,62 +395,6 @@ def full_tensors(tensors: list, topo, cache: dict | None = None) -> list[torch.T
         for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx])):
             out[i] = piece.view(tensors[i].shape).clone()  # own storage (torch.save keeps all of a view's)
     return out
-
-
-def named_full(named: dict, topo, cache: dict | None = None) -> dict[str, torch.Tensor]:
-    """:func:`full_tensors` keyed by name."""
-    return dict(zip(named, full_tensors(list(named.values()), topo, cache)))
-
-
-def dtensor_full_optimizer_state(module: nn.Module, optimizer, topo,
-                                 cache: dict | None = None) -> dict[str, dict]:
-    """{FQN: {key: full tensor or scalar}} of ``optimizer``'s state for the DTensor (or plain)
-    parameters of ``module`` (:func:`full_tensors`: collective over the parameters' mesh; every
-    rank must call it)."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    out, where, tensors = {}, [], []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state.get(p)
-            if not state:
-                continue
-            entry = out[names[id(p)]] = {}
-            for k, v in state.items():
-                if torch.is_tensor(v):
-                    where.append((entry, k))
-                    tensors.append(v)
-                else:
-                    entry[k] = v
-    for (entry, k), full in zip(where, full_tensors(tensors, topo, cache)):
-        entry[k] = full
-    return out
-
-
-def dtensor_load_full_optimizer_state(module: nn.Module, optimizer, state: dict) -> None:
-    """Inverse of :func:`dtensor_full_optimizer_state`: each full tensor is cut to the
-    parameter's local shard with ``distribute_tensor(..., src_data_rank=None)`` (no collective);
-    ``step`` is kept as saved. Raises ``KeyError`` naming missing FQNs, ``ValueError`` for a
-    shape that differs from the parameter's."""
-    from torch.distributed.tensor import distribute_tensor
-
-    named = dict(module.named_parameters())
-    missing = [n for n in named if n not in state]
-    if missing:
-        raise KeyError(f"optimizer state lacks {len(missing)} parameters, e.g. {missing[:3]}")
-    for n, p in named.items():
-        entry = {}
-        for k, v in state[n].items():
-            if torch.is_tensor(v) and k != "step":
-                if tuple(v.shape) != tuple(p.shape):
-                    raise ValueError(f"optimizer state {n}.{k} has shape {tuple(v.shape)}, the "
-                                     f"parameter {tuple(p.shape)}: saved from another model?")
-                v = v.detach().to(p.device, p.dtype)
-                v = (distribute_tensor(v.clone(), p.device_mesh, p.placements, src_data_rank=None)
-                     if _is_dtensor(p) else v.clone())
-            elif torch.is_tensor(v):
-                v = v.detach().clone()
-            entry[k] = v
-        optimizer.state[p] = entry
 
 
 def parallelize_tensor_dtensor(model: Llama, topo, sp: bool = False, *,

@@ -1,14 +1,15 @@
-"""The interface every parallel wrapper implements, with the defaults a replicated model needs.
+"""The interface every parallel wrapper implements, with the rules every layout shares, written once.
 
-The training step (``train/step.py``) talks to a model only through this interface, so each
-strategy decides how its micro-batches run and where its collectives go:
+The training step (``train/step.py``) talks to a model only through this interface:
 
 ===========================  ================================================================
 ``module``                   the plain model (its submodules may be sharded/parallel versions)
 ``forward_backward``         run the step's micro-batches forward and backward; returns this
-                             rank's loss sum (fp64, [1]); gradient sync may start inside
+                             rank's loss sum (fp64, [1]); gradient sync may start inside. One
+                             loop here; pipeline engines run their schedule instead
 ``finish_gradient_sync``     wait for / issue the remaining gradient collectives
 ``clip_grad_norm_``          the *global* gradient L2 norm over every axis, clipping in place
+                             (one rule: :func:`.params.grad_norm_`)
 ``make_optimizer``           the optimizer (ZeRO returns a sharded one)
 ``reduce_loss_axes``         axes over which the loss sum is all-reduced for the log line
 ``count_axes``               axes over which the step's token count is all-reduced
@@ -23,9 +24,16 @@ strategy decides how its micro-batches run and where its collectives go:
 ``full_optimizer_state``     {FQN: {"step", "exp_avg", "exp_avg_sq"}} in full parameter shape,
                              gathered like ``named_full_parameters`` (checkpoints: layout-free)
 ``load_full_optimizer_state``  the inverse: slice full-shape state into this rank's shards
-``bytes_formula`` (optional) {tag: bytes} one rank sends per step, for composed engines; used by
-                             :func:`shardwise.formulas.step_bytes_formula` when present
+``bytes_formula``            {tag: bytes} one rank sends per step by the strategy's formula
+``memory_formula``           model-state bytes by the papers' formula (None: no closed form)
 ===========================  ================================================================
+
+A strategy changes the shared rules only through small hooks: ``loss_sum`` / ``booking`` /
+``backward_context`` / ``begin_forward_backward`` (the micro-batch loop), ``held_grads`` /
+``norm_axes`` (what the norm counts and over which axes it sums), and ``named_params`` /
+``dp_parameters`` / ``dp_gradients`` / ``dp_optimizer_state`` / ``dp_load_optimizer_state`` (the
+dp part of a full-shape view; the tp part is :func:`.params.to_full` / :func:`.params.to_local`,
+which read each parameter's placement: "dp first, then tp", once).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import torch
 from torch import nn
 
 from ..models import loss_sum_and_count
+from .params import counted_grads, grad_norm_, local, to_full, to_local
 
 
 def autocast(dtype: str, device: torch.device):
@@ -43,18 +52,6 @@ def autocast(dtype: str, device: torch.device):
     if dtype == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-def clip_replicated_grad_norm_(module: nn.Module, max_norm: float) -> torch.Tensor:
-    """Global L2 norm of ``module``'s gradients, clipping them to ``max_norm`` if it is > 0.
-
-    For replicated gradients only (plain DP, after the all-reduce): every replica holds the same
-    full gradients, so the local norm *is* the global norm and no collective is needed. Sharded
-    strategies (ZeRO, TP, PP) must all-reduce squared norms instead."""
-    params = [p for p in module.parameters() if p.grad is not None]
-    if max_norm and max_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return torch.nn.utils.get_total_norm([p.grad for p in params])
 
 
 class Engine(nn.Module):
@@ -76,25 +73,62 @@ class Engine(nn.Module):
 
     def forward_backward(self, microbatches: list[dict], denom: float,
                          dtype: str = "fp32") -> torch.Tensor:
-        """Forward + backward each micro-batch; the loss back-propagated is its token-loss sum
-        divided by ``denom`` (the global token count), so gradients sum to ∇ of the global mean.
-        Gradient sync is enabled on the last micro-step only. Returns the loss sum, fp64 [1]."""
+        """The one micro-batch loop: forward + backward each micro-batch; the loss
+        back-propagated is its token-loss sum (:meth:`loss_sum`) divided by ``denom`` (the global
+        token count), so gradients sum to ∇ of the global mean. Gradient sync is enabled on the
+        last micro-step only (nanoGPT's ``require_backward_grad_sync``). Engines change what
+        runs inside through the hooks :meth:`loss_sum`, :meth:`booking`, :meth:`backward_context`
+        and :meth:`begin_forward_backward`; pipeline engines replace the loop by their schedule.
+        Returns the loss sum, fp64 [1]."""
         device = next(self.module.parameters()).device
         loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
-        for i, mb in enumerate(microbatches):
-            mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
-            with self.sync_gradients(i == len(microbatches) - 1):
-                with autocast(dtype, device):
-                    s, _ = loss_sum_and_count(self, mb)
-                (s / denom).backward()
-            loss_sum += s.detach().double()
+        self.begin_forward_backward()
+        with self.booking():
+            for i, mb in enumerate(microbatches):
+                mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+                with self.sync_gradients(i == len(microbatches) - 1):
+                    with autocast(dtype, device):
+                        s = self.loss_sum(mb)
+                    with self.backward_context():
+                        (s / denom).backward()
+                loss_sum += local(s.detach()).double()
         return loss_sum
+
+    def loss_sum(self, batch: dict) -> torch.Tensor:
+        """The token-loss sum of one micro-batch, with grad (fp32 scalar; TP engines: the
+        vocab-parallel loss, complete on every tp rank)."""
+        return loss_sum_and_count(self, batch)[0]
+
+    def booking(self):
+        """Context around a step's micro-batches (PyTorch engines: book DTensor's collectives)."""
+        return contextlib.nullcontext()
+
+    def backward_context(self):
+        """Context each backward runs in (DTensor TP: ``loss_parallel``)."""
+        return contextlib.nullcontext()
+
+    def begin_forward_backward(self) -> None:
+        """Called before a step's first forward (ZeRO-3: every unit starts sharded)."""
 
     def finish_gradient_sync(self) -> None:
         pass
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return clip_replicated_grad_norm_(self.module, max_norm)
+        """The global gradient L2 norm, every element of the model counted once, clipping to
+        ``max_norm`` if > 0 (:func:`.params.grad_norm_` over :meth:`held_grads` and
+        :meth:`norm_axes`). Returns the norm before clipping, fp32 []."""
+        return grad_norm_(self.held_grads(), getattr(self, "topo", None), self.norm_axes(),
+                          max_norm)
+
+    def held_grads(self) -> list[tuple[torch.Tensor, bool]]:
+        """(gradient tensor this rank holds, counted here) pairs (:func:`.params.counted_grads`
+        of the module's parameters; ZeRO: its slices)."""
+        return counted_grads(self.module.parameters(), getattr(self, "topo", None))
+
+    def norm_axes(self) -> tuple[str, ...]:
+        """Mesh axes over which the counted gradient elements differ between ranks (replicated
+        DP: none; TP: tp; ZeRO: dp; …): the norm's squared sum is all-reduced over each."""
+        return ()
 
     def make_optimizer(self, param_groups: list[dict], **adamw) -> torch.optim.Optimizer:
         """AdamW over ``param_groups`` (parameters of ``self.module``) with ``adamw`` kwargs
@@ -110,51 +144,112 @@ class Engine(nn.Module):
     def full_model(self):
         yield self.module
 
-    def named_full_parameters(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in self.module.named_parameters()}
-
-    def named_full_gradients(self) -> dict[str, torch.Tensor]:
-        return {n: p.grad for n, p in self.module.named_parameters() if p.grad is not None}
-
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state held by this rank (each tensor
         counted once, by storage size actually allocated)."""
         return model_state_bytes(self.module.parameters(), optimizer)
 
+    def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
+                      dtype: str = "fp32") -> dict[str, float]:
+        """{ledger tag: bytes} this rank sends in one step by the strategy's formula (``loss``
+        and ``total`` are added by :func:`shardwise.formulas.step_bytes_formula`). The base
+        engine communicates nothing. ``sequences``: this rank's sequences per step (all
+        micro-batches), ``seq_len`` tokens each; ``dtype``: the autocast dtype."""
+        return {}
+
+    def memory_formula(self) -> dict[str, float] | None:
+        """Model-state bytes by the papers' formula for this rank (None: no closed form)."""
+        return None
+
+    # -- full shape: the dp part (this engine's gradient sync), then the tp part, written once --
+    def named_params(self) -> list[tuple[str, nn.Parameter]]:
+        """(FQN of the plain model, parameter) for every parameter this rank holds, each once
+        (a pipeline stage maps its own names to the plain model's)."""
+        return list(self.module.named_parameters())  # a tied parameter under its first name
+
+    def dp_parameters(self) -> dict[str, torch.Tensor]:
+        """{FQN: parameter in this rank's tp-local shape}: whole over dp (ZeRO-3 gathers its
+        shards over dp here; FSDP2's DTensors stay DTensors)."""
+        return {n: p.detach() for n, p in self.named_params()}
+
+    def dp_gradients(self) -> dict[str, torch.Tensor]:
+        """{FQN: summed gradient in this rank's tp-local shape} (ZeRO: its slices gathered over
+        dp)."""
+        return {n: p.grad for n, p in self.named_params() if p.grad is not None}
+
+    def dp_optimizer_state(self, optimizer) -> dict[str, dict]:
+        """{FQN: {state key: value}} with tensors in this rank's tp-local parameter shape (ZeRO:
+        its slices gathered over dp). Parameters without state (never stepped) are absent."""
+        names = {id(p): n for n, p in self.named_params()}
+        return {names[id(p)]: dict(optimizer.state[p]) for g in optimizer.param_groups
+                for p in g["params"] if optimizer.state.get(p)}
+
+    def dp_load_optimizer_state(self, optimizer, local: dict[str, dict]) -> None:
+        """The inverse of :meth:`dp_optimizer_state`: ``local`` in tp-local shape (ZeRO: cut to
+        this rank's slices). No collective."""
+        for n, p in self.named_params():
+            optimizer.state[p] = local[n]
+
+    def _full_named(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        params = dict(self.named_params())
+        names = list(local)
+        return dict(zip(names, to_full([(local[n], params[n]) for n in names],
+                                       getattr(self, "topo", None), self._views_cache())))
+
+    def _views_cache(self) -> dict:
+        """Element positions of DTensor layouts for :func:`.params.to_full`, kept per engine."""
+        if "_full_cache" not in self.__dict__:
+            self.__dict__["_full_cache"] = {}
+        return self.__dict__["_full_cache"]
+
+    def named_full_parameters(self) -> dict[str, torch.Tensor]:
+        """{FQN of the plain model: full-shape parameter} for the parameters this rank holds:
+        :meth:`dp_parameters` (whole over dp), then :func:`.params.to_full` over tp. Collective
+        wherever the parameters are sharded (every rank of those axes calls it)."""
+        return self._full_named(self.dp_parameters())
+
+    def named_full_gradients(self) -> dict[str, torch.Tensor]:
+        """The same for gradients (after ``finish_gradient_sync``)."""
+        return self._full_named(self.dp_gradients())
+
     def full_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
-        """{FQN of the plain model: {state key: tensor}} for the parameters this rank's stage
-        holds: AdamW's ``exp_avg``/``exp_avg_sq`` in the parameter's *full* shape (gathered over
-        dp/tp shards exactly as :meth:`named_full_parameters` gathers the parameter) and its
-        ``step`` (fp32 []). Parameters with no state yet (never stepped) are absent. Collective
-        wherever :meth:`named_full_parameters` is. This base version serves engines whose
-        optimizer holds the plain module's full parameters (DP, DDP, a pipeline stage)."""
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        out = {}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                state = optimizer.state.get(p)
-                if state:
-                    out[names[id(p)]] = {k: (v.detach().clone() if torch.is_tensor(v) else v)
-                                         for k, v in state.items()}
+        """{FQN of the plain model: {state key: tensor}} for the parameters this rank holds:
+        AdamW's ``exp_avg``/``exp_avg_sq`` in the parameter's *full* shape (dp part by
+        :meth:`dp_optimizer_state`, tp part by :func:`.params.to_full`, as the parameters) and
+        its ``step``. Parameters with no state yet are absent. Collective wherever
+        :meth:`named_full_parameters` is."""
+        local = self.dp_optimizer_state(optimizer)
+        params = dict(self.named_params())
+        out, where, pairs = {}, [], []
+        for n, st in local.items():
+            entry = out[n] = {}
+            for k, v in st.items():
+                if torch.is_tensor(v) and k != "step":
+                    where.append((entry, k))
+                    pairs.append((v, params[n]))
+                else:
+                    entry[k] = v.detach().clone() if torch.is_tensor(v) else v
+        full = to_full(pairs, getattr(self, "topo", None), self._views_cache())
+        for (entry, k), t in zip(where, full):  # one gather for all
+            entry[k] = t
         return out
 
     def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
         """Set ``optimizer``'s state from :meth:`full_optimizer_state`'s form (possibly saved
-        under another layout): each tensor is sliced to this rank's shard of its parameter.
-        Raises ``KeyError`` naming the FQNs this rank's parameters need but ``state`` lacks."""
-        named = dict(self.module.named_parameters())
-        missing = [n for n in named if n not in state]
+        under another layout): each tensor is cut to this rank's tp shard
+        (:func:`.params.to_local`), then to its dp slice (:meth:`dp_load_optimizer_state`). No
+        collective. Raises ``KeyError`` naming the FQNs this rank's parameters need but
+        ``state`` lacks, ``ValueError`` for a tensor whose shape is not its parameter's."""
+        named = self.named_params()
+        missing = [n for n, _ in named if n not in state]
         if missing:
             raise KeyError(f"optimizer state lacks {len(missing)} parameters, e.g. "
                            f"{missing[:3]}")
-        for n, p in named.items():
-            optimizer.state[p] = {k: (self._state_to_local(v, p, k) if torch.is_tensor(v)
-                                      else v) for k, v in state[n].items()}
-
-    def _state_to_local(self, full: torch.Tensor, p: nn.Parameter, key: str) -> torch.Tensor:
-        """One full-shape optimizer-state tensor of ``p`` → the copy this rank keeps (here: the
-        whole tensor on ``p``'s device; ``step`` stays where it is). Sharded engines slice."""
-        return full.detach().clone().to(p.device if key != "step" else full.device)
+        topo = getattr(self, "topo", None)
+        local = {n: {k: (to_local(v, p, topo) if torch.is_tensor(v) and k != "step"
+                         else v.detach().clone() if torch.is_tensor(v) else v)
+                     for k, v in state[n].items()} for n, p in named}
+        self.dp_load_optimizer_state(optimizer, local)
 
 
 def _nbytes(t) -> int:
@@ -176,4 +271,11 @@ def model_state_bytes(params, optimizer=None) -> dict[str, int]:
 
 
 class Local(Engine):
-    """The single-process reference "engine": the plain model, no communication."""
+    """The single-process reference "engine": the plain model, no communication. Its norm is
+    ``torch.nn.utils.clip_grad_norm_`` itself, independent of :func:`.params.grad_norm_`."""
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if max_norm and max_norm > 0:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return torch.nn.utils.get_total_norm([p.grad for p in params])

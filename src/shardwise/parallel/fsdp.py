@@ -47,7 +47,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import comm
 from .builtin import ddp_comm_hook  # DDP comm hook: SUM all_reduce through the ledger
-from .engine import Engine, clip_replicated_grad_norm_
+from .engine import Engine
+from .params import local as _local
 from .zero import (UnitOrderCheck, _optimizer_state_tensors, _storage_bytes, assign_units,
                    validate_zero, zero_memory_formula, zero_step_bytes_formula)
 
@@ -55,11 +56,6 @@ try:  # FSDP2's pluggable collectives (private module in torch 2.13)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 except ImportError:  # pragma: no cover - other torch versions: FSDP2's own calls, not booked
     AllGather = ReduceScatter = None
-
-
-def _local(t):
-    """The local tensor of a DTensor (this rank's shard), or ``t`` itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 if AllGather is not None:
@@ -114,7 +110,6 @@ class TorchZero(Engine):
         named_units = assign_units(module, units)  # same checks (tied weights) as explicit ZeRO
         super().__init__(module)
         self.topo, self.stage, self.n = topo, stage, topo.size("dp")
-        self._full_cache: dict = {}  # full_tensors: element positions per layout
         self._numel = sum(p.numel() for _, _, ps in named_units for _, p in ps)
         if stage == 1:
             # gradient_as_bucket_view: .grad are views of DDP's buckets, so gradients take 4Ψ
@@ -184,24 +179,9 @@ class TorchZero(Engine):
                 m.reshard()
         return out
 
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Stage 1: replicated gradients, local norm. FSDP2: one all_reduce of the fp64 sum of
-        squares of the local gradient shards (tag ``grad_norm``), then the same scaling as
-        ``torch.nn.utils.clip_grad_norm_``."""
-        if self.stage == 1:
-            return clip_replicated_grad_norm_(self.module, max_norm)
-        grads = [_local(p.grad) for p in self.module.parameters() if p.grad is not None]
-        sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device)
-        for g in grads:
-            sq += g.double().pow(2).sum()
-        comm.all_reduce(sq, self.topo, "dp", tag="grad_norm")
-        norm = sq.sqrt().to(grads[0].dtype)[0]
-        if max_norm and max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for g in grads:
-                g.mul_(coef)
-        return norm
+    def norm_axes(self) -> tuple[str, ...]:
+        """Stage 1: replicated gradients (none); FSDP2: each rank holds its dp shard (dp)."""
+        return () if self.stage == 1 else ("dp",)
 
     def make_optimizer(self, param_groups: list[dict], optimizer_class=torch.optim.AdamW,
                        **kwargs) -> torch.optim.Optimizer:
@@ -216,7 +196,7 @@ class TorchZero(Engine):
         return optimizer_class(param_groups, **kwargs)
 
     # -- layout-free optimizer state -------------------------------------------------------------
-    def full_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    def dp_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
         """{FQN: {"step", "exp_avg", "exp_avg_sq"}} in full parameter shape, on every dp rank.
 
         FSDP2: the AdamW state is DTensors sharded like the parameters: ``full_tensor()``
@@ -226,10 +206,7 @@ class TorchZero(Engine):
         [1 + 1 + 2·numel] = (has-state flag, step, exp_avg, exp_avg_sq) per parameter).
         Collective: every dp rank calls it."""
         if self.stage != 1:
-            from .dtensor_tp import dtensor_full_optimizer_state
-
-            return dtensor_full_optimizer_state(self.module, optimizer, self.topo,
-                                                self._full_cache)
+            return super().dp_optimizer_state(optimizer)
         owner = optimizer._param_to_rank  # ZeroRedundancyOptimizer: dp group rank = dp index
         out = {}
         with self.topo.ledger.phase("checkpoint"):
@@ -248,21 +225,14 @@ class TorchZero(Engine):
                               "exp_avg_sq": packed[2 + p.numel():].view_as(p).clone()}
         return out
 
-    def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
-        """Inverse of :meth:`full_optimizer_state` (state possibly saved under another layout):
+    def dp_load_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
+        """Inverse of :meth:`dp_optimizer_state` (state possibly saved under another layout):
         FSDP2 cuts each full tensor to this rank's dp shard (``distribute_tensor``, no
         collective); stage 1 keeps only the parameters this rank owns (into
         ``optimizer.optim``). Raises ``KeyError`` naming missing FQNs."""
         if self.stage != 1:
-            from .dtensor_tp import dtensor_load_full_optimizer_state
-
-            dtensor_load_full_optimizer_state(self.module, optimizer, state)
-            return
-        named = dict(self.module.named_parameters())
-        missing = [n for n in named if n not in state]
-        if missing:
-            raise KeyError(f"optimizer state lacks {len(missing)} parameters, e.g. "
-                           f"{missing[:3]}")
+            return super().dp_load_optimizer_state(optimizer, state)
+        named = dict(self.named_params())
         owner = optimizer._param_to_rank
         for n, p in named.items():
             if owner[p] == self.topo.index("dp"):
@@ -271,20 +241,6 @@ class TorchZero(Engine):
                     for k, v in state[n].items()}
 
     # -- inspection -----------------------------------------------------------------------------
-    def named_full_parameters(self) -> dict[str, torch.Tensor]:
-        """{FQN: full tensor}: FSDP2's dim-0 shards gathered over dp in one all_gather for all
-        parameters (:func:`.dtensor_tp.full_tensors`, phase ``gather``); DDP's are copies."""
-        from .dtensor_tp import named_full
-
-        return named_full(dict(self.module.named_parameters()), self.topo, self._full_cache)
-
-    def named_full_gradients(self) -> dict[str, torch.Tensor]:
-        """{FQN: full gradient}, gathered like :meth:`named_full_parameters`."""
-        from .dtensor_tp import named_full
-
-        return named_full({n: p.grad for n, p in self.module.named_parameters()
-                           if p.grad is not None}, self.topo, self._full_cache)
-
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
         """Bytes of the storages this rank holds (local shards for FSDP2, with FSDP2's dim-0
         padding; DDP's full parameters and bucket-view gradients plus ZeroRedundancyOptimizer's
@@ -314,6 +270,12 @@ class TorchZero(Engine):
         """ZeRO-1's formula for stage 1; ZeRO-3's for stages 2 and 3 (FSDP2 keeps parameters
         sharded between steps in both)."""
         return zero_memory_formula(1 if self.stage == 1 else 3, self._numel, self.n)
+
+    def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
+                      dtype: str = "fp32") -> dict[str, float]:
+        """{"grad", "param", "grad_norm": bytes} of :meth:`step_bytes_formula`."""
+        z = self.step_bytes_formula(micro_steps)
+        return {k: z[k] for k in ("grad", "param", "grad_norm")}
 
     def step_bytes_formula(self, micro_steps: int = 1) -> dict[str, float]:
         """What the ledger sees per step (tags grad / param / grad_norm). Stage 1: DDP's SUM

@@ -87,7 +87,8 @@ from .. import comm
 from ..comm.autograd import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
 from ..errors import ShardwiseConfigError
 from ..models.llama import IGNORE_INDEX, Attention, FeedForward, Llama, apply_rope
-from .engine import Engine, autocast
+from .engine import Engine
+from .params import grads_or_zeros, mark_tp_shard, shard_of, sum_coalesced_, tp_sharded
 
 AXIS = "tp"
 
@@ -204,26 +205,6 @@ def exit_tp_region(x: torch.Tensor, topo, sp: bool) -> torch.Tensor:
     return reduce_scatter_to_sp(x, topo, AXIS, dim=1) if sp else reduce_from_tp(x, topo, AXIS)
 
 
-def _mark_sharded(p: nn.Parameter, dim: int, full_size: int) -> nn.Parameter:
-    """Record on the parameter that it is a tp shard along ``dim`` of a tensor whose size there
-    is ``full_size`` (without padding), like Megatron's ``tensor_model_parallel`` attribute."""
-    p.tp_shard_dim, p.tp_full_size = dim, full_size
-    return p
-
-
-def _local_chunk(full: torch.Tensor, dim: int, topo, padded: int | None = None) -> torch.Tensor:
-    """This tp rank's contiguous chunk of ``full`` along ``dim`` (after zero-padding ``dim`` to
-    ``padded``)."""
-    n, i = topo.size(AXIS), topo.index(AXIS)
-    full = full.detach()
-    if padded is not None and padded > full.shape[dim]:
-        pad_shape = list(full.shape)
-        pad_shape[dim] = padded - full.shape[dim]
-        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
-    k = full.shape[dim] // n
-    return full.narrow(dim, i * k, k).clone()
-
-
 # -- layers ---------------------------------------------------------------------------------------
 class ColumnParallelLinear(nn.Module):
     """Y = X A with A split by output columns. ``weight``: [out/n, in] (nn.Linear layout: rows of
@@ -241,8 +222,8 @@ class ColumnParallelLinear(nn.Module):
                                        "Llama models have none)")
         self.in_features, self.out_features = plain.in_features, plain.out_features
         if weight is None:
-            weight = nn.Parameter(_local_chunk(plain.weight, 0, topo, padded_out))
-        self.weight = _mark_sharded(weight, 0, plain.out_features)
+            weight = nn.Parameter(shard_of(plain.weight, 0, topo, padded_out))
+        self.weight = mark_tp_shard(weight, 0, plain.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)  # [..., out/n]
@@ -263,7 +244,7 @@ class RowParallelLinear(nn.Module):
                                        "models have none)")
         self.topo, self.sp = topo, sp
         self.in_features, self.out_features = plain.in_features, plain.out_features
-        self.weight = _mark_sharded(nn.Parameter(_local_chunk(plain.weight, 1, topo)), 1,
+        self.weight = mark_tp_shard(nn.Parameter(shard_of(plain.weight, 1, topo)), 1,
                                     plain.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -288,8 +269,8 @@ class VocabParallelEmbedding(nn.Embedding):
         n = topo.size(AXIS)
         vocab, d = plain.weight.shape
         padded = padded_vocab_size(vocab, n)
-        super().__init__(padded // n, d, _weight=_local_chunk(plain.weight, 0, topo, padded))
-        _mark_sharded(self.weight, 0, vocab)
+        super().__init__(padded // n, d, _weight=shard_of(plain.weight, 0, topo, padded))
+        mark_tp_shard(self.weight, 0, vocab)
         self.topo, self.sp = topo, sp
         self.vocab_size, self.vocab_start = vocab, topo.index(AXIS) * (padded // n)
 
@@ -457,49 +438,6 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, labels: torch.Tenso
 
 
 # -- the engine -----------------------------------------------------------------------------------
-def gather_full(pairs: list[tuple[torch.Tensor, nn.Parameter]], topo) -> list[torch.Tensor]:
-    """Full-shape copies of tensors ``t`` shaped like their parameter ``p``'s tp shard: a
-    shard ``[.., V_pad/n, ..]`` (split on ``p.tp_shard_dim``) becomes ``[.., V, ..]`` with the
-    padding cut (``p.tp_full_size``); a tensor of a replicated parameter is copied.
-
-    One all_gather over tp per dtype for the whole list, not one per tensor (phase
-    ``"gather"``, tag ``"gather"``, outside the step's bytes): each rank concatenates its
-    shards, each moved to put the sharded dim first and flattened, into ``[Σ numel]``; the
-    gather gives ``[n, Σ numel]``, and a tensor's columns of every rank's row, stacked in rank
-    order on the sharded dim, are the full tensor. Collective over tp: every tp rank passes the
-    same parameters in the same order. Bytes: (n−1)/n·n·Σ shard bytes, as the per-tensor
-    gathers were, in one call instead of one per tensor."""
-    n = topo.size(AXIS)
-    out: list = [None] * len(pairs)
-    by_dtype: dict = {}
-    for i, (t, p) in enumerate(pairs):
-        if hasattr(p, "tp_shard_dim"):
-            by_dtype.setdefault(t.dtype, []).append(i)
-        else:
-            out[i] = t.detach().clone()
-    for idx in by_dtype.values():
-        shards = [pairs[i][0].detach().movedim(pairs[i][1].tp_shard_dim, 0).contiguous()
-                  for i in idx]
-        flat = torch.cat([s.reshape(-1) for s in shards])  # [Σ numel]
-        rows = flat.new_empty(n * flat.numel())
-        with topo.ledger.phase("gather"):
-            comm.all_gather(rows, flat, topo, AXIS, tag="gather")
-        rows, start = rows.view(n, -1), 0  # [n, Σ numel]
-        for i, s in zip(idx, shards):
-            p = pairs[i][1]
-            whole = rows[:, start:start + s.numel()].reshape(n * s.shape[0], *s.shape[1:])
-            out[i] = whole[: p.tp_full_size].movedim(0, p.tp_shard_dim).contiguous()
-            start += s.numel()
-    return out
-
-
-def gather_named_full(tensors: dict[str, torch.Tensor], params: dict[str, nn.Parameter],
-                      topo) -> dict[str, torch.Tensor]:
-    """:func:`gather_full` keyed by name: ``tensors[n]`` is shaped like ``params[n]``'s shard."""
-    names = list(tensors)
-    return dict(zip(names, gather_full([(tensors[n], params[n]) for n in names], topo)))
-
-
 class TensorParallel(Engine):
     """A Llama model converted by :func:`parallelize_tensor`, trained with tp ranks that all see
     the same batch.
@@ -510,13 +448,12 @@ class TensorParallel(Engine):
     * ``finish_gradient_sync``: with SP, one all-reduce over tp of the replicated parameters'
       (norm weights') partial gradients, tag ``"grad"``; without SP their gradients are already
       identical on every tp rank and nothing is sent.
-    * ``clip_grad_norm_``: ‖g‖² = all-reduce_tp(Σ over sharded params of ‖g_shard‖²) + Σ over
-      replicated params of ‖g‖² (counted once), one fp64 scalar, tag ``"grad_norm"``.
-    * ``named_full_parameters`` / ``named_full_gradients``: shards all-gathered over tp, padding
-      stripped, keyed by the plain model's names (phase ``"gather"``, not part of the step).
-
-    * ``full_optimizer_state`` / ``load_full_optimizer_state``: AdamW's moments gathered to /
-      sliced from full parameter shape like the parameters (layout-free checkpoints).
+    * ``clip_grad_norm_``: the base engine's (:func:`~.params.grad_norm_`): Σ g² of the shards
+      plus (on tp index 0 only) the replicated params, one fp64 all-reduce over tp, tag
+      ``"grad_norm"``.
+    * ``named_full_parameters`` / ``named_full_gradients`` / ``full_optimizer_state``: the
+      base engine's, which read each parameter's :class:`~.params.Placement` (shards
+      all-gathered over tp, padding stripped; phase ``"gather"``, not part of the step).
 
     DP or ZeRO sits on top in :mod:`.compose` (dp × tp): the local shards are ordinary
     Parameters whose gradients are summed over dp."""
@@ -528,8 +465,8 @@ class TensorParallel(Engine):
         super().__init__(module)
         self.topo, self.sp, self.rng = topo, sp, rng
         params = list(dict.fromkeys(module.parameters()))
-        self.replicated = [p for p in params if not hasattr(p, "tp_shard_dim")]
-        self.sharded = [p for p in params if hasattr(p, "tp_shard_dim")]
+        self.replicated = [p for p in params if not tp_sharded(p)]
+        self.sharded = [p for p in params if tp_sharded(p)]
 
     @property
     def head(self) -> VocabParallelHead:
@@ -544,107 +481,29 @@ class TensorParallel(Engine):
                                               self.topo)
         return losses.sum(), (batch["labels"] != IGNORE_INDEX).sum()
 
-    def forward_backward(self, microbatches, denom, dtype="fp32"):
-        """Each micro-batch: forward to local logits, vocab-parallel loss sum / ``denom``
-        (global token count), backward. Returns this step's loss sum (fp64 [1]), complete on
-        every tp rank."""
-        device = self.topo.device
-        loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
-        for i, mb in enumerate(microbatches):
-            mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
-            with self.sync_gradients(i == len(microbatches) - 1):
-                with autocast(dtype, device):
-                    s, _ = self.loss_sum_and_count(mb)
-                (s / denom).backward()
-            loss_sum += s.detach().double()
-        return loss_sum
+    def loss_sum(self, batch: dict) -> torch.Tensor:
+        return self.loss_sum_and_count(batch)[0]
 
     def finish_gradient_sync(self) -> None:
         """With SP: SUM the norm weights' partial gradients over tp (one flat all-reduce)."""
         if self.sp:
             self.reduce_replicated_grads(tag="sp_grad")
 
-    def reduce_replicated_grads(self, tag: str = "grad") -> None:
+    def reduce_replicated_grads(self, tag: str = "sp_grad") -> None:
         """SUM the replicated parameters' (norm weights') gradients over tp: one flat
-        all-reduce of (2L+1)·d fp32 (what SP needs; :mod:`.compose` calls it with its own tag)."""
-        if not self.replicated:
-            return
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in self.replicated])
-        comm.all_reduce(flat, self.topo, AXIS, tag=tag)
-        offset = 0
-        for p in self.replicated:
-            g = flat[offset: offset + p.numel()].view_as(p)
-            offset += p.numel()
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
+        all-reduce of (2L+1)·d fp32 (:func:`.params.sum_coalesced_`)."""
+        sum_coalesced_(grads_or_zeros(self.replicated), self.topo, AXIS, tag=tag)
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Global L2 norm of the full gradient (sharded params summed over tp, replicated ones
-        counted once); scales every gradient by min(1, max_norm / (norm + 1e-6)) as
-        ``torch.nn.utils.clip_grad_norm_`` does. Returns the norm before clipping (fp32 [])."""
-        def sq(ps):
-            out = torch.zeros(1, dtype=torch.float64, device=self.topo.device)
-            for p in ps:
-                if p.grad is not None:
-                    out += p.grad.detach().double().pow(2).sum()
-            return out
+    def norm_axes(self) -> tuple[str, ...]:
+        return (AXIS,)
 
-        sharded = sq(self.sharded)
-        comm.all_reduce(sharded, self.topo, AXIS, tag="grad_norm")
-        total = (sharded + sq(self.replicated)).sqrt().float().squeeze(0)
-        if max_norm and max_norm > 0:
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for p in self.sharded + self.replicated:
-                if p.grad is not None:
-                    p.grad.mul_(coef.to(p.grad.dtype))
-        return total
-
-    def _full(self, t: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
-        return gather_full([(t, p)], self.topo)[0]
-
-    def _local(self, full: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
-        """The inverse of :meth:`_full`: this rank's shard of a full-shape tensor (zero padding
-        where the parameter is padded, e.g. the vocabulary rows). No collective."""
-        full = full.detach().to(p.device, p.dtype)
-        if not hasattr(p, "tp_shard_dim"):
-            return full.clone()
-        dim = p.tp_shard_dim
-        return _local_chunk(full, dim, self.topo, padded=p.shape[dim] * self.topo.size(AXIS))
-
-    def full_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
-        """{plain FQN: {"step", "exp_avg", "exp_avg_sq"}} with every state tensor shaped like its
-        parameter gathered to full shape over tp as :meth:`named_full_parameters` does (padding
-        stripped; phase ``"gather"``). Collective over tp."""
-        keys, pairs, out = [], [], {}
-        for n, p in self.module.named_parameters():  # the same order on every tp rank
-            for k, v in (optimizer.state.get(p) or {}).items():
-                if torch.is_tensor(v) and v.shape == p.shape:
-                    keys.append((n, k))
-                    pairs.append((v, p))
-                else:
-                    out.setdefault(n, {})[k] = v.clone() if torch.is_tensor(v) else v
-        for (n, k), full in zip(keys, gather_full(pairs, self.topo)):
-            out.setdefault(n, {})[k] = full
-        return out
-
-    def _state_to_local(self, full: torch.Tensor, p: nn.Parameter, key: str) -> torch.Tensor:
-        """Full-shape state (from any layout) → this rank's tp shard of it (no collective);
-        scalars (``step``) are copied."""
-        return self._local(full, p) if full.dim() > 0 else full.clone()
-
-    def named_full_parameters(self) -> dict[str, torch.Tensor]:
-        """{plain FQN: full-shape parameter}; collective over tp (every tp rank must call it)."""
-        return gather_named_full({n: p for n, p in self.module.named_parameters()},
-                                 dict(self.module.named_parameters()), self.topo)
-
-    def named_full_gradients(self) -> dict[str, torch.Tensor]:
-        """{plain FQN: full-shape gradient}; collective over tp (every tp rank must call it)."""
-        return gather_named_full({n: p.grad for n, p in self.module.named_parameters()
-                                  if p.grad is not None},
-                                 dict(self.module.named_parameters()), self.topo)
+    def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
+                      dtype: str = "fp32") -> dict[str, float]:
+        """:func:`tp_step_bytes_formula` of this model (the per-tag part; micro_steps do not
+        matter: every byte is linear in the batch)."""
+        t = tp_step_bytes_formula(self.module.config, sequences, seq_len, self.topo.size(AXIS),
+                                  self.sp, dp=self.topo.size("dp"), dtype=dtype)
+        return {k: v for k, v in t.items() if k not in ("total", "loss")}
 
     def full_model(self):
         """The :class:`~.engine.Engine` hook for sampling: :meth:`gathered_logits`."""
@@ -735,7 +594,7 @@ def _check_converted(model: Llama, plan, topo) -> None:
     for name, shape in expect.items():
         if name in params and tuple(params[name].shape) != shape:
             problems.append(f"{name} has shape {tuple(params[name].shape)}, expected {shape}")
-        if name in params and not hasattr(params[name], "tp_shard_dim"):
+        if name in params and not tp_sharded(params[name]):
             problems.append(f"{name} is not marked as a tp shard")
     if cfg.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:
         problems.append("tied embeddings: output.weight is no longer tok_embeddings.weight")
@@ -802,7 +661,7 @@ def tp_step_bytes_formula(model_config, sequences: int, seq_len: int, tp: int, s
       (the embedding output, the residual stream, the gradients entering the regions) is fp32.
     * ``ce`` — the vocab-parallel cross-entropy: r·(N + 2N)·4 (MAX of [N], SUM of [2, N], fp32).
     * ``sp_grad`` — SP only: r·(2L + 1)·d·4, the norm weights' gradients (fp32).
-    * ``grad_norm`` — r·8: the sharded params' squared gradient norm (fp64 scalar) over tp.
+    * ``grad_norm`` — r·8: the squared gradient norm (fp64 scalar) over tp.
     * ``loss`` — 2·(2(dp−1)/dp)·8: token count and loss sum over dp (0 at dp = 1).
 
     Init broadcasts, ``named_full_*`` gathers and evaluation are outside the step. Source:

@@ -124,6 +124,7 @@ from .. import comm
 from ..errors import ShardwiseConfigError
 from .data import reduce_torch_dtype
 from .engine import Engine
+from .params import sum_coalesced_, tp_sharded
 
 STAGES = (1, 2, 3)
 # Optimizers whose update of an element depends only on that element's own history: they can run
@@ -520,8 +521,8 @@ class ZeroDataParallel(Engine):
     to fp32 into the slice after; see :func:`~.data.reduce_torch_dtype`).
 
     Inside a dp × tp layout (``topo.size("tp") > 1``, :mod:`.compose`) the module holds this tp
-    rank's shards; parameters marked ``tp_shard_dim`` are tp-sharded, the others replicated over
-    tp, and :meth:`clip_grad_norm_` counts each element of the whole model once (see there).
+    rank's shards; parameters marked by :func:`.params.mark_tp_shard` are tp-sharded, the others
+    replicated over tp, and :meth:`held_grads` counts each element of the whole model once.
 
     Raises :class:`ShardwiseConfigError` (before any collective) for dp < 2, a bad stage, a bad
     ``reduce_dtype``, or bad ``units`` (see :func:`assign_units`). Construction broadcasts each flat buffer from dp index 0
@@ -714,10 +715,6 @@ class ZeroDataParallel(Engine):
         finally:
             self._sync = prev
 
-    def forward_backward(self, microbatches, denom, dtype="fp32"):
-        self.begin_forward_backward()
-        return super().forward_backward(microbatches, denom, dtype)
-
     def begin_forward_backward(self) -> None:
         """Call before a step's first forward (an engine composing this one runs its own
         micro-batch loop): every unit starts sharded and the gathered peak is measured afresh."""
@@ -794,42 +791,19 @@ class ZeroDataParallel(Engine):
             for u in self.units:
                 self._reshard(u)
 
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Global L2 norm of the gradient (all shards of all units), clipping to ``max_norm`` if
-        > 0. One all_reduce of the fp64 sum of squares of the local slices (padding is 0), so
-        every rank gets the norm of the *whole* gradient and scales by the same factor; the
-        factor is ``torch.nn.utils.clip_grad_norm_``'s: min(1, max_norm / (norm + 1e-6)).
+    def held_grads(self) -> list[tuple[torch.Tensor, bool]]:
+        """The gradient this rank holds is its slices (padding is 0): every piece of a slice,
+        counted here unless it belongs to a tp-replicated parameter and this is not tp index 0
+        (inside dp × tp the same replicated elements sit on every tp rank)."""
+        tp0 = self.topo.index("tp") == 0
+        return [(u.shard_grad[a - u.lo: b - u.lo], tp0 or tp_sharded(u.params[j]))
+                for u in self.units for j, a, b in u.pieces()]
 
-        Inside dp × tp (tp > 1) each element of the whole model must be counted once: the
-        slice's squares are split into tp-sharded pieces (``tp_shard_dim``: different elements
-        on every tp rank) and tp-replicated ones (the same elements on every tp rank). The
-        sharded part is first all-reduced over tp (tag ``"grad_norm"``, one fp64 scalar), then
-        sharded_tp + replicated is all-reduced over dp (``"grad_norm"``):
-        Σ_dp (Σ_tp sharded + replicated) counts every sharded element once and every replicated
-        element once (its tp copies are never summed)."""
-        sq = torch.zeros(1, dtype=torch.float64, device=self.units[0].device)
-        if self.topo.size("tp") == 1:
-            for u in self.units:
-                sq += u.shard_grad.double().pow(2).sum()
-        else:
-            sharded = torch.zeros_like(sq)
-            for u in self.units:
-                for j, a, b in u.pieces():
-                    part = u.shard_grad[a - u.lo: b - u.lo].double().pow(2).sum()
-                    if hasattr(u.params[j], "tp_shard_dim"):
-                        sharded += part
-                    else:
-                        sq += part
-            comm.all_reduce(sharded, self.topo, "tp", tag="grad_norm")
-            sq += sharded
-        comm.all_reduce(sq, self.topo, "dp", tag="grad_norm")
-        norm = sq.sqrt().to(self.units[0].dtype)[0]
-        if max_norm and max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for u in self.units:
-                u.shard_grad.mul_(coef)
-        return norm
+    def norm_axes(self) -> tuple[str, ...]:
+        """tp shards differ over tp (dp × tp), slices over dp: the base ``clip_grad_norm_``
+        (:func:`.params.grad_norm_`) all-reduces the fp64 Σ g² over tp, then over dp, so every
+        rank gets the norm of the *whole* gradient and scales its slices by the same factor."""
+        return ("tp", "dp")
 
     # -- optimizer ------------------------------------------------------------------------------
     def make_optimizer(self, param_groups: list[dict], optimizer_class=torch.optim.AdamW,
@@ -890,11 +864,11 @@ class ZeroDataParallel(Engine):
     # -- tp-replicated gradients (dp × tp with sequence parallelism) ----------------------------
     def _replicated_pieces(self) -> list[tuple[_Unit, int, int]]:
         return [(u, a, b) for u in self.units for j, a, b in u.pieces()
-                if not hasattr(u.params[j], "tp_shard_dim")]
+                if not tp_sharded(u.params[j])]
 
     def replicated_slice_numel(self) -> int:
         """Elements of this rank's slices that belong to tp-replicated parameters (no
-        ``tp_shard_dim``; the norm weights in a TP model)."""
+        tp placement; the norm weights in a TP model)."""
         return sum(b - a for _, a, b in self._replicated_pieces())
 
     @torch.no_grad()
@@ -905,19 +879,12 @@ class ZeroDataParallel(Engine):
         partial sums over tp; only the summed dp slice this rank owns needs completing: one flat
         all_reduce of :meth:`replicated_slice_numel` elements (the tp peers of a rank have the
         same unit layout, hence the same pieces). Nothing is sent when the slice holds none."""
-        pieces = self._replicated_pieces()
-        if not pieces:
-            return
-        flat = torch.cat([u.shard_grad[a - u.lo: b - u.lo] for u, a, b in pieces])
-        comm.all_reduce(flat, self.topo, axis, tag=tag)
-        offset = 0
-        for u, a, b in pieces:
-            u.shard_grad[a - u.lo: b - u.lo].copy_(flat[offset: offset + b - a])
-            offset += b - a
+        pieces = [u.shard_grad[a - u.lo: b - u.lo] for u, a, b in self._replicated_pieces()]
+        sum_coalesced_(pieces, self.topo, axis, tag=tag)
 
     # -- layout-free optimizer state ------------------------------------------------------------
     @torch.no_grad()
-    def full_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    def dp_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
         """{FQN: {"step": fp32 [], "exp_avg": [param shape], "exp_avg_sq": ...}}: every state
         tensor of the optimizer's pieces written into a zero [P_u] buffer at its flat position and
         all-gathered over dp (ledger phase ``checkpoint``; one all_gather per unit and state key),
@@ -958,8 +925,8 @@ class ZeroDataParallel(Engine):
         return out
 
     @torch.no_grad()
-    def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
-        """The inverse of :meth:`full_optimizer_state` (the state may come from any layout):
+    def dp_load_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
+        """The inverse of :meth:`dp_optimizer_state` (the state may come from any layout):
         each piece of this rank's slices gets its elements of every full-shape state tensor and
         its own copy of ``step``. No collective. Raises ``KeyError`` naming the FQNs this rank's
         pieces need but ``state`` lacks."""
@@ -1024,7 +991,7 @@ class ZeroDataParallel(Engine):
             start += s.numel()
         return out
 
-    def named_full_parameters(self) -> dict[str, torch.Tensor]:
+    def dp_parameters(self) -> dict[str, torch.Tensor]:
         """{FQN: full-shape parameter} (tied weight once). ZeRO-1/2: the model's own (replicated)
         parameters; ZeRO-3: all-gathered from the shards (ledger phase ``verify``). Collective
         for ZeRO-3."""
@@ -1036,7 +1003,7 @@ class ZeroDataParallel(Engine):
                 out[fqn] = view.detach().clone()
         return out
 
-    def named_full_gradients(self) -> dict[str, torch.Tensor]:
+    def dp_gradients(self) -> dict[str, torch.Tensor]:
         """{FQN: full-shape summed (and clipped) gradient}, all-gathered from every rank's slice
         (ledger phase ``verify``). Call after :meth:`finish_gradient_sync`. Collective."""
         out = {}
@@ -1068,6 +1035,12 @@ class ZeroDataParallel(Engine):
                                    bytes_param=self.units[0].full.element_size(),
                                    bytes_grad=self.units[0].full.element_size(),
                                    bytes_optim=2 * self.units[0].full.element_size())
+
+    def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
+                      dtype: str = "fp32") -> dict[str, float]:
+        """{"grad", "param", "grad_norm": bytes} of :meth:`step_bytes_formula`."""
+        z = self.step_bytes_formula(micro_steps)
+        return {k: z[k] for k in ("grad", "param", "grad_norm")}
 
     def step_bytes_formula(self, micro_steps: int = 1) -> dict[str, float]:
         """:func:`zero_step_bytes_formula` with this engine's padded Ψ, the reduce dtype's bytes

@@ -44,12 +44,12 @@ import types
 import torch
 import torch.nn.functional as F
 
-from ... import comm
 from ...errors import ShardwiseConfigError
 from ...models.llama import IGNORE_INDEX
 from ..engine import autocast
-from ..dtensor_tp import full_tensors
-from .runtime import PipelineParallel, _local
+from ..dtensor_tp import reduce_partial_grads
+from ..params import is_dtensor as _is_dtensor, local as _local
+from .runtime import PipelineParallel
 from .split import first_stage_input, loss_sum
 
 
@@ -80,12 +80,6 @@ def _LocalShardZeRO(*args, **kwargs):
     return _local_shard_zero_class()(*args, **kwargs)
 
 
-def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 def _schedule_class(name: str):
     from torch.distributed import pipelining as pl
 
@@ -105,7 +99,6 @@ class TorchPipelineParallel(PipelineParallel):
     def __init__(self, model, topo, **kw):
         super().__init__(model, topo, **kw)
         self._torch_schedules = {}
-        self._full_cache: dict = {}  # full_tensors: element positions per layout
         self._denom, self._loss, self._dtype = 1.0, None, "fp32"
 
     _in_loss_parallel = False  # inside forward_backward's loss_parallel() (not re-entrant)
@@ -138,26 +131,10 @@ class TorchPipelineParallel(PipelineParallel):
         all-reduced over dp as without ZeRO, so no flat buffers here."""
         return None
 
-    def _tp_sharded(self, p) -> bool:
-        return _is_dtensor(p) and any(pl.is_shard() for pl in p.placements)
-
     def _sync_sp_grads(self) -> None:
         """SP: DTensor leaves the norm weights' gradients ``Partial(sum)``; reduce them in one
-        flat all-reduce over tp (tag ``sp_grad``) and store them ``Replicate``."""
-        from torch.distributed.tensor import DTensor, Replicate
-
-        partial = [p for p in self._params() if _is_dtensor(p.grad)
-                   and any(pl.is_partial() for pl in p.grad.placements)]
-        if not partial:
-            return
-        flat = torch.cat([p.grad.to_local().reshape(-1) for p in partial])
-        comm.all_reduce(flat, self.topo, "tp", tag="sp_grad")
-        offset = 0
-        for p in partial:
-            shape = p.grad.to_local().shape
-            local = flat[offset: offset + shape.numel()].view(shape).clone()
-            offset += shape.numel()
-            p.grad = DTensor.from_local(local, p.device_mesh, [Replicate()], run_check=False)
+        flat all-reduce over tp (:func:`..dtensor_tp.reduce_partial_grads`, tag ``sp_grad``)."""
+        reduce_partial_grads(self._params(), self.topo)
 
     @torch.no_grad()
     def finish_gradient_sync(self) -> None:
@@ -188,18 +165,6 @@ class TorchPipelineParallel(PipelineParallel):
                                         for v in state.values() if torch.is_tensor(v))
         out["total"] = out["params"] + out["grads"] + out["optimizer"]
         return out
-
-    def _full_all(self, pairs):
-        """Full copies of ``pairs``' tensors: the DTensor shards in one all_gather over tp
-        (:func:`..dtensor_tp.full_tensors`, phase ``gather``)."""
-        return full_tensors([t for t, _ in pairs], self.topo, self._full_cache)
-
-    def _shard_of(self, full, p):
-        if not _is_dtensor(p):
-            return full.detach().clone().to(p.device)
-        from torch.distributed.tensor import distribute_tensor
-
-        return distribute_tensor(full.to(p.device), p.device_mesh, p.placements)
 
     def make_optimizer(self, param_groups: list[dict], **adamw) -> torch.optim.Optimizer:
         """AdamW over this stage's parameters; ZeRO-1: ``ZeroRedundancyOptimizer`` over dp."""

@@ -83,10 +83,11 @@ from ... import comm
 from ...errors import ShardwiseConfigError
 from ...models import count_items
 from ..engine import Engine, autocast
-from ..tensor import gather_full, validate_tp, vocab_parallel_cross_entropy
+from ..params import counted_grads, grads_or_zeros, local as _local, sum_coalesced_, tp_sharded
+from ..tensor import validate_tp, vocab_parallel_cross_entropy
 from .schedules import build_schedule, check_schedule
 from .split import StageModule, activation_shape, first_stage_input, loss_sum
-from .tp_stage import convert_stage_tp, cut_tp_shard
+from .tp_stage import convert_stage_tp
 from .zero1 import StageZero1
 
 KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -95,11 +96,6 @@ KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
 # autograd nodes of the collectives that end a TP region (comm/autograd.py): zb-h1's W pass
 # starts below them (see PipelineParallel._record_output)
 _TP_EXIT_NODES = ("ReduceScatterToSPBackward", "ReduceFromTPBackward")
-
-
-def _local(t):
-    """This rank's local tensor of a DTensor (the torch engine's TP shards), else ``t``."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 class _GradTraffic:
@@ -206,20 +202,22 @@ class PipelineParallel(Engine):
         """This stage's trainable parameters, each once, in module order."""
         return [p for p in dict.fromkeys(self.module.parameters()) if p.requires_grad]
 
-    def _tp_sharded(self, p) -> bool:
-        """Whether ``p`` is a tp shard (else it is replicated over tp: norm weights)."""
-        return hasattr(p, "tp_shard_dim")
+    def held_grads(self) -> list[tuple[torch.Tensor, bool]]:
+        """What this rank counts in the global norm, each element once: tp shards on every tp
+        rank, tp-replicated parameters on tp index 0, the tied copy not on the last stage (the
+        first counts it); ZeRO-1: the pieces of its dp slice (dp replicas are otherwise
+        identical and counted once by not reducing over dp)."""
+        tied = [self.module.tied_output] if self.module.tied_output is not None else []
+        if self.zero1 is None:
+            return counted_grads(self._params(), self.topo, skip=tied)
+        z, tp0 = self.zero1, self.topo.index("tp") == 0
+        return [(z.shard_grad[a - z.lo: b - z.lo],
+                 all(p is not t for t in tied) and (tp0 or tp_sharded(p)))
+                for p, a, b in z.pieces()]
 
-    def _counted(self, p) -> bool:
-        """Whether this rank counts ``p``'s gradient in the global norm: each element once —
-        the tied copy is counted on the first stage, a tp-replicated parameter on tp index 0."""
-        if p is self.module.tied_output:
-            return False
-        return self.tp == 1 or self._tp_sharded(p) or self.topo.index("tp") == 0
-
-    def norm_axes(self) -> list[str]:
+    def norm_axes(self) -> tuple[str, ...]:
         """Axes the squared-norm scalar is summed over: tp (shards), dp (ZeRO-1 slices), pp."""
-        return ([a for a in ("tp",) if self.tp > 1] + (["dp"] if self.zero1 else []) + ["pp"])
+        return (("tp",) if self.tp > 1 else ()) + (("dp",) if self.zero1 else ()) + ("pp",)
 
     # -- schedule --------------------------------------------------------------------------
     def schedule(self, m: int):
@@ -439,15 +437,10 @@ class PipelineParallel(Engine):
             else:
                 out["tp_fwd"] = out["tp_bwd"] = h * (e * wide + 2 * blocks * wide
                                                      + 2 * blocks * exit_b + hd * wide)
-                rep = sum(_local(p).numel() * elem for p in params if not self._tp_sharded(p))
+                rep = sum(_local(p).numel() * elem for p in params if not tp_sharded(p))
                 out["sp_grad"] = ring_bytes("all_reduce", rep, n)
             out["ce"] = hd * r * 3 * sequences * seq_len * 4
         return out
-
-    def step_bytes_formula(self, micro_steps: int, sequences: int, seq_len: int = 1,
-                           dtype: str = "fp32", **_) -> dict[str, float]:
-        """Alias of :meth:`bytes_formula` (the name the single-strategy engines use)."""
-        return self.bytes_formula(micro_steps, sequences, seq_len, dtype)
 
     # -- evaluation ------------------------------------------------------------------------------
     def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -491,20 +484,8 @@ class PipelineParallel(Engine):
     def _sync_sp_grads(self) -> None:
         """SP: the tp-replicated parameters (norm weights) saw only this rank's sequence shard:
         SUM their partial gradients over tp, one flat all-reduce (tag ``sp_grad``)."""
-        rep = [p for p in self._params() if not self._tp_sharded(p)]
-        if not rep:
-            return
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in rep])
-        comm.all_reduce(flat, self.topo, "tp", tag="sp_grad")
-        offset = 0
-        for p in rep:
-            g = flat[offset: offset + p.numel()].view_as(p)
-            offset += p.numel()
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
+        rep = [p for p in self._params() if not tp_sharded(p)]
+        sum_coalesced_(grads_or_zeros(rep), self.topo, "tp", tag="sp_grad")
 
     @torch.no_grad()
     def finish_gradient_sync(self) -> None:
@@ -537,51 +518,8 @@ class PipelineParallel(Engine):
         if self.zero1 is not None:
             self.zero1.reduce_scatter()
             return
-        params = self._params()
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [_local(p.grad) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if self.reduce_dtype == "bf16":
-            flat = flat.to(torch.bfloat16)
-        comm.all_reduce(flat, self.topo, "dp", tag="grad")
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset: offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Global L2 norm over all three axes, each element once: every rank sums the squares of
-        the gradient elements it counts (:meth:`_counted`: tp shards on every tp rank,
-        tp-replicated parameters on tp index 0, the tied copy not on the last stage; ZeRO-1:
-        its dp slice, else dp replicas are identical and counted once by not reducing over
-        dp), then one fp64 all-reduce over each of :meth:`norm_axes` (tag ``grad_norm``). Clips
-        every gradient by max_norm / (norm + 1e-6) if that is < 1 (the rule of
-        ``torch.nn.utils.clip_grad_norm_``). Returns the norm before clipping."""
-        device = next(self.module.parameters()).device
-        sq = torch.zeros(1, dtype=torch.float64, device=device)
-        if self.zero1 is not None:
-            z = self.zero1
-            for p, a, b in z.pieces():
-                if self._counted(p):
-                    sq += z.shard_grad[a - z.lo: b - z.lo].double().pow(2).sum()
-            grads = [z.shard_grad]
-        else:
-            grads = [_local(p.grad) for p in self._params() if p.grad is not None]
-            for p in self._params():
-                if p.grad is not None and self._counted(p):
-                    sq += _local(p.grad).double().pow(2).sum()
-        for axis in self.norm_axes():
-            comm.all_reduce(sq, self.topo, axis, tag="grad_norm")
-        norm = sq.sqrt()
-        if max_norm and max_norm > 0:
-            coef = max_norm / (float(norm) + 1e-6)
-            if coef < 1.0:
-                for g in grads:
-                    g.mul_(coef)
-        return norm.float()
+        sum_coalesced_(grads_or_zeros(self._params()), self.topo, "dp", tag="grad",
+                       dtype=torch.bfloat16 if self.reduce_dtype == "bf16" else None)
 
     def make_optimizer(self, param_groups: list[dict], **adamw) -> torch.optim.Optimizer:
         """AdamW over this stage's parameters (ZeRO-1: over this rank's dp slice of them). The
@@ -608,78 +546,29 @@ class PipelineParallel(Engine):
                 out.append((self.module.fqn(n), p))
         return out
 
-    def _full_all(self, pairs: list[tuple[torch.Tensor, nn.Parameter]]) -> list[torch.Tensor]:
-        """Full (unpadded) copies of tensors shaped like their parameter's tp shard: the tp
-        shards in one all_gather over tp (:func:`..tensor.gather_full`, phase ``gather``)."""
-        if self.tp == 1:
-            return [t.detach().clone() for t, _ in pairs]
-        return gather_full(pairs, self.topo)
+    def named_params(self):
+        return self._named()
 
-    def named_full_parameters(self) -> dict[str, torch.Tensor]:
-        """This stage's parameters keyed by the plain model's names (the last rank's tied copy
-        as ``tok_embeddings.weight``), gathered over tp. Collective over tp."""
-        named = self._named()
-        return dict(zip([n for n, _ in named], self._full_all([(p, p) for _, p in named])))
+    def dp_gradients(self) -> dict[str, torch.Tensor]:
+        """This stage's summed gradients in tp-local shape (ZeRO-1: the slices gathered over
+        dp); the base engine then gathers the tp shards."""
+        if self.zero1 is None:
+            return super().dp_gradients()
+        grads = self.zero1.full_gradients()
+        return {n: grads[id(p)] for n, p in self._named()}
 
-    def named_full_gradients(self) -> dict[str, torch.Tensor]:
-        """This stage's summed gradients in full shape (ZeRO-1: the slices gathered over dp,
-        then tp shards over tp). Collective over dp (ZeRO-1) and tp."""
-        if self.zero1 is not None:
-            grads = self.zero1.full_gradients()
-            pairs = [(n, grads[id(p)], p) for n, p in self._named()]
-        else:
-            pairs = [(n, p.grad, p) for n, p in self._named() if p.grad is not None]
-        return dict(zip([n for n, _, _ in pairs], self._full_all([(g, p) for _, g, p in pairs])))
+    def dp_optimizer_state(self, optimizer) -> dict[str, dict]:
+        """ZeRO-1: the slices' state gathered over dp (:meth:`.zero1.StageZero1.full_state`)."""
+        if self.zero1 is None:
+            return super().dp_optimizer_state(optimizer)
+        local = self.zero1.full_state(optimizer)
+        return {n: local[id(p)] for n, p in self._named() if local.get(id(p))}
 
-    def full_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
-        """{plain FQN: {"step", "exp_avg", "exp_avg_sq"}} in full parameter shape for this
-        stage (ZeRO-1 slices gathered over dp, tp shards over tp, padding stripped). Empty
-        before the first step. Collective over dp and tp."""
-        if self.zero1 is not None:
-            local = self.zero1.full_state(optimizer)
-        else:
-            local = {id(p): st for p, st in optimizer.state.items() if st}
-        out, where, pairs = {}, [], []
-        for n, p in self._named():
-            st = local.get(id(p))
-            if not st:
-                continue
-            entry = out[n] = {}
-            for k, v in st.items():
-                if torch.is_tensor(v) and k != "step":
-                    where.append((entry, k))
-                    pairs.append((v, p))
-                else:
-                    entry[k] = v.detach().clone() if torch.is_tensor(v) else v
-        for (entry, k), full in zip(where, self._full_all(pairs)):  # one gather for all
-            entry[k] = full
-        return out
-
-    def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
-        """Set ``optimizer``'s state from :meth:`full_optimizer_state`'s form (possibly saved
-        under another layout): each full tensor is cut to this rank's tp shard (padded as the
-        shard is) and, with ZeRO-1, to its dp slice. Raises ``KeyError`` naming the FQNs this
-        stage needs but ``state`` lacks."""
-        named = self._named()
-        missing = [n for n, _ in named if n not in state]
-        if missing:
-            raise KeyError(f"optimizer state lacks {len(missing)} parameters, e.g. "
-                           f"{missing[:3]}")
-        local = {}
-        for n, p in named:
-            local[id(p)] = {k: (self._shard_of(v, p) if torch.is_tensor(v) and k != "step" else v)
-                            for k, v in state[n].items()}
-        if self.zero1 is not None:
-            self.zero1.load_state(optimizer, local)
-            return
-        for p in self._params():
-            optimizer.state[p] = local[id(p)]
-
-    def _shard_of(self, full: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
-        """This rank's tp shard of ``full`` (the inverse of :meth:`_full_all`)."""
-        if self.tp == 1 or not self._tp_sharded(p):
-            return full.detach().clone().to(p.device)
-        return cut_tp_shard(full, p, self.topo)
+    def dp_load_optimizer_state(self, optimizer, local: dict[str, dict]) -> None:
+        """ZeRO-1: each tp-local state tensor cut to this rank's dp slice (no collective)."""
+        if self.zero1 is None:
+            return super().dp_load_optimizer_state(optimizer, local)
+        self.zero1.load_state(optimizer, {id(p): local[n] for n, p in self._named()})
 
     @contextlib.contextmanager
     def sync_gradients(self, enabled: bool):

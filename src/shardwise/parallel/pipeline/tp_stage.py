@@ -24,14 +24,10 @@ sums the two shards' gradients between the first and the last stage of each tp i
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 from ... import comm
 from ...errors import ShardwiseConfigError
 from ..tensor import (AXIS, TPRNG, TensorParallelAttention, TensorParallelSwiGLU, TPDropout,
-                      VocabParallelEmbedding, VocabParallelHead, _leftovers, _local_chunk,
-                      validate_tp)
+                      VocabParallelEmbedding, VocabParallelHead, _leftovers, validate_tp)
 from .split import StageModule
 
 
@@ -77,15 +73,3 @@ def convert_stage_tp(stage: StageModule, topo, sp: bool = False, *, seed: int = 
     if left:
         raise RuntimeError("tensor-parallel stage conversion incomplete: " + ", ".join(left))
     return rng
-
-
-def tp_replicated(p: nn.Parameter) -> bool:
-    """Whether ``p`` is replicated over tp (norm weights), not a tp shard."""
-    return not hasattr(p, "tp_shard_dim")
-
-
-def cut_tp_shard(full: torch.Tensor, p: nn.Parameter, topo) -> torch.Tensor:
-    """This tp rank's shard of ``full`` (the inverse of :func:`..tensor.gather_full`): zero-padded
-    on ``p.tp_shard_dim`` to n × the shard's size, then the rank's contiguous chunk."""
-    n, dim = topo.size(AXIS), p.tp_shard_dim
-    return _local_chunk(full.to(p.device), dim, topo, p.shape[dim] * n)

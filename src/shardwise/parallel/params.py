@@ -1,0 +1,266 @@
+"""Where each parameter's elements live, and the cross-cutting rules that read it — written once.
+
+A transform that shards a parameter records how on the parameter itself (:class:`Placement`, set
+by :func:`mark_tp_shard`; the PyTorch engines' DTensors carry their own placements). The rules
+that every layout needs then read that record instead of being rewritten per engine:
+
+* :func:`grad_norm_` — the global gradient norm and clipping. Each logical element of the model
+  is counted exactly once (:func:`counted_grads`): a tp shard on every tp rank, a tp-replicated
+  parameter on tp index 0 only, a pipeline's tied copy not at all (the first stage counts it), a
+  ZeRO slice where it lives. Then one fp64 all-reduce of the scalar per axis that splits
+  something (the engine names those axes).
+* :func:`sum_coalesced_` — one flat all-reduce of a list of tensors, in place: the SP sum of the
+  norm weights' partial gradients over tp, PP's gradient all-reduce over dp.
+* :func:`to_full` / :func:`to_local` — a tensor shaped like a parameter's tp shard ⇄ the full
+  (unpadded) shape, for parity checks and layout-free checkpoints.
+* :func:`local` / :func:`is_dtensor` / :func:`tp_sharded` — what this rank holds of a tensor.
+
+Sources: Megatron-LM's ``tensor_model_parallel`` attribute and nanotron's ``NanotronParameter``
+(metadata on the parameter); torchtitan's one ``clip_grad_norm_`` for every layout (it reads
+DTensor placements); the ZeRO paper §5 (slices).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from .. import comm
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """How a parameter is split over tp. ``tp_dim``: this rank holds a contiguous 1/tp chunk of
+    the full tensor along this dim (None: replicated over tp); ``tp_full``: the full tensor's
+    size along ``tp_dim`` without padding (the vocabulary is padded to a multiple of tp)."""
+
+    tp_dim: int | None = None
+    tp_full: int | None = None
+
+
+REPLICATED = Placement()
+
+
+def mark_tp_shard(p: nn.Parameter, dim: int, full_size: int) -> nn.Parameter:
+    """Record on ``p`` that it is a tp shard along ``dim`` of a tensor whose unpadded size
+    there is ``full_size``; returns ``p``."""
+    p.placement = Placement(tp_dim=dim, tp_full=full_size)
+    return p
+
+
+def placement(p) -> Placement:
+    """The :class:`Placement` a transform recorded on ``p`` (:data:`REPLICATED` if none)."""
+    return getattr(p, "placement", REPLICATED)
+
+
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (the PyTorch engines' params)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local(t):
+    """This rank's part of ``t``: a DTensor's local tensor, or ``t`` itself."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def dtensor_placement_on(t, axis: str):
+    """The placement of DTensor ``t`` on mesh dim ``axis`` ("dp" | "tp"); None when ``t`` is
+    not a DTensor or its mesh lacks that dim."""
+    if not is_dtensor(t):
+        return None
+    names = t.device_mesh.mesh_dim_names or ()
+    return t.placements[names.index(axis)] if axis in names else None
+
+
+def tp_sharded(t) -> bool:
+    """Whether the elements ``t`` holds differ between tp ranks: a DTensor with a Shard
+    placement on the "tp" mesh dim, or a parameter marked by :func:`mark_tp_shard`. For a
+    DTensor gradient ask the gradient itself (DTensor may leave it Replicate while its
+    parameter is Shard)."""
+    if is_dtensor(t):
+        pl = dtensor_placement_on(t, "tp")
+        return pl is not None and pl.is_shard()
+    return placement(t).tp_dim is not None
+
+
+# -- the global gradient norm ---------------------------------------------------------------------
+def counted_grads(params, topo, *, skip=()) -> list[tuple[torch.Tensor, bool]]:
+    """(this rank's gradient tensor, whether this rank counts it in the norm) for every
+    parameter of ``params`` with a gradient, each parameter once. A tp shard counts on every tp
+    rank, a tp-replicated gradient on tp index 0 only; parameters in ``skip`` (a pipeline's tied
+    copy, counted on the first stage) never count. DTensor gradients are judged by their own
+    placement and given as their local tensor."""
+    tp0 = topo is None or topo.index("tp") == 0
+    skipped = {id(p) for p in skip}
+    out = []
+    for p in dict.fromkeys(params):
+        g = p.grad
+        if g is None:
+            continue
+        sharded = tp_sharded(g) if is_dtensor(g) else tp_sharded(p)
+        out.append((local(g), id(p) not in skipped and (sharded or tp0)))
+    return out
+
+
+@torch.no_grad()
+def grad_norm_(held: list[tuple[torch.Tensor, bool]], topo, axes, max_norm: float
+               ) -> torch.Tensor:
+    """The global L2 norm of the gradient whose pieces this rank holds, clipping in place.
+
+    ``held``: (tensor, counted) pairs (:func:`counted_grads`, or an engine's own slices); every
+    held tensor is scaled, only the counted ones are summed. ``axes``: the mesh axes over which
+    the counted elements differ (e.g. ``("tp", "dp")`` for ZeRO slices of tp shards); one fp64
+    [1] all-reduce per axis of size > 1, tag ``grad_norm``, in that order. Because each element
+    is counted on exactly one rank of those axes, the sum is the whole model's Σ g².
+
+    Clipping is ``torch.nn.utils.clip_grad_norm_``'s rule: scale by min(1, max_norm / (norm +
+    1e-6)) when ``max_norm`` > 0. Returns the norm before clipping, fp32 []."""
+    tensors = [t for t, _ in held]
+    device = tensors[0].device if tensors else (topo.device if topo is not None else "cpu")
+    sq = torch.zeros(1, dtype=torch.float64, device=device)
+    for t, counted in held:
+        if counted:
+            sq += t.detach().double().pow(2).sum()
+    for axis in axes:
+        if topo.size(axis) > 1:
+            comm.all_reduce(sq, topo, axis, tag="grad_norm")
+    norm = sq.sqrt().float().squeeze(0)
+    if max_norm and max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for t in tensors:
+            t.mul_(coef.to(t.dtype))
+    return norm
+
+
+# -- one flat all-reduce --------------------------------------------------------------------------
+@torch.no_grad()
+def sum_coalesced_(tensors: list[torch.Tensor], topo, axis: str, *, tag: str,
+                   dtype: torch.dtype | None = None) -> None:
+    """SUM ``tensors`` over ``axis`` in place with one all-reduce of their concatenation
+    ([Σ numel], sent in ``dtype`` if given: bf16 gradient reduction). Every rank of the axis
+    passes tensors of the same shapes in the same order. Nothing is sent for an empty list."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    if dtype is not None and dtype != flat.dtype:
+        flat = flat.to(dtype)
+    comm.all_reduce(flat, topo, axis, tag=tag)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset: offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def grads_or_zeros(params) -> list[torch.Tensor]:
+    """Each parameter's ``.grad``, created as zeros where backward left none (a parameter this
+    rank's micro-batches did not reach still takes part in the collective)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [local(p.grad) for p in params]
+
+
+# -- full shape ⇄ this rank's tp shard ------------------------------------------------------------
+def _chunk(full: torch.Tensor, dim: int, topo, padded: int | None = None) -> torch.Tensor:
+    """This tp rank's contiguous chunk of ``full`` along ``dim`` (after zero-padding ``dim`` to
+    ``padded``)."""
+    n, i = topo.size("tp"), topo.index("tp")
+    full = full.detach()
+    if padded is not None and padded > full.shape[dim]:
+        pad_shape = list(full.shape)
+        pad_shape[dim] = padded - full.shape[dim]
+        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
+    k = full.shape[dim] // n
+    return full.narrow(dim, i * k, k).clone()
+
+
+def shard_of(full: torch.Tensor, dim: int, topo, padded: int | None = None) -> torch.Tensor:
+    """This tp rank's chunk of a full tensor along ``dim`` (zero-padded to ``padded`` first):
+    how TP cuts a plain weight into the shard it keeps. No collective."""
+    return _chunk(full, dim, topo, padded)
+
+
+def full_shape(p) -> tuple[int, ...]:
+    """The full (unpadded) shape of the tensor whose tp shard ``p`` is (a DTensor knows it)."""
+    if is_dtensor(p):
+        return tuple(p.shape)
+    shape, pl = list(p.shape), placement(p)
+    if pl.tp_dim is not None:
+        shape[pl.tp_dim] = pl.tp_full
+    return tuple(shape)
+
+
+def to_local(full: torch.Tensor, p: nn.Parameter, topo) -> torch.Tensor:
+    """The inverse of :func:`to_full`: this rank's part of a full-shape tensor shaped like
+    parameter ``p`` (its tp shard, zero padding where ``p`` is padded; a DTensor cut like ``p``
+    with ``distribute_tensor(..., src_data_rank=None)``, local slicing), on ``p``'s device and
+    dtype. No collective. Raises ``ValueError`` when ``full`` is not ``p``'s full shape."""
+    if tuple(full.shape) != full_shape(p):
+        raise ValueError(f"a tensor of shape {tuple(full.shape)} for a parameter of full shape "
+                         f"{full_shape(p)}: saved from another model?")
+    full = full.detach().to(p.device, p.dtype)
+    if is_dtensor(p):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(full.clone(), p.device_mesh, p.placements, src_data_rank=None)
+    pl = placement(p)
+    if pl.tp_dim is None:
+        return full.clone()
+    return _chunk(full, pl.tp_dim, topo, padded=p.shape[pl.tp_dim] * topo.size("tp"))
+
+
+def to_full(pairs: list[tuple[torch.Tensor, nn.Parameter]], topo,
+            cache: dict | None = None) -> list[torch.Tensor]:
+    """Full-shape copies of tensors ``t`` shaped like their parameter ``p``'s tp shard: a shard
+    ``[.., V_pad/n, ..]`` (split on ``placement(p).tp_dim``) becomes ``[.., V, ..]`` with the
+    padding cut; a tensor of a replicated parameter is copied; DTensors (the PyTorch engines)
+    are gathered over their mesh by :func:`..dtensor_tp.full_tensors` (``cache``: its element
+    positions per layout, kept by the caller).
+
+    One all_gather over tp per dtype for the whole list (phase ``"gather"``, tag ``"gather"``,
+    outside the step's bytes): each rank concatenates its shards, each moved to put the sharded
+    dim first and flattened, into ``[Σ numel]``; the gather gives ``[n, Σ numel]``, and a
+    tensor's columns of every rank's row, stacked in rank order on the sharded dim, are the full
+    tensor. Collective over tp when any tensor is sharded: every tp rank passes the same
+    parameters in the same order."""
+    n = topo.size("tp") if topo is not None else 1
+    out: list = [None] * len(pairs)
+    dtensors = [i for i, (t, _) in enumerate(pairs) if is_dtensor(t)]
+    if dtensors:
+        from .dtensor_tp import full_tensors
+
+        for i, t in zip(dtensors, full_tensors([pairs[i][0] for i in dtensors], topo, cache)):
+            out[i] = t
+    by_dtype: dict = {}
+    for i, (t, p) in enumerate(pairs):
+        if out[i] is not None:
+            continue
+        if n > 1 and placement(p).tp_dim is not None:
+            by_dtype.setdefault(t.dtype, []).append(i)
+        else:
+            out[i] = t.detach().clone()
+    for idx in by_dtype.values():
+        shards = [pairs[i][0].detach().movedim(placement(pairs[i][1]).tp_dim, 0).contiguous()
+                  for i in idx]
+        flat = torch.cat([s.reshape(-1) for s in shards])  # [Σ numel]
+        rows = flat.new_empty(n * flat.numel())
+        with topo.ledger.phase("gather"):
+            comm.all_gather(rows, flat, topo, "tp", tag="gather")
+        rows, start = rows.view(n, -1), 0  # [n, Σ numel]
+        for i, s in zip(idx, shards):
+            pl = placement(pairs[i][1])
+            whole = rows[:, start:start + s.numel()].reshape(n * s.shape[0], *s.shape[1:])
+            out[i] = whole[: pl.tp_full].movedim(0, pl.tp_dim).contiguous()
+            start += s.numel()
+    return out
+
+
+def to_full_named(tensors: dict[str, torch.Tensor], params: dict[str, nn.Parameter],
+                  topo) -> dict[str, torch.Tensor]:
+    """:func:`to_full` keyed by name: ``tensors[n]`` is shaped like ``params[n]``'s shard."""
+    names = list(tensors)
+    return dict(zip(names, to_full([(tensors[n], params[n]) for n in names], topo)))
