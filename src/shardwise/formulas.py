@@ -1,9 +1,9 @@
 """The textbook bytes of one optimizer step, for whatever layout an engine runs.
 
 Each strategy owns its formula (next to its math, with its sources), and every engine answers
-``bytes_formula(micro_steps, sequences, seq_len, dtype)`` with its strategy's (or, composed, the
-sum of its parts'); this module adds the bookkeeping every step does, so ``trace``, ``verify`` and the run
-folder's ``ledger.json`` compare the ledger with the same numbers:
+``bytes_formula(micro_steps, sequences, seq_len, dtype)`` with its strategy's (composed: the sum
+of its parts'). This module adds the bookkeeping every step does, so ``trace``, ``verify`` and
+the run folder's ``ledger.json`` compare the ledger with the same numbers:
 
 * DP: 2(n−1)/n · gradient bytes (``parallel/data.py``: ZeRO paper §7.1, scaling book ch. 5)
 * ZeRO: ``ZeroDataParallel.step_bytes_formula`` (reduce-scatter, all-gathers, one norm scalar)

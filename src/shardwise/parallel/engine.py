@@ -1,4 +1,4 @@
-"""The interface every parallel wrapper implements, with the rules every layout shares, written once.
+"""The interface every parallel wrapper implements, and the rules every layout shares, once.
 
 The training step (``train/step.py``) talks to a model only through this interface:
 

@@ -2,8 +2,10 @@
 
 Read in this order: :mod:`.schedules` (what each rank does, as printable data),
 :mod:`.simulate` (what that costs: bubble, deadlock, memory), :mod:`.split` (how the model is
-cut), :mod:`.runtime` (how the actions run, with every send and receive), :mod:`.builtin`
-(the same through ``torch.distributed.pipelining``); compositions: :mod:`.tp_stage` (TP + SP
+cut), :mod:`.runner` (how the actions run, with every send and receive) and :mod:`.comms`
+(the two channels, the tied-embedding swap), :mod:`.runtime` (the engine around the runner:
+the step, gradient sync, norm), :mod:`.builtin` (the same through
+``torch.distributed.pipelining``); compositions: :mod:`.tp_stage` (TP + SP
 inside a stage), :mod:`.zero1` (ZeRO-1 of a stage over dp). The math and the measurements are in
 ``docs/pipeline-parallel.md`` and ``docs/composition.md``.
 """
@@ -13,7 +15,8 @@ from .schedules import (SCHEDULES, Action, Schedule, build_schedule, check_sched
 from .simulate import (Costs, DeadlockError, Event, ScheduleError, SimResult, bubble_formula,
                        simulate)
 from .split import StageModule, split_layers, validate_pp
-from .runtime import (PipelineParallel, gather_timeline, p2p_bytes_formula,  # noqa: E402
+from .comms import p2p_bytes_formula  # noqa: E402
+from .runtime import (PipelineParallel, gather_timeline,  # noqa: E402
                       validate_composition)
 
 

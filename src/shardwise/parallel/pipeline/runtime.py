@@ -1,49 +1,11 @@
-"""The explicit pipeline engine: executes a :class:`~.schedules.Schedule` action by action.
+"""The explicit pipeline engine: this rank's stages, the step through
+:class:`.runner.ScheduleRunner`, and what follows backward (tied swap, SP sum, dp reduction,
+norm).
 
-Math
-----
-The step's loss is the token-weighted mean over the global batch, L = (1/T) Σ_t ℓ_t with T the
-counted tokens of all microbatches of all dp ranks (the train step all-reduces T over dp before
-the forward). The last stage back-propagates ``loss_sum(microbatch) / T`` for each microbatch,
-so the gradients that accumulate in ``.grad`` over the m microbatches are exactly ∇L — no second
-division by m ("double scaling"). ``forward_backward`` returns this rank's loss *sum* (zero on
-all but the last stage); the train step all-reduces it over ``reduce_loss_axes = ("pp", "dp")``
-so every rank logs the same global loss.
-
-Execution of the actions (one pp rank; see :mod:`.schedules` for the vocabulary)
----------------------------------------------------------------------------------
-* ``F``: run the chunk; the first stage reads ``input_ids`` (or ``inputs``), the others the
-  received activation [b, s, d]; the last stage computes the loss sum of ``labels`` and keeps
-  ``loss_sum / T`` as the output to back-propagate.
-* ``B``: ``torch.autograd.backward(output, grad_output)``: accumulates weight gradients, leaves
-  the input gradient in the received activation's ``.grad``.
-* ``I`` / ``W`` (zero bubble): during ``F`` a forward hook records the output of every module
-  that owns parameters (Linear, Embedding, RMSNorm). ``I`` calls ``torch.autograd.grad(output,
-  [input, *those module outputs], grad_output, retain_graph=True)``: the input gradient plus the
-  gradient at each parameterised module's output, without any weight-gradient matmul. ``W`` then
-  calls ``torch.autograd.grad(module_output, module.parameters(), saved_grad)`` per module: only
-  the one-op graph from that output to its own weights is traversed (for a Linear, the dW = dYᵀX
-  matmul), so I + W cost what B costs (Qi et al. 2023 §2; Megatron's implementation defers the
-  dW GEMM the same way).
-* ``SEND_*``: ``isend`` through :func:`shardwise.comm.send` (booked: S bytes); the handles are
-  waited at the end of the step. ``RECV_*``: ``irecv`` + wait (blocking) through
-  :func:`shardwise.comm.recv`. Between a pair of ranks, messages are matched in order; the
-  schedule's SEND and RECV orders agree per channel (checked by :func:`.simulate.simulate`).
-  Activations travel on the topology's ``pp`` process group, gradients on its ``world`` group
-  (every rank of the layout, so it contains the pp peers; booked as axis "pp"). The two kinds
-  thus never share a FIFO between a pair of ranks — necessary for interleaving with pp = 2,
-  where both kinds flow between the same two ranks in both directions, and for NCCL, where one
-  communicator per pair would queue a send behind an unrelated receive. (We do not create a
-  group of our own: group creation is collective over the whole world, and an engine is built
-  only by the ranks of its layout.)
-
-Unequal micro-batches: the microbatches of a step may differ in rows (e.g. 3, 3 and 2, when a
-batch does not split evenly). Every pp rank is handed the same list (``train_step`` passes each
-rank the whole list, inputs and labels), so each rank sizes the buffer of every RECV from that
-microbatch's own dict (:func:`.split.activation_shape`): no shape travels, nothing is added to
-the ledger. The loss needs nothing either: each microbatch's loss sum is divided by the global
-token count T, so unequal rows (and unequal counted tokens) weigh exactly as in one process. TP
-(+SP) shards the sequence and the vocabulary, never the rows, so it is unaffected.
+The loss: ``forward_backward`` returns this rank's loss *sum* (zero on all but the last stage;
+each micro-batch back-propagates ``loss_sum / T``, T the global counted tokens, see
+:mod:`.runner`); the train step all-reduces it over ``reduce_loss_axes = ("pp", "dp")`` so every
+rank logs the same global loss.
 
 Composition (docs/composition.md): TP (+SP) inside each stage (:mod:`.tp_stage`), the
 schedule across stages, DP / ZeRO-1 (:mod:`.zero1`) over dp after the last microbatch. Every
@@ -54,7 +16,7 @@ activation as sent: [b, s, d], with SP this tp rank's [b, s/tp, d]; Ψ_r = bytes
 parameters, its tp shards)
 ----------------------------------------------------------------------------------------------
 * activations: ``m·A`` per chunk not holding the last stage: ``m·A·(v − [r = p−1])`` sent;
-  gradients: ``m·A·(v − [r = 0])`` sent (see :func:`p2p_bytes_formula`), tags ``pp_fwd``,
+  gradients: ``m·A·(v − [r = 0])`` sent (see :func:`.comms.p2p_bytes_formula`), tags ``pp_fwd``,
   ``pp_bwd``; with unequal microbatches m·A is Σ_b A_b, the bytes of all the step's rows;
 * tp > 1: Megatron f/g (or SP all-gather / reduce-scatter) per block of this stage, the
   embedding exit on the first stage, the head entry and the vocab-parallel cross-entropy on the
@@ -74,7 +36,6 @@ parameters, its tp shards)
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 from torch import nn
@@ -82,53 +43,15 @@ from torch import nn
 from ... import comm
 from ...errors import ShardwiseConfigError
 from ...models import count_items
-from ..engine import Engine, autocast
+from ..engine import Engine
 from ..params import counted_grads, grads_or_zeros, local as _local, sum_coalesced_, tp_sharded
 from ..tensor import validate_tp, vocab_parallel_cross_entropy
+from .comms import p2p_bytes_formula, swap_tied_grads
+from .runner import KINDS, ScheduleRunner
 from .schedules import build_schedule, check_schedule
 from .split import StageModule, activation_shape, first_stage_input, loss_sum
 from .tp_stage import convert_stage_tp
 from .zero1 import StageZero1
-
-KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
-
-
-# autograd nodes of the collectives that end a TP region (comm/autograd.py): zb-h1's W pass
-# starts below them (see PipelineParallel._record_output)
-_TP_EXIT_NODES = ("ReduceScatterToSPBackward", "ReduceFromTPBackward")
-
-
-class _GradTraffic:
-    """The topology with the pp axis's point-to-point traffic routed over its "world" process
-    group (gradient traffic; see the module docstring). Duck-types what :mod:`shardwise.comm`
-    needs: sizes and global ranks are the pp axis's, records go to the same ledger as axis
-    "pp"."""
-
-    def __init__(self, topo):
-        self._topo = topo
-        self.ledger = topo.ledger
-
-    def size(self, axis):
-        return self._topo.size(axis)
-
-    def group(self, axis):
-        return self._topo.group("world" if axis == "pp" else axis)
-
-    def global_rank(self, axis, index):
-        return self._topo.global_rank(axis, index)
-
-
-def p2p_bytes_formula(pp_index: int, p: int, v: int, m: int, act_bytes: int) -> dict[str, int]:
-    """Bytes this pp rank sends per step through point-to-point activations and gradients:
-    ``{"pp_fwd": m·A·(v − [r = p−1]), "pp_bwd": m·A·(v − [r = 0])}`` for p > 1, A = bytes of one
-    activation [b, s, d]. Every stage except the last sends its output once per microbatch, every
-    stage except the first its input gradient (GPipe/1F1B/ZB-H1: v = 1; interleaving: each of the
-    v chunks on a rank is a stage). Microbatches of unequal rows: m·A becomes Σ_b A_b; pass
-    m = 1 and ``act_bytes`` = that sum (what :meth:`PipelineParallel.bytes_formula` does)."""
-    if p == 1:
-        return {"pp_fwd": 0, "pp_bwd": 0}
-    return {"pp_fwd": m * act_bytes * (v - (pp_index == p - 1)),
-            "pp_bwd": m * act_bytes * (v - (pp_index == 0))}
 
 
 class PipelineParallel(Engine):
@@ -168,14 +91,11 @@ class PipelineParallel(Engine):
         self.chunks = stage.chunks
         self.is_first, self.is_last = self.pp_index == 0, self.pp_index == self.p - 1
         self._schedules = {}
-        self._split_backward = schedule == "zb-h1"
         self.timeline: list[tuple] = []  # last step: (kind, mb, chunk, peer, t_start, t_end) s
         self.peak_alive = 0  # last step: max (microbatch, chunk) pairs holding activations
-        self._capture = None
         self.rng = self._convert_tp(stage, seed) if self.tp > 1 else None
-        if self._split_backward:
-            self._hook_param_modules()
-        self._grad_traffic = _GradTraffic(topo)  # gradients: another FIFO (module docstring)
+        self.runner = ScheduleRunner(self.chunks, topo, stage,
+                                     split_backward=schedule == "zb-h1")
         with topo.ledger.phase("init"):
             if topo.size("dp") > 1:  # replicas of a stage start identical
                 comm.broadcast_coalesced([_local(p.data) for p in stage.parameters()], topo,
@@ -226,35 +146,6 @@ class PipelineParallel(Engine):
             self._schedules[m] = build_schedule(self.schedule_name, self.p, m, self.v)
         return self._schedules[m]
 
-    # -- zero-bubble support -----------------------------------------------------------------
-    def _hook_param_modules(self) -> None:
-        owners = [m for m in self.module.modules() if list(m.parameters(recurse=False))]
-        covered = {id(p) for m in owners for p in m.parameters(recurse=False)}
-        if covered != {id(p) for p in self.module.parameters()}:
-            raise ShardwiseConfigError("zb-h1 needs every parameter to belong to a module whose "
-                                       "output carries its whole gradient")
-        for m in owners:
-            m.register_forward_hook(self._record_output)
-
-    def _record_output(self, module, args, output):
-        """Record where W will start for ``module``'s weights: its output or, when the output
-        leaves a TP region through a collective (row-parallel / vocab-parallel embedding exit),
-        the edge *into* that collective (an autograd ``GradientEdge``): the collective's
-        backward (SP: an all-gather) then runs once, in I, and W only traverses the local
-        matmul to the weights."""
-        if self._capture is None or not isinstance(output, torch.Tensor) \
-                or not output.requires_grad:
-            return
-        target = output
-        fn = output.grad_fn
-        if fn is not None and type(fn).__name__ in _TP_EXIT_NODES:
-            from torch.autograd.graph import GradientEdge
-
-            node, nr = fn.next_functions[0]
-            if node is not None:
-                target = GradientEdge(node, nr)
-        self._capture.append((list(module.parameters(recurse=False)), target))
-
     # -- the loss of the last stage ------------------------------------------------------------
     def _act_shape(self, mb: dict) -> tuple[int, ...]:
         """The tensor between stages: [b, s, d], with SP [b, s/tp, d]; MLP [b, D]."""
@@ -284,84 +175,9 @@ class PipelineParallel(Engine):
         sched = self.schedule(len(microbatches))
         device = next(self.module.parameters()).device
         mbs = [{k: t.to(device, non_blocking=True) for k, t in mb.items()} for mb in microbatches]
-        # every receive buffer is sized from its own microbatch, which may differ from the
-        # others (e.g. rows 3, 3, 2): all pp ranks hold the same list, so both ends of a
-        # message agree on its shape without sending it (module docstring, "Unequal ...")
-        shapes = [self._act_shape(mb) for mb in mbs]
-        act_dtype = next(self.module.parameters()).dtype
-        loss = torch.zeros(1, dtype=torch.float64, device=device)
-        inputs, outputs, out_grads, in_grads, wgrad = {}, {}, {}, {}, {}
-        captures = {}
-        sends = []
-        alive, self.peak_alive = set(), 0
-        self.timeline = []
-        topo, grad_topo = self.topo, self._grad_traffic
-        for a in sched[self.pp_index]:
-            key = (a.microbatch, a.chunk)
-            chunk = self.chunks[a.chunk]
-            t0 = time.time()
-            if a.kind == "RECV_F":
-                buf = torch.empty(shapes[a.microbatch], dtype=act_dtype, device=device)
-                comm.recv(buf, topo, "pp", a.peer, tag="pp_fwd")
-                inputs[key] = buf.requires_grad_()
-            elif a.kind == "RECV_B":
-                buf = torch.empty(shapes[a.microbatch], dtype=act_dtype, device=device)
-                comm.recv(buf, grad_topo, "pp", a.peer, tag="pp_bwd")
-                out_grads[key] = buf
-            elif a.kind == "SEND_F":
-                t = outputs[key].detach().to(act_dtype).contiguous()
-                sends.append((comm.send(t, topo, "pp", a.peer, tag="pp_fwd", async_op=True), t))
-            elif a.kind == "SEND_B":
-                t = in_grads.pop(key).to(act_dtype).contiguous()
-                sends.append((comm.send(t, grad_topo, "pp", a.peer, tag="pp_bwd",
-                                        async_op=True), t))
-            elif a.kind == "F":
-                x = first_stage_input(mbs[a.microbatch]) if chunk.is_first else inputs[key]
-                self._capture = [] if self._split_backward else None
-                with autocast(dtype, device):
-                    y = chunk(x)
-                    if chunk.is_last:
-                        s = self._loss_sum(y, mbs[a.microbatch])
-                        loss += s.detach().double()
-                        y = s / denom  # back-propagate the share of the global mean
-                captures[key], self._capture = self._capture, None
-                outputs[key] = y
-                alive.add(key)
-                self.peak_alive = max(self.peak_alive, len(alive))
-            elif a.kind == "B":
-                y = outputs.pop(key)
-                g = None if chunk.is_last else out_grads.pop(key).to(y.dtype)
-                torch.autograd.backward(y, g)
-                if not chunk.is_first:
-                    in_grads[key] = inputs.pop(key).grad
-                alive.discard(key)
-            elif a.kind == "I":
-                y = outputs.pop(key)
-                g = None if chunk.is_last else out_grads.pop(key).to(y.dtype)
-                roots = [] if chunk.is_first else [inputs.pop(key)]
-                cap = captures.pop(key)
-                grads = torch.autograd.grad(y, roots + [out for _, out in cap], g,
-                                            retain_graph=True, allow_unused=True)
-                if not chunk.is_first:
-                    in_grads[key] = grads[0]
-                wgrad[key] = [(params, out, gout) for (params, out), gout
-                              in zip(cap, grads[len(roots):]) if gout is not None]
-            elif a.kind == "W":
-                for params, out, gout in wgrad.pop(key):
-                    for p, gp in zip(params, torch.autograd.grad(out, params, gout,
-                                                                 retain_graph=True)):
-                        if p.grad is None:
-                            p.grad = gp
-                        else:
-                            p.grad.add_(gp)
-                alive.discard(key)
-            self.timeline.append((a.kind, a.microbatch, a.chunk,
-                                  -1 if a.peer is None else a.peer, t0, time.time()))
-        for handle, _ in sends:
-            handle.wait()
-        leftover = [d for d in (inputs, outputs, out_grads, in_grads, wgrad) if d]
-        if leftover:  # a schedule bug; the simulator should have caught it
-            raise RuntimeError(f"pipeline step left state behind: {leftover}")
+        loss = self.runner.run(sched[self.pp_index], mbs, denom, dtype,
+                               act_shape=self._act_shape, loss_sum=self._loss_sum)
+        self.timeline, self.peak_alive = self.runner.timeline, self.runner.peak_alive
         return loss
 
     # -- the formula the ledger is checked against -------------------------------------------
@@ -496,21 +312,8 @@ class PipelineParallel(Engine):
         the global token count), in ``reduce_dtype``."""
         stage = self.module
         if stage.tied and self.p > 1 and (self.is_first or self.is_last):
-            w = stage.tok_embeddings.weight if self.is_first else stage.tied_output
-            if w.grad is None:
-                w.grad = torch.zeros_like(w)
-            g = _local(w.grad)
-            buf = torch.empty_like(g)
-            peer = self.p - 1 if self.is_first else 0
-            # first rank sends then receives, last rank receives then sends: safe even if
-            # sends block until matched
-            if self.is_first:
-                comm.send(g, self.topo, "pp", peer, tag="tied")
-                comm.recv(buf, self.topo, "pp", peer, tag="tied")
-            else:
-                comm.recv(buf, self.topo, "pp", peer, tag="tied")
-                comm.send(g, self.topo, "pp", peer, tag="tied")
-            g.add_(buf)  # g_first + g_last on both ranks (addition commutes exactly)
+            swap_tied_grads(stage.tok_embeddings.weight if self.is_first else stage.tied_output,
+                            self.topo, self.is_first, self.p)
         if self.tp > 1 and self.sp:
             self._sync_sp_grads()
         if self.topo.size("dp") == 1:

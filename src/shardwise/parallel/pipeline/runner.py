@@ -1,0 +1,182 @@
+"""The explicit pipeline runner: executes one pp rank's actions of a :class:`~.schedules.Schedule`.
+
+The step's loss is the token-weighted mean over the global batch, L = (1/T) Σ_t ℓ_t with T the
+counted tokens of all microbatches of all dp ranks. The last stage back-propagates
+``loss_sum(microbatch) / T`` for each microbatch, so the gradients that accumulate in ``.grad``
+over the m microbatches are exactly ∇L — no second division by m ("double scaling").
+
+The actions (see :mod:`.schedules` for the vocabulary):
+
+* ``F``: run the chunk; the first stage reads ``input_ids`` (or ``inputs``), the others the
+  received activation; the last stage computes the loss sum and keeps ``loss_sum / T`` as the
+  output to back-propagate.
+* ``B``: ``torch.autograd.backward(output, grad_output)``: accumulates weight gradients, leaves
+  the input gradient in the received activation's ``.grad``.
+* ``I`` / ``W`` (zero bubble, Qi et al. 2023 §2): ``I`` computes the input gradient plus the
+  gradient at each parameterised module's output (no weight-gradient matmul); ``W`` then
+  traverses only the one-op graph from that output to its weights (:class:`ZeroBubbleCapture`).
+* ``SEND_*``: ``isend`` through :func:`shardwise.comm.send` (tags ``pp_fwd``/``pp_bwd``), waited
+  at the end of the step; ``RECV_*``: ``irecv`` + wait. Activations and gradients travel on two
+  channels (:mod:`.comms`); per channel the schedule's SEND and RECV orders agree (checked by
+  :func:`.simulate.simulate`).
+
+Unequal micro-batches (e.g. rows 3, 3, 2): every pp rank holds the same list, so each sizes the
+buffer of every RECV from that microbatch's own dict (:func:`.split.activation_shape`): no shape
+travels, nothing is added to the ledger.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ... import comm
+from ...errors import ShardwiseConfigError
+from ..engine import autocast
+from .comms import GradTraffic
+from .split import first_stage_input
+
+KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+# autograd nodes of the collectives that end a TP region (parallel TP comms): zb-h1's W pass
+# starts below them (see ZeroBubbleCapture.record)
+_TP_EXIT_NODES = ("ReduceScatterToSPBackward", "ReduceFromTPBackward")
+
+
+class ZeroBubbleCapture:
+    """zb-h1's split backward: during ``F`` a forward hook records the output of every module
+    that owns parameters (Linear, Embedding, RMSNorm); ``I`` differentiates with respect to
+    those outputs, ``W`` from each output to its own weights (for a Linear, the dW = dYᵀX matmul),
+    so I + W cost what B costs (Megatron's implementation defers the dW GEMM the same way).
+    Raises :class:`ShardwiseConfigError` if a parameter belongs to no such module."""
+
+    def __init__(self, module: torch.nn.Module):
+        owners = [m for m in module.modules() if list(m.parameters(recurse=False))]
+        covered = {id(p) for m in owners for p in m.parameters(recurse=False)}
+        if covered != {id(p) for p in module.parameters()}:
+            raise ShardwiseConfigError("zb-h1 needs every parameter to belong to a module whose "
+                                       "output carries its whole gradient")
+        self.active: list | None = None
+        for m in owners:
+            m.register_forward_hook(self.record)
+
+    def record(self, module, args, output):
+        """Record where W will start for ``module``'s weights: its output or, when the output
+        leaves a TP region through a collective (row-parallel / vocab-parallel embedding exit),
+        the edge *into* that collective (an autograd ``GradientEdge``): the collective's
+        backward (SP: an all-gather) then runs once, in I, and W only traverses the local
+        matmul to the weights."""
+        if self.active is None or not isinstance(output, torch.Tensor) \
+                or not output.requires_grad:
+            return
+        target = output
+        fn = output.grad_fn
+        if fn is not None and type(fn).__name__ in _TP_EXIT_NODES:
+            from torch.autograd.graph import GradientEdge
+
+            node, nr = fn.next_functions[0]
+            if node is not None:
+                target = GradientEdge(node, nr)
+        self.active.append((list(module.parameters(recurse=False)), target))
+
+
+class ScheduleRunner:
+    """Runs one pp rank's action list for a step. ``chunks``: this rank's model chunks in stage
+    order (:class:`.split.Chunk`); ``split_backward``: zb-h1 (I/W instead of B) over ``module``.
+    After :meth:`run`, ``timeline`` holds (kind, microbatch, chunk, peer, t_start, t_end) per
+    action (seconds, ``time.time()``) and ``peak_alive`` the most (microbatch, chunk) pairs that
+    held activations at once."""
+
+    def __init__(self, chunks, topo, module: torch.nn.Module, *, split_backward: bool):
+        self.chunks, self.topo, self.module = chunks, topo, module
+        self.grad_topo = GradTraffic(topo)  # gradients: the other channel (.comms)
+        self.zb = ZeroBubbleCapture(module) if split_backward else None
+        self.timeline: list[tuple] = []
+        self.peak_alive = 0
+
+    def run(self, actions, microbatches: list[dict], denom: float, dtype: str, *,
+            act_shape, loss_sum) -> torch.Tensor:
+        """Execute ``actions`` (this rank's row of the schedule) for ``microbatches`` (the same
+        list on every pp rank, already on this rank's device). ``act_shape(mb)``: the shape of
+        the tensor between stages for micro-batch ``mb``; ``loss_sum(y, mb)``: the last
+        stage's token-loss sum of its output. ``denom``: the global count of counted tokens.
+        Returns this rank's loss sum, fp64 [1] (0 except on the last stage). RuntimeError if the
+        schedule leaves state behind (a schedule bug)."""
+        mbs = microbatches
+        shapes = [act_shape(mb) for mb in mbs]
+        first = next(self.module.parameters())
+        device, act_dtype = first.device, first.dtype
+        loss = torch.zeros(1, dtype=torch.float64, device=device)
+        inputs, outputs, out_grads, in_grads, wgrad, captures = {}, {}, {}, {}, {}, {}
+        sends, alive = [], set()
+        self.timeline, self.peak_alive = [], 0
+        topo, grad_topo = self.topo, self.grad_topo
+        for a in actions:
+            key = (a.microbatch, a.chunk)
+            chunk = self.chunks[a.chunk]
+            t0 = time.time()
+            if a.kind == "RECV_F":
+                buf = torch.empty(shapes[a.microbatch], dtype=act_dtype, device=device)
+                comm.recv(buf, topo, "pp", a.peer, tag="pp_fwd")
+                inputs[key] = buf.requires_grad_()
+            elif a.kind == "RECV_B":
+                buf = torch.empty(shapes[a.microbatch], dtype=act_dtype, device=device)
+                comm.recv(buf, grad_topo, "pp", a.peer, tag="pp_bwd")
+                out_grads[key] = buf
+            elif a.kind == "SEND_F":
+                t = outputs[key].detach().to(act_dtype).contiguous()
+                sends.append((comm.send(t, topo, "pp", a.peer, tag="pp_fwd", async_op=True), t))
+            elif a.kind == "SEND_B":
+                t = in_grads.pop(key).to(act_dtype).contiguous()
+                sends.append((comm.send(t, grad_topo, "pp", a.peer, tag="pp_bwd",
+                                        async_op=True), t))
+            elif a.kind == "F":
+                x = first_stage_input(mbs[a.microbatch]) if chunk.is_first else inputs[key]
+                if self.zb is not None:
+                    self.zb.active = []
+                with autocast(dtype, device):
+                    y = chunk(x)
+                    if chunk.is_last:
+                        s = loss_sum(y, mbs[a.microbatch])
+                        loss += s.detach().double()
+                        y = s / denom  # back-propagate the share of the global mean
+                if self.zb is not None:
+                    captures[key], self.zb.active = self.zb.active, None
+                outputs[key] = y
+                alive.add(key)
+                self.peak_alive = max(self.peak_alive, len(alive))
+            elif a.kind == "B":
+                y = outputs.pop(key)
+                g = None if chunk.is_last else out_grads.pop(key).to(y.dtype)
+                torch.autograd.backward(y, g)
+                if not chunk.is_first:
+                    in_grads[key] = inputs.pop(key).grad
+                alive.discard(key)
+            elif a.kind == "I":
+                y = outputs.pop(key)
+                g = None if chunk.is_last else out_grads.pop(key).to(y.dtype)
+                roots = [] if chunk.is_first else [inputs.pop(key)]
+                cap = captures.pop(key)
+                grads = torch.autograd.grad(y, roots + [out for _, out in cap], g,
+                                            retain_graph=True, allow_unused=True)
+                if not chunk.is_first:
+                    in_grads[key] = grads[0]
+                wgrad[key] = [(ps, out, gout) for (ps, out), gout
+                              in zip(cap, grads[len(roots):]) if gout is not None]
+            elif a.kind == "W":
+                for ps, out, gout in wgrad.pop(key):
+                    for p, gp in zip(ps, torch.autograd.grad(out, ps, gout, retain_graph=True)):
+                        if p.grad is None:
+                            p.grad = gp
+                        else:
+                            p.grad.add_(gp)
+                alive.discard(key)
+            self.timeline.append((a.kind, a.microbatch, a.chunk,
+                                  -1 if a.peer is None else a.peer, t0, time.time()))
+        for handle, _ in sends:
+            handle.wait()
+        leftover = [d for d in (inputs, outputs, out_grads, in_grads, wgrad) if d]
+        if leftover:  # a schedule bug; the simulator should have caught it
+            raise RuntimeError(f"pipeline step left state behind: {leftover}")
+        return loss
