@@ -45,6 +45,7 @@ from torch import nn
 from .. import comm
 from ..errors import ShardwiseConfigError
 from .engine import Engine
+from .params import local
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -67,12 +68,13 @@ class _Bucket:
 
     def __init__(self, params: list[nn.Parameter], dtype: torch.dtype | None = None):
         self.params = params
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype or params[0].dtype,
-                                  device=params[0].device)
+        shards = [local(p) for p in params]  # DTensor parameters: this rank's shard
+        self.buffer = torch.zeros(sum(t.numel() for t in shards), dtype=dtype or params[0].dtype,
+                                  device=shards[0].device)
         self.views, offset = [], 0
-        for p in params:
-            self.views.append(self.buffer[offset: offset + p.numel()].view_as(p))
-            offset += p.numel()
+        for t in shards:
+            self.views.append(self.buffer[offset: offset + t.numel()].view_as(t))
+            offset += t.numel()
         self.ready = 0
         self.handle = None
 
@@ -82,74 +84,69 @@ class _Bucket:
 # gradients arrive in different orders must still issue the same sequence of all-reduces.
 
 
-class DataParallel(Engine):
-    """Wrap a plain model for explicit DP over ``topo``'s "dp" axis.
+class GradBuckets:
+    """DP's gradient sync, an object any engine holds: the gradients of ``params`` summed over
+    ``topo``'s "dp" axis by bucketed all-reduces (SUM: each rank's loss was already divided by
+    the global token count). Tag ``grad``.
 
-    Forward is the plain model's forward. Parameters are broadcast from dp index 0 at
-    construction (so replicas start identical even if the seeds differ). Gradients of shape
-    [same as param] are summed over dp by bucketed async all-reduces launched from
-    post-accumulate-grad hooks; call :meth:`finish_gradient_sync` after the last backward of a step.
+    ``bucket_mb``: bucket size in MB (2**20 bytes). ``overlap=True``: post-accumulate-grad hooks
+    launch each bucket as soon as its gradients are complete, while backward continues;
+    ``overlap=False``: every bucket is launched in :meth:`finish` (no hooks: a pipeline's zb-h1
+    writes ``.grad`` by hand, where hooks do not fire). ``reduce_dtype``: "fp32" | "bf16", the
+    dtype the buckets hold and move (cast back after; :func:`reduce_torch_dtype`). Gradients are
+    read through :func:`.params.local` (the PyTorch pipeline's DTensor shards)."""
 
-    ``bucket_mb``: bucket size in MB (2**20 bytes). ``overlap=False`` launches every bucket only in
-    :meth:`finish_gradient_sync` (after backward), for measuring what overlap buys.
-    ``reduce_dtype``: "fp32" | "bf16": the buckets hold (and the all-reduce moves) gradients in
-    that dtype; they are cast back to the parameters' dtype after (:func:`reduce_torch_dtype`).
-    Raises :class:`ShardwiseConfigError` for another ``reduce_dtype`` (before any collective).
-    """
-
-    def __init__(self, module: nn.Module, topo, bucket_mb: float = 25.0, overlap: bool = True,
-                 reduce_dtype: str = "fp32"):
-        rdtype = reduce_torch_dtype(reduce_dtype)  # checked before any collective
-        super().__init__(module)
-        self.topo, self.overlap, self.reduce_dtype = topo, overlap, reduce_dtype
-        self._sync = True
-        params = [p for p in module.parameters() if p.requires_grad]
-        with topo.ledger.phase("init"):  # replicas identical from the start
-            comm.broadcast_coalesced([p.data for p in params], topo, "dp", tag="init")
+    def __init__(self, params: list[nn.Parameter], topo, *, bucket_mb: float = 25.0,
+                 overlap: bool = True, reduce_dtype: str = "fp32"):
+        rdtype = reduce_torch_dtype(reduce_dtype)
+        self.topo, self.overlap = topo, overlap
+        self.enabled = True
         cap = max(1, int(bucket_mb * 2**20))
         self.buckets: list[_Bucket] = []
         current, size = [], 0
         for p in reversed(params):  # ≈ the order gradients become ready in backward
-            if current and (size + p.numel() * p.element_size() > cap or p.dtype != current[0].dtype):
+            t = local(p)
+            if current and (size + t.numel() * t.element_size() > cap
+                            or p.dtype != current[0].dtype):
                 self.buckets.append(_Bucket(current, rdtype))
                 current, size = [], 0
             current.append(p)
-            size += p.numel() * p.element_size()
+            size += t.numel() * t.element_size()
         if current:
             self.buckets.append(_Bucket(current, rdtype))
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self._next = 0  # index of the next bucket to launch
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        if overlap:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     @contextlib.contextmanager
     def sync_gradients(self, enabled: bool):
         """Inside ``sync_gradients(False)`` backward only accumulates locally (no collectives)."""
-        prev, self._sync = self._sync, enabled
+        prev, self.enabled = self.enabled, enabled
         try:
             yield
         finally:
-            self._sync = prev
+            self.enabled = prev
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self._sync:
+        if not self.enabled:
             return
         self._bucket_of[p].ready += 1
-        if self.overlap:
-            while (self._next < len(self.buckets)
-                   and self.buckets[self._next].ready == len(self.buckets[self._next].params)):
-                self._launch(self.buckets[self._next])
-                self._next += 1
+        while (self._next < len(self.buckets)
+               and self.buckets[self._next].ready == len(self.buckets[self._next].params)):
+            self._launch(self.buckets[self._next])
+            self._next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
         for p, view in zip(bucket.params, bucket.views):
             if p.grad is None:  # unused on this rank: contributes zeros
                 view.zero_()
             else:
-                view.copy_(p.grad)  # casts to the reduce dtype (bf16: rounds)
-        # SUM, not average: each rank's loss was already divided by the global token count
+                view.copy_(local(p.grad))  # casts to the reduce dtype (bf16: rounds)
         bucket.handle = comm.all_reduce(bucket.buffer, self.topo, "dp", tag="grad", async_op=True)
 
-    def finish_gradient_sync(self) -> None:
+    def finish(self) -> None:
         """Launch any bucket not yet launched (unused parameters, ``overlap=False``), wait for all,
         and copy the summed gradients back into each ``param.grad``."""
         for bucket in self.buckets:
@@ -159,19 +156,52 @@ class DataParallel(Engine):
             bucket.handle.wait()
             for p, view in zip(bucket.params, bucket.views):
                 if p.grad is None:
-                    p.grad = view.to(p.dtype, copy=True)
-                else:
-                    p.grad.copy_(view)  # casts back from the reduce dtype
+                    p.grad = torch.zeros_like(p)
+                local(p.grad).copy_(view)  # casts back from the reduce dtype
             bucket.handle, bucket.ready = None, 0
         self._next = 0
+
+    def grad_bytes(self) -> int:
+        """Bytes of gradients one all-reduce round moves (in the reduce dtype)."""
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+
+
+class DataParallel(Engine):
+    """Wrap a plain model for explicit DP over ``topo``'s "dp" axis.
+
+    Forward is the plain model's forward. Parameters are broadcast from dp index 0 at
+    construction (so replicas start identical even if the seeds differ). Gradients are summed
+    over dp by :class:`GradBuckets` (``bucket_mb``, ``overlap``, ``reduce_dtype``); call
+    :meth:`finish_gradient_sync` after the last backward of a step. Raises
+    :class:`ShardwiseConfigError` for another ``reduce_dtype`` (before any collective)."""
+
+    def __init__(self, module: nn.Module, topo, bucket_mb: float = 25.0, overlap: bool = True,
+                 reduce_dtype: str = "fp32"):
+        reduce_torch_dtype(reduce_dtype)  # checked before any collective
+        super().__init__(module)
+        self.topo, self.overlap, self.reduce_dtype = topo, overlap, reduce_dtype
+        params = [p for p in module.parameters() if p.requires_grad]
+        with topo.ledger.phase("init"):  # replicas identical from the start
+            comm.broadcast_coalesced([p.data for p in params], topo, "dp", tag="init")
+        self.grad_sync = GradBuckets(params, topo, bucket_mb=bucket_mb, overlap=overlap,
+                                     reduce_dtype=reduce_dtype)
+
+    @property
+    def buckets(self) -> list[_Bucket]:
+        return self.grad_sync.buckets
+
+    def sync_gradients(self, enabled: bool):
+        return self.grad_sync.sync_gradients(enabled)
+
+    def finish_gradient_sync(self) -> None:
+        self.grad_sync.finish()
 
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
                       dtype: str = "fp32") -> dict[str, float]:
         """{"grad": bytes} this rank sends per step: :func:`dp_grad_bytes_formula` of the
         gradients *in the reduce dtype* (bf16: half of fp32), whatever ``micro_steps`` (one
         all-reduce per step) and ``dtype`` (autocast leaves gradients fp32)."""
-        grad_bytes = sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
-        return {"grad": dp_grad_bytes_formula(grad_bytes, self.topo.size("dp"))}
+        return {"grad": dp_grad_bytes_formula(self.grad_sync.grad_bytes(), self.topo.size("dp"))}
 
     def memory_formula(self) -> dict[str, float]:
         """:func:`dp_memory_formula` of this replica."""

@@ -32,9 +32,9 @@ def build_pipeline(model, topo, *, layout=None, engine: str = "explicit",
     ``layout`` (a :class:`~shardwise.parallel.apply.Layout`) overrides ``schedule``/
     ``microbatches``/``virtual_stages``/``sp``/``zero``. ``seed``: TP dropout RNG;
     ``reduce_dtype``: "fp32" | "bf16" dp gradient reduction. ``dp_kw``: the other dp-axis
-    options of :func:`~..apply.parallelize` (``bucket_mb``, ``overlap``, ``prefetch``,
-    ``reshard_after_forward``): accepted and unused — a stage's gradients are reduced once,
-    after the last microbatch, as one flat buffer, and ZeRO-2/3 are refused with pp.
+    options of :func:`~..apply.parallelize`: ``bucket_mb`` sizes DP's gradient buckets
+    (:class:`..data.GradBuckets`, launched once after the last microbatch); ``overlap``,
+    ``prefetch``, ``reshard_after_forward`` do not apply (ZeRO-2/3 are refused with pp).
     Raises ``ValueError`` for an unknown engine, :class:`~shardwise.errors.ShardwiseConfigError`
     for invalid settings (before any collective)."""
     if layout is not None:
@@ -44,7 +44,7 @@ def build_pipeline(model, topo, *, layout=None, engine: str = "explicit",
         sp, zero = layout.sp, layout.zero
     kw = dict(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
               layers_per_stage=layers_per_stage, sp=sp, zero=zero, seed=seed,
-              reduce_dtype=reduce_dtype)
+              reduce_dtype=reduce_dtype, bucket_mb=dp_kw.get("bucket_mb", 25.0))
     if engine == "explicit":
         return PipelineParallel(model, topo, **kw)
     if engine == "torch":

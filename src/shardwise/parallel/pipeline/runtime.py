@@ -43,6 +43,7 @@ from torch import nn
 from ... import comm
 from ...errors import ShardwiseConfigError
 from ...models import count_items
+from ..data import GradBuckets
 from ..engine import Engine
 from ..params import counted_grads, grads_or_zeros, local as _local, sum_coalesced_, tp_sharded
 from ..tensor import validate_tp, vocab_parallel_cross_entropy
@@ -67,7 +68,8 @@ class PipelineParallel(Engine):
     :meth:`forward_backward`; a schedule is built, validated and cached per m). ``sp``:
     sequence parallelism inside the stages. ``zero``: 0 (each stage's gradients all-reduced over
     dp) or 1 (:class:`.zero1.StageZero1`: reduce-scatter, sharded AdamW, all-gather).
-    ``reduce_dtype``: "fp32" | "bf16", the dtype of the dp gradient reduction. ``seed``: the
+    ``reduce_dtype``: "fp32" | "bf16", the dtype of the dp gradient reduction; ``bucket_mb``:
+    its bucket size (:class:`..data.GradBuckets`). ``seed``: the
     TP dropout RNG regions.
 
     Raises :class:`ShardwiseConfigError` for invalid settings, before any collective."""
@@ -78,7 +80,7 @@ class PipelineParallel(Engine):
     def __init__(self, model: nn.Module, topo, *, schedule: str = "1f1b",
                  microbatches: int | None = None, virtual_stages: int | None = None,
                  layers_per_stage: list[int] | None = None, sp: bool = False, zero: int = 0,
-                 seed: int = 0, reduce_dtype: str = "fp32"):
+                 seed: int = 0, reduce_dtype: str = "fp32", bucket_mb: float = 25.0):
         self.tp, self.sp, self.zero = topo.size("tp"), bool(sp), int(zero)
         validate_composition(model, topo, schedule=schedule, sp=sp, zero=zero,
                              reduce_dtype=reduce_dtype, engine=self._engine_name)
@@ -107,6 +109,12 @@ class PipelineParallel(Engine):
                 else:
                     comm.recv(_local(stage.tied_output.data), topo, "pp", 0, tag="init")
         self.zero1 = self._build_zero1() if self.zero == 1 else None
+        # dp > 1 without ZeRO-1 shards: DP's own gradient sync (:class:`..data.GradBuckets`),
+        # launched after the schedule's last backward (overlap=False: zb-h1's W pass writes
+        # .grad by hand, where post-accumulate hooks do not fire)
+        self.dp_sync = (GradBuckets(self._params(), topo, bucket_mb=bucket_mb, overlap=False,
+                                    reduce_dtype=reduce_dtype)
+                        if topo.size("dp") > 1 and self.zero1 is None else None)
 
     _engine_name = "explicit"
 
@@ -316,13 +324,10 @@ class PipelineParallel(Engine):
                             self.topo, self.is_first, self.p)
         if self.tp > 1 and self.sp:
             self._sync_sp_grads()
-        if self.topo.size("dp") == 1:
-            return
         if self.zero1 is not None:
             self.zero1.reduce_scatter()
-            return
-        sum_coalesced_(grads_or_zeros(self._params()), self.topo, "dp", tag="grad",
-                       dtype=torch.bfloat16 if self.reduce_dtype == "bf16" else None)
+        elif self.dp_sync is not None:
+            self.dp_sync.finish()
 
     def make_optimizer(self, param_groups: list[dict], **adamw) -> torch.optim.Optimizer:
         """AdamW over this stage's parameters (ZeRO-1: over this rank's dp slice of them). The
