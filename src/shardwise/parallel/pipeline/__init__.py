@@ -13,8 +13,7 @@ from .schedules import (SCHEDULES, Action, Schedule, build_schedule, check_sched
 from .simulate import (Costs, DeadlockError, Event, ScheduleError, SimResult, bubble_formula,
                        simulate)
 from .split import StageModule, split_layers, validate_pp
-from .runtime import (PipelineParallel, gather_timeline, p2p_bytes_formula,  # noqa: E402
-                      validate_composition)
+from .runtime import PipelineParallel, gather_timeline, p2p_bytes_formula  # noqa: E402
 
 
 def build_pipeline(model, topo, *, layout=None, engine: str = "explicit",
@@ -55,4 +54,4 @@ __all__ = ["SCHEDULES", "Action", "Costs", "DeadlockError", "Event", "PipelinePa
            "Schedule", "ScheduleError", "SimResult", "StageModule", "bubble_formula",
            "build_pipeline", "build_schedule", "check_schedule", "compute_order",
            "format_schedule", "gather_timeline", "p2p_bytes_formula", "peak_activations",
-           "simulate", "split_layers", "validate_composition", "validate_pp"]
+           "simulate", "split_layers", "validate_pp"]
