@@ -99,12 +99,12 @@ class Layout:
 
         1. the layout alone: ``sp`` needs tp > 1 (TP's rule, :func:`~.tensor.validate_tp`);
            ZeRO needs dp ≥ 2, a stage in {0..3} and a known engine (:func:`~.zero.validate_zero`);
-           ZeRO-2/3 with pp > 1 is refused, as DeepSpeed refuses it: the pipeline runs m
-           micro-batches per step, so ZeRO-2 would reduce-scatter (or keep full) gradients m
-           times and ZeRO-3 would re-gather every stage's parameters for each micro-batch's
-           forward and backward — m× the traffic for memory that ZeRO-1 (sharded optimizer
-           state, the large part) already saves. Megatron-LM likewise pairs PP only with its
-           distributed optimizer (= ZeRO-1).
+           ZeRO-2/3 with pp > 1 (or in a pipeline engine) is refused, as DeepSpeed refuses it:
+           the pipeline runs m micro-batches per step, so ZeRO-2 would reduce-scatter (or keep
+           full) gradients m times and ZeRO-3 would re-gather every stage's parameters for each
+           micro-batch's forward and backward — m× the traffic for memory that ZeRO-1 (sharded
+           optimizer state, the large part) already saves. Megatron-LM likewise pairs PP only
+           with its distributed optimizer (= ZeRO-1).
         2. the engine's shape (``composition``) and the topology's degrees;
         3. the reduce dtype: fp32 or bf16 (:func:`~.data.reduce_torch_dtype`);
         4. the model: tp > 1 needs a Llama-style model whose heads, kv heads, d_ff (and, with
