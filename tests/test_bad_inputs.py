@@ -225,7 +225,7 @@ CASES = [
     ("tp-with-mlp", lambda f: [*Q, "--tp", "2", "--model", "mlp"],
      ["tensor parallelism splits the Llama-style models", "choose --model tiny"]),
     ("zero-without-dp", lambda f: [*Q, "--zero", "3", "--dp", "1"],
-     ["--zero 3 shards model state over the dp axis, but dp=1", "use --dp ≥ 2"]),
+     ["--zero 3 shards the model state over the dp ranks, but dp=1", "Use --dp 2 or more"]),
     ("zero3-with-pp", lambda f: [*Q, "--dp", "2", "--zero", "3", "--pp", "2"],
      ["ZeRO-3 does not compose with pipeline parallelism", "use --zero 1"]),
     ("pp-too-few-microbatches", lambda f: [*Q, "--pp", "4"],

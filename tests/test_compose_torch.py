@@ -17,7 +17,7 @@ from shardwise.data import DistributedSampler
 from shardwise.errors import ShardwiseConfigError
 from shardwise.models import build_model
 from shardwise.parallel.apply import Layout
-from shardwise.parallel.compose_torch import validate_2d_torch
+from shardwise.parallel.compose_torch import parallelize_2d_torch
 from shardwise.parity import ATOL, RTOL, assert_parity, reference_at, reference_run
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
@@ -170,13 +170,19 @@ def _topo(dp, tp):
                            describe=lambda: f"pp=1 × dp={dp} × tp={tp}")
 
 
+def _check(model, topo, layout, reduce_dtype):
+    """parallelize_2d_torch on a topology without groups: its checks (Layout.check) must raise
+    before its first collective."""
+    parallelize_2d_torch(model, topo, layout, reduce_dtype=reduce_dtype)
+
+
 def test_bad_input_refused_before_any_collective():
     llama = build_model("tiny", vocab_size=67, **W.MODEL)
     with pytest.raises(ShardwiseConfigError, match="Llama"):
-        validate_2d_torch(build_model("mlp-tiny"), _topo(2, 2), Layout(dp=2, tp=2), "fp32")
+        _check(build_model("mlp-tiny"), _topo(2, 2), Layout(dp=2, tp=2), "fp32")
     with pytest.raises(ShardwiseConfigError, match="does not divide"):
-        validate_2d_torch(llama, _topo(2, 3), Layout(dp=2, tp=3), "fp32")
+        _check(llama, _topo(2, 3), Layout(dp=2, tp=3), "fp32")
     with pytest.raises(ShardwiseConfigError, match="fp32 or bf16"):
-        validate_2d_torch(llama, _topo(2, 2), Layout(dp=2, tp=2), "fp16")
+        _check(llama, _topo(2, 2), Layout(dp=2, tp=2), "fp16")
     with pytest.raises(ShardwiseConfigError, match="does not match"):
-        validate_2d_torch(llama, _topo(4, 2), Layout(dp=2, tp=2), "fp32")
+        _check(llama, _topo(4, 2), Layout(dp=2, tp=2), "fp32")

@@ -26,7 +26,7 @@ import pytest
 
 from shardwise.errors import ShardwiseConfigError
 from shardwise.plan import cost
-from shardwise.plan.cost import Assumptions, Layout, Precision, estimate
+from shardwise.plan.cost import Assumptions, PlanLayout, Precision, estimate
 from shardwise.plan.hardware import get_cluster, load_cluster
 from shardwise.plan.models import from_llama_config, get_model
 
@@ -72,8 +72,8 @@ def test_predicted_comm_bytes_equal_the_ledger(own_runs, dp, tp, pp, zero):
     2(n−1)/n·4Ψ of fp32 gradients and two fp64 scalars (token count, loss)."""
     spec, _ = _tiny_spec()
     m = GLOBAL_BATCH // (dp * MICRO)
-    predicted = cost.dp_step_bytes(spec, Layout(dp=dp, tp=tp, pp=pp, zero=zero,
-                                                precision="fp32"), m=m)
+    predicted = cost.dp_step_bytes(spec, PlanLayout(dp=dp, tp=tp, pp=pp, zero=zero,
+                                                    precision="fp32"), m=m)
     # the formula by hand too, so a wrong cost model cannot agree with itself
     n, psi = dp, spec.num_params()
     assert predicted["grad"] == pytest.approx(2 * (n - 1) / n * 4 * psi, rel=0, abs=1e-6)
@@ -94,7 +94,7 @@ def test_predicted_zero_comm_bytes_equal_the_ledger(own_runs, dp, tp, pp, zero):
     m = GLOBAL_BATCH // (dp * MICRO)
     psi = spec.num_params()
     root = psi - spec.n_layers * spec.layer_params()
-    predicted = cost.dp_step_bytes(spec, Layout(dp=dp, zero=zero, precision="fp32"), m=m,
+    predicted = cost.dp_step_bytes(spec, PlanLayout(dp=dp, zero=zero, precision="fp32"), m=m,
                                    regathered=psi - root if zero == 3 else None)
     n = dp
     f = (n - 1) / n
@@ -239,7 +239,7 @@ def test_zero3_gradient_reduction_once_or_per_micro_batch():
     psi, n, m = spec.num_params(), 4, 8
     by = {}
     for red in ("step", "micro"):
-        lay = Layout(dp=n, zero=3, precision="fp32", grad_reduce=red)
+        lay = PlanLayout(dp=n, zero=3, precision="fp32", grad_reduce=red)
         e = estimate(spec, get_cluster("h100"), lay, n * m)
         by[red] = (e.memory["first"]["grads"],
                    next(c for c in e.comm if c.tag == "grad").count,
@@ -269,12 +269,12 @@ def test_collective_time_and_placement_by_hand():
     assert wire == 2 * 7 / 8 * 1e9
     assert sec == pytest.approx(14 * 1e-6 + 1.75e9 / (450e9 * 0.8))
     # tp=8 fills a node: every dp peer is on another node, one per node → one NIC each
-    assert cost.axis_link(c, Layout(dp=64, tp=8), "dp")[:2] == (50e9, 5e-6)
-    assert cost.axis_link(c, Layout(dp=64, tp=8), "tp")[:2] == (450e9, 1e-6)
+    assert cost.axis_link(c, PlanLayout(dp=64, tp=8), "dp")[:2] == (50e9, 5e-6)
+    assert cost.axis_link(c, PlanLayout(dp=64, tp=8), "tp")[:2] == (450e9, 1e-6)
     # tp=1, dp=16: 8 dp ranks per node → 8 rings side by side, 8 × 50 GB/s < NVLink
-    assert cost.axis_link(c, Layout(dp=16), "dp")[0] == 400e9
+    assert cost.axis_link(c, PlanLayout(dp=16), "dp")[0] == 400e9
     # tp=2, dp=4 stays in one node
-    assert cost.axis_link(c, Layout(dp=4, tp=2), "dp")[2] == "intra-node"
+    assert cost.axis_link(c, PlanLayout(dp=4, tp=2), "dp")[2] == "intra-node"
 
 
 def test_bf16_model_state_of_llama3_405b_on_the_llama3_layout():
@@ -282,8 +282,8 @@ def test_bf16_model_state_of_llama3_405b_on_the_llama3_layout():
     bf16 params 2Ψ_s, fp32 grads 4Ψ_s, zero-1 optimizer 12Ψ_s/64."""
     m = get_model("llama3-405b")
     e = estimate(m, get_cluster("h100-sxm"),
-                 Layout(dp=64, tp=8, pp=16, zero=1, sp=True, schedule="interleaved-1f1b",
-                        virtual=8, ckpt="selective"), 2048)
+                 PlanLayout(dp=64, tp=8, pp=16, zero=1, sp=True, schedule="interleaved-1f1b",
+                            virtual_stages=8, ckpt="selective"), 2048)
     stages = e.stages
     assert sum(stages) == 126 and len(stages) == 16
     psi = stages[0] * (m.layer_matmul_params() / 8 + m.layer_small_params()) \
@@ -459,7 +459,7 @@ def test_table_and_explain(capsys):
 
 def test_bad_input_names_the_constraint(capsys):
     with pytest.raises(ShardwiseConfigError, match="must divide n_heads"):
-        estimate(get_model("llama3-8b"), get_cluster("h100"), Layout(dp=2, tp=3), 512)
+        estimate(get_model("llama3-8b"), get_cluster("h100"), PlanLayout(dp=2, tp=3), 512)
     with pytest.raises(ShardwiseConfigError, match="does not divide --gpus 64"):
         _plan("--model", "llama3-70b", "--gpus", 64, "--tp", 3)
     with pytest.raises(ShardwiseConfigError, match="not a multiple of the sequence length"):

@@ -186,7 +186,7 @@ def tiny_config(**kw):
     (8, False, None, "n_kv_heads=4", "{1, 2, 4}"),
     (2, True, 15, "--seq-len 15", "no tp > 1"),
     (4, True, 18, "--seq-len 18", "{2}"),
-    (1, True, 16, "--sp needs --tp > 1", "{2, 4}"),
+    (1, True, 16, "--sp (sequence parallelism) needs --tp > 1", "{2, 4}"),
 ])
 def test_bad_tp_names_the_constraint_and_valid_values(tp, sp, seq, what, valid):
     with pytest.raises(ShardwiseConfigError) as e:

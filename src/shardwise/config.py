@@ -344,38 +344,18 @@ def _validate_finite(cfg: TrainConfig) -> None:
 
 
 def _validate_layout(cfg: TrainConfig) -> None:
-    """The composition check, then each strategy's own checks (all before any collective)."""
-    from .models import MLP_PRESETS, preset_config
-    from .parallel.apply import Layout, check_supported
+    """The layout through the one validator, :meth:`~.parallel.layout.Layout.check`, with the
+    model's config (read only when tp, sp or pp needs it) and the batch (before any
+    collective)."""
+    from .models import preset_config
+    from .parallel.layout import Layout
 
-    layout = Layout.from_config(cfg)
-    check_supported(layout)
-    if cfg.zero:
-        from .parallel.zero import validate_zero
-
-        validate_zero(cfg.zero, cfg.dp, engine=cfg.engine)
-    if cfg.tp > 1 or cfg.sp:
-        from .parallel.tensor import validate_tp
-
-        if cfg.model in MLP_PRESETS:
-            raise ShardwiseConfigError(f"--tp {cfg.tp}: tensor parallelism splits the Llama-style "
-                                       f"models; --model {cfg.model} is the MLP: choose --model "
-                                       f"tiny, small or base")
-        validate_tp(preset_config(cfg.model, cfg.vocab_size, **cfg.model_overrides()), cfg.tp,
-                    cfg.sp, cfg.seq_len)
-    if cfg.pp > 1:
-        from .parallel.pipeline import validate_pp
-
-        _, m = cfg.microbatching()
-        if not cfg.microbatches and m < cfg.pp:
-            local = cfg.global_batch // cfg.dp
-            raise ShardwiseConfigError(
-                f"--pp {cfg.pp} needs at least {cfg.pp} microbatches per step, but global batch / "
-                f"(dp × micro-batch) = {cfg.global_batch} / ({cfg.dp} × {cfg.micro_batch}) = {m}: "
-                f"pass --microbatches M (M ≥ {cfg.pp}, dividing {local}) or a smaller --micro-batch")
-        validate_pp(cfg.model_layers(), cfg.pp, cfg.schedule, m, batch=cfg.global_batch // cfg.dp,
-                    virtual_stages=cfg.virtual_stages or None,
-                    layers_per_stage=cfg.stage_split())
+    needs_model = cfg.tp > 1 or cfg.sp or cfg.pp > 1
+    Layout.from_config(cfg).check(
+        preset_config(cfg.model, cfg.vocab_size, **cfg.model_overrides()) if needs_model
+        else None, engine=cfg.engine, reduce_dtype=cfg.reduce_dtype, seq_len=cfg.seq_len,
+        global_batch=cfg.global_batch, micro_batch=cfg.micro_batch,
+        layers_per_stage=cfg.stage_split() if cfg.pp > 1 else None)
 
 
 def _validate_ranges(cfg: TrainConfig) -> None:

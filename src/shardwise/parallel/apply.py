@@ -14,104 +14,18 @@ dp × tp [zero] (2D)        :mod:`.compose`                   FSDP2/DDP + DTenso
 pp × dp [zero 1] [× tp]    :mod:`.pipeline` runtime          ``torch.distributed.pipelining`` (+ DTensor)
 =========================  ===============================  ==========================================
 
-:func:`check_supported` refuses what no engine runs, with a clear error before any collective.
+:meth:`~.layout.Layout.check`, the one validator, refuses what no engine runs, with a clear error
+on every rank before any collective. ``Layout``, ``parse_layout`` and ``check_supported`` live in
+:mod:`.layout` and are re-exported here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 from torch import nn
 
-from ..errors import ShardwiseConfigError
+from .layout import Layout, check_supported, parse_layout
 
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """A parallel layout: degrees, ZeRO stage, sequence parallelism, pipeline schedule.
-    ``microbatches`` = 0: decided by the batch (global batch / (dp × micro-batch));
-    ``virtual_stages`` = 0: the schedule's default (2 for interleaved-1f1b, else 1)."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    zero: int = 0
-    sp: bool = False
-    schedule: str = "1f1b"
-    microbatches: int = 0
-    virtual_stages: int = 0
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    def name(self) -> str:
-        """Compact, e.g. ``"dp=2,zero=3"``, ``"tp=2,sp"``, ``"pp=4,1f1b,m=8"``."""
-        parts = [f"{k}={getattr(self, k)}" for k in ("dp", "tp", "pp") if getattr(self, k) > 1]
-        parts = parts or ["dp=1"]
-        if self.zero:
-            parts.append(f"zero={self.zero}")
-        if self.sp:
-            parts.append("sp")
-        if self.pp > 1:
-            parts.append(self.schedule)
-            if self.microbatches:
-                parts.append(f"m={self.microbatches}")
-        return ",".join(parts)
-
-    @classmethod
-    def from_config(cls, cfg) -> "Layout":
-        return cls(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, zero=cfg.zero, sp=cfg.sp,
-                   schedule=cfg.schedule, microbatches=cfg.microbatches,
-                   virtual_stages=getattr(cfg, "virtual_stages", 0))
-
-
-def parse_layout(text: str) -> Layout:
-    """``"dp=2"``, ``"dp=2,zero=3"``, ``"tp=2,sp"``, ``"pp=4,schedule=1f1b,m=8"`` → Layout.
-    Raises ShardwiseConfigError naming the syntax."""
-    from .pipeline import SCHEDULES
-
-    kw: dict = {}
-    for part in text.split(","):
-        key, _, value = (x.strip() for x in part.partition("="))
-        if key == "sp" and not value:
-            kw["sp"] = True
-        elif key in SCHEDULES and not value:
-            kw["schedule"] = key
-        elif key == "schedule" and value in SCHEDULES:
-            kw["schedule"] = value
-        elif key in ("dp", "tp", "pp", "zero", "m", "microbatches", "v") and value.isdigit():
-            kw[{"m": "microbatches", "v": "virtual_stages"}.get(key, key)] = int(value)
-        else:
-            raise ShardwiseConfigError(
-                f"--layouts {text!r}: write each layout as comma-separated parts: dp=N, tp=N, "
-                f"pp=N, zero=Z, sp, a schedule ({', '.join(SCHEDULES)}), m=M (e.g. dp=2,zero=3 "
-                "or pp=2,1f1b,m=4)")
-    layout = Layout(**kw)
-    check_supported(layout)
-    return layout
-
-
-def check_supported(layout: Layout) -> None:
-    """Raise :class:`ShardwiseConfigError` (before any collective) for a layout no engine runs.
-
-    * ``sp`` needs tp > 1; ``zero`` needs dp ≥ 2;
-    * ZeRO-2/3 with pp > 1 is refused, as DeepSpeed refuses it: the pipeline runs m micro-batches
-      per step, so ZeRO-2 would reduce-scatter (or keep full) gradients m times and ZeRO-3 would
-      re-gather every stage's parameters for each micro-batch's forward and backward — m× the
-      traffic for memory that ZeRO-1 (sharded optimizer state, the large part) already saves.
-      Megatron-LM likewise pairs PP only with its distributed optimizer (= ZeRO-1)."""
-    if layout.sp and layout.tp == 1:
-        raise ShardwiseConfigError("--sp (sequence parallelism) needs --tp > 1: it shards the "
-                                   "activations between TP regions over the tp ranks")
-    if layout.zero and layout.dp == 1:
-        raise ShardwiseConfigError(f"--zero {layout.zero} shards model state over the dp axis, "
-                                   "but dp=1: use --dp ≥ 2, or --zero 0")
-    if layout.zero >= 2 and layout.pp > 1:
-        raise ShardwiseConfigError(
-            f"layout {layout.name()}: ZeRO-{layout.zero} does not compose with pipeline "
-            "parallelism (each of the m micro-batches would re-shard gradients/re-gather "
-            "parameters; DeepSpeed refuses it too): use --zero 1 with --pp, or --pp 1")
+__all__ = ["Layout", "check_supported", "parallelize", "parse_layout"]
 
 
 def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
@@ -129,12 +43,12 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     ``bucket_mb``/``overlap``: DP gradient buckets; ``prefetch``/``reshard_after_forward``:
     ZeRO-3; ``layers_per_stage``: an explicit pipeline split; ``seed``: TP dropout RNG;
     ``reduce_dtype``: "fp32" | "bf16", the dtype gradients are reduced in over dp.
-    Raises :class:`ShardwiseConfigError` for unsupported layouts, ``ValueError`` for an unknown
-    engine."""
+    Raises :class:`ShardwiseConfigError` for unsupported layouts (:meth:`Layout.check`, on every
+    rank before any collective), ``ValueError`` for an unknown engine."""
     if engine not in ("explicit", "torch"):
         raise ValueError(f"unknown engine {engine!r}: choose explicit or torch")
     layout = layout or Layout(dp=topo.size("dp"), tp=topo.size("tp"), pp=topo.size("pp"))
-    check_supported(layout)
+    layout.check(model=model, topo=topo, engine=engine, reduce_dtype=reduce_dtype)
     dp_kw = dict(bucket_mb=bucket_mb, overlap=overlap, prefetch=prefetch,
                  reshard_after_forward=reshard_after_forward, reduce_dtype=reduce_dtype)
     if layout.pp > 1:  # PP (× DP/ZeRO-1) (× TP): the pipeline engines compose the rest
@@ -150,8 +64,6 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
         from .compose_torch import parallelize_2d_torch
 
         return parallelize_2d_torch(model, topo, layout, **dp_kw)
-    if reduce_dtype != "fp32" and layout.dp > 1:
-        _check_reduce_dtype(reduce_dtype)
     if layout.tp > 1:
         if engine == "explicit":
             from .tensor import parallelize_tensor
@@ -179,7 +91,3 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
 
     return TorchDataParallel(model, topo, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
 
-
-def _check_reduce_dtype(reduce_dtype: str) -> None:
-    if reduce_dtype not in ("fp32", "bf16"):
-        raise ShardwiseConfigError(f"--reduce-dtype {reduce_dtype!r}: choose fp32 or bf16")

@@ -44,11 +44,10 @@ def _ledger_sum_hook_bf16(topo, bucket) -> torch.futures.Future[torch.Tensor]:
 def ddp_comm_hook(reduce_dtype: str = "fp32"):
     """The ledger-booked SUM comm hook for gradients reduced in ``reduce_dtype`` ("fp32" |
     "bf16"); raises :class:`~shardwise.errors.ShardwiseConfigError` for another dtype."""
-    from ..errors import ShardwiseConfigError
+    from .data import reduce_torch_dtype
 
+    reduce_torch_dtype(reduce_dtype)  # raises for another dtype
     hooks = {"fp32": _ledger_sum_hook, "bf16": _ledger_sum_hook_bf16}
-    if reduce_dtype not in hooks:
-        raise ShardwiseConfigError(f"--reduce-dtype {reduce_dtype!r}: choose fp32 or bf16")
     return hooks[reduce_dtype]
 
 

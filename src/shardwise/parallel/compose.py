@@ -66,7 +66,6 @@ import torch
 from torch import nn
 
 from ..comm.ledger import ring_bytes
-from ..errors import ShardwiseConfigError
 from .data import DataParallel
 from .engine import Engine
 from .tensor import TensorParallel, parallelize_tensor, tp_step_bytes_formula
@@ -202,21 +201,7 @@ def parallelize_2d(model: nn.Module, topo, layout, *, seed: int = 0, bucket_mb: 
     cut shards, ``seed`` seeds :class:`~.tensor.TPRNG`); (3) over dp: DataParallel
     (``bucket_mb``, ``overlap``) or ZeroDataParallel (``prefetch``, ``reshard_after_forward``,
     ``overlap``), both reducing gradients in ``reduce_dtype``."""
-    from .data import reduce_torch_dtype
-    from .tensor import validate_tp
-    from .zero import validate_zero
-
-    if layout.pp != 1 or layout.dp < 2 or layout.tp < 2:
-        raise ShardwiseConfigError(f"parallelize_2d: layout {layout.name()} is not dp × tp "
-                                   "(needs dp ≥ 2, tp ≥ 2, pp = 1); use parallelize()")
-    sizes = (topo.size("pp"), topo.size("dp"), topo.size("tp"))
-    if sizes != (1, layout.dp, layout.tp):
-        raise ShardwiseConfigError(f"layout {layout.name()} needs a topology with pp=1, "
-                                   f"dp={layout.dp}, tp={layout.tp}, got pp, dp, tp = {sizes}: "
-                                   "build Topology(1, dp, tp)")
-    reduce_torch_dtype(reduce_dtype)
-    validate_zero(layout.zero, layout.dp)
-    validate_tp(getattr(model, "config", None), layout.tp, layout.sp)
+    layout.check(model=model, topo=topo, reduce_dtype=reduce_dtype, composition="dp×tp")
     tp = parallelize_tensor(model, topo, sp=layout.sp, seed=seed)
     if layout.zero:
         dp = ZeroDataParallel(tp.module, topo, layout.zero, prefetch=prefetch,

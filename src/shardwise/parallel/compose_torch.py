@@ -80,38 +80,14 @@ from torch import nn
 
 from .. import comm
 from ..comm.ledger import ring_bytes
-from ..errors import ShardwiseConfigError
 from ..models.llama import Llama, TransformerBlock
 from .engine import Engine
 from .fsdp import AllGather, _LedgerAllGather, _LedgerReduceScatter
 from .zero import UnitOrderCheck
 from .params import is_dtensor as _is_dtensor, local as _local
 from .dtensor_tp import BookFunctionalCollectives, parallelize_tensor_dtensor
-from .tensor import validate_tp
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def validate_2d_torch(model, topo, layout, reduce_dtype: str) -> None:
-    """Raise :class:`ShardwiseConfigError` (no collective) unless ``layout`` can run on
-    ``topo`` with PyTorch's 2D composition: a Llama model, tp fitting its heads/d_ff, zero in
-    {0, 1, 2, 3}, dp ≥ 2, tp ≥ 2, degrees equal to the topology's, reduce dtype fp32 | bf16."""
-    if not isinstance(model, Llama):
-        raise ShardwiseConfigError(
-            f"dp × tp needs a Llama-style model (--model tiny, small or base): TP splits "
-            f"attention heads, and {type(model).__name__} has none; use --tp 1")
-    if (layout.dp, layout.tp) != (topo.size("dp"), topo.size("tp")) or layout.pp != 1:
-        raise ShardwiseConfigError(
-            f"layout {layout.name()} does not match the topology {topo.describe()}: build the "
-            "Topology with the layout's dp and tp (pp=1)")
-    if layout.dp < 2 or layout.tp < 2:
-        raise ShardwiseConfigError(f"the 2D engine needs dp ≥ 2 and tp ≥ 2, got dp={layout.dp}, "
-                                   f"tp={layout.tp}: use the DP, ZeRO or TP engine instead")
-    if layout.zero not in (0, 1, 2, 3):
-        raise ShardwiseConfigError(f"--zero {layout.zero}: choose 0, 1, 2 or 3")
-    if reduce_dtype not in REDUCE_DTYPES:
-        raise ShardwiseConfigError(f"--reduce-dtype {reduce_dtype!r}: choose fp32 or bf16")
-    validate_tp(model.config, layout.tp, layout.sp)
 
 
 class TorchParallel2D(Engine):
@@ -296,7 +272,8 @@ def parallelize_2d_torch(model: Llama, topo, layout, *, bucket_mb: float = 25.0,
     Raises :class:`ShardwiseConfigError` before any collective for a layout that cannot run."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    validate_2d_torch(model, topo, layout, reduce_dtype)
+    layout.check(model=model, topo=topo, engine="torch", reduce_dtype=reduce_dtype,
+                 composition="dp×tp")
     with topo.ledger.phase("init"), torch.no_grad():  # same start on every dp replica
         for p in model.parameters():
             comm.broadcast(p.data, topo, "dp", src=0, tag="init")

@@ -57,8 +57,9 @@ def reduce_torch_dtype(reduce_dtype: str) -> torch.dtype:
     ``MixedPrecision(reduce_dtype=torch.bfloat16)``, Megatron-LM's ``--grad-reduce-in-bf16``).
     Raises :class:`ShardwiseConfigError` otherwise."""
     if reduce_dtype not in REDUCE_DTYPES:
-        raise ShardwiseConfigError(f"reduce_dtype {reduce_dtype!r}: choose fp32 or bf16 "
-                                   "(--reduce-dtype)")
+        # the one place this rule is written (Layout.check and the engines call it)
+        raise ShardwiseConfigError(f"--reduce-dtype {reduce_dtype!r}: choose fp32 or bf16 (the "
+                                   "dtype gradients are reduced in over dp)")
     return REDUCE_DTYPES[reduce_dtype]
 
 

@@ -118,17 +118,21 @@ def validate_tp(model_config, tp: int, sp: bool = False, seq_len: int | None = N
         raise ShardwiseConfigError(f"--tp {tp} must be a positive integer")
     if tp == 1 and not sp:
         return
-    if not all(hasattr(model_config, a) for a in ("n_heads", "n_kv_heads", "d_ff")):
-        raise ShardwiseConfigError(
-            f"--tp {tp}{' --sp' if sp else ''}: tensor parallelism needs a Llama-style model "
-            "(--model tiny, small or base); the MLP models have no TP plan")
-    valid = valid_tp_degrees(model_config, sp, seq_len)
+    llama = all(hasattr(model_config, a) for a in ("n_heads", "n_kv_heads", "d_ff"))
+    valid = valid_tp_degrees(model_config, sp, seq_len) if llama else []
     choose = f"choose --tp from {{{', '.join(map(str, valid))}}}" if valid else \
-        "no tp > 1 fits this model and sequence length"
-    if sp and tp == 1:
+        "no tp > 1 fits this model and sequence length" if llama else "choose --tp > 1"
+    if sp and tp == 1:  # the one place this rule is written (Layout.check calls it)
         raise ShardwiseConfigError(
-            f"--sp needs --tp > 1 (sequence parallelism splits the sequence over the tp ranks): "
-            f"{choose}, or drop --sp")
+            f"--sp (sequence parallelism) needs --tp > 1: it shards the activations between TP "
+            f"regions over the tp ranks; {choose}, or drop --sp")
+    if not llama:
+        what = (f"this model's config ({type(model_config).__name__}) has no attention heads"
+                if model_config is not None else "this model has no config")
+        raise ShardwiseConfigError(
+            f"--tp {tp}{' --sp' if sp else ''}: tensor parallelism splits the Llama-style models "
+            f"(--model tiny, small or base); {what}, so there is no TP plan: choose --model "
+            "tiny, small or base, or --tp 1")
     for name in ("n_heads", "n_kv_heads", "d_ff"):
         value = getattr(model_config, name)
         if value % tp:

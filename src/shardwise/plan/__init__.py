@@ -12,9 +12,9 @@ The cost model's entry point is :func:`shardwise.plan.cost.estimate` (not re-exp
 name would clash with the :mod:`shardwise.plan.estimate` module).
 """
 
-from .cost import Assumptions, Estimate, Layout
+from .cost import Assumptions, Estimate, PlanLayout
 from .hardware import GPU, Cluster, get_cluster, load_cluster
 from .models import ModelSpec, from_llama_config, get_model
 
-__all__ = ["Assumptions", "Cluster", "Estimate", "GPU", "Layout", "ModelSpec",
+__all__ = ["Assumptions", "Cluster", "Estimate", "GPU", "ModelSpec", "PlanLayout",
            "from_llama_config", "get_cluster", "get_model", "load_cluster"]

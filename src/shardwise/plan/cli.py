@@ -141,7 +141,7 @@ def _fixed(args):
     from .search import Fixed
 
     return Fixed(dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, sp=args.sp,
-                 schedule=args.schedule, virtual=args.virtual_stages,
+                 schedule=args.schedule, virtual_stages=args.virtual_stages,
                  microbatches=args.microbatches, micro_batch=args.micro_batch, ckpt=args.ckpt,
                  grad_reduce=args.grad_reduce)
 
@@ -250,8 +250,8 @@ def format_table(results, model, cluster, gpus, tokens, top=10) -> str:
     def row(i, e):
         lay, mem = e.layout, e.memory["first" if e.memory["first"]["total"] >=
                                       e.memory["last"]["total"] else "last"]
-        sched = "-" if lay.pp == 1 else (lay.schedule + (f" v={lay.virtual}"
-                                                          if lay.virtual > 1 else ""))
+        sched = "-" if lay.pp == 1 else (lay.schedule + (f" v={lay.chunks}"
+                                                          if lay.chunks > 1 else ""))
         tp = f"{lay.tp}{'+sp' if lay.sp else ''}"
         zero = f"{lay.zero}{'/mb' if lay.zero >= 2 and lay.grad_reduce == 'micro' else ''}"
         parts = "+".join(_gib(mem[k]) for k in ("params", "grads", "optimizer", "activations",
@@ -288,7 +288,7 @@ def explain(e) -> str:
     M, C, lay, A, d = e.model, e.cluster, e.layout, e.assumptions, e.details
     prec = PRECISIONS[lay.precision]
     t, p, n, b, s = lay.tp, lay.pp, lay.dp, lay.micro_batch, M.seq_len
-    v = lay.virtual if p > 1 else 1
+    v = lay.chunks
     f = e.flops
     out = [f"explain: {lay.name()}  ({M.name} on {lay.world:,} × {C.gpu.name})", ""]
     out.append("FLOPs per token (model FLOPs: 6·N + 12·L·d·s; PaLM App. B, Korthikanti App. A)")

@@ -120,6 +120,7 @@ import math
 
 from ..comm.ledger import ring_bytes
 from ..errors import ShardwiseConfigError
+from ..parallel.layout import Layout
 from .hardware import Cluster
 from .models import ModelSpec
 
@@ -172,42 +173,33 @@ class Assumptions:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
-    """One way to run a step. ``micro_batch``: sequences per micro-batch (b). ``virtual``: model
-    chunks per pipeline rank (interleaved-1f1b only). ``schedule`` is ignored when pp == 1.
-    ``grad_reduce`` (zero 2 and 3 with several micro-batches): "step" — the micro-batches
-    accumulate full local gradients and one reduce-scatter runs after the last (shardwise's
-    ZeRO engine, FSDP under ``no_sync``); "micro" — a reduce-scatter after every micro-batch,
-    gradients stay sharded (DeepSpeed ZeRO-2, FSDP without ``no_sync``)."""
+class PlanLayout(Layout):
+    """One way to run a step: a :class:`~shardwise.parallel.layout.Layout` (dp, tp, pp, zero,
+    sp, schedule, ``virtual_stages``: model chunks per pipeline rank, interleaved-1f1b only,
+    0 = the schedule's default, read through ``chunks``) plus the knobs only the planner
+    varies. ``schedule`` is ignored when pp == 1; ``microbatches`` stays 0: m follows from the
+    global batch, m = G/(dp·b). ``micro_batch``: sequences per micro-batch (b). ``ckpt``:
+    activation checkpointing (none | selective | full). ``precision``: a key of
+    :data:`PRECISIONS`. ``grad_reduce`` (zero 2 and 3 with several micro-batches): "step" — the
+    micro-batches accumulate full local gradients and one reduce-scatter runs after the last
+    (shardwise's ZeRO engine, FSDP under ``no_sync``); "micro" — a reduce-scatter after every
+    micro-batch, gradients stay sharded (DeepSpeed ZeRO-2, FSDP without ``no_sync``)."""
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    zero: int = 0
-    sp: bool = False
-    schedule: str = "1f1b"
-    virtual: int = 1
     micro_batch: int = 1
     ckpt: str = "none"
     precision: str = "bf16"
     grad_reduce: str = "step"  # zero 2/3: "step" (once, after accumulating) or "micro"
 
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp
-
     def name(self) -> str:
-        parts = [f"dp={self.dp}", f"tp={self.tp}{'+sp' if self.sp else ''}", f"pp={self.pp}"]
-        if self.zero:
-            parts.append(f"zero={self.zero}")
-        if self.pp > 1:
-            parts.append(self.schedule + (f"(v={self.virtual})" if self.virtual > 1 else ""))
-        parts.append(f"b={self.micro_batch}")
+        """:meth:`Layout.name` (the format of verify and bench), then the planner's knobs, e.g.
+        ``"dp=64,tp=8,pp=16,zero=1,sp,interleaved-1f1b,v=8,b=1,ckpt=selective"``;
+        ``reduce/micro-batch`` marks ZeRO-2/3 reducing after every micro-batch."""
+        parts = [super().name(), f"b={self.micro_batch}"]
         if self.ckpt != "none":
             parts.append(f"ckpt={self.ckpt}")
         if self.zero >= 2 and self.grad_reduce == "micro":
             parts.append("reduce/micro-batch")
-        return " ".join(parts)
+        return ",".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,7 +354,7 @@ def attention_core_bytes(model: ModelSpec, *, tp: int = 1, ckpt: str = "none",
     return m.n_heads / tp * m.seq_len * per_elem
 
 
-def layer_seconds(model: ModelSpec, layout: Layout, gpu, assumptions: "Assumptions") -> dict:
+def layer_seconds(model: ModelSpec, layout: PlanLayout, gpu, assumptions: "Assumptions") -> dict:
     """Seconds per token of one layer's forward + backward (recomputation included) on one GPU
     of ``layout``, by part: "dense", "core", "elementwise", and their sum "total" (the module
     docstring gives the roofline). Communication is not included."""
@@ -387,7 +379,7 @@ def layer_seconds(model: ModelSpec, layout: Layout, gpu, assumptions: "Assumptio
             "total": t_dense + t_core + t_elem}
 
 
-def head_seconds(model: ModelSpec, layout: Layout, gpu, assumptions: "Assumptions") -> float:
+def head_seconds(model: ModelSpec, layout: PlanLayout, gpu, assumptions: "Assumptions") -> float:
     """Seconds per token of the output layer and the loss on one GPU: 6·V·d/t FLOPs at the GEMM
     rate, plus the logits (``a``) and four fp32 passes over them (cast, log-softmax, and their
     gradients) over the HBM bandwidth."""
@@ -503,7 +495,7 @@ class Collective:
     note: str = ""
 
 
-def axis_link(cluster: Cluster, layout: Layout, axis: str) -> tuple[float, float, str]:
+def axis_link(cluster: Cluster, layout: PlanLayout, axis: str) -> tuple[float, float, str]:
     """(bandwidth bytes/s per GPU, latency s, description) of the groups along ``axis`` on the
     rank grid (pp, dp, tp), TP innermost: ranks r = (pp_i·dp + dp_i)·tp + tp_i, filled node by
     node. A group inside one node uses NVLink; one that spans nodes with k members per node gets
@@ -545,7 +537,7 @@ def _coll(cluster, layout, axis, op, tag, size, count, assume, note=""):
     return Collective(axis, op, tag, size, n, count, wire * count, sec * count, 0.0, where, note)
 
 
-def dp_collectives(layout: Layout, params: float, prec: Precision, m: int, cluster: Cluster,
+def dp_collectives(layout: PlanLayout, params: float, prec: Precision, m: int, cluster: Cluster,
                    assume: Assumptions, regathered: float | None = None) -> list[Collective]:
     """The dp-axis collectives of one optimizer step for a GPU holding ``params`` parameters
     (see the module docstring). ``regathered``: parameters zero 3 gathers again before backward
@@ -583,7 +575,7 @@ def dp_collectives(layout: Layout, params: float, prec: Precision, m: int, clust
     return out
 
 
-def dp_step_bytes(model: ModelSpec, layout: Layout, *, m: int = 1, params: float | None = None,
+def dp_step_bytes(model: ModelSpec, layout: PlanLayout, *, m: int = 1, params: float | None = None,
                   regathered: float | None = None) -> dict[str, float]:
     """Bytes one rank sends on the dp axis per optimizer step, by ledger tag ("grad", "param",
     "grad_norm", "loss"), for pp = tp = 1 (the whole model on every rank): the number the ledger
@@ -615,7 +607,7 @@ class Estimate:
 
     model: ModelSpec
     cluster: Cluster
-    layout: Layout
+    layout: PlanLayout
     assumptions: Assumptions
     global_batch: int  # sequences per step
     microbatches: int  # m
@@ -644,7 +636,7 @@ class Estimate:
             "schedule": lay.schedule if lay.pp > 1 else None,
             "microbatches": self.microbatches, "mfu": self.mfu, "step_time_s": self.step_time_s,
             "mem_bytes_per_gpu": self.mem_bytes_per_gpu, "fits": self.fits,
-            "sp": lay.sp, "virtual_stages": lay.virtual if lay.pp > 1 else 1,
+            "sp": lay.sp, "virtual_stages": lay.chunks,
             "micro_batch_size": lay.micro_batch, "ckpt": lay.ckpt, "precision": lay.precision,
             "tokens_per_s": self.tokens_per_s, "hfu": self.hfu, "grad_reduce": lay.grad_reduce,
             "capacity_bytes": self.capacity_bytes,
@@ -654,12 +646,12 @@ class Estimate:
         }
 
 
-def check_layout(model: ModelSpec, cluster: Cluster, layout: Layout, global_batch: int) -> int:
+def check_layout(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batch: int) -> int:
     """Validate ``layout`` for ``model`` and a step of ``global_batch`` sequences; return m, the
     micro-batches per step and replica. Raises ShardwiseConfigError naming the constraint."""
     lay = layout
     for name, v in (("dp", lay.dp), ("tp", lay.tp), ("pp", lay.pp), ("micro-batch", lay.micro_batch),
-                    ("virtual stages", lay.virtual)):
+                    ("virtual stages", lay.virtual_stages or 1)):
         if not isinstance(v, int) or v < 1:
             raise ShardwiseConfigError(f"{name} = {v!r} must be a positive integer")
     if lay.precision not in PRECISIONS:
@@ -678,19 +670,20 @@ def check_layout(model: ModelSpec, cluster: Cluster, layout: Layout, global_batc
         raise ShardwiseConfigError(f"tp={lay.tp} must divide n_heads={model.n_heads} and "
                                    f"n_kv_heads={model.n_kv_heads} ({model.name}): choose tp in "
                                    f"{ok}")
-    if lay.sp and lay.tp == 1:
-        raise ShardwiseConfigError("--sp needs tp > 1 (sequence parallelism splits what TP "
-                                   "replicates)")
+    if lay.sp and lay.tp == 1:  # the rule's one message is TP's
+        from ..parallel.tensor import validate_tp
+
+        validate_tp(None, lay.tp, lay.sp)
     if lay.pp > model.n_layers:
         raise ShardwiseConfigError(f"pp={lay.pp} exceeds the model's {model.n_layers} layers: "
                                    f"choose pp ≤ {model.n_layers}")
-    if lay.pp > 1 and lay.schedule != "interleaved-1f1b" and lay.virtual != 1:
-        raise ShardwiseConfigError(f"virtual stages = {lay.virtual} need --schedule "
+    if lay.pp > 1 and lay.schedule != "interleaved-1f1b" and lay.chunks != 1:
+        raise ShardwiseConfigError(f"virtual stages = {lay.chunks} need --schedule "
                                    "interleaved-1f1b")
     if lay.pp > 1 and lay.schedule == "interleaved-1f1b":
         per_rank = math.ceil(model.n_layers / lay.pp)
-        if lay.virtual > per_rank:
-            raise ShardwiseConfigError(f"{lay.virtual} virtual stages per rank exceed the "
+        if lay.chunks > per_rank:
+            raise ShardwiseConfigError(f"{lay.chunks} virtual stages per rank exceed the "
                                        f"{per_rank} layers per rank: choose v ≤ {per_rank}")
     per_step = lay.dp * lay.micro_batch
     if global_batch % per_step:
@@ -701,7 +694,7 @@ def check_layout(model: ModelSpec, cluster: Cluster, layout: Layout, global_batc
     return global_batch // per_step
 
 
-def estimate(model: ModelSpec, cluster: Cluster, layout: Layout, global_batch: int,
+def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batch: int,
              assumptions: Assumptions = Assumptions()) -> Estimate:
     """Memory, time and MFU of ``layout`` training ``model`` on ``cluster`` with ``global_batch``
     sequences of ``model.seq_len`` tokens per optimizer step. Raises ShardwiseConfigError for an
@@ -709,7 +702,7 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: Layout, global_batch: i
     A, lay, M, C = assumptions, layout, model, cluster
     m = check_layout(M, C, lay, global_batch)
     prec = PRECISIONS[lay.precision]
-    t, p, n, v = lay.tp, lay.pp, lay.dp, lay.virtual if lay.pp > 1 else 1
+    t, p, n, v = lay.tp, lay.pp, lay.dp, lay.chunks
     a, s, tokens_mb = prec.act, M.seq_len, lay.micro_batch * M.seq_len
     peak = C.gpu.bf16_flops if prec.compute == "bf16" else C.gpu.fp32_flops
 

@@ -148,12 +148,12 @@ def analytical(spec, world_size: int, *, seq_len: int | None = None, micro_batch
     (the estimator measures it)."""
     import dataclasses
 
-    from .cost import (PRECISIONS, Layout, dp_step_bytes, embedding_activation_bytes,
+    from .cost import (PRECISIONS, PlanLayout, dp_step_bytes, embedding_activation_bytes,
                        head_activation_bytes, layer_activation_bytes, model_state_bytes)
 
     spec = dataclasses.replace(spec, kernels="eager", seq_len=seq_len or spec.seq_len)
     prec = PRECISIONS["fp32" if dtype == "fp32" else "amp"]
-    lay = Layout(dp=world_size, precision=prec.name, micro_batch=micro_batch)
+    lay = PlanLayout(dp=world_size, precision=prec.name, micro_batch=micro_batch)
     psi = spec.num_params()
     st = model_state_bytes(psi, spec.num_tensors(), 0, world_size, prec)
     tokens = micro_batch * spec.seq_len

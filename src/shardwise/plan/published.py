@@ -57,15 +57,16 @@ RUNS = (
                  Fixed(tp=8, pp=16, dp=128, microbatches=16, schedule="interleaved-1f1b",
                        zero=1), 0.41, _L3),
     PublishedRun("gpt3-175b-64", "gpt3-175b", "a100-sxm-80gb", 64, 64,
-                 Fixed(tp=8, pp=8, dp=1, micro_batch=1, schedule="interleaved-1f1b", virtual=3,
-                       ckpt="selective", sp=True), 0.514, _K, p2p_overlap=False, megatron=True),
+                 Fixed(tp=8, pp=8, dp=1, micro_batch=1, schedule="interleaved-1f1b",
+                       virtual_stages=3, ckpt="selective", sp=True), 0.514, _K,
+                 p2p_overlap=False, megatron=True),
     PublishedRun("mt-nlg-530b-280", "mt-nlg-530b", "a100-sxm-80gb", 280, 280,
                  Fixed(tp=8, pp=35, dp=1, micro_batch=1, schedule="interleaved-1f1b",
-                       virtual=3, ckpt="selective", sp=True), 0.560, _K, p2p_overlap=False,
-                 megatron=True),
+                       virtual_stages=3, ckpt="selective", sp=True), 0.560, _K,
+                 p2p_overlap=False, megatron=True),
     PublishedRun("mt-nlg-530b-2240", "mt-nlg-530b", "a100-sxm-80gb", 2240, 2240,
                  Fixed(tp=8, pp=35, dp=8, micro_batch=1, schedule="interleaved-1f1b",
-                       virtual=3, ckpt="selective", sp=True, zero=0), 0.542,
+                       virtual_stages=3, ckpt="selective", sp=True, zero=0), 0.542,
                  "Korthikanti et al. 2022, §6.3", p2p_overlap=False, megatron=True),
     PublishedRun("megatron-1t-512", "megatron-1t", "a100-sxm-80gb", 512, 512,
                  Fixed(tp=8, pp=64, dp=1, micro_batch=1, schedule="1f1b", ckpt="selective",
@@ -105,10 +106,10 @@ def derive_gemm_efficiency(layer_seconds_measured: float = 19.6e-3) -> float:
     recomputation, no sequence parallelism) takes 19.6 ms forward + backward. Subtract the four
     TP all-reduces, the attention core and the element-wise traffic as this model charges them;
     the dense matmuls' FLOPs over the remaining time, over the peak, is the efficiency."""
-    from .cost import Layout, _coll, layer_seconds
+    from .cost import PlanLayout, _coll, layer_seconds
 
     model, cluster = get_model("megatron-22b"), get_cluster("a100-sxm-80gb")
-    lay = Layout(dp=1, tp=8, pp=1, micro_batch=4, ckpt="none", sp=False)
+    lay = PlanLayout(dp=1, tp=8, pp=1, micro_batch=4, ckpt="none", sp=False)
     tokens = 4 * model.seq_len
     parts = layer_seconds(model, lay, cluster.gpu, Assumptions(gemm_efficiency=1.0))
     tp = _coll(cluster, lay, "tp", "all_reduce", "act", 2 * tokens * model.d_model, 4,

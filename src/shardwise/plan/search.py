@@ -2,7 +2,7 @@
 
 A layout fixes dp × tp × pp = the number of GPUs, the ZeRO stage over dp, sequence parallelism,
 the pipeline schedule and its virtual stages, the micro-batch size and activation checkpointing
-(:class:`~shardwise.plan.cost.Layout`). :func:`search` evaluates every one that is valid
+(:class:`~shardwise.plan.cost.PlanLayout`). :func:`search` evaluates every one that is valid
 (:func:`~shardwise.plan.cost.check_layout`) with :func:`~shardwise.plan.cost.estimate`; the ones
 that fit come first, best MFU first (ties: less memory), then the ones that do not fit, best MFU
 first. Any dimension can be fixed (``fixed``), which is how the CLI's layout flags work.
@@ -29,14 +29,14 @@ import dataclasses
 import math
 
 from ..errors import ShardwiseConfigError
-from .cost import CKPT, SCHEDULES, Assumptions, Estimate, Layout, estimate
+from .cost import CKPT, SCHEDULES, Assumptions, Estimate, PlanLayout, estimate
 from .hardware import Cluster
 from .models import ModelSpec
 
 FAMILIES = ("DP", "ZeRO-1/2", "FSDP (ZeRO-3)", "TP + DP", "PP + DP", "TP + PP + DP")
 
 
-def family(layout: Layout) -> str:
+def family(layout: PlanLayout) -> str:
     """The strategy family of a layout, for the plot: which axes are > 1, and the ZeRO stage
     when only data parallelism is used."""
     if layout.tp == 1 and layout.pp == 1:
@@ -94,7 +94,7 @@ class Fixed:
     zero: int | None = None
     sp: bool | None = None
     schedule: str | None = None
-    virtual: int | None = None
+    virtual_stages: int | None = None
     microbatches: int | None = None  # m: micro-batches per step and replica
     micro_batch: int | None = None
     ckpt: str | None = None
@@ -106,7 +106,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int,
-               fixed: Fixed = Fixed(), precision: str = "bf16") -> list[Layout]:
+               fixed: Fixed = Fixed(), precision: str = "bf16") -> list[PlanLayout]:
     """Every layout :func:`search` evaluates (before validity checks that need the estimate).
     Raises ShardwiseConfigError when a fixed dimension is impossible for ``gpus``."""
     f = fixed
@@ -142,7 +142,7 @@ def candidates(model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int,
                 scheds = []
                 for s in ([f.schedule] if f.schedule else SCHEDULES):
                     if s == "interleaved-1f1b":
-                        vs = ([f.virtual] if f.virtual else
+                        vs = ([f.virtual_stages] if f.virtual_stages else
                               [v for v in (2**i for i in range(1, 8)) if v <= per_rank])
                         scheds += [(s, v) for v in vs]
                     else:
@@ -166,8 +166,10 @@ def candidates(model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int,
                                 reduces = [f.grad_reduce] if zero >= 2 else ["step"]
                             for ck in ([f.ckpt] if f.ckpt else CKPT):
                                 for red in reduces:
-                                    out.append(Layout(dp, tp, pp, zero, sp, sched, v, b, ck,
-                                                      precision, red))
+                                    out.append(PlanLayout(
+                                        dp=dp, tp=tp, pp=pp, zero=zero, sp=sp, schedule=sched,
+                                        virtual_stages=v, micro_batch=b, ckpt=ck,
+                                        precision=precision, grad_reduce=red))
     return out
 
 

@@ -16,8 +16,7 @@ from .simulate import (Costs, DeadlockError, Event, ScheduleError, SimResult, bu
                        simulate)
 from .split import StageModule, split_layers, validate_pp
 from .comms import p2p_bytes_formula  # noqa: E402
-from .runtime import (PipelineParallel, gather_timeline,  # noqa: E402
-                      validate_composition)
+from .runtime import PipelineParallel, gather_timeline  # noqa: E402
 
 
 def build_pipeline(model, topo, *, layout=None, engine: str = "explicit",
@@ -58,4 +57,4 @@ __all__ = ["SCHEDULES", "Action", "Costs", "DeadlockError", "Event", "PipelinePa
            "Schedule", "ScheduleError", "SimResult", "StageModule", "bubble_formula",
            "build_pipeline", "build_schedule", "check_schedule", "compute_order",
            "format_schedule", "gather_timeline", "p2p_bytes_formula", "peak_activations",
-           "simulate", "split_layers", "validate_composition", "validate_pp"]
+           "simulate", "split_layers", "validate_pp"]

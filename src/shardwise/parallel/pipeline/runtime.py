@@ -41,12 +41,12 @@ import torch
 from torch import nn
 
 from ... import comm
-from ...errors import ShardwiseConfigError
 from ...models import count_items
 from ..data import GradBuckets
 from ..engine import Engine
+from ..layout import Layout
 from ..params import counted_grads, grads_or_zeros, local as _local, sum_coalesced_, tp_sharded
-from ..tensor import validate_tp, vocab_parallel_cross_entropy
+from ..tensor import vocab_parallel_cross_entropy
 from .comms import p2p_bytes_formula, swap_tied_grads
 from .runner import KINDS, ScheduleRunner
 from .schedules import build_schedule, check_schedule
@@ -82,8 +82,9 @@ class PipelineParallel(Engine):
                  layers_per_stage: list[int] | None = None, sp: bool = False, zero: int = 0,
                  seed: int = 0, reduce_dtype: str = "fp32", bucket_mb: float = 25.0):
         self.tp, self.sp, self.zero = topo.size("tp"), bool(sp), int(zero)
-        validate_composition(model, topo, schedule=schedule, sp=sp, zero=zero,
-                             reduce_dtype=reduce_dtype, engine=self._engine_name)
+        Layout(dp=topo.size("dp"), tp=self.tp, pp=topo.size("pp"), zero=self.zero, sp=self.sp,
+               schedule=schedule).check(model=model, engine=self._engine_name,
+                                        reduce_dtype=reduce_dtype, composition="pp")
         self.p, self.pp_index = topo.size("pp"), topo.index("pp")
         self.v = check_schedule(schedule, self.p, microbatches or self.p, virtual_stages)
         stage = StageModule(model, self.pp_index, self.p, self.v, layers_per_stage)
@@ -381,34 +382,6 @@ class PipelineParallel(Engine):
     @contextlib.contextmanager
     def sync_gradients(self, enabled: bool):
         yield
-
-
-def validate_composition(model, topo, *, schedule: str, sp: bool, zero: int, reduce_dtype: str,
-                         engine: str = "explicit") -> None:
-    """Raise :class:`ShardwiseConfigError` (before any collective) for a pipeline composition
-    that cannot run: ZeRO-2/3 (see ``check_supported`` in :mod:`..apply`), ZeRO-1 without dp,
-    SP without tp, TP on a model without a TP plan or with degrees that do not divide it, an
-    unknown reduce dtype."""
-    tp, dp = topo.size("tp"), topo.size("dp")
-    if zero not in (0, 1):
-        raise ShardwiseConfigError(
-            f"--zero {zero} with --pp: only ZeRO-1 composes with pipeline parallelism (ZeRO-2/3 "
-            "would reduce-scatter gradients / re-gather parameters for each of the m "
-            "microbatches; DeepSpeed refuses it too): use --zero 1 or 0, or --pp 1")
-    if zero == 1 and dp < 2:
-        raise ShardwiseConfigError("--zero 1 shards the optimizer state over the dp ranks, but "
-                                   "dp=1: use --dp ≥ 2, or --zero 0")
-    if sp and tp == 1:
-        raise ShardwiseConfigError("--sp (sequence parallelism) needs --tp > 1: it shards the "
-                                   "activations between TP regions over the tp ranks")
-    if reduce_dtype not in ("fp32", "bf16"):
-        raise ShardwiseConfigError(f"--reduce-dtype {reduce_dtype!r}: choose fp32 or bf16")
-    if tp > 1:
-        if not hasattr(model, "tok_embeddings"):
-            raise ShardwiseConfigError("--tp with --pp: tensor parallelism needs a Llama-style "
-                                       "model (--model tiny, small or base); the MLP models "
-                                       "have no TP plan")
-        validate_tp(model.config, tp, sp)
 
 
 def gather_timeline(engine: PipelineParallel, topo) -> list:

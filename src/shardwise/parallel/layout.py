@@ -1,0 +1,193 @@
+"""The parallel layout, and the one validator every entry point calls.
+
+A :class:`Layout` holds the degrees (dp × tp × pp), the ZeRO stage, sequence parallelism and the
+pipeline schedule. :meth:`Layout.check` is the one place a layout is refused: it runs every
+cross-strategy rule and calls each strategy's own check (:func:`~.zero.validate_zero`,
+:func:`~.tensor.validate_tp`, :func:`~.pipeline.split.validate_pp`), raising
+:class:`~shardwise.errors.ShardwiseConfigError` with the constraint and the fix, on every rank,
+before any collective. Its callers:
+
+* ``config.validate`` (``shardwise train`` / ``trace``): with the model's config and the batch;
+* :func:`~.apply.parallelize`: with the model and the topology;
+* the composition engines when built directly (``PipelineParallel``, ``parallelize_2d``,
+  ``parallelize_2d_torch``);
+* :func:`parse_layout` (``verify`` / ``bench --layouts``): the layout alone.
+
+The planner's ``shardwise.plan.cost.PlanLayout`` subclasses :class:`Layout`, so verify, bench
+and plan share the field names and the :meth:`Layout.name` format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..errors import ShardwiseConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A parallel layout: degrees, ZeRO stage, sequence parallelism, pipeline schedule.
+    ``microbatches`` = 0: decided by the batch (global batch / (dp × micro-batch));
+    ``virtual_stages`` = 0: the schedule's default (2 for interleaved-1f1b, else 1)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    sp: bool = False
+    schedule: str = "1f1b"
+    microbatches: int = 0
+    virtual_stages: int = 0
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank, v: 1 when pp = 1; else ``virtual_stages``, or the
+        schedule's default when 0 (2 for interleaved-1f1b, else 1, as
+        :func:`~.pipeline.schedules.check_schedule` resolves it)."""
+        if self.pp == 1:
+            return 1
+        return self.virtual_stages or (2 if self.schedule == "interleaved-1f1b" else 1)
+
+    def name(self) -> str:
+        """Compact, e.g. ``"dp=2,zero=3"``, ``"tp=2,sp"``, ``"pp=4,1f1b,m=8"``,
+        ``"pp=4,interleaved-1f1b,v=4"`` (v only when given and > 1). :func:`parse_layout`
+        reads it back."""
+        parts = [f"{k}={getattr(self, k)}" for k in ("dp", "tp", "pp") if getattr(self, k) > 1]
+        parts = parts or ["dp=1"]
+        if self.zero:
+            parts.append(f"zero={self.zero}")
+        if self.sp:
+            parts.append("sp")
+        if self.pp > 1:
+            parts.append(self.schedule)
+            if self.virtual_stages > 1:
+                parts.append(f"v={self.virtual_stages}")
+            if self.microbatches:
+                parts.append(f"m={self.microbatches}")
+        return ",".join(parts)
+
+    @classmethod
+    def from_config(cls, cfg) -> "Layout":
+        return cls(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, zero=cfg.zero, sp=cfg.sp,
+                   schedule=cfg.schedule, microbatches=cfg.microbatches,
+                   virtual_stages=getattr(cfg, "virtual_stages", 0))
+
+    def check(self, model_cfg=None, topo=None, *, model=None, engine: str = "explicit",
+              reduce_dtype: str = "fp32", seq_len: int | None = None,
+              global_batch: int | None = None, micro_batch: int | None = None,
+              layers_per_stage: list[int] | None = None,
+              composition: str | None = None) -> None:
+        """Raise :class:`ShardwiseConfigError` (no collective) unless this layout can run.
+
+        ``model_cfg``: the model's config (``LlamaConfig`` / ``MLPConfig``) when no module exists
+        yet, or ``model``: the plain module (its ``.config`` is read); with neither, the
+        model-dependent checks are skipped (the layout syntax of verify and bench).
+        ``topo``: the :class:`~shardwise.topology.Topology` the layout will run on (its degrees
+        must equal the layout's). ``engine``: "explicit" | "torch". ``reduce_dtype``: the dp
+        gradient reduction dtype. ``seq_len``: tokens per sequence (SP splits it).
+        ``global_batch`` (sequences per step, all replicas) and ``micro_batch`` (sequences per
+        micro-batch), given together with a model: the pipeline's microbatches and split are
+        checked (``layers_per_stage``: an explicit split). ``composition``: the engine that
+        calls, when built directly: "dp×tp" (the 2D engines: dp ≥ 2, tp ≥ 2, pp = 1) or "pp"
+        (the pipeline engines: ZeRO 0 or 1, whatever pp is).
+
+        Checked in this order:
+
+        1. the layout alone: ``sp`` needs tp > 1 (TP's rule, :func:`~.tensor.validate_tp`);
+           ZeRO needs dp ≥ 2, a stage in {0..3} and a known engine (:func:`~.zero.validate_zero`);
+           ZeRO-2/3 with pp > 1 (or in a pipeline engine) is refused, as DeepSpeed refuses it:
+           the pipeline runs m micro-batches per step, so ZeRO-2 would reduce-scatter (or keep
+           full) gradients m times and ZeRO-3 would re-gather every stage's parameters for each
+           micro-batch's forward and backward — m× the traffic for memory that ZeRO-1 (sharded
+           optimizer state, the large part) already saves. Megatron-LM likewise pairs PP only
+           with its distributed optimizer (= ZeRO-1).
+        2. the engine's shape (``composition``) and the topology's degrees;
+        3. the reduce dtype: fp32 or bf16 (:func:`~.data.reduce_torch_dtype`);
+        4. the model: tp > 1 needs a Llama-style model whose heads, kv heads, d_ff (and, with
+           SP, ``seq_len``) tp divides (:func:`~.tensor.validate_tp`); pp > 1 needs at least pp
+           microbatches that divide the batch and a layer split that fits
+           (:func:`~.pipeline.split.validate_pp`)."""
+        from .data import reduce_torch_dtype
+        from .tensor import validate_tp
+        from .zero import validate_zero
+
+        known = model is not None or model_cfg is not None
+        cfg = getattr(model, "config", None) if model is not None else model_cfg
+        # 1. the layout alone
+        if self.sp and self.tp == 1:
+            validate_tp(cfg, self.tp, self.sp, seq_len)
+        if self.zero:
+            validate_zero(self.zero, self.dp, engine=engine)
+        if self.zero >= 2 and (self.pp > 1 or composition == "pp"):
+            raise ShardwiseConfigError(
+                f"layout {self.name()}: ZeRO-{self.zero} does not compose with pipeline "
+                "parallelism (each of the m micro-batches would re-shard gradients/re-gather "
+                "parameters; DeepSpeed refuses it too): use --zero 1 with --pp, or --pp 1")
+        # 2. the engine's shape and the topology
+        if composition == "dp×tp" and not (self.pp == 1 and self.dp >= 2 and self.tp >= 2):
+            raise ShardwiseConfigError(
+                f"layout {self.name()} is not dp × tp (the 2D engines need dp ≥ 2, tp ≥ 2, "
+                "pp = 1): use parallelize(), which picks the engine for any layout")
+        if topo is not None:
+            sizes = (topo.size("pp"), topo.size("dp"), topo.size("tp"))
+            if sizes != (self.pp, self.dp, self.tp):
+                raise ShardwiseConfigError(
+                    f"layout {self.name()} does not match the topology {topo.describe()}: "
+                    f"build Topology(pp={self.pp}, dp={self.dp}, tp={self.tp}) for it")
+        # 3. the reduce dtype
+        reduce_torch_dtype(reduce_dtype)
+        # 4. the model
+        if not known:
+            return
+        if self.tp > 1:
+            validate_tp(cfg, self.tp, self.sp, seq_len)
+        if self.pp > 1 and global_batch is not None and micro_batch is not None:
+            from .pipeline.split import validate_pp
+
+            local = global_batch // self.dp
+            m = self.microbatches or max(1, local // micro_batch)
+            if not self.microbatches and m < self.pp:
+                raise ShardwiseConfigError(
+                    f"--pp {self.pp} needs at least {self.pp} microbatches per step, but global "
+                    f"batch / (dp × micro-batch) = {global_batch} / ({self.dp} × {micro_batch}) "
+                    f"= {m}: pass --microbatches M (M ≥ {self.pp}, dividing {local}) or a "
+                    "smaller --micro-batch")
+            validate_pp(cfg, self.pp, self.schedule, m, batch=local,
+                        virtual_stages=self.virtual_stages or None,
+                        layers_per_stage=layers_per_stage)
+
+
+def parse_layout(text: str) -> Layout:
+    """``"dp=2"``, ``"dp=2,zero=3"``, ``"tp=2,sp"``, ``"pp=4,schedule=1f1b,m=8"`` → Layout, checked
+    by :meth:`Layout.check` (the layout alone). Raises ShardwiseConfigError naming the syntax."""
+    from .pipeline.schedules import SCHEDULES
+
+    kw: dict = {}
+    for part in text.split(","):
+        key, _, value = (x.strip() for x in part.partition("="))
+        if key == "sp" and not value:
+            kw["sp"] = True
+        elif key in SCHEDULES and not value:
+            kw["schedule"] = key
+        elif key == "schedule" and value in SCHEDULES:
+            kw["schedule"] = value
+        elif key in ("dp", "tp", "pp", "zero", "m", "microbatches", "v") and value.isdigit():
+            kw[{"m": "microbatches", "v": "virtual_stages"}.get(key, key)] = int(value)
+        else:
+            raise ShardwiseConfigError(
+                f"--layouts {text!r}: write each layout as comma-separated parts: dp=N, tp=N, "
+                f"pp=N, zero=Z, sp, a schedule ({', '.join(SCHEDULES)}), m=M (e.g. dp=2,zero=3 "
+                "or pp=2,1f1b,m=4)")
+    layout = Layout(**kw)
+    layout.check()
+    return layout
+
+
+def check_supported(layout: Layout) -> None:
+    """Raise :class:`ShardwiseConfigError` (before any collective) for a layout no engine runs:
+    :meth:`Layout.check` without a model (the layout's own rules and the reduce dtype)."""
+    layout.check()
