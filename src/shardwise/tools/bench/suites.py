@@ -24,6 +24,7 @@ from __future__ import annotations
 import statistics
 
 import torch
+import torch.distributed as dist
 
 from ...config import TrainConfig
 from ...models import build_model
@@ -38,17 +39,10 @@ from ..trace import trace_pipeline
 from .harness import alternate, make_run, make_workload, timed_step, write_report
 
 
-def _world(timeout_s: float = 300) -> int:
-    import torch.distributed as dist
-
-    init_distributed("cpu", timeout_s)
+def _world() -> int:
+    """Join the spawned world (gloo on CPU, 300 s collective timeout); its size."""
+    init_distributed("cpu", 300)
     return dist.get_world_size()
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank()
 
 
 def _median_table(ratio_title: str, ratio_key: str, *extra):
@@ -105,7 +99,7 @@ def bench_dp(args) -> int:
                         "vs_torch_ddp": med / torch_median,
                         "grad_bytes_ledger": r["grad_bytes_ledger"],
                         "grad_bytes_formula": formula, "steps_timed": len(r["times"])})
-    if _rank() == 0:
+    if dist.get_rank() == 0:
         params = sum(p.numel() for p in model.parameters())
         head = (f"DP bench: model {args.model} ({params / 1e6:.2f} M params), dp={n}, "
                 f"{args.micro_batch} × {args.seq_len} tokens per rank per step, bucket "
@@ -170,7 +164,7 @@ def bench_zero(args) -> int:
             "ledger_by_tag": r["bytes"], "model_state_bytes": r["state"],
             "memory_formula_bytes": mem, "gathered_params_peak": r["state"].get(
                 "gathered_params_peak"), "steps_timed": len(r["times"])})
-    if _rank() == 0:
+    if dist.get_rank() == 0:
         psi = runs[ZERO_BASELINE]["engine"].numel
         head = (f"ZeRO-3 bench: model {args.model} ({psi / 1e6:.2f} M params), dp={n}, "
                 f"{args.micro_batch} × {args.seq_len} tokens per rank per step, {args.rounds} "
@@ -275,7 +269,7 @@ def bench_tp(args) -> int:
                         "ledger_bytes": r["ledger_bytes"], "formula_bytes": formula["total"],
                         "activation_bytes": r["activation_bytes"],
                         "steps_timed": len(r["times"])})
-    if _rank() == 0:
+    if dist.get_rank() == 0:
         params = sum(p.numel() for p in build_model(args.model, vocab_size=4096).parameters())
         head = (f"TP bench: model {args.model} ({params / 1e6:.2f} M params), tp={tp}, "
                 f"{args.micro_batch} × {args.seq_len} tokens per step, {args.rounds} rounds × "
@@ -334,7 +328,7 @@ def bench_pp(args) -> int:
     for _ in range(args.steps):
         step(run)
         bubbles.append(bubble_of(gather_timeline(run["engine"], topo), p))
-    if _rank() == 0:
+    if dist.get_rank() == 0:
         trace_pipeline(run["engine"], topo, args.out, name=f"bench_{args.schedule}_timeline")
     else:
         trace_pipeline(run["engine"], topo, args.out)
@@ -356,7 +350,7 @@ def bench_pp(args) -> int:
         rows.append({"schedule": schedule, "explicit_s": med["explicit"], "torch_s": med["torch"],
                      "ratio": med["explicit"] / med["torch"],
                      "steps_timed": len(runs["explicit"]["times"])})
-    if _rank() == 0:
+    if dist.get_rank() == 0:
         params = sum(x.numel() for x in build_model(args.model, vocab_size=work.vocab_size,
                                                     n_layers=args.n_layers).parameters())
         head = (f"PP bench: model {args.model} ({params / 1e6:.2f} M params, {args.n_layers} "
