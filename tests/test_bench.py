@@ -11,7 +11,8 @@ import json
 import pytest
 
 from conftest import run_cli
-from shardwise.bench_layout import alternate, check_layouts
+from shardwise.tools.bench.harness import alternate
+from shardwise.tools.bench.layouts import check_layouts
 from shardwise.errors import ShardwiseConfigError
 from shardwise.models import build_model
 
@@ -97,7 +98,7 @@ def test_alternate_skips_a_failed_variant_and_keeps_the_order():
 
 
 def test_paired_ratio_cancels_drift_between_rounds():
-    from shardwise.bench_layout import paired_ratio
+    from shardwise.tools.bench.layouts import paired_ratio
 
     # round 1 on a quiet machine, round 2 three times slower: A is 0.8 × B in both rounds,
     # while the pooled medians would mix the two regimes
@@ -118,7 +119,7 @@ def test_a_rank_that_failed_turns_the_engine_into_an_error_row():
     explicit cell aggregates both ranks (slowest median, summed bytes, worst deviation)."""
     import torch
 
-    from shardwise.bench_layout import _row, _vector, format_table
+    from shardwise.tools.bench.layouts import _row, _vector, format_table
     from shardwise.parallel.apply import Layout
 
     def ok(median, ledger, formula):

@@ -40,7 +40,7 @@ def test_toml_degrees_count_as_chosen(tmp_path):
 def test_describe_groups_by_hand():
     """pp=2, dp=2, tp=2 over ranks 0..7 (docs/architecture.md's table): tp {0,1} {2,3} {4,5}
     {6,7}; dp {0,2} {1,3} {4,6} {5,7}; pp {0,4} {1,5} {2,6} {3,7}."""
-    from shardwise.train.loop import describe_groups
+    from shardwise.train.report import describe_groups
 
     grid = torch.arange(8).reshape(2, 2, 2)
     topo = types.SimpleNamespace(grid=grid, size=lambda a: 2)

@@ -1,9 +1,9 @@
 """The package has no import cycle, lazy imports included (a function-level import hides a cycle
 from Python but not from a reader: ``verify`` → ``bench_pp`` → ``bench_layout`` → ``verify`` was
-one). Static: every ``import`` and ``from … import`` inside ``src/shardwise``, at any depth of the
-file, is an edge to the module it names (the submodule when ``from pkg import sub`` names one);
-the test fails on any strongly connected component of more than one module, or a module that
-imports itself, and names the edges that close it."""
+one, before they moved to ``tools/``). Static: every ``import`` and ``from … import`` inside
+``src/shardwise``, at any depth of the file, is an edge to the module it names (the submodule
+when ``from pkg import sub`` names one); the test fails on any strongly connected component of
+more than one module, or a module that imports itself, and names the edges that close it."""
 
 import ast
 from pathlib import Path

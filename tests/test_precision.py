@@ -80,7 +80,7 @@ def results(tmp_path_factory):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", W.CASES, ids=[W.case_name(*c) for c in W.CASES])
 def test_bf16_loss_within_2_percent_of_fp32(results, case):
-    from shardwise.verify import parse_layout
+    from shardwise.parallel.layout import parse_layout
 
     world = parse_layout(case[0]).world
     for rank in range(world):

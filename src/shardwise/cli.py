@@ -145,7 +145,8 @@ def cmd_train(args, argv) -> int:
 
 
 def cmd_verify(args, argv) -> int:
-    from .verify import parse_layout, verify_worker
+    from .parallel.layout import parse_layout
+    from .tools.verify import verify_worker
 
     if args.nproc < 1:
         raise ShardwiseConfigError(f"--nproc {args.nproc} must be at least 1")
@@ -159,7 +160,7 @@ def cmd_verify(args, argv) -> int:
 
 
 def cmd_trace(args, argv) -> int:
-    from .verify import trace_worker
+    from .tools.trace import trace_worker
 
     cfg = from_args(args, model="tiny", global_batch=8, micro_batch=2, seq_len=16)
     if cfg.pp > 1:  # enough layers for every stage (and chunk), and batch for the microbatches
@@ -188,8 +189,8 @@ def cmd_export(args, argv) -> int:
 def cmd_bench(args, argv) -> int:
     args.layouts = [*args.layout, *args.layouts]
     check_timeout(args.timeout)
-    if args.layouts:  # the generic layout bench (bench_layout.py); --suite is ignored
-        from .bench_layout import bench_layouts_worker, check_layouts
+    if args.layouts:  # the generic layout bench (tools/bench/layouts.py); --suite is ignored
+        from .tools.bench.layouts import bench_layouts_worker, check_layouts
 
         need = check_layouts(args.layouts)  # syntax errors before anything is spawned
         if args.nproc == 0:
@@ -207,14 +208,9 @@ def cmd_bench(args, argv) -> int:
         args.nproc = 4 if args.suite == "pp" else 2
         argv = [*argv, "--nproc", str(args.nproc)]
     args.pp = args.nproc
-    if args.suite == "dp":
-        from .bench import bench_worker as worker
-    elif args.suite == "zero":
-        from .bench_zero import bench_zero as worker
-    elif args.suite == "tp":
-        from .bench_tp import bench_tp_worker as worker
-    else:
-        from .bench_pp import bench_pp_worker as worker
+    from .tools.bench.suites import SUITES
+
+    worker = SUITES[args.suite]
     return _run_or_spawn(args, argv, args.nproc, lambda: worker(args),
                          getattr(args, "device", "cpu"))
 

@@ -46,7 +46,7 @@ def is_worker() -> bool:
 # What a worker imports anyway, imported once by a forking launcher (see the module docstring).
 PRELOAD = ("torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp",
            "torch.distributed.pipelining", "shardwise.parallel", "shardwise.train.loop",
-           "shardwise.verify")
+           "shardwise.tools.verify")
 
 
 _watching = False  # watch_launcher has run in this process

@@ -21,12 +21,12 @@ import torch.distributed as dist
 from shardwise.config import TrainConfig
 from shardwise.models import build_model
 from shardwise.parallel.apply import parallelize
+from shardwise.parallel.layout import parse_layout
 from shardwise.topology import Topology, init_distributed
 from shardwise.train.checkpoint import Checkpointer, load_model, restore_training_state
 from shardwise.train.optim import build_optimizer, build_scheduler
 from shardwise.train.step import train_step
 from shardwise.train.workload import SyntheticLMWorkload
-from shardwise.verify import parse_layout
 
 K, N, GLOBAL_BATCH, MICRO = 2, 4, 8, 2
 CFG = TrainConfig(model="tiny", lr=3e-3, warmup_steps=2, steps=N, grad_clip=1.0, seed=0)

@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from shardwise.viz.timeline import trace_pipeline
+from shardwise.tools.trace import trace_pipeline
 from shardwise.config import TrainConfig
 from shardwise.models import build_model
 from shardwise.parallel.pipeline import build_pipeline

@@ -20,10 +20,10 @@ import torch.distributed as dist
 from shardwise.config import TrainConfig
 from shardwise.models import build_model
 from shardwise.parallel.apply import parallelize
+from shardwise.parallel.layout import parse_layout
 from shardwise.topology import Topology, init_distributed
 from shardwise.train.optim import build_optimizer
 from shardwise.train.step import train_step
-from shardwise.verify import parse_layout
 
 CASES = [  # (layout, engine, reduce dtype of the bf16 run)
     ("dp=2", "explicit", "fp32"),

@@ -1,7 +1,9 @@
 """The training loop: read it top to bottom.
 
 Every rank runs :func:`train`. Rank 0 also writes the run folder (metrics.jsonl, config.toml,
-ledger.json, tb/, loss.png, sample.txt); every rank writes its shard of the checkpoint.
+ledger.json, tb/, loss.png, sample.txt); every rank writes its shard of the checkpoint. What the
+loop reports about groups and traffic is in :mod:`.report`; the test-only fault hooks it calls
+(``SHARDWISE_TEST_*``) are in :mod:`.faults`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..flops import mfu, peak_devices, peak_flops, step_flops
 from ..models import build_model, set_activation_checkpointing
 from ..parallel.apply import Layout, parallelize
 from ..topology import Topology, init_distributed
+from . import faults
 from .checkpoint import (Checkpointer, DivergedError, RunFolderBusyError,
                          check_checkpoints_writable, check_disk_space, check_same_data,
                          checkpoint_bytes_estimate, data_fingerprint, diverged_message,
@@ -31,6 +34,7 @@ from .checkpoint import (Checkpointer, DivergedError, RunFolderBusyError,
                          restore_training_state)
 from .metrics import MetricsLogger, plot_loss
 from .optim import build_optimizer, build_scheduler
+from .report import describe_groups, describe_traffic, write_ledger_json
 from .step import train_step
 from .workload import load_workload
 
@@ -218,7 +222,7 @@ def train(cfg: TrainConfig) -> dict:
         bar.update(start)
     for step in range(start + 1, cfg.steps + 1):
         local = sampler.next_local_batch()
-        _test_log_samples(step, local, topo)
+        faults.log_samples(step, local, topo)  # SHARDWISE_TEST_* hooks: no-ops unless set
         batch = work.batches(local, micro_batch)
         t0 = time.perf_counter()
         res = train_step(engine, batch, optimizer, topo, max_norm=cfg.grad_clip,
@@ -267,7 +271,7 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
             checkpointer.save(step, engine, optimizer, scheduler=scheduler, sampler=sampler,
                               extra_meta=_meta(cfg, tokens_seen, val_losses, model_cfg))
-        _test_kill(step, checkpointer)
+        faults.kill_at_step(step, checkpointer)
     if bar is not None:
         bar.close()
     metrics.close()
@@ -384,94 +388,3 @@ def _truncate_metrics(path: Path, step: int) -> None:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(line + "\n" for line in keep))
         os.replace(tmp, path)
-
-
-# -- test-only hooks (environment variables; documented in docs/checkpointing.md) ---------------
-def _test_log_samples(step: int, local: torch.Tensor, topo) -> None:
-    """``SHARDWISE_TEST_SAMPLE_LOG=DIR`` (tests only): append this rank's sample indices of
-    ``step`` to ``DIR/samples_rank<r>.jsonl``, with torchrun's restart count, to prove that a
-    restarted job skips and repeats nothing."""
-    d = os.environ.get("SHARDWISE_TEST_SAMPLE_LOG")
-    if d:
-        rec = {"step": step, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-               "indices": local.tolist()}
-        with open(Path(d) / f"samples_rank{topo.index('world')}.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
-
-
-def _test_kill(step: int, checkpointer) -> None:
-    """``SHARDWISE_TEST_KILL_AT_STEP=K`` (tests only): after step K (and its checkpoint, waited
-    for), SIGKILL this worker, or only rank ``SHARDWISE_TEST_KILL_RANK`` if set; only in the first
-    attempt of a torchrun job (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so a restart runs on."""
-    at = os.environ.get("SHARDWISE_TEST_KILL_AT_STEP")
-    if not at or int(at) != step or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
-        return
-    checkpointer.wait(barrier=True)
-    who = os.environ.get("SHARDWISE_TEST_KILL_RANK")
-    if who is None or int(who) == checkpointer.topo.index("world"):
-        import signal
-
-        print(f"[test] SHARDWISE_TEST_KILL_AT_STEP={step}: SIGKILL rank "
-              f"{checkpointer.topo.index('world')}", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def describe_groups(topo) -> list[str]:
-    """Log lines: the mesh shape and, per axis of size > 1, the global ranks of each group
-    (from ``topo.grid`` [pp, dp, tp], tp innermost)."""
-    from ..topology import AXES
-
-    lines = [f"  mesh (pp, dp, tp) = {tuple(topo.grid.shape)}, rank r = (pp·{topo.size('dp')} + "
-             f"dp)·{topo.size('tp')} + tp"]
-    for dim, axis in enumerate(AXES):
-        if topo.size(axis) > 1:
-            groups = topo.grid.movedim(dim, -1).reshape(-1, topo.size(axis)).tolist()
-            lines.append(f"    {axis} groups: " + " ".join(
-                "{" + ",".join(map(str, g)) + "}" for g in groups))
-    return lines
-
-
-def describe_traffic(topo, engine, cfg: TrainConfig) -> list[str]:
-    """Log lines after step 1: the bytes this rank sent in the step per axis, *measured* by the
-    ledger (phase "step"), next to the layout's formula total (:mod:`shardwise.formulas`), and
-    what a recompute (``--ac``) re-sent. Every rank computes it; rank 0 logs."""
-    from ..formulas import step_bytes_formula
-
-    per_axis: dict[str, float] = {}
-    for r in topo.ledger.step_records():
-        per_axis[r.axis] = per_axis.get(r.axis, 0.0) + r.wire_bytes
-    measured = sum(per_axis.values())
-    _, n_micro = cfg.microbatching()
-    try:
-        formula = step_bytes_formula(engine, topo, micro_steps=n_micro,
-                                     sequences=cfg.global_batch // cfg.dp, seq_len=cfg.seq_len,
-                                     dtype=cfg.dtype)["total"]
-        ratio = f"{measured / formula:.4f}" if formula else "—"
-        tail = f"; formula {formula:,.0f} B, ledger/formula {ratio}"
-    except NotImplementedError:
-        tail = "; no formula for this engine"
-    parts = ", ".join(f"{a} {b:,.0f} B" for a, b in sorted(per_axis.items()) if b)
-    lines = [f"  traffic per step (rank 0, ledger of step 1): {parts or 'none'} = "
-             f"{measured:,.0f} B{tail}"]
-    recompute = sum(r.wire_bytes for r in topo.ledger.records[topo.ledger._step_start:]
-                    if r.phase == "recompute")
-    if recompute:
-        lines.append(f"  recompute (--ac {cfg.ac}) re-sent {recompute:,.0f} B in backward, "
-                     "booked outside the step (phase \"recompute\")")
-    return lines
-
-
-def write_ledger_json(path: Path, topo, engine, cfg: TrainConfig) -> None:
-    """One step's collectives next to the formula of the layout (see :mod:`shardwise.formulas`)."""
-    from ..formulas import step_bytes_formula
-
-    micro_batch, n_micro = cfg.microbatching()
-    expected = step_bytes_formula(engine, topo, micro_steps=n_micro,
-                                  sequences=cfg.global_batch // cfg.dp, seq_len=cfg.seq_len,
-                                  dtype=cfg.dtype)
-    measured = topo.ledger.step_bytes()
-    topo.ledger.to_json(path, extra={
-        "layout": topo.describe(), "engine": cfg.engine,
-        "formula": expected, "measured_total": measured,
-        "ratio": (measured / expected["total"]) if expected["total"] else None,
-    })

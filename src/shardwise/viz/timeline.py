@@ -3,8 +3,8 @@
 Input: events with the attributes ``rank``, ``kind``, ``microbatch``, ``chunk``, ``start``,
 ``end`` (and optionally ``peer``) — e.g. :class:`shardwise.parallel.pipeline.Event` from the
 simulator (abstract time units) or from a real run's timestamps
-(:func:`shardwise.parallel.pipeline.runtime.gather_timeline`, seconds). Nothing here runs a
-collective.
+(:func:`shardwise.parallel.pipeline.runtime.gather_timeline`, seconds; gathered and drawn by
+:func:`shardwise.tools.trace.trace_pipeline`). Nothing here runs a collective.
 
 The Chrome trace is the JSON "trace event" format (``{"traceEvents": [...]}``, complete events
 ``"ph": "X"`` with ``ts``/``dur`` in microseconds, one thread per rank) that ui.perfetto.dev and
@@ -118,25 +118,3 @@ def write_chrome_trace(events, path, time_scale: float = 1e6) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(chrome_trace(events, time_scale)))
     return path
-
-
-def trace_pipeline(engine, topo, out_dir, name: str = "pipeline_timeline",
-                   title: str | None = None) -> dict | None:
-    """Gather ``engine``'s last step (every pp rank must call this: it is a collective over
-    "pp") and, on pp index 0 of dp index 0, write ``out_dir/<name>.png`` and
-    ``out_dir/<name>.trace.json``. Returns ``{"png", "trace", "bubble", "events"}`` there
-    (bubble: measured fraction; events: times in seconds), None on the other ranks."""
-    from ..parallel.pipeline.runtime import gather_timeline
-
-    events = gather_timeline(engine, topo)
-    if topo.index("pp") != 0 or topo.index("dp") != 0:
-        return None
-    out = Path(out_dir)
-    p = topo.size("pp")
-    m = max((e.microbatch for e in events), default=-1) + 1
-    title = title or (f"{engine.schedule_name}: pp={p}, m={m}, v={engine.v} — real run, "
-                      f"{type(engine).__name__}")
-    png = draw_timeline(events, out / f"{name}.png", title=title, unit="seconds")
-    trace = write_chrome_trace(events, out / f"{name}.trace.json", time_scale=1e6)
-    return {"png": str(png), "trace": str(trace), "bubble": bubble_of(events, p),
-            "events": events}

@@ -33,84 +33,29 @@ bytes / Σ of formula bytes (``worst_rank_deviation``: max over ranks of |ledger
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
 import traceback
+from operator import itemgetter
 from pathlib import Path
 
 import torch
 
-from . import comm
-from .config import TrainConfig
-from .errors import ShardwiseConfigError
-from .formulas import memory_formula, step_bytes_formula
-from .models import build_model
-from .parallel.apply import Layout, parallelize
-from .topology import Topology, init_distributed
-from .train.optim import build_optimizer
-from .train.step import train_step
-from .train.workload import RegressionWorkload, SyntheticLMWorkload
+from ... import comm
+from ...config import TrainConfig
+from ...errors import ShardwiseConfigError
+from ...formulas import memory_formula, step_bytes_formula
+from ...parallel.apply import parallelize
+from ...parallel.layout import Layout, parse_layout
+from ...topology import Topology, init_distributed
+from .harness import alternate, make_run, make_workload, markdown_table, timed_step, write_report
 
 ENGINES = ("explicit", "torch")
 # one float64 vector per (rank, engine) in the all-gather, in this order
 _FIELDS = ("member", "failed", "median_s", "ledger_bytes", "formula_bytes", "mem_bytes",
            "mem_formula_bytes", "steps_timed")
 
-
-# ---------------------------------------------------------------- shared by every bench suite
-
-def make_workload(model: str, seq_len: int, vocab: int, num_train: int, seed: int = 0):
-    """The benchmark's data: random token sequences for the Llama presets (``vocab``,
-    ``seq_len``), the synthetic regression task for ``mlp*``. ``num_train`` sequences."""
-    if model.startswith("mlp"):
-        return RegressionWorkload(TrainConfig(model=model, seed=seed), num_train=num_train,
-                                  num_val=1)
-    return SyntheticLMWorkload(vocab_size=vocab, seq_len=seq_len, num_train=num_train,
-                               num_val=1, seed=seed)
-
-
-def make_run(wrap, model: str, work, cfg: TrainConfig, global_batch: int, dp: int,
-             dp_index: int, seed: int = 0, **model_kw) -> dict:
-    """One benchmark variant: seed the RNG, build ``model`` (so every variant starts from the
-    same weights), wrap it with ``wrap(model) -> Engine``, build its optimizer and a sampler of
-    ``global_batch`` sequences per step over ``dp`` replicas. Returns the run dict the timing
-    helpers use (``engine``, ``opt``, ``sampler``, ``times``)."""
-    torch.manual_seed(seed)
-    kw = {"vocab_size": work.vocab_size} if work.kind == "lm" else {}
-    engine = wrap(build_model(model, **kw, **model_kw))
-    return {"engine": engine, "opt": build_optimizer(engine, cfg), "times": [],
-            "sampler": work.sampler(global_batch, dp, dp_index, seed)}
-
-
-def timed_step(run: dict, work, micro_batch: int, topo, *, dtype: str = "fp32",
-               measure_memory: bool = False, zero_grad: bool = True):
-    """One optimizer step of ``run`` on its next batch (cut into ``micro_batch``-sequence
-    micro-batches), clipping at global norm 1.0; returns (wall seconds of ``train_step``, its
-    StepResult). ``zero_grad=False`` leaves the gradients allocated until the next step."""
-    batch = work.batches(run["sampler"].next_local_batch(), micro_batch)
-    t0 = time.perf_counter()
-    res = train_step(run["engine"], batch, run["opt"], topo, max_norm=1.0, dtype=dtype,
-                     measure_memory=measure_memory, zero_grad=zero_grad)
-    return time.perf_counter() - t0, res
-
-
-def alternate(runs: dict, rounds: int, steps: int, step_fn, order: list | None = None) -> None:
-    """Time ``runs`` alternately: ``rounds`` × (for each run in order: ``steps`` calls of
-    ``step_fn(run) -> seconds``, appended to ``run["times"]``), i.e. A B A B … so that drift in
-    the machine's speed hits every variant alike. ``order`` (if given) receives the name of each
-    timed block as it runs."""
-    for _ in range(rounds):
-        for name, r in runs.items():
-            if r.get("error"):
-                continue
-            if order is not None:
-                order.append(name)
-            r["times"] += [step_fn(r) for _ in range(steps)]
-
-
-# ---------------------------------------------------------------- the generic layout bench
 
 def _short(e: BaseException) -> str:
     msg = f"{type(e).__name__}: {e}".replace("\n", " ").replace("|", "/")
@@ -130,7 +75,7 @@ def _disable_booking(engine) -> bool:
 def _with_recompute_phase(engine, topo):
     """--ac: book the collectives a recompute re-issues (TP) under phase "recompute", so the
     step's ledger still matches the formula (see shardwise.models.ac)."""
-    from .models import set_activation_checkpointing
+    from ...models import set_activation_checkpointing
 
     mode = next((m.ac_mode for m in engine.modules() if hasattr(m, "ac_mode")), "none")
     set_activation_checkpointing(engine, mode, lambda: topo.ledger.phase("recompute"))
@@ -224,8 +169,6 @@ def bench_one_layout(layout: Layout, topo, args, order: list) -> dict:
 def _parse(text: str):
     """(Layout, None), or (None, why) for a layout ``check_supported`` refuses (a row of the
     table). Raises :class:`ShardwiseConfigError` for text that is not a layout at all."""
-    from .parallel.apply import parse_layout
-
     try:
         return parse_layout(text), None
     except ShardwiseConfigError as e:
@@ -294,7 +237,7 @@ def bench_layouts_worker(args) -> int:
             rows.append(_row(s, lay, res, gathered, order))
             order_all[lay.name()] = order
     if rank == 0:
-        write_report(rows, args, world)
+        report(rows, args, world)
     return 0
 
 
@@ -361,13 +304,19 @@ def _fmt(x, spec, dash="—"):
     return dash if x is None else format(x, spec)
 
 
-def format_table(rows: list[dict]) -> str:
-    lines = ["| layout | ranks | engine | median step (ms) | tokens/s | ledger / formula | "
-             "model state / rank (MiB) | state / formula | explicit / torch (paired) |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+# the table: one line per (layout, engine); a refused layout is one line
+COLUMNS = [(title, align, itemgetter(i)) for i, (title, align) in enumerate([
+    ("layout", "---"), ("ranks", "---:"), ("engine", "---"), ("median step (ms)", "---:"),
+    ("tokens/s", "---:"), ("ledger / formula", "---:"), ("model state / rank (MiB)", "---:"),
+    ("state / formula", "---:"), ("explicit / torch (paired)", "---:")])]
+
+
+def _cells(rows: list[dict]) -> list[list]:
+    """The cells of :data:`COLUMNS` for every line of the table (None: left blank)."""
+    out = []
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['layout']} | | | refused: {row['error']} | | | | | |")
+            out.append([row["layout"], None, None, f"refused: {row['error']}"] + [None] * 5)
             continue
         for eng in ENGINES:
             r = row[eng]
@@ -375,15 +324,19 @@ def format_table(rows: list[dict]) -> str:
                      f"({_fmt(row.get('explicit_over_torch_paired'), '.3f')})"
                      if eng == "explicit" else "")
             if "error" in r:
-                lines.append(f"| {row['layout']} | {row['world']} | {eng} | error: "
-                             f"{r['error']} | | | | | {ratio} |")
+                out.append([row["layout"], row["world"], eng, f"error: {r['error']}"]
+                           + [None] * 4 + [ratio])
                 continue
-            lines.append(
-                f"| {row['layout']} | {row['world']} | {eng} | {r['median_step_s'] * 1e3:.1f} "
-                f"| {r['tokens_per_s']:,.0f} | {_fmt(r['ledger_over_formula'], '.4f')} "
-                f"| {r['model_state_bytes_max_rank'] / 2**20:.2f} "
-                f"| {_fmt(r['memory_over_formula'], '.4f')} | {ratio} |")
-    return "\n".join(lines)
+            out.append([row["layout"], row["world"], eng, f"{r['median_step_s'] * 1e3:.1f}",
+                        f"{r['tokens_per_s']:,.0f}", _fmt(r["ledger_over_formula"], ".4f"),
+                        f"{r['model_state_bytes_max_rank'] / 2**20:.2f}",
+                        _fmt(r["memory_over_formula"], ".4f"), ratio])
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    """The Markdown table of :func:`bench_layouts_worker`'s rows."""
+    return markdown_table(_cells(rows), COLUMNS)
 
 
 def draw_chart(rows: list[dict], path: Path, title: str) -> Path | None:
@@ -419,20 +372,16 @@ def draw_chart(rows: list[dict], path: Path, title: str) -> Path | None:
     return path
 
 
-def write_report(rows: list[dict], args, world: int) -> None:
+def report(rows: list[dict], args, world: int) -> None:
     """Rank 0: print the table; write ``bench.md``, ``bench.json``, ``bench.png`` in ``out``."""
     head = (f"Layout bench: model {args.model}, {args.micro_batch} × {args.seq_len} tokens per "
             f"micro-batch, dtype {args.dtype}, {args.rounds} rounds × {args.steps} timed steps "
             f"per engine (A B A B …, after 1 warm-up step), {world} processes, torch "
             f"{torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    md = head + "\n\n" + format_table(rows)
-    print(md, flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.md").write_text(md + "\n")
     config = {k: v for k, v in vars(args).items() if not callable(v)}
-    (out / "bench.json").write_text(json.dumps({"config": config | {"world": world},
-                                                "rows": rows}, indent=2, default=str))
+    write_report(_cells(rows), COLUMNS, args.out, "bench", head=head,
+                 data={"config": config | {"world": world}, "rows": rows})
+    out = Path(args.out)
     png = draw_chart(rows, out / "bench.png", f"explicit vs torch, {args.model}, {world} "
                      "processes (ratio above the bars)")
     if png:

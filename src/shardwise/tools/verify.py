@@ -1,20 +1,21 @@
-"""``shardwise verify`` and ``shardwise trace``: parity with one process, and every collective.
+"""``shardwise verify``: parity of every layout and engine with one process.
 
-verify: for each layout that fits the world (or ``--layouts``), each engine and each test model,
-train a few AdamW steps (with gradient accumulation or pipeline microbatches, and clipping) and
-compare, at every step, the loss, the gradient norm, every (gathered) gradient and every
-parameter with the single-process reference of :mod:`shardwise.parity` (plain PyTorch, the same
-global batches from the same initialisation), by that module's one rule: losses, norms and
-gradients within rtol 1e-5 / atol 1e-6 of the reference evaluated at the run's own parameters,
-parameters within the AdamW bound derived from the measured gradient errors; and the ledger's
-bytes with the layout's formula. Rank 0 prints the table and the rule; exit status 1 on any
-mismatch. A case that fails or hangs (a collective times out after ``--timeout`` s) fails on its
-own: the ranks agree on each case's outcome through the rendezvous store (not the process
-groups, which a timed-out collective leaves unusable), and after a failure every rank builds a
-fresh world (new process groups under a new store prefix) before the next case.
+For each layout that fits the world (or ``--layouts``), each engine and each test model, train a
+few AdamW steps (with gradient accumulation or pipeline microbatches, and clipping) and compare,
+at every step, the loss, the gradient norm, every (gathered) gradient and every parameter with
+the single-process reference of :mod:`shardwise.parity` (plain PyTorch, the same global batches
+from the same initialisation), by that module's one rule: losses, norms and gradients within
+rtol 1e-5 / atol 1e-6 of the reference evaluated at the run's own parameters, parameters within
+the AdamW bound derived from the measured gradient errors; and the ledger's bytes with the
+layout's formula. Rank 0 prints the table and the rule; exit status 1 on any mismatch. A case
+that fails or hangs (a collective times out after ``--timeout`` s) fails on its own: the ranks
+agree on each case's outcome through the rendezvous store (not the process groups, which a
+timed-out collective leaves unusable), and after a failure every rank builds a fresh world (new
+process groups under a new store prefix) before the next case.
 
-trace: one step of a layout; rank 0 prints every collective of the step (op, axis, shape, bytes
-sent) and the total next to the formula.
+The layout syntax (``dp=2,zero=3`` …) is :func:`shardwise.parallel.apply.parse_layout`'s.
+``shardwise trace`` (one step's collectives) is :mod:`shardwise.tools.trace`; it builds its run
+with :func:`verify_workload` and :func:`build_case` from here.
 """
 
 from __future__ import annotations
@@ -26,17 +27,18 @@ import time
 
 import torch
 
-from . import comm, parity
-from .config import CHOICES, TrainConfig
-from .errors import ShardwiseConfigError
-from .formulas import memory_formula, step_bytes_formula
-from .models import build_model
-from .parallel.apply import Layout, check_supported, parallelize, parse_layout  # noqa: F401
-from .topology import Topology
-from .train.optim import build_optimizer, build_scheduler, lr_multiplier
-from .parallel.engine import Local
-from .train.step import train_step
-from .train.workload import RegressionWorkload, SyntheticLMWorkload
+from .. import comm, parity
+from ..config import CHOICES, TrainConfig
+from ..errors import ShardwiseConfigError
+from ..formulas import step_bytes_formula
+from ..models import build_model
+from ..parallel.apply import parallelize
+from ..parallel.layout import Layout, parse_layout
+from ..parallel.engine import Local
+from ..topology import Topology
+from ..train.optim import build_optimizer, build_scheduler, lr_multiplier
+from ..train.step import train_step
+from ..train.workload import RegressionWorkload, SyntheticLMWorkload
 
 RTOL, ATOL = parity.RTOL, parity.ATOL
 SCHEDULES = CHOICES["schedule"]
@@ -127,7 +129,9 @@ def applies(layout: Layout, model: str) -> bool:
     return not (layout.tp > 1 and model.startswith("mlp"))
 
 
-def _workload(model: str, seed: int, overrides: dict | None = None):
+def verify_workload(model: str, seed: int, overrides: dict | None = None):
+    """The data of a verify case: the synthetic regression task (256 training rows) for
+    ``mlp*`` models, else random token sequences (:class:`SyntheticLMWorkload`)."""
     if model.startswith("mlp"):
         return RegressionWorkload(TrainConfig(model=model, seed=seed), num_train=256, num_val=32,
                                   overrides=overrides)
@@ -141,7 +145,7 @@ def _build(model_name, work, cfg, overrides: dict | None = None):
     return build_model(model_name, vocab_size=work.vocab_size, **kw, **(overrides or {}))
 
 
-def _make(model_name, work, cfg, wrap=Local, overrides: dict | None = None):
+def build_case(model_name, work, cfg, wrap=Local, overrides: dict | None = None):
     """Model (seeded init), its engine ``wrap(model)``, the engine's optimizer and schedule."""
     model = _build(model_name, work, cfg, overrides)
     engine = wrap(model)
@@ -187,7 +191,7 @@ def run_case(model_name, work, layout, engine_name, topo, cfg, ref, micro_batch,
     :func:`shardwise.formulas.step_bytes_formula`. Returns (the report, the ledger's worst
     |measured / formula − 1| over the steps, this rank's traffic: :func:`step_traffic` of the
     last step and the losses of every step)."""
-    model, engine, opt, sched = _make(
+    model, engine, opt, sched = build_case(
         model_name, work, cfg, lambda m: parallelize(m, topo, layout, engine=engine_name,
                                                      seed=cfg.seed), overrides=overrides)
     global_batch = micro_batch * n_micro * layout.dp
@@ -301,7 +305,7 @@ def verify_worker(args) -> int:
     """Run every case on this rank; rank 0 prints the table and writes the JSON."""
     import torch.distributed as dist
 
-    from .topology import init_distributed
+    from ..topology import init_distributed
 
     init_distributed("cpu", args.timeout)
     world = dist.get_world_size()
@@ -325,7 +329,7 @@ def verify_worker(args) -> int:
     topos: dict[tuple[int, int, int], Topology] = {}
     for model_name in args.models.split(","):
         overrides = MODEL_OVERRIDES.get(model_name, {})
-        work = _workload(model_name, cfg.seed, overrides)
+        work = verify_workload(model_name, cfg.seed, overrides)
         refs = {}
         for lay in layouts:
             if not applies(lay, model_name):
@@ -439,103 +443,3 @@ def format_table(rows: list[dict], steps: int) -> str:
                      f"{1 + r['ledger_vs_formula_max_deviation']:>14.4f}  "
                      f"{'yes' if r['pass'] else 'NO'}")
     return "\n".join(lines)
-
-
-def _ratio(measured: float, formula: float | None) -> str:
-    return f"{measured / formula:.4f}" if formula else "—"
-
-
-def trace_worker(cfg: TrainConfig) -> int:
-    """One training step of ``cfg``'s layout on synthetic data; rank 0 prints every collective
-    of the step and, per tag, the ledger's bytes next to the formula."""
-    import os
-
-    import torch.distributed as dist
-
-    from .config import validate
-    from .topology import init_distributed
-
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    init_distributed(cfg.device, cfg.timeout)
-    topo = Topology(cfg.pp, cfg.dp, cfg.tp, device=cfg.device, timeout_s=cfg.timeout)
-    work = (_workload(cfg.model, cfg.seed, cfg.model_overrides()) if cfg.model.startswith("mlp")
-            else SyntheticLMWorkload(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
-                                     num_train=cfg.global_batch, num_val=1, seed=cfg.seed))
-    layout = Layout.from_config(cfg)
-    model, engine, opt, sched = _make(
-        cfg.model, work, cfg, lambda m: parallelize(
-            m.to(topo.device), topo, layout, engine=cfg.engine, bucket_mb=cfg.bucket_mb,
-            overlap=cfg.overlap, prefetch=cfg.prefetch,
-            reshard_after_forward=cfg.reshard_after_forward,
-            layers_per_stage=cfg.stage_split(), seed=cfg.seed, reduce_dtype=cfg.reduce_dtype),
-        overrides={**cfg.model_overrides(), "ac": cfg.ac})
-    # --ac: a recompute's collectives (TP) are booked apart from the step (phase "recompute")
-    from .models import set_activation_checkpointing
-
-    set_activation_checkpointing(model, cfg.ac, lambda: topo.ledger.phase("recompute"))
-    micro_batch, n_micro = cfg.microbatching()
-    sampler = work.sampler(cfg.global_batch, topo.size("dp"), topo.index("dp"), cfg.seed)
-    for _ in range(2 if layout.pp > 1 else 1):  # pipeline: trace the second, warm step
-        res = train_step(engine, work.batches(sampler.next_local_batch(), micro_batch), opt,
-                         topo, max_norm=cfg.grad_clip, scheduler=sched, dtype=cfg.dtype,
-                         measure_memory=True)
-    mem, mem_formula = res.state_bytes, memory_formula(engine, topo)
-    recs = topo.ledger.step_records()
-    formula = step_bytes_formula(engine, topo, micro_steps=n_micro,
-                                 sequences=cfg.global_batch // cfg.dp, seq_len=cfg.seq_len,
-                                 dtype=cfg.dtype)
-    pictures = None
-    if layout.pp > 1:  # the real run's timeline (every pp rank takes part; pp index 0 draws)
-        from .viz.timeline import trace_pipeline
-
-        pictures = trace_pipeline(engine, topo, cfg.out or "runs/trace",
-                                  name=f"trace_{cfg.schedule}")
-    measured = {}
-    for r in recs:
-        measured[r.tag] = measured.get(r.tag, 0.0) + r.wire_bytes
-    # every rank reports its totals; rank 0 prints its own records and every rank's totals
-    totals = torch.tensor([sum(measured.values()), formula["total"]], dtype=torch.float64)
-    gathered = torch.zeros(topo.world_size * 2, dtype=torch.float64)
-    with topo.ledger.phase("verify"):
-        comm.all_gather(gathered, totals, topo, "world")
-    if dist.get_rank() == 0:
-        from .models import LlamaConfig, preset_config
-
-        mcfg = preset_config(cfg.model, work.vocab_size or 4096, **cfg.model_overrides())
-        if isinstance(mcfg, LlamaConfig):
-            mcfg.tie_embeddings = cfg.tie_embeddings
-        print(f"trace: one step of {cfg.model} ({mcfg.num_params():,} parameters in the model), "
-              f"{layout.name()} = {topo.describe()}, engine={cfg.engine}; rank 0's collectives:")
-        print(f"{'#':>3} {'op':<15} {'axis':<5} {'n':>2} {'tag':<9} {'dtype':<8} {'shape':<16} "
-              f"{'S bytes':>12} {'sent bytes':>13} {'ms':>8}")
-        for i, r in enumerate(recs):
-            print(f"{i:>3} {r.op:<15} {r.axis:<5} {r.group_size:>2} {r.tag:<9} {r.dtype:<8} "
-                  f"{str(list(r.shape)):<16} {r.size_bytes:>12,} {r.wire_bytes:>13,.1f} "
-                  f"{r.seconds * 1e3:>8.2f}")
-        print(f"{'tag':<20} {'ledger bytes':>16} {'formula bytes':>16} {'ratio':>8}")
-        for tag in sorted(set(measured) | {k for k in formula if k != "total"}):
-            m, f = measured.get(tag, 0.0), formula.get(tag, 0.0)
-            if m or f:  # tags this layout does not use (0 = 0) are left out
-                print(f"{tag:<20} {m:>16,.1f} {f:>16,.1f} {_ratio(m, f):>8}")
-        total = sum(measured.values())
-        print(f"{'total (rank 0)':<20} {total:>16,.1f} {formula['total']:>16,.1f} "
-              f"{_ratio(total, formula['total']):>8}")
-        g = gathered.view(-1, 2)
-        worst = max((abs(a / b - 1) if b else abs(a)) for a, b in g.tolist())
-        print(f"all {topo.world_size} ranks: ledger / formula within {worst:.2e} of 1")
-        print(f"{'model state (rank 0)':<20} {'measured bytes':>16} {'formula bytes':>16} "
-              f"{'ratio':>8}")
-        for key in ("params", "grads", "optimizer", "total"):
-            f = mem_formula.get(key) if mem_formula else None
-            shown = f"{f:,.1f}" if f is not None else "—"
-            print(f"{key:<20} {mem[key]:>16,} {shown:>16} {_ratio(mem[key], f):>8}")
-        if mem_formula:
-            print("(optimizer: the formula's 8Ψ leaves out AdamW's fp32 step counter per tensor)")
-        else:
-            print(f"(no closed form wired for {type(engine).__name__}'s memory: measured only)")
-        if "gathered_params_peak" in mem:
-            print(f"ZeRO-3 gathered-parameter peak: {mem['gathered_params_peak']:,} bytes")
-        if pictures:
-            print(f"pipeline timeline of this run: {pictures['png']} (Perfetto: "
-                  f"{pictures['trace']}); measured bubble {pictures['bubble']:.3f}")
-    return 0

@@ -1,0 +1,151 @@
+"""``shardwise trace``: one training step of a layout, every collective in sight.
+
+:func:`trace_worker` runs one step of a layout on synthetic data (two under a pipeline, tracing
+the second, warm one); rank 0 prints every collective of the step (op, axis, group size, tag,
+dtype, shape, bytes, ms), then per tag the ledger's bytes next to the formula of
+:func:`shardwise.formulas.step_bytes_formula`, and the model state this rank holds next to
+:func:`shardwise.formulas.memory_formula`.
+
+:func:`trace_pipeline` gathers one step's action timestamps from every pp rank
+(:func:`shardwise.parallel.pipeline.gather_timeline`, a collective over "pp") and draws
+them with :mod:`shardwise.viz.timeline`: ``<name>.png`` (ranks × time, one colour per action
+kind) and ``<name>.trace.json`` (Chrome trace, opens in ui.perfetto.dev). ``shardwise trace
+--pp 4 --schedule 1f1b --microbatches 8`` calls it after its step; so does ``shardwise bench
+--suite pp``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .. import comm
+from ..config import TrainConfig
+from ..formulas import memory_formula, step_bytes_formula
+from ..parallel.apply import Layout, parallelize
+from ..parallel.pipeline import gather_timeline
+from ..topology import Topology
+from ..train.step import train_step
+from ..train.workload import SyntheticLMWorkload
+from ..viz.timeline import bubble_of, draw_timeline, write_chrome_trace
+from .verify import build_case, verify_workload
+
+
+def trace_pipeline(engine, topo, out_dir, name: str = "pipeline_timeline",
+                   title: str | None = None) -> dict | None:
+    """Gather ``engine``'s last step (every pp rank must call this: it is a collective over
+    "pp") and, on pp index 0 of dp index 0, write ``out_dir/<name>.png`` and
+    ``out_dir/<name>.trace.json``. Returns ``{"png", "trace", "bubble", "events"}`` there
+    (bubble: measured fraction; events: times in seconds), None on the other ranks."""
+    events = gather_timeline(engine, topo)
+    if topo.index("pp") != 0 or topo.index("dp") != 0:
+        return None
+    out = Path(out_dir)
+    p = topo.size("pp")
+    m = max((e.microbatch for e in events), default=-1) + 1
+    title = title or (f"{engine.schedule_name}: pp={p}, m={m}, v={engine.v} — real run, "
+                      f"{type(engine).__name__}")
+    png = draw_timeline(events, out / f"{name}.png", title=title, unit="seconds")
+    trace = write_chrome_trace(events, out / f"{name}.trace.json", time_scale=1e6)
+    return {"png": str(png), "trace": str(trace), "bubble": bubble_of(events, p),
+            "events": events}
+
+
+def _ratio(measured: float, formula: float | None) -> str:
+    return f"{measured / formula:.4f}" if formula else "—"
+
+
+def trace_worker(cfg: TrainConfig) -> int:
+    """One training step of ``cfg``'s layout on synthetic data; rank 0 prints every collective
+    of the step and, per tag, the ledger's bytes next to the formula."""
+    import os
+
+    import torch.distributed as dist
+
+    from ..config import validate
+    from ..topology import init_distributed
+
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    init_distributed(cfg.device, cfg.timeout)
+    topo = Topology(cfg.pp, cfg.dp, cfg.tp, device=cfg.device, timeout_s=cfg.timeout)
+    work = (verify_workload(cfg.model, cfg.seed, cfg.model_overrides())
+            if cfg.model.startswith("mlp")
+            else SyntheticLMWorkload(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
+                                     num_train=cfg.global_batch, num_val=1, seed=cfg.seed))
+    layout = Layout.from_config(cfg)
+    model, engine, opt, sched = build_case(
+        cfg.model, work, cfg, lambda m: parallelize(
+            m.to(topo.device), topo, layout, engine=cfg.engine, bucket_mb=cfg.bucket_mb,
+            overlap=cfg.overlap, prefetch=cfg.prefetch,
+            reshard_after_forward=cfg.reshard_after_forward,
+            layers_per_stage=cfg.stage_split(), seed=cfg.seed, reduce_dtype=cfg.reduce_dtype),
+        overrides={**cfg.model_overrides(), "ac": cfg.ac})
+    # --ac: a recompute's collectives (TP) are booked apart from the step (phase "recompute")
+    from ..models import set_activation_checkpointing
+
+    set_activation_checkpointing(model, cfg.ac, lambda: topo.ledger.phase("recompute"))
+    micro_batch, n_micro = cfg.microbatching()
+    sampler = work.sampler(cfg.global_batch, topo.size("dp"), topo.index("dp"), cfg.seed)
+    for _ in range(2 if layout.pp > 1 else 1):  # pipeline: trace the second, warm step
+        res = train_step(engine, work.batches(sampler.next_local_batch(), micro_batch), opt,
+                         topo, max_norm=cfg.grad_clip, scheduler=sched, dtype=cfg.dtype,
+                         measure_memory=True)
+    mem, mem_formula = res.state_bytes, memory_formula(engine, topo)
+    recs = topo.ledger.step_records()
+    formula = step_bytes_formula(engine, topo, micro_steps=n_micro,
+                                 sequences=cfg.global_batch // cfg.dp, seq_len=cfg.seq_len,
+                                 dtype=cfg.dtype)
+    pictures = None
+    if layout.pp > 1:  # the real run's timeline (every pp rank takes part; pp index 0 draws)
+        pictures = trace_pipeline(engine, topo, cfg.out or "runs/trace",
+                                  name=f"trace_{cfg.schedule}")
+    measured = {}
+    for r in recs:
+        measured[r.tag] = measured.get(r.tag, 0.0) + r.wire_bytes
+    # every rank reports its totals; rank 0 prints its own records and every rank's totals
+    totals = torch.tensor([sum(measured.values()), formula["total"]], dtype=torch.float64)
+    gathered = torch.zeros(topo.world_size * 2, dtype=torch.float64)
+    with topo.ledger.phase("verify"):
+        comm.all_gather(gathered, totals, topo, "world")
+    if dist.get_rank() == 0:
+        from ..models import LlamaConfig, preset_config
+
+        mcfg = preset_config(cfg.model, work.vocab_size or 4096, **cfg.model_overrides())
+        if isinstance(mcfg, LlamaConfig):
+            mcfg.tie_embeddings = cfg.tie_embeddings
+        print(f"trace: one step of {cfg.model} ({mcfg.num_params():,} parameters in the model), "
+              f"{layout.name()} = {topo.describe()}, engine={cfg.engine}; rank 0's collectives:")
+        print(f"{'#':>3} {'op':<15} {'axis':<5} {'n':>2} {'tag':<9} {'dtype':<8} {'shape':<16} "
+              f"{'S bytes':>12} {'sent bytes':>13} {'ms':>8}")
+        for i, r in enumerate(recs):
+            print(f"{i:>3} {r.op:<15} {r.axis:<5} {r.group_size:>2} {r.tag:<9} {r.dtype:<8} "
+                  f"{str(list(r.shape)):<16} {r.size_bytes:>12,} {r.wire_bytes:>13,.1f} "
+                  f"{r.seconds * 1e3:>8.2f}")
+        print(f"{'tag':<20} {'ledger bytes':>16} {'formula bytes':>16} {'ratio':>8}")
+        for tag in sorted(set(measured) | {k for k in formula if k != "total"}):
+            m, f = measured.get(tag, 0.0), formula.get(tag, 0.0)
+            if m or f:  # tags this layout does not use (0 = 0) are left out
+                print(f"{tag:<20} {m:>16,.1f} {f:>16,.1f} {_ratio(m, f):>8}")
+        total = sum(measured.values())
+        print(f"{'total (rank 0)':<20} {total:>16,.1f} {formula['total']:>16,.1f} "
+              f"{_ratio(total, formula['total']):>8}")
+        g = gathered.view(-1, 2)
+        worst = max((abs(a / b - 1) if b else abs(a)) for a, b in g.tolist())
+        print(f"all {topo.world_size} ranks: ledger / formula within {worst:.2e} of 1")
+        print(f"{'model state (rank 0)':<20} {'measured bytes':>16} {'formula bytes':>16} "
+              f"{'ratio':>8}")
+        for key in ("params", "grads", "optimizer", "total"):
+            f = mem_formula.get(key) if mem_formula else None
+            shown = f"{f:,.1f}" if f is not None else "—"
+            print(f"{key:<20} {mem[key]:>16,} {shown:>16} {_ratio(mem[key], f):>8}")
+        if mem_formula:
+            print("(optimizer: the formula's 8Ψ leaves out AdamW's fp32 step counter per tensor)")
+        else:
+            print(f"(no closed form wired for {type(engine).__name__}'s memory: measured only)")
+        if "gathered_params_peak" in mem:
+            print(f"ZeRO-3 gathered-parameter peak: {mem['gathered_params_peak']:,} bytes")
+        if pictures:
+            print(f"pipeline timeline of this run: {pictures['png']} (Perfetto: "
+                  f"{pictures['trace']}); measured bubble {pictures['bubble']:.3f}")
+    return 0

@@ -1,0 +1,67 @@
+"""What the training loop reports about a run's layout and traffic: the process groups (log lines
+at start), the bytes of the first step next to the layout's formula (log lines), and the step's
+collectives as ``ledger.json`` in the run folder (rank 0). The formulas are
+:func:`shardwise.formulas.step_bytes_formula`'s; the bytes are the ledger's (phase "step")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import TrainConfig
+from ..formulas import step_bytes_formula
+from ..topology import AXES
+
+
+def describe_groups(topo) -> list[str]:
+    """Log lines: the mesh shape and, per axis of size > 1, the global ranks of each group
+    (from ``topo.grid`` [pp, dp, tp], tp innermost)."""
+    lines = [f"  mesh (pp, dp, tp) = {tuple(topo.grid.shape)}, rank r = (pp·{topo.size('dp')} + "
+             f"dp)·{topo.size('tp')} + tp"]
+    for dim, axis in enumerate(AXES):
+        if topo.size(axis) > 1:
+            groups = topo.grid.movedim(dim, -1).reshape(-1, topo.size(axis)).tolist()
+            lines.append(f"    {axis} groups: " + " ".join(
+                "{" + ",".join(map(str, g)) + "}" for g in groups))
+    return lines
+
+
+def describe_traffic(topo, engine, cfg: TrainConfig) -> list[str]:
+    """Log lines after step 1: the bytes this rank sent in the step per axis, *measured* by the
+    ledger (phase "step"), next to the layout's formula total (:mod:`shardwise.formulas`), and
+    what a recompute (``--ac``) re-sent. Every rank computes it; rank 0 logs."""
+    per_axis: dict[str, float] = {}
+    for r in topo.ledger.step_records():
+        per_axis[r.axis] = per_axis.get(r.axis, 0.0) + r.wire_bytes
+    measured = sum(per_axis.values())
+    _, n_micro = cfg.microbatching()
+    try:
+        formula = step_bytes_formula(engine, topo, micro_steps=n_micro,
+                                     sequences=cfg.global_batch // cfg.dp, seq_len=cfg.seq_len,
+                                     dtype=cfg.dtype)["total"]
+        ratio = f"{measured / formula:.4f}" if formula else "—"
+        tail = f"; formula {formula:,.0f} B, ledger/formula {ratio}"
+    except NotImplementedError:
+        tail = "; no formula for this engine"
+    parts = ", ".join(f"{a} {b:,.0f} B" for a, b in sorted(per_axis.items()) if b)
+    lines = [f"  traffic per step (rank 0, ledger of step 1): {parts or 'none'} = "
+             f"{measured:,.0f} B{tail}"]
+    recompute = sum(r.wire_bytes for r in topo.ledger.records[topo.ledger._step_start:]
+                    if r.phase == "recompute")
+    if recompute:
+        lines.append(f"  recompute (--ac {cfg.ac}) re-sent {recompute:,.0f} B in backward, "
+                     "booked outside the step (phase \"recompute\")")
+    return lines
+
+
+def write_ledger_json(path: Path, topo, engine, cfg: TrainConfig) -> None:
+    """One step's collectives next to the formula of the layout (see :mod:`shardwise.formulas`)."""
+    micro_batch, n_micro = cfg.microbatching()
+    expected = step_bytes_formula(engine, topo, micro_steps=n_micro,
+                                  sequences=cfg.global_batch // cfg.dp, seq_len=cfg.seq_len,
+                                  dtype=cfg.dtype)
+    measured = topo.ledger.step_bytes()
+    topo.ledger.to_json(path, extra={
+        "layout": topo.describe(), "engine": cfg.engine,
+        "formula": expected, "measured_total": measured,
+        "ratio": (measured / expected["total"]) if expected["total"] else None,
+    })
