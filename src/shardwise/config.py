@@ -355,7 +355,7 @@ def _validate_layout(cfg: TrainConfig) -> None:
 
         validate_zero(cfg.zero, cfg.dp, engine=cfg.engine)
     if cfg.tp > 1 or cfg.sp:
-        from .parallel.tensor import validate_tp
+        from .parallel.tp import validate_tp
 
         if cfg.model in MLP_PRESETS:
             raise ShardwiseConfigError(f"--tp {cfg.tp}: tensor parallelism splits the Llama-style "

@@ -218,7 +218,7 @@ def to_full(pairs: list[tuple[torch.Tensor, nn.Parameter]], topo,
     """Full-shape copies of tensors ``t`` shaped like their parameter ``p``'s tp shard: a shard
     ``[.., V_pad/n, ..]`` (split on ``placement(p).tp_dim``) becomes ``[.., V, ..]`` with the
     padding cut; a tensor of a replicated parameter is copied; DTensors (the PyTorch engines)
-    are gathered over their mesh by :func:`..dtensor_tp.full_tensors` (``cache``: its element
+    are gathered over their mesh by :func:`.tp.dtensor_gather.full_tensors` (``cache``: its element
     positions per layout, kept by the caller).
 
     One all_gather over tp per dtype for the whole list (phase ``"gather"``, tag ``"gather"``,
@@ -231,7 +231,7 @@ def to_full(pairs: list[tuple[torch.Tensor, nn.Parameter]], topo,
     out: list = [None] * len(pairs)
     dtensors = [i for i, (t, _) in enumerate(pairs) if is_dtensor(t)]
     if dtensors:
-        from .dtensor_tp import full_tensors
+        from .tp.dtensor_gather import full_tensors
 
         for i, t in zip(dtensors, full_tensors([pairs[i][0] for i in dtensors], topo, cache)):
             out[i] = t

@@ -84,10 +84,9 @@ from ...errors import ShardwiseConfigError
 from ...models import count_items
 from ..engine import Engine, autocast
 from ..params import counted_grads, grads_or_zeros, local as _local, sum_coalesced_, tp_sharded
-from ..tensor import validate_tp, vocab_parallel_cross_entropy
+from ..tp import apply_tp, validate_tp, vocab_parallel_cross_entropy
 from .schedules import build_schedule, check_schedule
 from .split import StageModule, activation_shape, first_stage_input, loss_sum
-from .tp_stage import convert_stage_tp
 from .zero1 import StageZero1
 
 KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -191,8 +190,9 @@ class PipelineParallel(Engine):
     _engine_name = "explicit"
 
     def _convert_tp(self, stage, seed):
-        """Megatron TP inside the stage (explicit modules of :mod:`..tensor`)."""
-        return convert_stage_tp(stage, self.topo, self.sp, seed=seed)
+        """Megatron TP inside the stage: :func:`..tp.apply_tp`, the transform of the whole model,
+        applied to this stage (torchtitan parallelizes every pipeline stage the same way)."""
+        return apply_tp(stage, self.topo, self.sp, seed=seed)
 
     def _build_zero1(self):
         """ZeRO-1 over dp for this stage (:class:`.zero1.StageZero1`)."""
