@@ -15,7 +15,8 @@ between: the op between them works on the local shard. In a Llama block:
   vocab-parallel cross-entropy (:mod:`.loss`), which never gathers them;
 * a vocabulary that n does not divide is padded with zero rows to a multiple of n
   (:func:`padded_vocab_size`); no token id reaches a padded row, and the loss masks the padded
-  logits, so padding changes neither the loss nor any gradient.
+  logits, so padding changes neither the loss nor any gradient, and the padded rows stay 0 under
+  AdamW (zero gradient → zero moments → zero update; weight decay of 0 is 0).
 
 With sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198, §4.2.2) the activations
 between the regions are sequence shards [b, s/n, d] and the region's entry/exit are an all-gather
