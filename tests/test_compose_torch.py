@@ -74,8 +74,8 @@ def test_ledger_bytes_equal_formula_per_tag(results, zero, sp):
             if zero == 0:
                 assert got["param"] == 0 and got["grad"] > 0
             else:
-                # fp64 [2] over dp, 2(n−1)/n = 1, and fp64 [1] over tp, 2(t−1)/t = 1
-                assert got["param"] > 0 and got["grad_norm"] == 16 + 8
+                # fp64 [1] over dp, 2(n−1)/n = 1, and fp64 [1] over tp, 2(t−1)/t = 1
+                assert got["param"] > 0 and got["grad_norm"] == 8 + 8
 
 
 def test_formula_hand_worked(results):

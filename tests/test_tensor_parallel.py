@@ -18,9 +18,8 @@ from shardwise.comm import Ledger
 from shardwise.data import DistributedSampler
 from shardwise.errors import ShardwiseConfigError
 from shardwise.models import LlamaConfig, build_model
-from shardwise.parallel import tensor as T
-from shardwise.parallel.tensor import (parallelize_tensor, tp_step_bytes_formula, validate_tp,
-                                       valid_tp_degrees)
+from shardwise.parallel.tp import (apply as tp_apply, padded_vocab_size, parallelize_tensor,
+                                   tp_step_bytes_formula, valid_tp_degrees, validate_tp)
 from shardwise.parity import ATOL, RTOL, assert_parity, reference_run
 from shardwise.train.workload import SyntheticLMWorkload
 
@@ -238,8 +237,8 @@ class _SoloTopo(NoCommTopo):
 
 def test_conversion_that_skips_a_module_fails_loudly(monkeypatch):
     """The picotron failure: the output head left unparallelised. tp=1 runs without a group."""
-    real = T._set_submodule
-    monkeypatch.setattr(T, "_set_submodule",
+    real = tp_apply._set_submodule
+    monkeypatch.setattr(tp_apply, "_set_submodule",
                         lambda m, fqn, new: None if fqn == "output" else real(m, fqn, new))
     model = build_model("tiny", vocab_size=67, tie_embeddings=False, **W.MODEL)
     with pytest.raises(RuntimeError, match=r"output is Linear, not VocabParallelHead"):
@@ -269,8 +268,8 @@ def test_tp1_conversion_is_the_plain_model():
 
 
 def test_padded_vocab_size():
-    assert T.padded_vocab_size(67, 2) == 68 and T.padded_vocab_size(67, 4) == 68
-    assert T.padded_vocab_size(64, 4) == 64
+    assert padded_vocab_size(67, 2) == 68 and padded_vocab_size(67, 4) == 68
+    assert padded_vocab_size(64, 4) == 64
 
 
 @pytest.mark.parametrize("tp,tied", list(itertools.product(W.TPS, W.TIED)))

@@ -29,7 +29,7 @@ from shardwise.models import build_model
 from shardwise.parallel.apply import Layout, parallelize
 from shardwise.parallel.compose import parallelize_2d
 from shardwise.parallel.data import DataParallel
-from shardwise.parallel.tensor import TPDropout
+from shardwise.parallel.tp import TPDropout
 from shardwise.topology import Topology, init_distributed
 from shardwise.train.optim import build_optimizer
 from shardwise.train.step import train_step

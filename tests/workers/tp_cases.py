@@ -21,8 +21,7 @@ import torch.distributed as dist
 
 from shardwise.config import TrainConfig
 from shardwise.models import build_model
-from shardwise.parallel.dtensor_tp import parallelize_tensor_dtensor
-from shardwise.parallel.tensor import TPDropout, parallelize_tensor
+from shardwise.parallel.tp import TPDropout, parallelize_tensor, parallelize_tensor_dtensor
 from shardwise.topology import Topology, init_distributed
 from shardwise.train.optim import build_optimizer
 from shardwise.train.step import train_step

@@ -53,7 +53,7 @@ runs each block's backward as two tasks (input gradients, then weight gradients)
 recomputes twice there; PyTorch's selective checkpoint allows only one backward per region, so
 ``config.validate`` refuses ``--ac selective`` with zb-h1.
 
-Limitations: the TP dropout RNG regions of :mod:`shardwise.parallel.tensor` advance their own
+Limitations: the TP dropout RNG regions of :mod:`shardwise.parallel.tp.layers` advance their own
 saved generator states, which ``torch.utils.checkpoint`` does not restore, so TP with dropout > 0
 and ``--ac`` would draw different masks in the recompute (the default dropout is 0). The
 recompute context is a phase on the ledger object, not thread-local: a DDP communication hook

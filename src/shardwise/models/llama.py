@@ -97,6 +97,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
+def causal_attention(x: torch.Tensor, wq, wk, wv, head_dim: int, cos: torch.Tensor,
+                     sin: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal GQA attention up to the output projection: x [b, s, d] → [b, s, h·hd].
+
+    ``wq``/``wk``/``wv``: the projections (d → h·hd, d → k·hd, d → k·hd). Head counts come from
+    their outputs, so a head-sharded (TP) copy runs this on its local heads unchanged."""
+    b, s, _ = x.shape
+    q = wq(x).view(b, s, -1, head_dim).transpose(1, 2)  # [b, h, s, hd]
+    k = wk(x).view(b, s, -1, head_dim).transpose(1, 2)  # [b, k, s, hd]
+    v = wv(x).view(b, s, -1, head_dim).transpose(1, 2)  # [b, k, s, hd]
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if k.shape[1] != q.shape[1]:  # GQA: each kv head serves h/k query heads
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+    return y.transpose(1, 2).reshape(b, s, -1)  # [b, s, h·hd]
+
+
 class Attention(nn.Module):
     """Causal GQA self-attention. wq: d → h·hd, wk/wv: d → k·hd, wo: h·hd → d (no biases)."""
 
@@ -110,18 +128,9 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x, cos, sin):
-        b, s, _ = x.shape
-        # head counts come from the weights so a head-sharded (TP) copy of this module works too
-        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, h, s, hd]
-        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, k, s, hd]
-        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, k, s, hd]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if k.shape[1] != q.shape[1]:  # GQA: each kv head serves h/k query heads
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # [b, s, d]
+        y = causal_attention(x, self.wq, self.wk, self.wv, self.head_dim, cos, sin,
+                             self.dropout if self.training else 0.0)  # [b, s, h·hd]
+        return self.wo(y)  # [b, s, d]
 
 
 class FeedForward(nn.Module):

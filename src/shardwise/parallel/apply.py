@@ -9,7 +9,7 @@ layout                     explicit                         torch
 =========================  ===============================  ==========================================
 dp (zero 0)                :mod:`.data` DataParallel         DDP (:mod:`.builtin`)
 dp, zero 1/2/3             :mod:`.zero` ZeroDataParallel     ZeroRedundancyOptimizer / FSDP2
-tp [+ sp]                  :mod:`.tensor` (Megatron f/g)     DTensor ``parallelize_module``
+tp [+ sp]                  :mod:`.tp` (Megatron f/g)         DTensor ``parallelize_module``
 dp × tp [zero] (2D)        :mod:`.compose`                   FSDP2/DDP + DTensor (:mod:`.compose_torch`)
 pp × dp [zero 1] [× tp]    :mod:`.pipeline` runtime          ``torch.distributed.pipelining`` (+ DTensor)
 =========================  ===============================  ==========================================
@@ -66,10 +66,10 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
         return parallelize_2d_torch(model, topo, layout, **dp_kw)
     if layout.tp > 1:
         if engine == "explicit":
-            from .tensor import parallelize_tensor
+            from .tp import parallelize_tensor
 
             return parallelize_tensor(model, topo, sp=layout.sp, seed=seed)
-        from .dtensor_tp import parallelize_tensor_dtensor
+        from .tp import parallelize_tensor_dtensor
 
         return parallelize_tensor_dtensor(model, topo, sp=layout.sp)
     if layout.zero:

@@ -4,7 +4,7 @@ over the dp axis of the local TP shards.
 Math
 ----
 The mesh is (pp, dp, tp) with tp innermost: the dp × tp ranks form a grid, rank (i, j) holds
-tp shard j of the model and trains on dp slice i of the global batch. TP (``parallel/tensor.py``,
+tp shard j of the model and trains on dp slice i of the global batch. TP (``parallel/tp/``,
 Megatron-LM §3) makes the tp ranks of one row compute the loss of *their* batch slice exactly as
 one device would; DP then sums the gradients of the rows. Both are linear in the gradient, so they
 compose without interaction: with Ψ parameters, the TP-local model of one rank has Ψ_tp ≈ Ψ/tp
@@ -30,7 +30,7 @@ Collectives per optimizer step (bytes one rank sends; :meth:`DataTensorParallel.
 tag            what                                                                    axis
 =============  =====================================================================  ==========
 tp_fwd/tp_bwd  Megatron f/g (SP: all-gather/reduce-scatter) of this dp rank's          tp
-               activations: :func:`~.tensor.tp_step_bytes_formula` with its sequences
+               activations: :func:`~.tp.tp_step_bytes_formula` with its sequences
 ce             vocab-parallel cross-entropy statistics                                 tp
 grad           DP: all-reduce 2(n−1)/n·Ψ_tp·b; ZeRO: reduce-scatter (n−1)/n·P·b        dp
                (b = bytes of the reduce dtype: 4, or 2 with ``reduce_dtype="bf16"``)
@@ -48,12 +48,12 @@ Pitfalls (each guarded and tested in ``tests/test_compose_2d.py``)
 * **norm counting**: a tp-replicated gradient element (norm weights) lives on all tp ranks;
   summing Σ g² over dp *and* tp would count it tp times. Sharded elements are summed over tp,
   replicated ones are not (:meth:`.zero.ZeroDataParallel.clip_grad_norm_`; zero 0 uses
-  :meth:`.tensor.TensorParallel.clip_grad_norm_` on the dp-summed, dp-replicated gradients).
+  :meth:`.tp.TensorParallel.clip_grad_norm_` on the dp-summed, dp-replicated gradients).
 * **SP partial gradients**: with sequence parallelism a norm weight's gradient on one tp rank
   covers only its s/tp positions; it must be summed over tp *as well as* over dp. The sums
   commute, so it is done after the dp reduction, on what the rank holds (ZeRO: its slice only).
 * **RNG**: dropout masks must agree across tp where activations are replicated and differ across
-  dp replicas (different data): :class:`~.tensor.TPRNG` seeds by (dp index, tp index).
+  dp replicas (different data): :class:`~.tp.TPRNG` seeds by (dp index, tp index).
 * **init**: TP broadcasts the plain weights over tp before cutting shards, then DP/ZeRO broadcasts
   the shards over dp: every rank of a column starts from the same shard.
 """
@@ -68,12 +68,12 @@ from torch import nn
 from ..comm.ledger import ring_bytes
 from .data import DataParallel
 from .engine import Engine
-from .tensor import TensorParallel, parallelize_tensor, tp_step_bytes_formula
+from .tp import TensorParallel, parallelize_tensor, tp_step_bytes_formula
 from .zero import ZeroDataParallel, zero_memory_formula
 
 
 class DataTensorParallel(Engine):
-    """dp × tp: a :class:`~.tensor.TensorParallel` model (``tp``) whose local shards are data
+    """dp × tp: a :class:`~.tp.TensorParallel` model (``tp``) whose local shards are data
     parallel over dp through ``dp`` — a :class:`~.data.DataParallel` (zero 0) or a
     :class:`~.zero.ZeroDataParallel` (ZeRO-1/2/3) wrapping the same converted module.
 
@@ -197,8 +197,8 @@ def parallelize_2d(model: nn.Module, topo, layout, *, seed: int = 0, bucket_mb: 
 
     Order: (1) checks — :class:`ShardwiseConfigError` before any collective for a layout or
     topology that does not match, a non-Llama model, a tp that does not divide the heads, a bad
-    zero stage or reduce dtype; (2) TP: :func:`~.tensor.parallelize_tensor` (broadcast over tp,
-    cut shards, ``seed`` seeds :class:`~.tensor.TPRNG`); (3) over dp: DataParallel
+    zero stage or reduce dtype; (2) TP: :func:`~.tp.parallelize_tensor` (broadcast over tp,
+    cut shards, ``seed`` seeds :class:`~.tp.TPRNG`); (3) over dp: DataParallel
     (``bucket_mb``, ``overlap``) or ZeroDataParallel (``prefetch``, ``reshard_after_forward``,
     ``overlap``), both reducing gradients in ``reduce_dtype``."""
     layout.check(model=model, topo=topo, reduce_dtype=reduce_dtype, composition="dp×tp")

@@ -4,7 +4,7 @@ The 2D recipe of torchtitan and of the PyTorch 2D tutorial ("Large Scale Transfo
 training with Tensor Parallel"), on the mesh ``topo.mesh`` with dims (pp, dp, tp), tp innermost:
 
 1. ``parallelize_module(model, topo.mesh["tp"], plan)`` — the plan of
-   :mod:`shardwise.parallel.dtensor_tp` (column/row-parallel linears, vocab-parallel embedding
+   :mod:`shardwise.parallel.tp.dtensor` (column/row-parallel linears, vocab-parallel embedding
    and head, SP norms, ``loss_parallel``). Every Linear/Embedding weight becomes a DTensor on the
    1-D tp mesh: ``Shard(0)`` (column-parallel, embedding/head rows) or ``Shard(1)`` (row-parallel).
 2. Over dp, PyTorch's FSDP2 machinery on every ``TransformerBlock`` and then the root, with
@@ -48,7 +48,7 @@ Collectives and the ledger (tags as booked):
   per micro-step, each unit's padded local shards, (n−1)/n·S;
 * ``grad`` — FSDP2's reduce-scatter over dp (``set_custom_reduce_scatter``, SUM) once per step,
   or ``replicate``'s all-reduce over dp, which FSDP2 issues with ``torch.distributed.all_reduce``
-  itself: booked by the dispatch mode (:class:`~.dtensor_tp.BookFunctionalCollectives` with
+  itself: booked by the dispatch mode (:class:`~.tp.dtensor.BookFunctionalCollectives` with
   ``c10d_tag="grad"``), 2(n−1)/n·S. In ``reduce_dtype`` (fp32 or bf16: half the bytes);
 * ``tp_fwd`` / ``tp_bwd`` — DTensor's functional collectives over tp (activations, the
   vocab-parallel cross-entropy and, with SP, the norm weights' partial gradients, which FSDP2
@@ -67,7 +67,7 @@ token count.
 
 ``bucket_mb``, ``overlap`` and ``prefetch`` do not apply (FSDP2 groups by unit, and on CPU it has
 no side streams to overlap or prefetch on). Dropout draws from the default RNG (as in
-:mod:`.dtensor_tp`): use dropout 0.
+:mod:`.tp.dtensor`): use dropout 0.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ from .engine import Engine
 from .fsdp import AllGather, _LedgerAllGather, _LedgerReduceScatter
 from .zero import UnitOrderCheck
 from .params import is_dtensor as _is_dtensor, local as _local
-from .dtensor_tp import BookFunctionalCollectives, parallelize_tensor_dtensor
+from .tp import BookFunctionalCollectives, parallelize_tensor_dtensor
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -232,7 +232,7 @@ class TorchParallel2D(Engine):
 
         Raises nothing; padding per rank makes the bytes differ between tp ranks when tp does
         not divide the vocabulary (each rank's own shard sizes are used)."""
-        from .tensor import tp_step_bytes_formula
+        from .tp import tp_step_bytes_formula
 
         n, t = self.topo.size("dp"), self.topo.size("tp")
         f = (n - 1) / n

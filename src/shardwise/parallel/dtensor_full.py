@@ -129,5 +129,6 @@ def full_tensors(tensors: list, topo, cache: dict | None = None) -> list[torch.T
         flat = local.new_empty(where.index.numel())
         flat[where.index] = rows[where.valid]
         for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx])):
-            out[i] = piece.view(tensors[i].shape).clone()  # own storage (torch.save keeps all of a view's)
+            # own storage (torch.save keeps all of a view's)
+            out[i] = piece.view(tensors[i].shape).clone()
     return out

@@ -112,7 +112,7 @@ class Layout:
            microbatches that divide the batch and a layer split that fits
            (:func:`~.pipeline.split.validate_pp`)."""
         from .data import reduce_torch_dtype
-        from .tensor import validate_tp
+        from .tp import validate_tp
         from .zero import validate_zero
 
         known = model is not None or model_cfg is not None

@@ -64,8 +64,9 @@ def is_dtensor(t) -> bool:
 
 
 def local(t):
-    """This rank's part of ``t``: a DTensor's local tensor, or ``t`` itself."""
-    return t.to_local() if is_dtensor(t) else t
+    """This rank's part of ``t``: a DTensor's local tensor (the tensor itself, not an autograd
+    view of it: a local shard handed to an optimizer must be a leaf), or ``t`` itself."""
+    return t._local_tensor if is_dtensor(t) else t
 
 
 def dtensor_placement_on(t, axis: str):

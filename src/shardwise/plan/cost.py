@@ -671,7 +671,7 @@ def check_layout(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_
                                    f"n_kv_heads={model.n_kv_heads} ({model.name}): choose tp in "
                                    f"{ok}")
     if lay.sp and lay.tp == 1:  # the rule's one message is TP's
-        from ..parallel.tensor import validate_tp
+        from ..parallel.tp import validate_tp
 
         validate_tp(None, lay.tp, lay.sp)
     if lay.pp > model.n_layers:

@@ -5,9 +5,9 @@ Read in this order: :mod:`.schedules` (what each rank does, as printable data),
 cut), :mod:`.runner` (how the actions run, with every send and receive) and :mod:`.comms`
 (the two channels, the tied-embedding swap), :mod:`.runtime` (the engine around the runner:
 the step, gradient sync, norm), :mod:`.builtin` (the same through
-``torch.distributed.pipelining``); compositions: :mod:`.tp_stage` (TP + SP
-inside a stage), :mod:`.zero1` (ZeRO-1 of a stage over dp). The math and the measurements are in
-``docs/pipeline-parallel.md`` and ``docs/composition.md``.
+``torch.distributed.pipelining``); compositions: TP + SP inside a stage (:func:`..tp.apply_tp`,
+the whole model's transform), :mod:`.zero1` (ZeRO-1 of a stage over dp). The math and the
+measurements are in ``docs/pipeline-parallel.md`` and ``docs/composition.md``.
 """
 
 from .schedules import (SCHEDULES, Action, Schedule, build_schedule, check_schedule,

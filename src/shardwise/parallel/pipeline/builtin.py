@@ -7,14 +7,14 @@ Schedule mapping: gpipe → ``ScheduleGPipe``, 1f1b → ``Schedule1F1B``, interl
 ZB-H1's: rank r delays them by r microbatches).
 
 TP (tp > 1): each stage's modules get ``parallelize_module`` on ``topo.mesh["tp"]`` with
-:func:`~..dtensor_tp.dtensor_tp_plan` restricted to the modules the stage holds (torchtitan
+:func:`~..tp.dtensor.dtensor_tp_plan` restricted to the modules the stage holds (torchtitan
 applies TP to each stage's model chunk the same way), except that the head returns its *local*
 logits [b, s, V/tp] as a plain tensor: a pipeline stage's outputs are plain tensors. The loss
 wraps them back into a DTensor sharded on the vocabulary and runs ``F.cross_entropy`` under
 ``loss_parallel()`` (the whole schedule step runs under it, so its backward does too). The hidden
 state between stages is the plain local tensor: [b, s, d] replicated, [b, s/tp, d] with SP.
 DTensor's collectives are booked in the ledger by
-:class:`~..dtensor_tp.BookFunctionalCollectives` (tags ``tp_fwd``/``tp_bwd``).
+:class:`~..tp.dtensor.BookFunctionalCollectives` (tags ``tp_fwd``/``tp_bwd``).
 
 DP: after the schedule, this stage's gradients (their local shards) are all-reduced over dp
 through :mod:`shardwise.comm`, DDP's arithmetic (a SUM all-reduce of every gradient after the
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from ...errors import ShardwiseConfigError
 from ...models.llama import IGNORE_INDEX
 from ..engine import autocast
-from ..dtensor_tp import reduce_partial_grads
+from ..tp.dtensor import reduce_partial_grads
 from ..params import is_dtensor as _is_dtensor, local as _local
 from .runtime import PipelineParallel
 from .split import first_stage_input, loss_sum
@@ -110,7 +110,7 @@ class TorchPipelineParallel(PipelineParallel):
         from torch.distributed.tensor import Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-        from ..dtensor_tp import dtensor_tp_plan
+        from ..tp.dtensor import dtensor_tp_plan
 
         cfg = stage.config
         # the whole model's plan (it only counts the layers), restricted to this stage's modules
@@ -133,7 +133,7 @@ class TorchPipelineParallel(PipelineParallel):
 
     def _sync_sp_grads(self) -> None:
         """SP: DTensor leaves the norm weights' gradients ``Partial(sum)``; reduce them in one
-        flat all-reduce over tp (:func:`..dtensor_tp.reduce_partial_grads`, tag ``sp_grad``)."""
+        flat all-reduce over tp (:func:`..tp.dtensor.reduce_partial_grads`, tag ``sp_grad``)."""
         reduce_partial_grads(self._params(), self.topo)
 
     @torch.no_grad()
@@ -220,7 +220,7 @@ class TorchPipelineParallel(PipelineParallel):
         stride = torch.empty(shape, device="meta").stride()
         logits = DTensor.from_local(y, self.topo.mesh["tp"], [Shard(-1)], run_check=False,
                                     shape=shape, stride=stride)
-        from ..dtensor_tp import booked_as
+        from ..tp.dtensor import booked_as
 
         with (loss_parallel() if not self._in_loss_parallel else contextlib.nullcontext()), \
                 booked_as("ce"):
@@ -302,7 +302,7 @@ class TorchPipelineParallel(PipelineParallel):
         if self.tp > 1:
             from torch.distributed.tensor.parallel import loss_parallel
 
-            from ..dtensor_tp import BookFunctionalCollectives
+            from ..tp.dtensor import BookFunctionalCollectives
 
             ctx.enter_context(BookFunctionalCollectives(self.topo))
             ctx.enter_context(loss_parallel())  # its backward runs inside the step too

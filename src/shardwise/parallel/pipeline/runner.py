@@ -39,7 +39,7 @@ from .split import first_stage_input
 
 KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
-# autograd nodes of the collectives that end a TP region (parallel TP comms): zb-h1's W pass
+# autograd nodes of the collectives that end a TP region (parallel/tp/comms.py): zb-h1's W pass
 # starts below them (see ZeroBubbleCapture.record)
 _TP_EXIT_NODES = ("ReduceScatterToSPBackward", "ReduceFromTPBackward")
 

@@ -7,7 +7,7 @@ each micro-batch back-propagates ``loss_sum / T``, T the global counted tokens, 
 :mod:`.runner`); the train step all-reduces it over ``reduce_loss_axes = ("pp", "dp")`` so every
 rank logs the same global loss.
 
-Composition (docs/composition.md): TP (+SP) inside each stage (:mod:`.tp_stage`), the
+Composition (docs/composition.md): TP (+SP) inside each stage (:func:`..tp.apply_tp`), the
 schedule across stages, DP / ZeRO-1 (:mod:`.zero1`) over dp after the last microbatch. Every
 rank talks only to the pp neighbours with its own (dp, tp) index — the topology's pp groups.
 
@@ -46,12 +46,11 @@ from ..data import GradBuckets
 from ..engine import Engine
 from ..layout import Layout
 from ..params import counted_grads, grads_or_zeros, local as _local, sum_coalesced_, tp_sharded
-from ..tensor import vocab_parallel_cross_entropy
+from ..tp import apply_tp, vocab_parallel_cross_entropy
 from .comms import p2p_bytes_formula, swap_tied_grads
 from .runner import KINDS, ScheduleRunner
 from .schedules import build_schedule, check_schedule
 from .split import StageModule, activation_shape, first_stage_input, loss_sum
-from .tp_stage import convert_stage_tp
 from .zero1 import StageZero1
 
 
@@ -61,7 +60,7 @@ class PipelineParallel(Engine):
 
     ``model``: the plain model (Llama or StackedMLP), built identically on every rank; this rank
     keeps only its stages (:class:`.split.StageModule`, available as ``.module``), converted for
-    tensor parallelism when tp > 1 (:mod:`.tp_stage`; Llama only). ``schedule``: gpipe | 1f1b |
+    tensor parallelism when tp > 1 (:func:`..tp.apply_tp`; Llama only). ``schedule``: gpipe | 1f1b |
     interleaved-1f1b | zb-h1. ``virtual_stages``: chunks per rank (interleaving; default 2).
     ``layers_per_stage``: explicit split (one count per stage). ``microbatches``: the expected
     m, validated here (the actual m is the length of the list passed to
@@ -120,8 +119,9 @@ class PipelineParallel(Engine):
     _engine_name = "explicit"
 
     def _convert_tp(self, stage, seed):
-        """Megatron TP inside the stage (explicit modules of :mod:`..tensor`)."""
-        return convert_stage_tp(stage, self.topo, self.sp, seed=seed)
+        """Megatron TP inside the stage: :func:`..tp.apply_tp`, the transform of the whole model,
+        applied to this stage (torchtitan parallelizes every pipeline stage the same way)."""
+        return apply_tp(stage, self.topo, self.sp, seed=seed)
 
     def _build_zero1(self):
         """ZeRO-1 over dp for this stage (:class:`.zero1.StageZero1`)."""

@@ -27,9 +27,9 @@ Tied embeddings (Press & Wolf 2017): the plain model's ``output.weight`` *is*
 ``tok_embeddings.weight``. With p > 1 the two live on different ranks, so the last rank gets its
 own ``output.weight``, a copy of the embedding; after every backward the two gradients are summed
 between the first and the last rank (:mod:`.runtime`), so both copies stay equal after every
-optimizer step. With p = 1 the tie is kept as it is. With tp > 1 (:mod:`.tp_stage`) both copies
-are vocab-parallel: the first and the last rank of each tp index hold the same rows and swap
-their shard's gradient.
+optimizer step. With p = 1 the tie is kept as it is. With tp > 1 (:func:`..tp.apply_tp`) both
+copies are vocab-parallel: the first and the last rank of each tp index hold the same rows and
+swap their shard's gradient.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class Chunk(nn.Module):
     Input: token ids [b, s] (first stage of a Llama), inputs [b, D] (first stage of an MLP), or
     the hidden state [b, s, d] / [b, D] from the previous stage. Output: the hidden state, or the
     logits [b, s, V] / predictions [b, D] on the last stage. Converted for TP
-    (:mod:`.tp_stage`): the hidden state is [b, s, d] replicated over tp, or with SP this tp
+    (:func:`..tp.apply_tp`): the hidden state is [b, s, d] replicated over tp, or with SP this tp
     rank's sequence shard [b, s/tp, d]; the last stage returns local logits [b, s, V_pad/tp]."""
 
     def __init__(self, index: int, n_stages: int, layers: list[nn.Module], is_llama: bool,

@@ -31,7 +31,7 @@ from ...models import build_model
 from ...parallel.apply import Layout, parallelize
 from ...parallel.data import dp_grad_bytes_formula
 from ...parallel.pipeline import SCHEDULES, bubble_formula, gather_timeline, validate_pp
-from ...parallel.tensor import tp_step_bytes_formula, validate_tp
+from ...parallel.tp import tp_step_bytes_formula, validate_tp
 from ...topology import Topology, init_distributed
 from ...train.workload import SyntheticLMWorkload
 from ...viz.timeline import bubble_of
@@ -225,7 +225,7 @@ def bench_tp(args) -> int:
 
     * median step time and tokens/s; explicit / DTensor step-time ratio at the same SP setting
       (target ≤ 1.0, docs/architecture.md);
-    * ledger bytes per step / :func:`~shardwise.parallel.tensor.tp_step_bytes_formula` (the
+    * ledger bytes per step / :func:`~shardwise.parallel.tp.tp_step_bytes_formula` (the
       DTensor variants book their collectives during the warm-up step only: the booking dispatch
       mode costs Python time per op, so the timed steps run without it);
     * activation bytes (:func:`activation_bytes`): bytes of the tensors autograd saves for

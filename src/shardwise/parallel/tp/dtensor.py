@@ -1,4 +1,4 @@
-"""``--engine torch`` for TP: the plan of :mod:`shardwise.parallel.tensor` through PyTorch DTensor.
+"""``--engine torch`` for TP: the plan of :mod:`.apply` through PyTorch DTensor (the twin).
 
 ``torch.distributed.tensor.parallel.parallelize_module`` on ``topo.mesh["tp"]`` with the same
 layout as our explicit modules (torchtitan's Llama plan is the model):
@@ -49,11 +49,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..comm.ledger import CommRecord, ring_bytes
-from ..models.llama import IGNORE_INDEX, Llama
-from .engine import Engine, model_state_bytes
-from .params import is_dtensor as _is_dtensor, local as _local, sum_coalesced_
-from .tensor import AXIS, _check_plan_covers, tp_plan, validate_tp
+from ...comm.ledger import CommRecord, ring_bytes
+from ...models.llama import IGNORE_INDEX, Llama
+from ..engine import Engine, model_state_bytes
+from ..params import is_dtensor as _is_dtensor, local as _local, sum_coalesced_
+from .apply import check_plan_covers, tp_bytes_by_tag, validate_tp
+from .comms import AXIS
 
 _OP_NAMES = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce",
              "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
@@ -207,7 +208,7 @@ def reduce_partial_grads(params, topo, tag: str = "sp_grad") -> None:
 
 class TorchTensorParallel(Engine):
     """The DTensor TP engine, with the same interface and loss bookkeeping as
-    :class:`~shardwise.parallel.tensor.TensorParallel` (count/loss over dp; the global grad
+    :class:`~.engine.TensorParallel` (count/loss over dp; the global grad
     norm as one all-reduce of the sharded params' Σ g² over tp, through :mod:`shardwise.comm`).
 
     ``book_collectives``: book DTensor's collectives in the ledger during ``forward_backward``
@@ -257,13 +258,9 @@ class TorchTensorParallel(Engine):
 
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
                       dtype: str = "fp32") -> dict[str, float]:
-        """The explicit engine's :func:`~.tensor.tp_step_bytes_formula`: DTensor moves the same
-        bytes under the same tags (booked by :class:`BookFunctionalCollectives`)."""
-        from .tensor import tp_step_bytes_formula
-
-        t = tp_step_bytes_formula(self.module.config, sequences, seq_len, self.topo.size(AXIS),
-                                  self.sp, dp=self.topo.size("dp"), dtype=dtype)
-        return {k: v for k, v in t.items() if k not in ("total", "loss")}
+        """The explicit engine's :func:`~.apply.tp_bytes_by_tag`: DTensor moves the same bytes
+        under the same tags (booked by :class:`BookFunctionalCollectives`)."""
+        return tp_bytes_by_tag(self.module.config, self.topo, self.sp, sequences, seq_len, dtype)
 
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
         """Bytes of this rank's local shards (DTensor ``numel()`` is the global size)."""
@@ -283,13 +280,13 @@ class TorchTensorParallel(Engine):
 def parallelize_tensor_dtensor(model: Llama, topo, sp: bool = False, *,
                                book_collectives: bool = True) -> TorchTensorParallel:
     """Apply :func:`dtensor_tp_plan` to ``model`` in place on ``topo.mesh["tp"]`` and return its
-    engine. Validation (:func:`~shardwise.parallel.tensor.validate_tp`, plan coverage) raises
+    engine. Validation (:func:`~.apply.validate_tp`, :func:`~.apply.check_plan_covers`) raises
     :class:`~shardwise.errors.ShardwiseConfigError` before any collective; afterwards every
     Linear/Embedding weight must be a DTensor (RuntimeError otherwise)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     validate_tp(getattr(model, "config", None), topo.size(AXIS), sp)
-    _check_plan_covers(model, tp_plan(model) if isinstance(model, Llama) else [])
+    check_plan_covers(model)
     tied = model.config.tie_embeddings
     parallelize_module(model, topo.mesh[AXIS], dtensor_tp_plan(model, sp))
     if tied:  # one Parameter again: both are Shard(0) over the same mesh

@@ -1,8 +1,7 @@
-"""Differentiable collectives for tensor and sequence parallelism (Megatron's f and g).
+"""TP's collectives as autograd functions: Megatron's f and g, and their sequence-parallel halves.
 
-A tensor-parallel (TP) layer pair — a column-parallel matmul followed by a row-parallel one —
-needs exactly one collective in forward and one in backward (Shoeybi et al. 2019, "Megatron-LM",
-arXiv 1909.08053, §3, Figure 3). Megatron names the two conjugate operators:
+A column-parallel matmul followed by a row-parallel one needs exactly one collective in forward
+and one in backward (Shoeybi et al. 2019, "Megatron-LM", arXiv 1909.08053, §3, Figure 3):
 
 =====================================  ==========================  ============================
 operator                               forward                     backward
@@ -11,16 +10,11 @@ operator                               forward                     backward
 **g**  :func:`reduce_from_tp`          all-reduce (SUM) over tp    identity
 =====================================  ==========================  ============================
 
-f sits where a replicated activation enters the TP region (before the column-parallel matmuls):
-each rank uses the same input, so its backward must *sum* the partial input gradients that the
-ranks' weight shards produced. g sits where the TP region ends (after the row-parallel matmul):
-each rank holds a partial sum of the output, so forward sums them; the summed output is
-replicated, so its gradient is already complete on every rank.
-
-With sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models", arXiv 2205.05198, §4.2.2, Figure 5) the activations *outside* the TP region
-are split along the sequence dimension instead of replicated, and the all-reduces become their two
-halves (an all-reduce is a reduce-scatter followed by an all-gather):
+f sits where a replicated activation enters the TP region (before the column-parallel matmuls);
+g where it ends (after the row-parallel matmul). With sequence parallelism (Korthikanti et al.
+2022, "Reducing Activation Recomputation in Large Transformer Models", arXiv 2205.05198, §4.2.2,
+Figure 5) the activations outside the region are split along the sequence, and each all-reduce
+becomes its two halves (an all-reduce is a reduce-scatter followed by an all-gather):
 
 ====================================  ==============================  ==============================
 operator                              forward                         backward
@@ -31,31 +25,29 @@ operator                              forward                         backward
 (replaces g at the region's exit)     sequence
 ====================================  ==============================  ==============================
 
-(The SP paper reuses the letters: its g/ḡ are these two, not Megatron-LM's g.)
+(The SP paper reuses the letters: its g/ḡ are these two, not Megatron-LM's g.) Each rank sends
+the same bytes as with f/g (JAX scaling book ch. 5): a ring all-reduce of S bytes sends
+2(n−1)/n·S, an all-gather or reduce-scatter of the same S (n−1)/n·S each.
 
-Each rank sends the same bytes as with f/g (JAX scaling book ch. 5, "How to Parallelize a
-Transformer for Training", tensor parallelism): a ring all-reduce of S bytes sends 2(n−1)/n·S,
-an all-gather or reduce-scatter of the same S sends (n−1)/n·S each.
-
-Every collective goes through :mod:`shardwise.comm.ops`, so ``topo.ledger`` books it: forward
-collectives under tag ``"tp_fwd"``, backward ones under ``"tp_bwd"``. ``axis`` names the topology
-axis (normally ``"tp"``). Shapes in the docstrings: ``b`` batch, ``s`` sequence, ``d`` hidden,
-``n`` the axis size.
+Every collective goes through :mod:`shardwise.comm`, so ``topo.ledger`` books it: forward ones
+under tag ``"tp_fwd"``, backward ones under ``"tp_bwd"``. ``axis`` names the topology axis
+(normally ``"tp"``). Shapes: ``b`` batch, ``s`` sequence, ``d`` hidden, ``n`` the axis size.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import ops
+from ... import comm
 
+AXIS = "tp"
 FWD, BWD = "tp_fwd", "tp_bwd"
 
 
 def _all_reduce(x: torch.Tensor, topo, axis: str, tag: str) -> torch.Tensor:
     """SUM all-reduce of a copy of ``x`` (autograd may still need the original)."""
     y = x.clone(memory_format=torch.contiguous_format)
-    ops.all_reduce(y, topo, axis, tag=tag)
+    comm.all_reduce(y, topo, axis, tag=tag)
     return y
 
 
@@ -64,7 +56,7 @@ def _all_gather(x: torch.Tensor, topo, axis: str, dim: int, tag: str) -> torch.T
     n = topo.size(axis)
     shard = x.movedim(dim, 0).contiguous()  # gather works on the leading dim
     out = shard.new_empty((n * shard.shape[0], *shard.shape[1:]))
-    ops.all_gather(out, shard, topo, axis, tag=tag)
+    comm.all_gather(out, shard, topo, axis, tag=tag)
     return out.movedim(0, dim).contiguous()
 
 
@@ -76,7 +68,7 @@ def _reduce_scatter(x: torch.Tensor, topo, axis: str, dim: int, tag: str) -> tor
         raise ValueError(f"reduce_scatter along dim {dim}: size {full.shape[0]} is not "
                          f"divisible by the {axis} size {n}")
     out = full.new_empty((full.shape[0] // n, *full.shape[1:]))
-    ops.reduce_scatter(out, full, topo, axis, tag=tag)
+    comm.reduce_scatter(out, full, topo, axis, tag=tag)
     return out.movedim(0, dim).contiguous()
 
 
@@ -147,23 +139,24 @@ class ReduceScatterToSP(torch.autograd.Function):
         return _all_gather(grad, ctx.topo, ctx.axis, ctx.dim, BWD), None, None, None
 
 
-def copy_to_tp(x: torch.Tensor, topo, axis: str = "tp") -> torch.Tensor:
+def copy_to_tp(x: torch.Tensor, topo, axis: str = AXIS) -> torch.Tensor:
     """f: forward identity, backward all-reduce over ``axis``. See :class:`CopyToTP`."""
     return CopyToTP.apply(x, topo, axis)
 
 
-def reduce_from_tp(x: torch.Tensor, topo, axis: str = "tp") -> torch.Tensor:
+def reduce_from_tp(x: torch.Tensor, topo, axis: str = AXIS) -> torch.Tensor:
     """g: forward all-reduce over ``axis``, backward identity. See :class:`ReduceFromTP`."""
     return ReduceFromTP.apply(x, topo, axis)
 
 
-def gather_from_sp(x: torch.Tensor, topo, axis: str = "tp", dim: int = 1) -> torch.Tensor:
+def gather_from_sp(x: torch.Tensor, topo, axis: str = AXIS, dim: int = 1) -> torch.Tensor:
     """SP entry: forward all-gather along ``dim``, backward reduce-scatter.
     [b, s/n, d] → [b, s, d]."""
     return GatherFromSP.apply(x, topo, axis, dim)
 
 
-def reduce_scatter_to_sp(x: torch.Tensor, topo, axis: str = "tp", dim: int = 1) -> torch.Tensor:
+def reduce_scatter_to_sp(x: torch.Tensor, topo, axis: str = AXIS, dim: int = 1) -> torch.Tensor:
     """SP exit: forward reduce-scatter along ``dim``, backward all-gather.
     [b, s, d] → [b, s/n, d]."""
     return ReduceScatterToSP.apply(x, topo, axis, dim)
+

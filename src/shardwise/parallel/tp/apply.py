@@ -1,0 +1,278 @@
+"""The TP transform: one :func:`apply_tp` for a whole Llama or for one pipeline stage of it.
+
+torchtitan's ``parallelize_fn`` shape (``models/llama/parallelize_llama.py``, applied to the whole
+model and, in ``pipeline_llama.py``, to every stage's model chunk): the plain model is converted in
+place, module by module, into the layers of :mod:`.layers`, each rank keeping its shard.
+
+* :func:`tp_plan` — what is converted: (FQN, plain type, TP type) for the embedding, every
+  block's attention / MLP / dropout and the head, of the modules this model or stage holds.
+* :func:`validate_tp` / :func:`valid_tp_degrees` — the degrees a model accepts; no collective
+  (``config.validate`` calls them before anything starts).
+* :func:`check_plan_covers` (before any collective) and :func:`_check_converted` (after): no
+  Linear/Embedding/Dropout may be left to run silently replicated — picotron's name-based swap
+  once left the output head unparallelised, with no test to notice.
+* :func:`tp_step_bytes_formula` — the bytes one rank sends per step, by ledger tag, beside the
+  transform whose collectives it counts (the table is in :mod:`shardwise.parallel.tp`).
+
+Raises :class:`~shardwise.errors.ShardwiseConfigError` for bad input before any collective,
+RuntimeError for a conversion that went wrong (a bug, not bad input).
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from ... import comm
+from ...errors import ShardwiseConfigError
+from ...models.llama import Attention, FeedForward, Llama
+from ..params import tp_sharded
+from .comms import AXIS
+from .layers import (TPRNG, TensorParallelAttention, TensorParallelSwiGLU, TPDropout,
+                     VocabParallelEmbedding, VocabParallelHead, padded_vocab_size)
+
+
+# -- validation (no collectives: called by config.validate and before any conversion) -------------
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def valid_tp_degrees(model_config, sp: bool = False, seq_len: int | None = None) -> list[int]:
+    """The tp degrees this model accepts: divisors of gcd(n_heads, n_kv_heads, d_ff[, seq_len
+    with SP]); with SP, 1 is excluded."""
+    g = math.gcd(model_config.n_heads, model_config.n_kv_heads, model_config.d_ff)
+    if sp and seq_len:
+        g = math.gcd(g, seq_len)
+    return [k for k in _divisors(g) if not (sp and k == 1)]
+
+
+def validate_tp(model_config, tp: int, sp: bool = False, seq_len: int | None = None) -> None:
+    """Raise :class:`ShardwiseConfigError` unless ``tp`` (and ``sp``) fit ``model_config``.
+
+    Constraints: tp ≥ 1; ``--sp`` needs tp > 1; tp divides n_heads, n_kv_heads (heads are split
+    whole, kv heads are not replicated) and d_ff; with SP, tp divides ``seq_len`` (sequence
+    shards are equal). The vocabulary needs no constraint (it is padded). TP needs a Llama-style
+    config (``n_heads`` …). Runs no collective. The message names the valid tp values."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ShardwiseConfigError(f"--tp {tp} must be a positive integer")
+    if tp == 1 and not sp:
+        return
+    llama = all(hasattr(model_config, a) for a in ("n_heads", "n_kv_heads", "d_ff"))
+    valid = valid_tp_degrees(model_config, sp, seq_len) if llama else []
+    choose = f"choose --tp from {{{', '.join(map(str, valid))}}}" if valid else \
+        "no tp > 1 fits this model and sequence length" if llama else "choose --tp > 1"
+    if sp and tp == 1:  # the one place this rule is written (Layout.check calls it)
+        raise ShardwiseConfigError(
+            f"--sp (sequence parallelism) needs --tp > 1: it shards the activations between TP "
+            f"regions over the tp ranks; {choose}, or drop --sp")
+    if not llama:
+        what = (f"this model's config ({type(model_config).__name__}) has no attention heads"
+                if model_config is not None else "this model has no config")
+        raise ShardwiseConfigError(
+            f"--tp {tp}{' --sp' if sp else ''}: tensor parallelism splits the Llama-style models "
+            f"(--model tiny, small or base); {what}, so there is no TP plan: choose --model "
+            "tiny, small or base, or --tp 1")
+    for name in ("n_heads", "n_kv_heads", "d_ff"):
+        value = getattr(model_config, name)
+        if value % tp:
+            raise ShardwiseConfigError(
+                f"--tp {tp} does not divide the model's {name}={value} (TP splits it evenly "
+                f"over the tp ranks): {choose}")
+    if sp and seq_len is not None and seq_len % tp:
+        raise ShardwiseConfigError(
+            f"--sp: --tp {tp} does not divide --seq-len {seq_len} (sequence parallelism splits "
+            f"each sequence evenly over the tp ranks): {choose}, or change --seq-len to a "
+            f"multiple of {tp}")
+
+
+# -- the plan and its checks ----------------------------------------------------------------------
+def _held(model: nn.Module, name: str) -> bool:
+    """Whether ``model`` holds the submodule ``name`` (a pipeline stage holds the embedding only
+    on the first stage, the head only on the last)."""
+    return getattr(model, name, None) is not None
+
+
+def tp_plan(model: nn.Module) -> list[tuple[str, type, type]]:
+    """(FQN, plain type expected, TP type it becomes) for every module TP converts in ``model``:
+    a Llama, or a pipeline stage of one (its blocks under their global ``layers.{i}`` names)."""
+    plan = [("tok_embeddings", nn.Embedding, VocabParallelEmbedding)] \
+        if _held(model, "tok_embeddings") else []
+    for i, _ in model.layers.named_children():
+        plan += [(f"layers.{i}.attention", Attention, TensorParallelAttention),
+                 (f"layers.{i}.feed_forward", FeedForward, TensorParallelSwiGLU),
+                 (f"layers.{i}.dropout", nn.Dropout, TPDropout)]
+    if _held(model, "output"):
+        plan.append(("output", nn.Linear, VocabParallelHead))
+    return plan
+
+
+_PLAIN_TYPES = (nn.Linear, nn.Embedding, nn.Dropout, Attention, FeedForward)
+
+
+def _leftovers(model: nn.Module) -> list[str]:
+    """Modules whose *exact* type is a plain one TP should have replaced (a subclass such as
+    VocabParallelEmbedding is fine): each would silently run replicated."""
+    return [f"{name} ({type(m).__name__})" for name, m in model.named_modules()
+            if type(m) in _PLAIN_TYPES]
+
+
+def check_plan_covers(model: nn.Module) -> list[tuple[str, type, type]]:
+    """Before any collective: ``model`` is a Llama (or a pipeline stage of one, ``is_llama``),
+    every module of :func:`tp_plan` exists with its plain type, and every Linear/Embedding/
+    Dropout of the model lies inside a planned module. Returns the plan."""
+    if not (isinstance(model, Llama) or getattr(model, "is_llama", False)):
+        raise ShardwiseConfigError(f"tensor parallelism supports the Llama-style models (--model "
+                                   f"tiny, small, base), not {type(model).__name__}")
+    plan = tp_plan(model)
+    modules = dict(model.named_modules())
+    for fqn, plain_type, _ in plan:
+        if not isinstance(modules.get(fqn), plain_type):
+            raise ShardwiseConfigError(f"TP plan: expected a {plain_type.__name__} at {fqn!r}, "
+                                       f"found {type(modules.get(fqn)).__name__}")
+    roots = tuple(fqn for fqn, _, _ in plan)
+    stray = [s for s in _leftovers(model)
+             if not any(s.split(" ")[0] == r or s.startswith(r + ".") for r in roots)]
+    if stray:
+        raise ShardwiseConfigError(f"TP plan does not cover {', '.join(stray)}: they would run "
+                                   "replicated and unsharded; add them to tp_plan() in "
+                                   "parallel/tp/apply.py or remove them from the model")
+    return plan
+
+
+def _check_converted(model: nn.Module, plan, topo, tied: bool) -> None:
+    """After conversion: every planned module has its TP type, no plain Linear/Embedding/Dropout
+    is left anywhere, the shards this model holds have the planned shapes and are marked, and a
+    tie on this rank (``tied``) is still one Parameter. Raises RuntimeError (a bug in the
+    conversion, not bad input)."""
+    cfg, n = model.config, topo.size(AXIS)
+    modules = dict(model.named_modules())
+    problems = [f"{fqn} is {type(modules.get(fqn)).__name__}, not {tp_type.__name__}"
+                for fqn, _, tp_type in plan if type(modules.get(fqn)) is not tp_type]
+    problems += [f"{s} left unconverted" for s in _leftovers(model)]
+    vpad = padded_vocab_size(cfg.vocab_size, n)
+    expect = {"tok_embeddings.weight": (vpad // n, cfg.d_model),
+              "output.weight": (vpad // n, cfg.d_model)}
+    for i in range(cfg.n_layers):
+        a, f = f"layers.{i}.attention", f"layers.{i}.feed_forward"
+        expect |= {f"{a}.wq.weight": (cfg.n_heads // n * cfg.head_dim, cfg.d_model),
+                   f"{a}.wk.weight": (cfg.n_kv_heads // n * cfg.head_dim, cfg.d_model),
+                   f"{a}.wv.weight": (cfg.n_kv_heads // n * cfg.head_dim, cfg.d_model),
+                   f"{a}.wo.weight": (cfg.d_model, cfg.n_heads // n * cfg.head_dim),
+                   f"{f}.w1.weight": (cfg.d_ff // n, cfg.d_model),
+                   f"{f}.w3.weight": (cfg.d_ff // n, cfg.d_model),
+                   f"{f}.w2.weight": (cfg.d_model, cfg.d_ff // n)}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, shape in expect.items():
+        if name in params and tuple(params[name].shape) != shape:
+            problems.append(f"{name} has shape {tuple(params[name].shape)}, expected {shape}")
+        if name in params and not tp_sharded(params[name]):
+            problems.append(f"{name} is not marked as a tp shard")
+    if tied and model.output.weight is not model.tok_embeddings.weight:
+        problems.append("tied embeddings: output.weight is no longer tok_embeddings.weight")
+    if problems:
+        raise RuntimeError("tensor-parallel conversion incomplete: " + "; ".join(problems))
+
+
+def _set_submodule(model: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent, _, name = fqn.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, new)
+
+
+# -- the transform --------------------------------------------------------------------------------
+def apply_tp(model: nn.Module, topo, sp: bool = False, *, seed: int = 0) -> TPRNG:
+    """Convert ``model`` in place for tensor parallelism over ``topo``'s "tp" axis (sequence
+    parallelism with ``sp``) and return the dropout RNG (:class:`~.layers.TPRNG`, seeded by
+    ``seed``). ``model``: a plain Llama, or one pipeline stage of it (``pipeline.split.
+    StageModule``: the blocks it holds, the embedding on the first stage, the head on the last).
+
+    Order: (1) :func:`validate_tp` and :func:`check_plan_covers` — ShardwiseConfigError before
+    any collective; (2) broadcast every parameter from tp index 0 (phase and tag ``"init"``),
+    so shards cut from different ranks' copies fit together even if the ranks were seeded
+    differently; (3) replace the modules of :func:`tp_plan`, each rank keeping its shard; a head
+    tied to the embedding *on this rank* shares its shard Parameter (a pipeline's last-stage copy
+    of a tied embedding is its own Parameter, cut by the same rows); a stage's chunks are
+    pointed at the new embedding / head and told the sequence-shard degree; (4)
+    :func:`_check_converted` — RuntimeError if anything is left plain or misshapen. The sequence
+    length is checked against tp at the first SP forward (reduce-scatter raises ValueError);
+    call ``validate_tp(cfg, tp, sp, seq_len)`` up front to get the configuration error instead."""
+    n = topo.size(AXIS)
+    validate_tp(getattr(model, "config", None), n, sp)
+    plan = check_plan_covers(model)
+    has_emb, has_head = _held(model, "tok_embeddings"), _held(model, "output")
+    tied = has_emb and has_head and model.output.weight is model.tok_embeddings.weight
+    with topo.ledger.phase("init"):
+        comm.broadcast_coalesced([p.data for p in model.parameters()], topo, AXIS, tag="init")
+    rng = TPRNG(seed, topo)
+    emb = None
+    if has_emb:
+        emb = VocabParallelEmbedding(model.tok_embeddings, topo, sp)
+        _set_submodule(model, "tok_embeddings", emb)
+    for layer in model.layers.children():
+        layer.attention = TensorParallelAttention(layer.attention, topo, sp, rng)
+        layer.feed_forward = TensorParallelSwiGLU(layer.feed_forward, topo, sp)
+        layer.dropout = TPDropout(layer.dropout.p, rng, sp)
+    if has_head:
+        head = VocabParallelHead(model.output, topo, sp, weight=emb.weight if tied else None)
+        _set_submodule(model, "output", head)
+    for c in getattr(model, "chunks", ()):  # a stage's chunks run the modules it holds
+        if c.tok_embeddings is not None:
+            c.tok_embeddings = model.tok_embeddings
+        if c.output is not None:
+            c.output = model.output
+        c.sp_degree = n if sp else 1
+    _check_converted(model, plan, topo, tied)
+    return rng
+
+
+# -- the formula ----------------------------------------------------------------------------------
+def tp_step_bytes_formula(model_config, sequences: int, seq_len: int, tp: int, sp: bool = False,
+                          dp: int = 1, dtype: str = "fp32") -> dict[str, float]:
+    """Bytes one rank sends per optimizer step with explicit TP, by ledger tag, plus ``"total"``.
+
+    ``sequences``: sequences this rank processes in the step (all micro-batches: every byte
+    below is linear in the batch, so how it is cut into micro-batches does not matter);
+    ``seq_len`` tokens each. n = tp, L = n_layers, d = d_model, N = sequences·seq_len tokens,
+    r = 2(n−1)/n (ring all-reduce), h = (n−1)/n (all-gather / reduce-scatter); see
+    :mod:`shardwise.comm.ledger` for the per-op counts.
+
+    * ``tp_fwd``/``tp_bwd`` — activations, A_x = N·d·bytes(x): forward (1 + 2L)·r·A, backward
+      (1 + 2L)·r·A, with or without SP (SP: the same total as (2 + 4L) collectives of h·A each).
+      Counted per direction: forward = the embedding exit, 2 block exits and (SP) 2 block entries
+      + the head entry; backward = 2 block entries and the head entry, and (SP) the 2 block exits
+      and the embedding exit. ``dtype="bf16"`` (autocast): the 2L block exits (row-parallel
+      outputs) and, with SP, their backward all-gathers carry bf16 (2 bytes); everything else
+      (the embedding output, the residual stream, the gradients entering the regions) is fp32.
+    * ``ce`` — the vocab-parallel cross-entropy: r·(N + 2N)·4 (MAX of [N], SUM of [2, N], fp32).
+    * ``sp_grad`` — SP only: r·(2L + 1)·d·4, the norm weights' gradients (fp32).
+    * ``grad_norm`` — r·8: the squared gradient norm (fp64 scalar) over tp.
+    * ``loss`` — 2·(2(dp−1)/dp)·8: token count and loss sum over dp (0 at dp = 1).
+
+    Init broadcasts, ``named_full_*`` gathers and evaluation are outside the step. Source:
+    Megatron-LM §3 (f/g per block), Korthikanti et al. 2022 §4.2.2 (SP), JAX scaling book ch. 5."""
+    n, L, d = tp, model_config.n_layers, model_config.d_model
+    r, h = 2 * (n - 1) / n, (n - 1) / n
+    tokens = sequences * seq_len
+    wide = tokens * d * 4  # fp32 [.., d]
+    exit_b = tokens * d * (2 if dtype == "bf16" else 4)  # row-parallel outputs under autocast
+    if not sp:
+        fwd = r * (wide + 2 * L * exit_b)  # embedding g + 2 g per block
+        bwd = r * (2 * L * wide + wide)  # 2 f per block + head f
+    else:
+        fwd = h * (wide + 2 * L * wide + 2 * L * exit_b + wide)  # emb RS, AG+RS ×2L, head AG
+        bwd = h * (wide + 2 * L * wide + 2 * L * exit_b + wide)  # head RS, RS+AG ×2L, emb AG
+    out = {"tp_fwd": fwd, "tp_bwd": bwd, "ce": r * 3 * tokens * 4,
+           "sp_grad": r * (2 * L + 1) * d * 4 if sp else 0.0, "grad_norm": r * 8,
+           "loss": 2 * (2 * (dp - 1) / dp * 8)}
+    out["total"] = sum(out.values())
+    return out
+
+
+def tp_bytes_by_tag(model_config, topo, sp: bool, sequences: int, seq_len: int,
+                    dtype: str = "fp32") -> dict[str, float]:
+    """:func:`tp_step_bytes_formula` on ``topo``'s tp and dp sizes, without ``"loss"``
+    and ``"total"`` (:func:`shardwise.formulas.step_bytes_formula` adds them): what both TP
+    engines report, explicit and DTensor (which moves the same bytes under the same tags)."""
+    t = tp_step_bytes_formula(model_config, sequences, seq_len, topo.size(AXIS), sp,
+                              dp=topo.size("dp"), dtype=dtype)
+    return {k: v for k, v in t.items() if k not in ("total", "loss")}

@@ -1,0 +1,119 @@
+"""The explicit TP engine: a Llama converted by :func:`.apply.apply_tp`, trained by tp ranks that
+all see the same batch (:func:`parallelize_tensor` builds it).
+
+What it adds to the base :class:`~shardwise.parallel.engine.Engine` is the TP part of the step:
+the vocab-parallel loss (every tp rank holds the complete loss sum, so the token count and the
+loss are reduced over dp only), the SP sum of the norm weights' partial gradients over tp, the
+norm's all-reduce over tp, and the byte formula. Everything else (the micro-batch loop, the norm
+counting each element once, full-shape views and optimizer state) is the base engine's, which
+reads each parameter's :class:`~shardwise.parallel.params.Placement`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ...models.llama import IGNORE_INDEX, Llama
+from ..engine import Engine
+from ..params import grads_or_zeros, sum_coalesced_, tp_sharded
+from .apply import apply_tp, tp_bytes_by_tag
+from .comms import AXIS
+from .layers import TPRNG, VocabParallelHead
+from .loss import vocab_parallel_cross_entropy
+
+
+class TensorParallel(Engine):
+    """A Llama model converted by :func:`~.apply.apply_tp` (``module``), its ``topo``, ``sp`` and
+    dropout RNG ``rng``.
+
+    * ``forward_backward``: the base loop with :meth:`loss_sum`, the vocab-parallel
+      cross-entropy of the local logits: the same complete loss sum on every tp rank.
+    * ``finish_gradient_sync``: with SP, one all-reduce over tp of the replicated parameters'
+      (norm weights') partial gradients, tag ``"sp_grad"``; without SP their gradients are
+      already identical on every tp rank and nothing is sent.
+    * ``clip_grad_norm_``: the base engine's (:func:`~shardwise.parallel.params.grad_norm_`):
+      Σ g² of the shards plus (on tp index 0 only) the replicated params, one fp64 all-reduce
+      over tp, tag ``"grad_norm"``.
+    * ``named_full_parameters`` / ``named_full_gradients`` / ``full_optimizer_state``: the
+      base engine's (shards all-gathered over tp, padding stripped; phase ``"gather"``, not
+      part of the step).
+
+    DP or ZeRO sits on top in :mod:`shardwise.parallel.compose` (dp × tp): the local shards are
+    ordinary Parameters whose gradients are summed over dp."""
+
+    count_axes = ("dp",)  # every tp rank holds the complete loss sum: reduce over dp only
+    reduce_loss_axes = ("dp",)
+
+    def __init__(self, module: Llama, topo, sp: bool, rng: TPRNG):
+        super().__init__(module)
+        self.topo, self.sp, self.rng = topo, sp, rng
+        params = list(dict.fromkeys(module.parameters()))
+        self.replicated = [p for p in params if not tp_sharded(p)]
+        self.sharded = [p for p in params if tp_sharded(p)]
+
+    @property
+    def head(self) -> VocabParallelHead:
+        return self.module.output
+
+    def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token-loss sum fp32 scalar, counted tokens) of ``batch`` via the vocab-parallel loss;
+        the same on every tp rank. Usable for evaluation under ``torch.no_grad()``."""
+        local_logits = self.module(batch["input_ids"])  # [b, s, V_pad/n]
+        losses = vocab_parallel_cross_entropy(local_logits, batch["labels"],
+                                              self.head.vocab_start, self.head.vocab_size,
+                                              self.topo)
+        return losses.sum(), (batch["labels"] != IGNORE_INDEX).sum()
+
+    def loss_sum(self, batch: dict) -> torch.Tensor:
+        return self.loss_sum_and_count(batch)[0]
+
+    def finish_gradient_sync(self) -> None:
+        """With SP: SUM the norm weights' partial gradients over tp (one flat all-reduce)."""
+        if self.sp:
+            self.reduce_replicated_grads(tag="sp_grad")
+
+    def reduce_replicated_grads(self, tag: str = "sp_grad") -> None:
+        """SUM the replicated parameters' (norm weights') gradients over tp: one flat
+        all-reduce of (2L+1)·d fp32 (:func:`~shardwise.parallel.params.sum_coalesced_`)."""
+        sum_coalesced_(grads_or_zeros(self.replicated), self.topo, AXIS, tag=tag)
+
+    def norm_axes(self) -> tuple[str, ...]:
+        return (AXIS,)
+
+    def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
+                      dtype: str = "fp32") -> dict[str, float]:
+        """:func:`~.apply.tp_bytes_by_tag` of this model (micro_steps do not matter: every byte
+        is linear in the batch)."""
+        return tp_bytes_by_tag(self.module.config, self.topo, self.sp, sequences, seq_len, dtype)
+
+    def full_model(self):
+        """The :class:`~shardwise.parallel.engine.Engine` hook for sampling:
+        :meth:`gathered_logits`."""
+        return self.gathered_logits()
+
+    @contextlib.contextmanager
+    def gathered_logits(self):
+        """Inference helper: inside, the model returns full logits [b, s, V] (gathered over tp,
+        unpadded) and SP is switched off (any sequence length works), so plain-model code
+        (``generate``, ``loss_sum_and_count``) runs unchanged. Use under ``torch.no_grad()``."""
+        mods = [m for m in self.module.modules() if hasattr(m, "sp")]
+        saved = [m.sp for m in mods]
+        for m in mods:
+            m.sp = False
+        self.head.gather_output = True
+        try:
+            yield self.module
+        finally:
+            self.head.gather_output = False
+            for m, s in zip(mods, saved):
+                m.sp = s
+
+
+def parallelize_tensor(model: Llama, topo, sp: bool = False, *, seed: int = 0) -> TensorParallel:
+    """Convert the plain Llama ``model`` in place for tensor parallelism over ``topo``'s "tp"
+    axis (:func:`~.apply.apply_tp`: checks, broadcast, conversion, check) and return its
+    :class:`TensorParallel` engine. ``seed`` seeds the dropout RNG regions."""
+    rng = apply_tp(model, topo, sp, seed=seed)
+    return TensorParallel(model, topo, sp, rng)

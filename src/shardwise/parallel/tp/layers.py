@@ -1,0 +1,287 @@
+"""The tensor-parallel layers: each takes the plain module it replaces and keeps this rank's shard.
+
+Megatron-LM's split (Shoeybi et al. 2019, arXiv 1909.08053, §3): a linear layer Y = X A can be
+split over n tp ranks by output columns (**column-parallel**: rank i computes Y_i = X A_i from
+the whole X, no communication) or by input rows (**row-parallel**: rank i computes X_i A_i and
+Y = Σ_i X_i A_i needs a SUM). A column layer followed by a row layer therefore needs one
+collective in forward (g, at the exit) and one in backward (f, at the entry), and nothing in
+between: the op between them works on the local shard. In a Llama block:
+
+* attention: wq, wk, wv column-parallel *by heads*, attention on the local heads, wo row-parallel;
+* SwiGLU MLP: w1, w3 column-parallel (f/n hidden units), silu(w1 x)·(w3 x) local, w2
+  row-parallel;
+* embedding: rows split by vocabulary (:class:`VocabParallelEmbedding`); output head:
+  column-parallel over the vocabulary, producing *local* logits [b, s, V_pad/n] for the
+  vocab-parallel cross-entropy (:mod:`.loss`), which never gathers them;
+* a vocabulary that n does not divide is padded with zero rows to a multiple of n
+  (:func:`padded_vocab_size`); no token id reaches a padded row, and the loss masks the padded
+  logits, so padding changes neither the loss nor any gradient, and the padded rows stay 0 under
+  AdamW (zero gradient → zero moments → zero update; weight decay of 0 is 0).
+
+With sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198, §4.2.2) the activations
+between the regions are sequence shards [b, s/n, d] and the region's entry/exit are an all-gather
+and a reduce-scatter (:func:`enter_tp_region`, :func:`exit_tp_region`; the collectives are in
+:mod:`.comms`). Dropout draws from tp-aware RNG regions (:class:`TPRNG`).
+
+Shapes: ``b`` batch, ``s`` sequence, ``d`` d_model, ``h``/``k`` query/kv heads, ``hd`` head dim,
+``f`` d_ff, ``V`` vocabulary, ``n`` = tp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ... import comm
+from ...errors import ShardwiseConfigError
+from ...models.llama import Attention, FeedForward, causal_attention
+from ..params import mark_tp_shard, shard_of
+from .comms import AXIS, copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """The smallest multiple of ``tp`` ≥ ``vocab_size`` (Megatron pads to a multiple of 128·tp
+    for kernel efficiency; a multiple of tp is all correctness needs)."""
+    return -(-vocab_size // tp) * tp
+
+
+class TPRNG:
+    """Two saved RNG states for dropout, one per kind of activation (Megatron's
+    ``CudaRNGStatesTracker``).
+
+    Where an activation is *replicated* over tp (residual-branch dropout without SP), every tp
+    rank must drop the same elements, or the replicas diverge. Where it is *sharded* (attention
+    dropout on the local heads; residual dropout on sequence shards with SP), ranks must draw
+    *different* masks, or the shards get correlated masks. So ``"replicated"`` is seeded
+    ``seed + 1000·dp_index`` (equal on all tp ranks) and ``"sharded"`` ``seed + 2718 + tp_index
+    + 1000·dp_index`` (different on each tp rank; 2718 as in Megatron's
+    ``model_parallel_cuda_manual_seed``).
+
+    ``fork("replicated")`` / ``fork("sharded")`` swap the default generator of ``topo.device``
+    to that state for the block, save the advanced state, and restore the default generator, so
+    the masks do not depend on what else consumes random numbers."""
+
+    REGIONS = ("replicated", "sharded")
+
+    def __init__(self, seed: int, topo):
+        self.device = topo.device
+        dp_i = topo.index("dp") if topo.size("dp") > 1 else 0
+        seeds = {"replicated": seed + 1000 * dp_i,
+                 "sharded": seed + 2718 + topo.index(AXIS) + 1000 * dp_i}
+        self.states = {}
+        for region, s in seeds.items():
+            g = torch.Generator(device=self.device)
+            g.manual_seed(s)
+            self.states[region] = g.get_state()
+
+    def _get(self):
+        if self.device.type == "cuda":
+            return torch.cuda.get_rng_state(self.device)
+        return torch.get_rng_state()
+
+    def _set(self, state) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    @contextlib.contextmanager
+    def fork(self, region: str):
+        if region not in self.REGIONS:
+            raise ValueError(f"unknown RNG region {region!r}: {self.REGIONS}")
+        saved = self._get()
+        self._set(self.states[region])
+        try:
+            yield
+        finally:
+            self.states[region] = self._get()
+            self._set(saved)
+
+
+# -- entering and leaving the TP region -----------------------------------------------------------
+def enter_tp_region(x: torch.Tensor, topo, sp: bool) -> torch.Tensor:
+    """Replicated [b, s, d] (f: identity fwd, all-reduce bwd) or, with SP, sequence shard
+    [b, s/n, d] → all-gather → [b, s, d] (reduce-scatter bwd)."""
+    return gather_from_sp(x, topo, AXIS, dim=1) if sp else copy_to_tp(x, topo, AXIS)
+
+
+def exit_tp_region(x: torch.Tensor, topo, sp: bool) -> torch.Tensor:
+    """Partial sums [b, s, d] → all-reduce → replicated [b, s, d] (g), or, with SP,
+    reduce-scatter → [b, s/n, d] (all-gather bwd)."""
+    return reduce_scatter_to_sp(x, topo, AXIS, dim=1) if sp else reduce_from_tp(x, topo, AXIS)
+
+
+# -- layers ---------------------------------------------------------------------------------------
+class ColumnParallelLinear(nn.Module):
+    """Y = X A with A split by output columns. ``weight``: [out/n, in] (nn.Linear layout: rows of
+    Aᵀ), sharded on dim 0 over tp; rank i holds output features [i·out/n, (i+1)·out/n).
+
+    forward: X [..., in], replicated over tp → Y_i [..., out/n]. **No collective**: the caller
+    enters the TP region once (:func:`enter_tp_region`) for all column layers sharing an input
+    (wq/wk/wv; w1/w3), which is one all-reduce in backward instead of one per layer."""
+
+    def __init__(self, plain: nn.Linear, topo, padded_out: int | None = None,
+                 weight: nn.Parameter | None = None):
+        super().__init__()
+        if plain.bias is not None:
+            raise ShardwiseConfigError("ColumnParallelLinear: biases are not supported (the "
+                                       "Llama models have none)")
+        self.in_features, self.out_features = plain.in_features, plain.out_features
+        if weight is None:
+            weight = nn.Parameter(shard_of(plain.weight, 0, topo, padded_out))
+        self.weight = mark_tp_shard(weight, 0, plain.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)  # [..., out/n]
+
+
+class RowParallelLinear(nn.Module):
+    """Y = Σ_i X_i A_i with A split by input rows. ``weight``: [out, in/n], sharded on dim 1 over
+    tp; rank i holds input features [i·in/n, (i+1)·in/n).
+
+    forward: X_i [b, s, in/n] (this rank's features, the output of column layers) → local
+    partial product → exit the TP region: all-reduce (g) → Y [b, s, out] replicated, or with SP
+    reduce-scatter → [b, s/n, out]."""
+
+    def __init__(self, plain: nn.Linear, topo, sp: bool):
+        super().__init__()
+        if plain.bias is not None:
+            raise ShardwiseConfigError("RowParallelLinear: biases are not supported (the Llama "
+                                       "models have none)")
+        self.topo, self.sp = topo, sp
+        self.in_features, self.out_features = plain.in_features, plain.out_features
+        self.weight = mark_tp_shard(nn.Parameter(shard_of(plain.weight, 1, topo)), 1,
+                                    plain.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return exit_tp_region(F.linear(x, self.weight), self.topo, self.sp)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """The token embedding with its table split by vocabulary rows over tp.
+
+    ``weight``: [V_pad/n, d], rank i holds token ids [i·V_pad/n, (i+1)·V_pad/n) (V_pad = V
+    padded to a multiple of n; padded rows are zero and never looked up). forward: tokens [b, s]
+    (same on every tp rank) → local lookup, zeros for ids this rank does not own → exit the TP
+    region: all-reduce (g sums the rows) → [b, s, d], or with SP reduce-scatter → [b, s/n, d].
+
+    A subclass of ``nn.Embedding`` so that code treating embeddings specially (AdamW groups: no
+    weight decay on embeddings) treats the shard the same way."""
+
+    def __init__(self, plain: nn.Embedding, topo, sp: bool):
+        if plain.padding_idx is not None or plain.max_norm is not None:
+            raise ShardwiseConfigError("VocabParallelEmbedding: padding_idx/max_norm are not "
+                                       "supported")
+        n = topo.size(AXIS)
+        vocab, d = plain.weight.shape
+        padded = padded_vocab_size(vocab, n)
+        super().__init__(padded // n, d, _weight=shard_of(plain.weight, 0, topo, padded))
+        mark_tp_shard(self.weight, 0, vocab)
+        self.topo, self.sp = topo, sp
+        self.vocab_size, self.vocab_start = vocab, topo.index(AXIS) * (padded // n)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.vocab_start  # [b, s]
+        outside = (local < 0) | (local >= self.num_embeddings)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)  # [b, s, d]
+        x = x.masked_fill(outside.unsqueeze(-1), 0.0)  # not ours: contributes 0 (and no grad)
+        return exit_tp_region(x, self.topo, self.sp)
+
+
+class VocabParallelHead(ColumnParallelLinear):
+    """The output head, column-parallel over the (padded) vocabulary. ``weight``: [V_pad/n, d]
+    — with tied embeddings the *same* Parameter as :class:`VocabParallelEmbedding`'s shard.
+
+    forward: hidden [b, s, d] replicated (or [b, s/n, d] with SP) → enter the TP region (f, or
+    the SP all-gather) → local logits [b, s, V_pad/n] for vocabulary entries
+    [vocab_start, vocab_start + V_pad/n). Feed them to :func:`.loss.vocab_parallel_cross_entropy`;
+    full logits are never formed. With ``gather_output`` (inference only: sampling, eval
+    through code that expects full logits) the logits are all-gathered and unpadded → [b, s, V]."""
+
+    def __init__(self, plain: nn.Linear, topo, sp: bool, weight: nn.Parameter | None = None):
+        n = topo.size(AXIS)
+        padded = padded_vocab_size(plain.out_features, n)
+        super().__init__(plain, topo, padded_out=padded, weight=weight)
+        self.topo, self.sp, self.gather_output = topo, sp, False
+        self.vocab_size, self.vocab_start = plain.out_features, topo.index(AXIS) * (padded // n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(enter_tp_region(x, self.topo, self.sp))  # [b, s, V_pad/n]
+        if not self.gather_output:
+            return logits
+        if torch.is_grad_enabled():
+            raise RuntimeError("VocabParallelHead.gather_output is for inference (no_grad) only")
+        n = self.topo.size(AXIS)
+        shard = logits.movedim(-1, 0).contiguous()  # [V_pad/n, b, s]
+        full = shard.new_empty((n * shard.shape[0], *shard.shape[1:]))
+        comm.all_gather(full, shard, self.topo, AXIS, tag="logits")
+        return full[: self.vocab_size].movedim(0, -1)  # [b, s, V]
+
+
+class TPDropout(nn.Module):
+    """Dropout on the residual branch, drawn from the RNG region that matches the layout:
+    ``"replicated"`` without SP (same mask on every tp rank), ``"sharded"`` with SP (each rank
+    its own sequence shard, its own mask). x: any shape → same shape."""
+
+    def __init__(self, p: float, rng: TPRNG, sp: bool):
+        super().__init__()
+        self.p, self.rng, self.sp = p, rng, sp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        with self.rng.fork("sharded" if self.sp else "replicated"):
+            return F.dropout(x, self.p, training=True)
+
+
+class TensorParallelAttention(nn.Module):
+    """Causal GQA attention split by heads. wq: column [h/n·hd, d]; wk, wv: column [k/n·hd, d];
+    wo: row [d, h/n·hd]. Rank i owns query heads [i·h/n, (i+1)·h/n) and kv heads
+    [i·k/n, (i+1)·k/n): since query head j reads kv head ⌊j·k/h⌋, the contiguous split keeps
+    every query head on the rank of its kv head (so tp must divide both h and k). Attention
+    dropout acts on local heads, so it draws from the ``"sharded"`` RNG region.
+
+    forward: x [b, s, d] (SP: [b, s/n, d]) → enter → the plain model's attention math
+    (:func:`~shardwise.models.llama.causal_attention`) on the local heads → [b, s, h/n·hd] →
+    wo (row: exit) → [b, s, d] (SP: [b, s/n, d])."""
+
+    def __init__(self, plain: Attention, topo, sp: bool, rng: TPRNG):
+        super().__init__()
+        n = topo.size(AXIS)
+        self.topo, self.sp, self.rng = topo, sp, rng
+        self.head_dim, self.dropout = plain.head_dim, plain.dropout
+        self.n_heads, self.n_kv_heads = plain.n_heads // n, plain.n_kv_heads // n  # local
+        self.wq = ColumnParallelLinear(plain.wq, topo)
+        self.wk = ColumnParallelLinear(plain.wk, topo)
+        self.wv = ColumnParallelLinear(plain.wv, topo)
+        self.wo = RowParallelLinear(plain.wo, topo, sp)
+
+    def forward(self, x, cos, sin):
+        x = enter_tp_region(x, self.topo, self.sp)  # [b, s, d], replicated over tp
+        p = self.dropout if self.training else 0.0
+        with self.rng.fork("sharded") if p > 0 else contextlib.nullcontext():
+            y = causal_attention(x, self.wq, self.wk, self.wv, self.head_dim, cos, sin, p)
+        return self.wo(y)  # [b, s, h/n·hd] → [b, s, d] or [b, s/n, d]
+
+
+class TensorParallelSwiGLU(nn.Module):
+    """SwiGLU w2(silu(w1 x) · w3 x) with w1, w3 column-parallel [f/n, d] and w2 row-parallel
+    [d, f/n]: the gate product is element-wise on the local f/n hidden units, so there is no
+    collective between the column and the row layers.
+
+    forward: x [b, s, d] (SP: [b, s/n, d]) → enter → [b, s, f/n] → w2 (exit) → [b, s, d]
+    (SP: [b, s/n, d])."""
+
+    def __init__(self, plain: FeedForward, topo, sp: bool):
+        super().__init__()
+        self.topo, self.sp = topo, sp
+        self.w1 = ColumnParallelLinear(plain.w1, topo)
+        self.w3 = ColumnParallelLinear(plain.w3, topo)
+        self.w2 = RowParallelLinear(plain.w2, topo, sp)
+
+    def forward(self, x):
+        x = enter_tp_region(x, self.topo, self.sp)  # [b, s, d]
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # [b, s, f/n] → exit
