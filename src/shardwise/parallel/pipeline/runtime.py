@@ -46,7 +46,7 @@ from ..data import GradBuckets
 from ..engine import Engine
 from ..layout import Layout
 from ..params import counted_grads, grads_or_zeros, local as _local, sum_coalesced_, tp_sharded
-from ..tp import apply_tp, vocab_parallel_cross_entropy
+from ..tp import apply_tp, tp_activation_bytes, vocab_parallel_cross_entropy
 from .comms import p2p_bytes_formula, swap_tied_grads
 from .runner import KINDS, ScheduleRunner
 from .schedules import build_schedule, check_schedule
@@ -204,13 +204,10 @@ class PipelineParallel(Engine):
           divided by tp with SP (each tp rank sends its sequence shard); MLP: sequences·D·4.
           Written as a sum over the rows, it holds for unequal microbatches too (3, 3, 2
           rows: 8·seq_len·d·4, not 3·⌊8/3⌋·seq_len·d·4).
-        * ``tp_fwd``/``tp_bwd`` (tp > 1): Megatron f/g per block of this rank's L_s blocks
-          (all its chunks), plus the embedding exit on the first stage and the head entry on
-          the last — :func:`~..tensor.tp_step_bytes_formula`'s terms restricted to this stage:
-          no SP fwd = r·(E·W + 2L_s·X), bwd = r·(2L_s·W + H·W); SP fwd = bwd =
-          h·(E·W + 2L_s·W + 2L_s·X + H·W), with W = N·d·4, X = N·d·(2 if bf16 else 4) (the
-          row-parallel outputs under autocast), E/H = 1 on the stage holding the embedding /
-          head. ``ce`` (last stage): r·3N·4 (vocab-parallel cross-entropy).
+        * ``tp_fwd``/``tp_bwd``/``ce`` (tp > 1): :func:`..tp.tp_activation_bytes` for this
+          rank's L_s blocks (all its chunks), with the embedding exit on the first stage and
+          the head entry and vocab-parallel cross-entropy on the last — the whole-model TP
+          formula's terms restricted to this stage.
         * ``tied``: the first and the last stage swap their [V_pad/tp, d] shard's gradient.
         * ``grad``: dp > 1 — ZeRO-0: r_dp·Ψ_s·b (all-reduce of this stage's local parameters,
           b = 2 for bf16 reduction else 4); ZeRO-1: h_dp·P_s·b (reduce-scatter of the padded
@@ -251,20 +248,13 @@ class PipelineParallel(Engine):
             out["grad"] = ring_bytes("all_reduce", sum(_local(p).numel() for p in params) * red,
                                      dp)
         if n > 1:
-            r, h = 2 * (n - 1) / n, (n - 1) / n
-            blocks = sum(len(c.layers) for c in self.chunks)
-            e, hd = float(stage.holds_embedding), float(stage.holds_head)
-            wide = sequences * seq_len * d * 4
-            exit_b = sequences * seq_len * d * (2 if dtype == "bf16" else 4)
-            if not self.sp:
-                out["tp_fwd"] = r * (e * wide + 2 * blocks * exit_b)
-                out["tp_bwd"] = r * (2 * blocks * wide + hd * wide)
-            else:
-                out["tp_fwd"] = out["tp_bwd"] = h * (e * wide + 2 * blocks * wide
-                                                     + 2 * blocks * exit_b + hd * wide)
+            out |= tp_activation_bytes(sequences * seq_len, d, n, self.sp,
+                                       blocks=sum(len(c.layers) for c in self.chunks),
+                                       has_embedding=stage.holds_embedding,
+                                       has_head=stage.holds_head, dtype=dtype)
+            if self.sp:
                 rep = sum(_local(p).numel() * elem for p in params if not tp_sharded(p))
                 out["sp_grad"] = ring_bytes("all_reduce", rep, n)
-            out["ce"] = hd * r * 3 * sequences * seq_len * 4
         return out
 
     # -- evaluation ------------------------------------------------------------------------------

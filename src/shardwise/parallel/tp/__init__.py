@@ -36,8 +36,8 @@ after backward. Sources: Shoeybi et al. 2019, "Megatron-LM", arXiv 1909.08053, ย
 et al. 2022, arXiv 2205.05198, ยง4.2.2.
 """
 
-from .apply import (apply_tp, check_plan_covers, tp_bytes_by_tag, tp_plan, tp_step_bytes_formula,
-                    valid_tp_degrees, validate_tp)
+from .apply import (apply_tp, check_plan_covers, tp_activation_bytes, tp_bytes_by_tag, tp_plan,
+                    tp_step_bytes_formula, valid_tp_degrees, validate_tp)
 from .comms import AXIS, copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
 from .dtensor import (BookFunctionalCollectives, TorchTensorParallel, booked_as,
                       dtensor_tp_plan, parallelize_tensor_dtensor, reduce_partial_grads)
@@ -55,5 +55,5 @@ __all__ = ["AXIS", "BookFunctionalCollectives", "ColumnParallelLinear", "RowPara
            "dtensor_tp_plan", "enter_tp_region", "exit_tp_region", "full_tensors",
            "gather_from_sp", "padded_vocab_size", "parallelize_tensor",
            "parallelize_tensor_dtensor", "reduce_from_tp", "reduce_partial_grads",
-           "reduce_scatter_to_sp", "tp_bytes_by_tag", "tp_plan", "tp_step_bytes_formula",
-           "valid_tp_degrees", "validate_tp", "vocab_parallel_cross_entropy"]
+           "reduce_scatter_to_sp", "tp_activation_bytes", "tp_bytes_by_tag", "tp_plan",
+           "tp_step_bytes_formula", "valid_tp_degrees", "validate_tp", "vocab_parallel_cross_entropy"]

@@ -251,21 +251,36 @@ def tp_step_bytes_formula(model_config, sequences: int, seq_len: int, tp: int, s
     Init broadcasts, ``named_full_*`` gathers and evaluation are outside the step. Source:
     Megatron-LM §3 (f/g per block), Korthikanti et al. 2022 §4.2.2 (SP), JAX scaling book ch. 5."""
     n, L, d = tp, model_config.n_layers, model_config.d_model
+    r = 2 * (n - 1) / n
+    out = tp_activation_bytes(sequences * seq_len, d, n, sp, blocks=L, dtype=dtype)
+    out |= {"sp_grad": r * (2 * L + 1) * d * 4 if sp else 0.0, "grad_norm": r * 8,
+            "loss": 2 * (2 * (dp - 1) / dp * 8)}
+    out["total"] = sum(out.values())
+    return out
+
+
+def tp_activation_bytes(tokens: int, d: int, tp: int, sp: bool, *, blocks: int,
+                        has_embedding: bool = True, has_head: bool = True,
+                        dtype: str = "fp32") -> dict[str, float]:
+    """{"tp_fwd", "tp_bwd", "ce": bytes} one rank sends per step for ``tokens`` tokens (all
+    micro-batches) through ``blocks`` TP blocks of width ``d`` over ``tp`` ranks, plus the
+    embedding exit (``has_embedding``) and the head entry and vocab-parallel cross-entropy
+    (``has_head``): the whole model (:func:`tp_step_bytes_formula`) or one pipeline stage. With
+    r = 2(n−1)/n, h = (n−1)/n, W = tokens·d·4 and X = tokens·d·(2 if bf16 else 4) (the
+    row-parallel outputs under autocast), E/H = 1 where the stage holds the embedding / head:
+    no SP fwd = r·(E·W + 2L·X), bwd = r·(2L·W + H·W); SP fwd = bwd = h·(E·W + 2L·W + 2L·X +
+    H·W); ``ce`` = H·r·3·tokens·4. Megatron-LM §3, Korthikanti et al. 2022 §4.2.2."""
+    n, L = tp, blocks
     r, h = 2 * (n - 1) / n, (n - 1) / n
-    tokens = sequences * seq_len
+    e, hd = float(has_embedding), float(has_head)
     wide = tokens * d * 4  # fp32 [.., d]
     exit_b = tokens * d * (2 if dtype == "bf16" else 4)  # row-parallel outputs under autocast
     if not sp:
-        fwd = r * (wide + 2 * L * exit_b)  # embedding g + 2 g per block
-        bwd = r * (2 * L * wide + wide)  # 2 f per block + head f
-    else:
-        fwd = h * (wide + 2 * L * wide + 2 * L * exit_b + wide)  # emb RS, AG+RS ×2L, head AG
-        bwd = h * (wide + 2 * L * wide + 2 * L * exit_b + wide)  # head RS, RS+AG ×2L, emb AG
-    out = {"tp_fwd": fwd, "tp_bwd": bwd, "ce": r * 3 * tokens * 4,
-           "sp_grad": r * (2 * L + 1) * d * 4 if sp else 0.0, "grad_norm": r * 8,
-           "loss": 2 * (2 * (dp - 1) / dp * 8)}
-    out["total"] = sum(out.values())
-    return out
+        fwd = r * (e * wide + 2 * L * exit_b)  # embedding g + 2 g per block
+        bwd = r * (2 * L * wide + hd * wide)  # 2 f per block + head f
+    else:  # emb RS, AG+RS ×2L, head AG forward; head RS, RS+AG ×2L, emb AG backward
+        fwd = bwd = h * (e * wide + 2 * L * wide + 2 * L * exit_b + hd * wide)
+    return {"tp_fwd": fwd, "tp_bwd": bwd, "ce": hd * r * 3 * tokens * 4}
 
 
 def tp_bytes_by_tag(model_config, topo, sp: bool, sequences: int, seq_len: int,
