@@ -4,8 +4,8 @@ Read in this order: :mod:`.schedules` (what each rank does, as printable data),
 :mod:`.simulate` (what that costs: bubble, deadlock, memory), :mod:`.split` (how the model is
 cut), :mod:`.runtime` (how the actions run, with every send and receive), :mod:`.builtin`
 (the same through ``torch.distributed.pipelining``); compositions: :mod:`.tp_stage` (TP + SP
-inside a stage), :mod:`.zero1` (ZeRO-1 of a stage over dp). The math and the measurements are in
-``docs/pipeline-parallel.md`` and ``docs/composition.md``.
+inside a stage), ZeRO-1 of a stage over dp (:mod:`..zero.flat`, shared with ZeRO). The math and
+the measurements are in ``docs/pipeline-parallel.md`` and ``docs/composition.md``.
 """
 
 from .schedules import (SCHEDULES, Action, Schedule, build_schedule, check_schedule,
