@@ -31,7 +31,7 @@ from shardwise.models import preset_config
 from shardwise.models.llama import Llama
 from shardwise.models.mlp import MLPConfig, StackedMLP
 from shardwise.parallel.apply import Layout, parallelize
-from shardwise.parallel.fsdp import TorchZero
+from shardwise.parallel.zero import TorchZero
 from shardwise.parallel.zero import ZeroDataParallel
 from shardwise.topology import Topology, init_distributed
 from shardwise.train.optim import build_optimizer

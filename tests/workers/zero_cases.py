@@ -17,7 +17,7 @@ import torch.distributed as dist
 from shardwise.config import TrainConfig
 from shardwise.errors import ShardwiseConfigError
 from shardwise.models import build_model
-from shardwise.parallel.fsdp import TorchZero
+from shardwise.parallel.zero import TorchZero
 from shardwise.parallel.zero import ZeroDataParallel
 from shardwise.topology import Topology, init_distributed
 from shardwise.train.optim import build_optimizer

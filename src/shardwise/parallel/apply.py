@@ -79,7 +79,7 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
             return ZeroDataParallel(model, topo, layout.zero, prefetch=prefetch,
                                     reshard_after_forward=reshard_after_forward, overlap=overlap,
                                     reduce_dtype=reduce_dtype)
-        from .fsdp import TorchZero
+        from .zero.torch_zero import TorchZero
 
         return TorchZero(model, topo, layout.zero, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
     if engine == "explicit":

@@ -82,10 +82,9 @@ from .. import comm
 from ..comm.ledger import ring_bytes
 from ..models.llama import Llama, TransformerBlock
 from .engine import Engine
-from .fsdp import AllGather, _LedgerAllGather, _LedgerReduceScatter
-from .zero import UnitOrderCheck
 from .params import is_dtensor as _is_dtensor, local as _local
 from .tp import BookFunctionalCollectives, parallelize_tensor_dtensor
+from .zero.torch_zero import apply_fsdp
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -270,8 +269,6 @@ def parallelize_2d_torch(model: Llama, topo, layout, *, bucket_mb: float = 25.0,
     dp (FSDP2 ``MixedPrecisionPolicy(reduce_dtype=...)``; the accumulated gradient stays fp32).
     ``bucket_mb``/``overlap``/``prefetch``: accepted for the common signature, not used.
     Raises :class:`ShardwiseConfigError` before any collective for a layout that cannot run."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     layout.check(model=model, topo=topo, engine="torch", reduce_dtype=reduce_dtype,
                  composition="dp×tp")
     with topo.ledger.phase("init"), torch.no_grad():  # same start on every dp replica
@@ -280,37 +277,15 @@ def parallelize_2d_torch(model: Llama, topo, layout, *, bucket_mb: float = 25.0,
     tp_engine = parallelize_tensor_dtensor(model, topo, sp=layout.sp,
                                            book_collectives=book_collectives)
     local_shapes = {n: tuple(_local(p).shape) for n, p in model.named_parameters()}
-    mp = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[reduce_dtype]
-                              if reduce_dtype != "fp32" else None)
-    mesh = topo.mesh["dp"]
+    # FSDP2 over dp on every block, then the root (zero 0: replicate; 1 runs as 2), see
+    # zero.torch_zero.apply_fsdp
     blocks = [m for m in model.layers if isinstance(m, TransformerBlock)]
-    if layout.zero == 0:
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
-        units = [replicate(b, mesh=mesh, mp_policy=mp) for b in blocks]
-        units.append(replicate(model, mesh=mesh, mp_policy=mp))
-        reshard = False
-    else:
-        reshard = layout.zero == 3 and reshard_after_forward
-        units = [fully_shard(b, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
-                 for b in blocks]
-        # root: FSDP2's default (None) keeps it gathered from forward to backward
-        units.append(fully_shard(model, mesh=mesh, mp_policy=mp,
-                                 reshard_after_forward=None if reshard else False))
-    for u in units:
-        u.set_gradient_divide_factor(1.0)  # SUM, not FSDP's default average
-        u.set_force_sum_reduction_for_comms(True)
-        if layout.zero and AllGather is not None:
-            u.set_custom_all_gather(_LedgerAllGather(topo))
-            u.set_custom_reduce_scatter(_LedgerReduceScatter(topo))
-    # each unit's all-gather / gradient reduction is issued as it runs: on the first forward
-    # every rank agrees on the unit first (hooks run before FSDP2's), see zero.UnitOrderCheck
-    fqn = {id(m): n for n, m in model.named_modules()}
-    order = UnitOrderCheck(topo, [fqn[id(b)] for b in blocks],
-                           f"FSDP2 (dp × tp, --zero {layout.zero} --engine torch)")
-    order.hook_forward(units[:-1], model)
+    fsdp = apply_fsdp(model, topo, layout.zero, reduce_dtype, units=blocks,
+                      reshard_after_forward=reshard_after_forward,
+                      what=f"FSDP2 (dp × tp, --zero {layout.zero} --engine torch)")
+    units, reshard = fsdp.modules, fsdp.reshard_after_forward
     engine = TorchParallel2D(model, topo, layout, tp_engine, units,
                              reshard_after_forward=reshard, reduce_dtype=reduce_dtype,
                              local_shapes=local_shapes, book_collectives=book_collectives)
-    engine._order = order
+    engine._order = fsdp.order
     return engine

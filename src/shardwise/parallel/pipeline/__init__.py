@@ -6,8 +6,8 @@ cut), :mod:`.runner` (how the actions run, with every send and receive) and :mod
 (the two channels, the tied-embedding swap), :mod:`.runtime` (the engine around the runner:
 the step, gradient sync, norm), :mod:`.builtin` (the same through
 ``torch.distributed.pipelining``); compositions: TP + SP inside a stage (:func:`..tp.apply_tp`,
-the whole model's transform), :mod:`.zero1` (ZeRO-1 of a stage over dp). The math and the
-measurements are in ``docs/pipeline-parallel.md`` and ``docs/composition.md``.
+the whole model's transform), ZeRO-1 of a stage over dp (:mod:`..zero.flat`, shared with ZeRO).
+The math and the measurements are in ``docs/pipeline-parallel.md`` and ``docs/composition.md``.
 """
 
 from .schedules import (SCHEDULES, Action, Schedule, build_schedule, check_schedule,

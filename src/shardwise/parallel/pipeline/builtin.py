@@ -20,7 +20,7 @@ DP: after the schedule, this stage's gradients (their local shards) are all-redu
 through :mod:`shardwise.comm`, DDP's arithmetic (a SUM all-reduce of every gradient after the
 last microbatch: DDP under ``no_sync`` for the first m−1). ZeRO-1:
 ``torch.distributed.optim.ZeroRedundancyOptimizer`` over the dp group on top of that all-reduce —
-PyTorch's ZeRO-1, as :mod:`..fsdp` uses it (each rank steps the whole parameters it owns, then
+PyTorch's ZeRO-1, as :mod:`..zero` uses it (each rank steps the whole parameters it owns, then
 broadcasts them: those broadcasts are not in the ledger). With tp > 1 it is given the DTensor
 parameters' local shards (plain tensors of equal shapes on the dp peers of one tp index).
 

@@ -8,8 +8,9 @@ each micro-batch back-propagates ``loss_sum / T``, T the global counted tokens, 
 rank logs the same global loss.
 
 Composition (docs/composition.md): TP (+SP) inside each stage (:func:`..tp.apply_tp`), the
-schedule across stages, DP / ZeRO-1 (:mod:`.zero1`) over dp after the last microbatch. Every
-rank talks only to the pp neighbours with its own (dp, tp) index — the topology's pp groups.
+schedule across stages, DP (:class:`..data.GradBuckets`) / ZeRO-1 (:mod:`..zero.flat`) over dp
+after the last microbatch. Every rank talks only to the pp neighbours with its own (dp, tp)
+index — the topology's pp groups.
 
 Collectives per optimizer step (rank r of p; v chunks; m microbatches; A = bytes of one
 activation as sent: [b, s, d], with SP this tp rank's [b, s/tp, d]; Ψ_r = bytes of this rank's
@@ -47,11 +48,12 @@ from ..engine import Engine
 from ..layout import Layout
 from ..params import counted_grads, grads_or_zeros, local as _local, sum_coalesced_, tp_sharded
 from ..tp import apply_tp, tp_activation_bytes, vocab_parallel_cross_entropy
+from ..zero.flat import (FlatShards, gather_named, gather_optimizer_state, load_optimizer_state,
+                         sharded_optimizer)
 from .comms import p2p_bytes_formula, swap_tied_grads
 from .runner import KINDS, ScheduleRunner
 from .schedules import build_schedule, check_schedule
 from .split import StageModule, activation_shape, first_stage_input, loss_sum
-from .zero1 import StageZero1
 
 
 class PipelineParallel(Engine):
@@ -66,7 +68,8 @@ class PipelineParallel(Engine):
     m, validated here (the actual m is the length of the list passed to
     :meth:`forward_backward`; a schedule is built, validated and cached per m). ``sp``:
     sequence parallelism inside the stages. ``zero``: 0 (each stage's gradients all-reduced over
-    dp) or 1 (:class:`.zero1.StageZero1`: reduce-scatter, sharded AdamW, all-gather).
+    dp) or 1 (one :class:`..zero.flat.FlatShards` of the stage: reduce-scatter, sharded AdamW,
+    all-gather).
     ``reduce_dtype``: "fp32" | "bf16", the dtype of the dp gradient reduction; ``bucket_mb``:
     its bucket size (:class:`..data.GradBuckets`). ``seed``: the
     TP dropout RNG regions.
@@ -124,8 +127,13 @@ class PipelineParallel(Engine):
         return apply_tp(stage, self.topo, self.sp, seed=seed)
 
     def _build_zero1(self):
-        """ZeRO-1 over dp for this stage (:class:`.zero1.StageZero1`)."""
-        return StageZero1(self._params(), self.topo, self.reduce_dtype)
+        """ZeRO-1 over dp for this stage: its trainable parameters (plain-model FQNs, module
+        order) as one flat buffer sharded over dp, ``.grad`` views of a full gradient buffer
+        (:class:`..zero.flat.FlatShards`, the mechanism of :mod:`..zero`'s ZeRO-1 per unit). The
+        replicas are already identical (broadcast above)."""
+        named = [(n, p) for n, p in self._named() if p.requires_grad]
+        return FlatShards(named, self.topo, keep_full_grad=True,
+                          reduce_dtype=torch.bfloat16 if self.reduce_dtype == "bf16" else None)
 
     def _params(self) -> list[nn.Parameter]:
         """This stage's trainable parameters, each once, in module order."""
@@ -139,10 +147,7 @@ class PipelineParallel(Engine):
         tied = [self.module.tied_output] if self.module.tied_output is not None else []
         if self.zero1 is None:
             return counted_grads(self._params(), self.topo, skip=tied)
-        z, tp0 = self.zero1, self.topo.index("tp") == 0
-        return [(z.shard_grad[a - z.lo: b - z.lo],
-                 all(p is not t for t in tied) and (tp0 or tp_sharded(p)))
-                for p, a, b in z.pieces()]
+        return self.zero1.held_grads(skip=tied)
 
     def norm_axes(self) -> tuple[str, ...]:
         """Axes the squared-norm scalar is summed over: tp (shards), dp (ZeRO-1 slices), pp."""
@@ -332,7 +337,7 @@ class PipelineParallel(Engine):
             nd["params"].append(tied)
             param_groups = [g for g in groups if g["params"]]
         if self.zero1 is not None:
-            return self.zero1.make_optimizer(param_groups, **adamw)
+            return sharded_optimizer([self.zero1], param_groups, torch.optim.AdamW, **adamw)
         return torch.optim.AdamW(param_groups, **adamw)
 
     # -- full-shape views (parity checks, checkpoints) -------------------------------------------
@@ -353,21 +358,20 @@ class PipelineParallel(Engine):
         dp); the base engine then gathers the tp shards."""
         if self.zero1 is None:
             return super().dp_gradients()
-        grads = self.zero1.full_gradients()
-        return {n: grads[id(p)] for n, p in self._named()}
+        return gather_named([self.zero1], [self.zero1.shard_grad])
 
     def dp_optimizer_state(self, optimizer) -> dict[str, dict]:
-        """ZeRO-1: the slices' state gathered over dp (:meth:`.zero1.StageZero1.full_state`)."""
+        """ZeRO-1: the slices' state gathered over dp
+        (:func:`..zero.flat.gather_optimizer_state`)."""
         if self.zero1 is None:
             return super().dp_optimizer_state(optimizer)
-        local = self.zero1.full_state(optimizer)
-        return {n: local[id(p)] for n, p in self._named() if local.get(id(p))}
+        return gather_optimizer_state([self.zero1], optimizer)
 
     def dp_load_optimizer_state(self, optimizer, local: dict[str, dict]) -> None:
         """ZeRO-1: each tp-local state tensor cut to this rank's dp slice (no collective)."""
         if self.zero1 is None:
             return super().dp_load_optimizer_state(optimizer, local)
-        self.zero1.load_state(optimizer, {id(p): local[n] for n, p in self._named()})
+        load_optimizer_state([self.zero1], optimizer, local)
 
     @contextlib.contextmanager
     def sync_gradients(self, enabled: bool):

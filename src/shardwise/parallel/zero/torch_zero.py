@@ -4,7 +4,8 @@
 stage   PyTorch implementation
 ======  ==========================================================================================
 3       FSDP2: ``fully_shard(unit, mesh=topo.mesh["dp"])`` on every unit (each transformer / MLP
-        block by default, as in :mod:`shardwise.parallel.zero`), then on the root module. Each
+        block by default, as in :mod:`.zero`), then on the root module (:func:`apply_fsdp`,
+        which the 2D engine :mod:`..compose_torch` calls too, on a DTensor-TP model). Each
         parameter is a DTensor sharded on dim 0 over dp (``torch.chunk`` rows: rank i holds rows
         [i·c, (i+1)·c), c = ⌈d₀/n⌉, so 67 vocabulary rows over 4 ranks are 17, 17, 17, 16 and FSDP2
         pads each to 17 for the collectives).
@@ -38,19 +39,21 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import comm
-from .builtin import ddp_comm_hook  # DDP comm hook: SUM all_reduce through the ledger
-from .engine import Engine
-from .params import local as _local
-from .zero import (UnitOrderCheck, _optimizer_state_tensors, _storage_bytes, assign_units,
-                   validate_zero, zero_memory_formula, zero_step_bytes_formula)
+from ... import comm
+from ..builtin import ddp_comm_hook  # DDP comm hook: SUM all_reduce through the ledger
+from ..engine import Engine
+from ..params import local as _local
+from .flat import optimizer_state_tensors, storage_bytes
+from .units import UnitOrderCheck, assign_units
+from .zero import validate_zero, zero_memory_formula, zero_step_bytes_formula
 
 try:  # FSDP2's pluggable collectives (private module in torch 2.13)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -90,6 +93,65 @@ if AllGather is not None:
             return None
 
 
+
+class FSDPUnits(NamedTuple):
+    """What :func:`apply_fsdp` wrapped: ``modules`` (the units, then the root last), ``order``
+    (their first-forward order check) and ``reshard_after_forward`` (of the units)."""
+
+    modules: list[nn.Module]
+    order: UnitOrderCheck
+    reshard_after_forward: bool
+
+
+def apply_fsdp(module: nn.Module, topo, stage: int, reduce_dtype: str = "fp32", *,
+               units: list[nn.Module], reshard_after_forward: bool = True,
+               what: str = "FSDP2") -> FSDPUnits:
+    """Wrap ``module`` for ZeRO ``stage`` over ``topo.mesh["dp"]`` with PyTorch's FSDP2 (1D, or
+    2D on a DTensor-TP model: FSDP2 shards each tp-local shard further over dp), units first,
+    then the root (torchtitan's one ``apply_fsdp``).
+
+    * stage 0: ``replicate`` (FSDP2's DDP mode: each unit's gradients all-reduced over dp);
+    * stage 1, 2: ``fully_shard(unit, reshard_after_forward=False)``: gathered once per
+      micro-step, kept until its backward (FSDP1's SHARD_GRAD_OP);
+    * stage 3: ``fully_shard(unit, reshard_after_forward=reshard_after_forward)``; the root
+      keeps FSDP2's default (None: gathered from forward to backward, which needs it first).
+
+    Every wrapped module sums (``set_gradient_divide_factor(1.0)``,
+    ``set_force_sum_reduction_for_comms(True)``: each loss is already divided by the global
+    token count) and, for stages ≥ 1, all-gathers / reduce-scatters through the ledger
+    (:class:`_LedgerAllGather`, :class:`_LedgerReduceScatter`). ``reduce_dtype``: "fp32" |
+    "bf16", ``MixedPrecisionPolicy(reduce_dtype=...)``. The units' forward order is checked on
+    the first step (:class:`.units.UnitOrderCheck`, named ``what`` in its error)."""
+    fqn = {id(m): n for n, m in module.named_modules()}
+    names = [fqn[id(u)] for u in units]
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if reduce_dtype == "bf16" else None)
+    mesh = topo.mesh["dp"]
+    if stage == 0:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        wrapped = [replicate(u, mesh=mesh, mp_policy=mp) for u in units]
+        wrapped.append(replicate(module, mesh=mesh, mp_policy=mp))
+        reshard = False
+    else:
+        reshard = stage == 3 and reshard_after_forward
+        wrapped = [fully_shard(u, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+                   for u in units]
+        wrapped.append(fully_shard(module, mesh=mesh, mp_policy=mp,
+                                   reshard_after_forward=None if reshard else False))
+    for m in wrapped:
+        m.set_gradient_divide_factor(1.0)  # SUM, not FSDP's default average
+        m.set_force_sum_reduction_for_comms(True)
+        if stage and AllGather is not None:
+            m.set_custom_all_gather(_LedgerAllGather(topo))
+            m.set_custom_reduce_scatter(_LedgerReduceScatter(topo))
+    # FSDP2 all-gathers a unit in its pre-forward hook: on the first forward every rank first
+    # agrees on the unit (hooks prepended before FSDP2's), so that a rank-dependent order is an
+    # error, not mismatched gathers (silently wrong gradients)
+    order = UnitOrderCheck(topo, names, what)
+    order.hook_forward(wrapped[:-1], module)
+    return FSDPUnits(wrapped, order, reshard)
+
+
 class TorchZero(Engine):
     """ZeRO ``stage`` over ``topo``'s dp axis with PyTorch's implementations (module docstring).
 
@@ -123,34 +185,12 @@ class TorchZero(Engine):
         with topo.ledger.phase("init"), torch.no_grad():
             for p in module.parameters():  # fully_shard keeps each rank's own chunk
                 comm.broadcast(p.data, topo, "dp", src=0, tag="init")
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if reduce_dtype == "bf16" else None)
-        mesh = topo.mesh["dp"]
-        reshard = stage == 3
-        self.fsdp_modules = []
-        for name, mod, _ in named_units:
-            if name != "root":
-                self.fsdp_modules.append(fully_shard(mod, mesh=mesh, reshard_after_forward=reshard,
-                                                     mp_policy=mp))
-        # root: FSDP2's default (None) keeps it gathered from forward to backward, which needs
-        # it first (output head); stage 2: nothing is resharded after forward
-        self.fsdp_modules.append(fully_shard(module, mesh=mesh, mp_policy=mp,
-                                             reshard_after_forward=None if reshard else False))
+        fsdp = apply_fsdp(module, topo, stage, reduce_dtype,
+                          units=[mod for name, mod, _ in named_units if name != "root"],
+                          what=f"FSDP2 (--zero {stage} --engine torch)")
+        self.fsdp_modules, self._order = fsdp.modules, fsdp.order
+        self.reshard_after_forward = fsdp.reshard_after_forward
         self.unit_names = [name for name, _, _ in named_units if name != "root"]
-        for m in self.fsdp_modules:
-            m.set_gradient_divide_factor(1.0)  # SUM, not FSDP's default average
-            m.set_force_sum_reduction_for_comms(True)
-            if AllGather is not None:
-                m.set_custom_all_gather(_LedgerAllGather(topo))
-                m.set_custom_reduce_scatter(_LedgerReduceScatter(topo))
-        self.reshard_after_forward = reshard
-        # FSDP2 all-gathers a unit in its pre-forward hook: on the first forward every rank
-        # first agrees on the unit (hooks prepended before FSDP2's), so that a rank-dependent
-        # order is an error, not mismatched gathers (silently wrong gradients)
-        self._order = UnitOrderCheck(topo, self.unit_names,
-                                     f"FSDP2 (--zero {stage} --engine torch)")
-        self._order.hook_forward(self.fsdp_modules[:-1], module)
 
     def forward(self, *args, **kwargs):
         return self.ddp(*args, **kwargs) if self.stage == 1 else self.module(*args, **kwargs)
@@ -246,10 +286,10 @@ class TorchZero(Engine):
         padding; DDP's full parameters and bucket-view gradients plus ZeroRedundancyOptimizer's
         local state for stage 1)."""
         params = list(self.module.parameters())
-        out = {"params": _storage_bytes(_local(p) for p in params),
-               "grads": _storage_bytes(_local(p.grad) for p in params if p.grad is not None),
-               "optimizer": _storage_bytes(_local(t)
-                                           for t in _optimizer_state_tensors(optimizer))}
+        out = {"params": storage_bytes(_local(p) for p in params),
+               "grads": storage_bytes(_local(p.grad) for p in params if p.grad is not None),
+               "optimizer": storage_bytes(_local(t)
+                                           for t in optimizer_state_tensors(optimizer))}
         out["total"] = out["params"] + out["grads"] + out["optimizer"]
         return out
 

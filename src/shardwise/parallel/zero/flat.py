@@ -1,0 +1,353 @@
+"""Flat padded buffers sharded over dp: the one mechanism under ZeRO-1/2/3 and a pipeline's ZeRO-1.
+
+A group of parameters (a ZeRO *unit*, or a whole pipeline stage) is flattened, in a fixed order
+every dp rank shares, into one buffer of Ψ_u elements padded with zeros to P_u = ⌈Ψ_u/n⌉·n, so
+that each of the n dp ranks owns one contiguous slice of k = P_u/n elements: rank i owns
+``[i·k, (i+1)·k)`` (PyTorch FSDP's FlatParameter, Zhao et al. 2023 §3.2; DeepSpeed's flat
+partitions; ZeRO paper, Rajbhandari et al. 2019, §5). A slice may begin or end inside a parameter:
+the element-wise optimizer does not care. The padding travels in the collectives (gloo gathers
+equal shards only) but is never part of a parameter, never reaches the optimizer and adds zeros to
+the norm.
+
+What moves, all over dp (ring costs, :mod:`shardwise.comm.ledger`; b bytes per element):
+
+* gradients: one reduce_scatter (SUM) of the flat gradient, (n−1)/n·P_u·b, tag ``grad``
+  (b of the reduce dtype); each rank keeps the summed gradient of its slice;
+* parameters, when the buffer holds them whole (ZeRO-1/2, PP's ZeRO-1): one all_gather of the
+  updated slices after the optimizer step, (n−1)/n·P_u·b, tag ``param`` (ZeRO paper §7.2.1:
+  reduce_scatter + all_gather = DP's all_reduce);
+* full-shape views (parity checks, checkpoints; outside a step's bytes): one all_gather of the
+  slices (phase and tag ``verify``), and of each optimizer-state tensor plus a MAX all_reduce of
+  the step counters (phase and tag ``checkpoint``).
+
+The optimizer is PyTorch's own (AdamW), run over the *pieces* of this rank's slice that fall in
+each parameter (:func:`sharded_optimizer`): its state exists only on the owning rank (8Ψ/n bytes
+of AdamW moments instead of 8Ψ, §5.1) and its update is element for element the one it applies to
+whole tensors. Units (:func:`.units.assign_units`) decide what ZeRO flattens together.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ... import comm
+from ...errors import ShardwiseConfigError
+from ..params import tp_sharded
+
+
+# -- one group's flat buffers ---------------------------------------------------------------------
+class FlatShards:
+    """The flat buffers of one group of parameters over ``topo``'s "dp" axis.
+
+    ``named``: [(FQN, parameter)] in the order every dp rank shares. Sizes in elements:
+    ``numel`` Ψ_u, ``padded`` P_u = ⌈Ψ_u/n⌉·n, ``shard_numel`` k = P_u/n; this rank (dp index i)
+    owns flat range ``[lo, hi) = [i·k, (i+1)·k)``. Construction copies the parameters into
+
+    ``full``  [P_u]: the parameters' ``.data`` become views of it (same ``nn.Parameter`` objects,
+              so optimizer groups and hooks still hold). ZeRO-3 frees its storage between uses;
+    ``shard`` [k]: this rank's slice, a view of ``full`` (ZeRO-3 replaces it by its own copy);
+    ``grad_full`` [P_u] (``keep_full_grad``: ZeRO-1, PP's ZeRO-1): full local gradients, the
+              parameters' ``.grad`` are views of it, so autograd accumulates into it in place;
+    ``shard_grad`` [k]: the summed gradient of this rank's slice (a view of ``grad_full``, or
+              its own buffer when the full gradient is not kept: ZeRO-2/3).
+
+    ``reduce_dtype``: the dtype the gradient reduce_scatter moves (None: the parameters')."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], topo, *, keep_full_grad: bool,
+                 reduce_dtype: torch.dtype | None = None, name: str = "",
+                 module: nn.Module | None = None):
+        self.name, self.module, self.topo = name, module, topo
+        self.n, self.rank = topo.size("dp"), topo.index("dp")
+        self.fqns = [f for f, _ in named]
+        self.params = [p for _, p in named]
+        self.numels = [p.numel() for p in self.params]
+        self.offsets = [sum(self.numels[:j]) for j in range(len(self.params))]
+        self.numel = sum(self.numels)
+        self.padded = math.ceil(self.numel / self.n) * self.n
+        self.shard_numel = self.padded // self.n
+        self.lo, self.hi = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
+        self.dtype, self.device = self.params[0].dtype, self.params[0].device
+        self.reduce_dtype = reduce_dtype or self.dtype
+        self._reduce = None  # (handle, input kept alive, output) of an in-flight reduce_scatter
+        with torch.no_grad():
+            self.full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)  # pad 0
+            for p, view in self.views(self.full):
+                view.copy_(p.detach())
+            for p, view in self.views(self.full):
+                p.data = view  # same Parameter object; storage = `full`
+        self.shard = self.full[self.lo:self.hi]  # [k] view: the optimizer updates it in place
+        self.grad_full = None
+        if keep_full_grad:
+            self.grad_full = torch.zeros_like(self.full)  # [P_u]
+            self.shard_grad = self.grad_full[self.lo:self.hi]
+            self.arm_grads()
+        else:
+            self.shard_grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+
+    def views(self, flat: torch.Tensor):
+        """(param, view of ``flat`` shaped like it) for each parameter."""
+        return [(p, flat[o: o + k].view_as(p))
+                for p, o, k in zip(self.params, self.offsets, self.numels)]
+
+    def pieces(self) -> list[tuple[int, int, int]]:
+        """(j, a, b) for every parameter j with elements in this rank's slice: its flat range
+        [a, b) ⊂ [lo, hi) (so ``shard[a − lo: b − lo]`` is that piece)."""
+        out = []
+        for j, (off, k) in enumerate(zip(self.offsets, self.numels)):
+            a, b = max(off, self.lo), min(off + k, self.hi)
+            if a < b:
+                out.append((j, a, b))
+        return out
+
+    def gathered_bytes(self) -> int:
+        """Bytes ``full`` holds right now (0 while ZeRO-3 has freed it)."""
+        return self.full.untyped_storage().nbytes()
+
+    @torch.no_grad()
+    def arm_grads(self) -> None:
+        """Before a step's backward: ``.grad`` are zeroed views of ``grad_full``, or None when the
+        full gradient is not kept (backward then allocates them; the reduce_scatter frees them)."""
+        if self.grad_full is None:
+            for p in self.params:
+                p.grad = None
+            return
+        self.grad_full.zero_()
+        for p, view in self.views(self.grad_full):
+            p.grad = view
+
+    @torch.no_grad()
+    def launch_reduce_scatter(self) -> None:
+        """Start summing the flat gradient over dp (async, tag ``grad``, in ``reduce_dtype``);
+        :meth:`wait_reduce_scatter` leaves this rank's slice in ``shard_grad``."""
+        rdtype = self.reduce_dtype
+        if self.grad_full is not None:
+            for p, view in self.views(self.grad_full):  # .grad should be our view; repair if not
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                p.grad = view
+            flat = self.grad_full if rdtype == self.dtype else self.grad_full.to(rdtype)  # [P_u]
+            # [k]; copied into grad_full's slice after (the input aliases it)
+            out = torch.empty(self.shard_numel, dtype=rdtype, device=self.device)
+        else:
+            flat = torch.zeros(self.padded, dtype=rdtype, device=self.device)  # [P_u], pad 0
+            for p, view in self.views(flat):
+                if p.grad is not None:
+                    view.copy_(p.grad)  # casts to the reduce dtype
+                    p.grad = None  # the full gradient is not kept
+            out = self.shard_grad if rdtype == self.dtype else torch.empty(
+                self.shard_numel, dtype=rdtype, device=self.device)  # [k]
+        handle = comm.reduce_scatter(out, flat, self.topo, "dp", tag="grad", async_op=True)
+        self._reduce = (handle, flat, out)
+
+    @torch.no_grad()
+    def wait_reduce_scatter(self) -> None:
+        handle, _, out = self._reduce
+        handle.wait()
+        if out is not self.shard_grad:
+            self.shard_grad.copy_(out)  # out of the aliased buffer; bf16 → fp32
+        self._reduce = None
+
+    def reduce_scatter(self) -> None:
+        """:meth:`launch_reduce_scatter` and wait for it."""
+        self.launch_reduce_scatter()
+        self.wait_reduce_scatter()
+
+    def held_grads(self, skip=()) -> list[tuple[torch.Tensor, bool]]:
+        """(gradient piece of this rank's slice, counted here) for the global norm: every piece,
+        except that a tp-replicated parameter's counts on tp index 0 only (its elements sit on
+        every tp rank) and parameters in ``skip`` (a pipeline's tied copy) never count."""
+        tp0, skipped = self.topo.index("tp") == 0, {id(p) for p in skip}
+        return [(self.shard_grad[a - self.lo: b - self.lo],
+                 id(self.params[j]) not in skipped and (tp0 or tp_sharded(self.params[j])))
+                for j, a, b in self.pieces()]
+
+
+@torch.no_grad()
+def all_gather_params(flats: list[FlatShards]) -> None:
+    """After the optimizer step: every rank's updated slice into ``full`` (one all_gather per
+    group, tag ``param``, launched together)."""
+    handles = [comm.all_gather(f.full, f.shard.clone(), f.topo, "dp", tag="param", async_op=True)
+               for f in flats]
+    for h in handles:
+        h.wait()
+
+
+# -- the sharded optimizer ------------------------------------------------------------------------
+def segment_groups(flats: list[FlatShards], param_groups: list[dict]) -> list[dict]:
+    """Optimizer groups over views of this rank's slices, one piece per (slice ∩ parameter),
+    grouped as ``param_groups`` groups the parameters (the two weight-decay groups are kept).
+    Each piece's ``.grad`` is the matching view of the summed slice gradient, and
+    ``piece.zero_slot = (group index, j, a, b)`` records where it lives. Raises
+    :class:`ShardwiseConfigError` for an optimizer parameter that no group holds."""
+    group_of = {id(p): i for i, g in enumerate(param_groups) for p in g["params"]}
+    pieces: list[list[torch.Tensor]] = [[] for _ in param_groups]
+    for fi, f in enumerate(flats):
+        for j, a, b in f.pieces():  # parameters owned by other ranks have no piece here
+            if id(f.params[j]) not in group_of:
+                continue  # not optimized (as in the plain model with these groups)
+            piece = f.shard[a - f.lo: b - f.lo]
+            piece.grad = f.shard_grad[a - f.lo: b - f.lo]
+            piece.zero_slot = (fi, j, a, b)
+            pieces[group_of[id(f.params[j])]].append(piece)
+    known = {id(p) for f in flats for p in f.params}
+    missing = [i for i in group_of if i not in known]
+    if missing:
+        raise ShardwiseConfigError(f"{len(missing)} optimizer parameters are not trainable "
+                                   "parameters of the wrapped model: build param_groups from "
+                                   "engine.module")
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": ps}
+            for g, ps in zip(param_groups, pieces)]
+
+
+_SHARDED_CLASSES: dict[type, type] = {}
+
+
+def sharded_optimizer(flats: list[FlatShards], param_groups: list[dict],
+                      optimizer_class: type = torch.optim.AdamW, *, gather_params: bool = True,
+                      **kwargs) -> torch.optim.Optimizer:
+    """``optimizer_class`` (with ``kwargs``: lr, betas, eps) over this rank's pieces of
+    ``flats`` (:func:`segment_groups`): a subclass whose ``zero_grad`` re-arms the gradient
+    buffers (:meth:`FlatShards.arm_grads`) and whose ``step`` ends with
+    :func:`all_gather_params` when ``gather_params`` (the buffers hold whole parameters)."""
+    if optimizer_class not in _SHARDED_CLASSES:
+        class Sharded(optimizer_class):
+            def __init__(self, flats, param_groups, gather_params, **kwargs):
+                self.flats, self.gather_params = list(flats), gather_params
+                super().__init__(segment_groups(self.flats, param_groups), **kwargs)
+
+            def zero_grad(self, set_to_none: bool = True) -> None:
+                for f in self.flats:
+                    f.arm_grads()
+
+            def step(self, closure=None):
+                loss = super().step(closure)
+                if self.gather_params:
+                    all_gather_params(self.flats)
+                return loss
+
+        name = optimizer_class.__name__
+        Sharded.__name__ = Sharded.__qualname__ = f"Sharded{name}"
+        Sharded.__doc__ = f"{name} over this rank's flat-buffer slices (see sharded_optimizer)."
+        _SHARDED_CLASSES[optimizer_class] = Sharded
+    return _SHARDED_CLASSES[optimizer_class](flats, param_groups, gather_params, **kwargs)
+
+
+# -- full shapes over dp (parity checks, checkpoints) ---------------------------------------------
+@torch.no_grad()
+def gather_flats(shards: list[torch.Tensor], topo) -> list[torch.Tensor]:
+    """Each group's padded flat buffer ``[P_u]`` from every rank's slice ``shards[u]``
+    ``[P_u/n]``: one all_gather over dp for all of them (phase and tag ``verify``) of
+    ``[Σ P_u/n]`` into ``[n, Σ P_u/n]``, whose group columns, rank after rank, are the flat
+    buffer (one gather per group when the dtypes differ). Collective over dp."""
+    if len({s.dtype for s in shards}) > 1:
+        return [x for s in shards for x in gather_flats([s], topo)]
+    mine = torch.cat(shards)
+    n = topo.size("dp")
+    rows = mine.new_empty(n * mine.numel())
+    with topo.ledger.phase("verify"):
+        comm.all_gather(rows, mine, topo, "dp", tag="verify")
+    rows, start, out = rows.view(n, -1), 0, []
+    for s in shards:
+        out.append(rows[:, start:start + s.numel()].reshape(-1))
+        start += s.numel()
+    return out
+
+
+def gather_named(flats: list[FlatShards], shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{FQN: tensor in its parameter's shape} from each group's slice ``shards[u]`` (e.g. the
+    summed gradients), gathered over dp by :func:`gather_flats`. Collective over dp."""
+    out = {}
+    for f, flat in zip(flats, gather_flats(shards, flats[0].topo)):
+        for fqn, (_, view) in zip(f.fqns, f.views(flat)):
+            out[fqn] = view.clone()
+    return out
+
+
+@torch.no_grad()
+def gather_optimizer_state(flats: list[FlatShards], optimizer) -> dict[str, dict]:
+    """{FQN: {"step": fp32 [], "exp_avg": [param shape], ...}} from a :func:`sharded_optimizer`:
+    every state tensor of the pieces written into a zero [P_u] buffer at its flat position and
+    all-gathered over dp (one all_gather per group and key), the step counters all-reduced (MAX)
+    over dp (phase and tag ``checkpoint``). Parameters without state (never stepped) are absent.
+    Collective over dp; every dp rank must hold state for some piece or none does (true after
+    any step), since the state keys are read from this rank's own state."""
+    held = [dict() for _ in flats]  # per group: {j: (piece state, a, b)}
+    keys: set[str] = set()
+    for group in optimizer.param_groups:
+        for piece in group["params"]:
+            st = optimizer.state.get(piece)
+            if st:
+                fi, j, a, b = piece.zero_slot
+                held[fi][j] = (st, a, b)
+                keys |= {k for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
+    out = {}
+    with flats[0].topo.ledger.phase("checkpoint"):
+        for f, mine_ in zip(flats, held):
+            steps = torch.zeros(len(f.params), dtype=torch.float64, device=f.device)
+            for j, (st, _, _) in mine_.items():
+                steps[j] = float(st["step"]) + 1.0  # 0 = no state on this rank
+            comm.all_reduce(steps, f.topo, "dp", op="max", tag="checkpoint")
+            full = {}
+            for k in sorted(keys):
+                mine = torch.zeros(f.padded, dtype=f.dtype, device=f.device)
+                for st, a, b in mine_.values():
+                    mine[a:b] = st[k].reshape(-1)
+                full[k] = torch.empty_like(mine)
+                comm.all_gather(full[k], mine[f.lo:f.hi].clone(), f.topo, "dp", tag="checkpoint")
+            for j, (fqn, p) in enumerate(zip(f.fqns, f.params)):
+                if steps[j] > 0:
+                    o, n = f.offsets[j], f.numels[j]
+                    out[fqn] = {"step": torch.tensor(float(steps[j]) - 1.0),
+                                **{k: full[k][o: o + n].view_as(p).clone() for k in full}}
+    return out
+
+
+@torch.no_grad()
+def load_optimizer_state(flats: list[FlatShards], optimizer, state: dict[str, dict]) -> None:
+    """The inverse of :func:`gather_optimizer_state` (``state`` may come from any layout): each
+    piece gets its elements of every full-shape state tensor and its own copy of ``step``. No
+    collective. Raises ``KeyError`` naming the FQNs this rank's pieces need but ``state`` lacks."""
+    todo = [(piece, flats[piece.zero_slot[0]], *piece.zero_slot[1:])
+            for group in optimizer.param_groups for piece in group["params"]]
+    missing = sorted({f.fqns[j] for _, f, j, _, _ in todo if f.fqns[j] not in state})
+    if missing:
+        raise KeyError(f"optimizer state lacks {len(missing)} parameters, e.g. {missing[:3]}")
+    for piece, f, j, a, b in todo:
+        o, new = f.offsets[j], {}
+        for k, v in state[f.fqns[j]].items():
+            if k == "step":
+                new[k] = torch.tensor(float(v), dtype=torch.float32)
+            elif torch.is_tensor(v) and v.dim() > 0:
+                new[k] = v.reshape(-1)[a - o: b - o].to(piece.device, piece.dtype).clone()
+            else:
+                new[k] = v
+        optimizer.state[piece] = new
+
+
+# -- storage bytes --------------------------------------------------------------------------------
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer counted once; a
+    freed storage counts 0)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        s = t.untyped_storage()
+        if s.nbytes() == 0 or s.data_ptr() in seen:
+            continue
+        seen.add(s.data_ptr())
+        total += s.nbytes()
+    return total
+
+
+def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
+    """Every tensor of ``optimizer``'s state (ZeroRedundancyOptimizer: of its local optimizer)."""
+    if optimizer is None:
+        return []
+    inner = getattr(optimizer, "optim", optimizer)
+    return [v for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]

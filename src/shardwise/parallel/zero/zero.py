@@ -1,0 +1,410 @@
+"""ZeRO-1/2 over the dp axis, by hand: gradients reduce-scattered, a sharded step, params gathered.
+
+ZeRO (Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", arXiv 1910.02054) keeps data parallelism's math — each dp rank runs the model on its
+slice of the batch and the gradients are **summed** over dp (:mod:`shardwise.parallel.data`) —
+but stops replicating the model state. Ψ parameters, n dp ranks, fp32 AdamW (``--dtype bf16`` is
+autocast only: weights, gradients and optimizer state stay fp32; the paper's mixed precision is
+2Ψ + 2Ψ + 12Ψ, K = 12, §3.1 and Figure 1):
+
+=========  ============================  ==========================  ==================
+stage      what is sharded               bytes per rank, fp32 AdamW  paper (§5)
+=========  ============================  ==========================  ==================
+0 (DP)     nothing                       4Ψ + 4Ψ + 8Ψ                 —
+1          optimizer state               4Ψ + 4Ψ + 8Ψ/n               P_os   (§5.1)
+2          + gradients                   4Ψ + (4Ψ + 8Ψ)/n             P_os+g (§5.2)
+3          + parameters (= FSDP)         (4Ψ + 4Ψ + 8Ψ)/n             P_os+g+p (§5.3)
+=========  ============================  ==========================  ==================
+
+Bytes each rank sends per optimizer step (ZeRO paper §7; ring collectives, b bytes per element:
+an all_reduce sends 2(n−1)/n·S, an all_gather or reduce_scatter (n−1)/n·S):
+
+* DP: all_reduce of the gradients, 2Ψb(n−1)/n (§7.1).
+* ZeRO-1/2: reduce_scatter of the gradients (tag ``grad``, once per step whatever the
+  accumulation) + all_gather of the updated parameters (tag ``param``): 2Ψb(n−1)/n, **the same
+  as DP** (§7.2.1: an all_reduce *is* a reduce_scatter then an all_gather; ZeRO runs the
+  optimizer in between).
+* ZeRO-3 (:mod:`.zero3`): parameters gathered before each unit's forward and again before its
+  backward, gradients reduce-scattered: 3Ψb(n−1)/n, 1.5× DP (§7.2.2).
+* ``reduce_dtype="bf16"``: the reduce_scatter moves bf16 (b = 2 in its term only).
+* Every stage: one all_reduce of one fp64 scalar, Σ g² of the local slices (tag ``grad_norm``,
+  2(n−1)/n·8): clipping needs the norm of the *whole* gradient.
+
+Ψ above is what travels: Σ over units of the padded size ⌈Ψ_u/n⌉·n (:mod:`.flat`). The formulas
+are :func:`zero_memory_formula` and :func:`zero_step_bytes_formula`; ``docs/zero.md`` has the
+derivation and the pitfalls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from ... import comm
+from ...errors import ShardwiseConfigError
+from ..data import reduce_torch_dtype
+from ..engine import Engine
+from ..params import sum_coalesced_, tp_sharded
+from .flat import (FlatShards, gather_named, gather_optimizer_state,
+                   load_optimizer_state, optimizer_state_tensors, sharded_optimizer,
+                   storage_bytes)
+from .units import assign_units
+
+STAGES = (1, 2, 3)
+# Optimizers whose update of an element depends only on that element's own history: they can run
+# on any slice of the flat buffer. Optimizers that need whole tensors (LAMB/LARS trust ratios,
+# Adafactor's factored moments, Shampoo/Muon's matrix preconditioners) cannot.
+SHARDABLE_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam,
+                        "sgd": torch.optim.SGD}
+
+
+# -- formulas -------------------------------------------------------------------------------------
+def zero_memory_formula(stage: int, psi: float, n: int, bytes_param: float = 4,
+                        bytes_grad: float = 4, bytes_optim: float = 8) -> dict[str, float]:
+    """Model-state bytes one rank holds at ZeRO ``stage`` (0 = plain DP) with ``psi`` parameters
+    over ``n`` dp ranks: ``{"params", "grads", "optimizer", "total"}`` (bytes, float).
+
+    Defaults are fp32 AdamW (4 + 4 + 8 bytes per parameter); pass 2, 2, 12 for the paper's mixed
+    precision (ZeRO paper §3.1 and Figure 1: 2Ψ + 2Ψ + KΨ, K = 12). Stage s divides the first s of
+    (optimizer, gradients, parameters) by n (§5.1–5.3). Raises ``ValueError`` for a bad stage.
+    """
+    if stage not in (0, *STAGES):
+        raise ValueError(f"ZeRO stage {stage}: choose 0, 1, 2 or 3")
+    out = {"params": bytes_param * psi / (n if stage >= 3 else 1),
+           "grads": bytes_grad * psi / (n if stage >= 2 else 1),
+           "optimizer": bytes_optim * psi / (n if stage >= 1 else 1)}
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
+
+
+def zero_step_bytes_formula(stage: int, psi: float, n: int, bytes_per_elem: float = 4, *,
+                            micro_steps: int = 1, regathered: float | None = None,
+                            grad_norm: bool = True,
+                            grad_bytes_per_elem: float | None = None) -> dict[str, float]:
+    """Bytes one rank sends per optimizer step for the ZeRO ``stage`` (0 = DP), by ledger tag.
+
+    ``psi``: elements that travel, i.e. Σ over units of the *padded* unit size ⌈Ψ_u/n⌉·n (the flat
+    buffers travel whole; pass the plain Ψ for the paper's number). ``bytes_per_elem``: 4 for fp32.
+    Returns ``{"grad", "param", "grad_norm", "total"}``:
+
+    * ``grad``: stage 0: all_reduce of the gradients, 2(n−1)/n·Ψb; stages 1–3: one
+      reduce_scatter, (n−1)/n·Ψb (once per step, whatever ``micro_steps``). Here b is
+      ``grad_bytes_per_elem`` when given (the reduce dtype: 2 for bf16), else ``bytes_per_elem``.
+    * ``param``: stages 1–2: one all_gather of the updated parameters after the optimizer step,
+      (n−1)/n·Ψb. Stage 3: per micro-step, an all_gather of every unit before its forward and of
+      ``regathered`` elements again before their backward: micro_steps·(n−1)/n·(Ψ + regathered)·b.
+      ``regathered`` defaults to Ψ (the paper's 3Ψ; ZeRO paper §7.2.2); with an un-freed root unit
+      it is Ψ − Ψ_root, with ``reshard_after_forward=False`` it is 0.
+    * ``grad_norm``: stages 1–3: one all_reduce of one fp64 scalar (sum of squares of the local
+      gradient shards): 2(n−1)/n·8. Stage 0 needs none (replicated gradients).
+      ``grad_norm=False`` leaves it out (an engine whose norm reduction is not in the ledger).
+
+    Not counted: the two fp64 loss-bookkeeping all_reduces of ``train_step`` (tag ``loss``:
+    token count and loss sum, 2(n−1)/n·8 each) and the init broadcast (phase ``init``).
+    Raises ``ValueError`` for a bad stage.
+    """
+    if stage not in (0, *STAGES):
+        raise ValueError(f"ZeRO stage {stage}: choose 0, 1, 2 or 3")
+    f = (n - 1) / n if n > 1 else 0.0
+    gb = bytes_per_elem if grad_bytes_per_elem is None else grad_bytes_per_elem
+    if stage == 0:
+        out = {"grad": 2 * f * psi * gb, "param": 0.0, "grad_norm": 0.0}
+    else:
+        if stage < 3:
+            param = f * psi * bytes_per_elem
+        else:
+            again = psi if regathered is None else regathered
+            param = micro_steps * f * (psi + again) * bytes_per_elem
+        out = {"grad": f * psi * gb, "param": param,
+               "grad_norm": 2 * f * 8 if grad_norm else 0.0}
+    out["total"] = out["grad"] + out["param"] + out["grad_norm"]
+    return out
+
+
+def validate_zero(zero: int, dp: int, *, optimizer="adamw", engine: str = "explicit") -> None:
+    """Raise :class:`ShardwiseConfigError` unless ZeRO ``zero`` can run over ``dp`` ranks with
+    ``optimizer`` (a name such as ``"adamw"`` or a ``torch.optim.Optimizer`` subclass).
+
+    ``zero=0`` (plain DP) always passes. Checked before any collective (the lead calls it from
+    ``config.validate``; :class:`ZeroDataParallel` calls it again)."""
+    if zero not in (0, *STAGES):
+        raise ShardwiseConfigError(f"--zero {zero}: choose 0 (plain DP), 1, 2 or 3")
+    if zero == 0:
+        return
+    if not isinstance(dp, int) or dp < 2:
+        raise ShardwiseConfigError(
+            f"--zero {zero} shards the model state over the dp ranks, but dp={dp}: there is "
+            f"nothing to shard over. Use --dp 2 or more, or --zero 0")
+    if engine not in ("explicit", "torch"):
+        raise ShardwiseConfigError(f"--engine {engine!r}: choose explicit or torch")
+    name = optimizer.__name__ if isinstance(optimizer, type) else str(optimizer)
+    cls = SHARDABLE_OPTIMIZERS.get(name.lower())
+    if cls is None or (isinstance(optimizer, type) and optimizer is not cls):
+        raise ShardwiseConfigError(
+            f"--zero {zero} with optimizer {name!r}: ZeRO shards the optimizer state element by "
+            f"element, which needs an element-wise optimizer (one whose update of an element "
+            f"depends on that element alone); {name!r} is not one we can shard. Choose "
+            f"{' / '.join(SHARDABLE_OPTIMIZERS)} (shardwise trains with adamw), or use --zero 0")
+
+
+# -- the engine -----------------------------------------------------------------------------------
+_BY_STAGE: dict[int, type] = {}  # stage → subclass (ZeRO-3: .zero3, registered on import)
+
+
+class ZeroDataParallel(Engine):
+    """ZeRO ``stage`` ∈ {1, 2} over ``topo``'s "dp" axis (module docstring); ``stage=3`` builds
+    :class:`.zero3.Zero3DataParallel`, which overrides the hooks below.
+
+    ``module``: the plain model (each unit's flat buffer, a :class:`.flat.FlatShards`, is
+    broadcast from dp index 0: ledger phase ``init``). ``units``: FQNs of the unit submodules
+    (default :func:`.units.default_unit_names`); the rest is the root unit. ``overlap``: launch
+    each unit's reduce_scatter from the backward hooks (True) or all after backward (False).
+    ``reduce_dtype``: "fp32" | "bf16" (:func:`..data.reduce_torch_dtype`). ``prefetch`` /
+    ``reshard_after_forward``: ZeRO-3 only.
+
+    **Gradients.** A post-accumulate-grad hook counts arrivals per unit. When a unit's gradients
+    are complete on the last micro-step, its flat gradient is reduce-scattered (SUM: each loss is
+    already divided by the global token count) asynchronously while backward goes on, strictly in
+    backward order (blocks reversed, then the root with the tied embedding, whose gradient comes
+    last), so that every rank issues the same sequence. ZeRO-1 keeps the full gradient buffer;
+    ZeRO-2/3 keep only the slice. Earlier micro-steps only accumulate full local gradients.
+
+    Inside dp × tp (:mod:`..compose`) the module holds this tp rank's shards; only their
+    placements (:func:`..params.tp_sharded`) are read here: the norm's counting, the SP sum.
+
+    Raises :class:`ShardwiseConfigError` (before any collective) for dp < 2, a bad stage, a bad
+    ``reduce_dtype``, or bad ``units``. After wrapping, do not move or re-create the model's
+    parameters (``.to()``, ``load_state_dict`` into them).
+    """
+
+    keeps_full_params = True  # ``u.full`` always holds the whole parameters (not ZeRO-3)
+
+    def __init_subclass__(cls, stage: int | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if stage is not None:
+            _BY_STAGE[stage] = cls
+
+    def __new__(cls, *args, **kwargs):  # ZeroDataParallel(module, topo, 3) → the ZeRO-3 class
+        stage = kwargs.get("stage", args[2] if len(args) > 2 else None)
+        if cls is ZeroDataParallel and stage in _BY_STAGE:
+            cls = _BY_STAGE[stage]
+        return super().__new__(cls)
+
+    def __init__(self, module: nn.Module, topo, stage: int, *, units: list[str] | None = None,
+                 prefetch: bool = True, reshard_after_forward: bool = True, overlap: bool = True,
+                 reduce_dtype: str = "fp32"):
+        validate_zero(stage, topo.size("dp"))
+        rdtype = reduce_torch_dtype(reduce_dtype)
+        named_units = assign_units(module, units)  # all checks done before the first collective
+        super().__init__(module)
+        self.topo, self.stage = topo, stage
+        self.n, self.rank = topo.size("dp"), topo.index("dp")
+        self.prefetch, self.reshard_after_forward, self.overlap = (prefetch, reshard_after_forward,
+                                                                   overlap)
+        self.reduce_dtype, self._rdtype = reduce_dtype, rdtype  # of the gradient reduce_scatter
+        self.units = [FlatShards(named, topo, keep_full_grad=stage == 1, reduce_dtype=rdtype,
+                                 name=name, module=mod) for name, mod, named in named_units]
+        with topo.ledger.phase("init"):
+            for u in self.units:
+                comm.broadcast(u.full, topo, "dp", src=0, tag="init")  # replicas start identical
+        self.root = self.units[0] if self.units and self.units[0].name == "root" else None
+        self.blocks = [u for u in self.units if u is not self.root]  # forward order
+        # gradients become complete in reverse forward order, the root (tied embedding) last
+        self._reduce_order = self.blocks[::-1] + ([self.root] if self.root else [])
+        self._next_reduce = 0
+        self._ready: set[FlatShards] = set()  # all gradients arrived on the syncing micro-step
+        self._arrived = {u: set() for u in self.units}  # ids of parameters, this backward
+        self._sync = True
+        self._unit_of = {id(p): u for u in self.units for p in u.params}
+        for u in self.units:
+            for p in u.params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        module.register_forward_pre_hook(self._model_pre_forward)
+
+    # -- sizes ----------------------------------------------------------------------------------
+    @property
+    def numel(self) -> int:
+        """Ψ: trainable parameters (a tied weight once)."""
+        return sum(u.numel for u in self.units)
+
+    @property
+    def padded_numel(self) -> int:
+        """Σ_u P_u: elements of all flat buffers, padding included (what the collectives move)."""
+        return sum(u.padded for u in self.units)
+
+    def unit_sizes(self) -> dict[str, tuple[int, int]]:
+        """{unit name: (Ψ_u, P_u)} in elements."""
+        return {u.name: (u.numel, u.padded) for u in self.units}
+
+    # -- the step -------------------------------------------------------------------------------
+    def _model_pre_forward(self, module, args) -> None:
+        for u in self.units:  # a new forward (micro-step): count gradient arrivals afresh
+            self._arrived[u].clear()
+
+    @contextlib.contextmanager
+    def sync_gradients(self, enabled: bool):
+        """Inside ``sync_gradients(False)`` backward only accumulates full gradients locally."""
+        prev, self._sync = self._sync, enabled
+        try:
+            yield
+        finally:
+            self._sync = prev
+
+    @torch.no_grad()
+    def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Evaluation: (loss sum, counted items) of ``batch`` under ``no_grad`` (so ZeRO-3 frees
+        every unit after its forward: no backward will come to free the root)."""
+        return super().loss_sum_and_count(batch)
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        u = self._unit_of[id(p)]
+        arrived = self._arrived[u]
+        arrived.add(id(p))
+        if len(arrived) < len(u.params):
+            return
+        arrived.clear()
+        self._unit_backward_done(u)
+        if not self._sync:
+            return
+        self._ready.add(u)
+        if self.overlap:  # launch in backward order only: every rank issues the same sequence
+            while (self._next_reduce < len(self._reduce_order)
+                   and self._reduce_order[self._next_reduce] in self._ready):
+                self._launch_reduce(self._reduce_order[self._next_reduce])
+
+    def _unit_backward_done(self, u: FlatShards) -> None:
+        """Every gradient of ``u`` arrived this backward (ZeRO-3: free its parameters)."""
+
+    def _launch_reduce(self, u: FlatShards) -> None:
+        u.launch_reduce_scatter()
+        self._next_reduce += 1
+
+    @torch.no_grad()
+    def finish_gradient_sync(self) -> None:
+        """Launch the reduce_scatters not launched yet (units with an unused parameter, or
+        ``overlap=False``), in backward order, and wait for all."""
+        for u in self._reduce_order[self._next_reduce:]:
+            self._launch_reduce(u)
+        for u in self._reduce_order:
+            u.wait_reduce_scatter()
+        self._ready.clear()
+        self._next_reduce = 0
+
+    def held_grads(self) -> list[tuple[torch.Tensor, bool]]:
+        """The gradient this rank holds is its slices (padding is 0), each piece counted as
+        :meth:`.flat.FlatShards.held_grads` says (tp-replicated pieces on tp index 0 only)."""
+        return [h for u in self.units for h in u.held_grads()]
+
+    def norm_axes(self) -> tuple[str, ...]:
+        """tp shards differ over tp (dp × tp), slices over dp: the base ``clip_grad_norm_``
+        (:func:`..params.grad_norm_`) all-reduces the fp64 Σ g² over tp, then over dp, so every
+        rank gets the norm of the *whole* gradient and scales its slices by the same factor."""
+        return ("tp", "dp")
+
+    def make_optimizer(self, param_groups: list[dict], optimizer_class=torch.optim.AdamW,
+                       **kwargs) -> torch.optim.Optimizer:
+        """``optimizer_class`` (AdamW by default, with ``kwargs`` such as lr, betas, eps) over
+        this rank's slices only (:func:`.flat.sharded_optimizer`: the pieces of its slices that
+        lie in each parameter of ``param_groups``, so the decay / no-decay groups are kept).
+        State exists only here. ``step()`` updates the slices in place; ZeRO-1/2 then all_gather
+        the updated parameters (one all_gather per unit). Raises :class:`ShardwiseConfigError`
+        for a non-element-wise optimizer."""
+        validate_zero(self.stage, self.n, optimizer=optimizer_class)
+        return sharded_optimizer(self.units, param_groups, optimizer_class,
+                                 gather_params=self.keeps_full_params, **kwargs)
+
+    # -- tp-replicated gradients (dp × tp with sequence parallelism) ----------------------------
+    def _replicated_pieces(self) -> list[tuple[FlatShards, int, int]]:
+        return [(u, a, b) for u in self.units for j, a, b in u.pieces()
+                if not tp_sharded(u.params[j])]
+
+    def replicated_slice_numel(self) -> int:
+        """Elements of this rank's slices that belong to tp-replicated parameters (no
+        tp placement; the norm weights in a TP model)."""
+        return sum(b - a for _, a, b in self._replicated_pieces())
+
+    @torch.no_grad()
+    def reduce_replicated_grads(self, axis: str = "tp", tag: str = "sp_grad") -> None:
+        """SUM over ``axis`` the gradient pieces of this rank's slices that belong to
+        tp-replicated parameters (call after :meth:`finish_gradient_sync`). With sequence
+        parallelism each tp rank saw only s/tp positions, so the norm weights' gradients are
+        partial sums over tp; only the summed dp slice this rank owns needs completing: one flat
+        all_reduce of :meth:`replicated_slice_numel` elements (the tp peers of a rank have the
+        same unit layout, hence the same pieces). Nothing is sent when the slice holds none."""
+        pieces = [u.shard_grad[a - u.lo: b - u.lo] for u, a, b in self._replicated_pieces()]
+        sum_coalesced_(pieces, self.topo, axis, tag=tag)
+
+    # -- full shapes over dp: parity checks, layout-free checkpoints ----------------------------
+    def dp_parameters(self) -> dict[str, torch.Tensor]:
+        """{FQN: parameter} (tied weight once): the model's own (dp-replicated) parameters."""
+        return {fqn: view.detach().clone() for u in self.units
+                for fqn, (_, view) in zip(u.fqns, u.views(u.full))}
+
+    def dp_gradients(self) -> dict[str, torch.Tensor]:
+        """{FQN: summed (and clipped) gradient}, all-gathered from every rank's slice (ledger
+        phase ``verify``). Call after :meth:`finish_gradient_sync`. Collective over dp."""
+        return gather_named(self.units, [u.shard_grad for u in self.units])
+
+    def dp_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+        """{FQN: {"step", "exp_avg", "exp_avg_sq"}} in this module's parameter shapes (inside
+        dp × tp: the tp shard), gathered over dp (:func:`.flat.gather_optimizer_state`)."""
+        return gather_optimizer_state(self.units, optimizer)
+
+    def dp_load_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
+        """Cut full-shape state to this rank's pieces (:func:`.flat.load_optimizer_state`)."""
+        load_optimizer_state(self.units, optimizer, state)
+
+    @contextlib.contextmanager
+    def summon_full_params(self):
+        """The full parameters for the block (ZeRO-1/2 hold them always: a no-op)."""
+        yield
+
+    @contextlib.contextmanager
+    def full_model(self):
+        """The plain model with its full weights (ZeRO-3: gathered once, for the whole block; see
+        :meth:`summon_full_params`). Every dp rank enters it together."""
+        with self.summon_full_params():
+            yield self.module
+
+    # -- accounting -----------------------------------------------------------------------------
+    def model_state_bytes(self, optimizer=None) -> dict[str, int]:
+        """Bytes this rank holds, from the storages actually allocated (views of one buffer
+        counted once, freed storage 0): ``params`` (ZeRO-1/2 the full flat buffers; ZeRO-3 the
+        slices plus whatever is gathered right now), ``grads`` (ZeRO-1 the full gradient buffers;
+        ZeRO-2/3 the slices plus any full ``.grad`` not yet reduced), ``optimizer`` (state of
+        ``optimizer``), ``total``."""
+        params = [p for u in self.units for p in u.params] + [u.shard for u in self.units]
+        grads = ([p.grad for u in self.units for p in u.params]
+                 + [u.shard_grad for u in self.units])
+        out = {"params": storage_bytes(params), "grads": storage_bytes(grads),
+               "optimizer": storage_bytes(optimizer_state_tensors(optimizer))}
+        out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        return out
+
+    def memory_formula(self) -> dict[str, float]:
+        """:func:`zero_memory_formula` for this stage, Ψ = :attr:`numel`, n = dp (fp32 AdamW)."""
+        b = self.units[0].full.element_size()
+        return zero_memory_formula(self.stage, self.numel, self.n, bytes_param=b, bytes_grad=b,
+                                   bytes_optim=2 * b)
+
+    def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
+                      dtype: str = "fp32") -> dict[str, float]:
+        """{"grad", "param", "grad_norm": bytes} of :meth:`step_bytes_formula`."""
+        z = self.step_bytes_formula(micro_steps)
+        return {k: z[k] for k in ("grad", "param", "grad_norm")}
+
+    def _regathered(self) -> float | None:
+        """Elements all-gathered a second time, for backward (ZeRO-3 only)."""
+        return None
+
+    def step_bytes_formula(self, micro_steps: int = 1) -> dict[str, float]:
+        """:func:`zero_step_bytes_formula` with this engine's padded Ψ, the reduce dtype's bytes
+        for the gradient reduce_scatter, and what ZeRO-3 gathers a second time for backward.
+        Inside dp × tp the tp scalar of the norm (tag ``"grad_norm"`` on axis tp) is not
+        included."""
+        return zero_step_bytes_formula(
+            self.stage, self.padded_numel, self.n, self.units[0].full.element_size(),
+            micro_steps=micro_steps, regathered=self._regathered(),
+            grad_bytes_per_elem=torch.empty(0, dtype=self._rdtype).element_size())

@@ -1,0 +1,254 @@
+"""ZeRO-3 over the dp axis, by hand: parameters sharded too, gathered around each unit's compute.
+
+Each rank keeps only its k-element slice of every unit's flat buffer (:mod:`.flat`) — parameters,
+gradients and optimizer state: (4Ψ + 4Ψ + 8Ψ)/n bytes per rank (ZeRO paper, Rajbhandari et al.
+2019, §5.3; PyTorch FSDP's FULL_SHARD). What moves over dp, per optimizer step with M micro-steps
+(b bytes per element, ring collectives):
+
+* ``param``: before each unit's forward, an all_gather of its slices, (n−1)/n·P_u·b; again before
+  its backward unless it stayed gathered: M·(n−1)/n·(Ψ + Ψ_regathered)·b. Ψ_regathered is every
+  block (not the root, gathered from the model's forward to the end of backward) with
+  ``reshard_after_forward=True`` — the paper's 3Ψ total less the root (§7.2.2) — and 0 with
+  False (FSDP's SHARD_GRAD_OP: 2Ψ, ZeRO-2's parameter memory during forward/backward);
+* ``grad``: one reduce_scatter of each unit's gradient per step (:mod:`.zero`), (n−1)/n·Ψ·b_r;
+* ``grad_norm``: one fp64 scalar all_reduce; ``unit_order`` (first step only): :mod:`.units`.
+
+Besides the slices, a rank holds the gathered parameters of the units being computed: the root +
+the current unit + the prefetched one at peak (measured: ``gathered_params_peak``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from ... import comm
+from .flat import FlatShards, gather_named
+from .units import UnitOrderCheck
+from .zero import ZeroDataParallel
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a unit's output; its backward runs ``hook()`` when the output's gradient is
+    ready, i.e. just before autograd enters the unit's backward. Moves no data itself."""
+
+    @staticmethod
+    def forward(ctx, hook, x):
+        ctx.hook = hook
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.hook()
+        return None, grad
+
+
+def _wrap_outputs(out, hook):
+    if isinstance(out, torch.Tensor):
+        return _PreBackward.apply(hook, out) if out.requires_grad else out
+    if isinstance(out, tuple):
+        return tuple(_wrap_outputs(o, hook) for o in out)
+    return out
+
+
+class Zero3DataParallel(ZeroDataParallel, stage=3):
+    """ZeRO-3: :class:`.zero.ZeroDataParallel`'s gradient sync (ZeRO-2's: slices only) with the
+    parameters sharded too; built by ``ZeroDataParallel(module, topo, 3, ...)``.
+
+    **Gather and free.** The module's parameters stay views of each unit's ``full`` buffer, but
+    its storage is allocated only while the unit is *gathered*: freeing is
+    ``untyped_storage().resize_(0)``, gathering is ``resize_`` back plus an all_gather of the
+    slices into it. The storage is freed, not the tensors, so the views autograd saved during
+    forward (e.g. a Linear's weight) see the re-gathered values in backward (the FSDP technique).
+
+    **Forward/backward.** A forward pre-hook on each block gathers it (waiting for its prefetch if
+    one is in flight) and, with ``prefetch=True``, launches the async all_gather of the next
+    block so that it overlaps this one's compute (FSDP paper, Zhao et al. 2023, "Forward
+    Prefetching"). A forward hook frees the block (``reshard_after_forward``) and wraps its
+    output in :class:`_PreBackward`, whose backward gathers the block again just before autograd
+    enters it and prefetches the block backward reaches next ("Backward Prefetching"). When a
+    unit's last gradient has arrived it is freed again. Blocks are assumed to run in the order
+    given (module order by default); another order, the same on every rank, stays correct (the
+    prefetch is wasted); an order that differs between ranks is an error on the first step
+    (:class:`.units.UnitOrderCheck`, forward and backward).
+
+    **The root and tied embeddings.** A tied weight lives in one unit, the root by default. The
+    root is gathered by a pre-hook on the whole model and freed only when its last gradient has
+    arrived — at the end of backward (the embedding's gradient comes last) — so every use finds it
+    gathered (PyTorch FSDP2 does the same with its root module). A forward under ``no_grad``
+    (evaluation) frees every unit after it; :meth:`summon_full_params` keeps them gathered for
+    many forwards (sampling); every step starts with all units freed.
+
+    In ZeRO-3 read full parameters only through :meth:`named_full_parameters` or inside
+    :meth:`summon_full_params`.
+    """
+
+    keeps_full_params = False  # the slice is the parameter; the next forward gathers it
+
+    def __init__(self, module: nn.Module, topo, stage: int = 3, **kwargs):
+        super().__init__(module, topo, stage, **kwargs)
+        self.gathered_peak_bytes = 0
+        self._pinned = False  # inside summon_full_params: nothing is freed
+        self._gathered: set[FlatShards] = set(self.units)
+        self._inflight: dict[FlatShards, object] = {}  # unit → Handle of its async all_gather
+        for u in self.units:
+            u.shard = u.full[u.lo:u.hi].clone()  # [k]: the only persistent copy of these weights
+            self._free(u)
+        # on the first step, check the order is the same on every rank before each gather
+        self._order = UnitOrderCheck(topo, [u.name for u in self.blocks],
+                                     "ZeRO-3 (--zero 3 --engine explicit)")
+        module.register_forward_hook(self._model_post_forward)
+        for u in self.blocks:
+            u.module.register_forward_pre_hook(self._make_pre_forward(u))
+            u.module.register_forward_hook(self._make_post_forward(u))
+
+    # -- gather and free ------------------------------------------------------------------------
+    def _free(self, u: FlatShards) -> None:
+        """Free the unit's gathered parameters (storage only; the tensors and autograd's saved
+        views of them stay valid for the next gather)."""
+        if self._pinned:
+            return
+        u.full.untyped_storage().resize_(0)
+        self._gathered.discard(u)
+
+    def _launch_gather(self, u: FlatShards, async_op: bool) -> None:
+        u.full.untyped_storage().resize_(u.padded * u.full.element_size())
+        self.gathered_peak_bytes = max(self.gathered_peak_bytes,
+                                       sum(v.gathered_bytes() for v in self.units))
+        # [k] from every rank → [P_u]; rank j's slice lands at [j·k, (j+1)·k)
+        self._inflight[u] = comm.all_gather(u.full, u.shard, self.topo, "dp", tag="param",
+                                            async_op=async_op)
+
+    def _unshard(self, u: FlatShards | None) -> None:
+        """Make the unit's full parameters available: wait for its prefetch, or gather now."""
+        if u is None or u in self._gathered:
+            return
+        if u not in self._inflight:
+            self._launch_gather(u, async_op=False)
+        else:
+            self._inflight[u].wait()
+        self._inflight.pop(u, None)
+        self._gathered.add(u)
+
+    def _prefetch(self, u: FlatShards | None) -> None:
+        """Start ``u``'s all_gather asynchronously (if prefetching, and not gathered/in flight)."""
+        if self.prefetch and u is not None and u not in self._gathered and u not in self._inflight:
+            self._launch_gather(u, async_op=True)
+
+    def _reshard(self, u: FlatShards) -> None:
+        if u in self._inflight:  # a prefetch nobody used: finish it before freeing its buffer
+            self._inflight.pop(u).wait()
+            self._gathered.add(u)
+        if u in self._gathered:
+            self._free(u)
+
+    def _neighbour(self, u: FlatShards | None, step: int) -> FlatShards | None:
+        """The block after (step=+1) or before (−1) ``u`` in forward order; from the root (or the
+        model when there is no root unit), +1 is the first block and −1 the last."""
+        if not self.blocks:
+            return None
+        if u is None or u is self.root:
+            return self.blocks[0] if step > 0 else self.blocks[-1]
+        j = self.blocks.index(u) + step
+        return self.blocks[j] if 0 <= j < len(self.blocks) else None
+
+    # -- the hooks ------------------------------------------------------------------------------
+    def _model_pre_forward(self, module, args) -> None:
+        super()._model_pre_forward(module, args)
+        self._unshard(self.root)
+        self._prefetch(self._neighbour(self.root, +1))  # overlaps the embedding lookup
+
+    def _model_post_forward(self, module, args, out):
+        self._order.agree("forward", UnitOrderCheck.END)  # first forward: same unit count
+        self._order.finish("forward")
+        if not torch.is_grad_enabled():  # evaluation: no backward will come to free them
+            for u in self.units:
+                self._reshard(u)
+            return out
+        # root stays gathered: the output head's backward needs it next (FSDP2 does the same)
+        return _wrap_outputs(out, lambda: self._pre_backward(self.root))
+
+    def _make_pre_forward(self, u: FlatShards):
+        j = self.blocks.index(u)
+
+        def hook(module, args):
+            self._order.agree("forward", j)  # first forward: before any gather of this unit
+            self._unshard(u)
+            self._prefetch(self._neighbour(u, +1))
+        return hook
+
+    def _make_post_forward(self, u: FlatShards):
+        def hook(module, args, out):
+            if not torch.is_grad_enabled():
+                self._reshard(u)
+                return out
+            if self.reshard_after_forward:
+                self._free(u)
+            return _wrap_outputs(out, lambda: self._pre_backward(u))
+        return hook
+
+    def _pre_backward(self, u: FlatShards | None) -> None:
+        """Autograd is about to enter unit ``u`` (None: the model's output, no root unit)."""
+        if self._order.active["backward"] and u is not None and u is not self.root:
+            self._order.agree("backward", self.blocks.index(u))  # before any gather of u
+        self._unshard(u)
+        self._prefetch(self._neighbour(u, -1))
+
+    def _unit_backward_done(self, u: FlatShards) -> None:
+        self._free(u)  # its backward is done: drop the gathered parameters
+
+    # -- the step -------------------------------------------------------------------------------
+    def begin_forward_backward(self) -> None:
+        """Before a step's first forward (an engine composing this one runs its own micro-batch
+        loop): every unit starts sharded, whatever ran before (an evaluation forward with grad
+        enabled leaves the root gathered), and the gathered peak is measured afresh."""
+        for u in self.units:
+            self._reshard(u)
+        self.gathered_peak_bytes = 0
+
+    @torch.no_grad()
+    def finish_gradient_sync(self) -> None:
+        """End the first step's backward order check, reduce as ZeRO-2, free every unit."""
+        self._order.agree("backward", UnitOrderCheck.END)
+        self._order.finish("backward")
+        super().finish_gradient_sync()
+        for u in self.units:
+            self._reshard(u)
+
+    # -- full parameters ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def summon_full_params(self):
+        """Gather every unit for the block and keep them gathered through any forwards inside it
+        (e.g. sampling many tokens, or reading the full model); free them after. Collective:
+        every dp rank enters it together. Do not train inside."""
+        if self._pinned:
+            yield
+            return
+        for u in self.units:
+            self._unshard(u)
+        self._pinned = True
+        try:
+            yield
+        finally:
+            self._pinned = False
+            for u in self.units:
+                self._reshard(u)
+
+    def dp_parameters(self) -> dict[str, torch.Tensor]:
+        """{FQN: full-shape parameter} (tied weight once), all-gathered from the slices (ledger
+        phase ``verify``). Collective over dp."""
+        return gather_named(self.units, [u.shard for u in self.units])
+
+    def model_state_bytes(self, optimizer=None) -> dict[str, int]:
+        """:meth:`.zero.ZeroDataParallel.model_state_bytes` plus ``gathered_params_peak``: the
+        most bytes of gathered parameters held at once during the last forward/backward."""
+        out = super().model_state_bytes(optimizer)
+        out["gathered_params_peak"] = self.gathered_peak_bytes
+        return out
+
+    def _regathered(self) -> float:
+        """Every block again before backward if ``reshard_after_forward`` (not the root, which
+        stays gathered), else nothing."""
+        return sum(u.padded for u in self.blocks) if self.reshard_after_forward else 0
