@@ -58,7 +58,7 @@ def test_2d_torch_matches_single_process(results, reference, zero, sp):
     """Every step's loss, clipped norm, gradients and parameters by shardwise.parity's rule."""
     assert all(n > W.MAX_NORM for n in reference["grad_norm"][:W.STEPS])  # clipping binds
     for rank, rec in enumerate(_load(results, zero, sp)):
-        assert rec["engine"] == "TorchParallel2D"
+        assert rec["engine"] == "ParallelModel"
         assert_parity(rec, reference, where=f"rank {rank}")
 
 

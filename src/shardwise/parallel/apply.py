@@ -4,15 +4,17 @@ One function, :func:`parallelize`, turns a plain model into an :class:`~.engine.
 :class:`Layout` on a :class:`~shardwise.topology.Topology`, with our explicit implementation
 (``engine="explicit"``) or PyTorch's own (``engine="torch"``):
 
-=========================  ===============================  ==========================================
-layout                     explicit                         torch
-=========================  ===============================  ==========================================
-dp (zero 0)                :mod:`.data` DataParallel         DDP (:mod:`.builtin`)
-dp, zero 1/2/3             :mod:`.zero` ZeroDataParallel     ZeroRedundancyOptimizer / FSDP2
-tp [+ sp]                  :mod:`.tp` (Megatron f/g)         DTensor ``parallelize_module``
-dp × tp [zero] (2D)        :mod:`.compose`                   FSDP2/DDP + DTensor (:mod:`.compose_torch`)
-pp × dp [zero 1] [× tp]    :mod:`.pipeline` runtime          ``torch.distributed.pipelining`` (+ DTensor)
-=========================  ===============================  ==========================================
+=======================  ===========================  =======================================
+layout                   explicit                     torch
+=======================  ===========================  =======================================
+dp (zero 0)              :mod:`.data` DataParallel    DDP (:mod:`.builtin`)
+dp, zero 1/2/3           :mod:`.zero`                 ZeroRedundancyOptimizer / FSDP2
+tp [+ sp]                :mod:`.tp` (Megatron f/g)    DTensor ``parallelize_module``
+dp × tp [zero] (2D)      :mod:`.compose`              DTensor + FSDP2 (:mod:`.compose_torch`)
+pp × dp [zero 1] [× tp]  :mod:`.pipeline` runtime     ``torch.distributed.pipelining``
+=======================  ===========================  =======================================
+
+dp × tp on either engine is one :class:`~.model.ParallelModel` of the tp part and the dp part.
 
 :meth:`~.layout.Layout.check`, the one validator, refuses what no engine runs, with a clear error
 on every rank before any collective. ``Layout``, ``parse_layout`` and ``check_supported`` live in

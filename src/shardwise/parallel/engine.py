@@ -44,7 +44,8 @@ import torch
 from torch import nn
 
 from ..models import loss_sum_and_count
-from .params import counted_grads, grad_norm_, local, to_full, to_local
+from .params import (counted_grads, grad_norm_, grads_or_zeros, local, sum_coalesced_, to_full,
+                     to_local, tp_sharded)
 
 
 def autocast(dtype: str, device: torch.device):
@@ -99,8 +100,9 @@ class Engine(nn.Module):
         vocab-parallel loss, complete on every tp rank)."""
         return loss_sum_and_count(self, batch)[0]
 
-    def booking(self):
-        """Context around a step's micro-batches (PyTorch engines: book DTensor's collectives)."""
+    def booking(self, **options):
+        """Context around a step's micro-batches (PyTorch engines: book DTensor's collectives;
+        ``options`` come from the dp part's :meth:`booking_options` inside dp × tp)."""
         return contextlib.nullcontext()
 
     def backward_context(self):
@@ -109,6 +111,35 @@ class Engine(nn.Module):
 
     def begin_forward_backward(self) -> None:
         """Called before a step's first forward (ZeRO-3: every unit starts sharded)."""
+
+    # -- what a dp strategy tells the composition with tp (:class:`.model.ParallelModel`) -------
+    def booking_options(self) -> dict:
+        """Options for the tp part's :meth:`booking` (FSDP2 over DTensor: which c10d calls to
+        book as dp traffic)."""
+        return {}
+
+    def sum_replicated_grads(self) -> None:
+        """SP inside dp × tp: SUM over tp the gradients this rank holds of the tp-replicated
+        parameters (the norm weights, whose gradient on one tp rank covers only its s/tp
+        positions), after the dp reduction — one flat all-reduce, tag ``sp_grad``. Here: the
+        whole gradients of the module's replicated parameters; ZeRO sums its slice only."""
+        rep = [p for p in dict.fromkeys(self.module.parameters()) if not tp_sharded(p)]
+        sum_coalesced_(grads_or_zeros(rep), self.topo, "tp", tag="sp_grad")
+
+    def sp_grad_bytes(self, whole: float) -> float:
+        """Bytes of :meth:`sum_replicated_grads` given ``whole``, TP's formula for the whole
+        replicated gradients (:func:`~.tp.tp_step_bytes_formula`'s ``sp_grad``)."""
+        return whole
+
+    def after_evaluation(self) -> None:
+        """Called after an evaluation forward (FSDP2: reshard what stayed gathered)."""
+
+    @contextlib.contextmanager
+    def full_model_for(self, composed):
+        """The full-weights, full-logits model of ``composed`` (dp × tp) for sampling: this dp
+        part's full weights (ZeRO-3: gathered) and the tp part's gathered logits."""
+        with self.full_model(), composed.tp.gathered_logits() as model:
+            yield model
 
     def finish_gradient_sync(self) -> None:
         pass

@@ -264,3 +264,20 @@ def to_full_named(tensors: dict[str, torch.Tensor], params: dict[str, nn.Paramet
     """:func:`to_full` keyed by name: ``tensors[n]`` is shaped like ``params[n]``'s shard."""
     names = list(tensors)
     return dict(zip(names, to_full([(tensors[n], params[n]) for n in names], topo)))
+
+
+def local_state_bytes(params, optimizer=None) -> dict[str, int]:
+    """{"params", "grads", "optimizer", "total"} bytes of what this rank holds of ``params``
+    (each once), their gradients and ``optimizer``'s state: DTensors by their local shards (a
+    DTensor's ``numel()`` is the global size)."""
+    params = list(dict.fromkeys(params))
+    out = {"params": sum(local(p).numel() * p.element_size() for p in params),
+           "grads": sum(local(p.grad).numel() * p.element_size()
+                        for p in params if p.grad is not None),
+           "optimizer": 0}
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            out["optimizer"] += sum(local(v).numel() * local(v).element_size()
+                                    for v in state.values() if isinstance(v, torch.Tensor))
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out

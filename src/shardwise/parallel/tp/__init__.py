@@ -56,4 +56,5 @@ __all__ = ["AXIS", "BookFunctionalCollectives", "ColumnParallelLinear", "RowPara
            "gather_from_sp", "padded_vocab_size", "parallelize_tensor",
            "parallelize_tensor_dtensor", "reduce_from_tp", "reduce_partial_grads",
            "reduce_scatter_to_sp", "tp_activation_bytes", "tp_bytes_by_tag", "tp_plan",
-           "tp_step_bytes_formula", "valid_tp_degrees", "validate_tp", "vocab_parallel_cross_entropy"]
+           "tp_step_bytes_formula", "valid_tp_degrees", "validate_tp",
+           "vocab_parallel_cross_entropy"]

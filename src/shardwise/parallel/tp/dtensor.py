@@ -51,8 +51,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...comm.ledger import CommRecord, ring_bytes
 from ...models.llama import IGNORE_INDEX, Llama
-from ..engine import Engine, model_state_bytes
-from ..params import is_dtensor as _is_dtensor, local as _local, sum_coalesced_
+from ..engine import Engine
+from ..params import is_dtensor as _is_dtensor, local as _local, local_state_bytes, sum_coalesced_
 from .apply import check_plan_covers, tp_bytes_by_tag, validate_tp
 from .comms import AXIS
 
@@ -238,9 +238,11 @@ class TorchTensorParallel(Engine):
     def loss_sum(self, batch: dict) -> torch.Tensor:
         return self._loss_sum(batch)
 
-    def booking(self):
-        """Book DTensor's collectives during the step if ``book_collectives``."""
-        return (BookFunctionalCollectives(self.topo) if self.book_collectives
+    def booking(self, **options):
+        """Book DTensor's collectives during the step if ``book_collectives``; ``options``
+        (:class:`BookFunctionalCollectives`'s ``c10d_tag``, ``sp_grad``) come from the dp part
+        inside dp × tp (FSDP2: its c10d all-reduce and SP sum are booked too)."""
+        return (BookFunctionalCollectives(self.topo, **options) if self.book_collectives
                 else contextlib.nullcontext())
 
     def backward_context(self):
@@ -263,18 +265,8 @@ class TorchTensorParallel(Engine):
         return tp_bytes_by_tag(self.module.config, self.topo, self.sp, sequences, seq_len, dtype)
 
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
-        """Bytes of this rank's local shards (DTensor ``numel()`` is the global size)."""
-        params = [_local(p) for p in dict.fromkeys(self.module.parameters())]
-        out = model_state_bytes([], None)
-        out["params"] = sum(p.numel() * p.element_size() for p in params)
-        out["grads"] = sum(_local(p.grad).numel() * p.element_size()
-                           for p in dict.fromkeys(self.module.parameters()) if p.grad is not None)
-        if optimizer is not None:
-            for state in optimizer.state.values():
-                out["optimizer"] += sum(_local(v).numel() * _local(v).element_size()
-                                        for v in state.values() if isinstance(v, torch.Tensor))
-        out["total"] = out["params"] + out["grads"] + out["optimizer"]
-        return out
+        """Bytes of this rank's local shards (:func:`~..params.local_state_bytes`)."""
+        return local_state_bytes(self.module.parameters(), optimizer)
 
 
 def parallelize_tensor_dtensor(model: Llama, topo, sp: bool = False, *,

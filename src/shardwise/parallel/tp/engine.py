@@ -40,8 +40,8 @@ class TensorParallel(Engine):
       base engine's (shards all-gathered over tp, padding stripped; phase ``"gather"``, not
       part of the step).
 
-    DP or ZeRO sits on top in :mod:`shardwise.parallel.compose` (dp × tp): the local shards are
-    ordinary Parameters whose gradients are summed over dp."""
+    DP or ZeRO sits on top in :class:`shardwise.parallel.model.ParallelModel` (dp × tp): the
+    local shards are ordinary Parameters whose gradients are summed over dp."""
 
     count_axes = ("dp",)  # every tp rank holds the complete loss sum: reduce over dp only
     reduce_loss_axes = ("dp",)

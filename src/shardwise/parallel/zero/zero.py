@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from ... import comm
+from ...comm.ledger import ring_bytes
 from ...errors import ShardwiseConfigError
 from ..data import reduce_torch_dtype
 from ..engine import Engine
@@ -316,6 +317,15 @@ class ZeroDataParallel(Engine):
                                  gather_params=self.keeps_full_params, **kwargs)
 
     # -- tp-replicated gradients (dp × tp with sequence parallelism) ----------------------------
+    def sum_replicated_grads(self) -> None:
+        """Inside dp × tp with SP: :meth:`reduce_replicated_grads` over tp (this rank's slice)."""
+        self.reduce_replicated_grads("tp", tag="sp_grad")
+
+    def sp_grad_bytes(self, whole: float) -> float:
+        """The SP sum of only this rank's slice: 2(t−1)/t · 4 · :meth:`replicated_slice_numel`
+        bytes over tp (fp32), instead of ``whole``."""
+        return ring_bytes("all_reduce", 4 * self.replicated_slice_numel(), self.topo.size("tp"))
+
     def _replicated_pieces(self) -> list[tuple[FlatShards, int, int]]:
         return [(u, a, b) for u in self.units for j, a, b in u.pieces()
                 if not tp_sharded(u.params[j])]
