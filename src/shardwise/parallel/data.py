@@ -1,38 +1,24 @@
 """Data parallelism (DP) with explicit, bucketed, overlapped gradient all-reduce.
 
-Math
-----
 Every dp rank holds the full model and a disjoint slice of the global batch. The loss of a step
 is the token-weighted mean over the *global* batch,
 
     L = (1/T) Σ_r Σ_{t ∈ batch_r} ℓ_t,      T = Σ_r T_r  (tokens with a label, all ranks),
 
-so ∇L = Σ_r (1/T) Σ_{t ∈ batch_r} ∇ℓ_t: each rank back-propagates its own token-loss sum divided
-by the global T, and the gradients are **summed** over dp (all_reduce SUM). Dividing each rank's
-loss by its own T_r and averaging over ranks instead ("mean of means") weights a token on a rank
-with few valid tokens more than one on a busy rank: wrong whenever the T_r differ.
+so each rank back-propagates its own token-loss sum divided by the global T, and the gradients
+are **summed** over dp (all_reduce SUM). A mean of per-rank means weights the tokens wrongly
+whenever the T_r differ.
 
-Collectives (per optimizer step, n = dp degree, Ψ parameters of b bytes each)
--------------------------------------------------------------------------------
-* one all_reduce of the gradients, split into buckets: 2(n−1)/n · Ψ·b bytes sent per rank
-  (ring all-reduce; ZeRO paper, Rajbhandari et al. 2019 §7.1 "Data Parallel Communication Volume";
-  JAX scaling book ch. 5, "Data parallelism")
-  With ``reduce_dtype="bf16"`` the buckets are bf16: b = 2, half the bytes
-  (:func:`reduce_torch_dtype`).
+What moves over dp per optimizer step (n = dp degree, Ψ parameters of b bytes each):
+
+* one all_reduce of the gradients, split into buckets (:class:`GradBuckets`), tag ``grad``,
+  once per step whatever the accumulation: 2(n−1)/n · Ψ·b bytes sent per rank (ring all-reduce;
+  ZeRO paper, Rajbhandari et al. 2019 §7.1 "Data Parallel Communication Volume"; JAX scaling
+  book ch. 5, "Data parallelism"). With ``reduce_dtype="bf16"`` b = 2 (:func:`reduce_torch_dtype`).
 * one all_reduce of the step's token count T before the forward (8 bytes), tag "loss"
 * (bookkeeping in the train loop: one all_reduce of the summed loss for logging, tag "loss")
 
-Overlap: gradients become ready in roughly reverse parameter order during backward. Parameters
-are grouped, in that order, into buckets of ``bucket_mb`` MB; a post-accumulate-grad hook on each
-parameter counts arrivals, and when a bucket is complete its all_reduce is launched
-asynchronously while backward continues on earlier layers (Li et al. 2020, "PyTorch Distributed:
-Experiences on Accelerating Data Parallel Training", §3.2). :meth:`finish_gradient_sync` waits for
-every bucket before the optimizer step.
-
-Gradient accumulation: with M micro-batches per step, the hooks launch nothing on the first
-M−1 micro-steps (``sync_gradients(False)``): the gradients just accumulate locally in ``.grad``,
-and one all-reduce of the sum is done on the last micro-step. Syncing every micro-step would move
-M× the bytes for the same result.
+Derivation, worked numbers and pitfalls: docs/data-parallel.md.
 """
 
 from __future__ import annotations
@@ -90,8 +76,11 @@ class GradBuckets:
     ``topo``'s "dp" axis by bucketed all-reduces (SUM: each rank's loss was already divided by
     the global token count). Tag ``grad``.
 
-    ``bucket_mb``: bucket size in MB (2**20 bytes). ``overlap=True``: post-accumulate-grad hooks
-    launch each bucket as soon as its gradients are complete, while backward continues;
+    ``bucket_mb``: bucket size in MB (2**20 bytes); parameters are grouped into buckets in
+    reverse order, roughly the order backward makes their gradients ready. ``overlap=True``:
+    post-accumulate-grad hooks count arrivals and launch each bucket's all-reduce asynchronously
+    as soon as its gradients are complete, while backward continues on earlier layers (Li et al.
+    2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", §3.2);
     ``overlap=False``: every bucket is launched in :meth:`finish` (no hooks: a pipeline's zb-h1
     writes ``.grad`` by hand, where hooks do not fire). ``reduce_dtype``: "fp32" | "bf16", the
     dtype the buckets hold and move (cast back after; :func:`reduce_torch_dtype`). Gradients are
@@ -123,7 +112,9 @@ class GradBuckets:
 
     @contextlib.contextmanager
     def sync_gradients(self, enabled: bool):
-        """Inside ``sync_gradients(False)`` backward only accumulates locally (no collectives)."""
+        """Inside ``sync_gradients(False)`` backward only accumulates locally (no collectives):
+        with M micro-batches the first M−1 only accumulate in ``.grad`` and one all-reduce of
+        the sum follows the last (syncing every micro-step would move M× the bytes)."""
         prev, self.enabled = self.enabled, enabled
         try:
             yield

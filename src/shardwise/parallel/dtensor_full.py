@@ -1,11 +1,9 @@
 """Full-shape copies of DTensors in one gather per mesh dim: the PyTorch engines' side of
 :func:`.params.to_full` (parity checks, layout-free checkpoints).
 
-``t.full_tensor()`` per tensor issues one or two collectives each, unbooked. Here every rank
-concatenates its local shards, the mesh gathers the rows once per dim (through
-:mod:`shardwise.comm`, phase and tag ``gather``, outside a step's bytes), and each element is
-placed at its full position, computed once per layout by cutting ``arange(numel)`` exactly as
-DTensor cuts the data.
+``t.full_tensor()`` per tensor issues one or two collectives each, unbooked; :func:`full_tensors`
+issues one all_gather per mesh dim for the whole list, through :mod:`shardwise.comm` (phase and
+tag ``gather``, outside a step's bytes).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A :class:`Layout` holds the degrees (dp × tp × pp), the ZeRO stage, sequence parallelism and the
 pipeline schedule. :meth:`Layout.check` is the one place a layout is refused: it runs every
 cross-strategy rule and calls each strategy's own check (:func:`~.zero.validate_zero`,
-:func:`~.tensor.validate_tp`, :func:`~.pipeline.split.validate_pp`), raising
+:func:`~.tp.validate_tp`, :func:`~.pipeline.split.validate_pp`), raising
 :class:`~shardwise.errors.ShardwiseConfigError` with the constraint and the fix, on every rank,
 before any collective. Its callers:
 
@@ -97,18 +97,15 @@ class Layout:
 
         Checked in this order:
 
-        1. the layout alone: ``sp`` needs tp > 1 (TP's rule, :func:`~.tensor.validate_tp`);
+        1. the layout alone: ``sp`` needs tp > 1 (TP's rule, :func:`~.tp.validate_tp`);
            ZeRO needs dp ≥ 2, a stage in {0..3} and a known engine (:func:`~.zero.validate_zero`);
-           ZeRO-2/3 with pp > 1 (or in a pipeline engine) is refused, as DeepSpeed refuses it:
-           the pipeline runs m micro-batches per step, so ZeRO-2 would reduce-scatter (or keep
-           full) gradients m times and ZeRO-3 would re-gather every stage's parameters for each
-           micro-batch's forward and backward — m× the traffic for memory that ZeRO-1 (sharded
-           optimizer state, the large part) already saves. Megatron-LM likewise pairs PP only
-           with its distributed optimizer (= ZeRO-1).
+           ZeRO-2/3 with pp > 1 (or in a pipeline engine) is refused, as DeepSpeed refuses it
+           (m× the gradient / parameter traffic per step for memory ZeRO-1 mostly saves
+           already: docs/composition.md §5).
         2. the engine's shape (``composition``) and the topology's degrees;
         3. the reduce dtype: fp32 or bf16 (:func:`~.data.reduce_torch_dtype`);
         4. the model: tp > 1 needs a Llama-style model whose heads, kv heads, d_ff (and, with
-           SP, ``seq_len``) tp divides (:func:`~.tensor.validate_tp`); pp > 1 needs at least pp
+           SP, ``seq_len``) tp divides (:func:`~.tp.validate_tp`); pp > 1 needs at least pp
            microbatches that divide the batch and a layer split that fits
            (:func:`~.pipeline.split.validate_pp`)."""
         from .data import reduce_torch_dtype

@@ -4,13 +4,11 @@ A transform that shards a parameter records how on the parameter itself (:class:
 by :func:`mark_tp_shard`; the PyTorch engines' DTensors carry their own placements). The rules
 that every layout needs then read that record instead of being rewritten per engine:
 
-* :func:`grad_norm_` — the global gradient norm and clipping. Each logical element of the model
-  is counted exactly once (:func:`counted_grads`): a tp shard on every tp rank, a tp-replicated
-  parameter on tp index 0 only, a pipeline's tied copy not at all (the first stage counts it), a
-  ZeRO slice where it lives. Then one fp64 all-reduce of the scalar per axis that splits
-  something (the engine names those axes).
+* :func:`grad_norm_` — the global gradient norm and clipping: each logical element counted on
+  exactly one rank (:func:`counted_grads`), then one fp64 all-reduce of Σ g² per axis that splits
+  something (tag ``grad_norm``; the engine names the axes).
 * :func:`sum_coalesced_` — one flat all-reduce of a list of tensors, in place: the SP sum of the
-  norm weights' partial gradients over tp, PP's gradient all-reduce over dp.
+  norm weights' partial gradients over tp (whole, or the pieces of a ZeRO slice).
 * :func:`to_full` / :func:`to_local` — a tensor shaped like a parameter's tp shard ⇄ the full
   (unpadded) shape, for parity checks and layout-free checkpoints.
 * :func:`local` / :func:`is_dtensor` / :func:`tp_sharded` — what this rank holds of a tensor.

@@ -6,34 +6,14 @@ Schedule mapping: gpipe → ``ScheduleGPipe``, 1f1b → ``Schedule1F1B``, interl
 ``ScheduleInterleavedZeroBubble`` with one stage per rank (its placement of the W passes is
 ZB-H1's: rank r delays them by r microbatches).
 
-TP (tp > 1): each stage's modules get ``parallelize_module`` on ``topo.mesh["tp"]`` with
-:func:`~..tp.dtensor.dtensor_tp_plan` restricted to the modules the stage holds (torchtitan
-applies TP to each stage's model chunk the same way), except that the head returns its *local*
-logits [b, s, V/tp] as a plain tensor: a pipeline stage's outputs are plain tensors. The loss
-wraps them back into a DTensor sharded on the vocabulary and runs ``F.cross_entropy`` under
-``loss_parallel()`` (the whole schedule step runs under it, so its backward does too). The hidden
-state between stages is the plain local tensor: [b, s, d] replicated, [b, s/tp, d] with SP.
-DTensor's collectives are booked in the ledger by
-:class:`~..tp.dtensor.BookFunctionalCollectives` (tags ``tp_fwd``/``tp_bwd``).
-
-DP: after the schedule, this stage's gradients (their local shards) are all-reduced over dp
-through :mod:`shardwise.comm`, DDP's arithmetic (a SUM all-reduce of every gradient after the
-last microbatch: DDP under ``no_sync`` for the first m−1). ZeRO-1:
-``torch.distributed.optim.ZeroRedundancyOptimizer`` over the dp group on top of that all-reduce —
-PyTorch's ZeRO-1, as :mod:`..zero` uses it (each rank steps the whole parameters it owns, then
-broadcasts them: those broadcasts are not in the ledger). With tp > 1 it is given the DTensor
-parameters' local shards (plain tensors of equal shapes on the dp peers of one tp index).
-
-What PyTorch does and we do not: it splits the concatenated batch back into microbatches
-(``tensor_split`` on dim 0, so equal-size microbatches come back unchanged), exchanges tensor
-metadata between stages on the first step, and sends activations and gradients with its own
-``batch_isend_irecv`` calls on the pp group: that traffic bypasses :mod:`shardwise.comm` and is
-**not** in the ledger (like DDP's construction broadcast). Loss: our ``loss_fn`` returns the
-microbatch's token-loss sum divided by the global token count, with ``scale_grads=False``, so
-gradients are ∇ of the global mean, as in the explicit engine. Everything after the pipeline —
-the tied-embedding gradient swap, the SP norm-weight gradients, the dp reduction, the global
-norm — is the explicit engine's (:class:`.runtime.PipelineParallel`), through
-:mod:`shardwise.comm`, on the local shards.
+What moves: over tp, DTensor's collectives, booked by
+:class:`~..tp.dtensor.BookFunctionalCollectives` (``tp_fwd``/``tp_bwd``/``ce``); over pp,
+PyTorch's own ``batch_isend_irecv`` on the pp group, which bypasses :mod:`shardwise.comm` and is
+**not** in the ledger; after the schedule, the explicit engine's tied swap, SP sum, dp reduction
+and norm (:class:`.runtime.PipelineParallel`, through :mod:`shardwise.comm`, on the local shards),
+with ZeRO-1 as ``ZeroRedundancyOptimizer`` (:meth:`TorchPipelineParallel.make_optimizer`; its
+parameter broadcasts are not in the ledger). Differences from the explicit engine:
+docs/pipeline-parallel.md §5 and docs/composition.md, "Pipelines composed".
 """
 
 from __future__ import annotations
@@ -105,8 +85,14 @@ class TorchPipelineParallel(PipelineParallel):
 
     # -- composition hooks of the explicit engine ---------------------------------------------
     def _convert_tp(self, stage, seed):
-        """DTensor TP on this stage's modules (see the module docstring). Returns None (DTensor
-        dropout draws from the default RNG: use dropout 0, as with the DTensor TP engine)."""
+        """DTensor TP on this stage's modules: ``parallelize_module`` on ``topo.mesh["tp"]`` with
+        :func:`~..tp.dtensor.dtensor_tp_plan` restricted to the modules the stage holds
+        (torchtitan applies TP to each stage's model chunk the same way), except that the head
+        returns its *local* logits [b, s, V/tp] as a plain tensor (a pipeline stage's outputs are
+        plain tensors; :meth:`_loss_sum` wraps them back). The hidden state between stages is
+        the plain local tensor: [b, s, d] replicated, [b, s/tp, d] with SP. Returns None
+        (DTensor dropout draws from the default RNG: use dropout 0, as with the DTensor TP
+        engine)."""
         from torch.distributed.tensor import Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
@@ -128,7 +114,8 @@ class TorchPipelineParallel(PipelineParallel):
 
     def _build_zero1(self):
         """PyTorch's ZeRO-1 is an optimizer (:meth:`make_optimizer`); gradients are
-        all-reduced over dp as without ZeRO, so no flat buffers here."""
+        all-reduced over dp as without ZeRO (DDP's arithmetic: one SUM all-reduce after the last
+        microbatch), so no flat buffers here."""
         return None
 
     def _sync_sp_grads(self) -> None:
@@ -167,7 +154,11 @@ class TorchPipelineParallel(PipelineParallel):
         return out
 
     def make_optimizer(self, param_groups: list[dict], **adamw) -> torch.optim.Optimizer:
-        """AdamW over this stage's parameters; ZeRO-1: ``ZeroRedundancyOptimizer`` over dp."""
+        """AdamW over this stage's parameters; ZeRO-1: ``ZeroRedundancyOptimizer`` over dp
+        (PyTorch's ZeRO-1, as :mod:`..zero.torch_zero` uses it: each rank steps the whole
+        parameters it owns, then broadcasts them, unbooked). With tp > 1 it is given the DTensor
+        parameters' local shards (plain tensors of equal shapes on the dp peers of one tp
+        index)."""
         if self.zero != 1:
             return super().make_optimizer(param_groups, **adamw)
         tied = self.module.tied_output
@@ -279,9 +270,11 @@ class TorchPipelineParallel(PipelineParallel):
 
     def forward_backward(self, microbatches: list[dict], denom: float,
                          dtype: str = "fp32") -> torch.Tensor:
-        """PyTorch's schedule over the concatenated microbatches (equal sizes required; they
-        are split back identically). Returns the loss sum, fp64 [1] (0 except on the last
-        rank)."""
+        """PyTorch's schedule over the concatenated microbatches (equal sizes required: PyTorch
+        splits them back with ``tensor_split`` on dim 0). ``loss_fn`` returns each microbatch's
+        token-loss sum divided by ``denom`` (the global count), with ``scale_grads=False``, so the
+        gradients are ∇ of the global mean, as in the explicit engine. Returns the loss sum,
+        fp64 [1] (0 except on the last rank). Raises ``ValueError`` for unequal microbatches."""
         import time
 
         sizes = {tuple(first_stage_input(mb).shape) for mb in microbatches}

@@ -2,12 +2,9 @@
 gradient swap, and the bytes both send.
 
 * Activations travel forward on the topology's ``pp`` process group, gradients backward on its
-  ``world`` group (every rank of the layout, so it contains the pp peers; booked as axis "pp"):
-  the two kinds never share a FIFO between a pair of ranks. That is necessary for interleaving
-  with pp = 2, where both kinds flow between the same two ranks in both directions, and for
-  NCCL, where one communicator per pair would queue a send behind an unrelated receive. (We do
-  not create a group of our own: group creation is collective over the whole world, and an
-  engine is built only by the ranks of its layout.)
+  ``world`` group (:class:`GradTraffic`, booked as axis "pp"), so the two kinds never share a
+  FIFO between a pair of ranks (needed for interleaving with pp = 2 and for NCCL; no group of our
+  own: docs/pipeline-parallel.md §4 says why).
 * Tied embeddings across stages: the first and the last stage each hold a copy of the table
   (:mod:`.split`); after backward they swap their gradients so both apply g_first + g_last.
 
@@ -27,8 +24,9 @@ from ..params import local
 
 class GradTraffic:
     """The topology with the pp axis's point-to-point traffic routed over its "world" process
-    group (the gradient channel). Duck-types what :mod:`shardwise.comm` needs: sizes and global
-    ranks are the pp axis's, records go to the same ledger as axis "pp"."""
+    group (the gradient channel: every rank of the layout, so it holds the pp peers).
+    Duck-types what :mod:`shardwise.comm` needs: sizes and global ranks are the pp axis's,
+    records go to the same ledger as axis "pp"."""
 
     def __init__(self, topo):
         self._topo = topo

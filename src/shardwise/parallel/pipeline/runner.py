@@ -1,28 +1,14 @@
 """The explicit pipeline runner: executes one pp rank's actions of a :class:`~.schedules.Schedule`.
 
-The step's loss is the token-weighted mean over the global batch, L = (1/T) Σ_t ℓ_t with T the
-counted tokens of all microbatches of all dp ranks. The last stage back-propagates
-``loss_sum(microbatch) / T`` for each microbatch, so the gradients that accumulate in ``.grad``
-over the m microbatches are exactly ∇L — no second division by m ("double scaling").
+The step's loss is the token-weighted mean over the global batch, L = (1/T) Σ_t ℓ_t, T the
+counted tokens of all microbatches of all dp ranks: the last stage back-propagates
+``loss_sum(microbatch) / T`` for each microbatch, so the gradients accumulated over the m
+microbatches are ∇L, with no second division by m ("double scaling").
 
-The actions (see :mod:`.schedules` for the vocabulary):
-
-* ``F``: run the chunk; the first stage reads ``input_ids`` (or ``inputs``), the others the
-  received activation; the last stage computes the loss sum and keeps ``loss_sum / T`` as the
-  output to back-propagate.
-* ``B``: ``torch.autograd.backward(output, grad_output)``: accumulates weight gradients, leaves
-  the input gradient in the received activation's ``.grad``.
-* ``I`` / ``W`` (zero bubble, Qi et al. 2023 §2): ``I`` computes the input gradient plus the
-  gradient at each parameterised module's output (no weight-gradient matmul); ``W`` then
-  traverses only the one-op graph from that output to its weights (:class:`ZeroBubbleCapture`).
-* ``SEND_*``: ``isend`` through :func:`shardwise.comm.send` (tags ``pp_fwd``/``pp_bwd``), waited
-  at the end of the step; ``RECV_*``: ``irecv`` + wait. Activations and gradients travel on two
-  channels (:mod:`.comms`); per channel the schedule's SEND and RECV orders agree (checked by
-  :func:`.simulate.simulate`).
-
-Unequal micro-batches (e.g. rows 3, 3, 2): every pp rank holds the same list, so each sizes the
-buffer of every RECV from that microbatch's own dict (:func:`.split.activation_shape`): no shape
-travels, nothing is added to the ledger.
+What moves over pp: per SEND_F/RECV_F one activation (tag ``pp_fwd``), per SEND_B/RECV_B its
+gradient (``pp_bwd``), on two channels (:mod:`.comms`, which has the bytes). The actions
+(:class:`ScheduleRunner`; zero bubble's I/W, Qi et al. 2023 §2: :class:`ZeroBubbleCapture`) and
+why they cannot deadlock: docs/pipeline-parallel.md §4.
 """
 
 from __future__ import annotations
@@ -102,7 +88,16 @@ class ScheduleRunner:
         the tensor between stages for micro-batch ``mb``; ``loss_sum(y, mb)``: the last
         stage's token-loss sum of its output. ``denom``: the global count of counted tokens.
         Returns this rank's loss sum, fp64 [1] (0 except on the last stage). RuntimeError if the
-        schedule leaves state behind (a schedule bug)."""
+        schedule leaves state behind (a schedule bug).
+
+        ``F`` runs the chunk (the first stage on ``input_ids``/``inputs``, the others on the
+        received activation; the last stage back-propagates ``loss_sum / denom``). ``B`` is
+        ``torch.autograd.backward(output, grad_output)``: weight gradients accumulate, the input
+        gradient lands in the received activation's ``.grad``. ``I``/``W``:
+        :class:`ZeroBubbleCapture`. ``SEND_*``: ``isend`` through :func:`shardwise.comm.send`,
+        waited at the end of the step; ``RECV_*``: ``irecv`` + wait into a buffer sized from that
+        microbatch's own dict (``act_shape``): microbatches of unequal rows send no shape and
+        add nothing to the ledger."""
         mbs = microbatches
         shapes = [act_shape(mb) for mb in mbs]
         first = next(self.module.parameters())

@@ -2,36 +2,34 @@
 :class:`.runner.ScheduleRunner`, and what follows backward (tied swap, SP sum, dp reduction,
 norm).
 
-The loss: ``forward_backward`` returns this rank's loss *sum* (zero on all but the last stage;
-each micro-batch back-propagates ``loss_sum / T``, T the global counted tokens, see
-:mod:`.runner`); the train step all-reduces it over ``reduce_loss_axes = ("pp", "dp")`` so every
-rank logs the same global loss.
+Composition (docs/composition.md, "Pipelines composed"): TP (+SP) inside each stage
+(:func:`..tp.apply_tp`), the schedule across stages, DP (:class:`..data.GradBuckets`) / ZeRO-1
+(:mod:`..zero.flat`) over dp after the last microbatch. Every rank talks only to the pp
+neighbours with its own (dp, tp) index — the topology's pp groups. ``forward_backward`` returns
+this rank's loss *sum* (0 off the last stage; :mod:`.runner`), which the train step all-reduces
+over ``reduce_loss_axes = ("pp", "dp")``.
 
-Composition (docs/composition.md): TP (+SP) inside each stage (:func:`..tp.apply_tp`), the
-schedule across stages, DP (:class:`..data.GradBuckets`) / ZeRO-1 (:mod:`..zero.flat`) over dp
-after the last microbatch. Every rank talks only to the pp neighbours with its own (dp, tp)
-index — the topology's pp groups.
+Bytes this rank sends per optimizer step, by tag (rank r of p; v chunks; m microbatches; A =
+bytes of one activation as sent: [b, s, d], with SP this tp rank's [b, s/tp, d]; Ψ_r = bytes of
+this rank's parameters, its tp shards, in the reduce dtype; :meth:`PipelineParallel.bytes_formula`):
 
-Collectives per optimizer step (rank r of p; v chunks; m microbatches; A = bytes of one
-activation as sent: [b, s, d], with SP this tp rank's [b, s/tp, d]; Ψ_r = bytes of this rank's
-parameters, its tp shards)
-----------------------------------------------------------------------------------------------
-* activations: ``m·A`` per chunk not holding the last stage: ``m·A·(v − [r = p−1])`` sent;
-  gradients: ``m·A·(v − [r = 0])`` sent (see :func:`.comms.p2p_bytes_formula`), tags ``pp_fwd``,
-  ``pp_bwd``; with unequal microbatches m·A is Σ_b A_b, the bytes of all the step's rows;
-* tp > 1: Megatron f/g (or SP all-gather / reduce-scatter) per block of this stage, the
-  embedding exit on the first stage, the head entry and the vocab-parallel cross-entropy on the
-  last (tags ``tp_fwd``, ``tp_bwd``, ``ce``); with SP, one all-reduce over tp of the norm
-  weights' partial gradients (tag ``sp_grad``);
-* tied embedding (p > 1): the first and the last rank of each tp index swap their gradient of
-  the [V_pad/tp, d] table shard: each sends ``V_pad/tp·d·4`` bytes (tag ``tied``);
-* global gradient norm: one fp64 scalar all-reduced over tp, dp (ZeRO-1 only) and pp
-  (tag ``grad_norm``);
-* dp > 1: one all-reduce of this stage's gradients over dp, 2(n−1)/n·Ψ_r (tag ``grad``), or with
-  ZeRO-1 a reduce-scatter (n−1)/n·P_r (``grad``) and, after the optimizer step, an all-gather
-  (n−1)/n·P_r (``param``), P_r = Ψ_r padded to a multiple of n;
-* token count (over dp) and loss sum (over pp then dp): fp64 scalars (tag ``loss``, issued by
-  the train step). :meth:`PipelineParallel.bytes_formula` has every term.
+* ``pp_fwd`` m·A·(v − [r = p−1]), ``pp_bwd`` m·A·(v − [r = 0]) (:func:`.comms.p2p_bytes_formula`;
+  unequal microbatches: m·A = Σ_b A_b, the bytes of all the step's rows);
+* ``tp_fwd``/``tp_bwd``/``ce`` (tp > 1): Megatron f/g (or SP all-gather / reduce-scatter) for the
+  L_s blocks of all this rank's chunks, the embedding exit on the first stage, the head entry and
+  the vocab-parallel cross-entropy on the last (:func:`..tp.tp_activation_bytes`); ``sp_grad``
+  (SP): one all-reduce over tp (t ranks) of the norm weights' partial gradients, 2(t−1)/t of
+  their bytes;
+* ``tied`` (p > 1): the first and the last rank of each tp index swap their gradient of the
+  [V_pad/tp, d] table shard, V_pad/tp·d·4 bytes each;
+* ``grad`` (n = dp > 1): an all-reduce, 2(n−1)/n·Ψ_r, or with ZeRO-1 a reduce-scatter
+  (n−1)/n·P_r and, after the optimizer step, an all-gather (n−1)/n·P_r (``param``), P_r = Ψ_r
+  padded to a multiple of n (ZeRO paper §7.2.1);
+* ``grad_norm``: one fp64 scalar all-reduced over tp, dp (ZeRO-1 only) and pp;
+* ``loss`` (issued by the train step): token count over dp, loss sum over pp then dp, fp64.
+
+Sources: Megatron-LM §3 and Narayanan et al. 2021 §2.3 (PP × TP), Korthikanti et al. 2022 §4.2.2
+(SP), ZeRO paper §7, JAX scaling book ch. 5 (collective costs).
 """
 
 from __future__ import annotations
@@ -197,34 +195,14 @@ class PipelineParallel(Engine):
     # -- the formula the ledger is checked against -------------------------------------------
     def bytes_formula(self, micro_steps: int, sequences: int, seq_len: int = 1,
                       dtype: str = "fp32") -> dict[str, float]:
-        """Bytes this rank sends in one optimizer step, by ledger tag (float). ``micro_steps`` =
-        m microbatches (the bytes do not depend on it: they are sums over the rows, equal
-        microbatches or not), ``sequences`` this pipeline's sequences per step (Σ of the
-        microbatches' rows), ``seq_len`` tokens each, ``dtype`` the autocast dtype. n = tp,
-        N = sequences·seq_len tokens, r = 2(n−1)/n (ring all-reduce), h = (n−1)/n (all-gather /
-        reduce-scatter):
-
-        * ``pp_fwd``/``pp_bwd``: :func:`p2p_bytes_formula` with m·A = bytes of the hidden
-          states of all m microbatches as sent, sequences·seq_len·d·4 replicated over tp,
-          divided by tp with SP (each tp rank sends its sequence shard); MLP: sequences·D·4.
-          Written as a sum over the rows, it holds for unequal microbatches too (3, 3, 2
-          rows: 8·seq_len·d·4, not 3·⌊8/3⌋·seq_len·d·4).
-        * ``tp_fwd``/``tp_bwd``/``ce`` (tp > 1): :func:`..tp.tp_activation_bytes` for this
-          rank's L_s blocks (all its chunks), with the embedding exit on the first stage and
-          the head entry and vocab-parallel cross-entropy on the last — the whole-model TP
-          formula's terms restricted to this stage.
-        * ``tied``: the first and the last stage swap their [V_pad/tp, d] shard's gradient.
-        * ``grad``: dp > 1 — ZeRO-0: r_dp·Ψ_s·b (all-reduce of this stage's local parameters,
-          b = 2 for bf16 reduction else 4); ZeRO-1: h_dp·P_s·b (reduce-scatter of the padded
-          flat buffer). ``param`` (ZeRO-1): h_dp·P_s·4, the all-gather after the optimizer
-          step (ZeRO paper §7.2.1).
-        * ``sp_grad`` (SP): r·(tp-replicated parameter bytes), the norm weights' partial
-          gradients summed over tp.
-        * ``grad_norm``: one fp64 scalar all-reduced over each of :meth:`norm_axes`.
-
-        The loss/count scalars are added by :func:`shardwise.formulas.step_bytes_formula`.
-        Sources: Megatron-LM §3 and Narayanan et al. 2021 §2.3 (PP × TP), Korthikanti et al.
-        2022 §4.2.2 (SP), ZeRO paper §7, JAX scaling book ch. 5 (collective costs)."""
+        """Bytes this rank sends in one optimizer step, by ledger tag (float): the terms of the
+        module docstring. ``micro_steps`` = m microbatches (the bytes do not depend on it: they
+        are sums over the rows, equal microbatches or not), ``sequences`` this pipeline's
+        sequences per step (Σ of the microbatches' rows), ``seq_len`` tokens each, ``dtype`` the
+        autocast dtype. m·A = sequences·seq_len·d·4, divided by tp with SP; MLP: sequences·D·4
+        (3, 3, 2 rows: 8·seq_len·d·4, not 3·⌊8/3⌋·seq_len·d·4). ``grad`` moves 2 bytes per
+        element with bf16 reduction, else 4; ``param`` 4. The loss/count scalars are added by
+        :func:`shardwise.formulas.step_bytes_formula`."""
         from ...comm.ledger import ring_bytes
 
         stage = self.module

@@ -2,56 +2,29 @@
 
 Nothing here runs a model or touches a process group: a :class:`Schedule` can be printed
 (:func:`format_schedule`), simulated (:mod:`.simulate`), drawn (:mod:`shardwise.viz.timeline`)
-and, finally, executed action by action by :mod:`.runtime`.
+and, finally, executed action by action by :mod:`.runner`. The action kinds: :class:`Action`.
 
-Vocabulary
-----------
 ``p`` pipeline ranks, ``m`` microbatches per optimizer step, ``v`` model chunks ("virtual
 stages") per rank. The model is cut into ``S = p·v`` consecutive *stages*; stage ``s`` lives on
 rank ``s % p`` as its local chunk ``s // p`` (Megatron's interleaved assignment, Narayanan et al.
 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §2.2).
-With ``v = 1`` stage ``s`` is simply rank ``s``. Stage 0 holds the embedding, stage ``S−1`` the
-final norm, the head and the loss.
 
-Actions (:class:`Action`), each about one ``(microbatch, chunk)``:
+Schedules (every one requires ``m ≥ p``: :func:`check_schedule`), with the bubble for equal stages
+and free communication (:func:`.simulate.bubble_formula`):
 
-=========  ==========================================================================
-``F``      forward of the chunk on the microbatch; stores what backward needs
-``B``      full backward: input gradient *and* weight gradients
-``I``      input-gradient half of ``B`` only (zero-bubble; Qi et al. 2023 call it "B")
-``W``      weight-gradient half of ``B`` (zero-bubble), any time after its ``I``
-``SEND_F`` send the chunk's output activation to the rank holding the next stage (``peer``)
-``RECV_F`` receive the chunk's input activation from the rank of the previous stage (``peer``)
-``SEND_B`` send the gradient w.r.t. the chunk's input to the previous stage's rank
-``RECV_B`` receive the gradient w.r.t. the chunk's output from the next stage's rank
-=========  ==========================================================================
-
-For SEND actions ``chunk`` is the sender's chunk, for RECV actions the receiver's (the chunk
-that will consume the tensor). Two kinds of traffic travel on two channels: activations
-(``*_F``) and gradients (``*_B``); on each channel, between each pair of ranks, the k-th SEND is
-matched with the k-th RECV (the FIFO order of gloo and NCCL point-to-point messages). The
-simulator checks that every RECV is matched with the message it expects.
-
-Schedules (every one requires ``m ≥ p``; see :func:`check_schedule`)
-----------------------------------------------------------------------
 * ``gpipe`` (Huang et al. 2019, "GPipe", §2.3): all m forwards, then all m backwards.
-  Bubble (p−1)/(m+p−1); keeps all m microbatches' activations alive.
+  Bubble (p−1)/(m+p−1); all m microbatches' activations alive.
 * ``1f1b`` (PipeDream-flush; Narayanan et al. 2021 "Memory-Efficient Pipeline-Parallel DNN
-  Training" §3.1, Megatron-LM §2.2.1): rank r runs ``p−1−r`` warm-up forwards, then alternates one
-  forward and one backward, then drains the backwards. Same bubble as GPipe, at most ``p``
-  microbatches alive on any rank.
-* ``interleaved-1f1b`` (Megatron-LM §2.2.2): ``v ≥ 2`` chunks per rank; forwards go through the
-  chunks in rounds of ``g`` microbatches (chunk 0 for the round, then chunk 1, ...), backwards
-  in reverse chunk order; warm-up ``(v−1)·g + 2(p−1−r)`` chunk-forwards. Bubble
-  (p−1)/(v·m+p−1). Megatron requires ``m % p == 0`` (``g = p``); like PyTorch's
-  ``ScheduleInterleaved1F1B`` we accept any ``m ≥ p`` that splits into ``m // p`` equal rounds
-  (``g = m / (m // p)``), e.g. p = 4, m = 5 (one round of 5), not p = 2, m = 7.
+  Training" §3.1, Megatron-LM §2.2.1): ``p−1−r`` warm-up forwards on rank r, then one forward and
+  one backward alternately, then the remaining backwards. Same bubble, ≤ ``p`` microbatches alive.
+* ``interleaved-1f1b`` (Megatron-LM §2.2.2; rounds as PyTorch's ``ScheduleInterleaved1F1B``):
+  ``v ≥ 2`` chunks per rank (:func:`_interleaved`). Bubble (p−1)/(v·m+p−1).
 * ``zb-h1`` (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", arXiv 2401.10241, §3.1,
-  handcrafted schedule ZB-H1): 1F1B with the backward split into ``I`` and ``W``; rank r delays
-  its weight-gradient passes by r microbatches (the same placement as PyTorch's
-  ``ScheduleInterleavedZeroBubble`` with one chunk), which fills the drain phase with ``W`` passes.
-  Bubble (p−1)(T_F+T_B−T_W) instead of (p−1)(T_F+T_B+T_W), same activation memory as 1F1B
-  (at most ``p`` microbatches whose ``W`` is pending).
+  handcrafted ZB-H1): 1F1B with ``B`` split into ``I`` and ``W``, rank r delaying its ``W`` by r
+  microbatches (PyTorch's ``ScheduleInterleavedZeroBubble`` with one chunk). Bubble
+  (p−1)(T_F+T_B−T_W) instead of (p−1)(T_F+T_B+T_W); at most ``p`` microbatches alive.
+
+Compute orders, the simulator's checks and the tests: docs/pipeline-parallel.md §2–3.
 """
 
 from __future__ import annotations
@@ -67,10 +40,25 @@ COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
 @dataclasses.dataclass(frozen=True)
 class Action:
-    """One step of one rank's program (see the module docstring for the kinds).
+    """One step of one rank's program, about one ``(microbatch, chunk)``.
+
+    =========  ==========================================================================
+    ``F``      forward of the chunk on the microbatch; stores what backward needs
+    ``B``      full backward: input gradient *and* weight gradients
+    ``I``      input-gradient half of ``B`` only (zero-bubble; Qi et al. 2023 call it "B")
+    ``W``      weight-gradient half of ``B`` (zero-bubble), any time after its ``I``
+    ``SEND_F`` send the chunk's output activation to the rank holding the next stage (``peer``)
+    ``RECV_F`` receive the chunk's input activation from the rank of the previous stage (``peer``)
+    ``SEND_B`` send the gradient w.r.t. the chunk's input to the previous stage's rank
+    ``RECV_B`` receive the gradient w.r.t. the chunk's output from the next stage's rank
+    =========  ==========================================================================
 
     ``microbatch`` 0-based index into the step's microbatch list; ``chunk`` local chunk index
-    (0 ≤ chunk < v); ``peer`` the other rank's index on the pp axis, for SEND/RECV only."""
+    (0 ≤ chunk < v): for SEND the sender's chunk, for RECV the receiver's (the one that consumes
+    the tensor); ``peer`` the other rank's index on the pp axis, for SEND/RECV only. Activations
+    (``*_F``) and gradients (``*_B``) travel on two channels; on each, between each pair of
+    ranks, the k-th SEND meets the k-th RECV (gloo's and NCCL's point-to-point FIFO order), which
+    :func:`.simulate.simulate` checks."""
 
     kind: str
     microbatch: int
@@ -237,7 +225,11 @@ def _one_f_one_b(p: int, m: int, r: int, split_backward: bool = False) -> list[A
 
 
 def _interleaved(p: int, m: int, v: int, r: int) -> list[Action]:
-    """Megatron's interleaved 1F1B in rounds of g microbatches (see the module docstring)."""
+    """Megatron's interleaved 1F1B: forwards go through the chunks in rounds of
+    g = :func:`rounds_of` (p, m) microbatches (chunk 0 for the round, then chunk 1, ...),
+    backwards in reverse chunk order; warm-up (v−1)·g + 2(p−1−r) chunk-forwards. Megatron
+    requires m % p == 0 (g = p); like PyTorch's ``ScheduleInterleaved1F1B`` any m ≥ p that splits
+    into m // p equal rounds is accepted (p = 4, m = 5: one round of 5; not p = 2, m = 7)."""
     g = rounds_of(p, m)
     total = m * v
     warmup = min((v - 1) * g + 2 * (p - 1 - r), total)

@@ -1,27 +1,9 @@
 """Execute a :class:`~.schedules.Schedule` on paper: per-action costs, deadlock detection, bubble.
 
-Semantics (the runtime's, see :mod:`.runtime`)
-----------------------------------------------
-Each rank runs its actions in order on its own clock.
+The runtime's semantics (:mod:`.runner`: asynchronous sends, blocking receives, FIFO matching per
+channel) on a clock per rank; the rules are on :func:`simulate`, the costs on :class:`Costs` (the
+zero-bubble paper's T_F, T_B, T_W, Qi et al. 2023 §2).
 
-* compute ``F`` costs ``t_f / v``, ``B`` costs ``(t_b + t_w) / v``, ``I`` costs ``t_b / v``,
-  ``W`` costs ``t_w / v``: the costs are those of one rank's whole share of the model (ZB paper
-  notation, Qi et al. 2023 §2: T_F forward, T_B input-gradient backward, T_W weight-gradient
-  backward); with v chunks per rank each chunk is 1/v of it.
-* ``SEND`` (``mode="eager"``, what the runtime does with ``isend``): posts the tensor and
-  returns at once; it arrives ``t_comm`` later. ``RECV`` blocks until the matching message has
-  arrived. Messages travel on two channels (activations ``F``, gradients ``B``) and are matched
-  first-in first-out per (sender, receiver, channel); a RECV that meets a different message than
-  the one it names is a :class:`ScheduleError` (on a real backend it would silently swap tensors).
-* ``mode="rendezvous"``: a SEND also blocks until the receiver reaches the matching RECV (a
-  blocking backend without buffering). Stricter; the runtime does not need it.
-
-A compute action whose inputs are not there (an ``F`` of a later stage without its RECV, a ``B``
-before its ``F``, a ``W`` before its ``I``) is a :class:`ScheduleError`. When no rank can make
-progress, :class:`DeadlockError` names what every rank is blocked on.
-
-Bubble fraction
----------------
 ``bubble = 1 − Σ_r busy_r / (p · makespan)``: the share of the ranks' time spent waiting,
 busy = compute only. Closed forms (:func:`bubble_formula`), for equal stages and free comm:
 
@@ -31,6 +13,8 @@ busy = compute only. Closed forms (:func:`bubble_formula`), for equal stages and
   shrinks by v);
 * ZB-H1: ``(p−1)(T_F+T_B−T_W) / (m(T_F+T_B+T_W) + (p−1)(T_F+T_B−T_W))`` (Qi et al. 2023 §3.1:
   bubble (p−1)(T_F+T_B−T_W) against 1F1B's (p−1)(T_F+T_B+T_W); holds for T_W ≤ T_F + T_B).
+
+What the tests check with it: docs/pipeline-parallel.md §3.
 """
 
 from __future__ import annotations
@@ -102,6 +86,17 @@ class SimResult:
 
 def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "eager") -> SimResult:
     """Run ``schedule`` with ``costs``; returns the timeline and the bubble.
+
+    Each rank runs its actions in order on its own clock; a compute action costs
+    :meth:`Costs.of` (1/v of the rank's share per chunk). ``mode="eager"`` (the runtime's
+    ``isend``): a SEND posts its tensor and returns at once, arriving ``t_comm`` later; a RECV
+    blocks until the matching message has arrived. Messages travel on two channels (activations
+    ``F``, gradients ``B``), matched first-in first-out per (sender, receiver, channel); a RECV
+    that meets another message than the one it names is a :class:`ScheduleError` (on a real
+    backend it would silently swap tensors). ``mode="rendezvous"``: a SEND also blocks until the
+    receiver reaches the matching RECV (a blocking backend without buffering; the runtime does not
+    need it). A compute action whose inputs are missing (an ``F`` of a later stage without its
+    RECV, a ``B`` before its ``F``, a ``W`` before its ``I``) is a :class:`ScheduleError`.
 
     Raises :class:`DeadlockError` if the ranks block each other, :class:`ScheduleError` if the
     schedule is malformed, ``ValueError`` for an unknown ``mode``."""
@@ -242,7 +237,8 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "eager") ->
 
 def bubble_formula(name: str, p: int, m: int, v: int = 1, costs: Costs = Costs()) -> float:
     """Closed-form bubble fraction (share of rank-time idle) for equal stages and free
-    communication; sources in the module docstring. ``costs`` matters for zb-h1 only."""
+    communication; formulas and sources in the module docstring. ``costs`` matters for zb-h1
+    only. Raises ``ValueError`` for an unknown schedule."""
     if name in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
     if name == "interleaved-1f1b":

@@ -1,35 +1,15 @@
 """Cut a plain model into pipeline stages, and validate a pipeline configuration.
 
-Stage split
------------
 The plain model (``models.llama.Llama`` or ``models.mlp.StackedMLP``) is a sequence
-``embedding → L blocks → norm → head``. It is cut into ``S = p·v`` stages of consecutive blocks;
-stage ``s`` lives on pp rank ``s % p`` as its local chunk ``s // p`` (see :mod:`.schedules`).
-Stage 0 also holds the token embedding, stage ``S−1`` the final norm, the head and the loss.
+``embedding → L blocks → norm → head``. It is cut into ``S = p·v`` stages of consecutive blocks
+(:func:`split_layers`); stage ``s`` lives on pp rank ``s % p`` as its local chunk ``s // p`` (see
+:mod:`.schedules`). Stage 0 also holds the token embedding, stage ``S−1`` the final norm, the
+head and the loss. Every rank builds the whole plain model from the same seed and keeps only its
+stages' modules (:class:`StageModule`, under the plain model's names), so a stage's parameters
+start equal to the plain model's (the parity tests rely on it). A tied embedding (Press & Wolf
+2017) gets its own copy on the last stage (:attr:`StageModule.tied_output`).
 
-* balanced (default): every stage gets ``L // S`` blocks and the first ``L % S`` stages one more
-  (the extra blocks sit on the early stages, because the last stage also pays for the head and
-  the loss); requires ``L ≥ S``.
-* explicit: ``layers_per_stage = [n_0, …, n_{S−1}]`` with ``Σ n_s = L``; the first and last stage
-  may have 0 blocks (they still hold the embedding / head), the others at least one.
-
-Every rank builds the whole plain model from the same seed and keeps only its stages' modules,
-so a stage's parameters start equal to the plain model's (the parity tests rely on it).
-
-Parameter names
----------------
-:class:`StageModule` (one per rank) holds this rank's modules under the plain model's names
-(``tok_embeddings``, ``layers.{i}`` with the *global* block index, ``norm``, ``output``), so
-``StageModule.named_parameters()`` yields the plain model's FQNs. Its :class:`Chunk` s (one per
-local chunk, in stage order) reference the same submodules and each runs one stage's forward.
-
-Tied embeddings (Press & Wolf 2017): the plain model's ``output.weight`` *is*
-``tok_embeddings.weight``. With p > 1 the two live on different ranks, so the last rank gets its
-own ``output.weight``, a copy of the embedding; after every backward the two gradients are summed
-between the first and the last rank (:mod:`.runtime`), so both copies stay equal after every
-optimizer step. With p = 1 the tie is kept as it is. With tp > 1 (:func:`..tp.apply_tp`) both
-copies are vocab-parallel: the first and the last rank of each tp index hold the same rows and
-swap their shard's gradient.
+Split rules, names and tied embeddings: docs/pipeline-parallel.md §1.
 """
 
 from __future__ import annotations
@@ -52,6 +32,11 @@ def _n_layers(model_or_n_layers) -> int:
 def split_layers(n_layers: int, n_stages: int,
                  layers_per_stage: list[int] | None = None) -> list[range]:
     """Block indices of every stage: a list of ``n_stages`` ranges covering ``0..n_layers−1``.
+
+    Balanced (``layers_per_stage`` None): every stage gets ``n_layers // n_stages`` blocks and
+    the first ``n_layers % n_stages`` one more (early, because the last stage also pays for the
+    head and the loss). Explicit: one count per stage, summing to ``n_layers``; the first and
+    the last stage may have 0 blocks (they still hold the embedding / head), the others not.
 
     Raises :class:`ShardwiseConfigError` when ``n_layers < n_stages`` (balanced) or when the
     explicit list has the wrong length, the wrong sum, a negative entry, or an empty middle
@@ -151,10 +136,16 @@ class Chunk(nn.Module):
 
 
 class StageModule(nn.Module):
-    """This rank's share of the plain model, under the plain model's parameter names.
+    """This rank's share of the plain model, under the plain model's parameter names
+    (``tok_embeddings``, ``layers.{i}`` with the *global* block index, ``norm``, ``output``), so
+    ``named_parameters()`` yields the plain model's FQNs.
 
-    ``chunks`` (not registered as children, to keep names unique) run the stages in order of
-    their local chunk index. ``tied_output``: the last rank's copy of a tied embedding, or None.
+    ``chunks`` (:class:`Chunk`, one per local chunk, not registered as children, to keep names
+    unique) reference the same submodules and run the stages in order of their local chunk index.
+    ``tied_output``: with p > 1 the plain model's tied ``output.weight`` (*is*
+    ``tok_embeddings.weight``) lives on two ranks, so the last rank gets its own copy of the
+    embedding; the engine sums the two gradients after every backward (:mod:`.runtime`), so both
+    stay equal (with tp > 1, per vocab-parallel shard). None on other ranks and with p = 1.
     """
 
     def __init__(self, plain: nn.Module, pp_index: int, pp: int, v: int = 1,

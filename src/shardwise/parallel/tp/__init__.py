@@ -30,10 +30,8 @@ global grad norm         all-reduce of one fp64 scalar (sharded params' Σ g²)
 =======================  ===================================  ===================================
 
 Both columns total (1 + 2L) · 2(n−1)/n · A forward and the same backward (JAX scaling book ch. 5,
-"How to Parallelize a Transformer for Training"). With SP the norm weights stay replicated but
-each rank sees only its s/n positions, so their gradients are partial sums, all-reduced over tp
-after backward. Sources: Shoeybi et al. 2019, "Megatron-LM", arXiv 1909.08053, §3; Korthikanti
-et al. 2022, arXiv 2205.05198, §4.2.2.
+"How to Parallelize a Transformer for Training"). Sources: Shoeybi et al. 2019, "Megatron-LM",
+arXiv 1909.08053, §3; Korthikanti et al. 2022, arXiv 2205.05198, §4.2.2 (SP).
 """
 
 from .apply import (apply_tp, check_plan_covers, tp_activation_bytes, tp_bytes_by_tag, tp_plan,

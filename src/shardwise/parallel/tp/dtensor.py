@@ -1,39 +1,12 @@
 """``--engine torch`` for TP: the plan of :mod:`.apply` through PyTorch DTensor (the twin).
 
 ``torch.distributed.tensor.parallel.parallelize_module`` on ``topo.mesh["tp"]`` with the same
-layout as our explicit modules (torchtitan's Llama plan is the model):
-
-========================================  ===================================================
-module                                    style
-========================================  ===================================================
-``tok_embeddings``                        ``RowwiseParallel`` (vocab rows; output Replicate,
-                                          or Shard(1) = sequence shards with SP)
-``layers.i.attention`` / ``feed_forward``  ``PrepareModuleInput``: the block input enters the
-                                          TP region once (Replicate; with SP all-gathered
-                                          from Shard(1)) — one backward all-reduce (f) or
-                                          reduce-scatter per region, as in Megatron
-``attention.wq/wk/wv``, ``w1``, ``w3``      ``ColwiseParallel`` (heads / hidden units)
-``attention.wo``, ``w2``                    ``RowwiseParallel`` (output Replicate = g, or
-                                          Shard(1) = reduce-scatter with SP)
-``attention_norm``, ``ffn_norm``, ``norm``  ``SequenceParallel`` (SP only: norms on sequence
-                                          shards, weights Replicate; DTensor all-reduces their
-                                          partial gradients)
-``output``                                ``ColwiseParallel`` over the vocabulary, output a
-                                          DTensor sharded on the last dim (never gathered)
-loss                                      ``loss_parallel()``: ``F.cross_entropy`` on the
-                                          vocab-sharded DTensor logits
-========================================  ===================================================
-
-DTensor shards the vocabulary unevenly when tp does not divide it (``torch.chunk`` sizes), so
-there is no padding here. Tied embeddings: ``parallelize_module`` gives the embedding and the
-head separate sharded Parameters; both are Shard(0) over the same mesh, so we re-tie them.
-
-DTensor issues its collectives through functional collectives, not :mod:`shardwise.comm`. So that
-the ledger still sees them, :class:`BookFunctionalCollectives` (a ``TorchDispatchMode``, the
-mechanism of PyTorch's own ``CommDebugMode``) books every functional collective dispatched during
-``forward_backward`` in ``topo.ledger`` (tag ``"tp_fwd"`` in forward, ``"tp_bwd"`` inside
-backward, ``"ce"`` for ``loss_parallel``'s cross-entropy, as the explicit engine books them;
-``seconds`` = launch time only: functional collectives are waited for lazily).
+layout as our explicit modules (:func:`dtensor_tp_plan`; torchtitan's Llama plan is the model),
+so the same collectives move over tp. DTensor issues them as functional collectives, not through
+:mod:`shardwise.comm`; :class:`BookFunctionalCollectives` books them in the same ledger under
+the explicit engine's tags, so both engines equal the same formula
+(:func:`~.apply.tp_step_bytes_formula`). How it differs from the explicit path (SP gradients,
+padding, tied embeddings): docs/tensor-parallel.md §3.
 Limitations: dropout in this path draws from the default RNG (no tp-aware RNG regions), so use
 it with dropout 0.
 """
@@ -80,7 +53,8 @@ class BookFunctionalCollectives(TorchDispatchMode):
     """While active, book every ``torch.ops._c10d_functional`` collective in ``topo.ledger``
     (op, axis found from the process group's name, dtype, shape, S, ring bytes). S follows the
     ledger's convention: the all-gather's output, the reduce-scatter's input, the buffer of an
-    all-reduce.
+    all-reduce. ``seconds`` is the launch time only (functional collectives are waited for
+    lazily). The mechanism is PyTorch's own ``CommDebugMode``'s.
 
     ``c10d_tag``: also book the in-place process-group all-reduce ``c10d::allreduce_`` under
     this tag (FSDP2's ``replicate`` all-reduces gradients with ``torch.distributed.all_reduce``
@@ -158,7 +132,33 @@ class BookFunctionalCollectives(TorchDispatchMode):
 
 
 def dtensor_tp_plan(model: Llama, sp: bool) -> dict:
-    """The ``parallelize_module`` plan {FQN: ParallelStyle} for ``model`` (see module docstring)."""
+    """The ``parallelize_module`` plan {FQN: ParallelStyle} for ``model``:
+
+    ========================================  ===================================================
+    module                                    style
+    ========================================  ===================================================
+    ``tok_embeddings``                        ``RowwiseParallel`` (vocab rows; output Replicate,
+                                              or Shard(1) = sequence shards with SP)
+    ``layers.i.attention`` / ``feed_forward``  ``PrepareModuleInput``: the block input enters the
+                                              TP region once (Replicate; with SP all-gathered
+                                              from Shard(1)) — one backward all-reduce (f) or
+                                              reduce-scatter per region, as in Megatron
+    ``attention.wq/wk/wv``, ``w1``, ``w3``      ``ColwiseParallel`` (heads / hidden units)
+    ``attention.wo``, ``w2``                    ``RowwiseParallel`` (output Replicate = g, or
+                                              Shard(1) = reduce-scatter with SP)
+    ``attention_norm``, ``ffn_norm``, ``norm``  ``SequenceParallel`` (SP only: norms on sequence
+                                              shards, weights Replicate; DTensor all-reduces their
+                                              partial gradients)
+    ``output``                                ``ColwiseParallel`` over the vocabulary, output a
+                                              DTensor sharded on the last dim (never gathered)
+    loss                                      ``loss_parallel()``: ``F.cross_entropy`` on the
+                                              vocab-sharded DTensor logits
+    ========================================  ===================================================
+
+    DTensor shards the vocabulary unevenly when tp does not divide it (``torch.chunk`` sizes), so
+    there is no padding. ``parallelize_module`` gives the embedding and the head separate
+    Parameters; both are Shard(0) on the same mesh, so :func:`parallelize_tensor_dtensor`
+    re-ties them."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                    RowwiseParallel, SequenceParallel)
@@ -194,7 +194,7 @@ def reduce_partial_grads(params, topo, tag: str = "sp_grad") -> None:
     """SP under DTensor: the norm weights' gradients are left ``Partial(sum)`` (each tp rank
     summed over its sequence shard) and DTensor would reduce them lazily, wherever they are next
     used. Reduce them here instead, all in one flat all-reduce over tp through
-    :mod:`shardwise.comm` (:func:`.params.sum_coalesced_`, tag ``sp_grad`` as on the explicit
+    :mod:`shardwise.comm` (:func:`..params.sum_coalesced_`, tag ``sp_grad`` as on the explicit
     engine), and store them ``Replicate``. Nothing is sent when no gradient is Partial."""
     from torch.distributed.tensor import DTensor, Replicate
 

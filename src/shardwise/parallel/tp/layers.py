@@ -1,30 +1,21 @@
 """The tensor-parallel layers: each takes the plain module it replaces and keeps this rank's shard.
 
-Megatron-LM's split (Shoeybi et al. 2019, arXiv 1909.08053, §3): a linear layer Y = X A can be
-split over n tp ranks by output columns (**column-parallel**: rank i computes Y_i = X A_i from
-the whole X, no communication) or by input rows (**row-parallel**: rank i computes X_i A_i and
-Y = Σ_i X_i A_i needs a SUM). A column layer followed by a row layer therefore needs one
-collective in forward (g, at the exit) and one in backward (f, at the entry), and nothing in
-between: the op between them works on the local shard. In a Llama block:
-
-* attention: wq, wk, wv column-parallel *by heads*, attention on the local heads, wo row-parallel;
-* SwiGLU MLP: w1, w3 column-parallel (f/n hidden units), silu(w1 x)·(w3 x) local, w2
-  row-parallel;
-* embedding: rows split by vocabulary (:class:`VocabParallelEmbedding`); output head:
-  column-parallel over the vocabulary, producing *local* logits [b, s, V_pad/n] for the
-  vocab-parallel cross-entropy (:mod:`.loss`), which never gathers them;
-* a vocabulary that n does not divide is padded with zero rows to a multiple of n
-  (:func:`padded_vocab_size`); no token id reaches a padded row, and the loss masks the padded
-  logits, so padding changes neither the loss nor any gradient, and the padded rows stay 0 under
-  AdamW (zero gradient → zero moments → zero update; weight decay of 0 is 0).
-
-With sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198, §4.2.2) the activations
-between the regions are sequence shards [b, s/n, d] and the region's entry/exit are an all-gather
-and a reduce-scatter (:func:`enter_tp_region`, :func:`exit_tp_region`; the collectives are in
-:mod:`.comms`). Dropout draws from tp-aware RNG regions (:class:`TPRNG`).
+Megatron-LM's split (Shoeybi et al. 2019, arXiv 1909.08053, §3): a column-parallel layer
+(:class:`ColumnParallelLinear`, output features sharded over tp) needs no collective; a
+row-parallel one (:class:`RowParallelLinear`, input features sharded) ends with a SUM over tp. A
+column layer followed by a row layer therefore needs one collective in forward (g, at the exit)
+and one in backward (f, at the entry), and nothing in between: attention is split by heads, the
+SwiGLU MLP by hidden units, the embedding by vocabulary rows, the head by vocabulary columns
+(local logits for :mod:`.loss`, never gathered). A vocabulary n does not divide is padded with
+zero rows to a multiple of n (:func:`padded_vocab_size`), which changes neither the loss nor any
+gradient; the padded rows stay 0 under AdamW. With sequence parallelism (Korthikanti et al. 2022,
+arXiv 2205.05198, §4.2.2) the activations between the regions are sequence shards [b, s/n, d]
+and the entry/exit are an all-gather and a reduce-scatter (:func:`enter_tp_region`,
+:func:`exit_tp_region`; the collectives are in :mod:`.comms`). Dropout draws from tp-aware RNG
+regions (:class:`TPRNG`).
 
 Shapes: ``b`` batch, ``s`` sequence, ``d`` d_model, ``h``/``k`` query/kv heads, ``hd`` head dim,
-``f`` d_ff, ``V`` vocabulary, ``n`` = tp.
+``f`` d_ff, ``V`` vocabulary, ``n`` = tp. Derivation and pitfalls: docs/tensor-parallel.md §1, §4.
 """
 
 from __future__ import annotations
@@ -50,19 +41,16 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
 
 class TPRNG:
     """Two saved RNG states for dropout, one per kind of activation (Megatron's
-    ``CudaRNGStatesTracker``).
-
-    Where an activation is *replicated* over tp (residual-branch dropout without SP), every tp
-    rank must drop the same elements, or the replicas diverge. Where it is *sharded* (attention
-    dropout on the local heads; residual dropout on sequence shards with SP), ranks must draw
-    *different* masks, or the shards get correlated masks. So ``"replicated"`` is seeded
-    ``seed + 1000·dp_index`` (equal on all tp ranks) and ``"sharded"`` ``seed + 2718 + tp_index
-    + 1000·dp_index`` (different on each tp rank; 2718 as in Megatron's
-    ``model_parallel_cuda_manual_seed``).
+    ``CudaRNGStatesTracker``; the policy: docs/tensor-parallel.md §1). ``"replicated"`` (residual
+    dropout without SP: every tp rank must drop the same elements) is seeded
+    ``seed + 1000·dp_index``; ``"sharded"`` (attention dropout on the local heads, residual
+    dropout on SP sequence shards: a different mask per tp rank) ``seed + 2718 + tp_index +
+    1000·dp_index`` (2718 as in Megatron's ``model_parallel_cuda_manual_seed``).
 
     ``fork("replicated")`` / ``fork("sharded")`` swap the default generator of ``topo.device``
     to that state for the block, save the advanced state, and restore the default generator, so
-    the masks do not depend on what else consumes random numbers."""
+    the masks do not depend on what else consumes random numbers (``ValueError`` for another
+    region)."""
 
     REGIONS = ("replicated", "sharded")
 

@@ -27,11 +27,10 @@ relies on the pinned torch); DDP's buckets through a comm hook (as in
 broadcasts (it calls ``torch.distributed.broadcast`` itself and offers no hook) and the initial
 broadcast DDP does at construction.
 
-Gradients are **summed** over dp (each rank's loss is already divided by the global token count):
-FSDP2 gets ``set_gradient_divide_factor(1.0)`` and ``set_force_sum_reduction_for_comms(True)``,
-DDP a SUM comm hook. The global grad norm of FSDP2's sharded gradients is one all_reduce of the
-fp64 sum of squares of the local shards (through :mod:`shardwise.comm`, tag ``grad_norm``), as in
-the explicit engine; ZeRO-1's gradients are replicated, so its norm needs no collective.
+Gradients are **summed** over dp (each rank's loss is already divided by the global token count;
+FSDP2: :func:`apply_fsdp`, DDP: a SUM comm hook). The global grad norm of FSDP2's sharded
+gradients is one fp64 all_reduce over dp (tag ``grad_norm``), as in the explicit engine; ZeRO-1's
+gradients are replicated, so its norm needs no collective. Measurements: docs/zero.md §3.
 """
 
 from __future__ import annotations

@@ -6,12 +6,9 @@ A unit is a submodule whose parameters form one flat buffer (:mod:`.flat`): by d
 final norm, output head). A tied weight is one parameter and must live in exactly one unit (the
 root, by default). PyTorch FSDP2 wraps the same units (:mod:`.torch_zero`).
 
-A unit's parameters are all-gathered over dp when it runs (ZeRO-3, FSDP2), so two ranks'
-all-gathers pair up only if both run the units in the same order. On the first forward (and, for
-the explicit ZeRO-3, the first backward) every rank first agrees on the unit it is about to
-gather (:class:`UnitOrderCheck`): one all_gather of an int64 [3] row per unit plus one for the end
-of the pass, phase ``"order_check"``, tag ``"unit_order"``, outside a step's bytes. Afterwards it
-costs nothing.
+What moves, first step only: one all_gather over dp (or the world) of an int64 [3] row per unit
+and pass checked, plus one at the end of the pass (:class:`UnitOrderCheck`; phase
+``"order_check"``, tag ``"unit_order"``, outside a step's bytes). Why: docs/zero.md, limitations.
 """
 
 from __future__ import annotations
@@ -111,11 +108,10 @@ class UnitOrderCheck:
     """The first step's check that every rank runs the ZeRO-3 / FSDP2 units in the same order.
 
     A unit's parameters are all-gathered when it runs (or is prefetched), so the all-gathers of
-    two ranks pair up only if both run the units in the same order. A model whose forward
-    depends on the rank (``if rank == 1: blocks = reversed(blocks)``) would otherwise hang in the
-    gathers, or, with units of equal size, silently gather one unit's shards into another's
-    parameters (wrong gradients). :meth:`agree` is called before a unit's forward (and, in the
-    explicit engine, its backward) does anything else, so before its all-gather: one all_gather
+    two ranks pair up only if both run the units in the same order; a rank-dependent order would
+    hang, or silently mix units of equal size (docs/zero.md, limitations). :meth:`agree` is
+    called before a unit's forward (and, in the explicit engine, its backward) does anything
+    else, so before its all-gather: one all_gather
     over ``axis`` of an int64 [3] row (pass, position k in the pass, unit index; index −1 = the
     end of the pass), booked under ledger phase ``"order_check"``, tag ``"unit_order"`` (not in
     :meth:`~shardwise.comm.Ledger.step_bytes`). Every rank compares the rows and on any

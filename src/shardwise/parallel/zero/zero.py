@@ -24,8 +24,7 @@ an all_reduce sends 2(n−1)/n·S, an all_gather or reduce_scatter (n−1)/n·S)
   accumulation) + all_gather of the updated parameters (tag ``param``): 2Ψb(n−1)/n, **the same
   as DP** (§7.2.1: an all_reduce *is* a reduce_scatter then an all_gather; ZeRO runs the
   optimizer in between).
-* ZeRO-3 (:mod:`.zero3`): parameters gathered before each unit's forward and again before its
-  backward, gradients reduce-scattered: 3Ψb(n−1)/n, 1.5× DP (§7.2.2).
+* ZeRO-3 (:mod:`.zero3`, which has the terms): 3Ψb(n−1)/n, 1.5× DP (§7.2.2).
 * ``reduce_dtype="bf16"``: the reduce_scatter moves bf16 (b = 2 in its term only).
 * Every stage: one all_reduce of one fp64 scalar, Σ g² of the local slices (tag ``grad_norm``,
   2(n−1)/n·8): clipping needs the norm of the *whole* gradient.
@@ -165,12 +164,11 @@ class ZeroDataParallel(Engine):
     ``reduce_dtype``: "fp32" | "bf16" (:func:`..data.reduce_torch_dtype`). ``prefetch`` /
     ``reshard_after_forward``: ZeRO-3 only.
 
-    **Gradients.** A post-accumulate-grad hook counts arrivals per unit. When a unit's gradients
-    are complete on the last micro-step, its flat gradient is reduce-scattered (SUM: each loss is
-    already divided by the global token count) asynchronously while backward goes on, strictly in
-    backward order (blocks reversed, then the root with the tied embedding, whose gradient comes
-    last), so that every rank issues the same sequence. ZeRO-1 keeps the full gradient buffer;
-    ZeRO-2/3 keep only the slice. Earlier micro-steps only accumulate full local gradients.
+    **Gradients.** When a unit's gradients are complete on the last micro-step (a
+    post-accumulate-grad hook counts arrivals), its flat gradient is reduce-scattered (SUM)
+    asynchronously while backward goes on, strictly in backward order (blocks reversed, then the
+    root), so every rank issues the same sequence. ZeRO-1 keeps the full gradient buffer;
+    ZeRO-2/3 only the slice. Earlier micro-steps only accumulate full local gradients.
 
     Inside dp × tp (:mod:`..compose`) the module holds this tp rank's shards; only their
     placements (:func:`..params.tp_sharded`) are read here: the norm's counting, the SP sum.

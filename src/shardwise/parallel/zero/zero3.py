@@ -57,29 +57,27 @@ class Zero3DataParallel(ZeroDataParallel, stage=3):
     """ZeRO-3: :class:`.zero.ZeroDataParallel`'s gradient sync (ZeRO-2's: slices only) with the
     parameters sharded too; built by ``ZeroDataParallel(module, topo, 3, ...)``.
 
-    **Gather and free.** The module's parameters stay views of each unit's ``full`` buffer, but
-    its storage is allocated only while the unit is *gathered*: freeing is
-    ``untyped_storage().resize_(0)``, gathering is ``resize_`` back plus an all_gather of the
-    slices into it. The storage is freed, not the tensors, so the views autograd saved during
-    forward (e.g. a Linear's weight) see the re-gathered values in backward (the FSDP technique).
+    **Gather and free.** Each unit's ``full`` buffer has storage only while the unit is
+    *gathered*: freeing is ``untyped_storage().resize_(0)``, gathering is ``resize_`` back plus
+    an all_gather of the slices into it, so the views autograd saved during forward (e.g. a
+    Linear's weight) see the re-gathered values in backward (the FSDP technique).
 
-    **Forward/backward.** A forward pre-hook on each block gathers it (waiting for its prefetch if
-    one is in flight) and, with ``prefetch=True``, launches the async all_gather of the next
-    block so that it overlaps this one's compute (FSDP paper, Zhao et al. 2023, "Forward
-    Prefetching"). A forward hook frees the block (``reshard_after_forward``) and wraps its
-    output in :class:`_PreBackward`, whose backward gathers the block again just before autograd
-    enters it and prefetches the block backward reaches next ("Backward Prefetching"). When a
-    unit's last gradient has arrived it is freed again. Blocks are assumed to run in the order
-    given (module order by default); another order, the same on every rank, stays correct (the
-    prefetch is wasted); an order that differs between ranks is an error on the first step
+    **Forward/backward.** A forward pre-hook on each block gathers it (or waits for its
+    prefetch) and, with ``prefetch=True``, launches the next block's all_gather (FSDP paper,
+    Zhao et al. 2023, "Forward Prefetching"). A forward hook frees the block
+    (``reshard_after_forward``) and wraps its output in :class:`_PreBackward`, which gathers it
+    again just before autograd enters it and prefetches the block backward reaches next
+    ("Backward Prefetching"). A unit is freed when its last gradient has arrived. Blocks are
+    assumed to run in the order given; another order, the same on every rank, only wastes the
+    prefetch; one that differs between ranks is an error on the first step
     (:class:`.units.UnitOrderCheck`, forward and backward).
 
-    **The root and tied embeddings.** A tied weight lives in one unit, the root by default. The
-    root is gathered by a pre-hook on the whole model and freed only when its last gradient has
-    arrived — at the end of backward (the embedding's gradient comes last) — so every use finds it
-    gathered (PyTorch FSDP2 does the same with its root module). A forward under ``no_grad``
-    (evaluation) frees every unit after it; :meth:`summon_full_params` keeps them gathered for
-    many forwards (sampling); every step starts with all units freed.
+    **The root and tied embeddings.** A tied weight lives in one unit, the root by default,
+    gathered by a pre-hook on the whole model and freed only when its last gradient (the
+    embedding's, at the end of backward) has arrived, so every use finds it gathered (as FSDP2's
+    root). A forward under ``no_grad`` (evaluation) frees every unit after it;
+    :meth:`summon_full_params` keeps them gathered for many forwards (sampling); every step
+    starts with all units freed.
 
     In ZeRO-3 read full parameters only through :meth:`named_full_parameters` or inside
     :meth:`summon_full_params`.
