@@ -119,10 +119,13 @@ class Engine(nn.Module):
         return {}
 
     def sum_replicated_grads(self) -> None:
-        """SP inside dp × tp: SUM over tp the gradients this rank holds of the tp-replicated
-        parameters (the norm weights, whose gradient on one tp rank covers only its s/tp
-        positions), after the dp reduction — one flat all-reduce, tag ``sp_grad``. Here: the
-        whole gradients of the module's replicated parameters; ZeRO sums its slice only."""
+        """The SP finisher, written once: SUM over tp the gradients this rank holds of the
+        tp-replicated parameters (the norm weights, whose gradient on one tp rank covers only
+        its s/tp positions) — one flat all-reduce, tag ``sp_grad``. TP and the pipeline's TP
+        stages call it after backward; inside dp × tp, :class:`.model.ParallelModel` calls the
+        dp part's after the dp reduction. Here: the whole gradients of the module's replicated
+        parameters; ZeRO sums its slice only; the DTensor engines reduce their ``Partial``
+        gradients (:func:`.tp.dtensor.reduce_partial_grads`)."""
         rep = [p for p in dict.fromkeys(self.module.parameters()) if not tp_sharded(p)]
         sum_coalesced_(grads_or_zeros(rep), self.topo, "tp", tag="sp_grad")
 

@@ -118,7 +118,7 @@ class TorchPipelineParallel(PipelineParallel):
         microbatch), so no flat buffers here."""
         return None
 
-    def _sync_sp_grads(self) -> None:
+    def sum_replicated_grads(self) -> None:
         """SP: DTensor leaves the norm weights' gradients ``Partial(sum)``; reduce them in one
         flat all-reduce over tp (:func:`..tp.dtensor.reduce_partial_grads`, tag ``sp_grad``)."""
         reduce_partial_grads(self._params(), self.topo)

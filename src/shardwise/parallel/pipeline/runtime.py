@@ -44,7 +44,7 @@ from ...models import count_items
 from ..data import GradBuckets
 from ..engine import Engine
 from ..layout import Layout
-from ..params import counted_grads, grads_or_zeros, local as _local, sum_coalesced_, tp_sharded
+from ..params import counted_grads, local as _local, tp_sharded
 from ..tp import apply_tp, tp_activation_bytes, vocab_parallel_cross_entropy
 from ..zero.flat import (FlatShards, gather_named, gather_optimizer_state, load_optimizer_state,
                          sharded_optimizer)
@@ -279,12 +279,6 @@ class PipelineParallel(Engine):
         yield None
 
     # -- after backward --------------------------------------------------------------------------
-    def _sync_sp_grads(self) -> None:
-        """SP: the tp-replicated parameters (norm weights) saw only this rank's sequence shard:
-        SUM their partial gradients over tp, one flat all-reduce (tag ``sp_grad``)."""
-        rep = [p for p in self._params() if not tp_sharded(p)]
-        sum_coalesced_(grads_or_zeros(rep), self.topo, "tp", tag="sp_grad")
-
     @torch.no_grad()
     def finish_gradient_sync(self) -> None:
         """Sum the tied embedding's gradient shard between the first and the last stage (each
@@ -297,7 +291,7 @@ class PipelineParallel(Engine):
             swap_tied_grads(stage.tok_embeddings.weight if self.is_first else stage.tied_output,
                             self.topo, self.is_first, self.p)
         if self.tp > 1 and self.sp:
-            self._sync_sp_grads()
+            self.sum_replicated_grads()
         if self.zero1 is not None:
             self.zero1.reduce_scatter()
         elif self.dp_sync is not None:

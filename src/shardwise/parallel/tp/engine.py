@@ -17,7 +17,6 @@ import torch
 
 from ...models.llama import IGNORE_INDEX, Llama
 from ..engine import Engine
-from ..params import grads_or_zeros, sum_coalesced_, tp_sharded
 from .apply import apply_tp, tp_bytes_by_tag
 from .comms import AXIS
 from .layers import TPRNG, VocabParallelHead
@@ -49,9 +48,6 @@ class TensorParallel(Engine):
     def __init__(self, module: Llama, topo, sp: bool, rng: TPRNG):
         super().__init__(module)
         self.topo, self.sp, self.rng = topo, sp, rng
-        params = list(dict.fromkeys(module.parameters()))
-        self.replicated = [p for p in params if not tp_sharded(p)]
-        self.sharded = [p for p in params if tp_sharded(p)]
 
     @property
     def head(self) -> VocabParallelHead:
@@ -70,14 +66,10 @@ class TensorParallel(Engine):
         return self.loss_sum_and_count(batch)[0]
 
     def finish_gradient_sync(self) -> None:
-        """With SP: SUM the norm weights' partial gradients over tp (one flat all-reduce)."""
+        """With SP: SUM the norm weights' partial gradients over tp, one flat all-reduce of
+        (2L+1)·d fp32 (the base engine's :meth:`sum_replicated_grads`)."""
         if self.sp:
-            self.reduce_replicated_grads(tag="sp_grad")
-
-    def reduce_replicated_grads(self, tag: str = "sp_grad") -> None:
-        """SUM the replicated parameters' (norm weights') gradients over tp: one flat
-        all-reduce of (2L+1)·d fp32 (:func:`~shardwise.parallel.params.sum_coalesced_`)."""
-        sum_coalesced_(grads_or_zeros(self.replicated), self.topo, AXIS, tag=tag)
+            self.sum_replicated_grads()
 
     def norm_axes(self) -> tuple[str, ...]:
         return (AXIS,)
