@@ -7,11 +7,11 @@ import json
 import pytest
 
 from shardwise.errors import ShardwiseConfigError
-from shardwise.parallel.pipeline import (SCHEDULES, Action, Costs, DeadlockError, Schedule,
+from shardwise.parallel.pp import (SCHEDULES, Action, Costs, DeadlockError, Schedule,
                                          ScheduleError, bubble_formula, build_schedule,
                                          format_schedule, peak_activations, simulate,
                                          split_layers, validate_pp)
-from shardwise.parallel.pipeline.schedules import rounds_of
+from shardwise.parallel.pp.schedules import rounds_of
 from shardwise.viz.timeline import bubble_of, chrome_trace, draw_timeline
 
 UNIT = Costs(t_f=1.0, t_b=1.0, t_w=1.0)

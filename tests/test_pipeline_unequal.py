@@ -118,7 +118,7 @@ def test_unequal_microbatches_with_tp_or_dp_ledger_equals_formula(results4, case
 def test_activation_shape_from_each_microbatch_or_its_targets():
     """A rank sizes each receive from that micro-batch's own rows, read from the inputs or, when
     it holds only the targets, from them: [b, s, d] (SP over 2: [b, s/2, d]); MLP [b, D]."""
-    from shardwise.parallel.pipeline.split import activation_shape
+    from shardwise.parallel.pp.split import activation_shape
 
     cfg = build_model("tiny", vocab_size=W.V, n_layers=2).config
     ids = torch.zeros(3, W.SEQ, dtype=torch.long)

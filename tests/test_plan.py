@@ -11,7 +11,7 @@ published large runs.
 * The FakeTensorMode estimator (a subprocess: it needs its own fake process group) against the
   same formulas, at the real size of Llama 3 8B.
 * Pipeline bubbles against a small discrete-event simulation of GPipe and 1F1B written here,
-  and against ``shardwise.parallel.pipeline.simulate`` (GPipe, 1F1B, interleaved 1F1B, ZB-H1)
+  and against ``shardwise.parallel.pp.simulate`` (GPipe, 1F1B, interleaved 1F1B, ZB-H1)
   when that package is present.
 * Published runs: Llama 3 405B (Table 4) and Korthikanti et al. 2022 (Table 5), ±5 MFU points.
 """
@@ -361,9 +361,9 @@ def test_bubble_equals_the_pipeline_simulator(name, p, m, v):
     idle time per rank = makespan − m·t_mb = the planner's bubble."""
     import importlib
 
-    from shardwise.parallel.pipeline.schedules import build_schedule
+    from shardwise.parallel.pp.schedules import build_schedule
 
-    sim = importlib.import_module("shardwise.parallel.pipeline.simulate")
+    sim = importlib.import_module("shardwise.parallel.pp.simulate")
 
     result = sim.simulate(build_schedule(name, p, m, v if v > 1 else None), sim.Costs(1, 1, 1))
     t_mb = 3.0

@@ -28,7 +28,7 @@ from shardwise.formulas import step_bytes_formula
 from shardwise.models import build_model
 from shardwise.parallel.apply import Layout, parallelize
 from shardwise.parallel.compose import parallelize_2d
-from shardwise.parallel.data import DataParallel
+from shardwise.parallel.dp import DataParallel
 from shardwise.parallel.tp import TPDropout
 from shardwise.topology import Topology, init_distributed
 from shardwise.train.optim import build_optimizer

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from shardwise.tools.trace import trace_pipeline
 from shardwise.config import TrainConfig
 from shardwise.models import build_model
-from shardwise.parallel.pipeline import build_pipeline
+from shardwise.parallel.pp import build_pipeline
 from shardwise.topology import Topology, init_distributed
 from shardwise.train.optim import build_optimizer
 from shardwise.train.step import train_step

@@ -7,11 +7,11 @@ One function, :func:`parallelize`, turns a plain model into an :class:`~.engine.
 =======================  ===========================  =======================================
 layout                   explicit                     torch
 =======================  ===========================  =======================================
-dp (zero 0)              :mod:`.data` DataParallel    DDP (:mod:`.builtin`)
+dp (zero 0)              :mod:`.dp` DataParallel    DDP (:mod:`.dp.ddp`)
 dp, zero 1/2/3           :mod:`.zero`                 ZeroRedundancyOptimizer / FSDP2
 tp [+ sp]                :mod:`.tp` (Megatron f/g)    DTensor ``parallelize_module``
 dp × tp [zero] (2D)      :mod:`.compose`              DTensor + FSDP2 (:mod:`.compose_torch`)
-pp × dp [zero 1] [× tp]  :mod:`.pipeline` runtime     ``torch.distributed.pipelining``
+pp × dp [zero 1] [× tp]  :mod:`.pp` runtime     ``torch.distributed.pipelining``
 =======================  ===========================  =======================================
 
 dp × tp on either engine is one :class:`~.model.ParallelModel` of the tp part and the dp part.
@@ -54,7 +54,7 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     dp_kw = dict(bucket_mb=bucket_mb, overlap=overlap, prefetch=prefetch,
                  reshard_after_forward=reshard_after_forward, reduce_dtype=reduce_dtype)
     if layout.pp > 1:  # PP (× DP/ZeRO-1) (× TP): the pipeline engines compose the rest
-        from .pipeline import build_pipeline
+        from .pp import build_pipeline
 
         return build_pipeline(model, topo, layout=layout, engine=engine,
                               layers_per_stage=layers_per_stage, seed=seed, **dp_kw)
@@ -85,11 +85,11 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
 
         return TorchZero(model, topo, layout.zero, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
     if engine == "explicit":
-        from .data import DataParallel
+        from .dp import DataParallel
 
         return DataParallel(model, topo, bucket_mb=bucket_mb, overlap=overlap,
                             reduce_dtype=reduce_dtype)
-    from .builtin import TorchDataParallel
+    from .dp import TorchDataParallel
 
     return TorchDataParallel(model, topo, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
 

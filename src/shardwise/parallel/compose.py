@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .data import DataParallel
+from .dp import DataParallel
 from .model import ParallelModel
 from .tp import parallelize_tensor
 from .zero import ZeroDataParallel

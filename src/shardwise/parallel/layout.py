@@ -3,7 +3,7 @@
 A :class:`Layout` holds the degrees (dp × tp × pp), the ZeRO stage, sequence parallelism and the
 pipeline schedule. :meth:`Layout.check` is the one place a layout is refused: it runs every
 cross-strategy rule and calls each strategy's own check (:func:`~.zero.validate_zero`,
-:func:`~.tp.validate_tp`, :func:`~.pipeline.split.validate_pp`), raising
+:func:`~.tp.validate_tp`, :func:`~.pp.split.validate_pp`), raising
 :class:`~shardwise.errors.ShardwiseConfigError` with the constraint and the fix, on every rank,
 before any collective. Its callers:
 
@@ -47,7 +47,7 @@ class Layout:
     def chunks(self) -> int:
         """Model chunks per pipeline rank, v: 1 when pp = 1; else ``virtual_stages``, or the
         schedule's default when 0 (2 for interleaved-1f1b, else 1, as
-        :func:`~.pipeline.schedules.check_schedule` resolves it)."""
+        :func:`~.pp.schedules.check_schedule` resolves it)."""
         if self.pp == 1:
             return 1
         return self.virtual_stages or (2 if self.schedule == "interleaved-1f1b" else 1)
@@ -103,12 +103,12 @@ class Layout:
            (m× the gradient / parameter traffic per step for memory ZeRO-1 mostly saves
            already: docs/composition.md §5).
         2. the engine's shape (``composition``) and the topology's degrees;
-        3. the reduce dtype: fp32 or bf16 (:func:`~.data.reduce_torch_dtype`);
+        3. the reduce dtype: fp32 or bf16 (:func:`~.dp.reduce_torch_dtype`);
         4. the model: tp > 1 needs a Llama-style model whose heads, kv heads, d_ff (and, with
            SP, ``seq_len``) tp divides (:func:`~.tp.validate_tp`); pp > 1 needs at least pp
            microbatches that divide the batch and a layer split that fits
-           (:func:`~.pipeline.split.validate_pp`)."""
-        from .data import reduce_torch_dtype
+           (:func:`~.pp.split.validate_pp`)."""
+        from .dp import reduce_torch_dtype
         from .tp import validate_tp
         from .zero import validate_zero
 
@@ -143,7 +143,7 @@ class Layout:
         if self.tp > 1:
             validate_tp(cfg, self.tp, self.sp, seq_len)
         if self.pp > 1 and global_batch is not None and micro_batch is not None:
-            from .pipeline.split import validate_pp
+            from .pp.split import validate_pp
 
             local = global_batch // self.dp
             m = self.microbatches or max(1, local // micro_batch)
@@ -161,7 +161,7 @@ class Layout:
 def parse_layout(text: str) -> Layout:
     """``"dp=2"``, ``"dp=2,zero=3"``, ``"tp=2,sp"``, ``"pp=4,schedule=1f1b,m=8"`` → Layout, checked
     by :meth:`Layout.check` (the layout alone). Raises ShardwiseConfigError naming the syntax."""
-    from .pipeline.schedules import SCHEDULES
+    from .pp.schedules import SCHEDULES
 
     kw: dict = {}
     for part in text.split(","):

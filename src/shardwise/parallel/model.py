@@ -2,7 +2,7 @@
 
 dp × tp on either engine is a TP strategy (``tp``: :class:`~.tp.TensorParallel` or
 :class:`~.tp.TorchTensorParallel`, which converted the plain model) and a gradient sync over dp
-(``dp``: :class:`~.data.DataParallel`, :class:`~.zero.ZeroDataParallel`, or FSDP2 over DTensor
+(``dp``: :class:`~.dp.DataParallel`, :class:`~.zero.ZeroDataParallel`, or FSDP2 over DTensor
 TP, :class:`~.compose_torch.FSDP2Sync`) wrapping the same converted module. Each member of the
 engine interface is answered by the part that owns it, in one place:
 

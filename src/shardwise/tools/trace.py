@@ -7,7 +7,7 @@ dtype, shape, bytes, ms), then per tag the ledger's bytes next to the formula of
 :func:`shardwise.formulas.memory_formula`.
 
 :func:`trace_pipeline` gathers one step's action timestamps from every pp rank
-(:func:`shardwise.parallel.pipeline.gather_timeline`, a collective over "pp") and draws
+(:func:`shardwise.parallel.pp.gather_timeline`, a collective over "pp") and draws
 them with :mod:`shardwise.viz.timeline`: ``<name>.png`` (ranks × time, one colour per action
 kind) and ``<name>.trace.json`` (Chrome trace, opens in ui.perfetto.dev). ``shardwise trace
 --pp 4 --schedule 1f1b --microbatches 8`` calls it after its step; so does ``shardwise bench
@@ -24,7 +24,7 @@ from .. import comm
 from ..config import TrainConfig
 from ..formulas import memory_formula, step_bytes_formula
 from ..parallel.apply import Layout, parallelize
-from ..parallel.pipeline import gather_timeline
+from ..parallel.pp import gather_timeline
 from ..topology import Topology
 from ..train.step import train_step
 from ..train.workload import SyntheticLMWorkload

@@ -4,7 +4,7 @@ The sync points, in order, and why:
 
 1. all_reduce of the step's counted-token total T over dp (before any forward): every rank
    divides its token-loss sum by the *global* T, so summed gradients are exactly ∇ of the
-   token-weighted global mean (see :mod:`shardwise.parallel.data`).
+   token-weighted global mean (see :mod:`shardwise.parallel.dp`).
 2. micro-steps: forward + backward; gradient sync is suppressed on all but the last one, where
    bucket all-reduces launch from the backward hooks (overlapping compute).
 3. finish_gradient_sync: wait for the buckets before touching gradients.

@@ -183,7 +183,7 @@ def _set_submodule(model: nn.Module, fqn: str, new: nn.Module) -> None:
 def apply_tp(model: nn.Module, topo, sp: bool = False, *, seed: int = 0) -> TPRNG:
     """Convert ``model`` in place for tensor parallelism over ``topo``'s "tp" axis (sequence
     parallelism with ``sp``) and return the dropout RNG (:class:`~.layers.TPRNG`, seeded by
-    ``seed``). ``model``: a plain Llama, or one pipeline stage of it (``pipeline.split.
+    ``seed``). ``model``: a plain Llama, or one pipeline stage of it (``pp.split.
     StageModule``: the blocks it holds, the embedding on the first stage, the head on the last).
 
     Order: (1) :func:`validate_tp` and :func:`check_plan_covers` — ShardwiseConfigError before

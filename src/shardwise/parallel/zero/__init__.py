@@ -4,7 +4,7 @@ Reading order:
 
 * :mod:`.flat` — the mechanism: flat padded buffers sharded over dp, their pieces, the sharded
   optimizer, full-shape gathers. Used per unit by ZeRO-1/2/3, and per stage by the pipeline's
-  ZeRO-1 (:mod:`..pipeline.runtime`).
+  ZeRO-1 (:mod:`..pp.runtime`).
 * :mod:`.zero` — ZeRO-1/2: reduce_scatter, sharded step, all_gather; the memory and byte
   formulas (ZeRO paper §5, §7) and :func:`validate_zero`.
 * :mod:`.zero3` — ZeRO-3: gather / free / prefetch around each unit's compute.

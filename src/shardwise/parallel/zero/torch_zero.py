@@ -23,7 +23,7 @@ The ledger: FSDP2's all-gathers and reduce-scatters go through :mod:`shardwise.c
 ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` (the ``AllGather`` / ``ReduceScatter``
 interfaces live in ``torch.distributed.fsdp._fully_shard._fsdp_api``, a private module, so this
 relies on the pinned torch); DDP's buckets through a comm hook (as in
-:mod:`shardwise.parallel.builtin`). **Not in the ledger:** ZeroRedundancyOptimizer's parameter
+:mod:`shardwise.parallel.dp.ddp`). **Not in the ledger:** ZeroRedundancyOptimizer's parameter
 broadcasts (it calls ``torch.distributed.broadcast`` itself and offers no hook) and the initial
 broadcast DDP does at construction.
 
@@ -47,7 +47,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ... import comm
-from ..builtin import ddp_comm_hook  # DDP comm hook: SUM all_reduce through the ledger
+from ..dp import ddp_comm_hook  # DDP comm hook: SUM all_reduce through the ledger
 from ..engine import Engine
 from ..params import local as _local
 from .flat import optimizer_state_tensors, storage_bytes

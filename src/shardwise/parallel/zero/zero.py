@@ -2,7 +2,7 @@
 
 ZeRO (Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models", arXiv 1910.02054) keeps data parallelism's math — each dp rank runs the model on its
-slice of the batch and the gradients are **summed** over dp (:mod:`shardwise.parallel.data`) —
+slice of the batch and the gradients are **summed** over dp (:mod:`shardwise.parallel.dp`) —
 but stops replicating the model state. Ψ parameters, n dp ranks, fp32 AdamW (``--dtype bf16`` is
 autocast only: weights, gradients and optimizer state stay fp32; the paper's mixed precision is
 2Ψ + 2Ψ + 12Ψ, K = 12, §3.1 and Figure 1):
@@ -44,7 +44,7 @@ from torch import nn
 from ... import comm
 from ...comm.ledger import ring_bytes
 from ...errors import ShardwiseConfigError
-from ..data import reduce_torch_dtype
+from ..dp import reduce_torch_dtype
 from ..engine import Engine
 from ..params import sum_coalesced_, tp_sharded
 from .flat import (FlatShards, gather_named, gather_optimizer_state,
@@ -161,7 +161,7 @@ class ZeroDataParallel(Engine):
     broadcast from dp index 0: ledger phase ``init``). ``units``: FQNs of the unit submodules
     (default :func:`.units.default_unit_names`); the rest is the root unit. ``overlap``: launch
     each unit's reduce_scatter from the backward hooks (True) or all after backward (False).
-    ``reduce_dtype``: "fp32" | "bf16" (:func:`..data.reduce_torch_dtype`). ``prefetch`` /
+    ``reduce_dtype``: "fp32" | "bf16" (:func:`..dp.reduce_torch_dtype`). ``prefetch`` /
     ``reshard_after_forward``: ZeRO-3 only.
 
     **Gradients.** When a unit's gradients are complete on the last micro-step (a

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from ...config import TrainConfig
 from ...models import build_model
 from ...parallel.apply import Layout, parallelize
-from ...parallel.data import dp_grad_bytes_formula
-from ...parallel.pipeline import SCHEDULES, bubble_formula, gather_timeline, validate_pp
+from ...parallel.dp import dp_grad_bytes_formula
+from ...parallel.pp import SCHEDULES, bubble_formula, gather_timeline, validate_pp
 from ...parallel.tp import tp_step_bytes_formula, validate_tp
 from ...topology import Topology, init_distributed
 from ...train.workload import SyntheticLMWorkload
@@ -65,7 +65,7 @@ DP_VARIANTS = {
 def bench_dp(args) -> int:
     """Explicit DP (bucket overlap on, off) vs PyTorch DDP over dp = world size. Reports the
     median step time, tokens/s, step time / DDP, and the ledger's gradient bytes against
-    :func:`~shardwise.parallel.data.dp_grad_bytes_formula` (2(n−1)/n · gradient bytes, a ring
+    :func:`~shardwise.parallel.dp.dp_grad_bytes_formula` (2(n−1)/n · gradient bytes, a ring
     all-reduce). ``args``: ``model``, ``steps``, ``rounds``, ``seq_len``, ``micro_batch``
     (sequences per rank per step), ``bucket_mb``, ``out``."""
     n = _world()
@@ -297,7 +297,7 @@ def bench_pp(args) -> int:
     1. **Bubble**: the explicit engine, ``args.schedule`` (1F1B by default); every rank
        timestamps its actions (``engine.timeline``); the timelines are gathered and the measured
        bubble 1 − Σ busy / (p · makespan) is compared with (p−1)/(m+p−1) (Narayanan et al. 2021
-       §2.2.1; :func:`~shardwise.parallel.pipeline.bubble_formula`), median over the timed
+       §2.2.1; :func:`~shardwise.parallel.pp.bubble_formula`), median over the timed
        steps. Target: measured / formula ≤ 1.10. The last step's timeline is written as
        ``bench_<schedule>_timeline.{png,trace.json}`` (:func:`~..trace.trace_pipeline`);
     2. **Step time** (unless ``args.bubble_only``): for each schedule, the explicit engine and

@@ -3,7 +3,7 @@
 norm).
 
 Composition (docs/composition.md, "Pipelines composed"): TP (+SP) inside each stage
-(:func:`..tp.apply_tp`), the schedule across stages, DP (:class:`..data.GradBuckets`) / ZeRO-1
+(:func:`..tp.apply_tp`), the schedule across stages, DP (:class:`..dp.GradBuckets`) / ZeRO-1
 (:mod:`..zero.flat`) over dp after the last microbatch. Every rank talks only to the pp
 neighbours with its own (dp, tp) index — the topology's pp groups. ``forward_backward`` returns
 this rank's loss *sum* (0 off the last stage; :mod:`.runner`), which the train step all-reduces
@@ -41,7 +41,7 @@ from torch import nn
 
 from ... import comm
 from ...models import count_items
-from ..data import GradBuckets
+from ..dp import GradBuckets
 from ..engine import Engine
 from ..layout import Layout
 from ..params import counted_grads, local as _local, tp_sharded
@@ -69,7 +69,7 @@ class PipelineParallel(Engine):
     dp) or 1 (one :class:`..zero.flat.FlatShards` of the stage: reduce-scatter, sharded AdamW,
     all-gather).
     ``reduce_dtype``: "fp32" | "bf16", the dtype of the dp gradient reduction; ``bucket_mb``:
-    its bucket size (:class:`..data.GradBuckets`). ``seed``: the
+    its bucket size (:class:`..dp.GradBuckets`). ``seed``: the
     TP dropout RNG regions.
 
     Raises :class:`ShardwiseConfigError` for invalid settings, before any collective."""
@@ -110,7 +110,7 @@ class PipelineParallel(Engine):
                 else:
                     comm.recv(_local(stage.tied_output.data), topo, "pp", 0, tag="init")
         self.zero1 = self._build_zero1() if self.zero == 1 else None
-        # dp > 1 without ZeRO-1 shards: DP's own gradient sync (:class:`..data.GradBuckets`),
+        # dp > 1 without ZeRO-1 shards: DP's own gradient sync (:class:`..dp.GradBuckets`),
         # launched after the schedule's last backward (overlap=False: zb-h1's W pass writes
         # .grad by hand, where post-accumulate hooks do not fire)
         self.dp_sync = (GradBuckets(self._params(), topo, bucket_mb=bucket_mb, overlap=False,

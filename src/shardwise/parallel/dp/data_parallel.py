@@ -28,10 +28,10 @@ import contextlib
 import torch
 from torch import nn
 
-from .. import comm
-from ..errors import ShardwiseConfigError
-from .engine import Engine
-from .params import local
+from ... import comm
+from ...errors import ShardwiseConfigError
+from ..engine import Engine
+from ..params import local
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

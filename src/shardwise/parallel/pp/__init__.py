@@ -4,7 +4,7 @@ Read in this order: :mod:`.schedules` (what each rank does, as printable data),
 :mod:`.simulate` (what that costs: bubble, deadlock, memory), :mod:`.split` (how the model is
 cut), :mod:`.runner` (how the actions run, with every send and receive) and :mod:`.comms`
 (the two channels, the tied-embedding swap), :mod:`.runtime` (the engine around the runner:
-the step, gradient sync, norm), :mod:`.builtin` (the same through
+the step, gradient sync, norm), :mod:`.torch_pipelining` (the same through
 ``torch.distributed.pipelining``); compositions: TP + SP inside a stage (:func:`..tp.apply_tp`,
 the whole model's transform), ZeRO-1 of a stage over dp (:mod:`..zero.flat`, shared with ZeRO).
 The math and the measurements are in ``docs/pipeline-parallel.md`` and ``docs/composition.md``.
@@ -25,14 +25,14 @@ def build_pipeline(model, topo, *, layout=None, engine: str = "explicit",
                    seed: int = 0, sp: bool = False, zero: int = 0, reduce_dtype: str = "fp32",
                    **dp_kw):
     """The pipeline engine for ``engine`` ("explicit" → :class:`.runtime.PipelineParallel`,
-    "torch" → :class:`.builtin.TorchPipelineParallel`), composed with TP (+SP) inside each
+    "torch" → :class:`.torch_pipelining.TorchPipelineParallel`), composed with TP (+SP) inside each
     stage (tp = ``topo.size("tp")``) and DP / ZeRO-1 over dp (docs/composition.md).
 
     ``layout`` (a :class:`~shardwise.parallel.apply.Layout`) overrides ``schedule``/
     ``microbatches``/``virtual_stages``/``sp``/``zero``. ``seed``: TP dropout RNG;
     ``reduce_dtype``: "fp32" | "bf16" dp gradient reduction. ``dp_kw``: the other dp-axis
     options of :func:`~..apply.parallelize`: ``bucket_mb`` sizes DP's gradient buckets
-    (:class:`..data.GradBuckets`, launched once after the last microbatch); ``overlap``,
+    (:class:`..dp.GradBuckets`, launched once after the last microbatch); ``overlap``,
     ``prefetch``, ``reshard_after_forward`` do not apply (ZeRO-2/3 are refused with pp).
     Raises ``ValueError`` for an unknown engine, :class:`~shardwise.errors.ShardwiseConfigError`
     for invalid settings (before any collective)."""
@@ -47,7 +47,7 @@ def build_pipeline(model, topo, *, layout=None, engine: str = "explicit",
     if engine == "explicit":
         return PipelineParallel(model, topo, **kw)
     if engine == "torch":
-        from .builtin import TorchPipelineParallel
+        from .torch_pipelining import TorchPipelineParallel
 
         return TorchPipelineParallel(model, topo, **kw)
     raise ValueError(f"unknown engine {engine!r}: choose explicit or torch")

@@ -1,11 +1,11 @@
 """The same layouts through PyTorch's own implementations (``--engine torch``).
 
 DP → ``torch.nn.parallel.DistributedDataParallel`` over the topology's dp process group. DDP
-buckets and overlaps exactly as :class:`shardwise.parallel.data.DataParallel` does; we give it a
+buckets and overlaps exactly as :class:`shardwise.parallel.dp.DataParallel` does; we give it a
 documented communication hook (``register_comm_hook``) that all-reduces each bucket through
 :mod:`shardwise.comm`, so the ledger sees DDP's traffic too, and that **sums** instead of
 averaging, because shardwise already divides each rank's loss by the global token count (see the
-math in :mod:`shardwise.parallel.data`). Everything else — bucketing, hooks, ``no_sync`` — is DDP's.
+math in :mod:`shardwise.parallel.dp`). Everything else — bucketing, hooks, ``no_sync`` — is DDP's.
 """
 
 import contextlib
@@ -15,9 +15,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import comm
-from .data import dp_memory_formula
-from .engine import Engine
+from ... import comm
+from ..engine import Engine
+from .data_parallel import dp_memory_formula
 
 
 def _ledger_sum_hook(topo, bucket) -> torch.futures.Future[torch.Tensor]:
@@ -44,7 +44,7 @@ def _ledger_sum_hook_bf16(topo, bucket) -> torch.futures.Future[torch.Tensor]:
 def ddp_comm_hook(reduce_dtype: str = "fp32"):
     """The ledger-booked SUM comm hook for gradients reduced in ``reduce_dtype`` ("fp32" |
     "bf16"); raises :class:`~shardwise.errors.ShardwiseConfigError` for another dtype."""
-    from .data import reduce_torch_dtype
+    from .data_parallel import reduce_torch_dtype
 
     reduce_torch_dtype(reduce_dtype)  # raises for another dtype
     hooks = {"fp32": _ledger_sum_hook, "bf16": _ledger_sum_hook_bf16}
@@ -52,7 +52,7 @@ def ddp_comm_hook(reduce_dtype: str = "fp32"):
 
 
 class TorchDataParallel(Engine):
-    """DDP with the same interface as :class:`~shardwise.parallel.data.DataParallel`.
+    """DDP with the same interface as :class:`~shardwise.parallel.dp.DataParallel`.
     ``reduce_dtype``: "fp32" | "bf16" (bf16 compression hook, booked in the ledger)."""
 
     def __init__(self, module: nn.Module, topo, bucket_mb: float = 25.0,

@@ -273,7 +273,7 @@ def insert_comms(order: list[list[Action]], p: int, v: int) -> list[list[Action]
 
     Sends are asynchronous in the runtime (isend, waited at the end of the step), receives block,
     so a schedule runs without deadlock exactly when its compute orders respect the data
-    dependencies — which :func:`shardwise.parallel.pipeline.simulate.simulate` checks."""
+    dependencies — which :func:`shardwise.parallel.pp.simulate.simulate` checks."""
     n_stages = p * v
     out = []
     for r, acts in enumerate(order):

@@ -1,0 +1,12 @@
+"""Data parallelism: every dp rank holds the whole model and a slice of the global batch; the
+gradients are summed over dp. Read :mod:`.data_parallel` (:class:`GradBuckets`, the bucketed,
+overlapped all-reduce, and :class:`DataParallel`), then its PyTorch twin :mod:`.ddp` (DDP with a
+ledger-booked comm hook). The math and the measurements: docs/data-parallel.md.
+"""
+
+from .data_parallel import (REDUCE_DTYPES, DataParallel, GradBuckets, dp_grad_bytes_formula,
+                            dp_memory_formula, reduce_torch_dtype)
+from .ddp import TorchDataParallel, ddp_comm_hook
+
+__all__ = ["REDUCE_DTYPES", "DataParallel", "GradBuckets", "TorchDataParallel",
+           "ddp_comm_hook", "dp_grad_bytes_formula", "dp_memory_formula", "reduce_torch_dtype"]
