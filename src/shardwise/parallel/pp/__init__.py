@@ -16,7 +16,8 @@ from .simulate import (Costs, DeadlockError, Event, ScheduleError, SimResult, bu
                        simulate)
 from .split import StageModule, split_layers, validate_pp
 from .comms import p2p_bytes_formula  # noqa: E402
-from .runtime import PipelineParallel, gather_timeline  # noqa: E402
+from .runner import KINDS  # noqa: E402
+from .runtime import PipelineParallel  # noqa: E402
 
 
 def build_pipeline(model, topo, *, layout=None, engine: str = "explicit",
@@ -56,5 +57,5 @@ def build_pipeline(model, topo, *, layout=None, engine: str = "explicit",
 __all__ = ["SCHEDULES", "Action", "Costs", "DeadlockError", "Event", "PipelineParallel",
            "Schedule", "ScheduleError", "SimResult", "StageModule", "bubble_formula",
            "build_pipeline", "build_schedule", "check_schedule", "compute_order",
-           "format_schedule", "gather_timeline", "p2p_bytes_formula", "peak_activations",
+           "KINDS", "format_schedule", "p2p_bytes_formula", "peak_activations",
            "simulate", "split_layers", "validate_pp"]

@@ -49,7 +49,7 @@ from ..tp import apply_tp, tp_activation_bytes, vocab_parallel_cross_entropy
 from ..zero.flat import (FlatShards, gather_named, gather_optimizer_state, load_optimizer_state,
                          sharded_optimizer)
 from .comms import p2p_bytes_formula, swap_tied_grads
-from .runner import KINDS, ScheduleRunner
+from .runner import ScheduleRunner
 from .schedules import build_schedule, check_schedule
 from .split import StageModule, activation_shape, first_stage_input, loss_sum
 
@@ -348,41 +348,3 @@ class PipelineParallel(Engine):
     @contextlib.contextmanager
     def sync_gradients(self, enabled: bool):
         yield
-
-
-def gather_timeline(engine: PipelineParallel, topo) -> list:
-    """Every pp rank's action timestamps of ``engine``'s last step, on every rank of the pp
-    line, as :class:`.simulate.Event` s with times in seconds from the earliest start.
-
-    Collective over "pp" (call it on every rank of the line): one all_reduce(max) of the row
-    count and one all_gather of [rows, 6] fp64 (kind, microbatch, chunk, peer, start, end),
-    booked in phase "trace". Timestamps are ``time.time()``: one host's clock is shared by its
-    processes; across hosts they are only as aligned as the hosts' clocks."""
-    from .simulate import Event
-
-    kinds = KINDS + ("STEP",)
-    rows = torch.tensor([[kinds.index(k), mb, c, peer, t0, t1]
-                         for k, mb, c, peer, t0, t1 in engine.timeline],
-                        dtype=torch.float64).reshape(-1, 6)
-    device = next(engine.module.parameters()).device
-    n = torch.tensor([float(len(rows))], dtype=torch.float64, device=device)
-    p = topo.size("pp")
-    with topo.ledger.phase("trace"):
-        comm.all_reduce(n, topo, "pp", op="max", tag="trace")
-        n = int(n.item())
-        mine = torch.full((n, 6), -1.0, dtype=torch.float64)
-        mine[: len(rows)] = rows
-        mine = mine.to(device)
-        everyone = torch.empty((p * n, 6), dtype=torch.float64, device=device)
-        comm.all_gather(everyone, mine, topo, "pp", tag="trace")
-    everyone = everyone.cpu()
-    valid = everyone[:, 0] >= 0
-    t_min = float(everyone[valid, 4].min()) if valid.any() else 0.0
-    events = []
-    for i, (k, mb, c, peer, t0, t1) in enumerate(everyone.tolist()):
-        if k < 0:
-            continue
-        events.append(Event(rank=i // n, kind=kinds[int(k)], microbatch=int(mb), chunk=int(c),
-                            start=t0 - t_min, end=t1 - t_min,
-                            peer=None if peer < 0 else int(peer)))
-    return events

@@ -17,8 +17,8 @@ Reading order:
 
 from .flat import FlatShards
 from .units import UnitOrderCheck, assign_units, default_unit_names
-from .zero import (ZeroDataParallel, validate_zero, zero_memory_formula,
-                   zero_step_bytes_formula)
+from .formulas import validate_zero, zero_memory_formula, zero_step_bytes_formula
+from .zero import ZeroDataParallel
 from .zero3 import Zero3DataParallel  # registers stage 3 with ZeroDataParallel
 
 

@@ -52,7 +52,7 @@ from ..engine import Engine
 from ..params import local as _local
 from .flat import optimizer_state_tensors, storage_bytes
 from .units import UnitOrderCheck, assign_units
-from .zero import validate_zero, zero_memory_formula, zero_step_bytes_formula
+from .formulas import validate_zero, zero_memory_formula, zero_step_bytes_formula
 
 try:  # FSDP2's pluggable collectives (private module in torch 2.13)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter

@@ -43,111 +43,14 @@ from torch import nn
 
 from ... import comm
 from ...comm.ledger import ring_bytes
-from ...errors import ShardwiseConfigError
 from ..dp import reduce_torch_dtype
 from ..engine import Engine
 from ..params import sum_coalesced_, tp_sharded
 from .flat import (FlatShards, gather_named, gather_optimizer_state,
                    load_optimizer_state, optimizer_state_tensors, sharded_optimizer,
                    storage_bytes)
+from .formulas import validate_zero, zero_memory_formula, zero_step_bytes_formula
 from .units import assign_units
-
-STAGES = (1, 2, 3)
-# Optimizers whose update of an element depends only on that element's own history: they can run
-# on any slice of the flat buffer. Optimizers that need whole tensors (LAMB/LARS trust ratios,
-# Adafactor's factored moments, Shampoo/Muon's matrix preconditioners) cannot.
-SHARDABLE_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam,
-                        "sgd": torch.optim.SGD}
-
-
-# -- formulas -------------------------------------------------------------------------------------
-def zero_memory_formula(stage: int, psi: float, n: int, bytes_param: float = 4,
-                        bytes_grad: float = 4, bytes_optim: float = 8) -> dict[str, float]:
-    """Model-state bytes one rank holds at ZeRO ``stage`` (0 = plain DP) with ``psi`` parameters
-    over ``n`` dp ranks: ``{"params", "grads", "optimizer", "total"}`` (bytes, float).
-
-    Defaults are fp32 AdamW (4 + 4 + 8 bytes per parameter); pass 2, 2, 12 for the paper's mixed
-    precision (ZeRO paper §3.1 and Figure 1: 2Ψ + 2Ψ + KΨ, K = 12). Stage s divides the first s of
-    (optimizer, gradients, parameters) by n (§5.1–5.3). Raises ``ValueError`` for a bad stage.
-    """
-    if stage not in (0, *STAGES):
-        raise ValueError(f"ZeRO stage {stage}: choose 0, 1, 2 or 3")
-    out = {"params": bytes_param * psi / (n if stage >= 3 else 1),
-           "grads": bytes_grad * psi / (n if stage >= 2 else 1),
-           "optimizer": bytes_optim * psi / (n if stage >= 1 else 1)}
-    out["total"] = out["params"] + out["grads"] + out["optimizer"]
-    return out
-
-
-def zero_step_bytes_formula(stage: int, psi: float, n: int, bytes_per_elem: float = 4, *,
-                            micro_steps: int = 1, regathered: float | None = None,
-                            grad_norm: bool = True,
-                            grad_bytes_per_elem: float | None = None) -> dict[str, float]:
-    """Bytes one rank sends per optimizer step for the ZeRO ``stage`` (0 = DP), by ledger tag.
-
-    ``psi``: elements that travel, i.e. Σ over units of the *padded* unit size ⌈Ψ_u/n⌉·n (the flat
-    buffers travel whole; pass the plain Ψ for the paper's number). ``bytes_per_elem``: 4 for fp32.
-    Returns ``{"grad", "param", "grad_norm", "total"}``:
-
-    * ``grad``: stage 0: all_reduce of the gradients, 2(n−1)/n·Ψb; stages 1–3: one
-      reduce_scatter, (n−1)/n·Ψb (once per step, whatever ``micro_steps``). Here b is
-      ``grad_bytes_per_elem`` when given (the reduce dtype: 2 for bf16), else ``bytes_per_elem``.
-    * ``param``: stages 1–2: one all_gather of the updated parameters after the optimizer step,
-      (n−1)/n·Ψb. Stage 3: per micro-step, an all_gather of every unit before its forward and of
-      ``regathered`` elements again before their backward: micro_steps·(n−1)/n·(Ψ + regathered)·b.
-      ``regathered`` defaults to Ψ (the paper's 3Ψ; ZeRO paper §7.2.2); with an un-freed root unit
-      it is Ψ − Ψ_root, with ``reshard_after_forward=False`` it is 0.
-    * ``grad_norm``: stages 1–3: one all_reduce of one fp64 scalar (sum of squares of the local
-      gradient shards): 2(n−1)/n·8. Stage 0 needs none (replicated gradients).
-      ``grad_norm=False`` leaves it out (an engine whose norm reduction is not in the ledger).
-
-    Not counted: the two fp64 loss-bookkeeping all_reduces of ``train_step`` (tag ``loss``:
-    token count and loss sum, 2(n−1)/n·8 each) and the init broadcast (phase ``init``).
-    Raises ``ValueError`` for a bad stage.
-    """
-    if stage not in (0, *STAGES):
-        raise ValueError(f"ZeRO stage {stage}: choose 0, 1, 2 or 3")
-    f = (n - 1) / n if n > 1 else 0.0
-    gb = bytes_per_elem if grad_bytes_per_elem is None else grad_bytes_per_elem
-    if stage == 0:
-        out = {"grad": 2 * f * psi * gb, "param": 0.0, "grad_norm": 0.0}
-    else:
-        if stage < 3:
-            param = f * psi * bytes_per_elem
-        else:
-            again = psi if regathered is None else regathered
-            param = micro_steps * f * (psi + again) * bytes_per_elem
-        out = {"grad": f * psi * gb, "param": param,
-               "grad_norm": 2 * f * 8 if grad_norm else 0.0}
-    out["total"] = out["grad"] + out["param"] + out["grad_norm"]
-    return out
-
-
-def validate_zero(zero: int, dp: int, *, optimizer="adamw", engine: str = "explicit") -> None:
-    """Raise :class:`ShardwiseConfigError` unless ZeRO ``zero`` can run over ``dp`` ranks with
-    ``optimizer`` (a name such as ``"adamw"`` or a ``torch.optim.Optimizer`` subclass).
-
-    ``zero=0`` (plain DP) always passes. Checked before any collective (the lead calls it from
-    ``config.validate``; :class:`ZeroDataParallel` calls it again)."""
-    if zero not in (0, *STAGES):
-        raise ShardwiseConfigError(f"--zero {zero}: choose 0 (plain DP), 1, 2 or 3")
-    if zero == 0:
-        return
-    if not isinstance(dp, int) or dp < 2:
-        raise ShardwiseConfigError(
-            f"--zero {zero} shards the model state over the dp ranks, but dp={dp}: there is "
-            f"nothing to shard over. Use --dp 2 or more, or --zero 0")
-    if engine not in ("explicit", "torch"):
-        raise ShardwiseConfigError(f"--engine {engine!r}: choose explicit or torch")
-    name = optimizer.__name__ if isinstance(optimizer, type) else str(optimizer)
-    cls = SHARDABLE_OPTIMIZERS.get(name.lower())
-    if cls is None or (isinstance(optimizer, type) and optimizer is not cls):
-        raise ShardwiseConfigError(
-            f"--zero {zero} with optimizer {name!r}: ZeRO shards the optimizer state element by "
-            f"element, which needs an element-wise optimizer (one whose update of an element "
-            f"depends on that element alone); {name!r} is not one we can shard. Choose "
-            f"{' / '.join(SHARDABLE_OPTIMIZERS)} (shardwise trains with adamw), or use --zero 0")
-
 
 # -- the engine -----------------------------------------------------------------------------------
 _BY_STAGE: dict[int, type] = {}  # stage → subclass (ZeRO-3: .zero3, registered on import)
