@@ -36,7 +36,8 @@ class TrainConfig:
     zero: int = 1
     sp: bool = False
     schedule: str = "1f1b"
-    microbatches: int = 0  # pipeline microbatches per step (0 = global batch / (dp × micro-batch))
+    microbatches: int = 0  # pipeline microbatches per step (0 = global batch / (dp × micro-batch);
+    # not given with --micro-batch not given either: derived, see derive_batching)
     virtual_stages: int = 0  # model chunks per pp rank (0 = 2 for interleaved-1f1b, else 1)
     layers_per_stage: str = ""  # explicit pipeline split, e.g. "3,3,2" ("" = balanced)
     engine: str = "explicit"  # explicit | torch
@@ -51,7 +52,8 @@ class TrainConfig:
     vocab_size: int = 4096  # BPE vocabulary size when training one
     seq_len: int = 128
     global_batch: int = 16  # sequences per optimizer step, all dp ranks together
-    micro_batch: int = 8  # sequences per forward/backward on one rank
+    micro_batch: int = 8  # sequences per forward/backward on one rank (not given: derived from
+    # the layout, at most this default; see derive_batching)
     # optimisation
     steps: int = 200  # make train: 4 ranks on 2 CPU cores stay under ~3 min (300 did not)
     lr: float = 3e-3
@@ -80,6 +82,10 @@ class TrainConfig:
     sample_tokens: int = 200
     timeout: float = 300.0  # process-group timeout, seconds
     max_restarts: int = 0  # local launcher: restart every rank up to N times after a failure
+    # the fields above that :func:`derive_batching` chose, not the user ("micro_batch",
+    # "microbatches", comma-separated): a run folder's config.toml read back with --config
+    # derives them again for its layout instead of taking them as chosen. Not a flag
+    derived: str = ""
 
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
@@ -146,6 +152,10 @@ CHOICES = {
 }
 
 
+NOT_FLAGS = ("derived",)  # fields set by from_args, never by a flag
+DERIVABLE = ("micro_batch", "microbatches")  # fields derive_batching fills when not given
+
+
 def _field_type(f: dataclasses.Field):
     return typing.get_type_hints(TrainConfig)[f.name]
 
@@ -154,7 +164,7 @@ def add_config_flags(parser: argparse.ArgumentParser, fields: list[str] | None =
     """Add ``--config`` and one flag per field (all defaulting to "not given")."""
     parser.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file")
     for f in dataclasses.fields(TrainConfig):
-        if fields is not None and f.name not in fields:
+        if (fields is not None and f.name not in fields) or f.name in NOT_FLAGS:
             continue
         flag = "--" + f.name.replace("_", "-")
         typ = _field_type(f)
@@ -168,13 +178,22 @@ def add_config_flags(parser: argparse.ArgumentParser, fields: list[str] | None =
 
 
 def from_args(args: argparse.Namespace, **defaults) -> TrainConfig:
-    """Build a config: dataclass defaults, then ``defaults``, then ``--config``, then flags."""
+    """Build a config: dataclass defaults, then ``defaults``, then ``--config``, then flags;
+    then the micro-batch and pipeline microbatches the user did not give (by flag or in the
+    TOML file; ``defaults`` are not the user's) are derived from the layout
+    (:func:`derive_batching`). A pure function of the arguments: every rank, parsing the same
+    command line, gets the same config before any collective."""
     cfg = dataclasses.replace(TrainConfig(), **defaults)
-    if getattr(args, "config", None):
-        cfg = apply_toml(cfg, args.config)
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    path = getattr(args, "config", None)
+    if path:
+        base = cfg
+        cfg = apply_toml(cfg, path)
+        # values a saved run derived are derived again (for this run's layout), not reused
+        cfg = dataclasses.replace(cfg, **{k: getattr(base, k) for k in _toml_derived(path)})
+    names = {f.name for f in dataclasses.fields(TrainConfig)} - set(NOT_FLAGS)
     given = {k: v for k, v in vars(args).items() if k in names}
-    chosen = set(given) | set(defaults) | _toml_keys(getattr(args, "config", None))
+    by_user = set(given) | _toml_keys(path)
+    chosen = by_user | set(defaults)
     if chosen & {"dp", "tp", "pp"}:  # a layout was chosen: the default one does not apply
         for k in ("dp", "tp", "pp"):  # e.g. --tp 2 alone is tp=2 × dp=1, not × dp=2
             if k not in chosen:
@@ -187,16 +206,101 @@ def from_args(args: argparse.Namespace, **defaults) -> TrainConfig:
 
         if cfg.model in MLP_PRESETS:  # TP splits attention heads: the MLP's default is dp only
             cfg = dataclasses.replace(cfg, tp=1)
-    return cfg
+    return derive_batching(cfg, set(DERIVABLE) - by_user)
 
 
-def _toml_keys(path: str | None) -> set[str]:
-    """Field names a ``--config`` file sets (empty without one; errors are apply_toml's)."""
+def derive_batching(cfg: TrainConfig, auto: set[str]) -> TrainConfig:
+    """Fill in the micro-batch (and, with pp > 1, the microbatches) named in ``auto`` — the
+    ones the user did not give — from the layout, and record them in ``cfg.derived``.
+
+    ``micro_batch`` in ``auto`` (and no explicit ``--microbatches``): the largest b ≤
+    ``cfg.micro_batch`` (the default in effect, 8) that divides the local batch
+    global batch / dp and, with pp > 1, leaves at least pp microbatches per step (for
+    interleaved-1f1b, m that splits into m // pp equal rounds). With pp > 1 and
+    ``microbatches`` in ``auto`` too, m = local / b is recorded: the smallest m ≥ pp that divides
+    the local batch with micro-batches of at most the default (the fewest microbatches: least
+    per-step overhead, the bubble (p − 1)/(m + p − 1) of GPipe/1F1B, Narayanan et al. 2021 §2.2,
+    is the price). Where the default fits it is kept, so runs that worked before are unchanged.
+    An explicit value is never changed: one that does not fit gets :func:`validate`'s error.
+
+    Raises :class:`ShardwiseConfigError` when no value fits (global batch not a multiple of dp,
+    or fewer sequences per pipeline than pp), naming the constraint and the fix. Values below 1
+    are left for :func:`validate` to report."""
+    cfg = dataclasses.replace(cfg, derived="")
+    gb, dp, pp, cap = cfg.global_batch, cfg.dp, cfg.pp, cfg.micro_batch
+    if "micro_batch" not in auto or min(gb, dp, pp, cap) < 1 or cfg.microbatches < 0 \
+            or (pp > 1 and cfg.microbatches):  # explicit m: the micro-batch follows from it
+        return cfg
+    if gb % dp:
+        lo = max(dp, gb // dp * dp)
+        divisors = [d for d in range(1, gb + 1) if gb % d == 0]
+        raise ShardwiseConfigError(
+            f"--global-batch {gb} does not split over --dp {dp} (each dp rank takes global "
+            f"batch / dp whole sequences), so no micro-batch fits: choose --global-batch a "
+            f"multiple of {dp} (e.g. {lo} or {lo + dp}) or --dp from {divisors}")
+    local = gb // dp
+    fits = [b for b in range(min(cap, local), 0, -1) if local % b == 0
+            and (pp == 1 or _pipeline_fits(cfg.schedule, pp, local // b))]
+    if not fits:
+        need = dp * pp
+        raise ShardwiseConfigError(
+            f"--pp {pp} needs at least {pp} microbatches per step, but global batch / dp = "
+            f"{gb} / {dp} = {local} sequences per pipeline"
+            + ("" if local >= pp else f" (fewer than {pp})") + ": choose --global-batch a "
+            f"multiple of dp × pp = {need} (e.g. {max(need, gb // need * need)}) or a smaller "
+            "--pp or --dp")
+    b = fits[0]
+    derived = ["micro_batch"]
+    if pp > 1 and "microbatches" in auto:
+        derived.append("microbatches")
+        cfg = dataclasses.replace(cfg, microbatches=local // b)
+    return dataclasses.replace(cfg, micro_batch=b, derived=",".join(derived))
+
+
+def _pipeline_fits(schedule: str, pp: int, m: int) -> bool:
+    """m microbatches fill a pp-stage pipeline: m ≥ pp, and for interleaved-1f1b m splits into
+    m // pp equal rounds (:func:`~.parallel.pp.schedules.rounds_of`)."""
+    if m < pp:
+        return False
+    return schedule != "interleaved-1f1b" or m % (m // pp) == 0
+
+
+def batching_note(cfg: TrainConfig) -> str:
+    """The start-up line's words on derived values ("" when the user chose them), e.g.
+    ``micro-batch 4 (derived: global batch 16 / dp 4; pass --micro-batch to choose)``."""
+    derived = set(filter(None, cfg.derived.split(",")))
+    if "micro_batch" not in derived:
+        return ""
+    local = cfg.global_batch // cfg.dp
+    if "microbatches" in derived:
+        return (f"micro-batch {cfg.micro_batch}, {cfg.microbatches} microbatches (derived: "
+                f"global batch {cfg.global_batch} / dp {cfg.dp} = {local} sequences per "
+                f"pipeline, at least pp {cfg.pp} microbatches; pass --micro-batch or "
+                "--microbatches to choose)")
+    return (f"micro-batch {cfg.micro_batch} (derived: global batch {cfg.global_batch} / dp "
+            f"{cfg.dp}; pass --micro-batch to choose)")
+
+
+def _toml_derived(path: str | None) -> set[str]:
+    """The fields a ``--config`` file says were derived (its ``derived = "..."``)."""
     if not path or not os.path.isfile(path):
         return set()
     try:
         with open(path, "rb") as f:
-            return {k.replace("-", "_") for k in tomllib.load(f)}
+            value = tomllib.load(f).get("derived", "")
+    except tomllib.TOMLDecodeError:
+        return set()
+    return {k for k in str(value).split(",") if k in DERIVABLE}
+
+
+def _toml_keys(path: str | None) -> set[str]:
+    """Field names a ``--config`` file sets, less those it says were derived (empty without
+    one; errors are apply_toml's)."""
+    if not path or not os.path.isfile(path):
+        return set()
+    try:
+        with open(path, "rb") as f:
+            return {k.replace("-", "_") for k in tomllib.load(f)} - _toml_derived(path)
     except tomllib.TOMLDecodeError:
         return set()
 
@@ -236,6 +340,10 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     from .topology import validate_degrees
 
     _validate_finite(cfg)
+    for name in filter(None, cfg.derived.split(",")):
+        if name not in DERIVABLE:
+            raise ShardwiseConfigError(f"derived = {cfg.derived!r}: only {', '.join(DERIVABLE)} "
+                                       "are derived; remove the others from the config file")
     if cfg.n_layers < 0:
         raise ShardwiseConfigError(f"--n-layers {cfg.n_layers} must be ≥ 1 (or 0 for the preset)")
     for name, value in (("dp", cfg.dp), ("tp", cfg.tp), ("pp", cfg.pp), ("steps", cfg.steps),

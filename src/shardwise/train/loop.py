@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .. import comm
-from ..config import TrainConfig, validate
+from ..config import TrainConfig, batching_note, validate
 from ..errors import ShardwiseConfigError
 from ..flops import mfu, peak_devices, peak_flops, step_flops
 from ..models import build_model, set_activation_checkpointing
@@ -173,6 +173,8 @@ def train(cfg: TrainConfig) -> dict:
              f"{topo.describe()}, engine={cfg.engine}, data={work.description}")
     log.info(f"  {cfg.steps} steps × {cfg.global_batch} sequences × {cfg.seq_len} tokens; "
              f"{n_micro} micro-batches of {micro_batch} per rank per step; output → {out}")
+    if batching_note(cfg):  # values the user did not give, derived from the layout
+        log.info(f"  {batching_note(cfg)}")
     epoch = sampler.epoch_counts()  # the tail shorter than a global batch is dropped
     log.info(f"  epoch: {epoch['sequences_per_epoch']:,} training sequences = "
              f"{epoch['steps_per_epoch']:,} steps × {cfg.global_batch} + "

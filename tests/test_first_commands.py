@@ -1,0 +1,48 @@
+"""The first commands a newcomer types just work (issue 23): each layout with no batch flag runs,
+and the start-up line says which micro-batch (and pipeline microbatches) was derived from the
+layout. The five runs go one after another (up to 8 gloo workers each, ~10–30 s on 2 cores); the
+derivation rule itself is unit-tested, without a world, in tests/test_default_layout.py."""
+
+import json
+import tomllib
+
+import pytest
+
+from conftest import run_cli
+
+# only what keeps a run small and offline (as tests/test_cli.py): no batch flag
+SMALL = ["train", "--steps", "2", "--tokenizer", "bytes", "--seq-len", "32"]
+
+
+@pytest.mark.parametrize("layout,note", [
+    (["--dp", "4"], "micro-batch 4 (derived: global batch 16 / dp 4; pass --micro-batch to choose)"),
+    (["--dp", "8", "--zero", "3"], "micro-batch 2 (derived: global batch 16 / dp 8;"),
+    # the tiny model's 2 kv heads do not split over 4: small's do (2 layers keep it quick)
+    (["--tp", "4", "--model", "small", "--n-layers", "2"],
+     "micro-batch 8 (derived: global batch 16 / dp 1;"),
+    # the tiny model's 2 layers are too few for 4 stages
+    (["--pp", "4", "--n-layers", "4"], "micro-batch 4, 4 microbatches (derived: global batch 16 "
+                                       "/ dp 1 = 16 sequences per pipeline, at least pp 4"),
+    (["--dp", "2", "--tp", "2", "--pp", "2"], "micro-batch 4, 2 microbatches (derived: global "
+                                              "batch 16 / dp 2 = 8 sequences per pipeline"),
+], ids=lambda a: " ".join(a) if isinstance(a, list) else "")
+def test_a_layout_with_no_batch_flag_runs_and_says_what_was_derived(cache_dir, tmp_path,
+                                                                    layout, note):
+    out = tmp_path / "r"
+    argv = [*SMALL, "--model", "tiny", *layout, "--out", out]  # a later --model wins
+    p = run_cli(argv, cache_dir, timeout=240)
+    assert p.returncode == 0, p.stdout
+    head = p.stdout.split("step 0:")[0]  # the start-up lines, before the first evaluation
+    assert note in head, p.stdout
+    assert "[rank 0] done in" in p.stdout, p.stdout
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    saved = tomllib.loads((out / "config.toml").read_text())
+    assert saved["derived"] in ("micro_batch", "micro_batch,microbatches")
+    if layout[0] == "--dp" and layout[1] == "4":  # resumed from its own config.toml: the same
+        p = run_cli(["train", "--config", out / "config.toml", "--steps", "3", "--resume",
+                     "auto"], cache_dir, timeout=240)
+        assert p.returncode == 0, p.stdout
+        assert "micro-batch 4 (derived: global batch 16 / dp 4;" in p.stdout, p.stdout
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
