@@ -179,3 +179,15 @@ def test_resume_at_the_final_step_says_no_step_ran_and_prints_no_nan(no_sample_r
     summary = json.loads((out / "summary.json").read_text())  # strict JSON: NaN would not parse
     assert summary["steps_run"] == 0 and summary["median_step_s"] is None
 
+
+def test_model_mismatch_of_a_bytes_run_names_the_changed_flag_not_vocab_size(no_sample_run,
+                                                                            cache_dir, tmp_path):
+    """--vocab-size does nothing with --tokenizer bytes: the hint must not suggest it."""
+    out, _ = no_sample_run
+    p = run_cli([*FIRST, "--n-layers", "3", "--out", tmp_path / "b", "--resume",
+                 out / "checkpoints" / "step_2"], cache_dir, timeout=120)
+    assert p.returncode == 2, p.stdout
+    assert "saved from another model configuration" in p.stdout
+    assert "--vocab-size" not in p.stdout, p.stdout
+    assert "--model tiny --tokenizer bytes" in p.stdout
+    assert "--n-layers (3 here, not given in the checkpoint's run)" in p.stdout, p.stdout

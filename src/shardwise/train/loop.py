@@ -365,7 +365,7 @@ def _find_resume(cfg: TrainConfig, work, rank: int, fingerprint: dict) -> Path |
                                 **work.model_overrides(cfg))
         if folder is not None:
             meta = json.loads((folder / "meta.json").read_text())
-            check_model_compatible(folder, shape, meta)
+            check_model_compatible(folder, shape, meta, current=dataclasses.asdict(cfg))
             check_same_data(folder, meta, fingerprint, dataclasses.asdict(cfg),
                             allow=cfg.allow_data_change, warn=warn)
         if cfg.out:
