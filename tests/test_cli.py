@@ -147,3 +147,47 @@ def test_train_end_to_end_in_each_layout_gives_the_dp_run_validation_losses(
     mine = _val_losses(cache_dir, tmp_path / "r", layout)
     assert len(mine) == 3 and mine[-1] < mine[0]
     assert mine == pytest.approx(dp2_val_losses, rel=1e-5, abs=1e-6)
+
+
+# -- a newcomer's first runs (issue 23): 2 steps, one process, byte tokenizer -----------------
+FIRST = ["train", "--model", "tiny", "--dp", "1", "--steps", "2", "--tokenizer", "bytes",
+         "--seq-len", "32", "--global-batch", "4", "--micro-batch", "2", "--eval-sequences", "4"]
+
+
+@pytest.fixture(scope="module")
+def no_sample_run(cache_dir, tmp_path_factory):
+    """`--sample-tokens 0`, 2 steps: a run folder with its final checkpoint (step_2)."""
+    out = tmp_path_factory.mktemp("first") / "r"
+    p = run_cli([*FIRST, "--sample-tokens", "0", "--out", out], cache_dir, timeout=120)
+    assert p.returncode == 0, p.stdout
+    return out, p.stdout
+
+
+def test_sample_tokens_0_prints_and_writes_no_sample(no_sample_run):
+    out, stdout = no_sample_run
+    assert "sample from the trained model" not in stdout
+    assert not (out / "sample.txt").exists()
+
+
+def test_resume_at_the_final_step_says_no_step_ran_and_prints_no_nan(no_sample_run, cache_dir):
+    out, _ = no_sample_run
+    p = run_cli([*FIRST, "--sample-tokens", "0", "--out", out, "--resume", "auto"], cache_dir,
+                timeout=120)
+    assert p.returncode == 0, p.stdout
+    assert "no steps ran in this invocation" in p.stdout, p.stdout
+    assert "nan" not in p.stdout.lower()
+    summary = json.loads((out / "summary.json").read_text())  # strict JSON: NaN would not parse
+    assert summary["steps_run"] == 0 and summary["median_step_s"] is None
+
+
+def test_model_mismatch_of_a_bytes_run_names_the_changed_flag_not_vocab_size(no_sample_run,
+                                                                            cache_dir, tmp_path):
+    """--vocab-size does nothing with --tokenizer bytes: the hint must not suggest it."""
+    out, _ = no_sample_run
+    p = run_cli([*FIRST, "--n-layers", "3", "--out", tmp_path / "b", "--resume",
+                 out / "checkpoints" / "step_2"], cache_dir, timeout=120)
+    assert p.returncode == 2, p.stdout
+    assert "saved from another model configuration" in p.stdout
+    assert "--vocab-size" not in p.stdout, p.stdout
+    assert "--model tiny --tokenizer bytes" in p.stdout
+    assert "--n-layers (3 here, not given in the checkpoint's run)" in p.stdout, p.stdout

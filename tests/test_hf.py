@@ -248,3 +248,13 @@ def test_init_from_hf_under_tensor_parallel_starts_from_the_hf_model(cache_dir, 
         logits = hf(rows[:, :-1]).logits
     ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
     assert val0 == pytest.approx(float(ref), rel=1e-5, abs=1e-6)
+
+
+def test_export_lists_every_file_it_wrote(trained_run, cache_dir, tmp_path):
+    out, _ = trained_run
+    p = run_cli(["export", "--checkpoint", out, "--to", "hf", tmp_path / "hf"], cache_dir,
+                timeout=120)
+    assert p.returncode == 0, p.stdout
+    written = sorted(f.name for f in (tmp_path / "hf").iterdir())
+    assert "generation_config.json" in written
+    assert all(name in p.stdout for name in written), (written, p.stdout)

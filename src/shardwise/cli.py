@@ -181,8 +181,8 @@ def cmd_export(args, argv) -> int:
     from .interop.hf import export_hf
 
     out = export_hf(args.checkpoint, args.out, tokenizer=args.tokenizer)
-    print(f"shardwise export: {args.checkpoint} → {out} (LlamaForCausalLM: config.json, "
-          "model.safetensors, tokenizer.json, tokenizer_config.json)")
+    files = ", ".join(sorted(f.name for f in out.iterdir()))  # every file export_hf wrote
+    print(f"shardwise export: {args.checkpoint} → {out} (LlamaForCausalLM: {files})")
     return 0
 
 

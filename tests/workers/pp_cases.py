@@ -47,12 +47,17 @@ def cases():
     out.append((4, 1, "1f1b", 4, "explicit", {}, [3, 2, 2, 1]))
     for engine in ("explicit", "torch"):
         out.append((2, 1, "1f1b", 2, engine, {"model": "mlp-tiny"}, None))
+    # every rank seeds its own model (seed = rank): the stages must still start as pp index 0's
+    out.append((4, 1, "1f1b", 4, "explicit", {"seed": "rank"}, None))
+    out.append((2, 1, "zb-h1", 2, "torch", {"seed": "rank"}, None))
     return out
 
 
 def run_case(work, topo, pp, dp, schedule, m, engine, overrides, lps, out, rank):
     cfg = TrainConfig(model="tiny", lr=LR, weight_decay=0.1)
-    torch.manual_seed(0)
+    overrides = dict(overrides)
+    seed = overrides.pop("seed", None)
+    torch.manual_seed(rank if seed == "rank" else 0)
     if overrides.get("model") == "mlp-tiny":
         model = build_model("mlp-tiny")
         work = RegressionWorkload(TrainConfig(model="mlp-tiny"), num_train=64, num_val=8)
@@ -80,14 +85,17 @@ def run_case(work, topo, pp, dp, schedule, m, engine, overrides, lps, out, rank)
         rec["bytes"].append(by_tag)
         rec["peak_alive"].append(eng.peak_alive)
     rec["pp_index"] = topo.index("pp")
-    name = case_name(pp, dp, schedule, m, engine, _suffix(overrides, lps))
+    name = case_name(pp, dp, schedule, m, engine, _suffix(overrides, lps, seed))
     torch.save(rec, f"{out}/{name}_rank{rank}.pt")
 
 
-def _suffix(overrides, lps):
-    """File-name suffix of the extra cases (untied model, explicit split)."""
+def _suffix(overrides, lps, seed=None):
+    """File-name suffix of the extra cases (untied model, explicit split, per-rank seeds)."""
+    seed = seed or overrides.get("seed")
+    overrides = {k: v for k, v in overrides.items() if k != "seed"}
     return ("_" + overrides["model"] if "model" in overrides
-            else "_untied" if overrides else "") + ("_lps" if lps else "")
+            else "_untied" if overrides else "") + ("_lps" if lps else "") + \
+        ("_seed_per_rank" if seed == "rank" else "")
 
 
 def main(out: str) -> None:

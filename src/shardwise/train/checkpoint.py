@@ -546,10 +546,32 @@ def _entries(md, prefix: str) -> dict:
     return {k[len(prefix):]: v for k, v in md.state_dict_metadata.items() if k.startswith(prefix)}
 
 
-def check_model_compatible(folder: Path, model: torch.nn.Module, meta: dict | None = None) -> None:
+def model_flags(run: dict) -> dict[str, str]:
+    """The flags that decide a run's model shapes, ``{flag: value}`` ("" for a switch), from its
+    config (a :class:`~shardwise.config.TrainConfig` as a dict, e.g. ``meta.json``'s). The
+    vocabulary comes from the tokenizer: ``--vocab-size`` counts only when a BPE tokenizer is
+    trained (``--tokenizer bpe`` without ``--init-from-hf``); ``bytes`` always has 257 ids and a
+    tokenizer file its own."""
+    flags = {"--model": str(run.get("model"))}
+    if run.get("n_layers"):
+        flags["--n-layers"] = str(run["n_layers"])
+    if run.get("init_from_hf"):
+        flags["--init-from-hf"] = str(run["init_from_hf"])
+    flags["--tokenizer"] = str(run.get("tokenizer"))
+    if run.get("tokenizer") == "bpe" and not run.get("init_from_hf"):
+        flags["--vocab-size"] = str(run.get("vocab_size"))
+    if not run.get("tie_embeddings", True):
+        flags["--no-tie-embeddings"] = ""
+    return flags
+
+
+def check_model_compatible(folder: Path, model: torch.nn.Module, meta: dict | None = None,
+                           current: dict | None = None) -> None:
     """Raise :class:`CheckpointError` listing every mismatched key and shape when the checkpoint
     in ``folder`` was saved from a model of another shape than ``model`` (plain, unparallelized).
-    Reads the DCP metadata only."""
+    The message names the saved run's model flags (:func:`model_flags` of ``meta``'s config)
+    and, given ``current`` (this run's config as a dict), the ones this run changed. Reads the
+    DCP metadata only."""
     saved = {k: tuple(v.size) for k, v in _entries(_read_metadata(folder), "model.").items()
              if hasattr(v, "size")}
     mine = {k: tuple(p.shape) for k, p in model.named_parameters()}
@@ -572,13 +594,18 @@ def check_model_compatible(folder: Path, model: torch.nn.Module, meta: dict | No
     run = (meta or {}).get("config", {})
     hint = ""
     if run:
-        flags = [f"--model {run.get('model')}"]
-        if run.get("n_layers"):
-            flags.append(f"--n-layers {run['n_layers']}")
-        flags += [f"--tokenizer {run.get('tokenizer')}", f"--vocab-size {run.get('vocab_size')}"]
-        if not run.get("tie_embeddings", True):
-            flags.append("--no-tie-embeddings")
-        hint = f" (it was saved with {' '.join(flags)})"
+        saved = model_flags(run)
+        hint = f" (it was saved with {' '.join(f'{k} {v}'.strip() for k, v in saved.items())}"
+        if current:
+            mine = model_flags(current)
+            def value(flags, k):
+                return {None: "not given", "": "given"}.get(flags.get(k), flags.get(k))
+
+            changed = [f"{k} ({value(mine, k)} here, {value(saved, k)} in the checkpoint's run)"
+                       for k in dict.fromkeys([*saved, *mine]) if saved.get(k) != mine.get(k)]
+            if changed:
+                hint += "; this run differs in " + "; ".join(changed)
+        hint += ")"
     raise CheckpointError(f"checkpoint {folder} was saved from another model configuration: "
                           + "; ".join(parts) + f": resume with the saved run's model flags{hint}")
 

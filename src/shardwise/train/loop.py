@@ -285,20 +285,23 @@ def train(cfg: TrainConfig) -> dict:
                                  sampler=sampler,
                                  extra_meta=_meta(cfg, tokens_seen, val_losses, model_cfg))
     checkpointer.close()  # waits for an async save to be written and committed
-    times = times or [float("nan")]
-    with engine.full_model() as full:  # every rank together: sharded weights gather here
-        sample = work.sample_text(full, cfg) if full is not None else None
+    sample = None
+    if cfg.sample_tokens > 0:  # --sample-tokens 0: no sample (and no gather for one)
+        with engine.full_model() as full:  # every rank together: sharded weights gather here
+            sample = work.sample_text(full, cfg) if full is not None else None
     summary = {
         "val_loss_start": val_losses[0][1], "val_loss_end": val_losses[-1][1],
-        "wall_s": time.perf_counter() - t_start,
-        "median_step_s": sorted(times)[len(times) // 2],
-        "tokens_per_s": cfg.global_batch * cfg.seq_len / sorted(times)[len(times) // 2],
+        "wall_s": time.perf_counter() - t_start, "steps_run": len(times),
         "params": n_params, "out": str(out), "checkpoint": str(ckpt),
         **epoch,  # sequences_per_epoch, steps_per_epoch, dropped_per_epoch
     }
-    # model TFLOP/s and MFU at the median step (flops.py: 6·N + 12·L·d·s per token)
-    summary["tflops"] = flops_step / summary["median_step_s"] / 1e12
-    summary["mfu"] = mfu(flops_step, summary["median_step_s"], peak, n_peak)
+    # timings at the median step; model TFLOP/s and MFU there (flops.py: 6·N + 12·L·d·s per
+    # token). None when no step ran (resumed at --steps): there is nothing to time
+    med = sorted(times)[len(times) // 2] if times else None
+    summary["median_step_s"] = med
+    summary["tokens_per_s"] = cfg.global_batch * cfg.seq_len / med if med else None
+    summary["tflops"] = flops_step / med / 1e12 if med else None
+    summary["mfu"] = mfu(flops_step, med, peak, n_peak) if med else None
     summary["peak_tflops"] = peak * n_peak / 1e12  # of all devices (CPU: cores) together
     if is_main:
         plot_loss(out)
@@ -306,11 +309,17 @@ def train(cfg: TrainConfig) -> dict:
             (out / "sample.txt").write_text(sample)
             log.info("sample from the trained model:\n" + "-" * 60 + f"\n{sample}\n" + "-" * 60)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        log.info(f"done in {summary['wall_s']:.0f} s: validation loss "
-                 f"{summary['val_loss_start']:.3f} → {summary['val_loss_end']:.3f}, "
-                 f"{summary['tokens_per_s']:,.0f} tokens/s (median step "
-                 f"{summary['median_step_s'] * 1e3:.0f} ms, {summary['tflops']:.3f} TFLOP/s, "
-                 f"MFU {summary['mfu']:.1%}); outputs in {out}")
+        if med is None:
+            log.info(f"done in {summary['wall_s']:.0f} s: no steps ran in this invocation (the "
+                     f"checkpoint {ckpt} is already at --steps {cfg.steps}; pass a larger "
+                     f"--steps to train on); validation loss {summary['val_loss_start']:.3f} → "
+                     f"{summary['val_loss_end']:.3f}; outputs in {out}")
+        else:
+            log.info(f"done in {summary['wall_s']:.0f} s: validation loss "
+                     f"{summary['val_loss_start']:.3f} → {summary['val_loss_end']:.3f}, "
+                     f"{summary['tokens_per_s']:,.0f} tokens/s (median step "
+                     f"{med * 1e3:.0f} ms, {summary['tflops']:.3f} TFLOP/s, "
+                     f"MFU {summary['mfu']:.1%}); outputs in {out}")
     if run_lock is not None:  # the run folder is free for the next run
         run_lock.close()
     return summary
@@ -358,7 +367,7 @@ def _find_resume(cfg: TrainConfig, work, rank: int, fingerprint: dict) -> Path |
                                 **work.model_overrides(cfg))
         if folder is not None:
             meta = json.loads((folder / "meta.json").read_text())
-            check_model_compatible(folder, shape, meta)
+            check_model_compatible(folder, shape, meta, current=dataclasses.asdict(cfg))
             check_same_data(folder, meta, fingerprint, dataclasses.asdict(cfg),
                             allow=cfg.allow_data_change, warn=warn)
         if cfg.out:

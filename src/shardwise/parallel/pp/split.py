@@ -4,10 +4,12 @@ The plain model (``models.llama.Llama`` or ``models.mlp.StackedMLP``) is a seque
 ``embedding → L blocks → norm → head``. It is cut into ``S = p·v`` stages of consecutive blocks
 (:func:`split_layers`); stage ``s`` lives on pp rank ``s % p`` as its local chunk ``s // p`` (see
 :mod:`.schedules`). Stage 0 also holds the token embedding, stage ``S−1`` the final norm, the
-head and the loss. Every rank builds the whole plain model from the same seed and keeps only its
-stages' modules (:class:`StageModule`, under the plain model's names), so a stage's parameters
-start equal to the plain model's (the parity tests rely on it). A tied embedding (Press & Wolf
-2017) gets its own copy on the last stage (:attr:`StageModule.tied_output`).
+head and the loss. Every rank builds the whole plain model and keeps only its stages' modules
+(:class:`StageModule`, under the plain model's names); the engine then copies every stage's
+parameters from pp index 0's plain model (:func:`stage_parameter_names` says which are whose),
+as DP broadcasts from dp index 0 and TP from tp index 0, so the stages together start equal to
+one plain model even when the ranks' seeds differ (the parity tests rely on it). A tied embedding
+(Press & Wolf 2017) gets its own copy on the last stage (:attr:`StageModule.tied_output`).
 
 Split rules, names and tied embeddings: docs/pipeline-parallel.md §1.
 """
@@ -93,6 +95,30 @@ def validate_pp(model_or_n_layers, pp: int, schedule: str, microbatches: int,
             f"change --global-batch")
     split_layers(_n_layers(model_or_n_layers), pp * v, layers_per_stage)
     return v
+
+
+def stage_parameter_names(plain: nn.Module, pp_index: int, pp: int, v: int = 1,
+                          layers_per_stage: list[int] | None = None) -> list[str]:
+    """The plain model's parameter names (``named_parameters()`` order, a tied head under
+    ``tok_embeddings.weight``) that pp rank ``pp_index`` holds in its stages: the blocks of
+    its stages (:func:`split_layers`), the embedding with stage 0, the final norm and the head
+    with the last stage — the parameters :class:`StageModule` keeps, except the last rank's own
+    copy of a tied embedding."""
+    n_stages = pp * v
+    ranges = split_layers(len(plain.layers), n_stages, layers_per_stage)
+    mine = [c * pp + pp_index for c in range(v)]
+    blocks = {str(i) for s in mine for i in ranges[s]}
+    first, last = 0 in mine, n_stages - 1 in mine
+    names = []
+    for name, _ in plain.named_parameters():
+        top, _, rest = name.partition(".")
+        if top == "layers":
+            keep = rest.split(".", 1)[0] in blocks
+        else:  # tok_embeddings on the first stage; norm, output on the last
+            keep = first if top == "tok_embeddings" else last
+        if keep:
+            names.append(name)
+    return names
 
 
 class Chunk(nn.Module):
