@@ -129,7 +129,8 @@ def test_an_out_folder_that_holds_a_run_is_refused(cache_dir, tmp_path):
 
 
 def test_pipeline_without_enough_microbatches_names_the_flags(cache_dir):
-    p = run_cli(["train", *QUICK, "--pp", "4"], cache_dir, timeout=60)
+    # an explicit micro-batch that leaves too few microbatches: 16 / (dp 2 × 8) = 1 < 4
+    p = run_cli(["train", *QUICK, "--pp", "4", "--micro-batch", "8"], cache_dir, timeout=60)
     expect_error(p, "--pp 4 needs at least 4 microbatches", "--microbatches M")
     p = run_cli(["train", *QUICK, "--pp", "4", "--microbatches", "4"], cache_dir, timeout=60)
     expect_error(p, "too few for 4 pipeline stages", "--n-layers 4")
