@@ -5,6 +5,8 @@ gradient swap, and the bytes both send.
   ``world`` group (:class:`GradTraffic`, booked as axis "pp"), so the two kinds never share a
   FIFO between a pair of ranks (needed for interleaving with pp = 2 and for NCCL; no group of our
   own: docs/pipeline-parallel.md §4 says why).
+* At construction, pp index 0 sends every other rank its stages' parameters
+  (:func:`copy_stages_from_first`), so the stages start as one model whatever the ranks' seeds.
 * Tied embeddings across stages: the first and the last stage each hold a copy of the table
   (:mod:`.split`); after backward they swap their gradients so both apply g_first + g_last.
 
@@ -20,6 +22,7 @@ import torch
 
 from ... import comm
 from ..params import local
+from .split import stage_parameter_names
 
 
 class GradTraffic:
@@ -40,6 +43,42 @@ class GradTraffic:
 
     def global_rank(self, axis, index):
         return self._topo.global_rank(axis, index)
+
+
+@torch.no_grad()
+def copy_stages_from_first(model: torch.nn.Module, topo, v: int, layers_per_stage=None) -> None:
+    """pp index 0 sends every other pp rank its stages' parameters from its own plain ``model``
+    (full shapes, before TP; one flat send per rank and dtype, phase and tag ``init``), so the
+    stages start as one plain model even when the ranks' seeds differ — as DP broadcasts from dp
+    index 0 and TP from tp index 0; with those, every layout starts from world rank 0's model.
+    Each rank receives only what it keeps (:func:`.split.stage_parameter_names` with ``v``
+    chunks per rank and ``layers_per_stage``): rank 0 sends Ψ minus its own. A tied
+    embedding's copy on the last rank follows from the first rank's (the ``init`` send after
+    this). Collective over pp; nothing for pp = 1."""
+    p, index = topo.size("pp"), topo.index("pp")
+    if p == 1:
+        return
+    params = dict(model.named_parameters())
+
+    def flat_by_dtype(r):
+        by_dtype: dict = {}
+        for n in stage_parameter_names(model, r, p, v, layers_per_stage):
+            by_dtype.setdefault(params[n].dtype, []).append(params[n].data)
+        return by_dtype.values()
+
+    with topo.ledger.phase("init"):
+        if index == 0:
+            for r in range(1, p):
+                for group in flat_by_dtype(r):
+                    comm.send(torch.cat([t.reshape(-1) for t in group]), topo, "pp", r,
+                              tag="init")
+            return
+        for group in flat_by_dtype(index):
+            flat = torch.empty(sum(t.numel() for t in group), dtype=group[0].dtype,
+                               device=group[0].device)
+            comm.recv(flat, topo, "pp", 0, tag="init")
+            for t, part in zip(group, flat.split([t.numel() for t in group])):
+                t.copy_(part.view_as(t))
 
 
 @torch.no_grad()

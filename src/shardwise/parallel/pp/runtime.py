@@ -48,11 +48,10 @@ from ..params import counted_grads, local as _local, tp_sharded
 from ..tp import apply_tp, tp_activation_bytes, vocab_parallel_cross_entropy
 from ..zero.flat import (FlatShards, gather_named, gather_optimizer_state, load_optimizer_state,
                          sharded_optimizer)
-from .comms import p2p_bytes_formula, swap_tied_grads
+from .comms import copy_stages_from_first, p2p_bytes_formula, swap_tied_grads
 from .runner import ScheduleRunner
 from .schedules import build_schedule, check_schedule
-from .split import (StageModule, activation_shape, first_stage_input, loss_sum,
-                    stage_parameter_names)
+from .split import StageModule, activation_shape, first_stage_input, loss_sum
 
 
 class PipelineParallel(Engine):
@@ -91,7 +90,7 @@ class PipelineParallel(Engine):
         stage = StageModule(model, self.pp_index, self.p, self.v, layers_per_stage)
         super().__init__(stage)
         self.topo, self.schedule_name = topo, schedule
-        self._copy_stages_from_first(model, layers_per_stage)  # before TP shards them
+        copy_stages_from_first(model, topo, self.v, layers_per_stage)  # before TP shards them
         self.reduce_dtype = reduce_dtype
         self.chunks = stage.chunks
         self.is_first, self.is_last = self.pp_index == 0, self.pp_index == self.p - 1
@@ -120,39 +119,6 @@ class PipelineParallel(Engine):
                         if topo.size("dp") > 1 and self.zero1 is None else None)
 
     _engine_name = "explicit"
-
-    def _copy_stages_from_first(self, model: nn.Module, layers_per_stage) -> None:
-        """pp index 0 sends every other pp rank its stages' parameters from its own plain model
-        (full shapes, before TP; one flat send per rank and dtype, phase and tag "init"), so
-        the stages start as one plain model even when the ranks' seeds differ — as DP
-        broadcasts from dp index 0 and TP from tp index 0; with those, every layout starts
-        from world rank 0's model. Each rank receives only what it keeps, its stages' bytes
-        (rank 0 sends Ψ minus its own). A tied embedding's copy on the last rank follows from
-        the first rank's (the "init" send after this)."""
-        if self.p == 1:
-            return
-        params = dict(model.named_parameters())
-
-        def flat_by_dtype(r):
-            by_dtype: dict = {}
-            for n in stage_parameter_names(model, r, self.p, self.v, layers_per_stage):
-                by_dtype.setdefault(params[n].dtype, []).append(params[n].data)
-            return by_dtype.values()
-
-        with self.topo.ledger.phase("init"):
-            if self.pp_index == 0:
-                for r in range(1, self.p):
-                    for group in flat_by_dtype(r):
-                        comm.send(torch.cat([t.reshape(-1) for t in group]), self.topo, "pp",
-                                  r, tag="init")
-                return
-            for group in flat_by_dtype(self.pp_index):
-                flat = torch.empty(sum(t.numel() for t in group), dtype=group[0].dtype,
-                                   device=group[0].device)
-                comm.recv(flat, self.topo, "pp", 0, tag="init")
-                with torch.no_grad():
-                    for t, part in zip(group, flat.split([t.numel() for t in group])):
-                        t.copy_(part.view_as(t))
 
     def _convert_tp(self, stage, seed):
         """Megatron TP inside the stage: :func:`..tp.apply_tp`, the transform of the whole model,
