@@ -565,6 +565,12 @@ def model_flags(run: dict) -> dict[str, str]:
     return flags
 
 
+def _flag_value(flags: dict[str, str], key: str) -> str:
+    """How a flag of :func:`model_flags` reads in a message: its value, "given" for a switch,
+    "not given" when absent."""
+    return {None: "not given", "": "given"}.get(flags.get(key), flags.get(key))
+
+
 def check_model_compatible(folder: Path, model: torch.nn.Module, meta: dict | None = None,
                            current: dict | None = None) -> None:
     """Raise :class:`CheckpointError` listing every mismatched key and shape when the checkpoint
@@ -594,15 +600,13 @@ def check_model_compatible(folder: Path, model: torch.nn.Module, meta: dict | No
     run = (meta or {}).get("config", {})
     hint = ""
     if run:
-        saved = model_flags(run)
-        hint = f" (it was saved with {' '.join(f'{k} {v}'.strip() for k, v in saved.items())}"
+        then = model_flags(run)
+        hint = f" (it was saved with {' '.join(f'{k} {v}'.strip() for k, v in then.items())}"
         if current:
-            mine = model_flags(current)
-            def value(flags, k):
-                return {None: "not given", "": "given"}.get(flags.get(k), flags.get(k))
-
-            changed = [f"{k} ({value(mine, k)} here, {value(saved, k)} in the checkpoint's run)"
-                       for k in dict.fromkeys([*saved, *mine]) if saved.get(k) != mine.get(k)]
+            now = model_flags(current)
+            changed = [f"{k} ({_flag_value(now, k)} here, {_flag_value(then, k)} in the "
+                       f"checkpoint's run)" for k in dict.fromkeys([*then, *now])
+                       if then.get(k) != now.get(k)]
             if changed:
                 hint += "; this run differs in " + "; ".join(changed)
         hint += ")"
