@@ -11,13 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from shardwise.data import DistributedSampler
 from shardwise.errors import ShardwiseConfigError
 from shardwise.models import build_model
-from shardwise.parallel.apply import Layout
-from shardwise.parallel.compose_torch import parallelize_2d_torch
+from shardwise.parallel.apply import Layout, parallelize
 from shardwise.parity import ATOL, RTOL, assert_parity, reference_at, reference_run
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
@@ -171,9 +169,9 @@ def _topo(dp, tp):
 
 
 def _check(model, topo, layout, reduce_dtype):
-    """parallelize_2d_torch on a topology without groups: its checks (Layout.check) must raise
-    before its first collective."""
-    parallelize_2d_torch(model, topo, layout, reduce_dtype=reduce_dtype)
+    """parallelize (dp × tp, torch) on a topology without groups: its checks (Layout.check)
+    must raise before its first collective."""
+    parallelize(model, topo, layout, engine="torch", reduce_dtype=reduce_dtype)
 
 
 def test_bad_input_refused_before_any_collective():

@@ -68,7 +68,8 @@ def _llama():
     (Layout(dp=2, zero=7), {}, ["--zero 7: choose 0"]),
     (Layout(dp=2, pp=2, zero=3), {}, ["ZeRO-3 does not compose with pipeline", "--zero 1"]),
     (Layout(dp=2, zero=2), {"composition": "pp"}, ["ZeRO-2 does not compose with pipeline"]),
-    (Layout(dp=2), {"composition": "dp×tp"}, ["is not dp × tp", "use parallelize()"]),
+    (Layout(tp=2, sp=True), {"model_cfg": _llama(), "seq_len": 15},
+     ["--sp: --tp 2 does not divide --seq-len 15"]),
     (Layout(dp=2), {"topo": _topo(dp=4)}, ["does not match the topology pp=1 × dp=4 × tp=1",
                                            "Topology(pp=1, dp=2, tp=1)"]),
     (Layout(dp=2), {"reduce_dtype": "fp16"}, ["--reduce-dtype 'fp16': choose fp32 or bf16"]),
@@ -92,7 +93,7 @@ def test_check_passes_what_runs():
     llama = _llama()
     Layout().check()
     Layout(dp=2, tp=2, zero=3, sp=True).check(llama, _topo(dp=2, tp=2), seq_len=16,
-                                              composition="dp×tp", engine="torch")
+                                              engine="torch")
     Layout(pp=2, dp=2, zero=1, microbatches=2).check(llama, global_batch=8, micro_batch=1,
                                                      reduce_dtype="bf16", composition="pp")
     Layout(tp=2).check()  # no model given: the model's checks are skipped

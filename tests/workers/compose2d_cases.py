@@ -12,7 +12,7 @@
   full optimizer state after step 2; layouts B (dp=4 zero=1, tp=2, dp=2 tp=2 zero=0, A itself,
   and A with fresh optimizer state as a negative control) load them and train steps 3 and 4.
 * dropout: one forward of dp=2 × tp=2 with dropout 0.5: residual-dropout masks per rank.
-* errors: bad input to parallelize_2d / reduce_dtype must raise ShardwiseConfigError.
+* errors: bad input to parallelize (dp × tp) / reduce_dtype must raise ShardwiseConfigError.
 Each rank writes ``<out>/<case>_rank<r>.pt``.
 """
 
@@ -27,7 +27,6 @@ from shardwise.errors import ShardwiseConfigError
 from shardwise.formulas import step_bytes_formula
 from shardwise.models import build_model
 from shardwise.parallel.apply import Layout, parallelize
-from shardwise.parallel.compose import parallelize_2d
 from shardwise.parallel.dp import DataParallel
 from shardwise.parallel.tp import TPDropout
 from shardwise.topology import Topology, init_distributed
@@ -204,15 +203,15 @@ def error_cases(topo22, topo4, out, rank):
     """Each must raise before any collective (a hang would time the world out)."""
     msgs = {}
     if topo22.member:
-        msgs["mlp"] = _catch(lambda: parallelize_2d(build_model("mlp-tiny"), topo22,
+        msgs["mlp"] = _catch(lambda: parallelize(build_model("mlp-tiny"), topo22,
                                                     Layout(dp=2, tp=2)))
-        msgs["reduce_dtype"] = _catch(lambda: parallelize_2d(make_model(), topo22,
+        msgs["reduce_dtype"] = _catch(lambda: parallelize(make_model(), topo22,
                                                              Layout(dp=2, tp=2),
                                                              reduce_dtype="fp16"))
-        msgs["tp_heads"] = _catch(lambda: parallelize_2d(
+        msgs["tp_heads"] = _catch(lambda: parallelize(
             build_model("tiny", vocab_size=67, n_heads=4, n_kv_heads=1), topo22,
             Layout(dp=2, tp=2)))
-        msgs["wrong_topology"] = _catch(lambda: parallelize_2d(make_model(), topo22,
+        msgs["wrong_topology"] = _catch(lambda: parallelize(make_model(), topo22,
                                                                Layout(dp=4, tp=2)))
     if topo4.member:
         msgs["dp_reduce_dtype"] = _catch(lambda: DataParallel(make_model(), topo4,

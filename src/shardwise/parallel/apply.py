@@ -1,33 +1,36 @@
-"""Choose and apply the strategy for a layout over a plain model.
+"""Choose and apply the strategy for a layout over a plain model: :func:`parallelize`.
 
-One function, :func:`parallelize`, turns a plain model into an :class:`~.engine.Engine` for a
-:class:`Layout` on a :class:`~shardwise.topology.Topology`, with our explicit implementation
-(``engine="explicit"``) or PyTorch's own (``engine="torch"``):
+:func:`parallelize` turns a plain model into an :class:`~.engine.Engine` for a :class:`Layout` on
+a :class:`~shardwise.topology.Topology`, with our explicit implementation (``engine="explicit"``)
+or PyTorch's own (``engine="torch"``). It reads as the order of the transforms (torchtitan's
+``parallelize_llama``, picotron's order; mesh (pp, dp, tp), tp innermost):
 
-=======================  ===========================  =======================================
-layout                   explicit                     torch
-=======================  ===========================  =======================================
-dp (zero 0)              :mod:`.dp` DataParallel    DDP (:mod:`.dp.ddp`)
-dp, zero 1/2/3           :mod:`.zero`                 ZeroRedundancyOptimizer / FSDP2
-tp [+ sp]                :mod:`.tp` (Megatron f/g)    DTensor ``parallelize_module``
-dp × tp [zero] (2D)      :mod:`.compose`              DTensor + FSDP2 (:mod:`.compose_torch`)
-pp × dp [zero 1] [× tp]  :mod:`.pp` runtime     ``torch.distributed.pipelining``
-=======================  ===========================  =======================================
+1. check the layout (:meth:`~.layout.Layout.check`, the one validator: every refusal, on every
+   rank, before any collective);
+2. pp > 1: split into this rank's pipeline stages, and compose the rest inside each stage
+   (:func:`~.pp.build_pipeline`: the same TP transform per stage, DP / ZeRO-1 over dp, the
+   tied-embedding swap and the SP sum after the schedule);
+3. tp > 1: tensor parallelism on the model — Megatron f/g (:func:`~.tp.parallelize_tensor`) or
+   DTensor ``parallelize_module`` (:func:`~.tp.parallelize_tensor_dtensor`);
+4. the gradient sync over dp (:func:`dp_sync`): DP (:mod:`.dp`), ZeRO-1/2/3 (:mod:`.zero`),
+   DDP, ``ZeroRedundancyOptimizer`` / FSDP2, or FSDP2 over DTensor TP
+   (:class:`~.compose_torch.FSDP2Sync`);
+5. tp and dp together: one :class:`~.model.ParallelModel`, which adds the SP sum over tp on what
+   dp leaves on each rank.
 
-dp × tp on either engine is one :class:`~.model.ParallelModel` of the tp part and the dp part.
-
-:meth:`~.layout.Layout.check`, the one validator, refuses what no engine runs, with a clear error
-on every rank before any collective. ``Layout``, ``parse_layout`` and ``check_supported`` live in
-:mod:`.layout` and are re-exported here.
+``Layout``, ``parse_layout`` and ``check_supported`` live in :mod:`.layout` and are re-exported
+here.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
+from .. import comm
 from .layout import Layout, check_supported, parse_layout
 
-__all__ = ["Layout", "check_supported", "parallelize", "parse_layout"]
+__all__ = ["Layout", "check_supported", "dp_sync", "parallelize", "parse_layout"]
 
 
 def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
@@ -35,61 +38,91 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
                 prefetch: bool = True, reshard_after_forward: bool = True,
                 layers_per_stage: list[int] | None = None, seed: int = 0,
                 reduce_dtype: str = "fp32") -> nn.Module:
-    """Return ``model`` wrapped for ``layout`` (default: plain DP over ``topo``'s dp axis) by
-    ``engine`` ("explicit" | "torch"). The model may be converted in place (TP replaces modules,
-    PP keeps only this rank's stages); use the returned engine's ``.module`` afterwards.
-
-    Composition order (mesh (pp, dp, tp), tp innermost): TP inside each stage, then the
-    pipeline split, then DP/ZeRO over the dp axis (``docs/composition.md``).
+    """Return ``model`` wrapped for ``layout`` (default: the degrees of ``topo``) by ``engine``
+    ("explicit" | "torch"), by the steps of the module docstring. The model may be converted in
+    place (TP replaces modules, PP keeps only this rank's stages); use the returned engine's
+    ``.module`` afterwards.
 
     ``bucket_mb``/``overlap``: DP gradient buckets; ``prefetch``/``reshard_after_forward``:
-    ZeRO-3; ``layers_per_stage``: an explicit pipeline split; ``seed``: TP dropout RNG;
+    ZeRO-3 / FSDP2; ``layers_per_stage``: an explicit pipeline split; ``seed``: TP dropout RNG;
     ``reduce_dtype``: "fp32" | "bf16", the dtype gradients are reduced in over dp.
-    Raises :class:`ShardwiseConfigError` for unsupported layouts (:meth:`Layout.check`, on every
-    rank before any collective), ``ValueError`` for an unknown engine."""
+    Raises :class:`ShardwiseConfigError` for a layout that cannot run (on every rank, before any
+    collective), ``ValueError`` for an unknown engine."""
     if engine not in ("explicit", "torch"):
         raise ValueError(f"unknown engine {engine!r}: choose explicit or torch")
     layout = layout or Layout(dp=topo.size("dp"), tp=topo.size("tp"), pp=topo.size("pp"))
+    # 1. every refusal, before any collective
     layout.check(model=model, topo=topo, engine=engine, reduce_dtype=reduce_dtype)
     dp_kw = dict(bucket_mb=bucket_mb, overlap=overlap, prefetch=prefetch,
                  reshard_after_forward=reshard_after_forward, reduce_dtype=reduce_dtype)
-    if layout.pp > 1:  # PP (× DP/ZeRO-1) (× TP): the pipeline engines compose the rest
+    # 2. pipeline stages; TP, DP/ZeRO-1 and the finishers are composed inside each stage
+    if layout.pp > 1:
         from .pp import build_pipeline
 
         return build_pipeline(model, topo, layout=layout, engine=engine,
                               layers_per_stage=layers_per_stage, seed=seed, **dp_kw)
-    if layout.tp > 1 and layout.dp > 1:  # 2D: TP inside, DP/ZeRO (FSDP) over dp
-        if engine == "explicit":
-            from .compose import parallelize_2d
+    # 3. tensor parallelism on the whole model
+    tp = None
+    if layout.tp > 1 and engine == "explicit":
+        from .tp import parallelize_tensor
 
-            return parallelize_2d(model, topo, layout, seed=seed, **dp_kw)
-        from .compose_torch import parallelize_2d_torch
-
-        return parallelize_2d_torch(model, topo, layout, **dp_kw)
-    if layout.tp > 1:
-        if engine == "explicit":
-            from .tp import parallelize_tensor
-
-            return parallelize_tensor(model, topo, sp=layout.sp, seed=seed)
+        tp = parallelize_tensor(model, topo, sp=layout.sp, seed=seed)
+    elif layout.tp > 1:
         from .tp import parallelize_tensor_dtensor
 
-        return parallelize_tensor_dtensor(model, topo, sp=layout.sp)
-    if layout.zero:
-        if engine == "explicit":
-            from .zero import ZeroDataParallel
+        if layout.dp > 1:  # FSDP2 shards what it is given: the dp replicas must start equal
+            with topo.ledger.phase("init"), torch.no_grad():
+                for p in model.parameters():
+                    comm.broadcast(p.data, topo, "dp", src=0, tag="init")
+        tp = parallelize_tensor_dtensor(model, topo, sp=layout.sp)
+    if tp is not None and layout.dp == 1:
+        return tp
+    # 4. the gradient sync over dp, on the TP shards when tp > 1
+    dp = dp_sync(model, topo, layout, engine, **dp_kw)
+    if tp is None:
+        return dp
+    # 5. dp × tp: one model of the two parts (the SP sum follows dp's reduction)
+    from .model import ParallelModel
 
-            return ZeroDataParallel(model, topo, layout.zero, prefetch=prefetch,
-                                    reshard_after_forward=reshard_after_forward, overlap=overlap,
-                                    reduce_dtype=reduce_dtype)
-        from .zero.torch_zero import TorchZero
+    return ParallelModel(tp, dp, topo)
 
-        return TorchZero(model, topo, layout.zero, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
+
+def dp_sync(model: nn.Module, topo, layout: Layout, engine: str, *, bucket_mb: float = 25.0,
+            overlap: bool = True, prefetch: bool = True, reshard_after_forward: bool = True,
+            reduce_dtype: str = "fp32") -> nn.Module:
+    """The data-parallel strategy over ``topo``'s dp axis for ``layout.zero`` on ``engine``,
+    wrapping ``model`` (plain, or already converted for TP when ``layout.tp`` > 1: its
+    parameters are then this rank's tp shards, Ψ/tp each; DTensors on the torch engine).
+
+    ======  ==========================  =================================================
+    zero    explicit                    torch (tp = 1; tp > 1)
+    ======  ==========================  =================================================
+    0       :class:`~.dp.DataParallel`  DDP; FSDP2 ``replicate``
+    1, 2    :mod:`.zero` (flat shards)  ZeroRedundancyOptimizer / FSDP2; FSDP2
+    3       :mod:`.zero` (units)        FSDP2 ``fully_shard``; the same over DTensor TP
+    ======  ==========================  =================================================
+
+    Options as :func:`parallelize`. No checks here: :meth:`Layout.check` ran before."""
+    if engine == "explicit" and layout.zero:
+        from .zero import ZeroDataParallel
+
+        return ZeroDataParallel(model, topo, layout.zero, prefetch=prefetch,
+                                reshard_after_forward=reshard_after_forward, overlap=overlap,
+                                reduce_dtype=reduce_dtype)
     if engine == "explicit":
         from .dp import DataParallel
 
         return DataParallel(model, topo, bucket_mb=bucket_mb, overlap=overlap,
                             reduce_dtype=reduce_dtype)
+    if layout.tp > 1:
+        from .compose_torch import fsdp2_over_tp
+
+        return fsdp2_over_tp(model, topo, layout, reshard_after_forward=reshard_after_forward,
+                             reduce_dtype=reduce_dtype)
+    if layout.zero:
+        from .zero.torch_zero import TorchZero
+
+        return TorchZero(model, topo, layout.zero, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
     from .dp import TorchDataParallel
 
     return TorchDataParallel(model, topo, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
-

@@ -1,7 +1,8 @@
-"""``--engine torch`` for dp × tp (2D): DTensor tensor parallelism inside, FSDP2 over dp.
+"""``--engine torch`` for dp × tp (2D): the dp part, FSDP2 over DTensor tensor parallelism.
 
-torchtitan's 2D recipe on the mesh (pp, dp, tp), tp innermost: ``parallelize_module`` on the tp
-mesh (the plan of :mod:`.tp.dtensor`), then over the dp mesh FSDP2 on every block and the root
+torchtitan's 2D recipe on the mesh (pp, dp, tp), tp innermost (:func:`~.apply.parallelize`,
+steps 3–5): ``parallelize_module`` on the tp mesh (the plan of :mod:`.tp.dtensor`), then over
+the dp mesh FSDP2 on every block and the root
 (:func:`.zero.torch_zero.apply_fsdp`): zero 0 ``replicate`` (whole parameters, SUM all-reduce of
 each unit's gradients, 2(n−1)/n·Ψ_local·b), zero 1 and 2 ``fully_shard`` without resharding after
 forward (ZeRO-2's traffic; PyTorch has no optimizer-state-only sharding that composes with DTensor
@@ -25,13 +26,10 @@ import math
 import torch
 from torch import nn
 
-from .. import comm
 from ..comm.ledger import ring_bytes
 from ..models.llama import Llama, TransformerBlock
 from .engine import Engine
-from .model import ParallelModel
 from .params import is_dtensor as _is_dtensor, local as _local, local_state_bytes
-from .tp import parallelize_tensor_dtensor
 from .zero.torch_zero import apply_fsdp
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -161,29 +159,16 @@ class FSDP2Sync(Engine):
                 "grad_norm": ring_bytes("all_reduce", 8, n)}
 
 
-def parallelize_2d_torch(model: Llama, topo, layout, *, bucket_mb: float = 25.0,
-                         overlap: bool = True, prefetch: bool = True,
-                         reshard_after_forward: bool = True, reduce_dtype: str = "fp32",
-                         book_collectives: bool = True) -> ParallelModel:
-    """Convert ``model`` in place for ``layout`` (dp × tp, zero 0–3, ±sp) on ``topo`` with
-    PyTorch's implementations and return the :class:`~.model.ParallelModel` of the DTensor TP
-    engine and :class:`FSDP2Sync` (module docstring).
+def fsdp2_over_tp(model: Llama, topo, layout, *, reshard_after_forward: bool = True,
+                  reduce_dtype: str = "fp32") -> FSDP2Sync:
+    """FSDP2 over dp (:func:`.zero.torch_zero.apply_fsdp`) on every block, then the root, of
+    ``model`` whose parameters DTensor TP already converted (the replicas already equal):
+    step 4 of :func:`~.apply.parallelize` for dp × tp on the torch engine (module docstring).
 
     ``reshard_after_forward`` (zero 3 only): False keeps blocks gathered until backward (then
     zero 3 runs as zero 2). ``reduce_dtype``: "fp32" | "bf16", the dtype gradients travel in over
-    dp (FSDP2 ``MixedPrecisionPolicy(reduce_dtype=...)``; the accumulated gradient stays fp32).
-    ``bucket_mb``/``overlap``/``prefetch``: accepted for the common signature, not used.
-    Raises :class:`ShardwiseConfigError` before any collective for a layout that cannot run."""
-    layout.check(model=model, topo=topo, engine="torch", reduce_dtype=reduce_dtype,
-                 composition="dp×tp")
-    with topo.ledger.phase("init"), torch.no_grad():  # same start on every dp replica
-        for p in model.parameters():
-            comm.broadcast(p.data, topo, "dp", src=0, tag="init")
-    tp_engine = parallelize_tensor_dtensor(model, topo, sp=layout.sp,
-                                           book_collectives=book_collectives)
+    dp (FSDP2 ``MixedPrecisionPolicy(reduce_dtype=...)``; the accumulated gradient stays fp32)."""
     local_shapes = {n: tuple(_local(p).shape) for n, p in model.named_parameters()}
-    # FSDP2 over dp on every block, then the root (zero 0: replicate; 1 runs as 2), see
-    # zero.torch_zero.apply_fsdp
     blocks = [m for m in model.layers if isinstance(m, TransformerBlock)]
     fsdp = apply_fsdp(model, topo, layout.zero, reduce_dtype, units=blocks,
                       reshard_after_forward=reshard_after_forward,
@@ -192,4 +177,4 @@ def parallelize_2d_torch(model: Llama, topo, layout, *, bucket_mb: float = 25.0,
                      reshard_after_forward=fsdp.reshard_after_forward, reduce_dtype=reduce_dtype,
                      local_shapes=local_shapes)
     sync._order = fsdp.order
-    return ParallelModel(tp_engine, sync, topo)
+    return sync

@@ -9,8 +9,7 @@ before any collective. Its callers:
 
 * ``config.validate`` (``shardwise train`` / ``trace``): with the model's config and the batch;
 * :func:`~.apply.parallelize`: with the model and the topology;
-* the composition engines when built directly (``PipelineParallel``, ``parallelize_2d``,
-  ``parallelize_2d_torch``);
+* the pipeline engines when built directly (``PipelineParallel``);
 * :func:`parse_layout` (``verify`` / ``bench --layouts``): the layout alone.
 
 The planner's ``shardwise.plan.cost.PlanLayout`` subclasses :class:`Layout`, so verify, bench
@@ -91,9 +90,8 @@ class Layout:
         gradient reduction dtype. ``seq_len``: tokens per sequence (SP splits it).
         ``global_batch`` (sequences per step, all replicas) and ``micro_batch`` (sequences per
         micro-batch), given together with a model: the pipeline's microbatches and split are
-        checked (``layers_per_stage``: an explicit split). ``composition``: the engine that
-        calls, when built directly: "dp×tp" (the 2D engines: dp ≥ 2, tp ≥ 2, pp = 1) or "pp"
-        (the pipeline engines: ZeRO 0 or 1, whatever pp is).
+        checked (``layers_per_stage``: an explicit split). ``composition``: "pp" when a
+        pipeline engine calls, built directly (ZeRO 0 or 1, whatever pp is).
 
         Checked in this order:
 
@@ -102,7 +100,7 @@ class Layout:
            ZeRO-2/3 with pp > 1 (or in a pipeline engine) is refused, as DeepSpeed refuses it
            (m× the gradient / parameter traffic per step for memory ZeRO-1 mostly saves
            already: docs/composition.md §5).
-        2. the engine's shape (``composition``) and the topology's degrees;
+        2. the topology's degrees;
         3. the reduce dtype: fp32 or bf16 (:func:`~.dp.reduce_torch_dtype`);
         4. the model: tp > 1 needs a Llama-style model whose heads, kv heads, d_ff (and, with
            SP, ``seq_len``) tp divides (:func:`~.tp.validate_tp`); pp > 1 needs at least pp
@@ -124,11 +122,7 @@ class Layout:
                 f"layout {self.name()}: ZeRO-{self.zero} does not compose with pipeline "
                 "parallelism (each of the m micro-batches would re-shard gradients/re-gather "
                 "parameters; DeepSpeed refuses it too): use --zero 1 with --pp, or --pp 1")
-        # 2. the engine's shape and the topology
-        if composition == "dp×tp" and not (self.pp == 1 and self.dp >= 2 and self.tp >= 2):
-            raise ShardwiseConfigError(
-                f"layout {self.name()} is not dp × tp (the 2D engines need dp ≥ 2, tp ≥ 2, "
-                "pp = 1): use parallelize(), which picks the engine for any layout")
+        # 2. the topology
         if topo is not None:
             sizes = (topo.size("pp"), topo.size("dp"), topo.size("tp"))
             if sizes != (self.pp, self.dp, self.tp):
