@@ -29,7 +29,7 @@ from torch import nn
 from ..comm.ledger import ring_bytes
 from ..models.llama import Llama, TransformerBlock
 from .engine import Engine
-from .params import is_dtensor as _is_dtensor, local as _local, local_state_bytes
+from .params import is_dtensor as _is_dtensor, local as _local
 from .zero.torch_zero import apply_fsdp
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -97,10 +97,6 @@ class FSDP2Sync(Engine):
         full-shape views gather over the (dp, tp) mesh (:func:`.params.to_full`)."""
         self._reshard()
         return super().named_params()
-
-    def model_state_bytes(self, optimizer=None) -> dict[str, int]:
-        """Bytes of this rank's local shards (:func:`.params.local_state_bytes`)."""
-        return local_state_bytes(self.module.parameters(), optimizer)
 
     @contextlib.contextmanager
     def full_model_for(self, composed):

@@ -44,8 +44,8 @@ import torch
 from torch import nn
 
 from ..models import loss_sum_and_count
-from .params import (counted_grads, grad_norm_, grads_or_zeros, local, sum_coalesced_, to_full,
-                     to_local, tp_sharded)
+from .params import (counted_grads, grad_norm_, grads_or_zeros, local, local_state_bytes,
+                     sum_coalesced_, to_full, to_local, tp_sharded)
 
 
 def autocast(dtype: str, device: torch.device):
@@ -179,9 +179,9 @@ class Engine(nn.Module):
         yield self.module
 
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
-        """Bytes of parameters, gradients and optimizer state held by this rank (each tensor
-        counted once, by storage size actually allocated)."""
-        return model_state_bytes(self.module.parameters(), optimizer)
+        """Bytes of parameters, gradients and optimizer state held by this rank
+        (:func:`.params.local_state_bytes`: each tensor once, DTensors by their local shards)."""
+        return local_state_bytes(self.module.parameters(), optimizer)
 
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
                       dtype: str = "fp32") -> dict[str, float]:
@@ -284,24 +284,6 @@ class Engine(nn.Module):
                          else v.detach().clone() if torch.is_tensor(v) else v)
                      for k, v in state[n].items()} for n, p in named}
         self.dp_load_optimizer_state(optimizer, local)
-
-
-def _nbytes(t) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-
-def model_state_bytes(params, optimizer=None) -> dict[str, int]:
-    """{"params", "grads", "optimizer", "total"} bytes for ``params`` and ``optimizer``'s state
-    (scalar step counters included)."""
-    params = list(dict.fromkeys(params))  # tied parameters once
-    out = {"params": sum(_nbytes(p) for p in params),
-           "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None),
-           "optimizer": 0}
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            out["optimizer"] += sum(_nbytes(v) for v in state.values())
-    out["total"] = out["params"] + out["grads"] + out["optimizer"]
-    return out
 
 
 class Local(Engine):

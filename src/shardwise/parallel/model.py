@@ -37,11 +37,18 @@ class ParallelModel(Engine):
 
     def __init__(self, tp: Engine, dp: Engine, topo):
         super().__init__(tp.module)
-        # the two parts share ``module``: keep them out of nn.Module's registry so that
+        # the parts share ``module``: a tuple, which nn.Module does not register, so that
         # state_dict()/parameters() see the model once
-        object.__setattr__(self, "tp", tp)
-        object.__setattr__(self, "dp", dp)
+        self.parts = (tp, dp)
         self.topo, self.sp = topo, tp.sp
+
+    @property
+    def tp(self) -> Engine:
+        return self.parts[0]
+
+    @property
+    def dp(self) -> Engine:
+        return self.parts[1]
 
     # -- the step: the loss is tp's, the gradient sync dp's ---------------------------------
     def sync_gradients(self, enabled: bool):

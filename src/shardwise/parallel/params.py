@@ -67,23 +67,14 @@ def local(t):
     return t._local_tensor if is_dtensor(t) else t
 
 
-def dtensor_placement_on(t, axis: str):
-    """The placement of DTensor ``t`` on mesh dim ``axis`` ("dp" | "tp"); None when ``t`` is
-    not a DTensor or its mesh lacks that dim."""
-    if not is_dtensor(t):
-        return None
-    names = t.device_mesh.mesh_dim_names or ()
-    return t.placements[names.index(axis)] if axis in names else None
-
-
 def tp_sharded(t) -> bool:
     """Whether the elements ``t`` holds differ between tp ranks: a DTensor with a Shard
     placement on the "tp" mesh dim, or a parameter marked by :func:`mark_tp_shard`. For a
     DTensor gradient ask the gradient itself (DTensor may leave it Replicate while its
     parameter is Shard)."""
     if is_dtensor(t):
-        pl = dtensor_placement_on(t, "tp")
-        return pl is not None and pl.is_shard()
+        names = t.device_mesh.mesh_dim_names or ()
+        return "tp" in names and t.placements[names.index("tp")].is_shard()
     return placement(t).tp_dim is not None
 
 
@@ -165,9 +156,10 @@ def grads_or_zeros(params) -> list[torch.Tensor]:
 
 
 # -- full shape ⇄ this rank's tp shard ------------------------------------------------------------
-def _chunk(full: torch.Tensor, dim: int, topo, padded: int | None = None) -> torch.Tensor:
-    """This tp rank's contiguous chunk of ``full`` along ``dim`` (after zero-padding ``dim`` to
-    ``padded``)."""
+def shard_of(full: torch.Tensor, dim: int, topo, padded: int | None = None) -> torch.Tensor:
+    """This tp rank's contiguous chunk of a full tensor along ``dim`` (zero-padded to
+    ``padded`` first), a copy: how TP cuts a plain weight into the shard it keeps. No
+    collective."""
     n, i = topo.size("tp"), topo.index("tp")
     full = full.detach()
     if padded is not None and padded > full.shape[dim]:
@@ -176,12 +168,6 @@ def _chunk(full: torch.Tensor, dim: int, topo, padded: int | None = None) -> tor
         full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
     k = full.shape[dim] // n
     return full.narrow(dim, i * k, k).clone()
-
-
-def shard_of(full: torch.Tensor, dim: int, topo, padded: int | None = None) -> torch.Tensor:
-    """This tp rank's chunk of a full tensor along ``dim`` (zero-padded to ``padded`` first):
-    how TP cuts a plain weight into the shard it keeps. No collective."""
-    return _chunk(full, dim, topo, padded)
 
 
 def full_shape(p) -> tuple[int, ...]:
@@ -210,7 +196,7 @@ def to_local(full: torch.Tensor, p: nn.Parameter, topo) -> torch.Tensor:
     pl = placement(p)
     if pl.tp_dim is None:
         return full.clone()
-    return _chunk(full, pl.tp_dim, topo, padded=p.shape[pl.tp_dim] * topo.size("tp"))
+    return shard_of(full, pl.tp_dim, topo, padded=p.shape[pl.tp_dim] * topo.size("tp"))
 
 
 def to_full(pairs: list[tuple[torch.Tensor, nn.Parameter]], topo,
@@ -257,25 +243,20 @@ def to_full(pairs: list[tuple[torch.Tensor, nn.Parameter]], topo,
     return out
 
 
-def to_full_named(tensors: dict[str, torch.Tensor], params: dict[str, nn.Parameter],
-                  topo) -> dict[str, torch.Tensor]:
-    """:func:`to_full` keyed by name: ``tensors[n]`` is shaped like ``params[n]``'s shard."""
-    names = list(tensors)
-    return dict(zip(names, to_full([(tensors[n], params[n]) for n in names], topo)))
-
-
 def local_state_bytes(params, optimizer=None) -> dict[str, int]:
     """{"params", "grads", "optimizer", "total"} bytes of what this rank holds of ``params``
-    (each once), their gradients and ``optimizer``'s state: DTensors by their local shards (a
+    (each once: a tied weight once), their gradients and ``optimizer``'s state (scalar step
+    counters included), by the storage actually allocated: DTensors by their local shards (a
     DTensor's ``numel()`` is the global size)."""
+    def nbytes(t) -> int:
+        return local(t).numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
     params = list(dict.fromkeys(params))
-    out = {"params": sum(local(p).numel() * p.element_size() for p in params),
-           "grads": sum(local(p.grad).numel() * p.element_size()
-                        for p in params if p.grad is not None),
+    out = {"params": sum(nbytes(p) for p in params),
+           "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
            "optimizer": 0}
     if optimizer is not None:
         for state in optimizer.state.values():
-            out["optimizer"] += sum(local(v).numel() * local(v).element_size()
-                                    for v in state.values() if isinstance(v, torch.Tensor))
+            out["optimizer"] += sum(nbytes(v) for v in state.values())
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out

@@ -65,7 +65,8 @@ def _short(e: BaseException) -> str:
 def _disable_booking(engine) -> bool:
     """Stop dispatch-mode booking of PyTorch's collectives (DTensor) after the booked step."""
     found = False
-    for m in engine.modules():
+    parts = getattr(engine, "parts", ())  # dp × tp: the tp part is not a registered submodule
+    for m in [m for e in (engine, *parts) for m in e.modules()]:
         if hasattr(m, "book_collectives"):
             m.book_collectives = False
             found = True
