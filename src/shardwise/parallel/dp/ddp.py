@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ... import comm
 from ..engine import Engine
-from .data_parallel import dp_memory_formula
+from .data_parallel import dp_grad_bytes_formula, dp_memory_formula, reduce_torch_dtype
 
 
 def _ledger_sum_hook(topo, bucket) -> torch.futures.Future[torch.Tensor]:
@@ -44,11 +44,8 @@ def _ledger_sum_hook_bf16(topo, bucket) -> torch.futures.Future[torch.Tensor]:
 def ddp_comm_hook(reduce_dtype: str = "fp32"):
     """The ledger-booked SUM comm hook for gradients reduced in ``reduce_dtype`` ("fp32" |
     "bf16"); raises :class:`~shardwise.errors.ShardwiseConfigError` for another dtype."""
-    from .data_parallel import reduce_torch_dtype
-
     reduce_torch_dtype(reduce_dtype)  # raises for another dtype
-    hooks = {"fp32": _ledger_sum_hook, "bf16": _ledger_sum_hook_bf16}
-    return hooks[reduce_dtype]
+    return {"fp32": _ledger_sum_hook, "bf16": _ledger_sum_hook_bf16}[reduce_dtype]
 
 
 class TorchDataParallel(Engine):
@@ -80,14 +77,13 @@ class TorchDataParallel(Engine):
 
     def bytes_formula(self, micro_steps: int, sequences: int, seq_len: int,
                       dtype: str = "fp32") -> dict[str, float]:
-        """{"grad": 2(n−1)/n · Ψ · b_r}: one SUM all-reduce of every gradient per step, b_r = 4
-        (fp32) or 2 (bf16 compression). ZeRO paper §7.1; scaling book ch. 5."""
+        """{"grad": 2(n−1)/n · Ψ · b_r} (:func:`.data_parallel.dp_grad_bytes_formula`): one SUM
+        all-reduce of every gradient per step, b_r = 4 (fp32) or 2 (bf16 compression)."""
         b = 2 if self.reduce_dtype == "bf16" else 4
         psi = sum(p.numel() for p in self.module.parameters())
-        n = self.topo.size("dp")
-        return {"grad": 2 * (n - 1) / n * psi * b if n > 1 else 0.0}
+        return {"grad": dp_grad_bytes_formula(psi * b, self.topo.size("dp"))}
 
     def memory_formula(self) -> dict[str, float]:
-        """:func:`.data.dp_memory_formula` of this replica."""
+        """:func:`.data_parallel.dp_memory_formula` of this replica."""
         return dp_memory_formula(sum(p.numel() for p in dict.fromkeys(self.module.parameters())))
 
