@@ -1,0 +1,213 @@
+"""Every example command in the README and docs/ runs as written (issue 23).
+
+The commands are read from the pages themselves: each line of a fenced code block, and each
+inline code span, that starts with ``shardwise <subcommand>`` (or ``python``). Each is then
+
+* **run**, in a scratch folder, one page's commands in order (a page's ``export`` reads the run
+  its ``train`` wrote), made small without changing what it shows: ``train`` runs 2 steps,
+  ``verify`` 1 step, ``bench`` 1 step of 1 round, and ``tiny`` replaces the default model of
+  train and bench where the command's own validator accepts it (its 2 kv heads do not split
+  over tp = 4; ``trace`` already defaults to tiny, with layers enough for its stages);
+* or, for a template (a placeholder such as ``[flags]``, ``FILE.toml``, ``RUN``, ``…``),
+  **parsed**: every ``--flag`` it names must be a flag of its subcommand;
+* or **named elsewhere**, with the reason: another machine (``--device cuda``, torchrun over
+  nodes), the test suite itself (``pytest``; the README's ``make`` targets are run by the
+  fresh-clone check), or a
+  command another test runs whole (``verify --nproc 8 --bounded``: tests/test_verify_n8.py;
+  ``verify`` over the whole N = 4 matrix, or a part of it: tests/test_verify_n4.py).
+
+A bare name in running text (``shardwise train``) is a mention, not an example: a command has
+at least one argument after its subcommand.
+
+A page that gains a command gains a run: nothing is listed by hand except the exceptions.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SUBCOMMANDS = ("train", "verify", "trace", "bench", "plan", "export")
+TEMPLATE = re.compile(r"\[|…|\bFILE\b|FILE\.toml|\bRUN\b|\bOUT\b|\bDIR\b|\bLAYOUT\b|\bN\b|\|")
+# run exactly by another test: the command and the test that runs it
+RUN_ELSEWHERE = {"shardwise verify --nproc 8 --bounded": "tests/test_verify_n8.py"}
+
+
+def _commands(page: Path) -> list[str]:
+    """The commands shown on ``page``, in order: fenced code lines (``\\`` continuations joined,
+    a leading ``$ `` and a trailing ``# comment`` dropped) and inline code spans."""
+    text = page.read_text()
+    found: list[tuple[int, str]] = []
+    for block in re.finditer(r"```[^\n]*\n(.*?)```", text, re.S):
+        lines = block.group(1).splitlines()
+        i = 0
+        while i < len(lines):
+            line = lines[i].rstrip()
+            while line.endswith("\\") and i + 1 < len(lines):
+                i += 1
+                line = line[:-1].rstrip() + " " + lines[i].strip()
+            found.append((block.start(), line.strip().removeprefix("$ ")))
+            i += 1
+    fenced = re.sub(r"```.*?```", lambda m: " " * len(m.group(0)), text, flags=re.S)
+    found += [(m.start(), m.group(1)) for m in re.finditer(r"`([^`\n]+)`", fenced)]
+    out = []
+    for _, cmd in sorted(found, key=lambda x: x[0]):
+        cmd = re.sub(r"\s+#.*$", "", cmd).strip()
+        if _is_example(cmd) and cmd not in out:
+            out.append(cmd)
+    return out
+
+
+def _is_example(cmd: str) -> bool:
+    """A command with something to run: ``shardwise <sub>`` with at least one argument,
+    ``python -m <module>`` / ``python -c`` with one, torchrun of shardwise. A
+    bare name in running text (``shardwise train``, ``torchrun --max-restarts N``,
+    ``python -m shardwise.plan.cli …``) is a mention."""
+    words = [w for w in cmd.split() if w != "…"]
+    if re.match(rf"shardwise ({'|'.join(SUBCOMMANDS)})\b", cmd):
+        return len(words) >= 3
+    if re.match(r"(OMP_NUM_THREADS=1 )?(\.venv/bin/)?python (-m|-c) ", cmd):
+        return len(words) >= (4 if " -m " in cmd else 3)
+    if cmd.startswith("torchrun "):
+        return "-m shardwise" in cmd
+    return False
+
+
+def _kind(cmd: str) -> str:
+    """"run" | "template" | "elsewhere: <why>" for one command."""
+    if cmd in RUN_ELSEWHERE:
+        return f"elsewhere: {RUN_ELSEWHERE[cmd]} runs it"
+    if cmd.startswith("shardwise verify") and "--layouts" not in cmd and "--nproc 8" not in cmd:
+        return "elsewhere: tests/test_verify_n4.py runs the whole N = 4 matrix, all of this"
+    if "pytest" in cmd:
+        return "elsewhere: the test suite itself"
+    if "--device cuda" in cmd or "--nnodes" in cmd:
+        return "elsewhere: needs GPUs or several nodes"
+    if TEMPLATE.search(cmd) or cmd.startswith("torchrun "):
+        return "template"
+    return "run"
+
+
+def _tiny_fits(argv: list[str]) -> bool:
+    """Whether the command's layout(s) accept the tiny model, by the validator the command
+    itself runs (``config.validate`` for train, ``Layout.check`` for bench layouts)."""
+    from shardwise.cli import _parser
+    from shardwise.config import from_args, validate
+    from shardwise.errors import ShardwiseConfigError
+    from shardwise.models import preset_config
+    from shardwise.parallel.layout import parse_layout
+
+    try:
+        if argv[0] == "train":
+            validate(from_args(_parser().parse_args([*argv, "--model", "tiny"])))
+        else:
+            given = [argv[i + 1] for i, a in enumerate(argv) if a == "--layout"]
+            if "--layouts" in argv:
+                rest = argv[argv.index("--layouts") + 1:]
+                given += rest[:next((i for i, a in enumerate(rest) if a.startswith("--")),
+                                    len(rest))]
+            for text in given:
+                parse_layout(text).check(model_cfg=preset_config("tiny", 256))
+    except ShardwiseConfigError:
+        return False
+    return True
+
+
+def _set(argv: list[str], flag: str, value: str) -> list[str]:
+    if flag in argv:
+        argv = list(argv)
+        argv[argv.index(flag) + 1] = value
+        return argv
+    return [*argv, flag, value]
+
+
+def shrink(cmd: str, scratch: Path) -> list[str]:
+    """The argv (after ``shardwise``) that runs ``cmd`` small (module docstring); absolute
+    ``/tmp/`` paths move into ``scratch``."""
+    argv = [str(scratch / a[5:]) if a.startswith("/tmp/") else a for a in shlex.split(cmd)[1:]]
+    sub = argv[0]
+    if "--help" in argv:
+        return argv
+    if sub == "train":
+        argv = _set(argv, "--steps", "2")
+    if sub == "train" and "--model" not in argv and _tiny_fits(argv):
+        argv = _set(argv, "--model", "tiny")
+    if sub == "verify":
+        argv = _set(argv, "--steps", "1")
+        if "--models" not in argv:
+            argv = _set(argv, "--models", "tiny")
+    if sub == "bench":
+        argv = _set(_set(argv, "--steps", "1"), "--rounds", "1")
+        if "--model" not in argv and _tiny_fits(argv):
+            argv = _set(argv, "--model", "tiny")
+        argv = _set(argv, "--out", str(scratch / "bench"))
+    return argv
+
+
+COMMANDS = [(p, c) for p in PAGES for c in _commands(p)]
+RUN_PAGES = sorted({p for p, c in COMMANDS if _kind(c) == "run"})
+
+
+def test_the_pages_show_commands_and_each_has_a_kind():
+    """The extraction finds the pages' commands (a regex that found nothing would pass the rest
+    vacuously), and nothing falls through as unclassified."""
+    runs = [c for _, c in COMMANDS if _kind(c) == "run"]
+    subs = {shlex.split(c)[1] for c in runs if c.startswith("shardwise ")}
+    assert {"train", "verify", "trace", "bench", "plan", "export"} <= subs, subs
+    assert len(runs) >= 30, runs
+    for cmd, test in RUN_ELSEWHERE.items():
+        assert any(c == cmd for _, c in COMMANDS), f"{cmd} is no longer on a page: drop it"
+        assert (ROOT / test).exists()
+    for _, cmd in COMMANDS:  # a page's pytest line names test files that exist
+        for name in re.findall(r"tests/\S+\.py", cmd) if "pytest" in cmd else []:
+            assert (ROOT / name).exists(), cmd
+
+
+@pytest.mark.parametrize("page,cmd", [(p, c) for p, c in COMMANDS if _kind(c) == "template"],
+                         ids=lambda x: x.name if isinstance(x, Path) else x[:60])
+def test_a_template_names_only_real_flags(page, cmd):
+    """A template cannot run as written, but each ``--flag`` it shows must exist."""
+    from shardwise.cli import _parser
+
+    argv = shlex.split(cmd.replace("[", " ").replace("]", " ").replace("|", " "))
+    if "torchrun" in argv:  # torchrun [its flags] -m shardwise <sub> [ours]
+        argv = argv[argv.index("-m") + 1:]
+    if argv[:3] == ["python", "-m", "shardwise.plan.cli"]:
+        argv = ["shardwise", "plan", *argv[3:]]
+    assert argv[0] == "shardwise" and argv[1] in SUBCOMMANDS, cmd
+    sub = argv[1]
+    if len(argv) == 2 or argv[2:] == ["…"]:
+        pytest.fail(f"{page.name}: {cmd}: a template with nothing to check: show flags")
+    choices = _parser()._subparsers._group_actions[0].choices
+    known = {o for a in choices[sub]._actions for o in a.option_strings}
+    flags = [a.split("=")[0] for a in argv[2:] if a.startswith("--")]
+    assert set(flags) <= known, f"{page.name}: {cmd}: unknown {set(flags) - known}"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("page", RUN_PAGES, ids=lambda p: p.name)
+def test_each_command_on_the_page_runs(page, cache_dir, tmp_path):
+    """One page's runnable commands, in order, in one scratch folder (with the repository's
+    ``examples/`` beside it): each exits 0."""
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    (tmp_path / "docs").mkdir()
+    for cmd in [c for c in _commands(page) if _kind(c) == "run"]:
+        if cmd.startswith("shardwise "):
+            p = run_cli(shrink(cmd, tmp_path), cache_dir, timeout=400, cwd=tmp_path)
+        else:
+            import subprocess
+
+            argv = shlex.split(re.sub(r"^(OMP_NUM_THREADS=1 )?(\.venv/bin/)?python", "", cmd))
+            p = subprocess.run([sys.executable, *argv], cwd=tmp_path, capture_output=True,
+                               text=True, timeout=300, env={"OMP_NUM_THREADS": "1",
+                                                            "PATH": "/usr/bin:/bin"})
+            p.stdout += p.stderr
+        assert p.returncode == 0, f"{page.name}: {cmd}\n{p.stdout[-4000:]}"
