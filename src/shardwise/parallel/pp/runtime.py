@@ -11,13 +11,14 @@ returns this rank's loss *sum* (0 off the last stage), which the train step all-
 Bytes this rank sends per optimizer step, by tag (:meth:`PipelineParallel.bytes_formula`; the
 derivation: docs/composition.md, "Pipelines composed"), rank r of p, v chunks, m microbatches,
 A = bytes of one activation as sent ([b, s, d]; SP [b, s/tp, d]), Ψ_r = bytes of this rank's
-parameters (its tp shards) in the reduce dtype, P_r = Ψ_r padded to a multiple of n = dp:
+parameters (its tp shards) in the reduce dtype, P_r their elements padded to a multiple of n = dp:
 
 * ``pp_fwd`` m·A·(v − [r = p−1]), ``pp_bwd`` m·A·(v − [r = 0]) (:mod:`.comms`);
 * ``tp_fwd``/``tp_bwd``/``ce`` (tp > 1): :func:`..tp.tp_activation_bytes` for this rank's blocks,
-  embedding and head; ``sp_grad`` (SP): 2(t−1)/t of the norm weights' bytes over tp;
+  embedding and head; ``sp_grad`` (SP): 2(t−1)/t of the norm weights' bytes, t = tp;
 * ``tied`` (p > 1, first and last rank): the [V_pad/tp, d] table shard's gradient, once;
-* ``grad`` (dp > 1): 2(n−1)/n·Ψ_r, or with ZeRO-1 (n−1)/n·P_r and ``param`` (n−1)/n·P_r;
+* ``grad`` (dp > 1): 2(n−1)/n·Ψ_r, or with ZeRO-1 (n−1)/n·P_r elements in the reduce dtype
+  and ``param`` (n−1)/n·P_r in the parameters' dtype;
 * ``grad_norm``: one fp64 scalar all-reduced over tp, dp (ZeRO-1 only) and pp.
 
 Sources: Megatron-LM §3 and Narayanan et al. 2021 §2.3 (PP × TP), Korthikanti et al. 2022 §4.2.2
