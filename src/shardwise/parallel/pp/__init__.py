@@ -1,13 +1,10 @@
 """Pipeline parallelism: stage split, schedules as data, simulator, explicit runtime, torch engine.
 
-Read in this order: :mod:`.schedules` (what each rank does, as printable data),
-:mod:`.simulate` (what that costs: bubble, deadlock, memory), :mod:`.split` (how the model is
-cut), :mod:`.runner` (how the actions run, with every send and receive) and :mod:`.comms`
-(the two channels, the tied-embedding swap), :mod:`.runtime` (the engine around the runner:
-the step, gradient sync, norm), :mod:`.torch_pipelining` (the same through
-``torch.distributed.pipelining``); compositions: TP + SP inside a stage (:func:`..tp.apply_tp`,
-the whole model's transform), ZeRO-1 of a stage over dp (:mod:`..zero.flat`, shared with ZeRO).
-The math and the measurements are in ``docs/pipeline-parallel.md`` and ``docs/composition.md``.
+Read in this order: :mod:`.schedules` (what each rank does, as data), :mod:`.simulate` (bubble,
+deadlock, memory), :mod:`.split` (how the model is cut), :mod:`.runner` and :mod:`.comms` (how
+the actions run, what crosses between stages), :mod:`.runtime` (the engine around the runner),
+:mod:`.torch_pipelining` (the same through ``torch.distributed.pipelining``). The math and the
+measurements: docs/pipeline-parallel.md and docs/composition.md.
 """
 
 from .schedules import (SCHEDULES, Action, Schedule, build_schedule, check_schedule,
@@ -15,9 +12,9 @@ from .schedules import (SCHEDULES, Action, Schedule, build_schedule, check_sched
 from .simulate import (Costs, DeadlockError, Event, ScheduleError, SimResult, bubble_formula,
                        simulate)
 from .split import StageModule, split_layers, validate_pp
-from .comms import p2p_bytes_formula  # noqa: E402
-from .runner import KINDS  # noqa: E402
-from .runtime import PipelineParallel  # noqa: E402
+from .comms import p2p_bytes_formula
+from .runner import KINDS
+from .runtime import PipelineParallel
 
 
 def build_pipeline(model, topo, *, layout=None, engine: str = "explicit",
@@ -26,15 +23,11 @@ def build_pipeline(model, topo, *, layout=None, engine: str = "explicit",
                    seed: int = 0, sp: bool = False, zero: int = 0, reduce_dtype: str = "fp32",
                    **dp_kw):
     """The pipeline engine for ``engine`` ("explicit" → :class:`.runtime.PipelineParallel`,
-    "torch" → :class:`.torch_pipelining.TorchPipelineParallel`), composed with TP (+SP) inside each
-    stage (tp = ``topo.size("tp")``) and DP / ZeRO-1 over dp (docs/composition.md).
+    "torch" → :class:`.torch_pipelining.TorchPipelineParallel`; the arguments are theirs).
 
     ``layout`` (a :class:`~shardwise.parallel.apply.Layout`) overrides ``schedule``/
-    ``microbatches``/``virtual_stages``/``sp``/``zero``. ``seed``: TP dropout RNG;
-    ``reduce_dtype``: "fp32" | "bf16" dp gradient reduction. ``dp_kw``: the other dp-axis
-    options of :func:`~..apply.parallelize`: ``bucket_mb`` sizes DP's gradient buckets
-    (:class:`..dp.GradBuckets`, launched once after the last microbatch); ``overlap``,
-    ``prefetch``, ``reshard_after_forward`` do not apply (ZeRO-2/3 are refused with pp).
+    ``microbatches``/``virtual_stages``/``sp``/``zero``. ``dp_kw``: the other dp-axis options of
+    :func:`~..apply.parallelize`; only ``bucket_mb`` applies (ZeRO-2/3 are refused with pp).
     Raises ``ValueError`` for an unknown engine, :class:`~shardwise.errors.ShardwiseConfigError`
     for invalid settings (before any collective)."""
     if layout is not None:

@@ -6,9 +6,8 @@ counted tokens of all microbatches of all dp ranks: the last stage back-propagat
 microbatches are ∇L, with no second division by m ("double scaling").
 
 What moves over pp: per SEND_F/RECV_F one activation (tag ``pp_fwd``), per SEND_B/RECV_B its
-gradient (``pp_bwd``), on two channels (:mod:`.comms`, which has the bytes). The actions
-(:class:`ScheduleRunner`; zero bubble's I/W, Qi et al. 2023 §2: :class:`ZeroBubbleCapture`) and
-why they cannot deadlock: docs/pipeline-parallel.md §4.
+gradient (``pp_bwd``), on two channels (:mod:`.comms` has the bytes). The actions, zero bubble's
+I/W (Qi et al. 2023 §2) and why they cannot deadlock: docs/pipeline-parallel.md §4.
 """
 
 from __future__ import annotations
@@ -32,10 +31,9 @@ _TP_EXIT_NODES = ("ReduceScatterToSPBackward", "ReduceFromTPBackward")
 
 class ZeroBubbleCapture:
     """zb-h1's split backward: during ``F`` a forward hook records the output of every module
-    that owns parameters (Linear, Embedding, RMSNorm); ``I`` differentiates with respect to
-    those outputs, ``W`` from each output to its own weights (for a Linear, the dW = dYᵀX matmul),
-    so I + W cost what B costs (Megatron's implementation defers the dW GEMM the same way).
-    Raises :class:`ShardwiseConfigError` if a parameter belongs to no such module."""
+    that owns parameters; ``I`` differentiates with respect to those outputs, ``W`` from each
+    output to its own weights (for a Linear, dW = dYᵀX), so I + W cost what B costs. Raises
+    :class:`ShardwiseConfigError` if a parameter belongs to no such module."""
 
     def __init__(self, module: torch.nn.Module):
         owners = [m for m in module.modules() if list(m.parameters(recurse=False))]
@@ -49,10 +47,8 @@ class ZeroBubbleCapture:
 
     def record(self, module, args, output):
         """Record where W will start for ``module``'s weights: its output or, when the output
-        leaves a TP region through a collective (row-parallel / vocab-parallel embedding exit),
-        the edge *into* that collective (an autograd ``GradientEdge``): the collective's
-        backward (SP: an all-gather) then runs once, in I, and W only traverses the local
-        matmul to the weights."""
+        leaves a TP region through a collective, the edge *into* that collective (a
+        ``GradientEdge``), so the collective's backward runs once, in I."""
         if self.active is None or not isinstance(output, torch.Tensor) \
                 or not output.requires_grad:
             return
@@ -84,20 +80,12 @@ class ScheduleRunner:
     def run(self, actions, microbatches: list[dict], denom: float, dtype: str, *,
             act_shape, loss_sum) -> torch.Tensor:
         """Execute ``actions`` (this rank's row of the schedule) for ``microbatches`` (the same
-        list on every pp rank, already on this rank's device). ``act_shape(mb)``: the shape of
-        the tensor between stages for micro-batch ``mb``; ``loss_sum(y, mb)``: the last
-        stage's token-loss sum of its output. ``denom``: the global count of counted tokens.
-        Returns this rank's loss sum, fp64 [1] (0 except on the last stage). RuntimeError if the
-        schedule leaves state behind (a schedule bug).
-
-        ``F`` runs the chunk (the first stage on ``input_ids``/``inputs``, the others on the
-        received activation; the last stage back-propagates ``loss_sum / denom``). ``B`` is
-        ``torch.autograd.backward(output, grad_output)``: weight gradients accumulate, the input
-        gradient lands in the received activation's ``.grad``. ``I``/``W``:
-        :class:`ZeroBubbleCapture`. ``SEND_*``: ``isend`` through :func:`shardwise.comm.send`,
-        waited at the end of the step; ``RECV_*``: ``irecv`` + wait into a buffer sized from that
-        microbatch's own dict (``act_shape``): microbatches of unequal rows send no shape and
-        add nothing to the ledger."""
+        list on every pp rank, on this rank's device). ``act_shape(mb)``: the shape of the
+        tensor between stages for ``mb`` (each receive is sized from its own microbatch, so
+        unequal rows send no shape); ``loss_sum(y, mb)``: the last stage's token-loss sum.
+        ``denom``: the global count of counted tokens. Returns this rank's loss sum, fp64 [1]
+        (0 except on the last stage). RuntimeError if the schedule leaves state behind. Sends
+        are ``isend``, waited at the end of the step; receives block."""
         mbs = microbatches
         shapes = [act_shape(mb) for mb in mbs]
         first = next(self.module.parameters())

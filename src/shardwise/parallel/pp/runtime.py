@@ -2,34 +2,27 @@
 :class:`.runner.ScheduleRunner`, and what follows backward (tied swap, SP sum, dp reduction,
 norm).
 
-Composition (docs/composition.md, "Pipelines composed"): TP (+SP) inside each stage
-(:func:`..tp.apply_tp`), the schedule across stages, DP (:class:`..dp.GradBuckets`) / ZeRO-1
-(:mod:`..zero.flat`) over dp after the last microbatch. Every rank talks only to the pp
-neighbours with its own (dp, tp) index — the topology's pp groups. ``forward_backward`` returns
-this rank's loss *sum* (0 off the last stage; :mod:`.runner`), which the train step all-reduces
-over ``reduce_loss_axes = ("pp", "dp")``.
+TP (+SP) inside each stage (:func:`..tp.apply_tp`), the schedule across stages, DP
+(:class:`..dp.GradBuckets`) / ZeRO-1 (:mod:`..zero.flat`) over dp after the last microbatch.
+Every rank talks only to the pp neighbours with its own (dp, tp) index. ``forward_backward``
+returns this rank's loss *sum* (0 off the last stage), which the train step all-reduces over
+``reduce_loss_axes = ("pp", "dp")``.
 
-Bytes this rank sends per optimizer step, by tag (rank r of p; v chunks; m microbatches; A =
-bytes of one activation as sent: [b, s, d], with SP this tp rank's [b, s/tp, d]; Ψ_r = bytes of
-this rank's parameters, its tp shards, in the reduce dtype; :meth:`PipelineParallel.bytes_formula`):
+Bytes this rank sends per optimizer step, by tag (:meth:`PipelineParallel.bytes_formula`; the
+derivation: docs/composition.md, "Pipelines composed"), rank r of p, v chunks, m microbatches,
+A = bytes of one activation as sent ([b, s, d]; SP [b, s/tp, d]), Ψ_r = bytes of this rank's
+parameters (its tp shards) in the reduce dtype, P_r their elements padded to a multiple of n = dp:
 
-* ``pp_fwd`` m·A·(v − [r = p−1]), ``pp_bwd`` m·A·(v − [r = 0]) (:func:`.comms.p2p_bytes_formula`;
-  unequal microbatches: m·A = Σ_b A_b, the bytes of all the step's rows);
-* ``tp_fwd``/``tp_bwd``/``ce`` (tp > 1): Megatron f/g (or SP all-gather / reduce-scatter) for the
-  L_s blocks of all this rank's chunks, the embedding exit on the first stage, the head entry and
-  the vocab-parallel cross-entropy on the last (:func:`..tp.tp_activation_bytes`); ``sp_grad``
-  (SP): one all-reduce over tp (t ranks) of the norm weights' partial gradients, 2(t−1)/t of
-  their bytes;
-* ``tied`` (p > 1): the first and the last rank of each tp index swap their gradient of the
-  [V_pad/tp, d] table shard, V_pad/tp·d·4 bytes each;
-* ``grad`` (n = dp > 1): an all-reduce, 2(n−1)/n·Ψ_r, or with ZeRO-1 a reduce-scatter
-  (n−1)/n·P_r and, after the optimizer step, an all-gather (n−1)/n·P_r (``param``), P_r = Ψ_r
-  padded to a multiple of n (ZeRO paper §7.2.1);
-* ``grad_norm``: one fp64 scalar all-reduced over tp, dp (ZeRO-1 only) and pp;
-* ``loss`` (issued by the train step): token count over dp, loss sum over pp then dp, fp64.
+* ``pp_fwd`` m·A·(v − [r = p−1]), ``pp_bwd`` m·A·(v − [r = 0]) (:mod:`.comms`);
+* ``tp_fwd``/``tp_bwd``/``ce`` (tp > 1): :func:`..tp.tp_activation_bytes` for this rank's blocks,
+  embedding and head; ``sp_grad`` (SP): 2(t−1)/t of the norm weights' bytes, t = tp;
+* ``tied`` (p > 1, first and last rank): the [V_pad/tp, d] table shard's gradient, once;
+* ``grad`` (dp > 1): 2(n−1)/n·Ψ_r, or with ZeRO-1 (n−1)/n·P_r elements in the reduce dtype
+  and ``param`` (n−1)/n·P_r in the parameters' dtype;
+* ``grad_norm``: one fp64 scalar all-reduced over tp, dp (ZeRO-1 only) and pp.
 
 Sources: Megatron-LM §3 and Narayanan et al. 2021 §2.3 (PP × TP), Korthikanti et al. 2022 §4.2.2
-(SP), ZeRO paper §7, JAX scaling book ch. 5 (collective costs).
+(SP), ZeRO paper §7.2.1, JAX scaling book ch. 5 (collective costs).
 """
 
 from __future__ import annotations
@@ -40,6 +33,7 @@ import torch
 from torch import nn
 
 from ... import comm
+from ...comm import ring_bytes
 from ...models import count_items
 from ..dp import GradBuckets
 from ..engine import Engine
@@ -59,18 +53,14 @@ class PipelineParallel(Engine):
     TP (+SP) inside each stage and DP / ZeRO-1 over "dp".
 
     ``model``: the plain model (Llama or StackedMLP), built identically on every rank; this rank
-    keeps only its stages (:class:`.split.StageModule`, available as ``.module``), converted for
-    tensor parallelism when tp > 1 (:func:`..tp.apply_tp`; Llama only). ``schedule``: gpipe | 1f1b |
-    interleaved-1f1b | zb-h1. ``virtual_stages``: chunks per rank (interleaving; default 2).
-    ``layers_per_stage``: explicit split (one count per stage). ``microbatches``: the expected
-    m, validated here (the actual m is the length of the list passed to
-    :meth:`forward_backward`; a schedule is built, validated and cached per m). ``sp``:
-    sequence parallelism inside the stages. ``zero``: 0 (each stage's gradients all-reduced over
-    dp) or 1 (one :class:`..zero.flat.FlatShards` of the stage: reduce-scatter, sharded AdamW,
-    all-gather).
-    ``reduce_dtype``: "fp32" | "bf16", the dtype of the dp gradient reduction; ``bucket_mb``:
-    its bucket size (:class:`..dp.GradBuckets`). ``seed``: the
-    TP dropout RNG regions.
+    keeps only its stages (:class:`.split.StageModule`, ``.module``), converted for TP when
+    tp > 1 (Llama only). ``schedule``: gpipe | 1f1b | interleaved-1f1b | zb-h1.
+    ``virtual_stages``: chunks per rank (interleaving; default 2). ``layers_per_stage``: explicit
+    split (one count per stage). ``microbatches``: the expected m, validated here (the actual m
+    is the length of the list given to :meth:`forward_backward`). ``sp``: sequence parallelism
+    inside the stages. ``zero``: 0 (the stage's gradients all-reduced over dp) or 1 (one
+    :class:`..zero.flat.FlatShards` of the stage). ``reduce_dtype``: "fp32" | "bf16", the dp
+    gradient reduction's dtype; ``bucket_mb``: its bucket size. ``seed``: the TP dropout RNG.
 
     Raises :class:`ShardwiseConfigError` for invalid settings, before any collective."""
 
@@ -121,16 +111,12 @@ class PipelineParallel(Engine):
     _engine_name = "explicit"
 
     def _convert_tp(self, stage, seed):
-        """Megatron TP inside the stage: :func:`..tp.apply_tp`, the transform of the whole model,
-        applied to this stage (torchtitan parallelizes every pipeline stage the same way)."""
+        """Megatron TP inside the stage: the whole model's transform, as torchtitan does."""
         return apply_tp(stage, self.topo, self.sp, seed=seed)
 
     def _build_zero1(self):
-        """ZeRO-1 over dp for this stage: its trainable parameters (plain-model FQNs, module
-        order) as one flat buffer sharded over dp, ``.grad`` views of a full gradient buffer
-        (:class:`..zero.flat.FlatShards`, the mechanism of :mod:`..zero`'s ZeRO-1 per unit). The
-        replicas are already identical (broadcast above)."""
-        named = [(n, p) for n, p in self._named() if p.requires_grad]
+        """ZeRO-1 over dp: the stage's trainable parameters as one flat buffer sharded over dp."""
+        named = [(n, p) for n, p in self.named_params() if p.requires_grad]
         return FlatShards(named, self.topo, keep_full_grad=True,
                           reduce_dtype=torch.bfloat16 if self.reduce_dtype == "bf16" else None)
 
@@ -139,10 +125,9 @@ class PipelineParallel(Engine):
         return [p for p in dict.fromkeys(self.module.parameters()) if p.requires_grad]
 
     def held_grads(self) -> list[tuple[torch.Tensor, bool]]:
-        """What this rank counts in the global norm, each element once: tp shards on every tp
-        rank, tp-replicated parameters on tp index 0, the tied copy not on the last stage (the
-        first counts it); ZeRO-1: the pieces of its dp slice (dp replicas are otherwise
-        identical and counted once by not reducing over dp)."""
+        """(gradient, counted) pairs for the global norm (:func:`..params.counted_grads`), the
+        tied copy not counted (the first stage counts it); ZeRO-1: the pieces of this rank's dp
+        slice."""
         tied = [self.module.tied_output] if self.module.tied_output is not None else []
         if self.zero1 is None:
             return counted_grads(self._params(), self.topo, skip=tied)
@@ -152,39 +137,32 @@ class PipelineParallel(Engine):
         """Axes the squared-norm scalar is summed over: tp (shards), dp (ZeRO-1 slices), pp."""
         return (("tp",) if self.tp > 1 else ()) + (("dp",) if self.zero1 else ()) + ("pp",)
 
-    # -- schedule --------------------------------------------------------------------------
     def schedule(self, m: int):
         """The (cached) :class:`~.schedules.Schedule` for ``m`` microbatches."""
         if m not in self._schedules:
             self._schedules[m] = build_schedule(self.schedule_name, self.p, m, self.v)
         return self._schedules[m]
 
-    # -- the loss of the last stage ------------------------------------------------------------
     def _act_shape(self, mb: dict) -> tuple[int, ...]:
         """The tensor between stages: [b, s, d], with SP [b, s/tp, d]; MLP [b, D]."""
         return activation_shape(mb, self.module.config, self.tp if self.sp else 1)
 
     def _loss_sum(self, y: torch.Tensor, mb: dict) -> torch.Tensor:
-        """The token-loss sum (fp32 scalar) of the last stage's output ``y``: full logits (tp=1)
-        or local logits [b, s, V_pad/tp] through the vocab-parallel cross-entropy (the same
-        complete sum on every tp rank)."""
+        """Token-loss sum (fp32) of logits [b, s, V], or with tp > 1 [b, s, V_pad/tp]."""
         if self.tp > 1:
             head = self.module.output
             return vocab_parallel_cross_entropy(y, mb["labels"], head.vocab_start,
                                                 head.vocab_size, self.topo).sum()
         return loss_sum(y, mb)
 
-    # -- one step -----------------------------------------------------------------------------
     def forward_backward(self, microbatches: list[dict], denom: float,
                          dtype: str = "fp32") -> torch.Tensor:
         """Run this rank's actions of the schedule for ``len(microbatches)`` microbatches.
 
         ``microbatches``: the same list of dicts on every pp rank (``input_ids``/``labels`` or
-        ``inputs``/``targets``, [b, s] each; the first stage reads the inputs, the last the
-        labels); their row counts b may differ (each receive is sized from its own
-        microbatch; a rank needs the inputs or the labels of each to know its shape).
-        ``denom``: the global count of counted tokens. Returns this rank's loss sum,
-        fp64 [1] (0 except on the last stage). Raises ShardwiseConfigError for an invalid m."""
+        ``inputs``/``targets``, [b, s] each); their row counts b may differ. ``denom``: the
+        global count of counted tokens. Returns this rank's loss sum, fp64 [1] (0 except on the
+        last stage). Raises ShardwiseConfigError for an invalid m."""
         sched = self.schedule(len(microbatches))
         device = next(self.module.parameters()).device
         mbs = [{k: t.to(device, non_blocking=True) for k, t in mb.items()} for mb in microbatches]
@@ -193,19 +171,13 @@ class PipelineParallel(Engine):
         self.timeline, self.peak_alive = self.runner.timeline, self.runner.peak_alive
         return loss
 
-    # -- the formula the ledger is checked against -------------------------------------------
     def bytes_formula(self, micro_steps: int, sequences: int, seq_len: int = 1,
                       dtype: str = "fp32") -> dict[str, float]:
-        """Bytes this rank sends in one optimizer step, by ledger tag (float): the terms of the
-        module docstring. ``micro_steps`` = m microbatches (the bytes do not depend on it: they
-        are sums over the rows, equal microbatches or not), ``sequences`` this pipeline's
-        sequences per step (Σ of the microbatches' rows), ``seq_len`` tokens each, ``dtype`` the
-        autocast dtype. m·A = sequences·seq_len·d·4, divided by tp with SP; MLP: sequences·D·4
-        (3, 3, 2 rows: 8·seq_len·d·4, not 3·⌊8/3⌋·seq_len·d·4). ``grad`` moves 2 bytes per
-        element with bf16 reduction, else 4; ``param`` 4. The loss/count scalars are added by
+        """Bytes this rank sends in one optimizer step, by ledger tag: the module docstring's
+        terms. ``micro_steps`` = m (the bytes do not depend on it), ``sequences`` this
+        pipeline's sequences per step (Σ of the microbatches' rows, equal or not), ``seq_len``
+        tokens each, ``dtype`` the autocast dtype. The loss/count scalars are added by
         :func:`shardwise.formulas.step_bytes_formula`."""
-        from ...comm.ledger import ring_bytes
-
         stage = self.module
         params = self._params()
         elem = _local(params[0]).element_size()
@@ -241,13 +213,10 @@ class PipelineParallel(Engine):
                 out["sp_grad"] = ring_bytes("all_reduce", rep, n)
         return out
 
-    # -- evaluation ------------------------------------------------------------------------------
     def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss sum fp64 [1], counted items) of ``batch`` (the same dict on every pp rank), for
-        evaluation: one forward through every stage in order (RECV_F, F, SEND_F per chunk; no
-        pipelining across batches, no backward), the last stage's loss sum all-reduced over pp
-        (tag "eval") so every rank returns it. Collective over pp (and tp): all ranks call it
-        together."""
+        evaluation: one forward through the stages in order (RECV_F, F, SEND_F per chunk), the
+        last stage's loss sum all-reduced over pp (tag "eval"). Collective over pp (and tp)."""
         device = next(self.module.parameters()).device
         mb = {k: t.to(device) for k, t in batch.items()}
         shape = self._act_shape(mb)
@@ -255,7 +224,7 @@ class PipelineParallel(Engine):
         loss = torch.zeros(1, dtype=torch.float64, device=device)
         sends = []
         with torch.no_grad():
-            for c, chunk in enumerate(self.chunks):  # local chunks are in stage order
+            for chunk in self.chunks:  # local chunks are in stage order
                 s = chunk.index
                 if chunk.is_first:
                     x = first_stage_input(mb)
@@ -279,14 +248,11 @@ class PipelineParallel(Engine):
         """None: this rank holds only its pipeline stages (no sampling from a pipeline)."""
         yield None
 
-    # -- after backward --------------------------------------------------------------------------
     @torch.no_grad()
     def finish_gradient_sync(self) -> None:
-        """Sum the tied embedding's gradient shard between the first and the last stage (each
-        tp index with its own), then with SP sum the norm weights' partial gradients over tp,
-        then (dp > 1) reduce this stage's gradients over dp: all-reduce (ZeRO-0) or
-        reduce-scatter into this rank's slice (ZeRO-1), SUM (each loss was already divided by
-        the global token count), in ``reduce_dtype``."""
+        """The tied swap (:func:`.comms.swap_tied_grads`), with SP the norm weights' partial
+        gradients summed over tp, then (dp > 1) the stage's gradients SUMmed over dp (each loss
+        is already divided by the global token count): all-reduce, or ZeRO-1 reduce-scatter."""
         stage = self.module
         if stage.tied and self.p > 1 and (self.is_first or self.is_last):
             swap_tied_grads(stage.tok_embeddings.weight if self.is_first else stage.tied_output,
@@ -298,44 +264,34 @@ class PipelineParallel(Engine):
         elif self.dp_sync is not None:
             self.dp_sync.finish()
 
-    def make_optimizer(self, param_groups: list[dict], **adamw) -> torch.optim.Optimizer:
-        """AdamW over this stage's parameters (ZeRO-1: over this rank's dp slice of them). The
-        last rank's copy of a tied embedding is an embedding (no weight decay), as in the plain
-        model, although it sits in the head."""
+    def _tied_without_decay(self, param_groups: list[dict]) -> list[dict]:
+        """The groups with the last rank's tied copy in the no-decay group (it is an embedding)."""
         tied = self.module.tied_output
-        if tied is not None:
-            groups = [dict(g, params=[p for p in g["params"] if p is not tied])
-                      for g in param_groups]
-            nd = next(g for g in groups if g.get("weight_decay", 0.0) == 0.0)
-            nd["params"].append(tied)
-            param_groups = [g for g in groups if g["params"]]
+        if tied is None:
+            return param_groups
+        groups = [dict(g, params=[p for p in g["params"] if p is not tied]) for g in param_groups]
+        next(g for g in groups if g.get("weight_decay", 0.0) == 0.0)["params"].append(tied)
+        return [g for g in groups if g["params"]]
+
+    def make_optimizer(self, param_groups: list[dict], **adamw) -> torch.optim.Optimizer:
+        """AdamW over this stage's parameters (ZeRO-1: over this rank's dp slice of them)."""
+        param_groups = self._tied_without_decay(param_groups)
         if self.zero1 is not None:
             return sharded_optimizer([self.zero1], param_groups, torch.optim.AdamW, **adamw)
         return torch.optim.AdamW(param_groups, **adamw)
 
-    # -- full-shape views (parity checks, checkpoints) -------------------------------------------
-    def _named(self):
-        """(plain-model FQN, param) for this stage, each parameter once."""
-        seen, out = set(), []
-        for n, p in self.module.named_parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append((self.module.fqn(n), p))
-        return out
-
     def named_params(self):
-        return self._named()
+        """(plain-model FQN, parameter) for this stage, each parameter once."""
+        return [(self.module.fqn(n), p) for n, p in self.module.named_parameters()]
 
     def dp_gradients(self) -> dict[str, torch.Tensor]:
-        """This stage's summed gradients in tp-local shape (ZeRO-1: the slices gathered over
-        dp); the base engine then gathers the tp shards."""
+        """This stage's summed gradients in tp-local shape (ZeRO-1: gathered over dp)."""
         if self.zero1 is None:
             return super().dp_gradients()
         return gather_named([self.zero1], [self.zero1.shard_grad])
 
     def dp_optimizer_state(self, optimizer) -> dict[str, dict]:
-        """ZeRO-1: the slices' state gathered over dp
-        (:func:`..zero.flat.gather_optimizer_state`)."""
+        """ZeRO-1: the slices' state gathered over dp."""
         if self.zero1 is None:
             return super().dp_optimizer_state(optimizer)
         return gather_optimizer_state([self.zero1], optimizer)

@@ -1,30 +1,23 @@
-"""Pipeline schedules as pure data: for every pipeline rank, an ordered list of actions.
+"""Pipeline schedules as pure data: for every pipeline rank, an ordered list of :class:`Action` s,
+to print (:func:`format_schedule`), simulate (:mod:`.simulate`), draw
+(:mod:`shardwise.viz.timeline`) and execute (:mod:`.runner`). Nothing here touches a model or a
+process group.
 
-Nothing here runs a model or touches a process group: a :class:`Schedule` can be printed
-(:func:`format_schedule`), simulated (:mod:`.simulate`), drawn (:mod:`shardwise.viz.timeline`)
-and, finally, executed action by action by :mod:`.runner`. The action kinds: :class:`Action`.
+``p`` ranks, ``m`` microbatches per step (m ≥ p), ``v`` chunks ("virtual stages") per rank: the
+model is cut into ``S = p·v`` stages; stage ``s`` lives on rank ``s % p`` as its local chunk
+``s // p`` (Megatron-LM, Narayanan et al. 2021, §2.2). Schedules, with the bubble for equal
+stages and free communication (:func:`.simulate.bubble_formula`):
 
-``p`` pipeline ranks, ``m`` microbatches per optimizer step, ``v`` model chunks ("virtual
-stages") per rank. The model is cut into ``S = p·v`` consecutive *stages*; stage ``s`` lives on
-rank ``s % p`` as its local chunk ``s // p`` (Megatron's interleaved assignment, Narayanan et al.
-2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §2.2).
-
-Schedules (every one requires ``m ≥ p``: :func:`check_schedule`), with the bubble for equal stages
-and free communication (:func:`.simulate.bubble_formula`):
-
-* ``gpipe`` (Huang et al. 2019, "GPipe", §2.3): all m forwards, then all m backwards.
-  Bubble (p−1)/(m+p−1); all m microbatches' activations alive.
-* ``1f1b`` (PipeDream-flush; Narayanan et al. 2021 "Memory-Efficient Pipeline-Parallel DNN
-  Training" §3.1, Megatron-LM §2.2.1): ``p−1−r`` warm-up forwards on rank r, then one forward and
-  one backward alternately, then the remaining backwards. Same bubble, ≤ ``p`` microbatches alive.
+* ``gpipe`` (Huang et al. 2019 §2.3): all m forwards, then all m backwards; (p−1)/(m+p−1).
+* ``1f1b`` (PipeDream-flush, Narayanan et al. 2021 "Memory-Efficient Pipeline-Parallel DNN
+  Training" §3.1; Megatron-LM §2.2.1): the same bubble, ≤ p microbatches alive.
 * ``interleaved-1f1b`` (Megatron-LM §2.2.2; rounds as PyTorch's ``ScheduleInterleaved1F1B``):
-  ``v ≥ 2`` chunks per rank (:func:`_interleaved`). Bubble (p−1)/(v·m+p−1).
-* ``zb-h1`` (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", arXiv 2401.10241, §3.1,
-  handcrafted ZB-H1): 1F1B with ``B`` split into ``I`` and ``W``, rank r delaying its ``W`` by r
-  microbatches (PyTorch's ``ScheduleInterleavedZeroBubble`` with one chunk). Bubble
-  (p−1)(T_F+T_B−T_W) instead of (p−1)(T_F+T_B+T_W); at most ``p`` microbatches alive.
+  v ≥ 2 chunks per rank; (p−1)/(v·m+p−1).
+* ``zb-h1`` (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", §3.1): 1F1B with ``B`` split
+  into ``I`` and ``W``, rank r delaying its ``W`` by r microbatches; idle (p−1)(T_F+T_B−T_W)
+  instead of (p−1)(T_F+T_B+T_W).
 
-Compute orders, the simulator's checks and the tests: docs/pipeline-parallel.md §2–3.
+The orders, the simulator's checks and the tests: docs/pipeline-parallel.md §2–3.
 """
 
 from __future__ import annotations
@@ -53,12 +46,9 @@ class Action:
     ``RECV_B`` receive the gradient w.r.t. the chunk's output from the next stage's rank
     =========  ==========================================================================
 
-    ``microbatch`` 0-based index into the step's microbatch list; ``chunk`` local chunk index
-    (0 ≤ chunk < v): for SEND the sender's chunk, for RECV the receiver's (the one that consumes
-    the tensor); ``peer`` the other rank's index on the pp axis, for SEND/RECV only. Activations
-    (``*_F``) and gradients (``*_B``) travel on two channels; on each, between each pair of
-    ranks, the k-th SEND meets the k-th RECV (gloo's and NCCL's point-to-point FIFO order), which
-    :func:`.simulate.simulate` checks."""
+    ``microbatch`` 0-based index into the step's microbatches; ``chunk`` local chunk index
+    (0 ≤ chunk < v): for SEND the sender's, for RECV the receiver's; ``peer`` the other rank's
+    pp index, for SEND/RECV only. Raises ``ValueError`` for an unknown kind or a misplaced peer."""
 
     kind: str
     microbatch: int
@@ -130,13 +120,6 @@ class Schedule:
     def num_stages(self) -> int:
         return self.p * self.v
 
-    def stage(self, rank: int, chunk: int) -> int:
-        """Global stage index of ``rank``'s local ``chunk``: chunk·p + rank."""
-        return chunk * self.p + rank
-
-    def compute_only(self) -> list[list[Action]]:
-        return [[a for a in acts if a.is_compute] for acts in self.ranks]
-
     def __str__(self) -> str:
         return format_schedule(self)
 
@@ -153,12 +136,9 @@ def rounds_of(p: int, m: int) -> int | None:
 def check_schedule(name: str, p: int, m: int, v: int | None = None) -> int:
     """Validate (schedule, p, m, v); return the effective v (default 2 for interleaved, else 1).
 
-    Raises :class:`ShardwiseConfigError` naming the constraint and the fix:
-    unknown schedule; p < 1; m < p (fewer microbatches than pipeline ranks: most of the step is
-    bubble; the runtime would work but we refuse it); v ≠ 1 for a non-interleaved schedule;
-    interleaving with p < 2 or v < 2; interleaving with m that does not split into m // p equal
-    rounds.
-    """
+    Raises :class:`ShardwiseConfigError` naming the constraint and the fix: unknown schedule;
+    p < 1; m < p (most of the step would be bubble); v ≠ 1 for a non-interleaved schedule;
+    interleaving with p < 2, v < 2, or m that does not split into m // p equal rounds."""
     if name not in SCHEDULES:
         raise ShardwiseConfigError(f"--schedule {name!r} is unknown: choose one of "
                                    f"{', '.join(SCHEDULES)}")
@@ -191,9 +171,7 @@ def check_schedule(name: str, p: int, m: int, v: int | None = None) -> int:
     return v
 
 
-# -- compute orders ------------------------------------------------------------------------------
-
-def _gpipe(p: int, m: int, r: int) -> list[Action]:
+def _gpipe(m: int) -> list[Action]:
     return [F(i) for i in range(m)] + [B(i) for i in range(m)]
 
 
@@ -225,11 +203,8 @@ def _one_f_one_b(p: int, m: int, r: int, split_backward: bool = False) -> list[A
 
 
 def _interleaved(p: int, m: int, v: int, r: int) -> list[Action]:
-    """Megatron's interleaved 1F1B: forwards go through the chunks in rounds of
-    g = :func:`rounds_of` (p, m) microbatches (chunk 0 for the round, then chunk 1, ...),
-    backwards in reverse chunk order; warm-up (v−1)·g + 2(p−1−r) chunk-forwards. Megatron
-    requires m % p == 0 (g = p); like PyTorch's ``ScheduleInterleaved1F1B`` any m ≥ p that splits
-    into m // p equal rounds is accepted (p = 4, m = 5: one round of 5; not p = 2, m = 7)."""
+    """Interleaved 1F1B: forwards through the chunks in rounds of g = :func:`rounds_of` (p, m)
+    microbatches, backwards in reverse chunk order; warm-up (v−1)·g + 2(p−1−r) chunk-forwards."""
     g = rounds_of(p, m)
     total = m * v
     warmup = min((v - 1) * g + 2 * (p - 1 - r), total)
@@ -259,7 +234,7 @@ def compute_order(name: str, p: int, m: int, v: int | None = None) -> list[list[
     """Per rank, the compute actions (F/B/I/W) of schedule ``name`` in execution order."""
     v = check_schedule(name, p, m, v)
     if name == "gpipe":
-        return [_gpipe(p, m, r) for r in range(p)]
+        return [_gpipe(m) for _ in range(p)]
     if name == "1f1b":
         return [_one_f_one_b(p, m, r) for r in range(p)]
     if name == "zb-h1":
@@ -269,11 +244,7 @@ def compute_order(name: str, p: int, m: int, v: int | None = None) -> list[list[
 
 def insert_comms(order: list[list[Action]], p: int, v: int) -> list[list[Action]]:
     """Add the point-to-point actions to compute orders: each RECV right before the compute that
-    consumes the tensor, each SEND right after the compute that produces it.
-
-    Sends are asynchronous in the runtime (isend, waited at the end of the step), receives block,
-    so a schedule runs without deadlock exactly when its compute orders respect the data
-    dependencies — which :func:`shardwise.parallel.pp.simulate.simulate` checks."""
+    consumes the tensor, each SEND right after the compute that produces it."""
     n_stages = p * v
     out = []
     for r, acts in enumerate(order):
@@ -300,9 +271,8 @@ def insert_comms(order: list[list[Action]], p: int, v: int) -> list[list[Action]
 
 def build_schedule(name: str, p: int, m: int, v: int | None = None) -> Schedule:
     """The full schedule (compute and communication actions per rank) for ``p`` ranks, ``m``
-    microbatches and ``v`` chunks per rank (default: 2 for interleaved-1f1b, else 1).
-
-    Raises :class:`ShardwiseConfigError` for invalid combinations (see :func:`check_schedule`)."""
+    microbatches and ``v`` chunks per rank. Raises :class:`ShardwiseConfigError` for invalid
+    combinations (:func:`check_schedule`)."""
     v = check_schedule(name, p, m, v)
     order = compute_order(name, p, m, v)
     ranks = tuple(tuple(acts) for acts in insert_comms(order, p, v))
@@ -322,9 +292,8 @@ def format_schedule(schedule: Schedule, compute_only: bool = False) -> str:
 
 
 def peak_activations(schedule: Schedule) -> list[int]:
-    """Per rank, the largest number of (microbatch, chunk) pairs whose forward has run and whose
-    activations are still held: from the start of ``F`` until the end of ``B`` (or of ``W``: the
-    weight gradient still needs the layer inputs). Depends on the order only, not on timing."""
+    """Per rank, the most (microbatch, chunk) pairs holding activations at once: from ``F`` until
+    ``B`` (or ``W``: the weight gradient still needs the layer inputs)."""
     peaks = []
     for acts in schedule.ranks:
         alive, peak = 0, 0

@@ -1,20 +1,16 @@
 """Execute a :class:`~.schedules.Schedule` on paper: per-action costs, deadlock detection, bubble.
 
 The runtime's semantics (:mod:`.runner`: asynchronous sends, blocking receives, FIFO matching per
-channel) on a clock per rank; the rules are on :func:`simulate`, the costs on :class:`Costs` (the
-zero-bubble paper's T_F, T_B, T_W, Qi et al. 2023 §2).
+channel) on a clock per rank, with the zero-bubble paper's costs T_F, T_B, T_W (Qi et al. 2023
+§2). ``bubble = 1 − Σ_r busy_r / (p · makespan)``, busy = compute only. Closed forms for equal
+stages and free communication (:func:`bubble_formula`):
 
-``bubble = 1 − Σ_r busy_r / (p · makespan)``: the share of the ranks' time spent waiting,
-busy = compute only. Closed forms (:func:`bubble_formula`), for equal stages and free comm:
+* GPipe and 1F1B: ``(p−1)/(m+p−1)`` (GPipe §2.3; Narayanan et al. 2021 §2.2.1);
+* interleaved 1F1B with v chunks: ``(p−1)/(v·m+p−1)`` (Narayanan et al. 2021 §2.2.2);
+* ZB-H1: ``(p−1)(T_F+T_B−T_W) / (m(T_F+T_B+T_W) + (p−1)(T_F+T_B−T_W))`` for T_W ≤ T_F + T_B
+  (Qi et al. 2023 §3.1).
 
-* GPipe and 1F1B: ``(p−1)/(m+p−1)`` (GPipe §2.3; Narayanan et al. 2021 §2.2.1: bubble
-  (p−1)(t_f+t_b) against m(t_f+t_b) of work);
-* interleaved 1F1B with v chunks: ``(p−1)/(v·m+p−1)`` (Narayanan et al. 2021 §2.2.2: the bubble
-  shrinks by v);
-* ZB-H1: ``(p−1)(T_F+T_B−T_W) / (m(T_F+T_B+T_W) + (p−1)(T_F+T_B−T_W))`` (Qi et al. 2023 §3.1:
-  bubble (p−1)(T_F+T_B−T_W) against 1F1B's (p−1)(T_F+T_B+T_W); holds for T_W ≤ T_F + T_B).
-
-What the tests check with it: docs/pipeline-parallel.md §3.
+The derivations and what the tests check: docs/pipeline-parallel.md §3.
 """
 
 from __future__ import annotations
@@ -85,21 +81,16 @@ class SimResult:
 
 
 def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "eager") -> SimResult:
-    """Run ``schedule`` with ``costs``; returns the timeline and the bubble.
-
-    Each rank runs its actions in order on its own clock; a compute action costs
-    :meth:`Costs.of` (1/v of the rank's share per chunk). ``mode="eager"`` (the runtime's
-    ``isend``): a SEND posts its tensor and returns at once, arriving ``t_comm`` later; a RECV
-    blocks until the matching message has arrived. Messages travel on two channels (activations
-    ``F``, gradients ``B``), matched first-in first-out per (sender, receiver, channel); a RECV
-    that meets another message than the one it names is a :class:`ScheduleError` (on a real
-    backend it would silently swap tensors). ``mode="rendezvous"``: a SEND also blocks until the
-    receiver reaches the matching RECV (a blocking backend without buffering; the runtime does not
-    need it). A compute action whose inputs are missing (an ``F`` of a later stage without its
-    RECV, a ``B`` before its ``F``, a ``W`` before its ``I``) is a :class:`ScheduleError`.
+    """Run ``schedule`` with ``costs`` (a compute action costs :meth:`Costs.of`); returns the
+    timeline and the bubble. ``mode="eager"`` (the runtime's ``isend``): a SEND returns at once,
+    its message arriving ``t_comm`` later; a RECV blocks until it has arrived. Messages are
+    matched first-in first-out per (sender, receiver, channel); a RECV that meets another
+    message than the one it names (on a real backend: swapped tensors) is a
+    :class:`ScheduleError`. ``mode="rendezvous"``: a SEND also blocks until the matching RECV.
 
     Raises :class:`DeadlockError` if the ranks block each other, :class:`ScheduleError` if the
-    schedule is malformed, ``ValueError`` for an unknown ``mode``."""
+    schedule is malformed (a missing input, a RECV mismatch, a computation twice or never),
+    ``ValueError`` for an unknown ``mode``."""
     if mode not in ("eager", "rendezvous"):
         raise ValueError(f"mode {mode!r}: choose eager or rendezvous")
     p, v, n_stages = schedule.p, schedule.v, schedule.num_stages
@@ -236,9 +227,8 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "eager") ->
 
 
 def bubble_formula(name: str, p: int, m: int, v: int = 1, costs: Costs = Costs()) -> float:
-    """Closed-form bubble fraction (share of rank-time idle) for equal stages and free
-    communication; formulas and sources in the module docstring. ``costs`` matters for zb-h1
-    only. Raises ``ValueError`` for an unknown schedule."""
+    """Closed-form bubble fraction (module docstring); ``costs`` matters for zb-h1 only. Raises
+    ``ValueError`` for an unknown schedule."""
     if name in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
     if name == "interleaved-1f1b":

@@ -1,15 +1,11 @@
 """Cut a plain model into pipeline stages, and validate a pipeline configuration.
 
-The plain model (``models.llama.Llama`` or ``models.mlp.StackedMLP``) is a sequence
-``embedding → L blocks → norm → head``. It is cut into ``S = p·v`` stages of consecutive blocks
-(:func:`split_layers`); stage ``s`` lives on pp rank ``s % p`` as its local chunk ``s // p`` (see
-:mod:`.schedules`). Stage 0 also holds the token embedding, stage ``S−1`` the final norm, the
-head and the loss. Every rank builds the whole plain model and keeps only its stages' modules
-(:class:`StageModule`, under the plain model's names); the engine then copies every stage's
-parameters from pp index 0's plain model (:func:`stage_parameter_names` says which are whose),
-as DP broadcasts from dp index 0 and TP from tp index 0, so the stages together start equal to
-one plain model even when the ranks' seeds differ (the parity tests rely on it). A tied embedding
-(Press & Wolf 2017) gets its own copy on the last stage (:attr:`StageModule.tied_output`).
+The plain model (``models.llama.Llama`` or ``models.mlp.StackedMLP``), ``embedding → L blocks →
+norm → head``, is cut into ``S = p·v`` stages of consecutive blocks (:func:`split_layers`);
+stage ``s`` lives on pp rank ``s % p`` as its local chunk ``s // p``. Stage 0 also holds the
+embedding, stage ``S−1`` the final norm, the head and the loss. Every rank builds the whole
+plain model and keeps only its stages (:class:`StageModule`, under the plain model's names); a
+tied embedding (Press & Wolf 2017) gets its own copy on the last stage.
 
 Split rules, names and tied embeddings: docs/pipeline-parallel.md §1.
 """
@@ -35,14 +31,11 @@ def split_layers(n_layers: int, n_stages: int,
                  layers_per_stage: list[int] | None = None) -> list[range]:
     """Block indices of every stage: a list of ``n_stages`` ranges covering ``0..n_layers−1``.
 
-    Balanced (``layers_per_stage`` None): every stage gets ``n_layers // n_stages`` blocks and
-    the first ``n_layers % n_stages`` one more (early, because the last stage also pays for the
-    head and the loss). Explicit: one count per stage, summing to ``n_layers``; the first and
-    the last stage may have 0 blocks (they still hold the embedding / head), the others not.
-
-    Raises :class:`ShardwiseConfigError` when ``n_layers < n_stages`` (balanced) or when the
-    explicit list has the wrong length, the wrong sum, a negative entry, or an empty middle
-    stage."""
+    Balanced (``layers_per_stage`` None): ``n_layers // n_stages`` blocks each, the first
+    ``n_layers % n_stages`` stages one more (the last stage also pays for the head and the
+    loss). Explicit: one count per stage, summing to ``n_layers``; only the first and the last
+    may be 0. Raises :class:`ShardwiseConfigError` when ``n_layers < n_stages`` (balanced) or the
+    list has the wrong length or sum, a negative entry, or an empty middle stage."""
     if layers_per_stage is None:
         if n_layers < n_stages:
             raise ShardwiseConfigError(
@@ -77,15 +70,12 @@ def split_layers(n_layers: int, n_stages: int,
 def validate_pp(model_or_n_layers, pp: int, schedule: str, microbatches: int,
                 batch: int | None = None, virtual_stages: int | None = None,
                 layers_per_stage: list[int] | None = None) -> int:
-    """Check a pipeline configuration before anything runs; return the effective number of
-    virtual stages v (2 for interleaved-1f1b unless given, else 1).
+    """Check a pipeline configuration before anything runs; return the effective v.
 
     ``model_or_n_layers``: a model, a model config (``.n_layers``) or the layer count.
-    ``batch``: sequences one pipeline processes per optimizer step (global batch / dp); it must
-    be divisible by ``microbatches``. Raises :class:`ShardwiseConfigError` for: an unknown
-    schedule, microbatches < pp, interleaving that cannot be done (see
-    :func:`.schedules.check_schedule`), a batch that the microbatches don't divide, layers that
-    cannot be split as asked (:func:`split_layers`)."""
+    ``batch``: sequences one pipeline processes per optimizer step (global batch / dp). Raises
+    :class:`ShardwiseConfigError` for what :func:`.schedules.check_schedule` and
+    :func:`split_layers` refuse, and for a batch that ``microbatches`` does not divide."""
     v = check_schedule(schedule, pp, microbatches, virtual_stages)
     if batch is not None and (batch < microbatches or batch % microbatches):
         divisors = [k for k in range(pp, batch + 1) if batch % k == 0]
@@ -99,11 +89,9 @@ def validate_pp(model_or_n_layers, pp: int, schedule: str, microbatches: int,
 
 def stage_parameter_names(plain: nn.Module, pp_index: int, pp: int, v: int = 1,
                           layers_per_stage: list[int] | None = None) -> list[str]:
-    """The plain model's parameter names (``named_parameters()`` order, a tied head under
-    ``tok_embeddings.weight``) that pp rank ``pp_index`` holds in its stages: the blocks of
-    its stages (:func:`split_layers`), the embedding with stage 0, the final norm and the head
-    with the last stage — the parameters :class:`StageModule` keeps, except the last rank's own
-    copy of a tied embedding."""
+    """The plain model's parameter names (``named_parameters()`` order) that pp rank
+    ``pp_index`` holds: what :class:`StageModule` keeps, except the last rank's own copy of a
+    tied embedding."""
     n_stages = pp * v
     ranges = split_layers(len(plain.layers), n_stages, layers_per_stage)
     mine = [c * pp + pp_index for c in range(v)]
@@ -163,16 +151,12 @@ class Chunk(nn.Module):
 
 class StageModule(nn.Module):
     """This rank's share of the plain model, under the plain model's parameter names
-    (``tok_embeddings``, ``layers.{i}`` with the *global* block index, ``norm``, ``output``), so
-    ``named_parameters()`` yields the plain model's FQNs.
+    (``tok_embeddings``, ``layers.{i}`` with the *global* block index, ``norm``, ``output``).
 
-    ``chunks`` (:class:`Chunk`, one per local chunk, not registered as children, to keep names
-    unique) reference the same submodules and run the stages in order of their local chunk index.
-    ``tied_output``: with p > 1 the plain model's tied ``output.weight`` (*is*
-    ``tok_embeddings.weight``) lives on two ranks, so the last rank gets its own copy of the
-    embedding; the engine sums the two gradients after every backward (:mod:`.runtime`), so both
-    stay equal (with tp > 1, per vocab-parallel shard). None on other ranks and with p = 1.
-    """
+    ``chunks``: one :class:`Chunk` per local chunk, in order, over the same submodules (not
+    registered as children, to keep names unique). With p > 1 a tied embedding lives on two
+    ranks: the last one holds its own copy (:attr:`tied_output`), whose gradient the engine
+    sums with the first rank's after every backward."""
 
     def __init__(self, plain: nn.Module, pp_index: int, pp: int, v: int = 1,
                  layers_per_stage: list[int] | None = None):
@@ -182,7 +166,6 @@ class StageModule(nn.Module):
         n_stages = pp * v
         ranges = split_layers(len(plain.layers), n_stages, layers_per_stage)
         mine = [c * pp + pp_index for c in range(v)]  # global stage indices, local chunk order
-        self.stage_indices = mine
         self.layers = nn.ModuleDict()
         for s in mine:
             for i in ranges[s]:
@@ -239,12 +222,8 @@ def first_stage_input(mb: dict) -> torch.Tensor:
 
 def activation_shape(mb: dict, config, seq_shards: int = 1) -> tuple[int, ...]:
     """Shape of the tensor passed between stages for microbatch ``mb``: [b, s, d_model] for a
-    Llama, [b, D] for an MLP, with b this microbatch's own rows (microbatches of one step may
-    differ). ``seq_shards`` = tp with sequence parallelism: each tp rank sends its sequence
-    shard [b, s/tp, d_model] (to the same tp index of the next stage). Read from the inputs
-    (``input_ids`` [b, s] / ``inputs`` [b, D]) or, on a rank given only the targets, from
-    ``labels`` [b, s] / ``targets`` [b, D] (same shape). Raises ``KeyError`` if ``mb`` has
-    none of them."""
+    Llama, with ``seq_shards`` = tp under SP [b, s/tp, d_model]; [b, D] for an MLP. Read from
+    ``input_ids``/``inputs`` or ``labels``/``targets``. Raises ``KeyError`` if ``mb`` has none."""
     if "input_ids" in mb or "labels" in mb:
         b, s = (mb["input_ids"] if "input_ids" in mb else mb["labels"]).shape
         return (b, s // seq_shards, config.d_model)

@@ -8,64 +8,54 @@ ZB-H1's: rank r delays them by r microbatches).
 
 What moves: over tp, DTensor's collectives, booked by
 :class:`~..tp.dtensor.BookFunctionalCollectives` (``tp_fwd``/``tp_bwd``/``ce``); over pp,
-PyTorch's own ``batch_isend_irecv`` on the pp group, which bypasses :mod:`shardwise.comm` and is
-**not** in the ledger; after the schedule, the explicit engine's tied swap, SP sum, dp reduction
-and norm (:class:`.runtime.PipelineParallel`, through :mod:`shardwise.comm`, on the local shards),
-with ZeRO-1 as ``ZeroRedundancyOptimizer`` (:meth:`TorchPipelineParallel.make_optimizer`; its
-parameter broadcasts are not in the ledger). Differences from the explicit engine:
-docs/pipeline-parallel.md §5 and docs/composition.md, "Pipelines composed".
+PyTorch's own ``batch_isend_irecv`` on the pp group, **not** in the ledger; after the schedule,
+the explicit engine's tied swap, SP sum, dp reduction and norm on the local shards, with ZeRO-1
+as ``ZeroRedundancyOptimizer`` (its parameter broadcasts are not in the ledger either).
+Differences from the explicit engine: docs/pipeline-parallel.md §5.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 import types
 
 import torch
 import torch.nn.functional as F
+from torch.distributed import pipelining as pl
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
 
 from ...errors import ShardwiseConfigError
 from ...models.llama import IGNORE_INDEX
 from ..engine import autocast
-from ..tp.dtensor import reduce_partial_grads
-from ..params import is_dtensor as _is_dtensor, local as _local
+from ..params import is_dtensor as _is_dtensor, local as _local, local_state_bytes
+from ..tp.dtensor import (BookFunctionalCollectives, booked_as, dtensor_tp_plan,
+                          reduce_partial_grads)
 from .runtime import PipelineParallel
 from .split import first_stage_input, loss_sum
 
-
-def _local_shard_zero_class():
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    class LocalShardZeRO(ZeroRedundancyOptimizer):
-        """``ZeroRedundancyOptimizer`` over the local shards of DTensor parameters: ``step``
-        hands each shard its DTensor gradient's local tensor first; ``zero_grad`` clears the
-        DTensor gradients too (``pairs``: (DTensor parameter, its local tensor))."""
-
-        pairs: list = []
-
-        def step(self, closure=None, **kwargs):
-            for p, t in self.pairs:
-                t.grad = None if p.grad is None else _local(p.grad)
-            return super().step(closure, **kwargs)
-
-        def zero_grad(self, set_to_none: bool = True) -> None:
-            for p, t in self.pairs:
-                p.grad = t.grad = None
-            super().zero_grad(set_to_none)
-
-    return LocalShardZeRO
+_SCHEDULES = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B,
+              "interleaved-1f1b": pl.ScheduleInterleaved1F1B,
+              "zb-h1": pl.ScheduleInterleavedZeroBubble}
 
 
-def _LocalShardZeRO(*args, **kwargs):
-    return _local_shard_zero_class()(*args, **kwargs)
+class _LocalShardZeRO(ZeroRedundancyOptimizer):
+    """Over DTensor parameters' local shards (``pairs``: (DTensor parameter, local tensor)):
+    ``step`` first hands each shard its gradient's local tensor; ``zero_grad`` clears both."""
 
+    pairs: list = []
 
-def _schedule_class(name: str):
-    from torch.distributed import pipelining as pl
+    def step(self, closure=None, **kwargs):
+        for p, t in self.pairs:
+            t.grad = None if p.grad is None else _local(p.grad)
+        return super().step(closure, **kwargs)
 
-    return {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B,
-            "interleaved-1f1b": pl.ScheduleInterleaved1F1B,
-            "zb-h1": pl.ScheduleInterleavedZeroBubble}[name]
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p, t in self.pairs:
+            p.grad = t.grad = None
+        super().zero_grad(set_to_none)
 
 
 class TorchPipelineParallel(PipelineParallel):
@@ -81,23 +71,10 @@ class TorchPipelineParallel(PipelineParallel):
         self._torch_schedules = {}
         self._denom, self._loss, self._dtype = 1.0, None, "fp32"
 
-    _in_loss_parallel = False  # inside forward_backward's loss_parallel() (not re-entrant)
-
-    # -- composition hooks of the explicit engine ---------------------------------------------
     def _convert_tp(self, stage, seed):
-        """DTensor TP on this stage's modules: ``parallelize_module`` on ``topo.mesh["tp"]`` with
-        :func:`~..tp.dtensor.dtensor_tp_plan` restricted to the modules the stage holds
-        (torchtitan applies TP to each stage's model chunk the same way), except that the head
-        returns its *local* logits [b, s, V/tp] as a plain tensor (a pipeline stage's outputs are
-        plain tensors; :meth:`_loss_sum` wraps them back). The hidden state between stages is
-        the plain local tensor: [b, s, d] replicated, [b, s/tp, d] with SP. Returns None
-        (DTensor dropout draws from the default RNG: use dropout 0, as with the DTensor TP
-        engine)."""
-        from torch.distributed.tensor import Shard
-        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-        from ..tp.dtensor import dtensor_tp_plan
-
+        """DTensor TP: ``dtensor_tp_plan`` restricted to the stage's modules, the head returning
+        plain local logits [b, s, V/tp] (a stage's outputs are plain tensors); between stages
+        the plain local [b, s, d], with SP [b, s/tp, d]. None: dropout uses the default RNG."""
         cfg = stage.config
         # the whole model's plan (it only counts the layers), restricted to this stage's modules
         plan = dtensor_tp_plan(types.SimpleNamespace(layers=[None] * cfg.n_layers), self.sp)
@@ -113,9 +90,7 @@ class TorchPipelineParallel(PipelineParallel):
         return None
 
     def _build_zero1(self):
-        """PyTorch's ZeRO-1 is an optimizer (:meth:`make_optimizer`); gradients are
-        all-reduced over dp as without ZeRO (DDP's arithmetic: one SUM all-reduce after the last
-        microbatch), so no flat buffers here."""
+        """None: ZeRO-1 is an optimizer here; the gradients are all-reduced over dp as without."""
         return None
 
     def sum_replicated_grads(self) -> None:
@@ -132,41 +107,21 @@ class TorchPipelineParallel(PipelineParallel):
         for p in self._params():
             g = p.grad
             if _is_dtensor(g) and _is_dtensor(p) and tuple(g.placements) != tuple(p.placements) \
-                    and not any(pl.is_partial() for pl in g.placements):
+                    and not any(place.is_partial() for place in g.placements):
                 p.grad = g.redistribute(p.device_mesh, p.placements)
         super().finish_gradient_sync()
 
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
-        """Bytes of this rank's local shards (a DTensor's ``numel()`` is the global size)."""
-        from ..engine import model_state_bytes
-
-        params = self._params()
-        out = model_state_bytes([], None)
-        out["params"] = sum(_local(p).numel() * _local(p).element_size() for p in params)
-        out["grads"] = sum(_local(p.grad).numel() * _local(p.grad).element_size()
-                           for p in params if p.grad is not None)
-        inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: local one
-        if inner is not None:
-            for state in inner.state.values():
-                out["optimizer"] += sum(_local(v).numel() * _local(v).element_size()
-                                        for v in state.values() if torch.is_tensor(v))
-        out["total"] = out["params"] + out["grads"] + out["optimizer"]
-        return out
+        """Bytes of this rank's local shards (:func:`..params.local_state_bytes`; ZeRO-1: the
+        state of ``ZeroRedundancyOptimizer``'s local optimizer)."""
+        return local_state_bytes(self._params(), getattr(optimizer, "optim", optimizer))
 
     def make_optimizer(self, param_groups: list[dict], **adamw) -> torch.optim.Optimizer:
-        """AdamW over this stage's parameters; ZeRO-1: ``ZeroRedundancyOptimizer`` over dp
-        (PyTorch's ZeRO-1, as :mod:`..zero.torch_zero` uses it: each rank steps the whole
-        parameters it owns, then broadcasts them, unbooked). With tp > 1 it is given the DTensor
-        parameters' local shards (plain tensors of equal shapes on the dp peers of one tp
-        index)."""
+        """AdamW over this stage's parameters; ZeRO-1: ``ZeroRedundancyOptimizer`` over dp (each
+        rank steps the whole parameters it owns, then broadcasts them, unbooked)."""
         if self.zero != 1:
             return super().make_optimizer(param_groups, **adamw)
-        tied = self.module.tied_output
-        if tied is not None:
-            groups = [dict(g, params=[p for p in g["params"] if p is not tied])
-                      for g in param_groups]
-            next(g for g in groups if g.get("weight_decay", 0.0) == 0.0)["params"].append(tied)
-            param_groups = [g for g in groups if g["params"]]
+        param_groups = self._tied_without_decay(param_groups)
         # DTensor (tp-sharded) parameters: ZeroRedundancyOptimizer partitions and broadcasts
         # plain tensors, so it gets their local shards — the dp peers of one tp index hold
         # shards of the same shapes, and its in-place broadcast updates the DTensors' storage
@@ -199,33 +154,31 @@ class TorchPipelineParallel(PipelineParallel):
         return super().load_full_optimizer_state(optimizer, state)
 
     def _loss_sum(self, y: torch.Tensor, mb: dict) -> torch.Tensor:
-        """tp = 1: the plain loss. tp > 1: ``y`` = local logits [b, s, V/tp] (torch.chunk
-        columns) → a DTensor sharded on the vocabulary → ``F.cross_entropy`` under
-        ``loss_parallel()``; returns the local (replicated) fp32 sum."""
+        """tp > 1: local logits [b, s, V/tp] as a vocab-sharded DTensor through
+        ``F.cross_entropy`` (inside ``loss_parallel()``); the replicated fp32 sum."""
         if self.tp == 1:
             return loss_sum(y, mb)
-        from torch.distributed.tensor import DTensor, Shard
-        from torch.distributed.tensor.parallel import loss_parallel
-
         shape = (*y.shape[:-1], self.module.config.vocab_size)
         stride = torch.empty(shape, device="meta").stride()
         logits = DTensor.from_local(y, self.topo.mesh["tp"], [Shard(-1)], run_check=False,
                                     shape=shape, stride=stride)
-        from ..tp.dtensor import booked_as
-
-        with (loss_parallel() if not self._in_loss_parallel else contextlib.nullcontext()), \
-                booked_as("ce"):
+        with booked_as("ce"):
             s = F.cross_entropy(logits.flatten(0, 1).float(), mb["labels"].flatten(),
                                 ignore_index=IGNORE_INDEX, reduction="sum")
         return s.to_local()
 
-    def _stages(self, mb: dict, dtype: str):
-        """One ``PipelineStage`` per local chunk, with *static* tensor metadata (meta tensors of
-        this microbatch's shapes). Without it PyTorch infers the shapes by running a real
-        forward and backward of the first microbatch, whose loss and gradients would be added to
-        the step's."""
-        from torch.distributed.pipelining import PipelineStage
+    def _loss_parallel(self):
+        return loss_parallel() if self.tp > 1 else contextlib.nullcontext()
 
+    def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`.runtime.PipelineParallel.loss_sum_and_count` inside ``loss_parallel()``."""
+        with self._loss_parallel():
+            return super().loss_sum_and_count(batch)
+
+    def _stages(self, mb: dict, dtype: str):
+        """One ``PipelineStage`` per local chunk, with *static* metadata (meta tensors of this
+        microbatch's shapes): else PyTorch runs a real forward and backward of the first
+        microbatch to infer them, adding its loss and gradients to the step's."""
         device = next(self.module.parameters()).device
         hidden = self._act_shape(mb)
         x = first_stage_input(mb)
@@ -244,9 +197,9 @@ class TorchPipelineParallel(PipelineParallel):
             else:
                 example_out = torch.empty(hidden, dtype=torch.float32, device="meta",
                                           requires_grad=True)
-            stages.append(PipelineStage(c, c.index, self.p * self.v, device,
-                                        input_args=(example_in,), output_args=(example_out,),
-                                        group=self.topo.group("pp")))
+            stages.append(pl.PipelineStage(c, c.index, self.p * self.v, device,
+                                           input_args=(example_in,), output_args=(example_out,),
+                                           group=self.topo.group("pp")))
         return stages
 
     def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -261,7 +214,7 @@ class TorchPipelineParallel(PipelineParallel):
         key = (m, tuple(first_stage_input(mb).shape), dtype)
         if key not in self._torch_schedules:
             self.schedule(m)  # validates (same rules as the explicit engine)
-            cls = _schedule_class(self.schedule_name)
+            cls = _SCHEDULES[self.schedule_name]
             stages = self._stages(mb, dtype)
             if self.schedule_name in ("gpipe", "1f1b"):
                 stages = stages[0]
@@ -275,8 +228,6 @@ class TorchPipelineParallel(PipelineParallel):
         token-loss sum divided by ``denom`` (the global count), with ``scale_grads=False``, so the
         gradients are ∇ of the global mean, as in the explicit engine. Returns the loss sum,
         fp64 [1] (0 except on the last rank). Raises ``ValueError`` for unequal microbatches."""
-        import time
-
         sizes = {tuple(first_stage_input(mb).shape) for mb in microbatches}
         if len(sizes) != 1:
             raise ValueError(f"--engine torch needs equal-size microbatches, got {sizes}")
@@ -291,20 +242,10 @@ class TorchPipelineParallel(PipelineParallel):
             key = "labels" if self.module.is_llama else "targets"
             kw["target"] = torch.cat([mb[key] for mb in microbatches]).to(device)
         t0 = time.time()
-        ctx = contextlib.ExitStack()
-        if self.tp > 1:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            from ..tp.dtensor import BookFunctionalCollectives
-
-            ctx.enter_context(BookFunctionalCollectives(self.topo))
-            ctx.enter_context(loss_parallel())  # its backward runs inside the step too
-            self._in_loss_parallel = True
-        try:
-            with ctx, autocast(dtype, device):
-                sched.step(*args, return_outputs=False, **kw)
-        finally:
-            self._in_loss_parallel = False
+        book = BookFunctionalCollectives(self.topo) if self.tp > 1 else contextlib.nullcontext()
+        # loss_parallel() around the whole step: the loss's backward runs inside it too
+        with book, self._loss_parallel(), autocast(dtype, device):
+            sched.step(*args, return_outputs=False, **kw)
         self.timeline = [("STEP", 0, 0, -1, t0, time.time())]
         return self._loss
 
