@@ -46,3 +46,37 @@ def test_a_layout_with_no_batch_flag_runs_and_says_what_was_derived(cache_dir, t
         assert "micro-batch 4 (derived: global batch 16 / dp 4;" in p.stdout, p.stdout
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("layout,world", [(["--dp", "1"], 1), (["--dp", "2"], 2),
+                                          (["--tp", "2"], 2), (["--pp", "2"], 2)],
+                         ids=lambda a: " ".join(a) if isinstance(a, list) else str(a))
+def test_each_small_degree_runs_with_the_defaults(cache_dir, tmp_path, layout, world):
+    """Degrees 1 and 2 of dp, tp and pp, one flag each (4 and 8 are the cases above): the run
+    says its layout and world, trains its 2 steps and derives the micro-batch it was not given."""
+    out = tmp_path / "r"
+    p = run_cli([*SMALL, "--model", "tiny", *layout, "--out", out], cache_dir, timeout=240)
+    assert p.returncode == 0, p.stdout
+    degrees = {"dp": 1, "tp": 1, "pp": 1, layout[0][2:]: int(layout[1])}
+    assert f"layout pp={degrees['pp']} × dp={degrees['dp']} × tp={degrees['tp']} ({world} " \
+           f"rank" in p.stdout, p.stdout
+    assert f"(derived: global batch 16 / dp {degrees['dp']}" in p.stdout, p.stdout
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+
+
+@pytest.mark.parametrize("layout,needles", [
+    (["--tp", "8"], ["--tp 8 does not divide the model's n_kv_heads=4", "choose --tp from "
+                                                                       "{1, 2, 4}"]),
+    (["--pp", "8"], ["the model has 4 layers, too few for 8 pipeline stages", "--n-layers 8"]),
+], ids=["tp 8", "pp 8"])
+def test_a_degree_the_default_model_cannot_take_is_refused_with_the_fix(cache_dir, tmp_path,
+                                                                        layout, needles):
+    """Degree 8 of tp and pp on the default model (small: 4 kv heads, 4 layers): refused before
+    any rank starts, naming the constraint and the fix."""
+    p = run_cli(["train", "--steps", "2", *layout, "--out", tmp_path / "r"], cache_dir,
+                timeout=120)
+    assert p.returncode != 0
+    for needle in needles:
+        assert needle in p.stdout, p.stdout
+    assert "[rank" not in p.stdout, p.stdout  # nothing was spawned
