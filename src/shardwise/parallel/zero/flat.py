@@ -73,7 +73,6 @@ class FlatShards:
             self.full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)  # pad 0
             for p, view in self.views(self.full):
                 view.copy_(p.detach())
-            for p, view in self.views(self.full):
                 p.data = view  # same Parameter object; storage = `full`
         self.shard = self.full[self.lo:self.hi]  # [k] view: the optimizer updates it in place
         self.grad_full = None
@@ -98,10 +97,6 @@ class FlatShards:
             if a < b:
                 out.append((j, a, b))
         return out
-
-    def gathered_bytes(self) -> int:
-        """Bytes ``full`` holds right now (0 while ZeRO-3 has freed it)."""
-        return self.full.untyped_storage().nbytes()
 
     @torch.no_grad()
     def arm_grads(self) -> None:

@@ -91,18 +91,14 @@ def apply_fsdp(module: nn.Module, topo, stage: int, reduce_dtype: str = "fp32", 
                what: str = "FSDP2") -> FSDPUnits:
     """Wrap ``module`` for ZeRO ``stage`` over ``topo.mesh["dp"]`` with PyTorch's FSDP2 (1D, or
     2D on a DTensor-TP model: FSDP2 shards each tp-local shard further over dp), units first,
-    then the root (torchtitan's one ``apply_fsdp``).
+    then the root (torchtitan's one ``apply_fsdp``). Stage 0: ``replicate`` (FSDP2's DDP mode:
+    gradients all-reduced over dp); stages 1, 2: ``fully_shard(unit,
+    reshard_after_forward=False)`` (FSDP1's SHARD_GRAD_OP); stage 3: ``reshard_after_forward``
+    as given, the root keeping FSDP2's default (None: gathered from forward to backward, which
+    needs it first).
 
-    * stage 0: ``replicate`` (FSDP2's DDP mode: each unit's gradients all-reduced over dp);
-    * stage 1, 2: ``fully_shard(unit, reshard_after_forward=False)``: gathered once per
-      micro-step, kept until its backward (FSDP1's SHARD_GRAD_OP);
-    * stage 3: ``fully_shard(unit, reshard_after_forward=reshard_after_forward)``; the root
-      keeps FSDP2's default (None: gathered from forward to backward, which needs it first).
-
-    Every wrapped module sums (``set_gradient_divide_factor(1.0)``,
-    ``set_force_sum_reduction_for_comms(True)``: each loss is already divided by the global
-    token count) and, for stages ≥ 1, all-gathers / reduce-scatters through the ledger
-    (:class:`_LedgerAllGather`, :class:`_LedgerReduceScatter`). ``reduce_dtype``: "fp32" |
+    Every wrapped module sums (each loss is already divided by the global token count) and, for
+    stages ≥ 1, all-gathers / reduce-scatters through the ledger. ``reduce_dtype``: "fp32" |
     "bf16", ``MixedPrecisionPolicy(reduce_dtype=...)``. The units' forward order is checked on
     the first step (:class:`.units.UnitOrderCheck`, named ``what`` in its error)."""
     fqn = {id(m): n for n, m in module.named_modules()}

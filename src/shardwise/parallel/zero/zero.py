@@ -241,18 +241,6 @@ class ZeroDataParallel(Engine):
         """Cut full-shape state to this rank's pieces (:func:`.flat.load_optimizer_state`)."""
         load_optimizer_state(self.units, optimizer, state)
 
-    @contextlib.contextmanager
-    def summon_full_params(self):
-        """The full parameters for the block (ZeRO-1/2 hold them always: a no-op)."""
-        yield
-
-    @contextlib.contextmanager
-    def full_model(self):
-        """The plain model with its full weights (ZeRO-3: gathered once, for the whole block; see
-        :meth:`summon_full_params`). Every dp rank enters it together."""
-        with self.summon_full_params():
-            yield self.module
-
     # -- accounting -----------------------------------------------------------------------------
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
         """:func:`.flat.storage_state_bytes`: ``params`` (ZeRO-1/2 the full flat buffers; ZeRO-3

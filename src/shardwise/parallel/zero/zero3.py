@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ... import comm
-from .flat import FlatShards, gather_named
+from .flat import FlatShards, gather_named, storage_bytes
 from .units import UnitOrderCheck
 from .zero import ZeroDataParallel
 
@@ -101,7 +101,7 @@ class Zero3DataParallel(ZeroDataParallel, stage=3):
     def _launch_gather(self, u: FlatShards, async_op: bool) -> None:
         u.full.untyped_storage().resize_(u.padded * u.full.element_size())
         self.gathered_peak_bytes = max(self.gathered_peak_bytes,
-                                       sum(v.gathered_bytes() for v in self.units))
+                                       storage_bytes(v.full for v in self.units))
         # [k] from every rank → [P_u]; rank j's slice lands at [j·k, (j+1)·k)
         self._inflight[u] = comm.all_gather(u.full, u.shard, self.topo, "dp", tag="param",
                                             async_op=async_op)
@@ -217,6 +217,13 @@ class Zero3DataParallel(ZeroDataParallel, stage=3):
             self._pinned = False
             for u in self.units:
                 self._reshard(u)
+
+    @contextlib.contextmanager
+    def full_model(self):
+        """The plain model with its full weights, gathered once for the whole block
+        (:meth:`summon_full_params`). Every dp rank enters it together."""
+        with self.summon_full_params():
+            yield self.module
 
     def dp_parameters(self) -> dict[str, torch.Tensor]:
         """{FQN: full-shape parameter} (tied weight once), all-gathered from the slices (ledger
