@@ -1,7 +1,6 @@
 """ZeRO's formulas and its refusals, as pure functions: model-state bytes per rank (ZeRO paper
 §5.1–5.3, Figure 1), bytes sent per step (§7.1–7.2, JAX scaling book ch. 5), and the stages and
-optimizers that can be sharded. Used by :mod:`.zero`, :mod:`.torch_zero`, the planner's checks
-and :meth:`~shardwise.parallel.layout.Layout.check`.
+optimizers that can be sharded.
 """
 
 from __future__ import annotations
