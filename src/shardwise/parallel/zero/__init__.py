@@ -1,18 +1,10 @@
 """ZeRO over the dp axis (Rajbhandari et al. 2019): the model state sharded, gradients still summed.
 
-Reading order:
-
-* :mod:`.flat` — the mechanism: flat padded buffers sharded over dp, their pieces, the sharded
-  optimizer, full-shape gathers. Used per unit by ZeRO-1/2/3, and per stage by the pipeline's
-  ZeRO-1 (:mod:`..pp.runtime`).
-* :mod:`.zero` — ZeRO-1/2: reduce_scatter, sharded step, all_gather; the memory and byte
-  formulas (ZeRO paper §5, §7) and :func:`validate_zero`.
-* :mod:`.zero3` — ZeRO-3: gather / free / prefetch around each unit's compute.
-* :mod:`.units` — which parameters form a unit, and the first step's unit-order check.
-* :mod:`.torch_zero` — the same through PyTorch (ZeroRedundancyOptimizer, FSDP2's
-  :func:`~.torch_zero.apply_fsdp`), imported on first use of :class:`TorchZero`.
-
-``docs/zero.md`` has the derivations, the measurements and the pitfalls.
+Reading order: :mod:`.flat` (the mechanism, also under the pipeline's ZeRO-1), :mod:`.zero`
+(ZeRO-1/2), :mod:`.zero3` (ZeRO-3), :mod:`.units` (units and their order check),
+:mod:`.formulas` (memory and bytes, :func:`validate_zero`), :mod:`.torch_zero` (the same through
+PyTorch, imported on first use of :class:`TorchZero`). ``docs/zero.md`` has the derivations, the
+measurements and the pitfalls.
 """
 
 from .flat import FlatShards

@@ -1,13 +1,11 @@
 """Flat padded buffers sharded over dp: the one mechanism under ZeRO-1/2/3 and a pipeline's ZeRO-1.
 
-A group of parameters (a ZeRO *unit*, or a whole pipeline stage) is flattened, in a fixed order
-every dp rank shares, into one buffer of Ψ_u elements padded with zeros to P_u = ⌈Ψ_u/n⌉·n, so
-that each of the n dp ranks owns one contiguous slice of k = P_u/n elements: rank i owns
-``[i·k, (i+1)·k)`` (PyTorch FSDP's FlatParameter, Zhao et al. 2023 §3.2; DeepSpeed's flat
-partitions; ZeRO paper, Rajbhandari et al. 2019, §5). A slice may begin or end inside a parameter:
-the element-wise optimizer does not care. The padding travels in the collectives (gloo gathers
-equal shards only) but is never part of a parameter, never reaches the optimizer and adds zeros to
-the norm.
+A group of parameters (a ZeRO *unit*, or a whole pipeline stage) is flattened, in an order every
+dp rank shares, into one buffer of Ψ_u elements zero-padded to P_u = ⌈Ψ_u/n⌉·n; rank i owns
+the contiguous slice ``[i·k, (i+1)·k)``, k = P_u/n (PyTorch FSDP's FlatParameter, Zhao et al.
+2023 §3.2; DeepSpeed's flat partitions; ZeRO paper §5). A slice may begin or end inside a
+parameter: the element-wise optimizer does not care. The padding travels (gloo gathers equal
+shards only) but never reaches a parameter, the optimizer or the norm (docs/zero.md, padding).
 
 What moves, all over dp (ring costs, :mod:`shardwise.comm.ledger`; b bytes per element):
 
@@ -20,10 +18,9 @@ What moves, all over dp (ring costs, :mod:`shardwise.comm.ledger`; b bytes per e
   slices (phase and tag ``verify``), and of each optimizer-state tensor plus a MAX all_reduce of
   the step counters (phase and tag ``checkpoint``).
 
-The optimizer is PyTorch's own (AdamW), run over the *pieces* of this rank's slice that fall in
-each parameter (:func:`sharded_optimizer`): its state exists only on the owning rank (8Ψ/n bytes
-of AdamW moments instead of 8Ψ, §5.1) and its update is element for element the one it applies to
-whole tensors. Units (:func:`.units.assign_units`) decide what ZeRO flattens together.
+The optimizer is PyTorch's own, run over the *pieces* of this rank's slice
+(:func:`sharded_optimizer`): its state exists only on the owning rank (AdamW: 8Ψ/n bytes instead
+of 8Ψ, §5.1).
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ from torch import nn
 
 from ... import comm
 from ...errors import ShardwiseConfigError
-from ..params import tp_sharded
+from ..params import local, tp_sharded
 
 
 # -- one group's flat buffers ---------------------------------------------------------------------
@@ -76,7 +73,6 @@ class FlatShards:
             self.full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)  # pad 0
             for p, view in self.views(self.full):
                 view.copy_(p.detach())
-            for p, view in self.views(self.full):
                 p.data = view  # same Parameter object; storage = `full`
         self.shard = self.full[self.lo:self.hi]  # [k] view: the optimizer updates it in place
         self.grad_full = None
@@ -101,10 +97,6 @@ class FlatShards:
             if a < b:
                 out.append((j, a, b))
         return out
-
-    def gathered_bytes(self) -> int:
-        """Bytes ``full`` holds right now (0 while ZeRO-3 has freed it)."""
-        return self.full.untyped_storage().nbytes()
 
     @torch.no_grad()
     def arm_grads(self) -> None:
@@ -332,12 +324,12 @@ def load_optimizer_state(flats: list[FlatShards], optimizer, state: dict[str, di
 # -- storage bytes --------------------------------------------------------------------------------
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one buffer counted once; a
-    freed storage counts 0)."""
+    freed storage counts 0; a DTensor by its local tensor; non-tensors skipped)."""
     seen, total = set(), 0
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             continue
-        s = t.untyped_storage()
+        s = local(t).untyped_storage()
         if s.nbytes() == 0 or s.data_ptr() in seen:
             continue
         seen.add(s.data_ptr())
@@ -345,9 +337,12 @@ def storage_bytes(tensors) -> int:
     return total
 
 
-def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
-    """Every tensor of ``optimizer``'s state (ZeroRedundancyOptimizer: of its local optimizer)."""
-    if optimizer is None:
-        return []
+def storage_state_bytes(params, grads, optimizer=None) -> dict[str, int]:
+    """{"params", "grads", "optimizer", "total"}: :func:`storage_bytes` of ``params``, ``grads``
+    and every tensor of ``optimizer``'s state (ZeroRedundancyOptimizer: its local optimizer's)."""
     inner = getattr(optimizer, "optim", optimizer)
-    return [v for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    state = [] if optimizer is None else [v for st in inner.state.values() for v in st.values()]
+    out = {"params": storage_bytes(params), "grads": storage_bytes(grads),
+           "optimizer": storage_bytes(state)}
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out

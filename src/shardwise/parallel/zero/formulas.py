@@ -1,7 +1,6 @@
 """ZeRO's formulas and its refusals, as pure functions: model-state bytes per rank (ZeRO paper
 §5.1–5.3, Figure 1), bytes sent per step (§7.1–7.2, JAX scaling book ch. 5), and the stages and
-optimizers that can be sharded. Used by :mod:`.zero`, :mod:`.torch_zero`, the planner's checks
-and :meth:`~shardwise.parallel.layout.Layout.check`.
+optimizers that can be sharded.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ def zero_memory_formula(stage: int, psi: float, n: int, bytes_param: float = 4,
 
 def zero_step_bytes_formula(stage: int, psi: float, n: int, bytes_per_elem: float = 4, *,
                             micro_steps: int = 1, regathered: float | None = None,
-                            grad_norm: bool = True,
                             grad_bytes_per_elem: float | None = None) -> dict[str, float]:
     """Bytes one rank sends per optimizer step for the ZeRO ``stage`` (0 = DP), by ledger tag.
 
@@ -56,9 +54,8 @@ def zero_step_bytes_formula(stage: int, psi: float, n: int, bytes_per_elem: floa
       ``regathered`` elements again before their backward: micro_steps·(n−1)/n·(Ψ + regathered)·b.
       ``regathered`` defaults to Ψ (the paper's 3Ψ; ZeRO paper §7.2.2); with an un-freed root unit
       it is Ψ − Ψ_root, with ``reshard_after_forward=False`` it is 0.
-    * ``grad_norm``: stages 1–3: one all_reduce of one fp64 scalar (sum of squares of the local
-      gradient shards): 2(n−1)/n·8. Stage 0 needs none (replicated gradients).
-      ``grad_norm=False`` leaves it out (an engine whose norm reduction is not in the ledger).
+    * ``grad_norm``: stages 1–3: one all_reduce of one fp64 scalar (Σ g² of the local gradient
+      shards): 2(n−1)/n·8. Stage 0 needs none (replicated gradients).
 
     Not counted: the two fp64 loss-bookkeeping all_reduces of ``train_step`` (tag ``loss``:
     token count and loss sum, 2(n−1)/n·8 each) and the init broadcast (phase ``init``).
@@ -76,8 +73,7 @@ def zero_step_bytes_formula(stage: int, psi: float, n: int, bytes_per_elem: floa
         else:
             again = psi if regathered is None else regathered
             param = micro_steps * f * (psi + again) * bytes_per_elem
-        out = {"grad": f * psi * gb, "param": param,
-               "grad_norm": 2 * f * 8 if grad_norm else 0.0}
+        out = {"grad": f * psi * gb, "param": param, "grad_norm": 2 * f * 8}
     out["total"] = out["grad"] + out["param"] + out["grad_norm"]
     return out
 
@@ -86,8 +82,7 @@ def validate_zero(zero: int, dp: int, *, optimizer="adamw", engine: str = "expli
     """Raise :class:`ShardwiseConfigError` unless ZeRO ``zero`` can run over ``dp`` ranks with
     ``optimizer`` (a name such as ``"adamw"`` or a ``torch.optim.Optimizer`` subclass).
 
-    ``zero=0`` (plain DP) always passes. Checked before any collective (the lead calls it from
-    ``config.validate``; :class:`ZeroDataParallel` calls it again)."""
+    ``zero=0`` (plain DP) always passes. Called before any collective."""
     if zero not in (0, *STAGES):
         raise ShardwiseConfigError(f"--zero {zero}: choose 0 (plain DP), 1, 2 or 3")
     if zero == 0:

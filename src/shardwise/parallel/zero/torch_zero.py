@@ -1,36 +1,26 @@
-"""ZeRO through PyTorch's own implementations (``--zero {1,2,3} --engine torch``).
+"""ZeRO through PyTorch's own implementations (``--zero {1,2,3} --engine torch``), over dp.
 
-======  ==========================================================================================
-stage   PyTorch implementation
-======  ==========================================================================================
-3       FSDP2: ``fully_shard(unit, mesh=topo.mesh["dp"])`` on every unit (each transformer / MLP
-        block by default, as in :mod:`.zero`), then on the root module (:func:`apply_fsdp`,
-        which the 2D engine :mod:`..compose_torch` calls too, on a DTensor-TP model). Each
-        parameter is a DTensor sharded on dim 0 over dp (``torch.chunk`` rows: rank i holds rows
-        [i·c, (i+1)·c), c = ⌈d₀/n⌉, so 67 vocabulary rows over 4 ranks are 17, 17, 17, 16 and FSDP2
-        pads each to 17 for the collectives).
-2       FSDP2 with ``reshard_after_forward=False``: a unit gathered for its forward stays gathered
-        until its backward is done, so each unit is all-gathered once per micro-step (2Ψ traffic,
-        like ZeRO-2). Between steps the parameters are sharded, so the memory at rest is
-        ZeRO-3's (PyTorch FSDP1 called this SHARD_GRAD_OP and listed it as its ZeRO-2).
-1       ``torch.distributed.optim.ZeroRedundancyOptimizer`` over DDP: DDP all-reduces the full
-        gradients (2Ψ); each rank steps AdamW on the parameters it owns — ZeroRedundancyOptimizer
-        partitions whole parameters, greedily by size, not flat slices — and then **broadcasts**
-        them from their owners (another Ψ): 3Ψ on the wire, not the paper's 2Ψ.
-======  ==========================================================================================
+* stage 3: FSDP2, ``fully_shard(unit, mesh=topo.mesh["dp"])`` on every unit (as in :mod:`.zero`),
+  then on the root (:func:`apply_fsdp`, which the 2D engine :mod:`..compose_torch` calls too, on a
+  DTensor-TP model). Each parameter is a DTensor sharded on dim 0 over dp (``torch.chunk`` rows,
+  each padded to ⌈d₀/n⌉ for the collectives).
+* stage 2: the same with ``reshard_after_forward=False`` (FSDP1's SHARD_GRAD_OP): each unit
+  all-gathered once per micro-step (2Ψ traffic, like ZeRO-2); ZeRO-3's memory at rest.
+* stage 1: ``torch.distributed.optim.ZeroRedundancyOptimizer`` over DDP: DDP all-reduces the
+  full gradients (2Ψ); each rank steps AdamW on the whole parameters it owns (greedily by size,
+  not flat slices), then **broadcasts** them from their owners (another Ψ): 3Ψ on the wire, not
+  the paper's 2Ψ (ZeRO paper §7.2.1).
 
-The ledger: FSDP2's all-gathers and reduce-scatters go through :mod:`shardwise.comm` via FSDP2's
-``set_custom_all_gather`` / ``set_custom_reduce_scatter`` (the ``AllGather`` / ``ReduceScatter``
-interfaces live in ``torch.distributed.fsdp._fully_shard._fsdp_api``, a private module, so this
-relies on the pinned torch); DDP's buckets through a comm hook (as in
-:mod:`shardwise.parallel.dp.ddp`). **Not in the ledger:** ZeroRedundancyOptimizer's parameter
-broadcasts (it calls ``torch.distributed.broadcast`` itself and offers no hook) and the initial
-broadcast DDP does at construction.
+The ledger: FSDP2's all-gathers (tag ``param``) and reduce-scatters (tag ``grad``) go through
+:mod:`shardwise.comm` via ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` (interfaces in
+the private ``torch.distributed.fsdp._fully_shard._fsdp_api``: this relies on the pinned torch);
+DDP's buckets through a comm hook (:mod:`shardwise.parallel.dp.ddp`). **Not in the ledger:**
+ZeroRedundancyOptimizer's parameter broadcasts (``torch.distributed.broadcast``, no hook) and
+DDP's initial broadcast.
 
-Gradients are **summed** over dp (each rank's loss is already divided by the global token count;
-FSDP2: :func:`apply_fsdp`, DDP: a SUM comm hook). The global grad norm of FSDP2's sharded
-gradients is one fp64 all_reduce over dp (tag ``grad_norm``), as in the explicit engine; ZeRO-1's
-gradients are replicated, so its norm needs no collective. Measurements: docs/zero.md §3.
+Gradients are **summed** over dp (each rank's loss is already divided by the global token count).
+The grad norm of FSDP2's sharded gradients is one fp64 all_reduce over dp (tag ``grad_norm``);
+ZeRO-1's gradients are replicated, so its norm needs no collective. Measurements: docs/zero.md §3.
 """
 
 from __future__ import annotations
@@ -49,8 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ... import comm
 from ..dp import ddp_comm_hook  # DDP comm hook: SUM all_reduce through the ledger
 from ..engine import Engine
-from ..params import local as _local
-from .flat import optimizer_state_tensors, storage_bytes
+from .flat import storage_state_bytes
 from .units import UnitOrderCheck, assign_units
 from .formulas import validate_zero, zero_memory_formula, zero_step_bytes_formula
 
@@ -61,36 +50,31 @@ except ImportError:  # pragma: no cover - other torch versions: FSDP2's own call
 
 
 if AllGather is not None:
-    class _LedgerAllGather(AllGather):
-        """FSDP2's all-gather of a unit's padded shards, issued through :func:`comm.all_gather`
-        (tag ``param``). Synchronous: on CPU FSDP2 has no side streams to overlap with anyway."""
+    class _LedgerComm:
+        """An FSDP2 collective issued through :mod:`shardwise.comm` over dp. Synchronous: on CPU
+        FSDP2 has no side streams to overlap with anyway."""
 
         def __init__(self, topo):
             self.topo = topo
 
         def allocate(self, size, *, dtype, device):
             return torch.empty(*size, dtype=dtype, device=device)
+
+    class _LedgerAllGather(_LedgerComm, AllGather):
+        """A unit's padded shards, all-gathered (tag ``param``)."""
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             comm.all_gather(output_tensor, input_tensor, self.topo, "dp", tag="param")
             return None
 
-    class _LedgerReduceScatter(ReduceScatter):
-        """FSDP2's reduce-scatter of a unit's padded gradients through
-        :func:`comm.reduce_scatter` (tag ``grad``); SUM only."""
-
-        def __init__(self, topo):
-            self.topo = topo
-
-        def allocate(self, size, *, dtype, device):
-            return torch.empty(*size, dtype=dtype, device=device)
+    class _LedgerReduceScatter(_LedgerComm, ReduceScatter):
+        """A unit's padded gradients, reduce-scattered (tag ``grad``); SUM only."""
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             if op != dist.ReduceOp.SUM:
                 raise RuntimeError(f"FSDP2 asked for reduce op {op}; shardwise sums gradients")
             comm.reduce_scatter(output_tensor, input_tensor, self.topo, "dp", tag="grad")
             return None
-
 
 
 class FSDPUnits(NamedTuple):
@@ -107,18 +91,14 @@ def apply_fsdp(module: nn.Module, topo, stage: int, reduce_dtype: str = "fp32", 
                what: str = "FSDP2") -> FSDPUnits:
     """Wrap ``module`` for ZeRO ``stage`` over ``topo.mesh["dp"]`` with PyTorch's FSDP2 (1D, or
     2D on a DTensor-TP model: FSDP2 shards each tp-local shard further over dp), units first,
-    then the root (torchtitan's one ``apply_fsdp``).
+    then the root (torchtitan's one ``apply_fsdp``). Stage 0: ``replicate`` (FSDP2's DDP mode:
+    gradients all-reduced over dp); stages 1, 2: ``fully_shard(unit,
+    reshard_after_forward=False)`` (FSDP1's SHARD_GRAD_OP); stage 3: ``reshard_after_forward``
+    as given, the root keeping FSDP2's default (None: gathered from forward to backward, which
+    needs it first).
 
-    * stage 0: ``replicate`` (FSDP2's DDP mode: each unit's gradients all-reduced over dp);
-    * stage 1, 2: ``fully_shard(unit, reshard_after_forward=False)``: gathered once per
-      micro-step, kept until its backward (FSDP1's SHARD_GRAD_OP);
-    * stage 3: ``fully_shard(unit, reshard_after_forward=reshard_after_forward)``; the root
-      keeps FSDP2's default (None: gathered from forward to backward, which needs it first).
-
-    Every wrapped module sums (``set_gradient_divide_factor(1.0)``,
-    ``set_force_sum_reduction_for_comms(True)``: each loss is already divided by the global
-    token count) and, for stages ≥ 1, all-gathers / reduce-scatters through the ledger
-    (:class:`_LedgerAllGather`, :class:`_LedgerReduceScatter`). ``reduce_dtype``: "fp32" |
+    Every wrapped module sums (each loss is already divided by the global token count) and, for
+    stages ≥ 1, all-gathers / reduce-scatters through the ledger. ``reduce_dtype``: "fp32" |
     "bf16", ``MixedPrecisionPolicy(reduce_dtype=...)``. The units' forward order is checked on
     the first step (:class:`.units.UnitOrderCheck`, named ``what`` in its error)."""
     fqn = {id(m): n for n, m in module.named_modules()}
@@ -187,9 +167,8 @@ class TorchZero(Engine):
         fsdp = apply_fsdp(module, topo, stage, reduce_dtype,
                           units=[mod for name, mod, _ in named_units if name != "root"],
                           what=f"FSDP2 (--zero {stage} --engine torch)")
-        self.fsdp_modules, self._order = fsdp.modules, fsdp.order
+        self.fsdp_modules = fsdp.modules
         self.reshard_after_forward = fsdp.reshard_after_forward
-        self.unit_names = [name for name, _, _ in named_units if name != "root"]
 
     def forward(self, *args, **kwargs):
         return self.ddp(*args, **kwargs) if self.stage == 1 else self.module(*args, **kwargs)
@@ -271,9 +250,8 @@ class TorchZero(Engine):
         ``optimizer.optim``). Raises ``KeyError`` naming missing FQNs."""
         if self.stage != 1:
             return super().dp_load_optimizer_state(optimizer, state)
-        named = dict(self.named_params())
         owner = optimizer._param_to_rank
-        for n, p in named.items():
+        for n, p in self.named_params():
             if owner[p] == self.topo.index("dp"):
                 optimizer.optim.state[p] = {
                     k: (v.detach().clone().to(p.device) if torch.is_tensor(v) else v)
@@ -281,16 +259,11 @@ class TorchZero(Engine):
 
     # -- inspection -----------------------------------------------------------------------------
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
-        """Bytes of the storages this rank holds (local shards for FSDP2, with FSDP2's dim-0
-        padding; DDP's full parameters and bucket-view gradients plus ZeroRedundancyOptimizer's
-        local state for stage 1)."""
+        """:func:`.flat.storage_state_bytes` of this rank's storages (local shards for FSDP2, with
+        FSDP2's dim-0 padding; DDP's full parameters and bucket-view gradients plus
+        ZeroRedundancyOptimizer's local state for stage 1)."""
         params = list(self.module.parameters())
-        out = {"params": storage_bytes(_local(p) for p in params),
-               "grads": storage_bytes(_local(p.grad) for p in params if p.grad is not None),
-               "optimizer": storage_bytes(_local(t)
-                                           for t in optimizer_state_tensors(optimizer))}
-        out["total"] = out["params"] + out["grads"] + out["optimizer"]
-        return out
+        return storage_state_bytes(params, [p.grad for p in params], optimizer)
 
     @property
     def numel(self) -> int:
@@ -302,8 +275,11 @@ class TorchZero(Engine):
         (stage 1: Ψ, DDP does not pad)."""
         if self.stage == 1:
             return self._numel
+        return self._fsdp_padded(self.module.parameters())
+
+    def _fsdp_padded(self, params) -> int:
         return sum(math.ceil(p.shape[0] / self.n) * self.n * (p.numel() // p.shape[0])
-                   for p in self.module.parameters())
+                   for p in params)
 
     def memory_formula(self) -> dict[str, float]:
         """ZeRO-1's formula for stage 1; ZeRO-3's for stages 2 and 3 (FSDP2 keeps parameters
@@ -324,17 +300,11 @@ class TorchZero(Engine):
         twice with reshard-after-forward (stage 3), once without (stage 2)."""
         b_r = 2 if self.reduce_dtype == "bf16" else 4  # gradients travel in the reduce dtype
         if self.stage == 1:
-            out = zero_step_bytes_formula(0, self._numel, self.n, 4)
-            out["grad"] *= b_r / 4
-            out["total"] = out["grad"] + out["param"] + out["grad_norm"]
+            out = zero_step_bytes_formula(0, self._numel, self.n, 4, grad_bytes_per_elem=b_r)
             out["unbooked_param_broadcast"] = (self.n - 1) / self.n * 4 * self._numel
             return out
-        block_numel = sum(math.ceil(p.shape[0] / self.n) * self.n * (p.numel() // p.shape[0])
-                          for m in self.fsdp_modules[:-1] for p in m.parameters())
-        out = zero_step_bytes_formula(3, self.padded_numel, self.n, 4, micro_steps=micro_steps,
-                                      regathered=block_numel if self.reshard_after_forward
-                                      else 0)
-        out["grad"] *= b_r / 4
-        out["total"] = out["grad"] + out["param"] + out["grad_norm"]
-        return out
+        blocks = self._fsdp_padded(p for m in self.fsdp_modules[:-1] for p in m.parameters())
+        return zero_step_bytes_formula(3, self.padded_numel, self.n, 4, micro_steps=micro_steps,
+                                       regathered=blocks if self.reshard_after_forward else 0,
+                                       grad_bytes_per_elem=b_r)
 

@@ -7,8 +7,9 @@ final norm, output head). A tied weight is one parameter and must live in exactl
 root, by default). PyTorch FSDP2 wraps the same units (:mod:`.torch_zero`).
 
 What moves, first step only: one all_gather over dp (or the world) of an int64 [3] row per unit
-and pass checked, plus one at the end of the pass (:class:`UnitOrderCheck`; phase
-``"order_check"``, tag ``"unit_order"``, outside a step's bytes). Why: docs/zero.md, limitations.
+and pass checked, plus one at the end of the pass, (n−1)/n · 24n bytes each
+(:class:`UnitOrderCheck`; phase ``"order_check"``, tag ``"unit_order"``, outside a step's bytes).
+Why: docs/zero.md, limitations.
 """
 
 from __future__ import annotations
@@ -95,9 +96,6 @@ def assign_units(model: nn.Module, unit_names: list[str] | None = None
     return out
 
 
-ORDER_CHECK_PHASE = "order_check"  # ledger phase of UnitOrderCheck (not in a step's bytes)
-
-
 def _ordinal(k: int) -> str:
     """1 → "1st", 2 → "2nd", 11 → "11th"."""
     suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
@@ -108,19 +106,14 @@ class UnitOrderCheck:
     """The first step's check that every rank runs the ZeRO-3 / FSDP2 units in the same order.
 
     A unit's parameters are all-gathered when it runs (or is prefetched), so the all-gathers of
-    two ranks pair up only if both run the units in the same order; a rank-dependent order would
-    hang, or silently mix units of equal size (docs/zero.md, limitations). :meth:`agree` is
-    called before a unit's forward (and, in the explicit engine, its backward) does anything
-    else, so before its all-gather: one all_gather
-    over ``axis`` of an int64 [3] row (pass, position k in the pass, unit index; index −1 = the
-    end of the pass), booked under ledger phase ``"order_check"``, tag ``"unit_order"`` (not in
-    :meth:`~shardwise.comm.Ledger.step_bytes`). Every rank compares the rows and on any
-    difference raises the same :class:`ShardwiseConfigError`, naming what each rank wanted; no
-    rank goes on to a mismatched gather. The end-of-pass row catches a rank that runs more or
-    fewer units than the others. After :meth:`finish` of a pass the check costs nothing: only
-    the first forward and the first backward pay, (units + 1) all_gathers of S = n·24 bytes
-    ((n−1)/n · S sent each) per pass checked. The explicit engine checks forward and backward;
-    FSDP2 (:meth:`hook_forward`) the forward, whose order its backward follows.
+    two ranks pair up only if both run the units in the same order (docs/zero.md, limitations).
+    :meth:`agree` runs before a unit's forward (and, in the explicit engine, its backward) does
+    anything else: one all_gather over ``axis`` of an int64 [3] row (pass, position k in the
+    pass, unit index; −1 = the end of the pass, which catches a rank that runs more or fewer
+    units). Every rank compares the rows and on any difference raises the same
+    :class:`ShardwiseConfigError`, naming what each rank wanted, before a mismatched gather.
+    After :meth:`finish` of a pass the check costs nothing. The explicit engine checks forward
+    and backward; FSDP2 (:meth:`hook_forward`) the forward, whose order its backward follows.
 
     ``names``: the units' FQNs, by index. ``what``: the engine, as the message names it.
     ``axis``: "world" when the layout has no pipeline stages (every rank runs the same units,
@@ -150,7 +143,7 @@ class UnitOrderCheck:
         mine = torch.tensor([self.PASSES.index(pass_), k, index], dtype=torch.int64,
                             device=self.topo.device)  # [3]
         rows = mine.new_empty(n * 3)  # [n·3]: rank i's row at [3i, 3i + 3)
-        with self.topo.ledger.phase(ORDER_CHECK_PHASE):
+        with self.topo.ledger.phase("order_check"):  # not in a step's bytes
             comm.all_gather(rows, mine, self.topo, self.axis, tag="unit_order")
         rows = rows.view(n, 3).tolist()
         if any(r != rows[0] for r in rows):

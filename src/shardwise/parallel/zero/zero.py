@@ -1,37 +1,22 @@
 """ZeRO-1/2 over the dp axis, by hand: gradients reduce-scattered, a sharded step, params gathered.
 
-ZeRO (Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
-Models", arXiv 1910.02054) keeps data parallelism's math — each dp rank runs the model on its
-slice of the batch and the gradients are **summed** over dp (:mod:`shardwise.parallel.dp`) —
-but stops replicating the model state. Ψ parameters, n dp ranks, fp32 AdamW (``--dtype bf16`` is
-autocast only: weights, gradients and optimizer state stay fp32; the paper's mixed precision is
-2Ψ + 2Ψ + 12Ψ, K = 12, §3.1 and Figure 1):
+ZeRO (Rajbhandari et al. 2019, arXiv 1910.02054) keeps data parallelism's math — the gradients
+are **summed** over dp (:mod:`shardwise.parallel.dp`) — but stops replicating the model state.
+Bytes per rank, Ψ parameters, n dp ranks, fp32 AdamW: ZeRO-1 4Ψ + 4Ψ + 8Ψ/n (P_os, §5.1),
+ZeRO-2 4Ψ + (4Ψ + 8Ψ)/n (P_os+g, §5.2), ZeRO-3 (:mod:`.zero3`) (4Ψ + 4Ψ + 8Ψ)/n (§5.3).
 
-=========  ============================  ==========================  ==================
-stage      what is sharded               bytes per rank, fp32 AdamW  paper (§5)
-=========  ============================  ==========================  ==================
-0 (DP)     nothing                       4Ψ + 4Ψ + 8Ψ                 —
-1          optimizer state               4Ψ + 4Ψ + 8Ψ/n               P_os   (§5.1)
-2          + gradients                   4Ψ + (4Ψ + 8Ψ)/n             P_os+g (§5.2)
-3          + parameters (= FSDP)         (4Ψ + 4Ψ + 8Ψ)/n             P_os+g+p (§5.3)
-=========  ============================  ==========================  ==================
+What moves over dp per optimizer step (ring collectives, b bytes per element):
 
-Bytes each rank sends per optimizer step (ZeRO paper §7; ring collectives, b bytes per element:
-an all_reduce sends 2(n−1)/n·S, an all_gather or reduce_scatter (n−1)/n·S):
-
-* DP: all_reduce of the gradients, 2Ψb(n−1)/n (§7.1).
-* ZeRO-1/2: reduce_scatter of the gradients (tag ``grad``, once per step whatever the
-  accumulation) + all_gather of the updated parameters (tag ``param``): 2Ψb(n−1)/n, **the same
-  as DP** (§7.2.1: an all_reduce *is* a reduce_scatter then an all_gather; ZeRO runs the
-  optimizer in between).
-* ZeRO-3 (:mod:`.zero3`, which has the terms): 3Ψb(n−1)/n, 1.5× DP (§7.2.2).
-* ``reduce_dtype="bf16"``: the reduce_scatter moves bf16 (b = 2 in its term only).
-* Every stage: one all_reduce of one fp64 scalar, Σ g² of the local slices (tag ``grad_norm``,
-  2(n−1)/n·8): clipping needs the norm of the *whole* gradient.
+* ``grad``: one reduce_scatter of each unit's gradient, (n−1)/n·Ψb, once per step whatever the
+  accumulation (``reduce_dtype="bf16"``: b = 2 in this term only);
+* ``param``: one all_gather of the updated parameters after the step, (n−1)/n·Ψb: together DP's
+  2Ψb(n−1)/n (§7.2.1: an all_reduce *is* a reduce_scatter then an all_gather; ZeRO runs the
+  optimizer in between). ZeRO-3: 3Ψb(n−1)/n, 1.5× DP (§7.2.2);
+* ``grad_norm``: one all_reduce of one fp64 scalar, Σ g² of the local slices, 2(n−1)/n·8.
 
 Ψ above is what travels: Σ over units of the padded size ⌈Ψ_u/n⌉·n (:mod:`.flat`). The formulas
-are :func:`zero_memory_formula` and :func:`zero_step_bytes_formula`; ``docs/zero.md`` has the
-derivation and the pitfalls.
+are :func:`.formulas.zero_memory_formula` and :func:`.formulas.zero_step_bytes_formula`;
+``docs/zero.md`` has the table, the derivation and the pitfalls.
 """
 
 from __future__ import annotations
@@ -46,9 +31,8 @@ from ...comm.ledger import ring_bytes
 from ..dp import reduce_torch_dtype
 from ..engine import Engine
 from ..params import sum_coalesced_, tp_sharded
-from .flat import (FlatShards, gather_named, gather_optimizer_state,
-                   load_optimizer_state, optimizer_state_tensors, sharded_optimizer,
-                   storage_bytes)
+from .flat import (FlatShards, gather_named, gather_optimizer_state, load_optimizer_state,
+                   sharded_optimizer, storage_state_bytes)
 from .formulas import validate_zero, zero_memory_formula, zero_step_bytes_formula
 from .units import assign_units
 
@@ -67,14 +51,8 @@ class ZeroDataParallel(Engine):
     ``reduce_dtype``: "fp32" | "bf16" (:func:`..dp.reduce_torch_dtype`). ``prefetch`` /
     ``reshard_after_forward``: ZeRO-3 only.
 
-    **Gradients.** When a unit's gradients are complete on the last micro-step (a
-    post-accumulate-grad hook counts arrivals), its flat gradient is reduce-scattered (SUM)
-    asynchronously while backward goes on, strictly in backward order (blocks reversed, then the
-    root), so every rank issues the same sequence. ZeRO-1 keeps the full gradient buffer;
-    ZeRO-2/3 only the slice. Earlier micro-steps only accumulate full local gradients.
-
-    Inside dp × tp (:mod:`..compose`) the module holds this tp rank's shards; only their
-    placements (:func:`..params.tp_sharded`) are read here: the norm's counting, the SP sum.
+    Inside dp × tp the module holds this tp rank's shards; only their placements
+    (:func:`..params.tp_sharded`) are read here: the norm's counting, the SP sum.
 
     Raises :class:`ShardwiseConfigError` (before any collective) for dp < 2, a bad stage, a bad
     ``reduce_dtype``, or bad ``units``. After wrapping, do not move or re-create the model's
@@ -161,6 +139,8 @@ class ZeroDataParallel(Engine):
         return super().loss_sum_and_count(batch)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        """Once all of a unit's gradients arrived on the syncing micro-step, reduce-scatter it
+        (async, while backward goes on; earlier micro-steps only accumulate)."""
         u = self._unit_of[id(p)]
         arrived = self._arrived[u]
         arrived.add(id(p))
@@ -207,20 +187,25 @@ class ZeroDataParallel(Engine):
 
     def make_optimizer(self, param_groups: list[dict], optimizer_class=torch.optim.AdamW,
                        **kwargs) -> torch.optim.Optimizer:
-        """``optimizer_class`` (AdamW by default, with ``kwargs`` such as lr, betas, eps) over
-        this rank's slices only (:func:`.flat.sharded_optimizer`: the pieces of its slices that
-        lie in each parameter of ``param_groups``, so the decay / no-decay groups are kept).
-        State exists only here. ``step()`` updates the slices in place; ZeRO-1/2 then all_gather
-        the updated parameters (one all_gather per unit). Raises :class:`ShardwiseConfigError`
-        for a non-element-wise optimizer."""
+        """``optimizer_class`` (``kwargs``: lr, betas, eps) over this rank's slices only
+        (:func:`.flat.sharded_optimizer`; the decay / no-decay groups are kept): its state exists
+        only here, and ``step()`` updates the slices in place, then ZeRO-1/2 all_gather them (one
+        per unit). Raises :class:`ShardwiseConfigError` for a non-element-wise optimizer."""
         validate_zero(self.stage, self.n, optimizer=optimizer_class)
         return sharded_optimizer(self.units, param_groups, optimizer_class,
                                  gather_params=self.keeps_full_params, **kwargs)
 
     # -- tp-replicated gradients (dp × tp with sequence parallelism) ----------------------------
+    @torch.no_grad()
     def sum_replicated_grads(self) -> None:
-        """Inside dp × tp with SP: :meth:`reduce_replicated_grads` over tp (this rank's slice)."""
-        self.reduce_replicated_grads("tp", tag="sp_grad")
+        """SUM over tp (tag ``sp_grad``, after :meth:`finish_gradient_sync`) the gradient pieces
+        of this rank's slices that belong to tp-replicated parameters: with SP each tp rank saw
+        only s/tp positions, so the norm weights' gradients are partial sums over tp; only the
+        summed dp slice this rank owns needs completing: one flat all_reduce of
+        :meth:`replicated_slice_numel` elements (tp peers have the same unit layout, hence the
+        same pieces). Nothing is sent when the slice holds none."""
+        pieces = [u.shard_grad[a - u.lo: b - u.lo] for u, a, b in self._replicated_pieces()]
+        sum_coalesced_(pieces, self.topo, "tp", tag="sp_grad")
 
     def sp_grad_bytes(self, whole: float) -> float:
         """The SP sum of only this rank's slice: 2(t−1)/t · 4 · :meth:`replicated_slice_numel`
@@ -235,17 +220,6 @@ class ZeroDataParallel(Engine):
         """Elements of this rank's slices that belong to tp-replicated parameters (no
         tp placement; the norm weights in a TP model)."""
         return sum(b - a for _, a, b in self._replicated_pieces())
-
-    @torch.no_grad()
-    def reduce_replicated_grads(self, axis: str = "tp", tag: str = "sp_grad") -> None:
-        """SUM over ``axis`` the gradient pieces of this rank's slices that belong to
-        tp-replicated parameters (call after :meth:`finish_gradient_sync`). With sequence
-        parallelism each tp rank saw only s/tp positions, so the norm weights' gradients are
-        partial sums over tp; only the summed dp slice this rank owns needs completing: one flat
-        all_reduce of :meth:`replicated_slice_numel` elements (the tp peers of a rank have the
-        same unit layout, hence the same pieces). Nothing is sent when the slice holds none."""
-        pieces = [u.shard_grad[a - u.lo: b - u.lo] for u, a, b in self._replicated_pieces()]
-        sum_coalesced_(pieces, self.topo, axis, tag=tag)
 
     # -- full shapes over dp: parity checks, layout-free checkpoints ----------------------------
     def dp_parameters(self) -> dict[str, torch.Tensor]:
@@ -267,32 +241,16 @@ class ZeroDataParallel(Engine):
         """Cut full-shape state to this rank's pieces (:func:`.flat.load_optimizer_state`)."""
         load_optimizer_state(self.units, optimizer, state)
 
-    @contextlib.contextmanager
-    def summon_full_params(self):
-        """The full parameters for the block (ZeRO-1/2 hold them always: a no-op)."""
-        yield
-
-    @contextlib.contextmanager
-    def full_model(self):
-        """The plain model with its full weights (ZeRO-3: gathered once, for the whole block; see
-        :meth:`summon_full_params`). Every dp rank enters it together."""
-        with self.summon_full_params():
-            yield self.module
-
     # -- accounting -----------------------------------------------------------------------------
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
-        """Bytes this rank holds, from the storages actually allocated (views of one buffer
-        counted once, freed storage 0): ``params`` (ZeRO-1/2 the full flat buffers; ZeRO-3 the
-        slices plus whatever is gathered right now), ``grads`` (ZeRO-1 the full gradient buffers;
-        ZeRO-2/3 the slices plus any full ``.grad`` not yet reduced), ``optimizer`` (state of
-        ``optimizer``), ``total``."""
+        """:func:`.flat.storage_state_bytes`: ``params`` (ZeRO-1/2 the full flat buffers; ZeRO-3
+        the slices plus whatever is gathered right now), ``grads`` (ZeRO-1 the full gradient
+        buffers; ZeRO-2/3 the slices plus any full ``.grad`` not yet reduced), ``optimizer``,
+        ``total``."""
         params = [p for u in self.units for p in u.params] + [u.shard for u in self.units]
         grads = ([p.grad for u in self.units for p in u.params]
                  + [u.shard_grad for u in self.units])
-        out = {"params": storage_bytes(params), "grads": storage_bytes(grads),
-               "optimizer": storage_bytes(optimizer_state_tensors(optimizer))}
-        out["total"] = out["params"] + out["grads"] + out["optimizer"]
-        return out
+        return storage_state_bytes(params, grads, optimizer)
 
     def memory_formula(self) -> dict[str, float]:
         """:func:`zero_memory_formula` for this stage, Ψ = :attr:`numel`, n = dp (fp32 AdamW)."""

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ... import comm
-from .flat import FlatShards, gather_named
+from .flat import FlatShards, gather_named, storage_bytes
 from .units import UnitOrderCheck
 from .zero import ZeroDataParallel
 
@@ -57,29 +57,16 @@ class Zero3DataParallel(ZeroDataParallel, stage=3):
     """ZeRO-3: :class:`.zero.ZeroDataParallel`'s gradient sync (ZeRO-2's: slices only) with the
     parameters sharded too; built by ``ZeroDataParallel(module, topo, 3, ...)``.
 
-    **Gather and free.** Each unit's ``full`` buffer has storage only while the unit is
-    *gathered*: freeing is ``untyped_storage().resize_(0)``, gathering is ``resize_`` back plus
-    an all_gather of the slices into it, so the views autograd saved during forward (e.g. a
-    Linear's weight) see the re-gathered values in backward (the FSDP technique).
+    A forward pre-hook on each block gathers it (or waits for its prefetch) and, with
+    ``prefetch=True``, launches the next block's all_gather (FSDP paper, Zhao et al. 2023,
+    "Forward Prefetching"). A forward hook frees it (``reshard_after_forward``) and wraps its
+    output in :class:`_PreBackward`, which gathers it again just before autograd enters it and
+    prefetches the block backward reaches next ("Backward Prefetching"). A unit is freed when its
+    last gradient has arrived; the root (holding a tied weight) is gathered by a pre-hook on the
+    whole model, so it stays gathered to the end of backward (as FSDP2's root). Blocks that run
+    in a rank-dependent order are an error on the first step (:class:`.units.UnitOrderCheck`).
 
-    **Forward/backward.** A forward pre-hook on each block gathers it (or waits for its
-    prefetch) and, with ``prefetch=True``, launches the next block's all_gather (FSDP paper,
-    Zhao et al. 2023, "Forward Prefetching"). A forward hook frees the block
-    (``reshard_after_forward``) and wraps its output in :class:`_PreBackward`, which gathers it
-    again just before autograd enters it and prefetches the block backward reaches next
-    ("Backward Prefetching"). A unit is freed when its last gradient has arrived. Blocks are
-    assumed to run in the order given; another order, the same on every rank, only wastes the
-    prefetch; one that differs between ranks is an error on the first step
-    (:class:`.units.UnitOrderCheck`, forward and backward).
-
-    **The root and tied embeddings.** A tied weight lives in one unit, the root by default,
-    gathered by a pre-hook on the whole model and freed only when its last gradient (the
-    embedding's, at the end of backward) has arrived, so every use finds it gathered (as FSDP2's
-    root). A forward under ``no_grad`` (evaluation) frees every unit after it;
-    :meth:`summon_full_params` keeps them gathered for many forwards (sampling); every step
-    starts with all units freed.
-
-    In ZeRO-3 read full parameters only through :meth:`named_full_parameters` or inside
+    Read full parameters only through :meth:`named_full_parameters` or inside
     :meth:`summon_full_params`.
     """
 
@@ -104,8 +91,8 @@ class Zero3DataParallel(ZeroDataParallel, stage=3):
 
     # -- gather and free ------------------------------------------------------------------------
     def _free(self, u: FlatShards) -> None:
-        """Free the unit's gathered parameters (storage only; the tensors and autograd's saved
-        views of them stay valid for the next gather)."""
+        """Free the storage only: the views autograd saved in forward (e.g. a Linear's weight)
+        stay valid and see the next gather's values (the FSDP technique)."""
         if self._pinned:
             return
         u.full.untyped_storage().resize_(0)
@@ -114,13 +101,13 @@ class Zero3DataParallel(ZeroDataParallel, stage=3):
     def _launch_gather(self, u: FlatShards, async_op: bool) -> None:
         u.full.untyped_storage().resize_(u.padded * u.full.element_size())
         self.gathered_peak_bytes = max(self.gathered_peak_bytes,
-                                       sum(v.gathered_bytes() for v in self.units))
+                                       storage_bytes(v.full for v in self.units))
         # [k] from every rank → [P_u]; rank j's slice lands at [j·k, (j+1)·k)
         self._inflight[u] = comm.all_gather(u.full, u.shard, self.topo, "dp", tag="param",
                                             async_op=async_op)
 
     def _unshard(self, u: FlatShards | None) -> None:
-        """Make the unit's full parameters available: wait for its prefetch, or gather now."""
+        """Wait for ``u``'s prefetch, or gather it now."""
         if u is None or u in self._gathered:
             return
         if u not in self._inflight:
@@ -131,7 +118,6 @@ class Zero3DataParallel(ZeroDataParallel, stage=3):
         self._gathered.add(u)
 
     def _prefetch(self, u: FlatShards | None) -> None:
-        """Start ``u``'s all_gather asynchronously (if prefetching, and not gathered/in flight)."""
         if self.prefetch and u is not None and u not in self._gathered and u not in self._inflight:
             self._launch_gather(u, async_op=True)
 
@@ -143,8 +129,7 @@ class Zero3DataParallel(ZeroDataParallel, stage=3):
             self._free(u)
 
     def _neighbour(self, u: FlatShards | None, step: int) -> FlatShards | None:
-        """The block after (step=+1) or before (−1) ``u`` in forward order; from the root (or the
-        model when there is no root unit), +1 is the first block and −1 the last."""
+        """The block after (+1) or before (−1) ``u``; from the root (or None), the first / last."""
         if not self.blocks:
             return None
         if u is None or u is self.root:
@@ -199,9 +184,8 @@ class Zero3DataParallel(ZeroDataParallel, stage=3):
 
     # -- the step -------------------------------------------------------------------------------
     def begin_forward_backward(self) -> None:
-        """Before a step's first forward (an engine composing this one runs its own micro-batch
-        loop): every unit starts sharded, whatever ran before (an evaluation forward with grad
-        enabled leaves the root gathered), and the gathered peak is measured afresh."""
+        """Every unit starts the step sharded, whatever ran before (an evaluation forward with
+        grad enabled leaves the root gathered), and the gathered peak is measured afresh."""
         for u in self.units:
             self._reshard(u)
         self.gathered_peak_bytes = 0
@@ -233,6 +217,13 @@ class Zero3DataParallel(ZeroDataParallel, stage=3):
             self._pinned = False
             for u in self.units:
                 self._reshard(u)
+
+    @contextlib.contextmanager
+    def full_model(self):
+        """The plain model with its full weights, gathered once for the whole block
+        (:meth:`summon_full_params`). Every dp rank enters it together."""
+        with self.summon_full_params():
+            yield self.module
 
     def dp_parameters(self) -> dict[str, torch.Tensor]:
         """{FQN: full-shape parameter} (tied weight once), all-gathered from the slices (ledger
