@@ -215,10 +215,10 @@ class TorchZero(Engine):
 
     # -- layout-free optimizer state -------------------------------------------------------------
     def dp_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
-        """{FQN: {"step", "exp_avg", "exp_avg_sq"}} in full parameter shape, on every dp rank.
+        """{FQN: {"step", "exp_avg", "exp_avg_sq"}} whole over dp, on every dp rank.
 
-        FSDP2: the AdamW state is DTensors sharded like the parameters: ``full_tensor()``
-        (DTensor's own all-gathers, not in the ledger). Stage 1: ZeroRedundancyOptimizer keeps a
+        FSDP2: the AdamW state is DTensors sharded like the parameters, left as they are (the
+        base engine's full-shape view gathers them, :func:`..params.to_full`). Stage 1: ZeroRedundancyOptimizer keeps a
         parameter's state only on its owner rank, so the owner broadcasts it over dp
         (``comm.broadcast``, phase ``checkpoint``, tag ``optim_state``: one packed fp32 tensor
         [1 + 1 + 2·numel] = (has-state flag, step, exp_avg, exp_avg_sq) per parameter).
