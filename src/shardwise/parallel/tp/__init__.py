@@ -16,7 +16,7 @@ and derivation: docs/tensor-parallel.md §2. Sources: Shoeybi et al. 2019, "Mega
 1909.08053, §3; Korthikanti et al. 2022, arXiv 2205.05198, §4.2.2 (SP); JAX scaling book ch. 5.
 """
 
-from .apply import (apply_tp, check_plan_covers, tp_activation_bytes, tp_bytes_by_tag, tp_plan,
+from .apply import (apply_tp, check_plan_covers, tp_activation_bytes, tp_plan,
                     tp_step_bytes_formula, valid_tp_degrees, validate_tp)
 from .comms import AXIS, copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
 from .dtensor import (BookFunctionalCollectives, TorchTensorParallel, booked_as,
@@ -34,5 +34,5 @@ __all__ = ["AXIS", "BookFunctionalCollectives", "ColumnParallelLinear", "RowPara
            "dtensor_tp_plan", "enter_tp_region", "exit_tp_region", "gather_from_sp",
            "padded_vocab_size", "parallelize_tensor", "parallelize_tensor_dtensor",
            "reduce_from_tp", "reduce_partial_grads", "reduce_scatter_to_sp", "tp_activation_bytes",
-           "tp_bytes_by_tag", "tp_plan", "tp_step_bytes_formula", "valid_tp_degrees",
-           "validate_tp", "vocab_parallel_cross_entropy"]
+           "tp_plan", "tp_step_bytes_formula", "valid_tp_degrees", "validate_tp",
+           "vocab_parallel_cross_entropy"]

@@ -1,13 +1,11 @@
 """The TP transform: one :func:`apply_tp` for a whole Llama or for one pipeline stage of it.
 
 torchtitan's ``parallelize_fn`` shape (``models/llama/parallelize_llama.py``, applied to the whole
-model and, in ``pipeline_llama.py``, to every stage's model chunk): the plain model is converted in
-place, module by module (:func:`tp_plan`), into the layers of :mod:`.layers`, each rank keeping
-its shard. No Linear/Embedding/Dropout may be left to run silently replicated — picotron's
-name-based swap once left the output head unparallelised, with no test to notice. Beside the
-transform, :func:`tp_step_bytes_formula`: the bytes its collectives send per step.
-
-Raises :class:`~shardwise.errors.ShardwiseConfigError` for bad input before any collective,
+model and, in ``pipeline_llama.py``, to every stage's chunk): the plain model is converted in
+place, module by module (:func:`tp_plan`), into :mod:`.layers`, each rank keeping its shard, and
+nothing may be left to run silently replicated (picotron's name-based swap once left the output
+head unparallelised, with no test to notice). Beside it, :func:`tp_step_bytes_formula`. Raises
+:class:`~shardwise.errors.ShardwiseConfigError` for bad input before any collective,
 RuntimeError for a conversion that went wrong (a bug, not bad input).
 """
 
@@ -254,13 +252,3 @@ def tp_activation_bytes(tokens: int, d: int, tp: int, sp: bool, *, blocks: int,
     else:  # emb RS, AG+RS ×2L, head AG forward; head RS, RS+AG ×2L, emb AG backward
         fwd = bwd = h * (e * wide + 2 * L * wide + 2 * L * exit_b + hd * wide)
     return {"tp_fwd": fwd, "tp_bwd": bwd, "ce": hd * r * 3 * tokens * 4}
-
-
-def tp_bytes_by_tag(model_config, topo, sp: bool, sequences: int, seq_len: int,
-                    dtype: str = "fp32") -> dict[str, float]:
-    """:func:`tp_step_bytes_formula` on ``topo``'s tp and dp sizes, without ``"loss"``
-    and ``"total"`` (:func:`shardwise.formulas.step_bytes_formula` adds them): what both TP
-    engines report, explicit and DTensor (which moves the same bytes under the same tags)."""
-    t = tp_step_bytes_formula(model_config, sequences, seq_len, topo.size(AXIS), sp,
-                              dp=topo.size("dp"), dtype=dtype)
-    return {k: v for k, v in t.items() if k not in ("total", "loss")}

@@ -88,8 +88,7 @@ class BookFunctionalCollectives(TorchDispatchMode):
             return NotImplemented
         t0 = time.perf_counter()
         out = func(*args, **(kwargs or {}))
-        packet = func._overloadpacket
-        ns, name = packet._qualified_op_name.split("::")
+        ns, name = func._overloadpacket._qualified_op_name.split("::")
         if ns == "c10d" and name == "allreduce_" and self.c10d_tag is not None:
             self._book_c10d_allreduce(args, time.perf_counter() - t0, f"{ns}.{name}")
         if ns in ("_c10d_functional", "_c10d_functional_autograd") and name in _OP_NAMES:
@@ -126,19 +125,15 @@ class BookFunctionalCollectives(TorchDispatchMode):
 
 
 def dtensor_tp_plan(model: Llama, sp: bool) -> dict:
-    """The ``parallelize_module`` plan {FQN: ParallelStyle} for ``model``, our explicit layout:
-    the embedding ``RowwiseParallel`` (vocabulary rows); ``PrepareModuleInput`` on each block's
-    ``attention`` and ``feed_forward``, so that the block input enters the TP region once (one
-    backward all-reduce or reduce-scatter per region, as in Megatron); wq/wk/wv, w1, w3
-    ``ColwiseParallel`` and wo, w2 ``RowwiseParallel``; with SP the norms ``SequenceParallel``
-    (weights Replicate, gradients left ``Partial``: :func:`reduce_partial_grads`); the head
-    ``ColwiseParallel`` over the vocabulary, its output a DTensor sharded on the last dim (never
-    gathered: the loss is ``loss_parallel()``). The residual stream between the regions is
-    Replicate, or Shard(1) (sequence shards) with SP.
-
-    DTensor shards the vocabulary unevenly when tp does not divide it (``torch.chunk`` sizes), so
-    there is no padding. ``parallelize_module`` gives the embedding and the head separate
-    Parameters; both are Shard(0) on the same mesh, so :func:`parallelize_tensor_dtensor`
+    """The ``parallelize_module`` plan {FQN: ParallelStyle} for ``model``: our explicit layout
+    (docs/tensor-parallel.md §3), the residual stream between regions Replicate or, with SP,
+    Shard(1). ``PrepareModuleInput`` on each block's ``attention`` / ``feed_forward`` makes the
+    block input enter the TP region once (one backward all-reduce or reduce-scatter per region,
+    as in Megatron); the head's output stays a DTensor sharded on the vocabulary (never gathered:
+    the loss is ``loss_parallel()``); with SP the norms are ``SequenceParallel`` (gradients left
+    ``Partial``: :func:`reduce_partial_grads`). DTensor shards a vocabulary tp does not divide
+    unevenly (``torch.chunk``), so there is no padding. The embedding and the head come out as
+    separate Parameters, both Shard(0) on the same mesh: :func:`parallelize_tensor_dtensor`
     re-ties them."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,

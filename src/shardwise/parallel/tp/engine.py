@@ -13,7 +13,7 @@ import torch
 
 from ...models.llama import IGNORE_INDEX, Llama
 from ..engine import Engine
-from .apply import apply_tp, tp_bytes_by_tag
+from .apply import apply_tp, tp_step_bytes_formula
 from .comms import AXIS
 from .layers import TPRNG, VocabParallelHead
 from .loss import vocab_parallel_cross_entropy
@@ -34,9 +34,12 @@ class _TPEngine(Engine):
 
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
                       dtype: str = "fp32") -> dict[str, float]:
-        """:func:`~.apply.tp_bytes_by_tag` of this model (micro_steps do not matter: every byte
-        is linear in the batch); DTensor moves the same bytes under the same tags."""
-        return tp_bytes_by_tag(self.module.config, self.topo, self.sp, sequences, seq_len, dtype)
+        """:func:`~.apply.tp_step_bytes_formula` on ``topo``'s tp and dp sizes without ``loss``
+        and ``total`` (:func:`shardwise.formulas.step_bytes_formula` adds them); micro_steps do
+        not matter (every byte is linear in the batch). DTensor moves the same bytes, same tags."""
+        t = tp_step_bytes_formula(self.module.config, sequences, seq_len, self.topo.size(AXIS),
+                                  self.sp, dp=self.topo.size("dp"), dtype=dtype)
+        return {k: v for k, v in t.items() if k not in ("total", "loss")}
 
 
 class TensorParallel(_TPEngine):
