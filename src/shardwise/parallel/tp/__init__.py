@@ -18,7 +18,7 @@ and derivation: docs/tensor-parallel.md §2. Sources: Shoeybi et al. 2019, "Mega
 
 from .apply import (apply_tp, check_plan_covers, tp_activation_bytes, tp_plan,
                     tp_step_bytes_formula, valid_tp_degrees, validate_tp)
-from .comms import AXIS, copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
+from .comms import AXIS, CopyToTP, GatherFromSP, ReduceFromTP, ReduceScatterToSP
 from .dtensor import (BookFunctionalCollectives, TorchTensorParallel, booked_as,
                       dtensor_tp_plan, parallelize_tensor_dtensor, reduce_partial_grads)
 from .engine import TensorParallel, parallelize_tensor
@@ -27,12 +27,11 @@ from .layers import (TPRNG, ColumnParallelLinear, RowParallelLinear, TensorParal
                      enter_tp_region, exit_tp_region, padded_vocab_size)
 from .loss import vocab_parallel_cross_entropy
 
-__all__ = ["AXIS", "BookFunctionalCollectives", "ColumnParallelLinear", "RowParallelLinear",
-           "TPDropout", "TPRNG", "TensorParallel", "TensorParallelAttention",
-           "TensorParallelSwiGLU", "TorchTensorParallel", "VocabParallelEmbedding",
-           "VocabParallelHead", "apply_tp", "booked_as", "check_plan_covers", "copy_to_tp",
-           "dtensor_tp_plan", "enter_tp_region", "exit_tp_region", "gather_from_sp",
+__all__ = ["AXIS", "BookFunctionalCollectives", "ColumnParallelLinear", "CopyToTP", "GatherFromSP",
+           "ReduceFromTP", "ReduceScatterToSP", "RowParallelLinear", "TPDropout", "TPRNG",
+           "TensorParallel", "TensorParallelAttention", "TensorParallelSwiGLU",
+           "TorchTensorParallel", "VocabParallelEmbedding", "VocabParallelHead", "apply_tp",
+           "booked_as", "check_plan_covers", "dtensor_tp_plan", "enter_tp_region", "exit_tp_region",
            "padded_vocab_size", "parallelize_tensor", "parallelize_tensor_dtensor",
-           "reduce_from_tp", "reduce_partial_grads", "reduce_scatter_to_sp", "tp_activation_bytes",
-           "tp_plan", "tp_step_bytes_formula", "valid_tp_degrees", "validate_tp",
-           "vocab_parallel_cross_entropy"]
+           "reduce_partial_grads", "tp_activation_bytes", "tp_plan", "tp_step_bytes_formula",
+           "valid_tp_degrees", "validate_tp", "vocab_parallel_cross_entropy"]

@@ -103,23 +103,3 @@ class ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _along(grad, ctx.topo, ctx.axis, ctx.dim, BWD, gather=True), None, None, None
-
-
-def copy_to_tp(x: torch.Tensor, topo, axis: str = AXIS) -> torch.Tensor:
-    """f: forward identity, backward all-reduce over ``axis``. See :class:`CopyToTP`."""
-    return CopyToTP.apply(x, topo, axis)
-
-
-def reduce_from_tp(x: torch.Tensor, topo, axis: str = AXIS) -> torch.Tensor:
-    """g: forward all-reduce over ``axis``, backward identity. See :class:`ReduceFromTP`."""
-    return ReduceFromTP.apply(x, topo, axis)
-
-
-def gather_from_sp(x: torch.Tensor, topo, axis: str = AXIS, dim: int = 1) -> torch.Tensor:
-    """SP entry, [b, s/n, d] → [b, s, d]: all-gather forward, reduce-scatter backward."""
-    return GatherFromSP.apply(x, topo, axis, dim)
-
-
-def reduce_scatter_to_sp(x: torch.Tensor, topo, axis: str = AXIS, dim: int = 1) -> torch.Tensor:
-    """SP exit, [b, s, d] → [b, s/n, d]: reduce-scatter forward, all-gather backward."""
-    return ReduceScatterToSP.apply(x, topo, axis, dim)

@@ -23,7 +23,7 @@ from torch import nn
 from ...errors import ShardwiseConfigError
 from ...models.llama import Attention, FeedForward, causal_attention
 from ..params import mark_tp_shard, shard_of
-from .comms import AXIS, _along, copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
+from .comms import AXIS, CopyToTP, GatherFromSP, ReduceFromTP, ReduceScatterToSP, _along
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -82,13 +82,13 @@ class TPRNG:
 def enter_tp_region(x: torch.Tensor, topo, sp: bool) -> torch.Tensor:
     """Replicated [b, s, d] (f: identity fwd, all-reduce bwd) or, with SP, sequence shard
     [b, s/n, d] → all-gather → [b, s, d] (reduce-scatter bwd)."""
-    return gather_from_sp(x, topo, AXIS, dim=1) if sp else copy_to_tp(x, topo, AXIS)
+    return GatherFromSP.apply(x, topo, AXIS, 1) if sp else CopyToTP.apply(x, topo, AXIS)
 
 
 def exit_tp_region(x: torch.Tensor, topo, sp: bool) -> torch.Tensor:
     """Partial sums [b, s, d] → all-reduce → replicated [b, s, d] (g), or, with SP,
     reduce-scatter → [b, s/n, d] (all-gather bwd)."""
-    return reduce_scatter_to_sp(x, topo, AXIS, dim=1) if sp else reduce_from_tp(x, topo, AXIS)
+    return ReduceScatterToSP.apply(x, topo, AXIS, 1) if sp else ReduceFromTP.apply(x, topo, AXIS)
 
 
 # -- layers ---------------------------------------------------------------------------------------
