@@ -1,7 +1,6 @@
 """The explicit TP engine, :class:`TensorParallel` (:func:`parallelize_tensor` builds it), and
-what both TP engines add to the base :class:`~shardwise.parallel.engine.Engine`. The rest of the
-step (the micro-batch loop, the norm counting each element once, full-shape views, optimizer
-state) is the base engine's, which reads each parameter's
+what both TP engines add to the base :class:`~shardwise.parallel.engine.Engine`, whose loop, norm,
+full-shape views and optimizer state read each parameter's
 :class:`~shardwise.parallel.params.Placement`.
 """
 
@@ -44,11 +43,9 @@ class _TPEngine(Engine):
 
 class TensorParallel(_TPEngine):
     """A Llama model converted by :func:`~.apply.apply_tp` (``module``), its ``topo``, ``sp`` and
-    dropout RNG ``rng``. ``forward_backward`` is the base loop with :meth:`loss_sum`, the
-    vocab-parallel cross-entropy of the local logits; ``clip_grad_norm_`` and the full-shape
-    views (shards all-gathered over tp, padding stripped; phase ``"gather"``) are the base
-    engine's. DP or ZeRO sits on top in :class:`shardwise.parallel.model.ParallelModel`
-    (dp × tp): the local shards are ordinary Parameters whose gradients are summed over dp."""
+    dropout RNG ``rng``; the loss is the vocab-parallel cross-entropy of the local logits. DP or
+    ZeRO sits on top in :class:`shardwise.parallel.model.ParallelModel` (dp × tp): the local
+    shards are ordinary Parameters whose gradients are summed over dp."""
 
     def __init__(self, module: Llama, topo, sp: bool, rng: TPRNG):
         super().__init__(module, topo, sp)
