@@ -1,15 +1,11 @@
 """The tensor-parallel layers: each takes the plain module it replaces and keeps this rank's shard.
 
-Megatron-LM's split (Shoeybi et al. 2019, arXiv 1909.08053, §3): a column-parallel layer (output
-features sharded over tp) needs no collective, a row-parallel one (input features sharded) ends
-with a SUM over tp, so a column layer followed by a row layer needs one collective in forward (g,
-at the exit) and one in backward (f, at the entry). With sequence parallelism (Korthikanti et al.
-2022, arXiv 2205.05198, §4.2.2) the activations between the regions are sequence shards
-[b, s/n, d], and the entry/exit are an all-gather and a reduce-scatter (:mod:`.comms`).
-
-Shapes: ``b`` batch, ``s`` sequence, ``d`` d_model, ``h``/``k`` query/kv heads, ``hd`` head dim,
-``f`` d_ff, ``V`` vocabulary, ``n`` = tp. Derivation, vocabulary padding and the dropout RNG
-policy: docs/tensor-parallel.md §1, §4.
+Megatron-LM's split (Shoeybi et al. 2019, arXiv 1909.08053, §3; with sequence parallelism,
+Korthikanti et al. 2022, arXiv 2205.05198, §4.2.2): column-parallel layers run no collective, a
+row-parallel one ends with a SUM over tp, and a block enters and leaves the TP region once per
+column → row pair (the collectives: :mod:`.comms`). Shapes: ``b`` batch, ``s`` sequence, ``d``
+d_model, ``h``/``k`` query/kv heads, ``hd`` head dim, ``f`` d_ff, ``V`` vocabulary, ``n`` = tp.
+Derivation, vocabulary padding and the dropout RNG policy: docs/tensor-parallel.md §1, §4.
 """
 
 from __future__ import annotations
@@ -210,10 +206,8 @@ class TensorParallelAttention(nn.Module):
 
     def __init__(self, plain: Attention, topo, sp: bool, rng: TPRNG):
         super().__init__()
-        n = topo.size(AXIS)
         self.topo, self.sp, self.rng = topo, sp, rng
         self.head_dim, self.dropout = plain.head_dim, plain.dropout
-        self.n_heads, self.n_kv_heads = plain.n_heads // n, plain.n_kv_heads // n  # local
         self.wq = ColumnParallelLinear(plain.wq, topo)
         self.wk = ColumnParallelLinear(plain.wk, topo)
         self.wv = ColumnParallelLinear(plain.wv, topo)
