@@ -1,11 +1,8 @@
 """Tensor parallelism (TP), with optional sequence parallelism (SP) and a vocab-parallel loss.
 
-Reading order (picotron's shape: the strategy beside its communications): :mod:`.comms`
-(Megatron's f and g, the SP all-gather / reduce-scatter), :mod:`.layers` (column/row-parallel
-linears, vocab-parallel embedding and head, attention, SwiGLU, dropout), :mod:`.loss` (the
-vocab-parallel cross-entropy), :mod:`.apply` (:func:`apply_tp` for a model or a pipeline stage,
-its checks, :func:`tp_step_bytes_formula`), :mod:`.engine` (:class:`TensorParallel`),
-:mod:`.dtensor` (the PyTorch DTensor twin and its ledger booking).
+Reading order (picotron's: the strategy beside its communications): :mod:`.comms`,
+:mod:`.layers`, :mod:`.loss`, :mod:`.apply` (:func:`apply_tp` for a model or a pipeline stage,
+its checks, :func:`tp_step_bytes_formula`), :mod:`.engine`, :mod:`.dtensor` (the DTensor twin).
 
 What crosses the tp axis per optimizer step (n = tp, L blocks, A = bytes of one [b, s, d]
 activation over the step's micro-batches): the embedding exit, each block's two region entries
