@@ -1,20 +1,11 @@
 """The TP transform: one :func:`apply_tp` for a whole Llama or for one pipeline stage of it.
 
 torchtitan's ``parallelize_fn`` shape (``models/llama/parallelize_llama.py``, applied to the whole
-model and, in ``pipeline_llama.py``, to every stage's model chunk): the plain model is converted in
-place, module by module, into the layers of :mod:`.layers`, each rank keeping its shard.
-
-* :func:`tp_plan` — what is converted: (FQN, plain type, TP type) for the embedding, every
-  block's attention / MLP / dropout and the head, of the modules this model or stage holds.
-* :func:`validate_tp` / :func:`valid_tp_degrees` — the degrees a model accepts; no collective
-  (``config.validate`` calls them before anything starts).
-* :func:`check_plan_covers` (before any collective) and :func:`_check_converted` (after): no
-  Linear/Embedding/Dropout may be left to run silently replicated — picotron's name-based swap
-  once left the output head unparallelised, with no test to notice.
-* :func:`tp_step_bytes_formula` — the bytes one rank sends per step, by ledger tag, beside the
-  transform whose collectives it counts (the table is in :mod:`shardwise.parallel.tp`).
-
-Raises :class:`~shardwise.errors.ShardwiseConfigError` for bad input before any collective,
+model and, in ``pipeline_llama.py``, to every stage's chunk): the plain model is converted in
+place, module by module (:func:`tp_plan`), into :mod:`.layers`, each rank keeping its shard, and
+nothing may be left to run silently replicated (picotron's name-based swap once left the output
+head unparallelised, with no test to notice). Beside it, :func:`tp_step_bytes_formula`. Raises
+:class:`~shardwise.errors.ShardwiseConfigError` for bad input before any collective,
 RuntimeError for a conversion that went wrong (a bug, not bad input).
 """
 
@@ -34,26 +25,20 @@ from .layers import (TPRNG, TensorParallelAttention, TensorParallelSwiGLU, TPDro
 
 
 # -- validation (no collectives: called by config.validate and before any conversion) -------------
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
 def valid_tp_degrees(model_config, sp: bool = False, seq_len: int | None = None) -> list[int]:
     """The tp degrees this model accepts: divisors of gcd(n_heads, n_kv_heads, d_ff[, seq_len
     with SP]); with SP, 1 is excluded."""
     g = math.gcd(model_config.n_heads, model_config.n_kv_heads, model_config.d_ff)
     if sp and seq_len:
         g = math.gcd(g, seq_len)
-    return [k for k in _divisors(g) if not (sp and k == 1)]
+    return [k for k in range(2 if sp else 1, g + 1) if g % k == 0]
 
 
 def validate_tp(model_config, tp: int, sp: bool = False, seq_len: int | None = None) -> None:
-    """Raise :class:`ShardwiseConfigError` unless ``tp`` (and ``sp``) fit ``model_config``.
-
-    Constraints: tp ≥ 1; ``--sp`` needs tp > 1; tp divides n_heads, n_kv_heads (heads are split
-    whole, kv heads are not replicated) and d_ff; with SP, tp divides ``seq_len`` (sequence
-    shards are equal). The vocabulary needs no constraint (it is padded). TP needs a Llama-style
-    config (``n_heads`` …). Runs no collective. The message names the valid tp values."""
+    """Raise :class:`ShardwiseConfigError`, naming the valid tp values, unless ``model_config``
+    is Llama-style, tp ≥ 1, ``--sp`` comes with tp > 1, and tp divides n_heads, n_kv_heads (heads
+    are split whole, kv heads are not replicated), d_ff and, with SP, ``seq_len``. The vocabulary
+    is padded, so needs no constraint. Runs no collective."""
     if not isinstance(tp, int) or tp < 1:
         raise ShardwiseConfigError(f"--tp {tp} must be a positive integer")
     if tp == 1 and not sp:
@@ -88,8 +73,7 @@ def validate_tp(model_config, tp: int, sp: bool = False, seq_len: int | None = N
 
 # -- the plan and its checks ----------------------------------------------------------------------
 def _held(model: nn.Module, name: str) -> bool:
-    """Whether ``model`` holds the submodule ``name`` (a pipeline stage holds the embedding only
-    on the first stage, the head only on the last)."""
+    """Whether ``model`` holds ``name`` (a pipeline stage: the embedding on the first only)."""
     return getattr(model, name, None) is not None
 
 
@@ -111,8 +95,7 @@ _PLAIN_TYPES = (nn.Linear, nn.Embedding, nn.Dropout, Attention, FeedForward)
 
 
 def _leftovers(model: nn.Module) -> list[str]:
-    """Modules whose *exact* type is a plain one TP should have replaced (a subclass such as
-    VocabParallelEmbedding is fine): each would silently run replicated."""
+    """Modules whose *exact* type is a plain one TP replaces (subclasses such as ours are fine)."""
     return [f"{name} ({type(m).__name__})" for name, m in model.named_modules()
             if type(m) in _PLAIN_TYPES]
 
@@ -141,10 +124,7 @@ def check_plan_covers(model: nn.Module) -> list[tuple[str, type, type]]:
 
 
 def _check_converted(model: nn.Module, plan, topo, tied: bool) -> None:
-    """After conversion: every planned module has its TP type, no plain Linear/Embedding/Dropout
-    is left anywhere, the shards this model holds have the planned shapes and are marked, and a
-    tie on this rank (``tied``) is still one Parameter. Raises RuntimeError (a bug in the
-    conversion, not bad input)."""
+    """RuntimeError unless conversion left TP types, nothing plain, shard shapes/marks, ties."""
     cfg, n = model.config, topo.size(AXIS)
     modules = dict(model.named_modules())
     problems = [f"{fqn} is {type(modules.get(fqn)).__name__}, not {tp_type.__name__}"
@@ -183,19 +163,15 @@ def _set_submodule(model: nn.Module, fqn: str, new: nn.Module) -> None:
 def apply_tp(model: nn.Module, topo, sp: bool = False, *, seed: int = 0) -> TPRNG:
     """Convert ``model`` in place for tensor parallelism over ``topo``'s "tp" axis (sequence
     parallelism with ``sp``) and return the dropout RNG (:class:`~.layers.TPRNG`, seeded by
-    ``seed``). ``model``: a plain Llama, or one pipeline stage of it (``pp.split.
-    StageModule``: the blocks it holds, the embedding on the first stage, the head on the last).
+    ``seed``). ``model``: a plain Llama, or one pipeline stage of it (``pp.split.StageModule``).
 
-    Order: (1) :func:`validate_tp` and :func:`check_plan_covers` — ShardwiseConfigError before
-    any collective; (2) broadcast every parameter from tp index 0 (phase and tag ``"init"``),
-    so shards cut from different ranks' copies fit together even if the ranks were seeded
-    differently; (3) replace the modules of :func:`tp_plan`, each rank keeping its shard; a head
-    tied to the embedding *on this rank* shares its shard Parameter (a pipeline's last-stage copy
-    of a tied embedding is its own Parameter, cut by the same rows); a stage's chunks are
-    pointed at the new embedding / head and told the sequence-shard degree; (4)
-    :func:`_check_converted` — RuntimeError if anything is left plain or misshapen. The sequence
-    length is checked against tp at the first SP forward (reduce-scatter raises ValueError);
-    call ``validate_tp(cfg, tp, sp, seq_len)`` up front to get the configuration error instead."""
+    Order (docs/tensor-parallel.md §3): (1) :func:`validate_tp`, :func:`check_plan_covers`
+    (ShardwiseConfigError, before any collective); (2) broadcast every parameter from tp index 0
+    (phase and tag ``"init"``), so shards cut on differently seeded ranks fit together; (3)
+    replace the modules of :func:`tp_plan` (a head tied to the embedding on this rank shares its
+    shard Parameter); (4) :func:`_check_converted` (RuntimeError). The sequence length is checked
+    at the first SP forward (reduce-scatter: ValueError); ``validate_tp(cfg, tp, sp, seq_len)``
+    up front gives the configuration error instead."""
     n = topo.size(AXIS)
     validate_tp(getattr(model, "config", None), n, sp)
     plan = check_plan_covers(model)
@@ -231,18 +207,13 @@ def tp_step_bytes_formula(model_config, sequences: int, seq_len: int, tp: int, s
     """Bytes one rank sends per optimizer step with explicit TP, by ledger tag, plus ``"total"``.
 
     ``sequences``: sequences this rank processes in the step (all micro-batches: every byte
-    below is linear in the batch, so how it is cut into micro-batches does not matter);
-    ``seq_len`` tokens each. n = tp, L = n_layers, d = d_model, N = sequences·seq_len tokens,
-    r = 2(n−1)/n (ring all-reduce), h = (n−1)/n (all-gather / reduce-scatter); see
-    :mod:`shardwise.comm.ledger` for the per-op counts.
+    is linear in the batch), ``seq_len`` tokens each. n = tp, L = n_layers, d = d_model,
+    N = sequences·seq_len tokens, r = 2(n−1)/n (ring all-reduce); per-op counts:
+    :mod:`shardwise.comm.ledger`.
 
-    * ``tp_fwd``/``tp_bwd`` — activations, A_x = N·d·bytes(x): forward (1 + 2L)·r·A, backward
-      (1 + 2L)·r·A, with or without SP (SP: the same total as (2 + 4L) collectives of h·A each).
-      Counted per direction: forward = the embedding exit, 2 block exits and (SP) 2 block entries
-      + the head entry; backward = 2 block entries and the head entry, and (SP) the 2 block exits
-      and the embedding exit. ``dtype="bf16"`` (autocast): the 2L block exits (row-parallel
-      outputs) and, with SP, their backward all-gathers carry bf16 (2 bytes); everything else
-      (the embedding output, the residual stream, the gradients entering the regions) is fp32.
+    * ``tp_fwd``/``tp_bwd`` — activations, A = N·d·4: (1 + 2L)·r·A each way, with or without SP
+      (SP: (2 + 4L) collectives of (n−1)/n·A); by direction, and ``dtype="bf16"`` (the 2L
+      row-parallel outputs under autocast carry 2 bytes): :func:`tp_activation_bytes`.
     * ``ce`` — the vocab-parallel cross-entropy: r·(N + 2N)·4 (MAX of [N], SUM of [2, N], fp32).
     * ``sp_grad`` — SP only: r·(2L + 1)·d·4, the norm weights' gradients (fp32).
     * ``grad_norm`` — r·8: the squared gradient norm (fp64 scalar) over tp.
@@ -281,13 +252,3 @@ def tp_activation_bytes(tokens: int, d: int, tp: int, sp: bool, *, blocks: int,
     else:  # emb RS, AG+RS ×2L, head AG forward; head RS, RS+AG ×2L, emb AG backward
         fwd = bwd = h * (e * wide + 2 * L * wide + 2 * L * exit_b + hd * wide)
     return {"tp_fwd": fwd, "tp_bwd": bwd, "ce": hd * r * 3 * tokens * 4}
-
-
-def tp_bytes_by_tag(model_config, topo, sp: bool, sequences: int, seq_len: int,
-                    dtype: str = "fp32") -> dict[str, float]:
-    """:func:`tp_step_bytes_formula` on ``topo``'s tp and dp sizes, without ``"loss"``
-    and ``"total"`` (:func:`shardwise.formulas.step_bytes_formula` adds them): what both TP
-    engines report, explicit and DTensor (which moves the same bytes under the same tags)."""
-    t = tp_step_bytes_formula(model_config, sequences, seq_len, topo.size(AXIS), sp,
-                              dp=topo.size("dp"), dtype=dtype)
-    return {k: v for k, v in t.items() if k not in ("total", "loss")}

@@ -1,14 +1,12 @@
 """``--engine torch`` for TP: the plan of :mod:`.apply` through PyTorch DTensor (the twin).
 
-``torch.distributed.tensor.parallel.parallelize_module`` on ``topo.mesh["tp"]`` with the same
-layout as our explicit modules (:func:`dtensor_tp_plan`; torchtitan's Llama plan is the model),
-so the same collectives move over tp. DTensor issues them as functional collectives, not through
-:mod:`shardwise.comm`; :class:`BookFunctionalCollectives` books them in the same ledger under
-the explicit engine's tags, so both engines equal the same formula
-(:func:`~.apply.tp_step_bytes_formula`). How it differs from the explicit path (SP gradients,
-padding, tied embeddings): docs/tensor-parallel.md §3.
-Limitations: dropout in this path draws from the default RNG (no tp-aware RNG regions), so use
-it with dropout 0.
+``parallelize_module`` on ``topo.mesh["tp"]`` with the layout of our explicit modules
+(:func:`dtensor_tp_plan`; torchtitan's Llama plan is the model), so the same collectives move
+over tp. DTensor issues them as functional collectives, not through :mod:`shardwise.comm`;
+:class:`BookFunctionalCollectives` books them in the same ledger under the explicit engine's
+tags, so both engines equal :func:`~.apply.tp_step_bytes_formula`. How it differs (SP gradients,
+padding, tied embeddings): docs/tensor-parallel.md §3. Limitation: dropout draws from the
+default RNG (no tp-aware RNG regions), so use it with dropout 0.
 """
 
 from __future__ import annotations
@@ -24,10 +22,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...comm.ledger import CommRecord, ring_bytes
 from ...models.llama import IGNORE_INDEX, Llama
-from ..engine import Engine
 from ..params import is_dtensor as _is_dtensor, local as _local, local_state_bytes, sum_coalesced_
-from .apply import check_plan_covers, tp_bytes_by_tag, validate_tp
+from .apply import check_plan_covers, validate_tp
 from .comms import AXIS
+from .engine import _TPEngine
 
 _OP_NAMES = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce",
              "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
@@ -51,20 +49,17 @@ def booked_as(tag: str):
 
 class BookFunctionalCollectives(TorchDispatchMode):
     """While active, book every ``torch.ops._c10d_functional`` collective in ``topo.ledger``
-    (op, axis found from the process group's name, dtype, shape, S, ring bytes). S follows the
-    ledger's convention: the all-gather's output, the reduce-scatter's input, the buffer of an
-    all-reduce. ``seconds`` is the launch time only (functional collectives are waited for
-    lazily). The mechanism is PyTorch's own ``CommDebugMode``'s.
+    (op, axis found from the process group's name, dtype, shape, S as the ledger has it: the
+    all-gather's output, the reduce-scatter's input, the all-reduce's buffer; ring bytes).
+    ``seconds`` is the launch time only (functional collectives are waited for lazily). The
+    mechanism is PyTorch's own ``CommDebugMode``'s.
 
-    ``c10d_tag``: also book the in-place process-group all-reduce ``c10d::allreduce_`` under
-    this tag (FSDP2's ``replicate`` all-reduces gradients with ``torch.distributed.all_reduce``
-    itself, with no hook to route it through :mod:`shardwise.comm`). Leave it None wherever
-    :mod:`shardwise.comm` issues all-reduces inside the mode (they would be booked twice).
-
-    Tags (docs/architecture.md, "Ledger tags"): ``tp_fwd``/``tp_bwd`` by direction, except
-    inside :func:`booked_as` (``loss_parallel``'s cross-entropy: ``ce``, as the explicit
-    engine's) and, with ``sp_grad=True`` (FSDP2 + TP with SP), a backward all-reduce over tp:
-    under SP the only one is the norm weights' ``Partial`` gradients, ``sp_grad``."""
+    Tags (docs/architecture.md, "Ledger tags"): ``tp_fwd``/``tp_bwd`` by direction; inside
+    :func:`booked_as` its tag; with ``sp_grad=True`` (FSDP2 + TP with SP) ``sp_grad`` for a
+    backward all-reduce over tp (under SP, only the norm weights' ``Partial`` gradients).
+    ``c10d_tag``: also book ``c10d::allreduce_`` under this tag (FSDP2's ``replicate`` calls
+    ``torch.distributed.all_reduce`` itself, with no hook into :mod:`shardwise.comm`); leave it
+    None wherever :mod:`shardwise.comm` all-reduces inside the mode (booked twice otherwise)."""
 
     def __init__(self, topo, c10d_tag: str | None = None, sp_grad: bool = False):
         super().__init__()
@@ -93,8 +88,7 @@ class BookFunctionalCollectives(TorchDispatchMode):
             return NotImplemented
         t0 = time.perf_counter()
         out = func(*args, **(kwargs or {}))
-        packet = func._overloadpacket
-        ns, name = packet._qualified_op_name.split("::")
+        ns, name = func._overloadpacket._qualified_op_name.split("::")
         if ns == "c10d" and name == "allreduce_" and self.c10d_tag is not None:
             self._book_c10d_allreduce(args, time.perf_counter() - t0, f"{ns}.{name}")
         if ns in ("_c10d_functional", "_c10d_functional_autograd") and name in _OP_NAMES:
@@ -115,10 +109,9 @@ class BookFunctionalCollectives(TorchDispatchMode):
                 tag=tag, impl=f"{ns}.{name}"))
         return out
 
-
     def _book_c10d_allreduce(self, args, seconds: float, impl: str) -> None:
-        """Book ``c10d::allreduce_(tensors, process_group, ...)``: one record per tensor,
-        S = its bytes, on the axis whose ranks the process group holds."""
+        """Book ``c10d::allreduce_(tensors, process_group, ...)``: a record per tensor, S = its
+        bytes, on the axis whose ranks the process group holds."""
         pg = dist.ProcessGroup.unbox(args[1])
         axis = self.topo.axis_of_ranks(dist.get_process_group_ranks(pg)) or pg.group_name
         n = self.topo.size(axis) if axis in ("pp", "dp", "tp", "world") else pg.size()
@@ -132,32 +125,15 @@ class BookFunctionalCollectives(TorchDispatchMode):
 
 
 def dtensor_tp_plan(model: Llama, sp: bool) -> dict:
-    """The ``parallelize_module`` plan {FQN: ParallelStyle} for ``model``:
-
-    ========================================  ===================================================
-    module                                    style
-    ========================================  ===================================================
-    ``tok_embeddings``                        ``RowwiseParallel`` (vocab rows; output Replicate,
-                                              or Shard(1) = sequence shards with SP)
-    ``layers.i.attention`` / ``feed_forward``  ``PrepareModuleInput``: the block input enters the
-                                              TP region once (Replicate; with SP all-gathered
-                                              from Shard(1)) — one backward all-reduce (f) or
-                                              reduce-scatter per region, as in Megatron
-    ``attention.wq/wk/wv``, ``w1``, ``w3``      ``ColwiseParallel`` (heads / hidden units)
-    ``attention.wo``, ``w2``                    ``RowwiseParallel`` (output Replicate = g, or
-                                              Shard(1) = reduce-scatter with SP)
-    ``attention_norm``, ``ffn_norm``, ``norm``  ``SequenceParallel`` (SP only: norms on sequence
-                                              shards, weights Replicate; DTensor all-reduces their
-                                              partial gradients)
-    ``output``                                ``ColwiseParallel`` over the vocabulary, output a
-                                              DTensor sharded on the last dim (never gathered)
-    loss                                      ``loss_parallel()``: ``F.cross_entropy`` on the
-                                              vocab-sharded DTensor logits
-    ========================================  ===================================================
-
-    DTensor shards the vocabulary unevenly when tp does not divide it (``torch.chunk`` sizes), so
-    there is no padding. ``parallelize_module`` gives the embedding and the head separate
-    Parameters; both are Shard(0) on the same mesh, so :func:`parallelize_tensor_dtensor`
+    """The ``parallelize_module`` plan {FQN: ParallelStyle} for ``model``: our explicit layout
+    (docs/tensor-parallel.md §3), the residual stream between regions Replicate or, with SP,
+    Shard(1). ``PrepareModuleInput`` on each block's ``attention`` / ``feed_forward`` makes the
+    block input enter the TP region once (one backward all-reduce or reduce-scatter per region,
+    as in Megatron); the head's output stays a DTensor sharded on the vocabulary (never gathered:
+    the loss is ``loss_parallel()``); with SP the norms are ``SequenceParallel`` (gradients left
+    ``Partial``: :func:`reduce_partial_grads`). DTensor shards a vocabulary tp does not divide
+    unevenly (``torch.chunk``), so there is no padding. The embedding and the head come out as
+    separate Parameters, both Shard(0) on the same mesh: :func:`parallelize_tensor_dtensor`
     re-ties them."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
@@ -192,10 +168,9 @@ def dtensor_tp_plan(model: Llama, sp: bool) -> dict:
 
 def reduce_partial_grads(params, topo, tag: str = "sp_grad") -> None:
     """SP under DTensor: the norm weights' gradients are left ``Partial(sum)`` (each tp rank
-    summed over its sequence shard) and DTensor would reduce them lazily, wherever they are next
-    used. Reduce them here instead, all in one flat all-reduce over tp through
-    :mod:`shardwise.comm` (:func:`..params.sum_coalesced_`, tag ``sp_grad`` as on the explicit
-    engine), and store them ``Replicate``. Nothing is sent when no gradient is Partial."""
+    summed over its sequence shard), which DTensor would reduce lazily wherever next used. Reduce
+    them here in one flat all-reduce over tp through :mod:`shardwise.comm` (tag ``sp_grad``, as
+    on the explicit engine) and store them ``Replicate``; nothing is sent when none is Partial."""
     from torch.distributed.tensor import DTensor, Replicate
 
     partial = [p for p in params if _is_dtensor(p.grad)
@@ -206,22 +181,17 @@ def reduce_partial_grads(params, topo, tag: str = "sp_grad") -> None:
         p.grad = DTensor.from_local(t, p.device_mesh, [Replicate()], run_check=False)
 
 
-class TorchTensorParallel(Engine):
-    """The DTensor TP engine, with the same interface and loss bookkeeping as
-    :class:`~.engine.TensorParallel` (count/loss over dp; the global grad
-    norm as one all-reduce of the sharded params' Σ g² over tp, through :mod:`shardwise.comm`).
-
-    ``book_collectives``: book DTensor's collectives in the ledger during ``forward_backward``
-    (a dispatch mode sees every op, which costs Python time per op: turn it off to time)."""
-
-    count_axes = ("dp",)
-    reduce_loss_axes = ("dp",)
+class TorchTensorParallel(_TPEngine):
+    """The DTensor TP engine, with the interface and loss bookkeeping of
+    :class:`~.engine.TensorParallel`. ``book_collectives``: book DTensor's collectives in the
+    ledger during ``forward_backward`` (a dispatch mode sees every op, which costs Python time
+    per op: turn it off to time)."""
 
     def __init__(self, module: Llama, topo, sp: bool, book_collectives: bool = True):
-        super().__init__(module)
-        self.topo, self.sp, self.book_collectives = topo, sp, book_collectives
+        super().__init__(module, topo, sp)
+        self.book_collectives = book_collectives
 
-    def _loss_sum(self, batch: dict) -> torch.Tensor:
+    def loss_sum(self, batch: dict) -> torch.Tensor:
         """Token-loss sum through ``loss_parallel``: a DTensor scalar, Replicate over tp."""
         from torch.distributed.tensor.parallel import loss_parallel
 
@@ -233,10 +203,7 @@ class TorchTensorParallel(Engine):
     def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(token-loss sum as a plain fp32 scalar, complete on every tp rank; counted tokens),
         for evaluation under ``torch.no_grad()``."""
-        return _local(self._loss_sum(batch)), (batch["labels"] != IGNORE_INDEX).sum()
-
-    def loss_sum(self, batch: dict) -> torch.Tensor:
-        return self._loss_sum(batch)
+        return _local(self.loss_sum(batch)), (batch["labels"] != IGNORE_INDEX).sum()
 
     def booking(self, **options):
         """Book DTensor's collectives during the step if ``book_collectives``; ``options``
@@ -254,15 +221,6 @@ class TorchTensorParallel(Engine):
     def finish_gradient_sync(self) -> None:
         """With SP: :func:`reduce_partial_grads` (one flat all-reduce over tp, ``sp_grad``)."""
         reduce_partial_grads(self.module.parameters(), self.topo)
-
-    def norm_axes(self) -> tuple[str, ...]:
-        return (AXIS,)
-
-    def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
-                      dtype: str = "fp32") -> dict[str, float]:
-        """The explicit engine's :func:`~.apply.tp_bytes_by_tag`: DTensor moves the same bytes
-        under the same tags (booked by :class:`BookFunctionalCollectives`)."""
-        return tp_bytes_by_tag(self.module.config, self.topo, self.sp, sequences, seq_len, dtype)
 
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
         """Bytes of this rank's local shards (:func:`~..params.local_state_bytes`)."""

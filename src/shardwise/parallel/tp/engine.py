@@ -1,12 +1,7 @@
-"""The explicit TP engine: a Llama converted by :func:`.apply.apply_tp`, trained by tp ranks that
-all see the same batch (:func:`parallelize_tensor` builds it).
-
-What it adds to the base :class:`~shardwise.parallel.engine.Engine` is the TP part of the step:
-the vocab-parallel loss (every tp rank holds the complete loss sum, so the token count and the
-loss are reduced over dp only), the SP sum of the norm weights' partial gradients over tp, the
-norm's all-reduce over tp, and the byte formula. Everything else (the micro-batch loop, the norm
-counting each element once, full-shape views and optimizer state) is the base engine's, which
-reads each parameter's :class:`~shardwise.parallel.params.Placement`.
+"""The explicit TP engine, :class:`TensorParallel` (:func:`parallelize_tensor` builds it), and
+what both TP engines add to the base :class:`~shardwise.parallel.engine.Engine`, whose loop, norm,
+full-shape views and optimizer state read each parameter's
+:class:`~shardwise.parallel.params.Placement`.
 """
 
 from __future__ import annotations
@@ -17,37 +12,44 @@ import torch
 
 from ...models.llama import IGNORE_INDEX, Llama
 from ..engine import Engine
-from .apply import apply_tp, tp_bytes_by_tag
+from .apply import apply_tp, tp_step_bytes_formula
 from .comms import AXIS
 from .layers import TPRNG, VocabParallelHead
 from .loss import vocab_parallel_cross_entropy
 
 
-class TensorParallel(Engine):
+class _TPEngine(Engine):
+    """Both TP engines (this one and :class:`~.dtensor.TorchTensorParallel`): every tp rank sees
+    the same batch and holds the complete loss sum, so the token count and the loss are reduced
+    over dp only (the base's ``count_axes``/``reduce_loss_axes``); the norm's Σ g² of the sharded
+    params is all-reduced over tp (one fp64, tag ``"grad_norm"``)."""
+
+    def __init__(self, module: Llama, topo, sp: bool):
+        super().__init__(module)
+        self.topo, self.sp = topo, sp
+
+    def norm_axes(self) -> tuple[str, ...]:
+        return (AXIS,)
+
+    def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
+                      dtype: str = "fp32") -> dict[str, float]:
+        """:func:`~.apply.tp_step_bytes_formula` on ``topo``'s tp and dp sizes without ``loss``
+        and ``total`` (:func:`shardwise.formulas.step_bytes_formula` adds them); micro_steps do
+        not matter (every byte is linear in the batch). DTensor moves the same bytes, same tags."""
+        t = tp_step_bytes_formula(self.module.config, sequences, seq_len, self.topo.size(AXIS),
+                                  self.sp, dp=self.topo.size("dp"), dtype=dtype)
+        return {k: v for k, v in t.items() if k not in ("total", "loss")}
+
+
+class TensorParallel(_TPEngine):
     """A Llama model converted by :func:`~.apply.apply_tp` (``module``), its ``topo``, ``sp`` and
-    dropout RNG ``rng``.
-
-    * ``forward_backward``: the base loop with :meth:`loss_sum`, the vocab-parallel
-      cross-entropy of the local logits: the same complete loss sum on every tp rank.
-    * ``finish_gradient_sync``: with SP, one all-reduce over tp of the replicated parameters'
-      (norm weights') partial gradients, tag ``"sp_grad"``; without SP their gradients are
-      already identical on every tp rank and nothing is sent.
-    * ``clip_grad_norm_``: the base engine's (:func:`~shardwise.parallel.params.grad_norm_`):
-      Σ g² of the shards plus (on tp index 0 only) the replicated params, one fp64 all-reduce
-      over tp, tag ``"grad_norm"``.
-    * ``named_full_parameters`` / ``named_full_gradients`` / ``full_optimizer_state``: the
-      base engine's (shards all-gathered over tp, padding stripped; phase ``"gather"``, not
-      part of the step).
-
-    DP or ZeRO sits on top in :class:`shardwise.parallel.model.ParallelModel` (dp × tp): the
-    local shards are ordinary Parameters whose gradients are summed over dp."""
-
-    count_axes = ("dp",)  # every tp rank holds the complete loss sum: reduce over dp only
-    reduce_loss_axes = ("dp",)
+    dropout RNG ``rng``; the loss is the vocab-parallel cross-entropy of the local logits. DP or
+    ZeRO sits on top in :class:`shardwise.parallel.model.ParallelModel` (dp × tp): the local
+    shards are ordinary Parameters whose gradients are summed over dp."""
 
     def __init__(self, module: Llama, topo, sp: bool, rng: TPRNG):
-        super().__init__(module)
-        self.topo, self.sp, self.rng = topo, sp, rng
+        super().__init__(module, topo, sp)
+        self.rng = rng
 
     @property
     def head(self) -> VocabParallelHead:
@@ -71,18 +73,8 @@ class TensorParallel(Engine):
         if self.sp:
             self.sum_replicated_grads()
 
-    def norm_axes(self) -> tuple[str, ...]:
-        return (AXIS,)
-
-    def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
-                      dtype: str = "fp32") -> dict[str, float]:
-        """:func:`~.apply.tp_bytes_by_tag` of this model (micro_steps do not matter: every byte
-        is linear in the batch)."""
-        return tp_bytes_by_tag(self.module.config, self.topo, self.sp, sequences, seq_len, dtype)
-
     def full_model(self):
-        """The :class:`~shardwise.parallel.engine.Engine` hook for sampling:
-        :meth:`gathered_logits`."""
+        """The base engine's hook for sampling: :meth:`gathered_logits`."""
         return self.gathered_logits()
 
     @contextlib.contextmanager

@@ -1,21 +1,11 @@
 """The tensor-parallel layers: each takes the plain module it replaces and keeps this rank's shard.
 
-Megatron-LM's split (Shoeybi et al. 2019, arXiv 1909.08053, §3): a column-parallel layer
-(:class:`ColumnParallelLinear`, output features sharded over tp) needs no collective; a
-row-parallel one (:class:`RowParallelLinear`, input features sharded) ends with a SUM over tp. A
-column layer followed by a row layer therefore needs one collective in forward (g, at the exit)
-and one in backward (f, at the entry), and nothing in between: attention is split by heads, the
-SwiGLU MLP by hidden units, the embedding by vocabulary rows, the head by vocabulary columns
-(local logits for :mod:`.loss`, never gathered). A vocabulary n does not divide is padded with
-zero rows to a multiple of n (:func:`padded_vocab_size`), which changes neither the loss nor any
-gradient; the padded rows stay 0 under AdamW. With sequence parallelism (Korthikanti et al. 2022,
-arXiv 2205.05198, §4.2.2) the activations between the regions are sequence shards [b, s/n, d]
-and the entry/exit are an all-gather and a reduce-scatter (:func:`enter_tp_region`,
-:func:`exit_tp_region`; the collectives are in :mod:`.comms`). Dropout draws from tp-aware RNG
-regions (:class:`TPRNG`).
-
-Shapes: ``b`` batch, ``s`` sequence, ``d`` d_model, ``h``/``k`` query/kv heads, ``hd`` head dim,
-``f`` d_ff, ``V`` vocabulary, ``n`` = tp. Derivation and pitfalls: docs/tensor-parallel.md §1, §4.
+Megatron-LM's split (Shoeybi et al. 2019, arXiv 1909.08053, §3; with sequence parallelism,
+Korthikanti et al. 2022, arXiv 2205.05198, §4.2.2): column-parallel layers run no collective, a
+row-parallel one ends with a SUM over tp, and a block enters and leaves the TP region once per
+column → row pair (the collectives: :mod:`.comms`). Shapes: ``b`` batch, ``s`` sequence, ``d``
+d_model, ``h``/``k`` query/kv heads, ``hd`` head dim, ``f`` d_ff, ``V`` vocabulary, ``n`` = tp.
+Derivation, vocabulary padding and the dropout RNG policy: docs/tensor-parallel.md §1, §4.
 """
 
 from __future__ import annotations
@@ -26,11 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ... import comm
 from ...errors import ShardwiseConfigError
 from ...models.llama import Attention, FeedForward, causal_attention
 from ..params import mark_tp_shard, shard_of
-from .comms import AXIS, copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
+from .comms import AXIS, CopyToTP, GatherFromSP, ReduceFromTP, ReduceScatterToSP, _along
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -40,17 +29,13 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
 
 
 class TPRNG:
-    """Two saved RNG states for dropout, one per kind of activation (Megatron's
-    ``CudaRNGStatesTracker``; the policy: docs/tensor-parallel.md §1). ``"replicated"`` (residual
-    dropout without SP: every tp rank must drop the same elements) is seeded
-    ``seed + 1000·dp_index``; ``"sharded"`` (attention dropout on the local heads, residual
-    dropout on SP sequence shards: a different mask per tp rank) ``seed + 2718 + tp_index +
-    1000·dp_index`` (2718 as in Megatron's ``model_parallel_cuda_manual_seed``).
+    """Two saved RNG states for dropout (Megatron's ``CudaRNGStatesTracker``; the policy:
+    docs/tensor-parallel.md §1): ``"replicated"`` (the same mask on every tp rank) seeded
+    ``seed + 1000·dp_index``, ``"sharded"`` (a different mask per tp rank) seeded
+    ``seed + 2718 + tp_index + 1000·dp_index`` (Megatron's ``model_parallel_cuda_manual_seed``).
 
-    ``fork("replicated")`` / ``fork("sharded")`` swap the default generator of ``topo.device``
-    to that state for the block, save the advanced state, and restore the default generator, so
-    the masks do not depend on what else consumes random numbers (``ValueError`` for another
-    region)."""
+    ``fork(region)`` runs its block with that state in ``topo.device``'s default generator, then
+    saves the advanced state and restores the default one (``ValueError`` for another region)."""
 
     REGIONS = ("replicated", "sharded")
 
@@ -93,23 +78,21 @@ class TPRNG:
 def enter_tp_region(x: torch.Tensor, topo, sp: bool) -> torch.Tensor:
     """Replicated [b, s, d] (f: identity fwd, all-reduce bwd) or, with SP, sequence shard
     [b, s/n, d] → all-gather → [b, s, d] (reduce-scatter bwd)."""
-    return gather_from_sp(x, topo, AXIS, dim=1) if sp else copy_to_tp(x, topo, AXIS)
+    return GatherFromSP.apply(x, topo, AXIS, 1) if sp else CopyToTP.apply(x, topo, AXIS)
 
 
 def exit_tp_region(x: torch.Tensor, topo, sp: bool) -> torch.Tensor:
     """Partial sums [b, s, d] → all-reduce → replicated [b, s, d] (g), or, with SP,
     reduce-scatter → [b, s/n, d] (all-gather bwd)."""
-    return reduce_scatter_to_sp(x, topo, AXIS, dim=1) if sp else reduce_from_tp(x, topo, AXIS)
+    return ReduceScatterToSP.apply(x, topo, AXIS, 1) if sp else ReduceFromTP.apply(x, topo, AXIS)
 
 
 # -- layers ---------------------------------------------------------------------------------------
 class ColumnParallelLinear(nn.Module):
     """Y = X A with A split by output columns. ``weight``: [out/n, in] (nn.Linear layout: rows of
     Aᵀ), sharded on dim 0 over tp; rank i holds output features [i·out/n, (i+1)·out/n).
-
-    forward: X [..., in], replicated over tp → Y_i [..., out/n]. **No collective**: the caller
-    enters the TP region once (:func:`enter_tp_region`) for all column layers sharing an input
-    (wq/wk/wv; w1/w3), which is one all-reduce in backward instead of one per layer."""
+    forward: X [..., in], replicated over tp → Y_i [..., out/n], **no collective**: the caller
+    enters the TP region once (:func:`enter_tp_region`) for all column layers sharing an input."""
 
     def __init__(self, plain: nn.Linear, topo, padded_out: int | None = None,
                  weight: nn.Parameter | None = None):
@@ -117,7 +100,6 @@ class ColumnParallelLinear(nn.Module):
         if plain.bias is not None:
             raise ShardwiseConfigError("ColumnParallelLinear: biases are not supported (the "
                                        "Llama models have none)")
-        self.in_features, self.out_features = plain.in_features, plain.out_features
         if weight is None:
             weight = nn.Parameter(shard_of(plain.weight, 0, topo, padded_out))
         self.weight = mark_tp_shard(weight, 0, plain.out_features)
@@ -128,11 +110,9 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """Y = Σ_i X_i A_i with A split by input rows. ``weight``: [out, in/n], sharded on dim 1 over
-    tp; rank i holds input features [i·in/n, (i+1)·in/n).
-
-    forward: X_i [b, s, in/n] (this rank's features, the output of column layers) → local
-    partial product → exit the TP region: all-reduce (g) → Y [b, s, out] replicated, or with SP
-    reduce-scatter → [b, s/n, out]."""
+    tp; rank i holds input features [i·in/n, (i+1)·in/n). forward: X_i [b, s, in/n] (the column
+    layers' output) → local partial product → exit the TP region: all-reduce (g) → Y [b, s, out]
+    replicated, or with SP reduce-scatter → [b, s/n, out]."""
 
     def __init__(self, plain: nn.Linear, topo, sp: bool):
         super().__init__()
@@ -140,7 +120,6 @@ class RowParallelLinear(nn.Module):
             raise ShardwiseConfigError("RowParallelLinear: biases are not supported (the Llama "
                                        "models have none)")
         self.topo, self.sp = topo, sp
-        self.in_features, self.out_features = plain.in_features, plain.out_features
         self.weight = mark_tp_shard(nn.Parameter(shard_of(plain.weight, 1, topo)), 1,
                                     plain.in_features)
 
@@ -149,15 +128,12 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Embedding):
-    """The token embedding with its table split by vocabulary rows over tp.
-
-    ``weight``: [V_pad/n, d], rank i holds token ids [i·V_pad/n, (i+1)·V_pad/n) (V_pad = V
-    padded to a multiple of n; padded rows are zero and never looked up). forward: tokens [b, s]
-    (same on every tp rank) → local lookup, zeros for ids this rank does not own → exit the TP
-    region: all-reduce (g sums the rows) → [b, s, d], or with SP reduce-scatter → [b, s/n, d].
-
-    A subclass of ``nn.Embedding`` so that code treating embeddings specially (AdamW groups: no
-    weight decay on embeddings) treats the shard the same way."""
+    """The token embedding, its table split by vocabulary rows over tp (an ``nn.Embedding``, so
+    that AdamW's no-decay group for embeddings finds it). ``weight``: [V_pad/n, d], rank i holds
+    token ids [i·V_pad/n, (i+1)·V_pad/n) (V_pad = V padded to a multiple of n; padded rows are
+    zero and never looked up). forward: tokens [b, s] (same on every tp rank) → local lookup,
+    zeros for ids this rank does not own → exit the TP region: all-reduce (g sums the rows) →
+    [b, s, d], or with SP reduce-scatter → [b, s/n, d]."""
 
     def __init__(self, plain: nn.Embedding, topo, sp: bool):
         if plain.padding_idx is not None or plain.max_norm is not None:
@@ -182,12 +158,10 @@ class VocabParallelEmbedding(nn.Embedding):
 class VocabParallelHead(ColumnParallelLinear):
     """The output head, column-parallel over the (padded) vocabulary. ``weight``: [V_pad/n, d]
     — with tied embeddings the *same* Parameter as :class:`VocabParallelEmbedding`'s shard.
-
-    forward: hidden [b, s, d] replicated (or [b, s/n, d] with SP) → enter the TP region (f, or
-    the SP all-gather) → local logits [b, s, V_pad/n] for vocabulary entries
-    [vocab_start, vocab_start + V_pad/n). Feed them to :func:`.loss.vocab_parallel_cross_entropy`;
-    full logits are never formed. With ``gather_output`` (inference only: sampling, eval
-    through code that expects full logits) the logits are all-gathered and unpadded → [b, s, V]."""
+    forward: hidden [b, s, d] (SP: [b, s/n, d]) → enter the TP region → local logits
+    [b, s, V_pad/n] for entries [vocab_start, vocab_start + V_pad/n), never gathered (feed them to
+    :func:`.loss.vocab_parallel_cross_entropy`). With ``gather_output`` (inference only, else
+    RuntimeError) the logits are all-gathered over tp and unpadded → [b, s, V]."""
 
     def __init__(self, plain: nn.Linear, topo, sp: bool, weight: nn.Parameter | None = None):
         n = topo.size(AXIS)
@@ -202,11 +176,8 @@ class VocabParallelHead(ColumnParallelLinear):
             return logits
         if torch.is_grad_enabled():
             raise RuntimeError("VocabParallelHead.gather_output is for inference (no_grad) only")
-        n = self.topo.size(AXIS)
-        shard = logits.movedim(-1, 0).contiguous()  # [V_pad/n, b, s]
-        full = shard.new_empty((n * shard.shape[0], *shard.shape[1:]))
-        comm.all_gather(full, shard, self.topo, AXIS, tag="logits")
-        return full[: self.vocab_size].movedim(0, -1)  # [b, s, V]
+        full = _along(logits, self.topo, AXIS, -1, "logits", gather=True)  # [b, s, V_pad]
+        return full[..., : self.vocab_size]  # [b, s, V]
 
 
 class TPDropout(nn.Module):
@@ -228,20 +199,15 @@ class TPDropout(nn.Module):
 class TensorParallelAttention(nn.Module):
     """Causal GQA attention split by heads. wq: column [h/n·hd, d]; wk, wv: column [k/n·hd, d];
     wo: row [d, h/n·hd]. Rank i owns query heads [i·h/n, (i+1)·h/n) and kv heads
-    [i·k/n, (i+1)·k/n): since query head j reads kv head ⌊j·k/h⌋, the contiguous split keeps
-    every query head on the rank of its kv head (so tp must divide both h and k). Attention
-    dropout acts on local heads, so it draws from the ``"sharded"`` RNG region.
-
-    forward: x [b, s, d] (SP: [b, s/n, d]) → enter → the plain model's attention math
-    (:func:`~shardwise.models.llama.causal_attention`) on the local heads → [b, s, h/n·hd] →
-    wo (row: exit) → [b, s, d] (SP: [b, s/n, d])."""
+    [i·k/n, (i+1)·k/n), which keeps query head j with its kv head ⌊j·k/h⌋ (so tp divides h and
+    k). Attention dropout acts on local heads: RNG region ``"sharded"``. forward: x [b, s, d]
+    (SP: [b, s/n, d]) → enter → the plain model's :func:`~shardwise.models.llama.causal_attention`
+    on the local heads → [b, s, h/n·hd] → wo (row: exit) → [b, s, d] (SP: [b, s/n, d])."""
 
     def __init__(self, plain: Attention, topo, sp: bool, rng: TPRNG):
         super().__init__()
-        n = topo.size(AXIS)
         self.topo, self.sp, self.rng = topo, sp, rng
         self.head_dim, self.dropout = plain.head_dim, plain.dropout
-        self.n_heads, self.n_kv_heads = plain.n_heads // n, plain.n_kv_heads // n  # local
         self.wq = ColumnParallelLinear(plain.wq, topo)
         self.wk = ColumnParallelLinear(plain.wk, topo)
         self.wv = ColumnParallelLinear(plain.wv, topo)
@@ -257,11 +223,9 @@ class TensorParallelAttention(nn.Module):
 
 class TensorParallelSwiGLU(nn.Module):
     """SwiGLU w2(silu(w1 x) · w3 x) with w1, w3 column-parallel [f/n, d] and w2 row-parallel
-    [d, f/n]: the gate product is element-wise on the local f/n hidden units, so there is no
-    collective between the column and the row layers.
-
-    forward: x [b, s, d] (SP: [b, s/n, d]) → enter → [b, s, f/n] → w2 (exit) → [b, s, d]
-    (SP: [b, s/n, d])."""
+    [d, f/n]: the gate product is element-wise on the local f/n hidden units, so no collective
+    runs between them. forward: x [b, s, d] (SP: [b, s/n, d]) → enter → [b, s, f/n] → w2
+    (exit) → [b, s, d] (SP: [b, s/n, d])."""
 
     def __init__(self, plain: FeedForward, topo, sp: bool):
         super().__init__()

@@ -23,13 +23,10 @@ from .comms import AXIS
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy from logits sharded over the vocabulary (Megatron-LM's
-    ``_VocabParallelCrossEntropy``; math in the module docstring).
-
-    forward(logits [N, V_pad/n] fp32, target [N]) → loss [N] (0 where target == IGNORE_INDEX).
-    Collectives (tag ``"ce"``, forward only): all-reduce MAX of [N] (the row maxima), all-reduce
-    SUM of [2, N] (Σ exp(z − m) and the target's shifted logit, which only its owner fills in).
-    backward: ∂ℓ/∂z = softmax(z) − onehot(t) on the local columns; no collective."""
+    """Megatron-LM's ``_VocabParallelCrossEntropy`` (math in the module docstring).
+    forward(logits [N, V_pad/n] fp32, target [N]) → loss [N] (0 where target == IGNORE_INDEX):
+    all-reduce MAX of [N], then SUM of [2, N] (tag ``"ce"``). backward: ∂ℓ/∂z = softmax(z) −
+    onehot(t) on the local columns; no collective."""
 
     @staticmethod
     def forward(ctx, logits, target, vocab_start, vocab_size, topo):
@@ -64,11 +61,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, labels: torch.Tensor,
                                  vocab_start: int, vocab_size: int, topo) -> torch.Tensor:
-    """Per-token loss [b·s] (fp32; 0 where ``labels == IGNORE_INDEX``) from local logits
-    [b, s, V_pad/n] (this rank's vocabulary entries from ``vocab_start``; entries ≥
-    ``vocab_size`` are padding) and labels [b, s], identical on every tp rank. Every tp rank gets
-    the same losses. Three fp32 values per token cross the wire (see
-    :class:`_VocabParallelCrossEntropy`)."""
+    """Per-token loss [b·s] (fp32; 0 where ``labels == IGNORE_INDEX``), the same on every tp
+    rank, from local logits [b, s, V_pad/n] (this rank's vocabulary entries from
+    ``vocab_start``; entries ≥ ``vocab_size`` are padding) and labels [b, s], identical on every
+    tp rank. Three fp32 values per token cross the wire, forward only."""
     return _VocabParallelCrossEntropy.apply(local_logits.flatten(0, 1).float(), labels.flatten(),
                                             vocab_start, vocab_size, topo)
 
