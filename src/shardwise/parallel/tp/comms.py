@@ -31,7 +31,7 @@ def _all_reduce(x: torch.Tensor, topo, axis: str, tag: str) -> torch.Tensor:
     return y
 
 
-def _along(x: torch.Tensor, topo, axis: str, dim: int, tag: str, *,
+def along(x: torch.Tensor, topo, axis: str, dim: int, tag: str, *,
            gather: bool) -> torch.Tensor:
     """All-gather along ``dim`` ([.., k, ..] on each rank → [.., n·k, ..], rank i's shard at
     i·k) or reduce-scatter ([.., n·k, ..] partial sums → [.., k, ..], rank i's chunk of the SUM)."""
@@ -83,11 +83,11 @@ class GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topo, axis, dim):
         ctx.topo, ctx.axis, ctx.dim = topo, axis, dim
-        return _along(x, topo, axis, dim, FWD, gather=True)
+        return along(x, topo, axis, dim, FWD, gather=True)
 
     @staticmethod
     def backward(ctx, grad):
-        return _along(grad, ctx.topo, ctx.axis, ctx.dim, BWD, gather=False), None, None, None
+        return along(grad, ctx.topo, ctx.axis, ctx.dim, BWD, gather=False), None, None, None
 
 
 class ReduceScatterToSP(torch.autograd.Function):
@@ -98,8 +98,8 @@ class ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topo, axis, dim):
         ctx.topo, ctx.axis, ctx.dim = topo, axis, dim
-        return _along(x, topo, axis, dim, FWD, gather=False)
+        return along(x, topo, axis, dim, FWD, gather=False)
 
     @staticmethod
     def backward(ctx, grad):
-        return _along(grad, ctx.topo, ctx.axis, ctx.dim, BWD, gather=True), None, None, None
+        return along(grad, ctx.topo, ctx.axis, ctx.dim, BWD, gather=True), None, None, None

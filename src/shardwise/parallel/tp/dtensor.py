@@ -25,7 +25,7 @@ from ...models.llama import IGNORE_INDEX, Llama
 from ..params import is_dtensor as _is_dtensor, local as _local, local_state_bytes, sum_coalesced_
 from .apply import check_plan_covers, validate_tp
 from .comms import AXIS
-from .engine import _TPEngine
+from .engine import TPEngineBase
 
 _OP_NAMES = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce",
              "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
@@ -181,7 +181,7 @@ def reduce_partial_grads(params, topo, tag: str = "sp_grad") -> None:
         p.grad = DTensor.from_local(t, p.device_mesh, [Replicate()], run_check=False)
 
 
-class TorchTensorParallel(_TPEngine):
+class TorchTensorParallel(TPEngineBase):
     """The DTensor TP engine, with the interface and loss bookkeeping of
     :class:`~.engine.TensorParallel`. ``book_collectives``: book DTensor's collectives in the
     ledger during ``forward_backward`` (a dispatch mode sees every op, which costs Python time

@@ -18,7 +18,7 @@ from .layers import TPRNG, VocabParallelHead
 from .loss import vocab_parallel_cross_entropy
 
 
-class _TPEngine(Engine):
+class TPEngineBase(Engine):
     """Both TP engines (this one and :class:`~.dtensor.TorchTensorParallel`): every tp rank sees
     the same batch and holds the complete loss sum, so the token count and the loss are reduced
     over dp only (the base's ``count_axes``/``reduce_loss_axes``); the norm's Σ g² of the sharded
@@ -41,7 +41,7 @@ class _TPEngine(Engine):
         return {k: v for k, v in t.items() if k not in ("total", "loss")}
 
 
-class TensorParallel(_TPEngine):
+class TensorParallel(TPEngineBase):
     """A Llama model converted by :func:`~.apply.apply_tp` (``module``), its ``topo``, ``sp`` and
     dropout RNG ``rng``; the loss is the vocab-parallel cross-entropy of the local logits. DP or
     ZeRO sits on top in :class:`shardwise.parallel.model.ParallelModel` (dp × tp): the local

@@ -19,7 +19,7 @@ from torch import nn
 from ...errors import ShardwiseConfigError
 from ...models.llama import Attention, FeedForward, causal_attention
 from ..params import mark_tp_shard, shard_of
-from .comms import AXIS, CopyToTP, GatherFromSP, ReduceFromTP, ReduceScatterToSP, _along
+from .comms import AXIS, CopyToTP, GatherFromSP, ReduceFromTP, ReduceScatterToSP, along
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -176,7 +176,7 @@ class VocabParallelHead(ColumnParallelLinear):
             return logits
         if torch.is_grad_enabled():
             raise RuntimeError("VocabParallelHead.gather_output is for inference (no_grad) only")
-        full = _along(logits, self.topo, AXIS, -1, "logits", gather=True)  # [b, s, V_pad]
+        full = along(logits, self.topo, AXIS, -1, "logits", gather=True)  # [b, s, V_pad]
         return full[..., : self.vocab_size]  # [b, s, V]
 
 
