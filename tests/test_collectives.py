@@ -241,3 +241,18 @@ def test_unknown_collectives_is_a_config_error_before_any_group():
         algorithms.check_collectives("rings")
     with pytest.raises(ShardwiseConfigError, match="choose native"):
         Topology(dp=1, collectives="bogus")  # raises before touching torch.distributed
+
+
+def test_bench_fit_recovers_alpha_and_beta_and_busbw_is_nccl_tests():
+    from shardwise.tools.bench.collectives import BUSBW_FACTOR, fit
+
+    sizes = [1024 * 4 ** j for j in range(8)]
+    for op, impl in (("all_reduce", "ring"), ("broadcast", "tree"), ("reduce_scatter", "tree")):
+        times = [cost.time_s(op, algorithms.choose(op, impl, S, 4), S, 4, 3e-5, 2e-10)
+                 for S in sizes]
+        f = fit(op, impl, 4, sizes, times)
+        assert f["alpha_s"] == pytest.approx(3e-5, rel=1e-6)
+        assert f["beta_s_per_byte"] == pytest.approx(2e-10, rel=1e-6)
+    # nccl-tests doc/PERFORMANCE.md: busbw = algbw × 2(n−1)/n, (n−1)/n, 1
+    assert BUSBW_FACTOR["all_reduce"](4) == 1.5 and BUSBW_FACTOR["all_gather"](4) == 0.75
+    assert BUSBW_FACTOR["broadcast"](8) == 1.0
