@@ -9,9 +9,10 @@ Which implementation runs is the topology's ``collectives`` (``--collectives``, 
 run): "native" issues torch's one call (gloo's or NCCL's own algorithm); "ring", "tree" and
 "auto" run :mod:`shardwise.comm.algorithms` over ``isend``/``irecv`` on the same group and book
 the bytes they handed to send (``sent_bytes``) and each send (``sends``) next to the formula.
-Ours run to completion when called, also with ``async_op=True`` (the returned handle is already
-done): correct, in the same order on every rank, but without the overlap of a backend's
-background thread.
+Ours run on one comm thread in the order they are issued (so a blocking call waits for the async
+ones before it, and every rank's messages keep the program's order); ``async_op=True`` returns
+a :class:`Handle` while it runs, so DP buckets and ZeRO-3 prefetch overlap with compute as with
+a backend's async collective.
 
 Backend quirks live here and nowhere else:
 
@@ -128,28 +129,66 @@ def _algorithm(topo, op: str, size_bytes: int, axis: str) -> str | None:
     return algorithms.choose(op, mode, size_bytes, topo.size(axis))
 
 
+class _CommThread:
+    """The one thread that runs our algorithms, in the order they are issued (a FIFO of one
+    worker). Every call of ours goes through it, blocking or not, so the ranks' point-to-point
+    messages on a group keep the program's order even when an async all-gather is still in
+    flight; a blocking call waits for its own turn. Recreated after a fork."""
+
+    _pool, _pid = None, None
+
+    @classmethod
+    def submit(cls, fn):
+        import concurrent.futures
+        import os
+
+        if cls._pool is None or cls._pid != os.getpid():
+            cls._pool = concurrent.futures.ThreadPoolExecutor(1, "shardwise-comm")
+            cls._pid = os.getpid()
+        return cls._pool.submit(fn)
+
+
+class _FutureWork:
+    """A ``concurrent.futures.Future`` with the ``wait()`` of a torch work."""
+
+    def __init__(self, fut):
+        self._fut = fut
+
+    def wait(self):
+        return self._fut.result()  # re-raises the algorithm's error (e.g. torch's timeout)
+
+
 def _ours(topo, op, axis, tensor_like, size_bytes, algorithm, tag, async_op, out, body,
           after=None):
-    """Run ``body(flat, peers)`` (one of :mod:`.algorithms` over the group of ``axis``; ``flat``:
-    ``out`` as one contiguous vector, written back into ``out`` after) to completion, run
-    ``after``, book it with the bytes it sent; a completed :class:`Handle` if ``async_op``.
-    A peer that never sends raises :class:`CollectiveTimeout` after the group's timeout."""
+    """Run ``body(flat, peers) -> bytes sent`` (one of :mod:`.algorithms` over the group of
+    ``axis``; ``flat``: ``out`` as one contiguous vector, written back into ``out`` when done)
+    on the comm thread (:class:`_CommThread`); on completion run ``after`` and book it with the
+    bytes it sent. Returns a :class:`Handle` if ``async_op`` (the algorithm runs while the
+    caller computes, as a backend's async collective does), else waits. A peer that never sends
+    raises :class:`CollectiveTimeout` after the group's timeout."""
     t0 = time.perf_counter()
     n = topo.size(axis)
     peers = algorithms.Peers(topo.group(axis), [topo.global_rank(axis, j) for j in range(n)],
                              topo.index(axis))
     flat, back = _flat(out)
-    with _naming_timeouts(topo, op, axis, tensor_like, tag):
-        body(flat, peers)
-    back()
-    if after is not None:
-        after()
-    sends = tuple((step, to, b) for (step, to), b in sorted(peers.log.items()))
-    _book(topo, op, axis, tensor_like, size_bytes, t0, algorithm, tag, float(peers.sent_bytes),
-          sends)
-    if async_op:
-        return Handle(None, lambda: None)
-    return None
+    phase = topo.ledger.current_phase  # booked under the phase it was issued in
+    fut = _CommThread.submit(lambda: body(flat, peers))  # → the bytes handed to send
+
+    def finish():
+        back()
+        if after is not None:
+            after()
+        sends = tuple((step, to, b) for (step, to), b in sorted(peers.log.items()))
+        with topo.ledger.phase(phase):
+            _book(topo, op, axis, tensor_like, size_bytes, t0, algorithm, tag,
+                  float(fut.result()), sends)
+
+    h = Handle(_FutureWork(fut), finish,
+               lambda: _naming_timeouts(topo, op, axis, tensor_like, tag))
+    if not async_op:
+        h.wait()
+        return None
+    return h
 
 
 def _flat(t: torch.Tensor):

@@ -14,11 +14,14 @@ all_to_all         pairwise          pairwise                   :mod:`.pairwise`
 =================  ================  =========================  ===================
 
 ``auto`` takes, per call, whichever of the two the α-β model of :mod:`.cost` predicts faster for
-the message size and group size. Each function below returns nothing; the bytes sent are in the
-:class:`~.p2p.Peers` it was given (``sent_bytes``, ``log``).
+the message size and group size. Each function below returns the bytes this rank handed to send
+for it; they are also tallied in the :class:`~.p2p.Peers` it was given (``sent_bytes``, and per
+step and peer in ``log``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -63,14 +66,27 @@ def choose(op: str, mode: str, size_bytes: float, n: int, alpha: float = ALPHA_S
                                                      chunk_bytes))
 
 
-def all_reduce(x: torch.Tensor, peers: Peers, algorithm: str, op: str = "sum") -> None:
+def _counted(fn):
+    """``fn``, returning the bytes its :class:`Peers` argument sent during the call."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs) -> int:
+        peers = next(a for a in args if isinstance(a, Peers))
+        before = peers.sent_bytes
+        fn(*args, **kwargs)
+        return peers.sent_bytes - before
+    return wrapper
+
+
+@_counted
+def all_reduce(x: torch.Tensor, peers: Peers, algorithm: str, op: str = "sum") -> int:
     """All-reduce the flat contiguous ``x`` [N] in place by ``algorithm``."""
     {"ring": ring.all_reduce, "halving_doubling": halving_doubling.all_reduce}[algorithm](
         x, peers, op)
 
 
+@_counted
 def reduce_scatter(out: torch.Tensor, x: torch.Tensor, peers: Peers, algorithm: str,
-                   op: str = "sum") -> None:
+                   op: str = "sum") -> int:
     """Reduce the flat ``x`` [n·k] and leave this rank's block in ``out`` [k]."""
     if algorithm == "ring":
         res = ring.reduce_scatter(x, peers, split_bounds(x.numel(), peers.n), op)
@@ -79,7 +95,8 @@ def reduce_scatter(out: torch.Tensor, x: torch.Tensor, peers: Peers, algorithm: 
     out.copy_(res)
 
 
-def all_gather(y: torch.Tensor, shard: torch.Tensor, peers: Peers, algorithm: str) -> None:
+@_counted
+def all_gather(y: torch.Tensor, shard: torch.Tensor, peers: Peers, algorithm: str) -> int:
     """Gather every rank's ``shard`` [k] into the flat ``y`` [n·k] (index i's at i·k)."""
     k, i = shard.numel(), peers.index
     y[i * k:(i + 1) * k].copy_(shard)
@@ -89,17 +106,20 @@ def all_gather(y: torch.Tensor, shard: torch.Tensor, peers: Peers, algorithm: st
         halving_doubling.all_gather(y, peers)
 
 
-def broadcast(x: torch.Tensor, peers: Peers, algorithm: str, src: int) -> None:
+@_counted
+def broadcast(x: torch.Tensor, peers: Peers, algorithm: str, src: int) -> int:
     """Broadcast the flat ``x`` [N] in place from index ``src``."""
     {"chain": ring.broadcast, "binomial": tree.broadcast}[algorithm](x, peers, src)
 
 
-def reduce(x: torch.Tensor, peers: Peers, algorithm: str, dst: int, op: str = "sum") -> None:
+@_counted
+def reduce(x: torch.Tensor, peers: Peers, algorithm: str, dst: int, op: str = "sum") -> int:
     """Reduce the flat ``x`` [N] to index ``dst`` (in place there)."""
     {"chain": ring.reduce, "binomial": tree.reduce}[algorithm](x, peers, dst, op)
 
 
-def all_to_all(out: torch.Tensor, x: torch.Tensor, peers: Peers, algorithm: str) -> None:
+@_counted
+def all_to_all(out: torch.Tensor, x: torch.Tensor, peers: Peers, algorithm: str) -> int:
     """Block j of the flat ``x`` [n·k] to index j; ``out`` [n·k] gets block i from index i."""
     pairwise.all_to_all(out, x, peers)
 

@@ -22,8 +22,8 @@ from .tree import tree_of
 # gloo over the loopback interface of the 2-core development machine, fitted by
 # ``shardwise bench --suite collectives`` (benchmarks/README.md, "Collectives"): the ring
 # all-reduce's fit. ``auto`` uses these unless given others.
-ALPHA_S = 60e-6
-BETA_S_PER_BYTE = 1 / 1.0e9
+ALPHA_S = 700e-6
+BETA_S_PER_BYTE = 1 / 0.57e9
 
 
 def time_s(op: str, algorithm: str, S: float, n: int, alpha: float = ALPHA_S,

@@ -25,8 +25,9 @@ per implementation if matplotlib is installed. Writes ``bench_collectives.{md,js
 
 **zero-collectives** — the payoff: explicit ZeRO-2 and ZeRO-3 over dp = world size, with
 ``--collectives native`` and ``ring`` alternating (A B A B …) on identical models and batches:
-median step, ring / native, and per step the gradient bytes (tag ``grad``) booked by the
-formula, handed to send (ring) and seen on the wire (``lo`` and ``wchar``, whole step).
+median step (the slowest rank's), ring / native (of the medians, and paired: the median over
+rounds of each round's ratio on rank 0), and per step the gradient bytes (tag ``grad``) booked
+by the formula, handed to send (ring) and seen on the wire (``lo`` and ``wchar``, whole step).
 """
 
 from __future__ import annotations
@@ -333,11 +334,19 @@ def bench_zero_collectives(args) -> int:
         native = {x["zero"]: x for x in results if x["impl"] == "native"}
         for x in results:
             x["vs_native"] = x["median_step_s"] / native[x["zero"]]["median_step_s"]
+            # per round: this variant's median / native's median in the same round (rank 0's
+            # steps), then the median over rounds: drift between rounds cancels
+            mine, base = runs[x["variant"]]["times"], runs[f"ZeRO-{x['zero']} native"]["times"]
+            per_round = [(mine[k:k + args.steps], base[k:k + args.steps])
+                         for k in range(0, len(mine), args.steps)]
+            x["vs_native_paired"] = statistics.median(
+                statistics.median(a) / statistics.median(b) for a, b in per_round)
             x["wchar_vs_native"] = (x["step_wchar_bytes_all_ranks"] or math.nan) / \
                 (native[x["zero"]]["step_wchar_bytes_all_ranks"] or math.nan)
         columns = [("variant", "---", lambda x: x["variant"]),
                    ("median step (ms)", "---:", lambda x: f"{x['median_step_s'] * 1e3:.1f}"),
                    ("step / native", "---:", lambda x: f"{x['vs_native']:.3f}"),
+                   ("paired", "---:", lambda x: f"{x['vs_native_paired']:.3f}"),
                    ("grad booked (MB, all ranks)", "---:",
                     lambda x: f"{x['grad_booked_bytes_all_ranks'] / 1e6:.2f}"),
                    ("grad sent (MB)", "---:", lambda x: None if x["grad_sent_bytes_all_ranks"]
