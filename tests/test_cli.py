@@ -89,6 +89,26 @@ def test_trace_prints_every_collective_and_matches_formula(cache_dir):
     assert len(re.findall(r"all_reduce\s+dp\s+2 grad", p.stdout)) > 1  # several buckets
 
 
+def test_trace_with_our_ring_expands_each_collective_into_its_sends(cache_dir):
+    """ZeRO-3 over dp=2 with --collectives ring: each reduce-scatter and all-gather sends one
+    shard, (n−1)/n · S, to the other rank in one step; measured = booked for the whole step."""
+    p = run_cli(["trace", "--collectives", "ring", "--dp", "2", "--zero", "3"], cache_dir,
+                timeout=120)
+    assert p.returncode == 0, p.stdout
+    rows = re.findall(r"(reduce_scatter|all_gather)\s+dp\s+2 (?:grad|param)\s+float32\s+\[(\d+)\]"
+                      r"\s+([\d,]+)\s+([\d,.]+)\s+([\d,.]+) ring\s+[\d.]+\n.*step 0: → rank 1\s+"
+                      r"([\d,]+) B", p.stdout)
+    assert len(rows) >= 4, p.stdout
+    for op, numel, S, booked, sent, step0 in rows:
+        S = int(S.replace(",", ""))
+        assert S == 4 * int(numel)
+        assert float(booked.replace(",", "")) == float(sent.replace(",", "")) == S / 2
+        assert int(step0.replace(",", "")) == S // 2
+    m = re.search(r"total \(rank 0\)\s+([\d,.]+)\s+([\d,.]+)\s+([\d.]+)\s+([\d,.]+)\s+([\d.]+)",
+                  p.stdout)
+    assert m and m.group(3) == "1.0000" and m.group(5) == "1.0000", p.stdout
+
+
 def test_trace_of_a_pipeline_draws_the_real_timeline(cache_dir, tmp_path):
     p = run_cli(["trace", "--pp", "4", "--schedule", "1f1b", "--microbatches", "8", "--out",
                  tmp_path], cache_dir, timeout=180)

@@ -17,6 +17,10 @@ from .errors import ShardwiseConfigError
 from .launch import is_worker, spawn, watch_launcher
 
 
+COLLECTIVES_HELP = ("how comm/ops.py runs the collectives: native (the backend's own), ring, "
+                    "tree, or auto (by the α-β model); default native")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardwise", description="N-D parallel training for "
                                 "PyTorch with every collective in sight.")
@@ -41,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--micro-batch", type=int, default=2)
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--timeout", type=float, default=120.0)
+    v.add_argument("--collectives", default="native", metavar="native|ring|tree|auto",
+                   help=COLLECTIVES_HELP)
     v.add_argument("--json", metavar="PATH", nargs="?", const="verify.json",
                    help="write the results as JSON (default path verify.json)")
     v.set_defaults(func=cmd_verify)
@@ -55,8 +61,13 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="step time of our engines vs PyTorch's, alternating: "
                        "--suite dp (vs DDP, overlap on/off), zero (vs FSDP2), tp (vs DTensor), "
-                       "pp (bubble vs formula, vs torch pipelining)")
-    b.add_argument("--suite", choices=("dp", "zero", "tp", "pp"), default="dp")
+                       "pp (bubble vs formula, vs torch pipelining), collectives (ring/tree "
+                       "vs the backend's, nccl-tests style), zero-collectives (ZeRO-2/3, "
+                       "--collectives ring vs native)")
+    b.add_argument("--suite", choices=("dp", "zero", "tp", "pp", "collectives",
+                                       "zero-collectives"), default="dp")
+    b.add_argument("--max-mb", type=float, default=64.0, help="collectives suite: the largest "
+                   "message, MiB (sizes 1 KiB × 4^k up to it)")
     b.add_argument("--nproc", type=int, default=0, help="ranks (default 2; pp: 4)")
     b.add_argument("--model", default="small")
     b.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
@@ -84,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="layout bench: dtype of the dp gradient reduction")
     b.add_argument("--timeout", type=float, default=300.0, help="process-group timeout (s)")
+    b.add_argument("--collectives", default="native", metavar="native|ring|tree|auto",
+                   help=COLLECTIVES_HELP)
     b.add_argument("--out", default="benchmarks/results")
     b.set_defaults(func=cmd_bench)
 
@@ -151,6 +164,9 @@ def cmd_verify(args, argv) -> int:
     if args.nproc < 1:
         raise ShardwiseConfigError(f"--nproc {args.nproc} must be at least 1")
     check_timeout(args.timeout)
+    from .comm.algorithms import check_collectives
+
+    check_collectives(args.collectives)
     for s in args.layouts or []:
         lay = parse_layout(s)
         if lay.world > args.nproc:
@@ -189,6 +205,9 @@ def cmd_export(args, argv) -> int:
 def cmd_bench(args, argv) -> int:
     args.layouts = [*args.layout, *args.layouts]
     check_timeout(args.timeout)
+    from .comm.algorithms import check_collectives
+
+    check_collectives(args.collectives)
     if args.layouts:  # the generic layout bench (tools/bench/layouts.py); --suite is ignored
         from .tools.bench.layouts import bench_layouts_worker, check_layouts
 
@@ -205,7 +224,7 @@ def cmd_bench(args, argv) -> int:
     args.n_layers = args.n_layers or 8  # the suites' defaults
     args.vocab = args.vocab or 256
     if args.nproc == 0:
-        args.nproc = 4 if args.suite == "pp" else 2
+        args.nproc = 4 if args.suite in ("pp", "collectives") else 2
         argv = [*argv, "--nproc", str(args.nproc)]
     args.pp = args.nproc
     from .tools.bench.suites import SUITES

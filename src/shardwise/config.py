@@ -41,6 +41,8 @@ class TrainConfig:
     virtual_stages: int = 0  # model chunks per pp rank (0 = 2 for interleaved-1f1b, else 1)
     layers_per_stage: str = ""  # explicit pipeline split, e.g. "3,3,2" ("" = balanced)
     engine: str = "explicit"  # explicit | torch
+    collectives: str = "native"  # native | ring | tree | auto: how comm/ops.py runs each
+    # collective (the backend's own, or shardwise.comm.algorithms over isend/irecv)
     bucket_mb: float = 25.0  # DP gradient bucket size, MB
     overlap: bool = True  # launch gradient collectives during backward
     prefetch: bool = True  # ZeRO-3: all-gather the next unit while this one computes
@@ -360,6 +362,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
         if getattr(cfg, key) not in allowed:
             raise ShardwiseConfigError(f"--{key.replace('_', '-')} {getattr(cfg, key)!r}: "
                                        f"choose from {allowed}")
+    from .comm.algorithms import check_collectives
+
+    check_collectives(cfg.collectives)
     _validate_task_and_init(cfg)
     _validate_ranges(cfg)
     _validate_layout(cfg)

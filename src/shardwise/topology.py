@@ -20,6 +20,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from .comm.algorithms import check_collectives
 from .comm.ledger import Ledger
 from .errors import ShardwiseConfigError
 
@@ -98,11 +99,17 @@ class Topology:
 
     Attributes: ``degrees`` {"pp","dp","tp"} → int; ``coords`` this rank's index on each axis;
     ``mesh`` a ``DeviceMesh`` with dims ("pp","dp","tp") for PyTorch's own parallel APIs;
-    ``ledger`` where every collective on these groups is booked; ``device`` torch.device.
+    ``ledger`` where every collective on these groups is booked; ``device`` torch.device;
+    ``collectives`` which implementation :mod:`shardwise.comm.ops` runs its collectives with
+    ("native": the backend's; "ring", "tree", "auto": :mod:`shardwise.comm.algorithms` over
+    point-to-point sends), chosen once per run. Raises :class:`ShardwiseConfigError` for an
+    unknown ``collectives``.
     """
 
     def __init__(self, pp: int = 1, dp: int = 1, tp: int = 1, *, device: str = "cpu",
-                 ranks: list[int] | None = None, timeout_s: float = 300.0):
+                 ranks: list[int] | None = None, timeout_s: float = 300.0,
+                 collectives: str = "native"):
+        self.collectives = check_collectives(collectives)  # before any group is created
         world = dist.get_world_size()
         ranks = list(range(world)) if ranks is None else list(ranks)
         validate_degrees(pp, dp, tp, len(ranks))

@@ -5,7 +5,9 @@ cannot pair with rank 0's call) until rank 0 is done, with its own timeout, and 
 
 Cases, each on its own Topology (a group that timed out is left broken):
 ``sync``: ``comm.all_reduce`` of float32 [4], tag "loss"; ``async``: ``comm.all_gather`` of a
-float32 [3] shard into [6] with ``async_op=True`` then ``Handle.wait()``, tag "param".
+float32 [3] shard into [6] with ``async_op=True`` then ``Handle.wait()``, tag "param";
+``ring``: ``comm.reduce_scatter`` of float32 [8] by our ring (isend/irecv), tag "grad";
+``tree``: the ``async`` case by our recursive doubling.
 Writes ``<out>/rank<r>.json``."""
 
 import datetime
@@ -21,6 +23,8 @@ from shardwise.errors import CollectiveTimeout, ShardwiseConfigError
 from shardwise.topology import Topology, init_distributed
 
 TIMEOUT_S = 3.0
+# case → --collectives of its topology: our point-to-point algorithms respect the timeout too
+COLLECTIVES = {"sync": "native", "async": "native", "ring": "ring", "tree": "tree"}
 WAIT_S = 60.0  # rank 1's own limit while rank 0 times out
 
 
@@ -42,7 +46,8 @@ def _alone(case, fn):
 def main(out):
     init_distributed("cpu", timeout_s=30)
     rank = dist.get_rank()
-    topos = {c: Topology(dp=2, ranks=range(2), timeout_s=TIMEOUT_S) for c in ("sync", "async")}
+    topos = {c: Topology(dp=2, ranks=range(2), timeout_s=TIMEOUT_S, collectives=coll)
+             for c, coll in COLLECTIVES.items()}
     store = dist.distributed_c10d._get_default_store()
     res = {"rank": rank, "cases": []}
     if rank == 0:
@@ -55,6 +60,14 @@ def main(out):
             h.wait()
 
         res["cases"].append(_alone("async", gather))
+        res["cases"].append(_alone("ring", lambda: comm.reduce_scatter(
+            torch.empty(4), torch.ones(8), topos["ring"], "dp", tag="grad")))
+
+        def tree_gather():
+            comm.all_gather(torch.empty(6), torch.ones(3), topos["tree"], "dp", tag="param",
+                            async_op=True).wait()
+
+        res["cases"].append(_alone("tree", tree_gather))
         store.set("timeout_cases_done", "1")
     else:
         t0 = time.perf_counter()

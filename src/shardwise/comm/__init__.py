@@ -2,8 +2,8 @@
 
 from .ledger import CommRecord, Ledger, ring_bytes
 from .ops import (Handle, all_gather, all_reduce, all_reduce_future, all_to_all, broadcast,
-                  broadcast_coalesced, broadcast_object, recv, reduce_scatter, send)
+                  broadcast_coalesced, broadcast_object, recv, reduce, reduce_scatter, send)
 
 __all__ = ["CommRecord", "Ledger", "ring_bytes", "Handle", "all_gather", "all_reduce", "all_reduce_future",
            "all_to_all", "broadcast", "broadcast_coalesced", "broadcast_object", "recv",
-           "reduce_scatter", "send"]
+           "reduce", "reduce_scatter", "send"]

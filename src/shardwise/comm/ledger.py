@@ -17,12 +17,17 @@ reduce_scatter     (n−1)/n · S          n−1 steps, each forwarding one part
 all_to_all         (n−1)/n · S          every rank keeps 1/n of its input, sends the rest
 broadcast          (n−1)/n · S          pipelined chain: n−1 of the n ranks forward S;
                                         we book the per-rank average so every rank agrees
+reduce             (n−1)/n · S          the chain backwards: n−1 ranks send S (average)
 send / recv        S / 0                point to point: the sender books S
 =================  ===================  ==============================================
 
 These are the textbook numbers, not what a particular backend's algorithm happens to do (NCCL
 may pick trees, gloo may pick other schedules); they are what the formulas in the papers use, so
-the ledger can be compared with them exactly. ``seconds`` is wall time from launch to completion
+the ledger can be compared with them exactly. They are booked in ``wire_bytes``. Next to them,
+``sent_bytes`` holds what this rank really handed to ``send`` when the collective ran over our
+own point-to-point algorithms (:mod:`shardwise.comm.algorithms`, ``--collectives
+ring|tree|auto``): equal to ``wire_bytes`` for the ring on even blocks, different, as derived
+there, for halving-doubling, trees and chains (docs/collectives.md). ``seconds`` is wall time from launch to completion
 (for an async op: until its ``wait()`` returned), so it includes any time spent waiting for peers.
 
 Records carry a ``phase`` (``"step"`` for the optimizer step being measured, ``"init"``,
@@ -49,7 +54,7 @@ def ring_bytes(op: str, size_bytes: float, n: int) -> float:
         return 0.0
     if op == "all_reduce":
         return 2.0 * (n - 1) / n * size_bytes
-    if op in ("all_gather", "reduce_scatter", "all_to_all", "broadcast"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce"):
         return (n - 1) / n * size_bytes
     if op == "send":
         return float(size_bytes)
@@ -61,7 +66,12 @@ def ring_bytes(op: str, size_bytes: float, n: int) -> float:
 @dataclasses.dataclass
 class CommRecord:
     """One collective as this rank saw it. ``size_bytes`` = full logical tensor S; ``wire_bytes`` =
-    bytes this rank sent (ring formula); ``seconds`` = wall time launch → completion."""
+    bytes this rank sent by the ring formula (booked); ``seconds`` = wall time launch →
+    completion. ``sent_bytes``: the bytes this rank actually handed to ``send`` — measured when
+    the collective ran over point-to-point sends (``--collectives ring|tree|auto``, and
+    send/recv), None when the backend's own collective ran (its wire is not visible from here;
+    ``shardwise bench --suite collectives`` measures it on the loopback interface). ``sends``:
+    those sends, one ``(step, peer index on the axis, bytes)`` per algorithm step and peer."""
 
     op: str
     axis: str
@@ -73,7 +83,9 @@ class CommRecord:
     seconds: float
     phase: str
     tag: str
-    impl: str  # the torch call that carried it out, e.g. "all_gather_single"
+    impl: str  # the torch call that carried it out, e.g. "all_gather_single", or our algorithm
+    sent_bytes: float | None = None
+    sends: tuple = ()
 
 
 class Ledger:
@@ -120,9 +132,11 @@ class Ledger:
 
     @staticmethod
     def summarize(records: list[CommRecord]) -> list[dict]:
-        """Group records by (op, axis, tag, dtype, shape): count, bytes, seconds."""
+        """Group records by (op, axis, tag, dtype, shape, impl): count, bytes, seconds;
+        ``sent_bytes`` is the measured sum, None if any record of the group was not measured."""
         groups: dict[tuple, dict] = defaultdict(
-            lambda: {"count": 0, "size_bytes": 0, "wire_bytes": 0.0, "seconds": 0.0}
+            lambda: {"count": 0, "size_bytes": 0, "wire_bytes": 0.0, "seconds": 0.0,
+                     "sent_bytes": 0.0}
         )
         for r in records:
             key = (r.op, r.axis, r.group_size, r.tag, r.dtype, tuple(r.shape), r.impl)
@@ -131,6 +145,8 @@ class Ledger:
             g["size_bytes"] += r.size_bytes
             g["wire_bytes"] += r.wire_bytes
             g["seconds"] += r.seconds
+            g["sent_bytes"] = None if r.sent_bytes is None or g["sent_bytes"] is None \
+                else g["sent_bytes"] + r.sent_bytes
         out = []
         for (op, axis, n, tag, dtype, shape, impl), g in groups.items():
             out.append({"op": op, "axis": axis, "group_size": n, "tag": tag, "dtype": dtype,
@@ -138,13 +154,23 @@ class Ledger:
         return out
 
     def to_json(self, path, extra: dict | None = None) -> None:
-        """Write this step's per-collective summary (plus ``extra``, e.g. the formula) to ``path``."""
+        """Write this step's per-collective summary (plus ``extra``, e.g. the formula) to ``path``:
+        ``collectives``, ``total_wire_bytes`` (booked), ``total_seconds``, ``total_sent_bytes``
+        (measured: None unless every record was)."""
         recs = self.step_records()
         payload = {
             "collectives": self.summarize(recs),
             "total_wire_bytes": sum(r.wire_bytes for r in recs),
             "total_seconds": sum(r.seconds for r in recs),
+            "total_sent_bytes": sent_total(recs),
             **(extra or {}),
         }
         with open(path, "w") as f:
             json.dump(payload, f, indent=2)
+
+
+def sent_total(records: list[CommRecord]) -> float | None:
+    """Σ ``sent_bytes`` of ``records``, or None if any of them was not measured."""
+    if any(r.sent_bytes is None for r in records):
+        return None
+    return float(sum(r.sent_bytes for r in records))

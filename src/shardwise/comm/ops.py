@@ -1,9 +1,18 @@
 """Explicit collectives over one named axis of a :class:`~shardwise.topology.Topology`.
 
-Every function here issues exactly one torch.distributed call on the process group of ``axis``
-and books it in ``topo.ledger`` (op, axis, dtype, shape, bytes sent by the ring formula, seconds;
-see :mod:`shardwise.comm.ledger` for what is counted). Nothing else in shardwise calls
+Every function here issues one collective on the process group of ``axis`` and books it in
+``topo.ledger`` (op, axis, dtype, shape, bytes sent by the ring formula, seconds; see
+:mod:`shardwise.comm.ledger` for what is counted). Nothing else in shardwise calls
 ``torch.distributed`` collectives directly, so the ledger sees everything.
+
+Which implementation runs is the topology's ``collectives`` (``--collectives``, chosen once per
+run): "native" issues torch's one call (gloo's or NCCL's own algorithm); "ring", "tree" and
+"auto" run :mod:`shardwise.comm.algorithms` over ``isend``/``irecv`` on the same group and book
+the bytes they handed to send (``sent_bytes``) and each send (``sends``) next to the formula.
+Ours run on one comm thread in the order they are issued (so a blocking call waits for the async
+ones before it, and every rank's messages keep the program's order); ``async_op=True`` returns
+a :class:`Handle` while it runs, so DP buckets and ZeRO-3 prefetch overlap with compute as with
+a backend's async collective.
 
 Backend quirks live here and nowhere else:
 
@@ -33,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveTimeout
+from . import algorithms
 from .ledger import CommRecord, ring_bytes
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -103,19 +113,97 @@ class Handle:
             self.done = True
 
 
-def _book(topo, op, axis, tensor_like, size_bytes, t0, impl, tag):
+def _book(topo, op, axis, tensor_like, size_bytes, t0, impl, tag, sent=None, sends=()):
     n = topo.size(axis)
     topo.ledger.add(CommRecord(
         op=op, axis=axis, group_size=n, dtype=str(tensor_like.dtype).replace("torch.", ""),
         shape=tuple(tensor_like.shape), size_bytes=int(size_bytes),
         wire_bytes=ring_bytes(op, size_bytes, n), seconds=time.perf_counter() - t0,
-        phase=topo.ledger.current_phase, tag=tag, impl=impl,
+        phase=topo.ledger.current_phase, tag=tag, impl=impl, sent_bytes=sent, sends=sends,
     ))
 
 
-def _run(topo, op, axis, tensor_like, size_bytes, impl, tag, async_op, launch, after=None):
-    """Launch ``launch()`` (a torch.distributed call); book it on completion; run ``after``.
-    A timeout, at launch (a blocking call) or in :meth:`Handle.wait`, is raised as
+def _algorithm(topo, op: str, size_bytes: int, axis: str) -> str | None:
+    """The algorithm of :mod:`.algorithms` that runs ``op`` here, or None for the backend's."""
+    mode = getattr(topo, "collectives", "native")
+    return algorithms.choose(op, mode, size_bytes, topo.size(axis))
+
+
+class _CommThread:
+    """The one thread that runs our algorithms, in the order they are issued (a FIFO of one
+    worker). Every call of ours goes through it, blocking or not, so the ranks' point-to-point
+    messages on a group keep the program's order even when an async all-gather is still in
+    flight; a blocking call waits for its own turn. Recreated after a fork."""
+
+    _pool, _pid = None, None
+
+    @classmethod
+    def submit(cls, fn):
+        import concurrent.futures
+        import os
+
+        if cls._pool is None or cls._pid != os.getpid():
+            cls._pool = concurrent.futures.ThreadPoolExecutor(1, "shardwise-comm")
+            cls._pid = os.getpid()
+        return cls._pool.submit(fn)
+
+
+class _FutureWork:
+    """A ``concurrent.futures.Future`` with the ``wait()`` of a torch work."""
+
+    def __init__(self, fut):
+        self._fut = fut
+
+    def wait(self):
+        return self._fut.result()  # re-raises the algorithm's error (e.g. torch's timeout)
+
+
+def _ours(topo, op, axis, tensor_like, size_bytes, algorithm, tag, async_op, out, body,
+          after=None):
+    """Run ``body(flat, peers) -> bytes sent`` (one of :mod:`.algorithms` over the group of
+    ``axis``; ``flat``: ``out`` as one contiguous vector, written back into ``out`` when done)
+    on the comm thread (:class:`_CommThread`); on completion run ``after`` and book it with the
+    bytes it sent. Returns a :class:`Handle` if ``async_op`` (the algorithm runs while the
+    caller computes, as a backend's async collective does), else waits. A peer that never sends
+    raises :class:`CollectiveTimeout` after the group's timeout."""
+    t0 = time.perf_counter()
+    n = topo.size(axis)
+    peers = algorithms.Peers(topo.group(axis), [topo.global_rank(axis, j) for j in range(n)],
+                             topo.index(axis))
+    flat, back = _flat(out)
+    phase = topo.ledger.current_phase  # booked under the phase it was issued in
+    fut = _CommThread.submit(lambda: body(flat, peers))  # → the bytes handed to send
+
+    def finish():
+        back()
+        if after is not None:
+            after()
+        sends = tuple((step, to, b) for (step, to), b in sorted(peers.log.items()))
+        with topo.ledger.phase(phase):
+            _book(topo, op, axis, tensor_like, size_bytes, t0, algorithm, tag,
+                  float(fut.result()), sends)
+
+    h = Handle(_FutureWork(fut), finish,
+               lambda: _naming_timeouts(topo, op, axis, tensor_like, tag))
+    if not async_op:
+        h.wait()
+        return None
+    return h
+
+
+def _flat(t: torch.Tensor):
+    """(a flat contiguous view of ``t`` or a copy, a function writing it back into ``t``)."""
+    if t.is_contiguous():
+        return t.view(-1), lambda: None
+    c = t.contiguous().view(-1)
+    return c, lambda: t.copy_(c.view_as(t))
+
+
+def _run(topo, op, axis, tensor_like, size_bytes, impl, tag, async_op, launch, after=None,
+         sent=None):
+    """Launch ``launch()`` (a torch.distributed call); book it on completion (``sent``: the
+    measured bytes handed to send, for point-to-point; None for a backend collective); run
+    ``after``. A timeout, at launch (a blocking call) or in :meth:`Handle.wait`, is raised as
     :class:`CollectiveTimeout`."""
     t0 = time.perf_counter()
 
@@ -131,7 +219,7 @@ def _run(topo, op, axis, tensor_like, size_bytes, impl, tag, async_op, launch, a
     def finish():
         if after is not None:
             after()
-        _book(topo, op, axis, tensor_like, size_bytes, t0, impl, tag)
+        _book(topo, op, axis, tensor_like, size_bytes, t0, impl, tag, sent)
 
     h = Handle(work if async_op else None, finish, guard)
     if not async_op:
@@ -150,10 +238,17 @@ def all_reduce(tensor: torch.Tensor, topo, axis: str, op: str = "sum", *, tag: s
 
     ``op``: "sum", "avg" (SUM then divide by the group size: gloo has no PREMUL_SUM), "max",
     "min". Books 2(n−1)/n · S bytes. Returns a :class:`Handle` if ``async_op`` else None.
+    α-β cost: ring 2(n−1)α + 2(n−1)/n·S·β (Patarasuk & Yuan 2009), halving-doubling
+    2·log₂n·α + 2(n−1)/n·S·β for n a power of two (Thakur, Rabenseifner & Gropp 2005 §4.4).
     """
     n = topo.size(axis)
     red = _OPS["sum" if op == "avg" else op]
     after = (lambda: tensor.div_(n)) if op == "avg" and n > 1 else None
+    algo = _algorithm(topo, "all_reduce", _nbytes(tensor), axis)
+    if algo:
+        return _ours(topo, "all_reduce", axis, tensor, _nbytes(tensor), algo, tag, async_op,
+                     tensor, lambda y, peers: algorithms.all_reduce(
+                         y, peers, algo, "sum" if op == "avg" else op), after)
     return _run(topo, "all_reduce", axis, tensor, _nbytes(tensor), "all_reduce", tag, async_op,
                 lambda a: dist.all_reduce(tensor, op=red, group=topo.group(axis), async_op=a),
                 after)
@@ -163,6 +258,11 @@ def all_reduce_future(tensor: torch.Tensor, topo, axis: str, *, tag: str = "") -
     """SUM-all-reduce ``tensor`` in place asynchronously and return a ``torch.futures.Future``
     whose value is ``tensor`` (the form DDP communication hooks must return). Booked like
     :func:`all_reduce` when the future completes."""
+    if _algorithm(topo, "all_reduce", _nbytes(tensor), axis):  # ours: done when it returns
+        all_reduce(tensor, topo, axis, tag=tag)
+        fut = torch.futures.Future()
+        fut.set_result(tensor)
+        return fut
     t0 = time.perf_counter()
     if topo.size(axis) == 1:
         fut = torch.futures.Future()
@@ -182,13 +282,20 @@ def all_reduce_future(tensor: torch.Tensor, topo, axis: str, *, tag: str = "") -
 def all_gather(output: torch.Tensor, shard: torch.Tensor, topo, axis: str, *, tag: str = "",
                async_op: bool = False):
     """Gather equal ``shard`` s [k, ...] from every rank of ``axis`` into ``output`` [n·k, ...]
-    (rank i's shard at rows i·k:(i+1)·k). Books (n−1)/n · S with S = bytes of ``output``."""
+    (rank i's shard at rows i·k:(i+1)·k). Books (n−1)/n · S with S = bytes of ``output``.
+    Raises ValueError for unequal shards. α-β cost: ring (n−1)α + (n−1)/n·S·β (Thakur et al.
+    2005 §4.2; JAX scaling book ch. 5)."""
     n = topo.size(axis)
     if output.numel() != shard.numel() * n:
         raise ValueError(f"all_gather: output numel {output.numel()} != {n} × shard numel "
                          f"{shard.numel()} (shards must be equal; pad them)")
     if n == 1:
         output.copy_(shard.reshape(output.shape))
+    algo = _algorithm(topo, "all_gather", _nbytes(output), axis)
+    if algo:
+        return _ours(topo, "all_gather", axis, output, _nbytes(output), algo, tag, async_op,
+                     output, lambda y, peers: algorithms.all_gather(
+                         y, shard.reshape(-1), peers, algo))
     return _run(topo, "all_gather", axis, output, _nbytes(output), _ALL_GATHER.__name__, tag,
                 async_op,
                 lambda a: _ALL_GATHER(output, shard, group=topo.group(axis), async_op=a))
@@ -197,7 +304,10 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, topo, axis: str, *, ta
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, topo, axis: str, op: str = "sum", *,
                    tag: str = "", async_op: bool = False):
     """Reduce ``full`` [n·k, ...] over ``axis`` and leave rank i's chunk (rows i·k:(i+1)·k) in
-    ``output`` [k, ...]. ``op`` "sum" or "avg". Books (n−1)/n · S with S = bytes of ``full``."""
+    ``output`` [k, ...]. ``op`` "sum" or "avg". Books (n−1)/n · S with S = bytes of ``full``.
+    Raises ValueError unless numel(full) = n · numel(output). α-β cost: ring (n−1)α +
+    (n−1)/n·S·β (Patarasuk & Yuan 2009). gloo's own is built on all-reduce (about twice the
+    bytes: benchmarks/README.md, "Collectives")."""
     n = topo.size(axis)
     if full.numel() != output.numel() * n:
         raise ValueError(f"reduce_scatter: input numel {full.numel()} != {n} × output numel "
@@ -205,6 +315,11 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, topo, axis: str, op
     if n == 1:
         output.copy_(full.reshape(output.shape))
     after = (lambda: output.div_(n)) if op == "avg" and n > 1 else None
+    algo = _algorithm(topo, "reduce_scatter", _nbytes(full), axis)
+    if algo:
+        return _ours(topo, "reduce_scatter", axis, full, _nbytes(full), algo, tag, async_op,
+                     output, lambda y, peers: algorithms.reduce_scatter(
+                         y, full.reshape(-1), peers, algo), after)
     return _run(topo, "reduce_scatter", axis, full, _nbytes(full), _REDUCE_SCATTER.__name__, tag,
                 async_op,
                 lambda a: _REDUCE_SCATTER(output, full, op=dist.ReduceOp.SUM,
@@ -215,7 +330,13 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, topo, axis: str, op
 def broadcast(tensor: torch.Tensor, topo, axis: str, src: int = 0, *, tag: str = "",
               async_op: bool = False):
     """Broadcast ``tensor`` in place from the rank with index ``src`` *within* ``axis``.
-    Books (n−1)/n · S on every rank (the per-rank average of a pipelined chain broadcast)."""
+    Books (n−1)/n · S on every rank (the per-rank average of a pipelined chain broadcast).
+    α-β cost: chain (n−2+C)(α + S/C·β) with C chunks, binomial tree ⌈log₂n⌉(α + S·β)
+    (Thakur et al. 2005 §4.1)."""
+    algo = _algorithm(topo, "broadcast", _nbytes(tensor), axis)
+    if algo:
+        return _ours(topo, "broadcast", axis, tensor, _nbytes(tensor), algo, tag, async_op,
+                     tensor, lambda y, peers: algorithms.broadcast(y, peers, algo, src))
     src_global = topo.global_rank(axis, src)
     return _run(topo, "broadcast", axis, tensor, _nbytes(tensor), "broadcast", tag, async_op,
                 lambda a: dist.broadcast(tensor, src=src_global, group=topo.group(axis),
@@ -244,13 +365,40 @@ def broadcast_coalesced(tensors: list[torch.Tensor], topo, axis: str, src: int =
 def all_to_all(output: torch.Tensor, input: torch.Tensor, topo, axis: str, *, tag: str = "",
                async_op: bool = False):
     """Split ``input`` [n·k, ...] into n chunks, send chunk j to rank j of ``axis``, receive into
-    ``output`` [n·k, ...] (chunk i from rank i). Books (n−1)/n · S with S = bytes of ``input``."""
-    if topo.size(axis) == 1:
+    ``output`` [n·k, ...] (chunk i from rank i). Books (n−1)/n · S with S = bytes of ``input``.
+    α-β cost: pairwise exchange (n−1)α + (n−1)/n·S·β (Thakur et al. 2005 §4.5)."""
+    n = topo.size(axis)
+    if n == 1:
         output.copy_(input)
+    algo = _algorithm(topo, "all_to_all", _nbytes(input), axis)
+    if algo:
+        if input.numel() % n or output.numel() != input.numel():
+            raise ValueError(f"all_to_all: input numel {input.numel()} must be a multiple of the "
+                             f"group size {n} and equal output numel {output.numel()}")
+        return _ours(topo, "all_to_all", axis, input, _nbytes(input), algo, tag, async_op,
+                     output, lambda y, peers: algorithms.all_to_all(
+                         y, input.reshape(-1), peers, algo))
     return _run(topo, "all_to_all", axis, input, _nbytes(input), "all_to_all_single", tag,
                 async_op,
                 lambda a: dist.all_to_all_single(output, input, group=topo.group(axis),
                                                  async_op=a))
+
+
+def reduce(tensor: torch.Tensor, topo, axis: str, dst: int = 0, op: str = "sum", *,
+           tag: str = "", async_op: bool = False):
+    """Reduce ``tensor`` (any shape) over ``axis`` into the rank with index ``dst`` within
+    ``axis``, in place there (other ranks' tensors: unchanged by ours, unspecified by the
+    backend's). ``op``: "sum", "max", "min". Books (n−1)/n · S on every rank (the average of
+    n−1 ranks sending S). α-β cost: chain (n−2+C)(α + S/C·β), binomial ⌈log₂n⌉(α + S·β)
+    (Thakur et al. 2005 §4.1)."""
+    algo = _algorithm(topo, "reduce", _nbytes(tensor), axis)
+    if algo:
+        return _ours(topo, "reduce", axis, tensor, _nbytes(tensor), algo, tag, async_op,
+                     tensor, lambda y, peers: algorithms.reduce(y, peers, algo, dst, op))
+    dst_global = topo.global_rank(axis, dst)
+    return _run(topo, "reduce", axis, tensor, _nbytes(tensor), "reduce", tag, async_op,
+                lambda a: dist.reduce(tensor, dst=dst_global, op=_OPS[op],
+                                      group=topo.group(axis), async_op=a))
 
 
 def send(tensor: torch.Tensor, topo, axis: str, dst: int, *, tag: str = "",
@@ -258,7 +406,8 @@ def send(tensor: torch.Tensor, topo, axis: str, dst: int, *, tag: str = "",
     """Send ``tensor`` to the rank with index ``dst`` within ``axis``. Books S bytes."""
     peer = topo.global_rank(axis, dst)
     return _run(topo, "send", axis, tensor, _nbytes(tensor), "isend", tag, async_op,
-                lambda a: _p2p(dist.isend, tensor, peer, topo.group(axis), a))
+                lambda a: _p2p(dist.isend, tensor, peer, topo.group(axis), a),
+                sent=float(_nbytes(tensor)))
 
 
 def recv(tensor: torch.Tensor, topo, axis: str, src: int, *, tag: str = "",
@@ -267,7 +416,7 @@ def recv(tensor: torch.Tensor, topo, axis: str, src: int, *, tag: str = "",
     (the sender books them)."""
     peer = topo.global_rank(axis, src)
     return _run(topo, "recv", axis, tensor, _nbytes(tensor), "irecv", tag, async_op,
-                lambda a: _p2p(dist.irecv, tensor, peer, topo.group(axis), a))
+                lambda a: _p2p(dist.irecv, tensor, peer, topo.group(axis), a), sent=0.0)
 
 
 def _p2p(fn, tensor, peer, group, async_op):

@@ -2,7 +2,9 @@
 
 :func:`trace_worker` runs one step of a layout on synthetic data (two under a pipeline, tracing
 the second, warm one); rank 0 prints every collective of the step (op, axis, group size, tag,
-dtype, shape, bytes, ms), then per tag the ledger's bytes next to the formula of
+dtype, shape, the bytes booked by the formula and, under ``--collectives ring|tree|auto``,
+the bytes really handed to send, each algorithm step's sends beneath it, ms), then per tag
+the ledger's bytes next to the formula of
 :func:`shardwise.formulas.step_bytes_formula`, and the model state this rank holds next to
 :func:`shardwise.formulas.memory_formula`.
 
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 
 from .. import comm
+from ..comm.ledger import sent_total
 from ..config import TrainConfig
 from ..formulas import memory_formula, step_bytes_formula
 from ..parallel.apply import Layout, parallelize
@@ -56,6 +59,20 @@ def _ratio(measured: float, formula: float | None) -> str:
     return f"{measured / formula:.4f}" if formula else "—"
 
 
+def _sent(b: float | None) -> str:
+    return "—" if b is None else f"{b:,.1f}"
+
+
+def _expand(rec, topo) -> list[str]:
+    """One line per step of a collective our algorithms ran: the sends to each peer (global
+    rank), e.g. ``      step 0: → rank 1  18,560 B``."""
+    out = []
+    for step, to, b in rec.sends:
+        peer = topo.global_rank(rec.axis, to)
+        out.append(f"{'':>9}step {step}: → rank {peer} {b:>12,} B")
+    return out
+
+
 def trace_worker(cfg: TrainConfig) -> int:
     """One training step of ``cfg``'s layout on synthetic data; rank 0 prints every collective
     of the step and, per tag, the ledger's bytes next to the formula."""
@@ -68,7 +85,8 @@ def trace_worker(cfg: TrainConfig) -> int:
 
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     init_distributed(cfg.device, cfg.timeout)
-    topo = Topology(cfg.pp, cfg.dp, cfg.tp, device=cfg.device, timeout_s=cfg.timeout)
+    topo = Topology(cfg.pp, cfg.dp, cfg.tp, device=cfg.device, timeout_s=cfg.timeout,
+                    collectives=cfg.collectives)
     work = (verify_workload(cfg.model, cfg.seed, cfg.model_overrides())
             if cfg.model.startswith("mlp")
             else SyntheticLMWorkload(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
@@ -117,19 +135,30 @@ def trace_worker(cfg: TrainConfig) -> int:
         print(f"trace: one step of {cfg.model} ({mcfg.num_params():,} parameters in the model), "
               f"{layout.name()} = {topo.describe()}, engine={cfg.engine}; rank 0's collectives:")
         print(f"{'#':>3} {'op':<15} {'axis':<5} {'n':>2} {'tag':<9} {'dtype':<8} {'shape':<16} "
-              f"{'S bytes':>12} {'sent bytes':>13} {'ms':>8}")
+              f"{'S bytes':>12} {'booked bytes':>13} {'sent bytes':>12} {'impl':<17} "
+              f"{'ms':>8}")
         for i, r in enumerate(recs):
             print(f"{i:>3} {r.op:<15} {r.axis:<5} {r.group_size:>2} {r.tag:<9} {r.dtype:<8} "
                   f"{str(list(r.shape)):<16} {r.size_bytes:>12,} {r.wire_bytes:>13,.1f} "
-                  f"{r.seconds * 1e3:>8.2f}")
-        print(f"{'tag':<20} {'ledger bytes':>16} {'formula bytes':>16} {'ratio':>8}")
+                  f"{_sent(r.sent_bytes):>12} {r.impl:<17} {r.seconds * 1e3:>8.2f}")
+            for line in _expand(r, topo):
+                print(line)
+        print(f"{'tag':<20} {'ledger bytes':>16} {'formula bytes':>16} {'ratio':>8} "
+              f"{'sent bytes':>14} {'sent/formula':>12}")
         for tag in sorted(set(measured) | {k for k in formula if k != "total"}):
             m, f = measured.get(tag, 0.0), formula.get(tag, 0.0)
             if m or f:  # tags this layout does not use (0 = 0) are left out
-                print(f"{tag:<20} {m:>16,.1f} {f:>16,.1f} {_ratio(m, f):>8}")
-        total = sum(measured.values())
+                sent = sent_total([r for r in recs if r.tag == tag])
+                print(f"{tag:<20} {m:>16,.1f} {f:>16,.1f} {_ratio(m, f):>8} "
+                      f"{_sent(sent):>14} {_ratio(sent, f) if sent is not None else '—':>12}")
+        total, sent = sum(measured.values()), sent_total(recs)
         print(f"{'total (rank 0)':<20} {total:>16,.1f} {formula['total']:>16,.1f} "
-              f"{_ratio(total, formula['total']):>8}")
+              f"{_ratio(total, formula['total']):>8} {_sent(sent):>14} "
+              f"{_ratio(sent, formula['total']) if sent is not None else '—':>12}")
+        print("(booked: the ring formula's bytes, what the ledger compares with the layout's "
+              "formula; sent: the bytes handed to send, measured under --collectives "
+              f"ring|tree|auto, — for the backend's own; this run: --collectives "
+              f"{cfg.collectives})")
         g = gathered.view(-1, 2)
         worst = max((abs(a / b - 1) if b else abs(a)) for a, b in g.tolist())
         print(f"all {topo.world_size} ranks: ledger / formula within {worst:.2e} of 1")

@@ -337,7 +337,8 @@ def verify_worker(args) -> int:
             ov = {**overrides, "n_layers": layers_for(lay)}
             shape = (lay.pp, lay.dp, lay.tp)
             if shape not in topos:  # process groups are created once per grid shape
-                topos[shape] = Topology(*shape, ranks=range(lay.world), timeout_s=args.timeout)
+                topos[shape] = Topology(*shape, ranks=range(lay.world), timeout_s=args.timeout,
+                                        collectives=args.collectives)
             topo = topos[shape]
             # micro-batches per rank: the pipeline's m, else two (gradient accumulation)
             n_micro = lay.microbatches or (lay.pp if lay.pp > 1 else 2)
@@ -383,7 +384,8 @@ def verify_worker(args) -> int:
                     topos.clear()
                     everyone = Topology(dp=world, timeout_s=args.timeout)
                     topo = topos[shape] = Topology(*shape, ranks=range(lay.world),
-                                                   timeout_s=args.timeout)
+                                                   timeout_s=args.timeout,
+                                                   collectives=args.collectives)
                     nan = float("nan")
                     rows.append({"layout": lay.name(), "engine": eng, "model": model_name,
                                  "max_loss_diff": nan, "max_grad_diff": nan,
@@ -418,11 +420,13 @@ def verify_worker(args) -> int:
             print(f"largest AdamW term of a parameter bound (rank 0): {worst_bound[0]:.3g}, "
                   f"{worst_bound[1]}")
         print(f"verify: {sum(r['pass'] for r in rows)}/{len(rows)} passed "
-              f"(rtol {RTOL:g}, atol {ATOL:g}, {args.steps} AdamW steps each)")
+              f"(rtol {RTOL:g}, atol {ATOL:g}, {args.steps} AdamW steps each, "
+              f"--collectives {args.collectives})")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"rtol": RTOL, "atol": ATOL, "rule": parity.RULE,
-                           "steps": args.steps, "cases": rows, "pass": ok}, f, indent=2)
+                           "steps": args.steps, "collectives": args.collectives,
+                           "cases": rows, "pass": ok}, f, indent=2)
     sys.stdout.flush()
     # only rank 0 reports the verdict: a non-zero exit elsewhere would look like a crash
     return 0 if ok or dist.get_rank() != 0 else 1

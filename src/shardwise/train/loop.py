@@ -133,7 +133,8 @@ def train(cfg: TrainConfig) -> dict:
     resume_from = None if refused else _find_resume(cfg, work, rank, fingerprint)
 
     init_distributed(cfg.device, cfg.timeout)
-    topo = Topology(cfg.pp, cfg.dp, cfg.tp, device=cfg.device, timeout_s=cfg.timeout)
+    topo = Topology(cfg.pp, cfg.dp, cfg.tp, device=cfg.device, timeout_s=cfg.timeout,
+                    collectives=cfg.collectives)
     with topo.ledger.phase("init"):
         out, refused = comm.broadcast_object((out_name, refused), topo, "world")
     if refused:

@@ -16,6 +16,10 @@ suite     variants                                                   files
 ``tp``    explicit TP and DTensor TP, each without and with SP       ``bench_tp.…``
 ``pp``    measured bubble vs the formula; each schedule, explicit    ``bench_pp.…`` and the
           vs ``torch.distributed.pipelining``                        bubble's timeline
+``collectives``  every op × size × n: native, ring, tree          ``bench_collectives.…``
+          (nccl-tests columns, α-β fit; :mod:`.collectives`)         (+ ``.png``)
+``zero-collectives``  ZeRO-2/3 with ``--collectives`` native vs   ``bench_zero_collectives_dp<n>.…``
+          ring, alternating
 ========  =========================================================  ===================
 """
 
@@ -36,6 +40,7 @@ from ...topology import Topology, init_distributed
 from ...train.workload import SyntheticLMWorkload
 from ...viz.timeline import bubble_of
 from ..trace import gather_timeline, trace_pipeline
+from .collectives import bench_collectives, bench_zero_collectives
 from .harness import alternate, make_run, make_workload, timed_step, write_report
 
 
@@ -69,7 +74,7 @@ def bench_dp(args) -> int:
     all-reduce). ``args``: ``model``, ``steps``, ``rounds``, ``seq_len``, ``micro_batch``
     (sequences per rank per step), ``bucket_mb``, ``out``."""
     n = _world()
-    topo = Topology(dp=n)
+    topo = Topology(dp=n, collectives=args.collectives)
     cfg = TrainConfig(model=args.model, seq_len=args.seq_len, micro_batch=args.micro_batch)
     work = make_workload(args.model, args.seq_len, 4096, 4096)
     global_batch = args.micro_batch * n
@@ -132,7 +137,7 @@ def bench_zero(args) -> int:
     of gathered parameters. ``args``: ``model``, ``steps``, ``rounds``, ``seq_len``,
     ``micro_batch``, ``out``."""
     n = _world()
-    topo = Topology(dp=n)
+    topo = Topology(dp=n, collectives=args.collectives)
     cfg = TrainConfig(model=args.model, seq_len=args.seq_len, micro_batch=args.micro_batch)
     work = make_workload(args.model, args.seq_len, 4096, 4096)
     global_batch = args.micro_batch * n
@@ -241,7 +246,7 @@ def bench_tp(args) -> int:
     work = make_workload(args.model, args.seq_len, 4096, 4096)
     mcfg = build_model(args.model, vocab_size=work.vocab_size).config
     validate_tp(mcfg, tp, True, args.seq_len)  # before any collective
-    topo = Topology(tp=tp)
+    topo = Topology(tp=tp, collectives=args.collectives)
     runs = {name: make_run(lambda m, kw=kw: parallelize(m, topo, Layout(tp=tp, sp=kw["sp"]),
                                                          engine=kw["kind"]),
                            args.model, work, cfg, args.micro_batch, 1, 0) | kw
@@ -307,7 +312,7 @@ def bench_pp(args) -> int:
     p = _world()
     validate_pp(args.n_layers, p, args.schedule, args.microbatches,
                 args.micro_batch * args.microbatches)
-    topo = Topology(pp=p)
+    topo = Topology(pp=p, collectives=args.collectives)
     work = SyntheticLMWorkload(vocab_size=args.vocab, seq_len=args.seq_len,
                                num_train=max(256, args.micro_batch * args.microbatches * 4),
                                num_val=1, seed=0)
@@ -375,4 +380,5 @@ def bench_pp(args) -> int:
     return 0
 
 
-SUITES = {"dp": bench_dp, "zero": bench_zero, "tp": bench_tp, "pp": bench_pp}
+SUITES = {"dp": bench_dp, "zero": bench_zero, "tp": bench_tp, "pp": bench_pp,
+          "collectives": bench_collectives, "zero-collectives": bench_zero_collectives}
