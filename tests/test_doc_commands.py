@@ -14,7 +14,9 @@ inline code span, that starts with ``shardwise <subcommand>`` (or ``python``). E
   nodes), the test suite itself (``pytest``; the README's ``make`` targets are run by the
   fresh-clone check), or a
   command another test runs whole (``verify --nproc 8 --bounded``: tests/test_verify_n8.py;
-  ``verify`` over the whole N = 4 matrix, or a part of it: tests/test_verify_n4.py).
+  ``verify`` over the whole N = 4 matrix, or a part of it by engine or model:
+  tests/test_verify_n4.py), or, listed by hand in ``BY_HAND``, a command too long for the suite
+  (the whole matrix under another collective algorithm) with the test of its parts.
 
 A bare name in running text (``shardwise train``) is a mention, not an example: a command has
 at least one argument after its subcommand.
@@ -39,6 +41,12 @@ SUBCOMMANDS = ("train", "verify", "trace", "bench", "plan", "export")
 TEMPLATE = re.compile(r"\[|…|\bFILE\b|FILE\.toml|\bRUN\b|\bOUT\b|\bDIR\b|\bLAYOUT\b|\bN\b|\|")
 # run exactly by another test: the command and the test that runs it
 RUN_ELSEWHERE = {"shardwise verify --nproc 8 --bounded": "tests/test_verify_n8.py"}
+# too long for `make test` (the whole N = 4 matrix again, ~3.5 min each), run by hand before a
+# change to what they cover lands: the command and the test of its parts in the suite
+BY_HAND = {
+    "shardwise verify --collectives ring --nproc 4": "tests/test_collectives.py",
+    "shardwise verify --nproc 4 --collectives ring": "tests/test_collectives.py",
+}
 
 
 def _commands(page: Path) -> list[str]:
@@ -85,14 +93,19 @@ def _kind(cmd: str) -> str:
     """"run" | "template" | "elsewhere: <why>" for one command."""
     if cmd in RUN_ELSEWHERE:
         return f"elsewhere: {RUN_ELSEWHERE[cmd]} runs it"
-    if cmd.startswith("shardwise verify") and "--layouts" not in cmd and "--nproc 8" not in cmd:
-        return "elsewhere: tests/test_verify_n4.py runs the whole N = 4 matrix, all of this"
+    if cmd in BY_HAND:
+        return f"elsewhere: by hand (long); its parts: {BY_HAND[cmd]}"
     if "pytest" in cmd:
         return "elsewhere: the test suite itself"
     if "--device cuda" in cmd or "--nnodes" in cmd:
         return "elsewhere: needs GPUs or several nodes"
     if TEMPLATE.search(cmd) or cmd.startswith("torchrun "):
         return "template"
+    argv = shlex.split(cmd)
+    if argv[:2] == ["shardwise", "verify"] and "--layouts" not in argv and \
+            set(a for a in argv[2:] if a.startswith("--")) <= {"--engine", "--models", "--nproc"} \
+            and "--nproc 8" not in cmd:  # the matrix, or a part by engine / model
+        return "elsewhere: tests/test_verify_n4.py runs the whole N = 4 matrix, all of this"
     return "run"
 
 
@@ -149,6 +162,8 @@ def shrink(cmd: str, scratch: Path) -> list[str]:
         if "--model" not in argv and _tiny_fits(argv):
             argv = _set(argv, "--model", "tiny")
         argv = _set(argv, "--out", str(scratch / "bench"))
+        if "collectives" in argv:  # its message sizes: 1 KiB … 1 MiB, not … 64 MiB
+            argv = _set(argv, "--max-mb", "1")
     return argv
 
 
@@ -163,7 +178,7 @@ def test_the_pages_show_commands_and_each_has_a_kind():
     subs = {shlex.split(c)[1] for c in runs if c.startswith("shardwise ")}
     assert {"train", "verify", "trace", "bench", "plan", "export"} <= subs, subs
     assert len(runs) >= 30, runs
-    for cmd, test in RUN_ELSEWHERE.items():
+    for cmd, test in {**RUN_ELSEWHERE, **BY_HAND}.items():
         assert any(c == cmd for _, c in COMMANDS), f"{cmd} is no longer on a page: drop it"
         assert (ROOT / test).exists()
     for _, cmd in COMMANDS:  # a page's pytest line names test files that exist
