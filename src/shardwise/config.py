@@ -82,6 +82,9 @@ class TrainConfig:
     sample_tokens: int = 200
     timeout: float = 300.0  # process-group timeout, seconds
     max_restarts: int = 0  # local launcher: restart every rank up to N times after a failure
+    # compare collective fingerprints across ranks: off | step (at every step boundary, through
+    # the store; measured cost in docs/troubleshooting.md) | every (before each collective)
+    check_collectives: str = "step"
     # the fields above that :func:`derive_batching` chose, not the user ("micro_batch",
     # "microbatches", comma-separated): a run folder's config.toml read back with --config
     # derives them again for its layout instead of taking them as chosen. Not a flag
@@ -149,6 +152,7 @@ CHOICES = {
     "device": ("cpu", "cuda"),
     "reduce_dtype": ("fp32", "bf16"),
     "ac": ("none", "selective", "full"),
+    "check_collectives": ("off", "step", "every"),
 }
 
 

@@ -20,6 +20,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from .comm.fingerprint import CollectiveChecks
 from .comm.ledger import Ledger
 from .errors import ShardwiseConfigError
 
@@ -98,11 +99,14 @@ class Topology:
 
     Attributes: ``degrees`` {"pp","dp","tp"} → int; ``coords`` this rank's index on each axis;
     ``mesh`` a ``DeviceMesh`` with dims ("pp","dp","tp") for PyTorch's own parallel APIs;
-    ``ledger`` where every collective on these groups is booked; ``device`` torch.device.
+    ``ledger`` where every collective on these groups is booked; ``device`` torch.device;
+    ``checks`` the :class:`~shardwise.comm.fingerprint.CollectiveChecks` that fingerprint them
+    and compare them across ranks (``check_collectives``: "off", "step" or "every").
     """
 
     def __init__(self, pp: int = 1, dp: int = 1, tp: int = 1, *, device: str = "cpu",
-                 ranks: list[int] | None = None, timeout_s: float = 300.0):
+                 ranks: list[int] | None = None, timeout_s: float = 300.0,
+                 check_collectives: str = "step"):
         world = dist.get_world_size()
         ranks = list(range(world)) if ranks is None else list(ranks)
         validate_degrees(pp, dp, tp, len(ranks))
@@ -114,6 +118,9 @@ class Topology:
         if self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.ledger = Ledger()
+        # fingerprints of every collective on these groups, compared across ranks at each step
+        # boundary (``check_collectives``: off | step | every; see comm/fingerprint.py)
+        self.checks = CollectiveChecks(self, check_collectives, timeout_s)
         self.grid = torch.tensor(ranks, dtype=torch.long).reshape(pp, dp, tp)
         timeout = datetime.timedelta(seconds=timeout_s)
         self._groups: dict[str, dist.ProcessGroup] = {}

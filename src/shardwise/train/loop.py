@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .. import comm
+from ..comm import fingerprint as collective_checks
 from ..config import TrainConfig, batching_note, validate
 from ..errors import ShardwiseConfigError
 from ..flops import mfu, peak_devices, peak_flops, step_flops
@@ -133,7 +134,8 @@ def train(cfg: TrainConfig) -> dict:
     resume_from = None if refused else _find_resume(cfg, work, rank, fingerprint)
 
     init_distributed(cfg.device, cfg.timeout)
-    topo = Topology(cfg.pp, cfg.dp, cfg.tp, device=cfg.device, timeout_s=cfg.timeout)
+    topo = Topology(cfg.pp, cfg.dp, cfg.tp, device=cfg.device, timeout_s=cfg.timeout,
+                    check_collectives=cfg.check_collectives)
     with topo.ledger.phase("init"):
         out, refused = comm.broadcast_object((out_name, refused), topo, "world")
     if refused:
@@ -228,7 +230,7 @@ def train(cfg: TrainConfig) -> dict:
         batch = work.batches(local, micro_batch)
         t0 = time.perf_counter()
         res = train_step(engine, batch, optimizer, topo, max_norm=cfg.grad_clip,
-                         scheduler=scheduler, dtype=cfg.dtype, measure_memory=True)
+                         scheduler=scheduler, dtype=cfg.dtype, measure_memory=True, step=step)
         dt = time.perf_counter() - t0
         times.append(dt)
         tokens_seen += res.tokens
@@ -274,6 +276,7 @@ def train(cfg: TrainConfig) -> dict:
             checkpointer.save(step, engine, optimizer, scheduler=scheduler, sampler=sampler,
                               extra_meta=_meta(cfg, tokens_seen, val_losses, model_cfg))
         faults.kill_at_step(step, checkpointer)
+        faults.rank_only_collective(step, topo)  # SHARDWISE_TEST_RANK0_GATHER: a desync
     if bar is not None:
         bar.close()
     metrics.close()
@@ -285,6 +288,7 @@ def train(cfg: TrainConfig) -> dict:
                                  sampler=sampler,
                                  extra_meta=_meta(cfg, tokens_seen, val_losses, model_cfg))
     checkpointer.close()  # waits for an async save to be written and committed
+    collective_checks.check(topo, label="at the end of training")  # the last step's, the save's
     sample = None
     if cfg.sample_tokens > 0:  # --sample-tokens 0: no sample (and no gather for one)
         with engine.full_model() as full:  # every rank together: sharded weights gather here
