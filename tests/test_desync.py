@@ -1,8 +1,9 @@
-"""A desync is one line on every rank, not a hang (issue 18, tests (a), (b), (e)): collective
-fingerprints compared across ranks (comm/fingerprint.py) turn an extra collective on one rank,
-the same collective with another shape, and a gathering collective called from rank 0 alone
-into one ``CollectiveMismatch`` message on every rank, naming the rank, the op and the
-sequence number, within a few check slices and far below the process-group timeout.
+"""A desync is one line on every rank, not a hang (issue 18, tests (a), (b), (c), (e)):
+collective fingerprints compared across ranks (comm/fingerprint.py) turn an extra collective on
+one rank, the same collective with another shape, and a gathering collective called from rank
+0 alone into one ``CollectiveMismatch`` message on every rank, naming the rank, the op and the
+sequence number, within a few check slices and far below the process-group timeout; a rank
+stuck in compute is named after ``--hang-after`` (``CollectiveHang``), with flight records.
 
 One 3-rank world runs the cases (tests/workers/desync_cases.py); one CLI run checks the
 whole path: ``shardwise train`` with rank 0 alone all-gathering after step 1 exits non-zero
@@ -50,10 +51,16 @@ EXPECTED = {
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def world_out(tmp_path_factory):
     out = tmp_path_factory.mktemp("desync")
     run_world(W.__file__, out, NPROC)
-    return [json.loads((out / f"rank{r}.json").read_text())["cases"] for r in range(NPROC)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(world_out):
+    return [json.loads((world_out / f"rank{r}.json").read_text())["cases"]
+            for r in range(NPROC)]
 
 
 @pytest.mark.timeout(150)
@@ -66,6 +73,31 @@ def test_a_desync_raises_one_message_on_every_rank(ranks, case):
         assert "\n" not in rec["message"]  # one line, the same on every rank
         assert rec["message"] == ranks[0][case]["message"]
         assert rec["seconds"] < BOUND_S, (r, rec["seconds"])
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_stuck_in_compute_is_named_after_hang_after(ranks, world_out):
+    want = (f"rank {W.ODD} reported nothing since the check before step 1 (stuck in compute, "
+            f"in code outside shardwise.comm, or dead); ranks {OTHERS} wait at the check "
+            f"before step 2: rank ")
+    msgs = {ranks[r]["compute"]["message"] for r in range(NPROC)}
+    assert len(msgs) == 1 and next(iter(msgs)).startswith(want), msgs
+    for r in range(NPROC):
+        rec = ranks[r]["compute"]
+        assert rec["type"] == "CollectiveHang" and rec["timeout"], (r, rec)
+        if r == W.ODD:  # it raises when it reaches the check, after its "compute"
+            assert rec["seconds"] < W.HANG_AFTER_S + 3.0 + BOUND_S, rec
+            assert not (world_out / "flight" / f"rank{r}.json").exists()
+            continue
+        # not before --hang-after (the check waited), and not much after it
+        assert W.HANG_AFTER_S <= rec["seconds"] < W.HANG_AFTER_S + BOUND_S, (r, rec)
+        flight = json.loads((world_out / "flight" / f"rank{r}.json").read_text())
+        assert flight["waiting"] == "at the check before step 2", flight
+        assert W.HANG_AFTER_S <= flight["waited_s"] < W.HANG_AFTER_S + BOUND_S, flight
+        assert [(x["fingerprint"], x["seq"]) for x in flight["last"]] == [
+            ("broadcast(dp, param, float32[2], src=0)", 1),
+            ("all_reduce(dp, grad, float32[4])", 2)], flight["last"]
+        assert any("step_one" in frame for frame in flight["stack"]), flight["stack"]
 
 
 @pytest.mark.timeout(150)

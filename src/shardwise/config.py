@@ -85,6 +85,10 @@ class TrainConfig:
     # compare collective fingerprints across ranks: off | step (at every step boundary, through
     # the store; measured cost in docs/troubleshooting.md) | every (before each collective)
     check_collectives: str = "step"
+    # a rank waiting longer than this (seconds) for its peers, in a collective or at the check,
+    # writes RUN/flight/rank{r}.json and ends the run naming every rank's position; 0 = half
+    # of --timeout (needs --check-collectives step or every)
+    hang_after: float = 0.0
     # the fields above that :func:`derive_batching` chose, not the user ("micro_batch",
     # "microbatches", comma-separated): a run folder's config.toml read back with --config
     # derives them again for its layout instead of taking them as chosen. Not a flag

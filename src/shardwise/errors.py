@@ -26,3 +26,10 @@ class CollectiveMismatch(ShardwiseConfigError):
     first diverging sequence number and what each rank issued there, e.g. ``rank 1 called
     all_reduce(dp, extra, float32[4]) where rank 0 issued no collective (reached the check
     before step 4), at collective #7 on dp (ranks 0,1) in step 3: …`` and the fix."""
+
+
+class CollectiveHang(CollectiveTimeout):
+    """A rank waited longer than ``--hang-after`` seconds for its peers (in a collective of
+    :mod:`shardwise.comm` or at the collective check). The message gives every rank's position
+    (which collective or check it waits in; which ranks reported nothing: stuck in compute, or
+    dead) and where the flight records are (``RUN/flight/rank{r}.json``)."""

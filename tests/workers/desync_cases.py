@@ -14,6 +14,10 @@ Cases (rank ODD is the one that misbehaves; the others do the right thing):
 ``save``   (e) ``step``: after step 1, rank 0 alone "saves": it all-gathers float32 [3] shards
            into [9] (tag "checkpoint", phase "checkpoint"), as a save on rank 0 only would;
            every rank reaches the check before step 2.
+``compute`` (c) ``step`` with ``hang_after_s`` = HANG_AFTER_S and flight records in
+           ``<out>/flight``: rank ODD "computes" (sleeps HANG_AFTER_S + 3 s) after step 1's
+           all-reduce; the others wait at the check before step 2 and, after HANG_AFTER_S,
+           write their flight records and raise CollectiveHang naming rank ODD as silent.
 ``clean``  the same as ``extra`` without the fault, on ``step``: no error (the check cannot
            fail without a cause).
 """
@@ -27,31 +31,36 @@ import torch.distributed as dist
 
 from shardwise import comm
 from shardwise.comm import fingerprint
-from shardwise.errors import CollectiveMismatch
+from shardwise.errors import CollectiveMismatch, CollectiveTimeout
 from shardwise.topology import Topology, init_distributed
 
 TIMEOUT_S = 60.0
 ODD = 1
-CASES = {"extra": "step", "shape": "every", "save": "step", "clean": "step"}
+HANG_AFTER_S = 2.0
+CASES = {"extra": "step", "shape": "every", "save": "step", "compute": "step", "clean": "step"}
 
 
-def step_one(topo, rank, case):
-    """Step 1 of ``case`` on this rank; returns the time of the fault (or of the last call)."""
+def step_one(topo, rank, case, mark):
+    """Step 1 of ``case`` on this rank; ``mark["t"]``: when the fault began (the faulty call,
+    or, on a rank that does nothing wrong, when it issued its last good collective)."""
     fingerprint.check(topo, 1)
     with topo.ledger.phase("init"):
         comm.broadcast(torch.zeros(2), topo, "dp", tag="param")
     n = 8 if (case == "shape" and rank == ODD) else 4
-    t_fault = time.perf_counter()
+    mark["t"] = time.perf_counter()
     comm.all_reduce(torch.ones(n), topo, "dp", tag="grad")
+    if case != "shape":
+        mark["t"] = time.perf_counter()
     if case == "extra" and rank == ODD:
-        t_fault = time.perf_counter()
+        mark["t"] = time.perf_counter()
         comm.all_reduce(torch.ones(4), topo, "dp", tag="extra")
+    if case == "compute" and rank == ODD:
+        time.sleep(HANG_AFTER_S + 3.0)  # stuck in compute, past --hang-after
     if case == "save" and rank == 0:
-        t_fault = time.perf_counter()
+        mark["t"] = time.perf_counter()
         with topo.ledger.phase("checkpoint"):
             comm.all_gather(torch.empty(9), torch.ones(3), topo, "dp", tag="checkpoint")
     fingerprint.check(topo, 2)
-    return t_fault
 
 
 def main(out):
@@ -60,14 +69,17 @@ def main(out):
     res = {"rank": rank, "cases": {}}
     for case, mode in CASES.items():
         topo = Topology(dp=dist.get_world_size(), timeout_s=TIMEOUT_S, check_collectives=mode)
-        t0 = time.perf_counter()
+        if case == "compute":
+            topo.checks.hang_after_s, topo.checks.flight_dir = HANG_AFTER_S, f"{out}/flight"
+        mark = {"t": time.perf_counter()}
         rec = {"type": None, "message": None}
         try:
-            t0 = step_one(topo, rank, case)
+            step_one(topo, rank, case, mark)
         except Exception as e:  # noqa: BLE001 - the test checks the type
             rec.update(type=type(e).__name__, message=str(e),
-                       mismatch=isinstance(e, CollectiveMismatch))
-        rec["seconds"] = time.perf_counter() - t0
+                       mismatch=isinstance(e, CollectiveMismatch),
+                       timeout=isinstance(e, CollectiveTimeout))
+        rec["seconds"] = time.perf_counter() - mark["t"]
         res["cases"][case] = rec
         # the cases stay apart: the next one starts when every rank is done with this one (the
         # store, not a collective: a stuck collective of this case must not pair with it)

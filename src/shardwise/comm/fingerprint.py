@@ -62,7 +62,7 @@ import zlib
 
 import torch.distributed as dist
 
-from ..errors import CollectiveMismatch, CollectiveTimeout
+from ..errors import CollectiveHang, CollectiveMismatch, CollectiveTimeout
 
 MODES = ("off", "step", "every")
 SLICE_S = 0.5  # seconds a rank waits (in a collective or at the check) before it reports
@@ -119,6 +119,10 @@ class CollectiveChecks:
         self._host_blocking: dict[str, bool] = {}
         self._reported = None  # (epoch, fingerprints, label) of the last full report
         self._found = -1  # the epoch in which this rank first proved a divergence
+        # --hang-after: a wait longer than this (seconds; None: only the process-group timeout)
+        # writes this rank's flight record to flight_dir/rank{r}.json and ends the run
+        self.hang_after_s: float | None = None
+        self.flight_dir = None
 
     # -- state --------------------------------------------------------------------------------
     @property
@@ -171,6 +175,7 @@ class CollectiveChecks:
         import datetime
 
         sl = datetime.timedelta(seconds=SLICE_S)
+        t0 = time.monotonic()
         while True:
             try:
                 work.wait(timeout=sl)
@@ -179,17 +184,19 @@ class CollectiveChecks:
                 if "Operation timed out!" not in str(e):  # the collective's own error: a peer
                     self._raise_known(e)  # that raised the diagnosis and left breaks it
                     raise
-            self._while_waiting()
+            self._while_waiting(t0=t0, what=f"in {self.history[-1][1]} #{self.history[-1][4]}"
+                                if self.history else "in a collective")
 
-    def _raise_known(self, cause: BaseException) -> None:
-        """Raise the topology's published diagnosis, if any, chained to ``cause``."""
+    def _raise_known(self, cause: BaseException | None = None) -> None:
+        """Raise the topology's published diagnosis, if any (chained to ``cause``)."""
         try:
             s = self.store()
-            msg = s.get("abort").decode() if s.check(["abort"]) else None
+            value = s.get("abort").decode() if s.check(["abort"]) else None
         except Exception:  # noqa: BLE001 - the store is gone too: the cause stands
             return
-        if msg:
-            raise CollectiveMismatch(msg) from cause
+        if value:
+            kind, _, msg = value.partition("|")
+            raise (CollectiveHang if kind == "hang" else CollectiveMismatch)(msg) from cause
 
     def _blocks_host(self, axis: str) -> bool:
         g = self._group(axis)
@@ -221,13 +228,15 @@ class CollectiveChecks:
         keys = [f"b/{e}/{r}" for r in self.topo.ranks]
         t0 = time.monotonic()
         self._poll(lambda: s.check(keys), t0, f"reached the collective check {label}",
-                   lambda: self._while_waiting(label=label))
+                   lambda: self._while_waiting(label=label, t0=t0, what=f"at the check {label}"))
+        self._raise_known()  # a peer gave up on this rank (--hang-after) while it was away
         summaries = {r: json.loads(v) for r, v in zip(self.topo.ranks, s.multi_get(keys))}
         if any(self._disagree(g, summaries) for g in self._all_groups(summaries)):
             self._report(label=label)
             full = [f"f/{e}/{r}" for r in self.topo.ranks]
             self._poll(lambda: s.check(full), t0, "published its collectives",
-                       lambda: self._while_waiting(label=label))
+                       lambda: self._while_waiting(label=label, t0=t0,
+                                                   what=f"at the check {label}"))
             self._raise(self._diagnose(self._reports()) or
                         f"the ranks issued different collectives since the check "
                         f"{summaries[self._rank]['label']}: {_FIX}")
@@ -288,14 +297,19 @@ class CollectiveChecks:
         have = [k for k in keys if s.check([k])]
         return {json.loads(v)["rank"]: json.loads(v) for v in (s.multi_get(have) if have else [])}
 
-    def _while_waiting(self, label: str | None = None) -> None:
-        """Called after each slice spent waiting: report, then raise the divergence if any rank
-        has proven one (or this rank can, from the reports published so far)."""
-        s = self.store()
-        if s.check(["abort"]):
-            raise CollectiveMismatch(s.get("abort").decode())
-        self._report(label=label, waiting=None if label else "in a collective")
+    def _while_waiting(self, label: str | None = None, t0: float | None = None,
+                       what: str = "in a collective") -> None:
+        """Called after each slice spent waiting (since ``t0``, ``what``: where): report, then
+        raise the divergence if any rank has proven one (or this rank can, from the reports
+        published so far); past ``hang_after_s``, write the flight record and raise
+        :class:`CollectiveHang` naming every rank's position."""
+        self._raise_known()
+        self._report(label=label, waiting=None if label else what)
         reports = self._reports()
+        waited = time.monotonic() - t0 if t0 is not None else 0.0
+        if self.hang_after_s and waited >= self.hang_after_s:
+            self._flight_record(what, waited)
+            self._raise(self._hang_message(reports, what, waited), kind="hang")
         msg = self._diagnose(reports)
         if msg and len(reports) < self.topo.world_size and self._found != self.epoch:
             self._found = self.epoch  # proven, but wait one slice more for every rank's report
@@ -303,11 +317,47 @@ class CollectiveChecks:
         if msg:
             self._raise(msg)
 
-    def _raise(self, msg: str):
+    def _raise(self, msg: str, kind: str = "mismatch"):
         """Publish ``msg`` as the topology's one diagnosis (unless another rank was first) and
-        raise it."""
-        won = self.store().compare_set("abort", "", msg)
-        raise CollectiveMismatch(won.decode() if isinstance(won, bytes) else str(won))
+        raise it (``kind`` "mismatch": :class:`CollectiveMismatch`; "hang":
+        :class:`CollectiveHang`)."""
+        self.store().compare_set("abort", "", f"{kind}|{msg}")
+        self._raise_known()
+
+    def _hang_message(self, reports: dict, what: str, waited: float) -> str:
+        """Every rank's position from ``reports``: where each waits, and who reported nothing."""
+        silent = [r for r in self.topo.ranks if r not in reports]
+        where: dict[str, list[int]] = collections.defaultdict(list)
+        for r, rep in sorted(reports.items()):
+            where[f"at the check {rep['label']}" if rep["label"] else rep["waiting"]].append(r)
+        parts = []
+        if silent:
+            parts.append(f"{_ranks_text(silent)} reported nothing since the check before step "
+                         f"{self.step} (stuck in compute, in code outside shardwise.comm, or "
+                         f"dead)")
+        parts += [f"{_ranks_text(rs)} {'waits' if len(rs) == 1 else 'wait'} {w}"
+                  for w, rs in where.items()]
+        return (f"{'; '.join(parts)}: rank {self._rank} waited {waited:.1f} s (--hang-after "
+                f"{self.hang_after_s:g}); see where a silent rank is with py-spy dump --pid PID"
+                + (f"; flight records in {self.flight_dir}" if self.flight_dir else ""))
+
+    def _flight_record(self, what: str, waited: float) -> None:
+        """Write ``flight_dir/rank{r}.json``: this rank's last :data:`HISTORY` fingerprints,
+        what it waits for, for how long (s), and its Python stack."""
+        if not self.flight_dir:
+            return
+        import os
+        import traceback
+
+        os.makedirs(self.flight_dir, exist_ok=True)
+        rec = {"rank": self._rank, "step": self.step, "waiting": what, "waited_s": waited,
+               "last": [{"group": g, "fingerprint": fp, "phase": ph, "step": st, "seq": n}
+                        for g, fp, ph, st, n in self.history],
+               "stack": traceback.format_stack()[:-2]}
+        path = os.path.join(self.flight_dir, f"rank{self._rank}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(rec, f, indent=1)
+        os.replace(path + ".tmp", path)
 
     def _diagnose(self, reports: dict) -> str | None:
         """The first proven divergence in ``reports`` (rank → full report), as one line, or None.
@@ -364,8 +414,9 @@ class CollectiveChecks:
         members = self._members[g]
         s.set(f"e/{g}/{n}/{self._rank}", fp)
         keys = [f"e/{g}/{n}/{r}" for r in members]
-        self._poll(lambda: s.check(keys), time.monotonic(),
-                   f"issued collective #{n} on {g}", self._while_waiting)
+        t0 = time.monotonic()
+        self._poll(lambda: s.check(keys), t0, f"issued collective #{n} on {g}",
+                   lambda: self._while_waiting(t0=t0, what=f"before {fp} #{n}"))
         fps = dict(zip(members, (v.decode() for v in s.multi_get(keys))))
         if len(set(fps.values())) > 1:
             entry = self.pending[g][-1]

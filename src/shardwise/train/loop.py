@@ -142,6 +142,9 @@ def train(cfg: TrainConfig) -> dict:
         raise RunFolderBusyError(refused)
     out = Path(out)
     cfg = dataclasses.replace(cfg, out=str(out))
+    # --hang-after: a wait past it writes out/flight/rank{r}.json and ends the run
+    topo.checks.hang_after_s = cfg.hang_after if cfg.hang_after > 0 else cfg.timeout / 2
+    topo.checks.flight_dir = str(out / "flight")
     is_main = topo.index("world") == 0
     if is_main:
         out.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,9 @@
 
 The sync points, in order, and why:
 
+0. the collective check (``--check-collectives``, :mod:`shardwise.comm.fingerprint`): through
+   the c10d store, not a collective, every rank compares what it issued since the last step, so
+   a collective issued on some ranks only is named here instead of hanging the next step.
 1. all_reduce of the step's counted-token total T over dp (before any forward): every rank
    divides its token-loss sum by the *global* T, so summed gradients are exactly ∇ of the
    token-weighted global mean (see :mod:`shardwise.parallel.dp`).
