@@ -44,6 +44,13 @@ no rank ever waits on something that could itself be stuck:
   collective's wait, raises :class:`~shardwise.errors.CollectiveMismatch` with that one message
   within about a slice. The stuck collective is left to die with the process.
 
+A rank that waits past ``hang_after_s`` (``--hang-after``; in a collective's wait on gloo, or
+at the check) writes its flight record, ``flight_dir/rank{r}.json`` (its last :data:`HISTORY`
+fingerprints, what it waits for, for how long, its Python stack), and raises
+:class:`~shardwise.errors.CollectiveHang` naming every rank's position from the reports in the
+store: where each waits, and which ranks reported nothing (stuck in compute, or dead). A silent
+rank that reaches the check later raises the same message.
+
 On NCCL (or any backend whose collectives do not block the host) the host never blocks inside a
 collective, so every rank reaches the check and the summaries alone show the divergence.
 
