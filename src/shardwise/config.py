@@ -415,6 +415,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
         raise ShardwiseConfigError(f"--peak-tflops {cfg.peak_tflops} must be ≥ 0 (0 = the "
                                    "device's table value, or a measured CPU peak)")
     check_timeout(cfg.timeout)
+    if cfg.hang_after < 0:  # --hang-after
+        raise ShardwiseConfigError(f"--hang-after {cfg.hang_after} must be ≥ 0 seconds (0 = "
+                                   f"half of --timeout, {cfg.timeout / 2:g} s)")
 
 
 # The smallest --timeout accepted, seconds: a floor, not a recommendation (the default is 300).
