@@ -81,6 +81,7 @@ def test_a_rank_stuck_in_compute_is_named_after_hang_after(ranks, world_out):
             f"in code outside shardwise.comm, or dead); ranks {OTHERS} wait at the check "
             f"before step 2: rank ")
     msgs = {ranks[r]["compute"]["message"] for r in range(NPROC)}
+    waited = []
     assert len(msgs) == 1 and next(iter(msgs)).startswith(want), msgs
     for r in range(NPROC):
         rec = ranks[r]["compute"]
@@ -89,15 +90,18 @@ def test_a_rank_stuck_in_compute_is_named_after_hang_after(ranks, world_out):
             assert rec["seconds"] < W.HANG_AFTER_S + 3.0 + BOUND_S, rec
             assert not (world_out / "flight" / f"rank{r}.json").exists()
             continue
-        # not before --hang-after (the check waited), and not much after it
-        assert W.HANG_AFTER_S <= rec["seconds"] < W.HANG_AFTER_S + BOUND_S, (r, rec)
+        assert rec["seconds"] < W.HANG_AFTER_S + BOUND_S, (r, rec)  # not much after it
         flight = json.loads((world_out / "flight" / f"rank{r}.json").read_text())
         assert flight["waiting"] == "at the check before step 2", flight
-        assert W.HANG_AFTER_S <= flight["waited_s"] < W.HANG_AFTER_S + BOUND_S, flight
+        assert flight["waited_s"] < W.HANG_AFTER_S + BOUND_S, flight
+        waited.append(flight["waited_s"])
         assert [(x["fingerprint"], x["seq"]) for x in flight["last"]] == [
             ("broadcast(dp, param, float32[2], src=0)", 1),
             ("all_reduce(dp, grad, float32[4])", 2)], flight["last"]
         assert any("step_one" in frame for frame in flight["stack"]), flight["stack"]
+    # not before --hang-after: the rank that gave up first waited all of it (the other may
+    # have seen its verdict a little sooner in its own wait)
+    assert max(waited) >= W.HANG_AFTER_S, waited
 
 
 @pytest.mark.timeout(150)

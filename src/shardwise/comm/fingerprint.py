@@ -309,11 +309,14 @@ class CollectiveChecks:
         """Called after each slice spent waiting (since ``t0``, ``what``: where): report, then
         raise the divergence if any rank has proven one (or this rank can, from the reports
         published so far); past ``hang_after_s``, write the flight record and raise
-        :class:`CollectiveHang` naming every rank's position."""
-        self._raise_known()
+        :class:`CollectiveHang` naming every rank's position. A rank that learns of a
+        published diagnosis while it waits writes its flight record too."""
+        waited = time.monotonic() - t0 if t0 is not None else 0.0
+        if self.store().check(["abort"]):
+            self._flight_record(what, waited)
+            self._raise_known()
         self._report(label=label, waiting=None if label else what)
         reports = self._reports()
-        waited = time.monotonic() - t0 if t0 is not None else 0.0
         if self.hang_after_s and waited >= self.hang_after_s:
             self._flight_record(what, waited)
             self._raise(self._hang_message(reports, what, waited), kind="hang")
