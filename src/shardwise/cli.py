@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--timeout", type=float, default=120.0)
     v.add_argument("--collectives", default="native", metavar="native|ring|tree|auto",
                    help=COLLECTIVES_HELP)
+    v.add_argument("--check-collectives", choices=("off", "step", "every"), default="step",
+                   help="compare collective fingerprints across ranks at each step boundary "
+                        "(step, the default), before each collective (every), or not (off)")
     v.add_argument("--json", metavar="PATH", nargs="?", const="verify.json",
                    help="write the results as JSON (default path verify.json)")
     v.set_defaults(func=cmd_verify)

@@ -84,6 +84,13 @@ class TrainConfig:
     sample_tokens: int = 200
     timeout: float = 300.0  # process-group timeout, seconds
     max_restarts: int = 0  # local launcher: restart every rank up to N times after a failure
+    # compare collective fingerprints across ranks: off | step (at every step boundary, through
+    # the store; measured cost in docs/troubleshooting.md) | every (before each collective)
+    check_collectives: str = "step"
+    # a rank waiting longer than this (seconds) for its peers, in a collective or at the check,
+    # writes RUN/flight/rank{r}.json and ends the run naming every rank's position; 0 = half
+    # of --timeout (needs --check-collectives step or every)
+    hang_after: float = 0.0
     # the fields above that :func:`derive_batching` chose, not the user ("micro_batch",
     # "microbatches", comma-separated): a run folder's config.toml read back with --config
     # derives them again for its layout instead of taking them as chosen. Not a flag
@@ -151,6 +158,7 @@ CHOICES = {
     "device": ("cpu", "cuda"),
     "reduce_dtype": ("fp32", "bf16"),
     "ac": ("none", "selective", "full"),
+    "check_collectives": ("off", "step", "every"),
 }
 
 
@@ -412,6 +420,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
         raise ShardwiseConfigError(f"--peak-tflops {cfg.peak_tflops} must be ≥ 0 (0 = the "
                                    "device's table value, or a measured CPU peak)")
     check_timeout(cfg.timeout)
+    if cfg.hang_after < 0:  # --hang-after
+        raise ShardwiseConfigError(f"--hang-after {cfg.hang_after} must be ≥ 0 seconds (0 = "
+                                   f"half of --timeout, {cfg.timeout / 2:g} s)")
 
 
 # The smallest --timeout accepted, seconds: a floor, not a recommendation (the default is 300).

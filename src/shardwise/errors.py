@@ -17,3 +17,19 @@ class CollectiveTimeout(ShardwiseConfigError):
     timeout); the usual cause is a collective called from a subset of the ranks (e.g. a
     checkpoint save on rank 0 only) or collectives called in different orders on different
     ranks. Raised chained to torch.distributed's own error (``__cause__``)."""
+
+
+class CollectiveMismatch(ShardwiseConfigError):
+    """The ranks of a group issued different collectives (``--check-collectives step|every``,
+    :mod:`shardwise.comm.fingerprint`): one rank called a collective its peers did not, or with
+    another op, shape, dtype, tag or reduce op. Raised on every rank with one message naming the
+    first diverging sequence number and what each rank issued there, e.g. ``rank 1 called
+    all_reduce(dp, extra, float32[4]) where rank 0 issued no collective (reached the check
+    before step 4), at collective #7 on dp (ranks 0,1) in step 3: …`` and the fix."""
+
+
+class CollectiveHang(CollectiveTimeout):
+    """A rank waited longer than ``--hang-after`` seconds for its peers (in a collective of
+    :mod:`shardwise.comm` or at the collective check). The message gives every rank's position
+    (which collective or check it waits in; which ranks reported nothing: stuck in compute, or
+    dead) and where the flight records are (``RUN/flight/rank{r}.json``)."""

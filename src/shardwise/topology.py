@@ -20,7 +20,8 @@ import socket
 import torch
 import torch.distributed as dist
 
-from .comm.algorithms import check_collectives
+from .comm.algorithms import check_collectives as check_algorithms
+from .comm.fingerprint import CollectiveChecks
 from .comm.ledger import Ledger
 from .errors import ShardwiseConfigError
 
@@ -104,12 +105,14 @@ class Topology:
     ("native": the backend's; "ring", "tree", "auto": :mod:`shardwise.comm.algorithms` over
     point-to-point sends), chosen once per run. Raises :class:`ShardwiseConfigError` for an
     unknown ``collectives``.
+    ``checks`` the :class:`~shardwise.comm.fingerprint.CollectiveChecks` that fingerprint them
+    and compare them across ranks (``check_collectives``: "off", "step" or "every").
     """
 
     def __init__(self, pp: int = 1, dp: int = 1, tp: int = 1, *, device: str = "cpu",
                  ranks: list[int] | None = None, timeout_s: float = 300.0,
-                 collectives: str = "native"):
-        self.collectives = check_collectives(collectives)  # before any group is created
+                 collectives: str = "native", check_collectives: str = "step"):
+        self.collectives = check_algorithms(collectives)  # before any group is created
         world = dist.get_world_size()
         ranks = list(range(world)) if ranks is None else list(ranks)
         validate_degrees(pp, dp, tp, len(ranks))
@@ -121,6 +124,9 @@ class Topology:
         if self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.ledger = Ledger()
+        # fingerprints of every collective on these groups, compared across ranks at each step
+        # boundary (``check_collectives``: off | step | every; see comm/fingerprint.py)
+        self.checks = CollectiveChecks(self, check_collectives, timeout_s)
         self.grid = torch.tensor(ranks, dtype=torch.long).reshape(pp, dp, tp)
         timeout = datetime.timedelta(seconds=timeout_s)
         self._groups: dict[str, dist.ProcessGroup] = {}

@@ -101,14 +101,18 @@ class Handle:
     """An in-flight async collective. :meth:`wait` blocks until done and books it in the ledger;
     it raises :class:`CollectiveTimeout` if the collective timed out."""
 
-    def __init__(self, work, finish, guard=contextlib.nullcontext):
+    def __init__(self, work, finish, guard=contextlib.nullcontext, waiter=None):
         self._work, self._finish, self._guard, self.done = work, finish, guard, False
+        self._waiter = waiter  # waiter(work): comm.fingerprint's sliced wait (None: work.wait)
 
     def wait(self) -> None:
         if not self.done:
             if self._work is not None:
                 with self._guard():
-                    self._work.wait()
+                    if self._waiter is not None:
+                        self._waiter(self._work)
+                    else:
+                        self._work.wait()
             self._finish()
             self.done = True
 
@@ -200,28 +204,37 @@ def _flat(t: torch.Tensor):
 
 
 def _run(topo, op, axis, tensor_like, size_bytes, impl, tag, async_op, launch, after=None,
-         sent=None):
+         sent=None, reduce=None, src=None):
     """Launch ``launch()`` (a torch.distributed call); book it on completion (``sent``: the
     measured bytes handed to send, for point-to-point; None for a backend collective); run
     ``after``. A timeout, at launch (a blocking call) or in :meth:`Handle.wait`, is raised as
-    :class:`CollectiveTimeout`."""
+    :class:`CollectiveTimeout`. With collective checks on (``topo.checks``,
+    :mod:`.fingerprint`) the collective is fingerprinted first (``reduce``: its reduce op,
+    ``src``: a broadcast's root) and always launched async, so its wait can report and raise
+    ``CollectiveMismatch`` instead of blocking for good."""
     t0 = time.perf_counter()
 
     def guard():
         return _naming_timeouts(topo, op, axis, tensor_like, tag)
 
+    checks = getattr(topo, "checks", None)
+    checks = checks if checks is not None and checks.active and op not in ("send", "recv") \
+        else None
+    waiter = (lambda w: checks.wait(w, axis)) if checks is not None else None
     if topo.size(axis) == 1:  # a group of one: nothing moves; still booked (0 bytes)
         work = None
     else:
+        if checks is not None:
+            checks.issue(op, axis, tensor_like, tag, reduce, src)
         with guard():
-            work = launch(async_op)
+            work = launch(async_op or checks is not None)
 
     def finish():
         if after is not None:
             after()
         _book(topo, op, axis, tensor_like, size_bytes, t0, impl, tag, sent)
 
-    h = Handle(work if async_op else None, finish, guard)
+    h = Handle(work if async_op or checks is not None else None, finish, guard, waiter)
     if not async_op:
         h.wait()
         return None
@@ -251,7 +264,7 @@ def all_reduce(tensor: torch.Tensor, topo, axis: str, op: str = "sum", *, tag: s
                          y, peers, algo, "sum" if op == "avg" else op), after)
     return _run(topo, "all_reduce", axis, tensor, _nbytes(tensor), "all_reduce", tag, async_op,
                 lambda a: dist.all_reduce(tensor, op=red, group=topo.group(axis), async_op=a),
-                after)
+                after, reduce=op)
 
 
 def all_reduce_future(tensor: torch.Tensor, topo, axis: str, *, tag: str = "") -> torch.futures.Future:
@@ -268,6 +281,8 @@ def all_reduce_future(tensor: torch.Tensor, topo, axis: str, *, tag: str = "") -
         fut = torch.futures.Future()
         fut.set_result([tensor])
     else:
+        if getattr(topo, "checks", None) is not None:  # fingerprinted (its wait is DDP's)
+            topo.checks.issue("all_reduce", axis, tensor, tag)
         fut = dist.all_reduce(tensor, group=topo.group(axis), async_op=True).get_future()
 
     def done(f):
@@ -324,7 +339,7 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, topo, axis: str, op
                 async_op,
                 lambda a: _REDUCE_SCATTER(output, full, op=dist.ReduceOp.SUM,
                                           group=topo.group(axis), async_op=a),
-                after)
+                after, reduce=op)
 
 
 def broadcast(tensor: torch.Tensor, topo, axis: str, src: int = 0, *, tag: str = "",
@@ -340,7 +355,7 @@ def broadcast(tensor: torch.Tensor, topo, axis: str, src: int = 0, *, tag: str =
     src_global = topo.global_rank(axis, src)
     return _run(topo, "broadcast", axis, tensor, _nbytes(tensor), "broadcast", tag, async_op,
                 lambda a: dist.broadcast(tensor, src=src_global, group=topo.group(axis),
-                                         async_op=a))
+                                         async_op=a), src=src)
 
 
 def broadcast_coalesced(tensors: list[torch.Tensor], topo, axis: str, src: int = 0, *,
@@ -398,7 +413,7 @@ def reduce(tensor: torch.Tensor, topo, axis: str, dst: int = 0, op: str = "sum",
     dst_global = topo.global_rank(axis, dst)
     return _run(topo, "reduce", axis, tensor, _nbytes(tensor), "reduce", tag, async_op,
                 lambda a: dist.reduce(tensor, dst=dst_global, op=_OPS[op],
-                                      group=topo.group(axis), async_op=a))
+                                      group=topo.group(axis), async_op=a), reduce=op)
 
 
 def send(tensor: torch.Tensor, topo, axis: str, dst: int, *, tag: str = "",
@@ -435,6 +450,8 @@ def broadcast_object(obj, topo, axis: str = "world", src: int = 0, *, tag: str =
     t0 = time.perf_counter()
     box = [obj]
     if topo.size(axis) > 1:
+        if getattr(topo, "checks", None) is not None:  # fingerprinted without a shape
+            topo.checks.issue("broadcast_object", axis, None, tag, src=src)
         with _naming_timeouts(topo, "broadcast", axis, "a pickled object", tag):
             dist.broadcast_object_list(box, src=topo.global_rank(axis, src),
                                        group=topo.group(axis))

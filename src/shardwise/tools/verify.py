@@ -315,7 +315,8 @@ def verify_worker(args) -> int:
         if lay.world > world:
             raise ShardwiseConfigError(f"layout {lay.name()} needs {lay.world} ranks but verify "
                                        f"runs {world}: raise --nproc or drop the layout")
-    everyone = Topology(dp=world, timeout_s=args.timeout)
+    checks = getattr(args, "check_collectives", "step")  # --check-collectives
+    everyone = Topology(dp=world, timeout_s=args.timeout, check_collectives=checks)
     store = dist.distributed_c10d._get_default_store()  # outlives a rebuilt world (a reference)
     n_case, attempt = 0, 0
     # lr 3e-4: Adam divides each element by its own RMS, so for gradients near zero the
@@ -338,7 +339,7 @@ def verify_worker(args) -> int:
             shape = (lay.pp, lay.dp, lay.tp)
             if shape not in topos:  # process groups are created once per grid shape
                 topos[shape] = Topology(*shape, ranks=range(lay.world), timeout_s=args.timeout,
-                                        collectives=args.collectives)
+                                        collectives=args.collectives, check_collectives=checks)
             topo = topos[shape]
             # micro-batches per rank: the pipeline's m, else two (gradient accumulation)
             n_micro = lay.microbatches or (lay.pp if lay.pp > 1 else 2)
@@ -382,10 +383,12 @@ def verify_worker(args) -> int:
                     attempt += 1
                     _fresh_world(store, attempt, args.timeout)
                     topos.clear()
-                    everyone = Topology(dp=world, timeout_s=args.timeout)
+                    everyone = Topology(dp=world, timeout_s=args.timeout,
+                                        check_collectives=checks)
                     topo = topos[shape] = Topology(*shape, ranks=range(lay.world),
                                                    timeout_s=args.timeout,
-                                                   collectives=args.collectives)
+                                                   collectives=args.collectives,
+                                                   check_collectives=checks)
                     nan = float("nan")
                     rows.append({"layout": lay.name(), "engine": eng, "model": model_name,
                                  "max_loss_diff": nan, "max_grad_diff": nan,

@@ -41,3 +41,18 @@ def kill_at_step(step: int, checkpointer) -> None:
         print(f"[test] SHARDWISE_TEST_KILL_AT_STEP={step}: SIGKILL rank "
               f"{checkpointer.topo.index('world')}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def rank_only_collective(step: int, topo) -> None:
+    """``SHARDWISE_TEST_RANK0_GATHER=K`` (tests only): after step K, world rank 0 alone
+    all-gathers a float32 [3] shard per rank over dp (tag "checkpoint", phase "checkpoint"), as
+    a checkpoint save on rank 0 only would; the collective check before step K+1 names it."""
+    at = os.environ.get("SHARDWISE_TEST_RANK0_GATHER")
+    if not at or int(at) != step or topo.index("world") != 0:
+        return
+    from .. import comm
+
+    n = topo.size("dp")
+    with topo.ledger.phase("checkpoint"):
+        comm.all_gather(torch.empty(3 * n, device=topo.device),
+                        torch.ones(3, device=topo.device), topo, "dp", tag="checkpoint")

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .. import comm
+from ..comm import fingerprint as collective_checks
 from ..config import TrainConfig, batching_note, validate
 from ..errors import ShardwiseConfigError
 from ..flops import mfu, peak_devices, peak_flops, step_flops
@@ -134,13 +135,16 @@ def train(cfg: TrainConfig) -> dict:
 
     init_distributed(cfg.device, cfg.timeout)
     topo = Topology(cfg.pp, cfg.dp, cfg.tp, device=cfg.device, timeout_s=cfg.timeout,
-                    collectives=cfg.collectives)
+                    collectives=cfg.collectives, check_collectives=cfg.check_collectives)
     with topo.ledger.phase("init"):
         out, refused = comm.broadcast_object((out_name, refused), topo, "world")
     if refused:
         raise RunFolderBusyError(refused)
     out = Path(out)
     cfg = dataclasses.replace(cfg, out=str(out))
+    # --hang-after: a wait past it writes out/flight/rank{r}.json and ends the run
+    topo.checks.hang_after_s = cfg.hang_after if cfg.hang_after > 0 else cfg.timeout / 2
+    topo.checks.flight_dir = str(out / "flight")
     is_main = topo.index("world") == 0
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -229,7 +233,7 @@ def train(cfg: TrainConfig) -> dict:
         batch = work.batches(local, micro_batch)
         t0 = time.perf_counter()
         res = train_step(engine, batch, optimizer, topo, max_norm=cfg.grad_clip,
-                         scheduler=scheduler, dtype=cfg.dtype, measure_memory=True)
+                         scheduler=scheduler, dtype=cfg.dtype, measure_memory=True, step=step)
         dt = time.perf_counter() - t0
         times.append(dt)
         tokens_seen += res.tokens
@@ -275,6 +279,7 @@ def train(cfg: TrainConfig) -> dict:
             checkpointer.save(step, engine, optimizer, scheduler=scheduler, sampler=sampler,
                               extra_meta=_meta(cfg, tokens_seen, val_losses, model_cfg))
         faults.kill_at_step(step, checkpointer)
+        faults.rank_only_collective(step, topo)  # SHARDWISE_TEST_RANK0_GATHER: a desync
     if bar is not None:
         bar.close()
     metrics.close()
@@ -286,6 +291,7 @@ def train(cfg: TrainConfig) -> dict:
                                  sampler=sampler,
                                  extra_meta=_meta(cfg, tokens_seen, val_losses, model_cfg))
     checkpointer.close()  # waits for an async save to be written and committed
+    collective_checks.check(topo, label="at the end of training")  # the last step's, the save's
     sample = None
     if cfg.sample_tokens > 0:  # --sample-tokens 0: no sample (and no gather for one)
         with engine.full_model() as full:  # every rank together: sharded weights gather here

@@ -2,6 +2,9 @@
 
 The sync points, in order, and why:
 
+0. the collective check (``--check-collectives``, :mod:`shardwise.comm.fingerprint`): through
+   the c10d store, not a collective, every rank compares what it issued since the last step, so
+   a collective issued on some ranks only is named here instead of hanging the next step.
 1. all_reduce of the step's counted-token total T over dp (before any forward): every rank
    divides its token-loss sum by the *global* T, so summed gradients are exactly ∇ of the
    token-weighted global mean (see :mod:`shardwise.parallel.dp`).
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from .. import comm
+from ..comm import fingerprint
 from ..models import count_items
 
 
@@ -34,7 +38,8 @@ class StepResult:
 
 def train_step(engine: nn.Module, microbatches: list[dict], optimizer, topo=None, *,
                max_norm: float = 0.0, scheduler=None, dtype: str = "fp32",
-               zero_grad: bool = True, measure_memory: bool = False) -> StepResult:
+               zero_grad: bool = True, measure_memory: bool = False,
+               step: int | None = None) -> StepResult:
     """Run one optimizer step over this rank's ``microbatches`` (dicts of tensors, see
     :mod:`shardwise.models`). ``topo=None`` = single process. Returns the global loss/norm.
 
@@ -42,8 +47,14 @@ def train_step(engine: nn.Module, microbatches: list[dict], optimizer, topo=None
     that compare them); they are cleared at the start of the next step instead.
     ``measure_memory``: also count the model-state bytes this rank holds at the step's peak
     (after the optimizer step, before gradients are freed), in ``StepResult.state_bytes``.
+    ``step``: this step's number, for messages (default: one more than the last).
+
+    Before anything else the ranks compare the collectives they issued since the last step
+    (``--check-collectives``, :func:`shardwise.comm.fingerprint.check`): raises
+    :class:`~shardwise.errors.CollectiveMismatch` on every rank if they differ.
     """
     if topo is not None:
+        fingerprint.check(topo, step)  # sync point 0: the store, not a collective
         topo.ledger.begin_step()
     optimizer.zero_grad(set_to_none=True)
     device = next(engine.parameters()).device  # scalars live there too (NCCL needs it)

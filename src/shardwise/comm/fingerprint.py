@@ -1,0 +1,450 @@
+"""Collective fingerprints, compared across ranks: a desync is one line, not a hang.
+
+Every collective issued through :mod:`shardwise.comm.ops` on a group of more than one rank gets
+a per-group sequence number (``#k``: the k-th collective on that process group since the
+:class:`~shardwise.topology.Topology` was built, counted from 1) and a fingerprint, the text
+``op(axis, tag, dtype[shape][, reduce op][, src=i])``, e.g. ``all_reduce(dp, grad,
+float32[4096])``. A group is one line of an axis (its axis name and its global ranks). Point to
+point sends and receives are not fingerprinted (a send and its receive differ by design).
+
+``--check-collectives`` (:data:`MODES`) says when ranks compare them:
+
+``off``
+    nothing is recorded or compared.
+``step`` (the default)
+    at every step boundary (:func:`check`, called by ``train_step`` before each step and by
+    the training loop at its end) every rank of the topology publishes, in the c10d store (not
+    a collective: it cannot pair with a stray collective of a peer), a summary of what it
+    issued since the last check: per group the count and a CRC-32 of the fingerprints. Cost
+    per step: about five store round trips, whatever the number of collectives.
+``every``
+    before launching each collective, its fingerprint is published in the store and compared
+    with every peer's for the same sequence number; a mismatch is raised before anything is
+    sent (on gloo, a collective whose peers send more bytes than it expects aborts the process
+    in gloo's own check before any other check could speak). Cost: a few store round trips per
+    collective; for debugging.
+
+Why the comparison itself never hangs
+-------------------------------------
+A rank that issued an extra collective is blocked inside it while its peers reach the check, so
+no rank ever waits on something that could itself be stuck:
+
+* every wait here is a poll of the store (``store.check``, short sleeps), never a collective,
+  and ends at the process group's timeout at the latest (then :class:`CollectiveTimeout`
+  names the ranks that never reached the check);
+* on gloo every collective is waited for in slices of :data:`SLICE_S` (``Work.wait(timeout)``,
+  which leaves the collective running). A rank still waiting after one slice publishes its full
+  report (every fingerprint since the last check, the pending one last), and so does a rank
+  that waits at the check for a slow peer. From the full reports any rank can prove a
+  divergence: two ranks issued different collectives at the same sequence number of a group,
+  or one rank issued collective #k where a peer that reached the check issued nothing there.
+  Waiting alone proves nothing (a peer may be slow, or waiting for a third rank);
+* the first rank to prove a divergence writes the message under one ``abort`` key
+  (``compare_set``: first writer wins), and every rank, at the check or inside its stuck
+  collective's wait, raises :class:`~shardwise.errors.CollectiveMismatch` with that one message
+  within about a slice. The stuck collective is left to die with the process.
+
+A rank that waits past ``hang_after_s`` (``--hang-after``; in a collective's wait on gloo, or
+at the check) writes its flight record, ``flight_dir/rank{r}.json`` (its last :data:`HISTORY`
+fingerprints, what it waits for, for how long, its Python stack), and raises
+:class:`~shardwise.errors.CollectiveHang` naming every rank's position from the reports in the
+store: where each waits, and which ranks reported nothing (stuck in compute, or dead). A silent
+rank that reaches the check later raises the same message.
+
+On NCCL (or any backend whose collectives do not block the host) the host never blocks inside a
+collective, so every rank reaches the check and the summaries alone show the divergence.
+
+The message names the first diverging sequence number and what each rank issued there::
+
+    rank 1 called all_reduce(dp, extra, float32[4]) where rank 0 issued no collective (it
+    reached the check before step 4), at collective #7 on dp (ranks 0,1) in step 3: ...
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+import zlib
+
+import torch.distributed as dist
+
+from ..errors import CollectiveHang, CollectiveMismatch, CollectiveTimeout
+
+MODES = ("off", "step", "every")
+SLICE_S = 0.5  # seconds a rank waits (in a collective or at the check) before it reports
+HISTORY = 64  # fingerprints kept per rank for reports (the last K)
+
+_FIX = ("every rank of a group must issue the same collectives, with the same shapes, in the "
+        "same order: look for a collective under a rank-conditional branch (a save, a log line "
+        "or an evaluation on one rank only) or a shape that depends on the rank's data")
+
+
+def fingerprint(op: str, axis: str, tag: str, tensor_like=None, reduce: str | None = None,
+                src: int | None = None) -> str:
+    """The fingerprint text of one collective: ``op(axis, tag, dtype[shape][, reduce][, src=i])``
+    (``tensor_like``: anything with ``dtype`` and ``shape``, or None when the receivers cannot
+    know it, e.g. a pickled object). ``reduce`` is left out for "sum"."""
+    parts = [axis, tag or "-"]
+    if tensor_like is not None:
+        parts.append(f"{str(tensor_like.dtype).replace('torch.', '')}"
+                     f"[{','.join(str(d) for d in tensor_like.shape)}]")
+    if reduce not in (None, "sum"):
+        parts.append(reduce)
+    if src is not None:
+        parts.append(f"src={src}")
+    return f"{op}({', '.join(parts)})"
+
+
+def _ranks_text(ranks) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
+
+
+class CollectiveChecks:
+    """The fingerprints of one :class:`~shardwise.topology.Topology` on this rank, and their
+    comparison with its peers' (see the module docstring). ``mode``: one of :data:`MODES`;
+    ``timeout_s``: the topology's process-group timeout, the longest any check waits."""
+
+    def __init__(self, topo, mode: str = "step", timeout_s: float = 300.0):
+        if mode not in MODES:
+            from ..errors import ShardwiseConfigError
+
+            raise ShardwiseConfigError(f"--check-collectives {mode!r}: choose one of "
+                                       f"{', '.join(MODES)}")
+        self.topo, self.mode, self.timeout_s = topo, mode, float(timeout_s)
+        self.step = 0  # the step being run (0 = before the first)
+        self.epoch = 0  # checks passed
+        self.seq: dict[str, int] = {}  # group key → collectives issued on it
+        self.base: dict[str, int] = {}  # group key → seq at the last check
+        self.pending: dict[str, list] = collections.defaultdict(list)  # since the last check
+        self.history: collections.deque = collections.deque(maxlen=HISTORY)
+        self._store = None
+        self._prefix = ""
+        self._members: dict[str, list[int]] = {}  # group key → its global ranks
+        self._keys: dict[str, str] = {}  # axis → this rank's group key
+        self._host_blocking: dict[str, bool] = {}
+        self._reported = None  # (epoch, fingerprints, label) of the last full report
+        self._found = -1  # the epoch in which this rank first proved a divergence
+        # --hang-after: a wait longer than this (seconds; None: only the process-group timeout)
+        # writes this rank's flight record to flight_dir/rank{r}.json and ends the run
+        self.hang_after_s: float | None = None
+        self.flight_dir = None
+
+    # -- state --------------------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        return (self.mode != "off" and self.topo.member and self.topo.world_size > 1
+                and dist.is_initialized())
+
+    def _group(self, axis: str) -> str:
+        """The key of this rank's group on ``axis``: "axis:r0,r1,…" (its global ranks)."""
+        key = self._keys.get(axis)
+        if key is None:
+            ranks = [self.topo.global_rank(axis, i) for i in range(self.topo.size(axis))]
+            key = self._keys[axis] = f"{axis}:{','.join(map(str, ranks))}"
+            self._members[key] = ranks
+        return key
+
+    def store(self):
+        """The c10d store of the default group, under this topology's own prefix."""
+        if self._store is None:
+            base = dist.distributed_c10d._get_default_store()
+            self._prefix = f"shardwise/checks/{self.topo.group('world').group_name}/"
+            self._store = dist.PrefixStore(self._prefix, base)
+        return self._store
+
+    # -- hooks called by comm.ops ---------------------------------------------------------------
+    def issue(self, op: str, axis: str, tensor_like=None, tag: str = "",
+              reduce: str | None = None, src: int | None = None) -> None:
+        """Record a collective about to be launched on ``axis`` (a group of > 1 rank); at
+        ``every``, first compare its fingerprint with the peers' (raises
+        :class:`CollectiveMismatch` on a difference, before anything is sent)."""
+        if not self.active:
+            return
+        g = self._group(axis)
+        n = self.seq.get(g, 0) + 1
+        self.seq[g] = n
+        entry = [fingerprint(op, axis, tag, tensor_like, reduce, src), self.topo.ledger
+                 .current_phase, self.step, n]
+        self.pending[g].append(entry)
+        self.history.append([g, *entry])
+        if self.mode == "every":
+            self._check_one(g, n, entry[0])
+
+    def wait(self, work, axis: str) -> None:
+        """``work.wait()`` for a collective on ``axis``; on a host-blocking backend (gloo) in
+        slices of :data:`SLICE_S`, reporting after the first and raising
+        :class:`CollectiveMismatch` as soon as any rank has proven a divergence."""
+        if not self.active or not self._blocks_host(axis):
+            work.wait()
+            return
+        import datetime
+
+        sl = datetime.timedelta(seconds=SLICE_S)
+        t0 = time.monotonic()
+        while True:
+            try:
+                work.wait(timeout=sl)
+                return
+            except RuntimeError as e:
+                if "Operation timed out!" not in str(e):  # the collective's own error: a peer
+                    self._raise_known(e)  # that raised the diagnosis and left breaks it
+                    raise
+            self._while_waiting(t0=t0, what=f"in {self.history[-1][1]} #{self.history[-1][4]}"
+                                if self.history else "in a collective")
+
+    def _raise_known(self, cause: BaseException | None = None) -> None:
+        """Raise the topology's published diagnosis, if any (chained to ``cause``)."""
+        try:
+            s = self.store()
+            value = s.get("abort").decode() if s.check(["abort"]) else None
+        except Exception:  # noqa: BLE001 - the store is gone too: the cause stands
+            return
+        if value:
+            kind, _, msg = value.partition("|")
+            raise (CollectiveHang if kind == "hang" else CollectiveMismatch)(msg) from cause
+
+    def _blocks_host(self, axis: str) -> bool:
+        g = self._group(axis)
+        if g not in self._host_blocking:
+            self._host_blocking[g] = dist.get_backend(self.topo.group(axis)) == "gloo"
+        return self._host_blocking[g]
+
+    # -- the step-boundary check ----------------------------------------------------------------
+    def check(self, step: int | None = None, label: str | None = None) -> None:
+        """Compare what every rank of the topology issued since the last check (see the module
+        docstring). ``step``: the step about to run (default: the last one + 1); ``label``:
+        where the check stands, for the message (default "before step N").
+
+        Raises:
+            CollectiveMismatch: the ranks issued different collectives (every rank raises it,
+                with one message naming the first diverging sequence number and what each
+                rank issued there).
+            CollectiveTimeout: a rank did not reach the check within the process-group timeout.
+        """
+        nxt = self.step + 1 if step is None else int(step)
+        if not self.active:
+            self.step = nxt
+            return
+        label = label or f"before step {nxt}"
+        s, e = self.store(), self.epoch
+        summary = {g: [len(v), zlib.crc32("\n".join(x[0] for x in v).encode())]
+                   for g, v in self.pending.items() if v}
+        s.set(f"b/{e}/{self._rank}", json.dumps({"label": label, "groups": summary}))
+        keys = [f"b/{e}/{r}" for r in self.topo.ranks]
+        t0 = time.monotonic()
+        self._poll(lambda: s.check(keys), t0, f"reached the collective check {label}",
+                   lambda: self._while_waiting(label=label, t0=t0, what=f"at the check {label}"))
+        self._raise_known()  # a peer gave up on this rank (--hang-after) while it was away
+        summaries = {r: json.loads(v) for r, v in zip(self.topo.ranks, s.multi_get(keys))}
+        if any(self._disagree(g, summaries) for g in self._all_groups(summaries)):
+            self._report(label=label)
+            full = [f"f/{e}/{r}" for r in self.topo.ranks]
+            self._poll(lambda: s.check(full), t0, "published its collectives",
+                       lambda: self._while_waiting(label=label, t0=t0,
+                                                   what=f"at the check {label}"))
+            self._raise(self._diagnose(self._reports()) or
+                        f"the ranks issued different collectives since the check "
+                        f"{summaries[self._rank]['label']}: {_FIX}")
+        if e >= 2:  # every peer has read epoch e-2's keys (it passed epoch e-1's check)
+            for k in ("b", "f"):
+                s.delete_key(f"{k}/{e - 2}/{self._rank}")
+        self.epoch += 1
+        self.base = dict(self.seq)
+        self.pending.clear()
+        self.step = nxt
+
+    # -- internals --------------------------------------------------------------------------------
+    @property
+    def _rank(self) -> int:
+        return self.topo.rank
+
+    def _all_groups(self, summaries) -> set:
+        return {g for v in summaries.values() for g in v["groups"]} | set(self._members)
+
+    def _disagree(self, g: str, summaries) -> bool:
+        members = self._members.get(g)
+        if members is None:  # a group this rank is not in: its members compare it
+            return False
+        return len({tuple(summaries[r]["groups"].get(g, [0, 0])) for r in members}) > 1
+
+    def _poll(self, ready, t0: float, what: str, on_slice) -> None:
+        """Poll ``ready()`` (a store check) with short sleeps; after each :data:`SLICE_S`
+        without it, call ``on_slice()``; past the timeout raise :class:`CollectiveTimeout`."""
+        nap, last = 1e-4, time.monotonic()
+        while not ready():
+            now = time.monotonic()
+            if now - t0 > self.timeout_s:
+                raise CollectiveTimeout(
+                    f"not every rank of {self.topo.describe()} {what} within the process "
+                    f"group's timeout of {self.timeout_s:g} s: a rank is stuck (in compute, or "
+                    f"in a collective its peers never issued) or died; {_FIX}")
+            if now - last >= SLICE_S:
+                on_slice()
+                last = now
+            time.sleep(nap)
+            nap = min(nap * 2, 0.02)
+
+    def _report(self, label: str | None = None, waiting: str | None = None) -> None:
+        """Publish this rank's full report of the current epoch (again only if it changed)."""
+        state = (self.epoch, sum(len(v) for v in self.pending.values()), label)
+        if self._reported == state:
+            return
+        self._reported = state
+        rep = {"rank": self._rank, "label": label, "waiting": waiting,
+               "groups": {g: {"base": self.base.get(g, 0), "members": self._members[g],
+                              "ops": v} for g, v in self.pending.items() if v},
+               "member_of": {g: m for g, m in self._members.items()}}
+        self.store().set(f"f/{self.epoch}/{self._rank}", json.dumps(rep))
+
+    def _reports(self) -> dict:
+        s = self.store()
+        keys = [f"f/{self.epoch}/{r}" for r in self.topo.ranks]
+        have = [k for k in keys if s.check([k])]
+        return {json.loads(v)["rank"]: json.loads(v) for v in (s.multi_get(have) if have else [])}
+
+    def _while_waiting(self, label: str | None = None, t0: float | None = None,
+                       what: str = "in a collective") -> None:
+        """Called after each slice spent waiting (since ``t0``, ``what``: where): report, then
+        raise the divergence if any rank has proven one (or this rank can, from the reports
+        published so far); past ``hang_after_s``, write the flight record and raise
+        :class:`CollectiveHang` naming every rank's position. A rank that learns of a
+        published diagnosis while it waits writes its flight record too."""
+        waited = time.monotonic() - t0 if t0 is not None else 0.0
+        if self.store().check(["abort"]):
+            self._flight_record(what, waited)
+            self._raise_known()
+        self._report(label=label, waiting=None if label else what)
+        reports = self._reports()
+        if self.hang_after_s and waited >= self.hang_after_s:
+            self._flight_record(what, waited)
+            self._raise(self._hang_message(reports, what, waited), kind="hang")
+        msg = self._diagnose(reports)
+        if msg and len(reports) < self.topo.world_size and self._found != self.epoch:
+            self._found = self.epoch  # proven, but wait one slice more for every rank's report
+            return
+        if msg:
+            self._raise(msg)
+
+    def _raise(self, msg: str, kind: str = "mismatch"):
+        """Publish ``msg`` as the topology's one diagnosis (unless another rank was first) and
+        raise it (``kind`` "mismatch": :class:`CollectiveMismatch`; "hang":
+        :class:`CollectiveHang`)."""
+        self.store().compare_set("abort", "", f"{kind}|{msg}")
+        self._raise_known()
+
+    def _hang_message(self, reports: dict, what: str, waited: float) -> str:
+        """Every rank's position from ``reports``: where each waits, and who reported nothing."""
+        silent = [r for r in self.topo.ranks if r not in reports]
+        where: dict[str, list[int]] = collections.defaultdict(list)
+        for r, rep in sorted(reports.items()):
+            where[f"at the check {rep['label']}" if rep["label"] else rep["waiting"]].append(r)
+        parts = []
+        if silent:
+            parts.append(f"{_ranks_text(silent)} reported nothing since the check before step "
+                         f"{self.step} (stuck in compute, in code outside shardwise.comm, or "
+                         f"dead)")
+        parts += [f"{_ranks_text(rs)} {'waits' if len(rs) == 1 else 'wait'} {w}"
+                  for w, rs in where.items()]
+        return (f"{'; '.join(parts)}: rank {self._rank} waited {waited:.1f} s (--hang-after "
+                f"{self.hang_after_s:g}); see where a silent rank is with py-spy dump --pid PID"
+                + (f"; flight records in {self.flight_dir}" if self.flight_dir else ""))
+
+    def _flight_record(self, what: str, waited: float) -> None:
+        """Write ``flight_dir/rank{r}.json``: this rank's last :data:`HISTORY` fingerprints,
+        what it waits for, for how long (s), and its Python stack."""
+        if not self.flight_dir:
+            return
+        import os
+        import traceback
+
+        os.makedirs(self.flight_dir, exist_ok=True)
+        rec = {"rank": self._rank, "step": self.step, "waiting": what, "waited_s": waited,
+               "last": [{"group": g, "fingerprint": fp, "phase": ph, "step": st, "seq": n}
+                        for g, fp, ph, st, n in self.history],
+               "stack": traceback.format_stack()[:-2]}
+        path = os.path.join(self.flight_dir, f"rank{self._rank}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(rec, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+    def _diagnose(self, reports: dict) -> str | None:
+        """The first proven divergence in ``reports`` (rank → full report), as one line, or None.
+        Proof: at sequence number k of a group, two members issued different fingerprints, or
+        one issued one where a member that reached the check (a final report) issued none."""
+        groups = sorted({g for rep in reports.values() for g in rep["member_of"]})
+        found = []
+        for g in groups:
+            members = next(rep["member_of"][g] for rep in reports.values()
+                           if g in rep["member_of"])
+            have = {r: reports[r]["groups"].get(g, {"ops": []})["ops"] for r in members
+                    if r in reports}
+            if len(have) < 2:
+                continue
+            final = {r for r in have if reports[r]["label"]}
+            base = next((reports[r]["groups"][g]["base"] for r in have
+                         if g in reports[r]["groups"]), 0)
+            for i in range(max(len(v) for v in have.values())):
+                at = {r: v[i] for r, v in have.items() if i < len(v)}
+                none = {r for r in final if i >= len(have[r])}
+                if len({e[0] for e in at.values()}) > 1 or (at and none):
+                    found.append((base + i + 1, g, at, none, reports))
+                    break
+        if not found:
+            return None
+        seq, g, at, none, reports = min(found, key=lambda f: (f[0], f[1]))
+        return self._message(seq, g, at, none, reports)
+
+    @staticmethod
+    def _message(seq: int, g: str, at: dict, none: set, reports: dict) -> str:
+        by_fp: dict[str, list[int]] = collections.defaultdict(list)
+        for r, e in sorted(at.items()):
+            by_fp[e[0]].append(r)
+        variants = [(ranks, f"called {fp}") for fp, ranks in by_fp.items()]
+        if none:
+            labels = sorted({reports[r]["label"] for r in none})
+            variants.append((sorted(none), f"issued no collective (reached the check "
+                                           f"{' / '.join(labels)})"))
+        # the reference (named last): the variant with the most ranks, then the ranks that
+        # issued nothing, then the one with the lowest rank
+        variants.sort(key=lambda v: (len(v[0]), v[1].startswith("issued"), -min(v[0])))
+        *odd, ref = variants
+        odd_text = ", ".join(f"{_ranks_text(rs)} {what}" for rs, what in odd)
+        e = next(iter(at.values()))
+        where = f"in step {e[2]}" if e[1] == "step" else f"in phase {e[1]!r} after step {e[2]}"
+        axis, ranks = g.split(":")
+        return (f"{odd_text} where {_ranks_text(ref[0])} {ref[1]}, at collective #{seq} on "
+                f"{axis} (ranks {ranks}) {where}: {_FIX}")
+
+    def _check_one(self, g: str, n: int, fp: str) -> None:
+        """``every``: publish this rank's fingerprint #n on group ``g`` and compare it with
+        every member's before the collective is launched."""
+        s = self.store()
+        members = self._members[g]
+        s.set(f"e/{g}/{n}/{self._rank}", fp)
+        keys = [f"e/{g}/{n}/{r}" for r in members]
+        t0 = time.monotonic()
+        self._poll(lambda: s.check(keys), t0, f"issued collective #{n} on {g}",
+                   lambda: self._while_waiting(t0=t0, what=f"before {fp} #{n}"))
+        fps = dict(zip(members, (v.decode() for v in s.multi_get(keys))))
+        if len(set(fps.values())) > 1:
+            entry = self.pending[g][-1]
+            at = {r: [fp_r, *entry[1:]] for r, fp_r in fps.items()}
+            self._raise(self._message(n, g, at, set(), {}))
+        if n > 2:  # every member has read #n-2 (it published #n-1 after reading it)
+            s.delete_key(f"e/{g}/{n - 2}/{self._rank}")
+
+
+def check(topo, step: int | None = None, label: str | None = None) -> None:
+    """Compare the collectives every rank of ``topo`` issued since the last check (the step
+    boundary of ``--check-collectives step|every``); a no-op for ``off``, for a world of one
+    rank, or for a topology without checks. ``step``: the step about to run. Raises
+    :class:`~shardwise.errors.CollectiveMismatch` (on every rank, one message) or
+    :class:`~shardwise.errors.CollectiveTimeout` (a rank never reached the check)."""
+    checks = getattr(topo, "checks", None)
+    if checks is not None:
+        checks.check(step, label)
+
+
+__all__ = ["MODES", "CollectiveChecks", "check", "fingerprint"]
