@@ -27,12 +27,14 @@ class TrainConfig:
     tie_embeddings: bool = True
     dropout: float = 0.0
     init_from_hf: str = ""  # a local HF LlamaForCausalLM folder: its architecture and weights
-    # layout (world size = dp × tp × pp). The default layout, dp=2 × tp=2 with ZeRO-1, applies
-    # only when no degree is chosen; choosing any of dp/tp/pp sets the others to 1 and zero to 0
-    # unless they are chosen too (see :func:`from_args`)
+    # layout (world size = dp × cp × tp × pp). The default layout, dp=2 × tp=2 with ZeRO-1,
+    # applies only when no degree is chosen; choosing any of dp/cp/tp/pp sets the others to
+    # 1 and zero to 0 unless they are chosen too (see :func:`from_args`)
     dp: int = 2
     tp: int = 2
     pp: int = 1
+    cp: int = 1  # context parallelism: ranks that split each sequence (parallel/cp)
+    cp_method: str = "ring"  # ring (K/V passed around the cp ring) | allgather (Llama 3)
     zero: int = 1
     sp: bool = False
     schedule: str = "1f1b"
@@ -97,7 +99,7 @@ class TrainConfig:
     derived: str = ""
 
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     def microbatching(self) -> tuple[int, int]:
         """(sequences per micro-batch, micro-batches per rank per step). With pp > 1 and
@@ -204,14 +206,14 @@ def from_args(args: argparse.Namespace, **defaults) -> TrainConfig:
     given = {k: v for k, v in vars(args).items() if k in names}
     by_user = set(given) | _toml_keys(path)
     chosen = by_user | set(defaults)
-    if chosen & {"dp", "tp", "pp"}:  # a layout was chosen: the default one does not apply
-        for k in ("dp", "tp", "pp"):  # e.g. --tp 2 alone is tp=2 × dp=1, not × dp=2
+    if chosen & {"dp", "cp", "tp", "pp"}:  # a layout was chosen: the default one does not apply
+        for k in ("dp", "cp", "tp", "pp"):  # e.g. --tp 2 alone is tp=2 × dp=1, not × dp=2
             if k not in chosen:
                 given[k] = 1
         if "zero" not in chosen:
             given["zero"] = 0
     cfg = dataclasses.replace(cfg, **given)
-    if not chosen & {"dp", "tp", "pp"} and cfg.tp > 1:
+    if not chosen & {"dp", "cp", "tp", "pp"} and cfg.tp > 1:
         from .models import MLP_PRESETS
 
         if cfg.model in MLP_PRESETS:  # TP splits attention heads: the MLP's default is dp only
@@ -356,13 +358,14 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
                                        "are derived; remove the others from the config file")
     if cfg.n_layers < 0:
         raise ShardwiseConfigError(f"--n-layers {cfg.n_layers} must be ≥ 1 (or 0 for the preset)")
-    for name, value in (("dp", cfg.dp), ("tp", cfg.tp), ("pp", cfg.pp), ("steps", cfg.steps),
+    for name, value in (("dp", cfg.dp), ("cp", cfg.cp), ("tp", cfg.tp), ("pp", cfg.pp),
+                        ("steps", cfg.steps),
                         ("seq-len", cfg.seq_len), ("global-batch", cfg.global_batch),
                         ("micro-batch", cfg.micro_batch)):
         if value < 1:
             raise ShardwiseConfigError(f"--{name} {value} must be at least 1")
     if world_size is not None:
-        validate_degrees(cfg.pp, cfg.dp, cfg.tp, world_size)
+        validate_degrees(cfg.pp, cfg.dp, cfg.tp, world_size, cfg.cp)
     if cfg.model not in PRESETS and cfg.model not in MLP_PRESETS:
         raise ShardwiseConfigError(f"--model {cfg.model!r} is not a preset: choose from "
                                    f"{model_names()}")
@@ -469,15 +472,21 @@ def _validate_finite(cfg: TrainConfig) -> None:
 
 def _validate_layout(cfg: TrainConfig) -> None:
     """The layout through the one validator, :meth:`~.parallel.layout.Layout.check`, with the
-    model's config (read only when tp, sp or pp needs it) and the batch (before any
+    model's config (read only when tp, sp, pp or cp needs it) and the batch (before any
     collective)."""
     from .models import preset_config
     from .parallel.layout import Layout
 
-    needs_model = cfg.tp > 1 or cfg.sp or cfg.pp > 1
+    from .models import PRESETS
+
+    needs_model = cfg.tp > 1 or cfg.sp or cfg.pp > 1 or cfg.cp > 1
+    over = cfg.model_overrides()
+    if cfg.model in PRESETS:  # a Llama: its dropout matters to cp
+        over = {"dropout": cfg.dropout, **over}
     Layout.from_config(cfg).check(
-        preset_config(cfg.model, cfg.vocab_size, **cfg.model_overrides()) if needs_model
+        preset_config(cfg.model, cfg.vocab_size, **over) if needs_model
         else None, engine=cfg.engine, reduce_dtype=cfg.reduce_dtype, seq_len=cfg.seq_len,
+        device=cfg.device,
         global_batch=cfg.global_batch, micro_batch=cfg.micro_batch,
         layers_per_stage=cfg.stage_split() if cfg.pp > 1 else None)
 

@@ -10,6 +10,8 @@ the run folder's ``ledger.json`` compare the ledger with the same numbers:
 * TP: ``tp_step_bytes_formula`` (Megatron f/g activations, vocab-parallel CE, norm; scaling
   book ch. 5; Korthikanti et al. 2022 for SP)
 * PP: the point-to-point activations/gradients, the tied-embedding gradient, the norm scalar
+* CP: the K/V blocks of ring attention (or their all-gather) and the dK/dV back, per layer
+  (:mod:`shardwise.parallel.cp.attention`); every other term counts this rank's s/cp tokens
 * every layout: the token count before the forward and the loss sum after the step, one fp64
   scalar all-reduce each over every axis the engine reduces them on.
 
@@ -31,9 +33,14 @@ def step_bytes_formula(engine, topo, *, micro_steps: int, sequences: int, seq_le
     """``{tag: bytes, ..., "total": bytes}`` one rank should send in one step of ``engine``.
 
     ``micro_steps``: micro-batches per rank per step; ``sequences``: sequences this rank
-    processes per step (all micro-batches); ``seq_len``: tokens per sequence."""
+    processes per step (all micro-batches); ``seq_len``: tokens per sequence (the whole
+    sequence: with cp > 1 the engine's terms count this rank's s/cp of them)."""
+    from .parallel.cp import cp_bytes_formula
+
+    cp = topo.size("cp")
     out = dict(engine.bytes_formula(micro_steps=micro_steps, sequences=sequences,
-                                    seq_len=seq_len, dtype=dtype))
+                                    seq_len=seq_len // cp, dtype=dtype))
+    out.update(cp_bytes_formula(engine.module, topo, sequences, seq_len, dtype))
     out.pop("total", None)
     out.pop("loss", None)
     out["loss"] = _scalar_all_reduces(engine, topo)

@@ -1,10 +1,16 @@
-"""The parallel axes (pp, dp, tp) over torch's DeviceMesh: ranks, one process group per axis.
+"""The parallel axes (pp, dp, cp, tp) over torch's DeviceMesh: ranks, one process group per axis.
 
-Ranks are laid out as one grid of shape ``(pp, dp, tp)``, outermost first, so TP neighbours are
-consecutive global ranks (on one node, on the fastest links) and PP is the outermost axis
-(Megatron-LM, Narayanan et al. 2021 §3.3; torchtitan's ParallelDims). For global rank ``r``::
+Ranks are laid out as one grid of shape ``(pp, dp, cp, tp)``, outermost first, so TP neighbours
+are consecutive global ranks (on one node, on the fastest links), CP next (its ring sends K/V
+blocks every layer), and PP is the outermost axis (Megatron-LM, Narayanan et al. 2021 §3.3;
+Megatron-Core's tp-cp-ep-dp-pp order; torchtitan's ParallelDims). For global rank ``r``::
 
-    r = (pp_index · dp + dp_index) · tp + tp_index
+    r = ((pp_index · dp + dp_index) · cp + cp_index) · tp + tp_index
+
+Parameters are replicated over dp *and* cp (CP splits the sequence, not the model), so the
+gradient sync runs over the two flattened: :attr:`Topology.data_axis` is "dp", or "dp_cp" (the
+dp × cp ranks of this rank's (pp, tp) position, dp-major) when cp > 1 — torchtitan's
+``dp_shard_cp``.
 
 A :class:`Topology` is created collectively by every rank of the world and passed explicitly to
 whatever needs it (never a global). It owns the :class:`~shardwise.comm.Ledger` in which every
@@ -25,20 +31,24 @@ from .comm.fingerprint import CollectiveChecks
 from .comm.ledger import Ledger
 from .errors import ShardwiseConfigError
 
-AXES = ("pp", "dp", "tp")
+AXES = ("pp", "dp", "cp", "tp")
 
 
-def validate_degrees(pp: int, dp: int, tp: int, world_size: int) -> None:
-    """Raise :class:`ShardwiseConfigError` unless every degree ≥ 1 and pp·dp·tp == world_size."""
-    for name, d in (("pp", pp), ("dp", dp), ("tp", tp)):
+def validate_degrees(pp: int, dp: int, tp: int, world_size: int, cp: int = 1) -> None:
+    """Raise :class:`ShardwiseConfigError` unless every degree ≥ 1 and pp·dp·cp·tp ==
+    world_size."""
+    for name, d in (("pp", pp), ("dp", dp), ("cp", cp), ("tp", tp)):
         if not isinstance(d, int) or d < 1:
             raise ShardwiseConfigError(f"--{name} {d} must be a positive integer")
-    if pp * dp * tp != world_size:
+    if pp * dp * cp * tp != world_size:
         divisors = [k for k in range(1, world_size + 1) if world_size % k == 0]
+        names = "dp × cp × tp × pp" if cp > 1 else "dp × tp × pp"
+        values = f"{dp} × {cp} × {tp} × {pp}" if cp > 1 else f"{dp} × {tp} × {pp}"
+        product = dp * cp * tp * pp
         raise ShardwiseConfigError(
-            f"dp × tp × pp = {dp} × {tp} × {pp} = {dp * tp * pp} does not equal the world size "
+            f"{names} = {values} = {product} does not equal the world size "
             f"{world_size}: choose degrees whose product is {world_size} (each from {divisors}), "
-            f"or launch {dp * tp * pp} processes")
+            f"or launch {product} processes")
 
 
 def backend_for(device: str) -> str:
@@ -98,8 +108,10 @@ class Topology:
     Create it on **every** rank of the world, in the same order (group creation is collective);
     ranks outside ``ranks`` get an object with ``member == False`` and must not use it.
 
-    Attributes: ``degrees`` {"pp","dp","tp"} → int; ``coords`` this rank's index on each axis;
-    ``mesh`` a ``DeviceMesh`` with dims ("pp","dp","tp") for PyTorch's own parallel APIs;
+    Attributes: ``degrees`` {"pp","dp","cp","tp"} → int; ``coords`` this rank's index on each
+    axis; ``data_axis`` "dp", or "dp_cp" when cp > 1 (the flattened dp × cp lines, dp-major:
+    where gradients are summed); ``mesh`` a ``DeviceMesh`` with dims ("pp","dp","tp"), and
+    "cp" between dp and tp when cp > 1, for PyTorch's own parallel APIs;
     ``ledger`` where every collective on these groups is booked; ``device`` torch.device;
     ``collectives`` which implementation :mod:`shardwise.comm.ops` runs its collectives with
     ("native": the backend's; "ring", "tree", "auto": :mod:`shardwise.comm.algorithms` over
@@ -109,14 +121,15 @@ class Topology:
     and compare them across ranks (``check_collectives``: "off", "step" or "every").
     """
 
-    def __init__(self, pp: int = 1, dp: int = 1, tp: int = 1, *, device: str = "cpu",
-                 ranks: list[int] | None = None, timeout_s: float = 300.0,
+    def __init__(self, pp: int = 1, dp: int = 1, tp: int = 1, *, cp: int = 1,
+                 device: str = "cpu", ranks: list[int] | None = None, timeout_s: float = 300.0,
                  collectives: str = "native", check_collectives: str = "step"):
         self.collectives = check_algorithms(collectives)  # before any group is created
         world = dist.get_world_size()
         ranks = list(range(world)) if ranks is None else list(ranks)
-        validate_degrees(pp, dp, tp, len(ranks))
-        self.degrees = {"pp": pp, "dp": dp, "tp": tp}
+        validate_degrees(pp, dp, tp, len(ranks), cp)
+        self.degrees = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+        self.data_axis = "dp_cp" if cp > 1 else "dp"
         self.ranks = ranks
         self.rank = dist.get_rank()
         self.member = self.rank in ranks
@@ -127,17 +140,23 @@ class Topology:
         # fingerprints of every collective on these groups, compared across ranks at each step
         # boundary (``check_collectives``: off | step | every; see comm/fingerprint.py)
         self.checks = CollectiveChecks(self, check_collectives, timeout_s)
-        self.grid = torch.tensor(ranks, dtype=torch.long).reshape(pp, dp, tp)
+        self.grid = torch.tensor(ranks, dtype=torch.long).reshape(pp, dp, cp, tp)
         timeout = datetime.timedelta(seconds=timeout_s)
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._axis_ranks: dict[str, list[int]] = {}
-        for dim, axis in enumerate(AXES):
-            # all groups along this axis: move `dim` last and flatten the others
-            lines = self.grid.movedim(dim, -1).reshape(-1, self.grid.shape[dim]).tolist()
+        # the lines of each axis (move its dim last, flatten the others); cp's only when cp > 1,
+        # and dp × cp flattened (dp-major) for the gradient sync
+        lines_of = {axis: self.grid.movedim(dim, -1).reshape(-1, self.grid.shape[dim]).tolist()
+                    for dim, axis in enumerate(AXES) if axis != "cp" or cp > 1}
+        if cp > 1:
+            lines_of["dp_cp"] = self.grid.permute(0, 3, 1, 2).reshape(pp * tp, dp * cp).tolist()
+        for axis, lines in lines_of.items():
             mine, _ = dist.new_subgroups_by_enumeration(lines, timeout=timeout)
             for line in lines:
                 if self.rank in line:
                     self._groups[axis], self._axis_ranks[axis] = mine, line
+        if cp == 1:  # one rank per cp line: this rank alone; dp_cp is dp
+            self._axis_ranks["cp"] = [self.rank]
         # the whole layout as one more axis, for run-level agreement (output folder, verify)
         self._world_group = dist.new_group(ranks, timeout=timeout)
         self._groups["world"], self._axis_ranks["world"] = self._world_group, ranks
@@ -148,24 +167,40 @@ class Topology:
             self.coords = dict(zip(AXES, idx))
             from torch.distributed.device_mesh import DeviceMesh
 
-            self.mesh = DeviceMesh.from_group([self._groups[a] for a in AXES], self.device.type,
-                                              mesh=self.grid, mesh_dim_names=AXES)
+            dims = tuple(a for a in AXES if a in self._groups)
+            grid = self.grid if cp > 1 else self.grid.squeeze(2)
+            self.mesh = DeviceMesh.from_group([self._groups[a] for a in dims], self.device.type,
+                                              mesh=grid, mesh_dim_names=dims)
 
     # -- queries -----------------------------------------------------------------------------
     def size(self, axis: str) -> int:
-        """Degree of ``axis`` ("pp", "dp", "tp", or "world" = all ranks of the layout)."""
-        return self.world_size if axis == "world" else self.degrees[axis]
+        """Degree of ``axis`` ("pp", "dp", "cp", "tp", "dp_cp" = dp·cp, or "world" = all ranks
+        of the layout)."""
+        if axis == "world":
+            return self.world_size
+        if axis == "dp_cp":
+            return self.degrees["dp"] * self.degrees["cp"]
+        return self.degrees[axis]
 
     def index(self, axis: str) -> int:
-        """This rank's index along ``axis`` (0 ≤ index < size(axis))."""
-        return self.ranks.index(self.rank) if axis == "world" else self.coords[axis]
+        """This rank's index along ``axis`` (0 ≤ index < size(axis); "dp_cp": dp·cp + cp)."""
+        if axis == "world":
+            return self.ranks.index(self.rank)
+        if axis == "dp_cp":
+            return self.coords["dp"] * self.degrees["cp"] + self.coords["cp"]
+        return self.coords[axis]
 
     def group(self, axis: str) -> dist.ProcessGroup:
-        """The process group of this rank's line along ``axis``."""
+        """The process group of this rank's line along ``axis`` ("dp_cp" is "dp"'s when cp = 1;
+        KeyError for "cp" when cp = 1: nothing runs over a line of one rank)."""
+        if axis == "dp_cp" and axis not in self._groups:
+            return self._groups["dp"]
         return self._groups[axis]
 
     def global_rank(self, axis: str, index: int) -> int:
         """Global rank of the member with ``index`` on this rank's line along ``axis``."""
+        if axis == "dp_cp" and axis not in self._axis_ranks:
+            axis = "dp"
         return self._axis_ranks[axis][index]
 
     def axis_of_ranks(self, ranks) -> str | None:
@@ -173,8 +208,8 @@ class Topology:
         or None. Lets code that only sees a process group (e.g. DTensor's collectives, which may
         run on an equal mesh created for an earlier layout) name its axis."""
         want = sorted(ranks)
-        for axis in ("tp", "dp", "pp", "world"):
-            if sorted(self._axis_ranks[axis]) == want:
+        for axis in ("tp", "cp", "dp", "dp_cp", "pp", "world"):
+            if axis in self._axis_ranks and sorted(self._axis_ranks[axis]) == want:
                 return axis
         return None
 
@@ -183,6 +218,7 @@ class Topology:
         return len(self.ranks)
 
     def describe(self) -> str:
-        """E.g. ``"pp=1 × dp=2 × tp=1 (2 ranks)"``."""
+        """E.g. ``"pp=1 × dp=2 × tp=1 (2 ranks)"``, ``"pp=1 × dp=2 × cp=2 × tp=1 (4 ranks)"``."""
         d = self.degrees
-        return f"pp={d['pp']} × dp={d['dp']} × tp={d['tp']} ({self.world_size} ranks)"
+        cp = f" × cp={d['cp']}" if d["cp"] > 1 else ""
+        return f"pp={d['pp']} × dp={d['dp']}{cp} × tp={d['tp']} ({self.world_size} ranks)"

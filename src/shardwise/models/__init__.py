@@ -50,8 +50,14 @@ def build_model(name: str, vocab_size: int = 4096, **overrides) -> nn.Module:
 def loss_sum_and_count(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward ``batch`` through ``model``: (sum of losses fp32 scalar, number of counted items)."""
     if "input_ids" in batch:
-        return lm_loss(model(batch["input_ids"]), batch["labels"])
+        return lm_loss(model(batch["input_ids"], **positions_kw(batch)), batch["labels"])
     return mse_loss(model(batch["inputs"]), batch["targets"])
+
+
+def positions_kw(batch: dict) -> dict:
+    """``{"positions": batch["position_ids"]}`` when the batch carries token positions (a
+    context-parallel rank's chunks, :func:`shardwise.parallel.cp.shard_sequence`), else {}."""
+    return {"positions": batch["position_ids"]} if "position_ids" in batch else {}
 
 
 def count_items(batch: dict) -> int:
@@ -68,5 +74,5 @@ def config_of(model: nn.Module):
 
 __all__ = ["AC_MODES", "IGNORE_INDEX", "MLP_PRESETS", "PRESETS", "Llama", "LlamaConfig",
            "MLPConfig", "StackedMLP", "build_model", "checkpoint_block", "count_items", "generate",
-           "lm_loss", "loss_sum_and_count", "model_names", "mse_loss", "preset_config",
-           "regression_data", "set_activation_checkpointing"]
+           "lm_loss", "loss_sum_and_count", "model_names", "mse_loss", "positions_kw",
+           "preset_config", "regression_data", "set_activation_checkpointing"]

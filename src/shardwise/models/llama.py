@@ -97,22 +97,44 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
+class CoreAttention(nn.Module):
+    """softmax(q·kᵀ/√hd + causal mask)·v per head, with GQA: q [b, h, s, hd], k and v
+    [b, k, s, hd] (each kv head serves h/k query heads) → [b, h, s, hd], through
+    ``scaled_dot_product_attention``. No parameters: Megatron's "core attention", the part a
+    sequence-parallel transform replaces (context parallelism: ring attention over cp)."""
+
+    def forward(self, q, k, v, dropout_p: float = 0.0):
+        if k.shape[1] != q.shape[1]:  # GQA: each kv head serves h/k query heads
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+
+
 def causal_attention(x: torch.Tensor, wq, wk, wv, head_dim: int, cos: torch.Tensor,
-                     sin: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+                     sin: torch.Tensor, dropout_p: float = 0.0, core=None) -> torch.Tensor:
     """Causal GQA attention up to the output projection: x [b, s, d] → [b, s, h·hd].
 
     ``wq``/``wk``/``wv``: the projections (d → h·hd, d → k·hd, d → k·hd). Head counts come from
-    their outputs, so a head-sharded (TP) copy runs this on its local heads unchanged."""
+    their outputs, so a head-sharded (TP) copy runs this on its local heads unchanged. ``cos``,
+    ``sin``: RoPE tables [s, hd] (or [b, 1, s, hd] for explicit positions); ``core``: the
+    :class:`CoreAttention` (or a replacement) that attends q to k, v after RoPE."""
     b, s, _ = x.shape
     q = wq(x).view(b, s, -1, head_dim).transpose(1, 2)  # [b, h, s, hd]
     k = wk(x).view(b, s, -1, head_dim).transpose(1, 2)  # [b, k, s, hd]
     v = wv(x).view(b, s, -1, head_dim).transpose(1, 2)  # [b, k, s, hd]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if k.shape[1] != q.shape[1]:  # GQA: each kv head serves h/k query heads
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+    y = (core or CoreAttention())(q, k, v, dropout_p)  # [b, h, s, hd]
     return y.transpose(1, 2).reshape(b, s, -1)  # [b, s, h·hd]
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor, s: int,
+                positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RoPE rows for a sequence of ``s`` tokens: positions 0..s-1 ([s, hd] each), or the
+    given ``positions`` [b, s] (int64; e.g. a context-parallel rank's chunks) → [b, 1, s, hd],
+    which broadcasts over heads."""
+    if positions is None:
+        return cos[:s], sin[:s]
+    return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -125,11 +147,12 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.core = CoreAttention()
         self.dropout = cfg.dropout
 
     def forward(self, x, cos, sin):
         y = causal_attention(x, self.wq, self.wk, self.wv, self.head_dim, cos, sin,
-                             self.dropout if self.training else 0.0)  # [b, s, h·hd]
+                             self.dropout if self.training else 0.0, self.core)  # [b, s, h·hd]
         return self.wo(y)  # [b, s, d]
 
 
@@ -169,7 +192,9 @@ class TransformerBlock(CheckpointedBlock, nn.Module):
 
 
 class Llama(nn.Module):
-    """tokens [b, s] int64 → logits [b, s, V]. Loss is computed outside (see :func:`lm_loss`)."""
+    """tokens [b, s] int64 (and optional ``positions`` [b, s] int64, default 0..s-1, as Hugging
+    Face's ``position_ids``) → logits [b, s, V]. Loss is computed outside (see
+    :func:`lm_loss`)."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -198,11 +223,12 @@ class Llama(nn.Module):
             else:
                 nn.init.normal_(p, 0.0, std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
         s = tokens.shape[1]
         if s > self.config.max_seq_len:
             raise ValueError(f"sequence length {s} > max_seq_len {self.config.max_seq_len}")
-        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        cos, sin = rope_tables(self.rope_cos, self.rope_sin, s, positions)
         x = self.tok_embeddings(tokens)  # [b, s, d]
         for layer in self.layers:
             x = layer(x, cos, sin)

@@ -3,10 +3,13 @@
 :func:`parallelize` turns a plain model into an :class:`~.engine.Engine` for a :class:`Layout` on
 a :class:`~shardwise.topology.Topology`, with our explicit implementation (``engine="explicit"``)
 or PyTorch's own (``engine="torch"``). It reads as the order of the transforms (torchtitan's
-``parallelize_llama``, picotron's order; mesh (pp, dp, tp), tp innermost):
+``parallelize_llama``, picotron's order; mesh (pp, dp, cp, tp), tp innermost):
 
 1. check the layout (:meth:`~.layout.Layout.check`, the one validator: every refusal, on every
    rank, before any collective);
+   cp > 1: every block's core attention becomes ring (or all-gather) attention over cp
+   (:func:`~.cp.parallelize_context`; the train step cuts each batch to this rank's chunks, and
+   the dp strategies of step 4 run over dp × cp);
 2. pp > 1: split into this rank's pipeline stages, and compose the rest inside each stage
    (:func:`~.pp.build_pipeline`: the same TP transform per stage, DP / ZeRO-1 over dp, the
    tied-embedding swap and the SP sum after the schedule);
@@ -50,9 +53,14 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     collective), ``ValueError`` for an unknown engine."""
     if engine not in ("explicit", "torch"):
         raise ValueError(f"unknown engine {engine!r}: choose explicit or torch")
-    layout = layout or Layout(dp=topo.size("dp"), tp=topo.size("tp"), pp=topo.size("pp"))
+    layout = layout or Layout(dp=topo.size("dp"), tp=topo.size("tp"), pp=topo.size("pp"),
+                              cp=topo.size("cp"))
     # 1. every refusal, before any collective
     layout.check(model=model, topo=topo, engine=engine, reduce_dtype=reduce_dtype)
+    if layout.cp > 1:  # the attention cores, on the plain model (pp and tp keep them)
+        from .cp import parallelize_context
+
+        parallelize_context(model, topo, layout.cp_method)
     dp_kw = dict(bucket_mb=bucket_mb, overlap=overlap, prefetch=prefetch,
                  reshard_after_forward=reshard_after_forward, reduce_dtype=reduce_dtype)
     # 2. pipeline stages; TP, DP/ZeRO-1 and the finishers are composed inside each stage
@@ -75,9 +83,9 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
                 for p in model.parameters():
                     comm.broadcast(p.data, topo, "dp", src=0, tag="init")
         tp = parallelize_tensor_dtensor(model, topo, sp=layout.sp)
-    if tp is not None and layout.dp == 1:
+    if tp is not None and layout.dp * layout.cp == 1:
         return tp
-    # 4. the gradient sync over dp, on the TP shards when tp > 1
+    # 4. the gradient sync over dp (× cp: the data axis), on the TP shards when tp > 1
     dp = dp_sync(model, topo, layout, engine, **dp_kw)
     if tp is None:
         return dp

@@ -12,7 +12,8 @@ The training step (``train/step.py``) talks to a model only through this interfa
                              (one rule: :func:`.params.grad_norm_`)
 ``make_optimizer``           the optimizer (ZeRO returns a sharded one)
 ``reduce_loss_axes``         axes over which the loss sum is all-reduced for the log line
-``count_axes``               axes over which the step's token count is all-reduced
+``count_axes``               axes over which the step's token count is all-reduced (both: the
+                             topology's data axis, dp or dp × cp, plus pp for a pipeline)
 ``named_full_parameters``    {FQN of the plain model: full-shape tensor} for the parameters this
                              rank's stage holds, gathered over dp/tp shards (for parity checks)
 ``named_full_gradients``     the same for gradients (after ``finish_gradient_sync``)
@@ -58,15 +59,24 @@ def autocast(dtype: str, device: torch.device):
 class Engine(nn.Module):
     """Base class: a replicated model whose micro-batches run one after another on this rank."""
 
-    count_axes: tuple[str, ...] = ("dp",)
-    reduce_loss_axes: tuple[str, ...] = ("dp",)
-
     def __init__(self, module: nn.Module):
         super().__init__()
         self.module = module
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    @property
+    def count_axes(self) -> tuple[str, ...]:
+        """Axes the step's token count is summed over: the data axis, "dp" or "dp_cp" (each cp
+        rank counts the tokens of its own chunks)."""
+        topo = getattr(self, "topo", None)
+        return (topo.data_axis if topo is not None else "dp",)
+
+    @property
+    def reduce_loss_axes(self) -> tuple[str, ...]:
+        """Axes the step's loss sum is summed over for the log line: as :attr:`count_axes`."""
+        return self.count_axes
 
     def sync_gradients(self, enabled: bool):
         """Context: inside ``sync_gradients(False)`` backward only accumulates locally."""

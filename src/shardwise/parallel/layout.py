@@ -1,9 +1,10 @@
 """The parallel layout, and the one validator every entry point calls.
 
-A :class:`Layout` holds the degrees (dp × tp × pp), the ZeRO stage, sequence parallelism and the
-pipeline schedule. :meth:`Layout.check` is the one place a layout is refused: it runs every
-cross-strategy rule and calls each strategy's own check (:func:`~.zero.validate_zero`,
-:func:`~.tp.validate_tp`, :func:`~.pp.split.validate_pp`), raising
+A :class:`Layout` holds the degrees (dp × cp × tp × pp), the ZeRO stage, sequence parallelism,
+the context-parallel method and the pipeline schedule. :meth:`Layout.check` is the one place a
+layout is refused: it runs every cross-strategy rule and calls each strategy's own check
+(:func:`~.zero.validate_zero`, :func:`~.tp.validate_tp`, :func:`~.cp.validate_cp`,
+:func:`~.pp.split.validate_pp`), raising
 :class:`~shardwise.errors.ShardwiseConfigError` with the constraint and the fix, on every rank,
 before any collective. Its callers:
 
@@ -25,9 +26,11 @@ from ..errors import ShardwiseConfigError
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A parallel layout: degrees, ZeRO stage, sequence parallelism, pipeline schedule.
-    ``microbatches`` = 0: decided by the batch (global batch / (dp × micro-batch));
-    ``virtual_stages`` = 0: the schedule's default (2 for interleaved-1f1b, else 1)."""
+    """A parallel layout: degrees, ZeRO stage, sequence parallelism, pipeline schedule, and
+    context parallelism (``cp`` ranks split each sequence; ``cp_method`` "ring" or
+    "allgather", :mod:`.cp`). ``microbatches`` = 0: decided by the batch (global batch /
+    (dp × micro-batch)); ``virtual_stages`` = 0: the schedule's default (2 for
+    interleaved-1f1b, else 1)."""
 
     dp: int = 1
     tp: int = 1
@@ -37,10 +40,12 @@ class Layout:
     schedule: str = "1f1b"
     microbatches: int = 0
     virtual_stages: int = 0
+    cp: int = 1
+    cp_method: str = "ring"
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def chunks(self) -> int:
@@ -53,10 +58,13 @@ class Layout:
 
     def name(self) -> str:
         """Compact, e.g. ``"dp=2,zero=3"``, ``"tp=2,sp"``, ``"pp=4,1f1b,m=8"``,
-        ``"pp=4,interleaved-1f1b,v=4"`` (v only when given and > 1). :func:`parse_layout`
-        reads it back."""
-        parts = [f"{k}={getattr(self, k)}" for k in ("dp", "tp", "pp") if getattr(self, k) > 1]
+        ``"pp=4,interleaved-1f1b,v=4"`` (v only when given and > 1), ``"dp=2,cp=2"``,
+        ``"cp=4,allgather"``. :func:`parse_layout` reads it back."""
+        parts = [f"{k}={getattr(self, k)}" for k in ("dp", "cp", "tp", "pp")
+                 if getattr(self, k) > 1]
         parts = parts or ["dp=1"]
+        if self.cp > 1 and self.cp_method != "ring":
+            parts.append(self.cp_method)
         if self.zero:
             parts.append(f"zero={self.zero}")
         if self.sp:
@@ -73,13 +81,14 @@ class Layout:
     def from_config(cls, cfg) -> "Layout":
         return cls(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, zero=cfg.zero, sp=cfg.sp,
                    schedule=cfg.schedule, microbatches=cfg.microbatches,
-                   virtual_stages=getattr(cfg, "virtual_stages", 0))
+                   virtual_stages=getattr(cfg, "virtual_stages", 0), cp=getattr(cfg, "cp", 1),
+                   cp_method=getattr(cfg, "cp_method", "ring"))
 
     def check(self, model_cfg=None, topo=None, *, model=None, engine: str = "explicit",
               reduce_dtype: str = "fp32", seq_len: int | None = None,
               global_batch: int | None = None, micro_batch: int | None = None,
               layers_per_stage: list[int] | None = None,
-              composition: str | None = None) -> None:
+              composition: str | None = None, device: str | None = None) -> None:
         """Raise :class:`ShardwiseConfigError` (no collective) unless this layout can run.
 
         ``model_cfg``: the model's config (``LlamaConfig`` / ``MLPConfig``) when no module exists
@@ -91,7 +100,9 @@ class Layout:
         ``global_batch`` (sequences per step, all replicas) and ``micro_batch`` (sequences per
         micro-batch), given together with a model: the pipeline's microbatches and split are
         checked (``layers_per_stage``: an explicit split). ``composition``: "pp" when a
-        pipeline engine calls, built directly (ZeRO 0 or 1, whatever pp is).
+        pipeline engine calls, built directly (ZeRO 0 or 1, whatever pp is). ``device``: the
+        device type the layout will run on (default: the topology's; CP's torch engine needs
+        CUDA).
 
         Checked in this order:
 
@@ -99,24 +110,32 @@ class Layout:
            ZeRO needs dp ≥ 2, a stage in {0..3} and a known engine (:func:`~.zero.validate_zero`);
            ZeRO-2/3 with pp > 1 (or in a pipeline engine) is refused, as DeepSpeed refuses it
            (m× the gradient / parameter traffic per step for memory ZeRO-1 mostly saves
-           already: docs/composition.md §5).
+           already: docs/composition.md §5); ZeRO shards over dp × cp (the data axis).
+           cp > 1: a known method, and not the torch engine on CPU (:func:`~.cp.validate_cp`).
         2. the topology's degrees;
         3. the reduce dtype: fp32 or bf16 (:func:`~.dp.reduce_torch_dtype`);
-        4. the model: tp > 1 needs a Llama-style model whose heads, kv heads, d_ff (and, with
-           SP, ``seq_len``) tp divides (:func:`~.tp.validate_tp`); pp > 1 needs at least pp
+        4. the model: cp > 1 needs a Llama-style model without dropout and ``seq_len``
+           divisible by 2·cp (:func:`~.cp.validate_cp`); tp > 1 needs a Llama-style model whose
+           heads, kv heads, d_ff (and, with SP, ``seq_len``/cp) tp divides
+           (:func:`~.tp.validate_tp`); pp > 1 needs at least pp
            microbatches that divide the batch and a layer split that fits
            (:func:`~.pp.split.validate_pp`)."""
+        from .cp import validate_cp
         from .dp import reduce_torch_dtype
         from .tp import validate_tp
         from .zero import validate_zero
 
         known = model is not None or model_cfg is not None
         cfg = getattr(model, "config", None) if model is not None else model_cfg
+        if device is None and getattr(topo, "device", None) is not None:
+            device = topo.device.type
         # 1. the layout alone
         if self.sp and self.tp == 1:
             validate_tp(cfg, self.tp, self.sp, seq_len)
         if self.zero:
-            validate_zero(self.zero, self.dp, engine=engine)
+            validate_zero(self.zero, self.dp * self.cp, engine=engine)
+        if self.cp > 1:
+            validate_cp(None, self.cp, self.cp_method, engine=engine, device=device)
         if self.zero >= 2 and (self.pp > 1 or composition == "pp"):
             raise ShardwiseConfigError(
                 f"layout {self.name()}: ZeRO-{self.zero} does not compose with pipeline "
@@ -124,18 +143,23 @@ class Layout:
                 "parameters; DeepSpeed refuses it too): use --zero 1 with --pp, or --pp 1")
         # 2. the topology
         if topo is not None:
-            sizes = (topo.size("pp"), topo.size("dp"), topo.size("tp"))
-            if sizes != (self.pp, self.dp, self.tp):
+            sizes = tuple(topo.size(a) for a in ("pp", "dp", "cp", "tp"))
+            if sizes != (self.pp, self.dp, self.cp, self.tp):
+                cp = f", cp={self.cp}" if self.cp > 1 else ""
                 raise ShardwiseConfigError(
                     f"layout {self.name()} does not match the topology {topo.describe()}: "
-                    f"build Topology(pp={self.pp}, dp={self.dp}, tp={self.tp}) for it")
+                    f"build Topology(pp={self.pp}, dp={self.dp}, tp={self.tp}{cp}) for it")
         # 3. the reduce dtype
         reduce_torch_dtype(reduce_dtype)
         # 4. the model
         if not known:
             return
+        if self.cp > 1:
+            validate_cp(cfg, self.cp, self.cp_method, seq_len=seq_len, engine=engine,
+                        device=device)
+        local_seq = seq_len // self.cp if seq_len is not None else None
         if self.tp > 1:
-            validate_tp(cfg, self.tp, self.sp, seq_len)
+            validate_tp(cfg, self.tp, self.sp, local_seq)
         if self.pp > 1 and global_batch is not None and micro_batch is not None:
             from .pp.split import validate_pp
 
@@ -153,8 +177,10 @@ class Layout:
 
 
 def parse_layout(text: str) -> Layout:
-    """``"dp=2"``, ``"dp=2,zero=3"``, ``"tp=2,sp"``, ``"pp=4,schedule=1f1b,m=8"`` → Layout, checked
-    by :meth:`Layout.check` (the layout alone). Raises ShardwiseConfigError naming the syntax."""
+    """``"dp=2"``, ``"dp=2,zero=3"``, ``"tp=2,sp"``, ``"pp=4,schedule=1f1b,m=8"``, ``"dp=2,cp=2"``,
+    ``"cp=2,allgather"`` → Layout, checked by :meth:`Layout.check` (the layout alone). Raises
+    ShardwiseConfigError naming the syntax."""
+    from .cp import CP_METHODS
     from .pp.schedules import SCHEDULES
 
     kw: dict = {}
@@ -164,15 +190,17 @@ def parse_layout(text: str) -> Layout:
             kw["sp"] = True
         elif key in SCHEDULES and not value:
             kw["schedule"] = key
+        elif key in CP_METHODS and not value:
+            kw["cp_method"] = key
         elif key == "schedule" and value in SCHEDULES:
             kw["schedule"] = value
-        elif key in ("dp", "tp", "pp", "zero", "m", "microbatches", "v") and value.isdigit():
+        elif key in ("dp", "cp", "tp", "pp", "zero", "m", "microbatches", "v") and value.isdigit():
             kw[{"m": "microbatches", "v": "virtual_stages"}.get(key, key)] = int(value)
         else:
             raise ShardwiseConfigError(
-                f"--layouts {text!r}: write each layout as comma-separated parts: dp=N, tp=N, "
-                f"pp=N, zero=Z, sp, a schedule ({', '.join(SCHEDULES)}), m=M (e.g. dp=2,zero=3 "
-                "or pp=2,1f1b,m=4)")
+                f"--layouts {text!r}: write each layout as comma-separated parts: dp=N, cp=N, "
+                f"tp=N, pp=N, zero=Z, sp, a schedule ({', '.join(SCHEDULES)}), m=M, a cp method "
+                f"({', '.join(CP_METHODS)}) (e.g. dp=2,zero=3, pp=2,1f1b,m=4 or dp=2,cp=2)")
     layout = Layout(**kw)
     layout.check()
     return layout

@@ -32,9 +32,6 @@ class ParallelModel(Engine):
     over the same module), on ``topo`` (pp = 1). Every tp rank of a dp row holds the complete
     loss sum of its row, so the token count and the loss are all-reduced over dp only."""
 
-    count_axes = ("dp",)
-    reduce_loss_axes = ("dp",)
-
     def __init__(self, tp: Engine, dp: Engine, topo):
         super().__init__(tp.module)
         # the parts share ``module``: a tuple, which nn.Module does not register, so that

@@ -124,18 +124,26 @@ def layers_for(layout: Layout) -> int:
     return max(MIN_LAYERS, layout.pp * v)
 
 
-def applies(layout: Layout, model: str) -> bool:
-    """TP splits attention heads: Llama models only."""
-    return not (layout.tp > 1 and model.startswith("mlp"))
+def applies(layout: Layout, model: str, engine: str = "explicit") -> bool:
+    """TP splits attention heads and CP sequences: Llama models only. CP runs on the explicit
+    engine only on CPU (PyTorch's ``context_parallel`` has no CPU kernel: validate_cp)."""
+    if layout.cp > 1 and engine != "explicit":
+        return False
+    return not ((layout.tp > 1 or layout.cp > 1) and model.startswith("mlp"))
 
 
-def verify_workload(model: str, seed: int, overrides: dict | None = None):
+CP_SEQ_LEN = 64  # verify's sequences under cp: 2·cp chunks of ≥ 8 tokens for cp ≤ 4
+
+
+def verify_workload(model: str, seed: int, overrides: dict | None = None,
+                    seq_len: int = 16):
     """The data of a verify case: the synthetic regression task (256 training rows) for
-    ``mlp*`` models, else random token sequences (:class:`SyntheticLMWorkload`)."""
+    ``mlp*`` models, else random token sequences of ``seq_len`` tokens
+    (:class:`SyntheticLMWorkload`; :data:`CP_SEQ_LEN` for cp layouts)."""
     if model.startswith("mlp"):
         return RegressionWorkload(TrainConfig(model=model, seed=seed), num_train=256, num_val=32,
                                   overrides=overrides)
-    return SyntheticLMWorkload(seed=seed)
+    return SyntheticLMWorkload(seed=seed, seq_len=seq_len)
 
 
 def _build(model_name, work, cfg, overrides: dict | None = None):
@@ -327,31 +335,37 @@ def verify_worker(args) -> int:
     engines = ENGINES if args.engine == "both" else (args.engine,)
     rows = []
     worst_bound = (0.0, "")
-    topos: dict[tuple[int, int, int], Topology] = {}
+    topos: dict[tuple[int, int, int, int], Topology] = {}
     for model_name in args.models.split(","):
         overrides = MODEL_OVERRIDES.get(model_name, {})
-        work = verify_workload(model_name, cfg.seed, overrides)
+        works = {1: verify_workload(model_name, cfg.seed, overrides)}
         refs = {}
         for lay in layouts:
-            if not applies(lay, model_name):
+            if not any(applies(lay, model_name, eng) for eng in engines):
                 continue
             ov = {**overrides, "n_layers": layers_for(lay)}
-            shape = (lay.pp, lay.dp, lay.tp)
+            if lay.cp > 1 and CP_SEQ_LEN not in works:
+                works[CP_SEQ_LEN] = verify_workload(model_name, cfg.seed, overrides, CP_SEQ_LEN)
+            work = works[CP_SEQ_LEN if lay.cp > 1 else 1]
+            shape = (lay.pp, lay.dp, lay.tp, lay.cp)
             if shape not in topos:  # process groups are created once per grid shape
-                topos[shape] = Topology(*shape, ranks=range(lay.world), timeout_s=args.timeout,
-                                        collectives=args.collectives, check_collectives=checks)
+                topos[shape] = Topology(*shape[:3], cp=lay.cp, ranks=range(lay.world),
+                                        timeout_s=args.timeout, collectives=args.collectives,
+                                        check_collectives=checks)
             topo = topos[shape]
             # micro-batches per rank: the pipeline's m, else two (gradient accumulation)
             n_micro = lay.microbatches or (lay.pp if lay.pp > 1 else 2)
             global_batch = args.micro_batch * n_micro * lay.dp
             for eng in engines:
+                if not applies(lay, model_name, eng):
+                    continue
                 t0 = time.perf_counter()
                 name, error = f"{lay.name()} {eng} {model_name}", ""
                 vec = torch.zeros(9, dtype=torch.float64)
                 traffic: dict = {}
                 if topo.member:
                     try:
-                        key = (ov["n_layers"], global_batch)
+                        key = (ov["n_layers"], global_batch, lay.cp > 1)
                         if key not in refs:
                             refs[key] = reference_run(model_name, work, cfg, global_batch,
                                                       args.steps, ov)
@@ -385,7 +399,8 @@ def verify_worker(args) -> int:
                     topos.clear()
                     everyone = Topology(dp=world, timeout_s=args.timeout,
                                         check_collectives=checks)
-                    topo = topos[shape] = Topology(*shape, ranks=range(lay.world),
+                    topo = topos[shape] = Topology(*shape[:3], cp=lay.cp,
+                                                   ranks=range(lay.world),
                                                    timeout_s=args.timeout,
                                                    collectives=args.collectives,
                                                    check_collectives=checks)

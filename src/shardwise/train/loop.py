@@ -26,6 +26,7 @@ from ..errors import ShardwiseConfigError
 from ..flops import mfu, peak_devices, peak_flops, step_flops
 from ..models import build_model, set_activation_checkpointing
 from ..parallel.apply import Layout, parallelize
+from ..parallel.cp import plain_attention, shard_sequence
 from ..topology import Topology, init_distributed
 from . import faults
 from .checkpoint import (Checkpointer, DivergedError, RunFolderBusyError,
@@ -98,13 +99,14 @@ def evaluate(engine, work, topo, cfg: TrainConfig) -> float:
     for i in range(forwards):
         real = i < len(batches)
         mb = batches[i] if real else work.batches(torch.zeros(1, dtype=torch.long), 1, "val")[0]
-        s, c = engine.loss_sum_and_count({k: v.to(topo.device) for k, v in mb.items()})
+        mb = shard_sequence({k: v.to(topo.device) for k, v in mb.items()}, topo)  # cp chunks
+        s, c = engine.loss_sum_and_count(mb)
         if real:  # padding: the forward ran (matched collectives); its sums count zero
             sums[0] += s.double().sum()  # engines return [] or [1]
             sums[1] += torch.as_tensor(c).sum()
     engine.train()
     with topo.ledger.phase("eval"):
-        comm.all_reduce(sums, topo, "dp", tag="eval")
+        comm.all_reduce(sums, topo, topo.data_axis, tag="eval")  # dp (× cp: chunk sums)
     return float(sums[0] / sums[1])
 
 
@@ -134,7 +136,7 @@ def train(cfg: TrainConfig) -> dict:
     resume_from = None if refused else _find_resume(cfg, work, rank, fingerprint)
 
     init_distributed(cfg.device, cfg.timeout)
-    topo = Topology(cfg.pp, cfg.dp, cfg.tp, device=cfg.device, timeout_s=cfg.timeout,
+    topo = Topology(cfg.pp, cfg.dp, cfg.tp, cp=cfg.cp, device=cfg.device, timeout_s=cfg.timeout,
                     collectives=cfg.collectives, check_collectives=cfg.check_collectives)
     with topo.ledger.phase("init"):
         out, refused = comm.broadcast_object((out_name, refused), topo, "world")
@@ -295,7 +297,8 @@ def train(cfg: TrainConfig) -> dict:
     sample = None
     if cfg.sample_tokens > 0:  # --sample-tokens 0: no sample (and no gather for one)
         with engine.full_model() as full:  # every rank together: sharded weights gather here
-            sample = work.sample_text(full, cfg) if full is not None else None
+            with plain_attention(full):  # cp: whole sequences on every rank, no ring
+                sample = work.sample_text(full, cfg) if full is not None else None
     summary = {
         "val_loss_start": val_losses[0][1], "val_loss_end": val_losses[-1][1],
         "wall_s": time.perf_counter() - t_start, "steps_run": len(times),

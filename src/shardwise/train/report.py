@@ -14,12 +14,20 @@ from ..topology import AXES
 
 def describe_groups(topo) -> list[str]:
     """Log lines: the mesh shape and, per axis of size > 1, the global ranks of each group
-    (from ``topo.grid`` [pp, dp, tp], tp innermost)."""
-    lines = [f"  mesh (pp, dp, tp) = {tuple(topo.grid.shape)}, rank r = (pp·{topo.size('dp')} + "
-             f"dp)·{topo.size('tp')} + tp"]
-    for dim, axis in enumerate(AXES):
-        if topo.size(axis) > 1:
-            groups = topo.grid.movedim(dim, -1).reshape(-1, topo.size(axis)).tolist()
+    (from ``topo.grid`` [pp, dp, cp, tp], tp innermost; shown as [pp, dp, tp] when cp = 1)."""
+    grid = topo.grid
+    if grid.dim() == 4 and grid.shape[2] == 1:
+        grid = grid.squeeze(2)
+    axes = AXES if grid.dim() == 4 else tuple(a for a in AXES if a != "cp")
+    names = ", ".join(axes)
+    if grid.dim() == 4:
+        rule = (f"((pp·{topo.size('dp')} + dp)·{topo.size('cp')} + cp)·{topo.size('tp')} + tp")
+    else:
+        rule = f"(pp·{topo.size('dp')} + dp)·{topo.size('tp')} + tp"
+    lines = [f"  mesh ({names}) = {tuple(grid.shape)}, rank r = {rule}"]
+    for dim, axis in enumerate(axes):
+        if grid.shape[dim] > 1:
+            groups = grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist()
             lines.append(f"    {axis} groups: " + " ".join(
                 "{" + ",".join(map(str, g)) + "}" for g in groups))
     return lines

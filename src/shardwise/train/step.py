@@ -7,7 +7,9 @@ The sync points, in order, and why:
    a collective issued on some ranks only is named here instead of hanging the next step.
 1. all_reduce of the step's counted-token total T over dp (before any forward): every rank
    divides its token-loss sum by the *global* T, so summed gradients are exactly ∇ of the
-   token-weighted global mean (see :mod:`shardwise.parallel.dp`).
+   token-weighted global mean (see :mod:`shardwise.parallel.dp`). With context parallelism each
+   micro-batch is first cut to this rank's sequence chunks (:func:`~shardwise.parallel.cp.
+   shard_sequence`), so T is summed over dp × cp (the engine's ``count_axes``).
 2. micro-steps: forward + backward; gradient sync is suppressed on all but the last one, where
    bucket all-reduces launch from the backward hooks (overlapping compute).
 3. finish_gradient_sync: wait for the buckets before touching gradients.
@@ -25,6 +27,7 @@ from torch import nn
 from .. import comm
 from ..comm import fingerprint
 from ..models import count_items
+from ..parallel.cp import shard_sequence
 
 
 @dataclasses.dataclass
@@ -58,6 +61,7 @@ def train_step(engine: nn.Module, microbatches: list[dict], optimizer, topo=None
         topo.ledger.begin_step()
     optimizer.zero_grad(set_to_none=True)
     device = next(engine.parameters()).device  # scalars live there too (NCCL needs it)
+    microbatches = [shard_sequence(mb, topo) for mb in microbatches]  # cp: this rank's chunks
     local = float(sum(count_items(mb) for mb in microbatches))
     total = torch.tensor([local], dtype=torch.float64, device=device)
     if topo is not None:  # sync point 1: the global token count

@@ -136,7 +136,8 @@ class GradBuckets:
                 view.zero_()
             else:
                 view.copy_(local(p.grad))  # casts to the reduce dtype (bf16: rounds)
-        bucket.handle = comm.all_reduce(bucket.buffer, self.topo, "dp", tag="grad", async_op=True)
+        bucket.handle = comm.all_reduce(bucket.buffer, self.topo, self.topo.data_axis, tag="grad",
+                                        async_op=True)
 
     def finish(self) -> None:
         """Launch any bucket not yet launched (unused parameters, ``overlap=False``), wait for all,
@@ -174,7 +175,7 @@ class DataParallel(Engine):
         self.topo, self.overlap, self.reduce_dtype = topo, overlap, reduce_dtype
         params = [p for p in module.parameters() if p.requires_grad]
         with topo.ledger.phase("init"):  # replicas identical from the start
-            comm.broadcast_coalesced([p.data for p in params], topo, "dp", tag="init")
+            comm.broadcast_coalesced([p.data for p in params], topo, topo.data_axis, tag="init")
         self.grad_sync = GradBuckets(params, topo, bucket_mb=bucket_mb, overlap=overlap,
                                      reduce_dtype=reduce_dtype)
 
@@ -193,7 +194,8 @@ class DataParallel(Engine):
         """{"grad": bytes} this rank sends per step: :func:`dp_grad_bytes_formula` of the
         gradients *in the reduce dtype* (bf16: half of fp32), whatever ``micro_steps`` (one
         all-reduce per step) and ``dtype`` (autocast leaves gradients fp32)."""
-        return {"grad": dp_grad_bytes_formula(self.grad_sync.grad_bytes(), self.topo.size("dp"))}
+        return {"grad": dp_grad_bytes_formula(self.grad_sync.grad_bytes(),
+                                               self.topo.size(self.topo.data_axis))}
 
     def memory_formula(self) -> dict[str, float]:
         """:func:`dp_memory_formula` of this replica."""

@@ -119,7 +119,7 @@ class ScheduleRunner:
                 if self.zb is not None:
                     self.zb.active = []
                 with autocast(dtype, device):
-                    y = chunk(x)
+                    y = chunk(x, mbs[a.microbatch].get("position_ids"))
                     if chunk.is_last:
                         s = loss_sum(y, mbs[a.microbatch])
                         loss += s.detach().double()

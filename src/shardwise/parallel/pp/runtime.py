@@ -6,7 +6,7 @@ TP (+SP) inside each stage (:func:`..tp.apply_tp`), the schedule across stages, 
 (:class:`..dp.GradBuckets`) / ZeRO-1 (:mod:`..zero.flat`) over dp after the last microbatch.
 Every rank talks only to the pp neighbours with its own (dp, tp) index. ``forward_backward``
 returns this rank's loss *sum* (0 off the last stage), which the train step all-reduces over
-``reduce_loss_axes = ("pp", "dp")``.
+``reduce_loss_axes``: pp and the data axis (dp, or dp × cp).
 
 Bytes this rank sends per optimizer step, by tag (:meth:`PipelineParallel.bytes_formula`; the
 derivation: docs/composition.md, "Pipelines composed"), rank r of p, v chunks, m microbatches,
@@ -64,16 +64,13 @@ class PipelineParallel(Engine):
 
     Raises :class:`ShardwiseConfigError` for invalid settings, before any collective."""
 
-    count_axes = ("dp",)
-    reduce_loss_axes = ("pp", "dp")
-
     def __init__(self, model: nn.Module, topo, *, schedule: str = "1f1b",
                  microbatches: int | None = None, virtual_stages: int | None = None,
                  layers_per_stage: list[int] | None = None, sp: bool = False, zero: int = 0,
                  seed: int = 0, reduce_dtype: str = "fp32", bucket_mb: float = 25.0):
         self.tp, self.sp, self.zero = topo.size("tp"), bool(sp), int(zero)
         Layout(dp=topo.size("dp"), tp=self.tp, pp=topo.size("pp"), zero=self.zero, sp=self.sp,
-               schedule=schedule).check(model=model, engine=self._engine_name,
+               schedule=schedule, cp=topo.size("cp")).check(model=model, engine=self._engine_name,
                                         reduce_dtype=reduce_dtype, composition="pp")
         self.p, self.pp_index = topo.size("pp"), topo.index("pp")
         self.v = check_schedule(schedule, self.p, microbatches or self.p, virtual_stages)
@@ -91,9 +88,9 @@ class PipelineParallel(Engine):
         self.runner = ScheduleRunner(self.chunks, topo, stage,
                                      split_backward=schedule == "zb-h1")
         with topo.ledger.phase("init"):
-            if topo.size("dp") > 1:  # replicas of a stage start identical
+            if topo.size(topo.data_axis) > 1:  # replicas of a stage start identical
                 comm.broadcast_coalesced([_local(p.data) for p in stage.parameters()], topo,
-                                         "dp", tag="init")
+                                         topo.data_axis, tag="init")
             if stage.tied and self.p > 1 and (self.is_first or self.is_last):
                 if self.is_first:
                     comm.send(_local(stage.tok_embeddings.weight.data), topo, "pp", self.p - 1,
@@ -106,9 +103,14 @@ class PipelineParallel(Engine):
         # .grad by hand, where post-accumulate hooks do not fire)
         self.dp_sync = (GradBuckets(self._params(), topo, bucket_mb=bucket_mb, overlap=False,
                                     reduce_dtype=reduce_dtype)
-                        if topo.size("dp") > 1 and self.zero1 is None else None)
+                        if topo.size(topo.data_axis) > 1 and self.zero1 is None else None)
 
     _engine_name = "explicit"
+
+    @property
+    def reduce_loss_axes(self) -> tuple[str, ...]:
+        """pp (only the last stage holds a loss) and the data axis."""
+        return ("pp",) + self.count_axes
 
     def _convert_tp(self, stage, seed):
         """Megatron TP inside the stage: the whole model's transform, as torchtitan does."""
@@ -135,7 +137,8 @@ class PipelineParallel(Engine):
 
     def norm_axes(self) -> tuple[str, ...]:
         """Axes the squared-norm scalar is summed over: tp (shards), dp (ZeRO-1 slices), pp."""
-        return (("tp",) if self.tp > 1 else ()) + (("dp",) if self.zero1 else ()) + ("pp",)
+        dp = (self.topo.data_axis,) if self.zero1 else ()
+        return (("tp",) if self.tp > 1 else ()) + dp + ("pp",)
 
     def schedule(self, m: int):
         """The (cached) :class:`~.schedules.Schedule` for ``m`` microbatches."""
@@ -181,7 +184,7 @@ class PipelineParallel(Engine):
         stage = self.module
         params = self._params()
         elem = _local(params[0]).element_size()
-        n, dp = self.tp, self.topo.size("dp")
+        n, dp = self.tp, self.topo.size(self.topo.data_axis)
         d = stage.config.d_model
         # Σ_b A_b over the m microbatches = the bytes of all the step's rows (equal or not):
         # p2p_bytes_formula's m·A with m = 1 and A = that sum
@@ -231,7 +234,7 @@ class PipelineParallel(Engine):
                 else:
                     x = torch.empty(shape, dtype=act_dtype, device=device)
                     comm.recv(x, self.topo, "pp", (s - 1) % self.p, tag="eval")
-                y = chunk(x)
+                y = chunk(x, mb.get("position_ids"))
                 if chunk.is_last:
                     loss += self._loss_sum(y, mb).double()
                 else:

@@ -17,6 +17,7 @@ from torch import nn
 
 from ...errors import ShardwiseConfigError
 from ...models import lm_loss, mse_loss
+from ...models.llama import rope_tables
 from .schedules import check_schedule
 
 
@@ -133,12 +134,14 @@ class Chunk(nn.Module):
             self.register_buffer("rope_cos", rope[0], persistent=False)
             self.register_buffer("rope_sin", rope[1], persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: token positions [b, s] (context parallelism's chunks), default
+        0..s-1."""
         s = x.shape[1] * (1 if self.tok_embeddings is not None else self.sp_degree)
         if self.tok_embeddings is not None:
             x = self.tok_embeddings(x)  # [b, s] → [b, s, d] (SP: [b, s/tp, d])
         if self.is_llama:
-            cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+            cos, sin = rope_tables(self.rope_cos, self.rope_sin, s, positions)
             for layer in self.layers:
                 x = layer(x, cos, sin)  # [b, s, d]
         else:

@@ -10,6 +10,7 @@ import contextlib
 
 import torch
 
+from ...models import positions_kw
 from ...models.llama import IGNORE_INDEX, Llama
 from ..engine import Engine
 from .apply import apply_tp, tp_step_bytes_formula
@@ -58,7 +59,7 @@ class TensorParallel(TPEngineBase):
     def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(token-loss sum fp32 scalar, counted tokens) of ``batch`` via the vocab-parallel loss;
         the same on every tp rank. Usable for evaluation under ``torch.no_grad()``."""
-        local_logits = self.module(batch["input_ids"])  # [b, s, V_pad/n]
+        local_logits = self.module(batch["input_ids"], **positions_kw(batch))  # [b, s, V_pad/n]
         losses = vocab_parallel_cross_entropy(local_logits, batch["labels"],
                                               self.head.vocab_start, self.head.vocab_size,
                                               self.topo)

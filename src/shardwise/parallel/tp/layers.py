@@ -212,12 +212,14 @@ class TensorParallelAttention(nn.Module):
         self.wk = ColumnParallelLinear(plain.wk, topo)
         self.wv = ColumnParallelLinear(plain.wv, topo)
         self.wo = RowParallelLinear(plain.wo, topo, sp)
+        self.core = plain.core  # plain, or context parallelism's (on the local heads)
 
     def forward(self, x, cos, sin):
         x = enter_tp_region(x, self.topo, self.sp)  # [b, s, d], replicated over tp
         p = self.dropout if self.training else 0.0
         with self.rng.fork("sharded") if p > 0 else contextlib.nullcontext():
-            y = causal_attention(x, self.wq, self.wk, self.wv, self.head_dim, cos, sin, p)
+            y = causal_attention(x, self.wq, self.wk, self.wv, self.head_dim, cos, sin, p,
+                                 self.core)
         return self.wo(y)  # [b, s, h/n·hd] → [b, s, d] or [b, s/n, d]
 
 

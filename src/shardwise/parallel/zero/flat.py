@@ -57,7 +57,7 @@ class FlatShards:
                  reduce_dtype: torch.dtype | None = None, name: str = "",
                  module: nn.Module | None = None):
         self.name, self.module, self.topo = name, module, topo
-        self.n, self.rank = topo.size("dp"), topo.index("dp")
+        self.n, self.rank = topo.size(topo.data_axis), topo.index(topo.data_axis)
         self.fqns = [f for f, _ in named]
         self.params = [p for _, p in named]
         self.numels = [p.numel() for p in self.params]
@@ -133,7 +133,8 @@ class FlatShards:
                     p.grad = None  # the full gradient is not kept
             out = self.shard_grad if rdtype == self.dtype else torch.empty(
                 self.shard_numel, dtype=rdtype, device=self.device)  # [k]
-        handle = comm.reduce_scatter(out, flat, self.topo, "dp", tag="grad", async_op=True)
+        handle = comm.reduce_scatter(out, flat, self.topo, self.topo.data_axis, tag="grad",
+                                     async_op=True)
         self._reduce = (handle, flat, out)
 
     @torch.no_grad()
@@ -163,7 +164,8 @@ class FlatShards:
 def all_gather_params(flats: list[FlatShards]) -> None:
     """After the optimizer step: every rank's updated slice into ``full`` (one all_gather per
     group, tag ``param``, launched together)."""
-    handles = [comm.all_gather(f.full, f.shard.clone(), f.topo, "dp", tag="param", async_op=True)
+    handles = [comm.all_gather(f.full, f.shard.clone(), f.topo, f.topo.data_axis, tag="param",
+                               async_op=True)
                for f in flats]
     for h in handles:
         h.wait()
@@ -239,10 +241,10 @@ def gather_flats(shards: list[torch.Tensor], topo) -> list[torch.Tensor]:
     if len({s.dtype for s in shards}) > 1:
         return [x for s in shards for x in gather_flats([s], topo)]
     mine = torch.cat(shards)
-    n = topo.size("dp")
+    n = topo.size(topo.data_axis)
     rows = mine.new_empty(n * mine.numel())
     with topo.ledger.phase("verify"):
-        comm.all_gather(rows, mine, topo, "dp", tag="verify")
+        comm.all_gather(rows, mine, topo, topo.data_axis, tag="verify")
     rows, start, out = rows.view(n, -1), 0, []
     for s in shards:
         out.append(rows[:, start:start + s.numel()].reshape(-1))
@@ -283,14 +285,15 @@ def gather_optimizer_state(flats: list[FlatShards], optimizer) -> dict[str, dict
             steps = torch.zeros(len(f.params), dtype=torch.float64, device=f.device)
             for j, (st, _, _) in mine_.items():
                 steps[j] = float(st["step"]) + 1.0  # 0 = no state on this rank
-            comm.all_reduce(steps, f.topo, "dp", op="max", tag="checkpoint")
+            comm.all_reduce(steps, f.topo, f.topo.data_axis, op="max", tag="checkpoint")
             full = {}
             for k in sorted(keys):
                 mine = torch.zeros(f.padded, dtype=f.dtype, device=f.device)
                 for st, a, b in mine_.values():
                     mine[a:b] = st[k].reshape(-1)
                 full[k] = torch.empty_like(mine)
-                comm.all_gather(full[k], mine[f.lo:f.hi].clone(), f.topo, "dp", tag="checkpoint")
+                comm.all_gather(full[k], mine[f.lo:f.hi].clone(), f.topo, f.topo.data_axis,
+                                tag="checkpoint")
             for j, (fqn, p) in enumerate(zip(f.fqns, f.params)):
                 if steps[j] > 0:
                     o, n = f.offsets[j], f.numels[j]

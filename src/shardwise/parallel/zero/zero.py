@@ -75,12 +75,12 @@ class ZeroDataParallel(Engine):
     def __init__(self, module: nn.Module, topo, stage: int, *, units: list[str] | None = None,
                  prefetch: bool = True, reshard_after_forward: bool = True, overlap: bool = True,
                  reduce_dtype: str = "fp32"):
-        validate_zero(stage, topo.size("dp"))
+        validate_zero(stage, topo.size(topo.data_axis))
         rdtype = reduce_torch_dtype(reduce_dtype)
         named_units = assign_units(module, units)  # all checks done before the first collective
         super().__init__(module)
         self.topo, self.stage = topo, stage
-        self.n, self.rank = topo.size("dp"), topo.index("dp")
+        self.n, self.rank = topo.size(topo.data_axis), topo.index(topo.data_axis)
         self.prefetch, self.reshard_after_forward, self.overlap = (prefetch, reshard_after_forward,
                                                                    overlap)
         self.reduce_dtype, self._rdtype = reduce_dtype, rdtype  # of the gradient reduce_scatter
@@ -88,7 +88,8 @@ class ZeroDataParallel(Engine):
                                  name=name, module=mod) for name, mod, named in named_units]
         with topo.ledger.phase("init"):
             for u in self.units:
-                comm.broadcast(u.full, topo, "dp", src=0, tag="init")  # replicas start identical
+                comm.broadcast(u.full, topo, topo.data_axis, src=0,
+                               tag="init")  # replicas start identical
         self.root = self.units[0] if self.units and self.units[0].name == "root" else None
         self.blocks = [u for u in self.units if u is not self.root]  # forward order
         # gradients become complete in reverse forward order, the root (tied embedding) last
@@ -183,7 +184,7 @@ class ZeroDataParallel(Engine):
         """tp shards differ over tp (dp × tp), slices over dp: the base ``clip_grad_norm_``
         (:func:`..params.grad_norm_`) all-reduces the fp64 Σ g² over tp, then over dp, so every
         rank gets the norm of the *whole* gradient and scales its slices by the same factor."""
-        return ("tp", "dp")
+        return ("tp", self.topo.data_axis)
 
     def make_optimizer(self, param_groups: list[dict], optimizer_class=torch.optim.AdamW,
                        **kwargs) -> torch.optim.Optimizer:

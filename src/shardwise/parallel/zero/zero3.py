@@ -103,8 +103,8 @@ class Zero3DataParallel(ZeroDataParallel, stage=3):
         self.gathered_peak_bytes = max(self.gathered_peak_bytes,
                                        storage_bytes(v.full for v in self.units))
         # [k] from every rank → [P_u]; rank j's slice lands at [j·k, (j+1)·k)
-        self._inflight[u] = comm.all_gather(u.full, u.shard, self.topo, "dp", tag="param",
-                                            async_op=async_op)
+        self._inflight[u] = comm.all_gather(u.full, u.shard, self.topo, self.topo.data_axis,
+                                            tag="param", async_op=async_op)
 
     def _unshard(self, u: FlatShards | None) -> None:
         """Wait for ``u``'s prefetch, or gather it now."""

@@ -221,8 +221,8 @@ def bench_layouts_worker(args) -> int:
         if lay is None:
             rows.append({"layout": s, "error": refused})
             continue
-        topo = Topology(lay.pp, lay.dp, lay.tp, ranks=range(lay.world), timeout_s=args.timeout,
-                        collectives=args.collectives)
+        topo = Topology(lay.pp, lay.dp, lay.tp, cp=lay.cp, ranks=range(lay.world),
+                        timeout_s=args.timeout, collectives=args.collectives)
         order: list[str] = []
         res = None
         if topo.member:
