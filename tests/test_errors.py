@@ -37,6 +37,15 @@ def test_degrees_must_multiply_to_world_size_checked_before_any_collective(cache
     assert time.time() - t0 < 50
 
 
+def test_cp_times_degrees_must_equal_the_world_size_before_any_collective(cache_dir):
+    t0 = time.time()
+    p = run_cli(["train", *QUICK, "--dp", "2", "--cp", "2"], cache_dir, timeout=60,
+                env=AS_RANK_1_OF_2)
+    expect_error(p, "dp × cp × tp × pp = 2 × 2 × 1 × 1 = 4 does not equal the world size 2",
+                 "launch 4 processes")
+    assert time.time() - t0 < 50
+
+
 def test_global_batch_not_divisible_by_dp_times_micro_batch(cache_dir):
     for env in (None, AS_RANK_1_OF_2):
         p = run_cli(["train", *QUICK, "--dp", "2", "--global-batch", "10", "--micro-batch", "4"],

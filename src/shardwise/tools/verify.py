@@ -58,7 +58,40 @@ def layouts_that_fit(nproc: int, bounded: bool = False) -> list[Layout]:
 
     Bounded (``bounded=True``, for large worlds such as 8): only the compositions of exactly
     ``nproc`` ranks, each factorization once with its most composed options (highest ZeRO
-    stage, SP, zb-h1), and the 3D factorization also with interleaved 1F1B and ZeRO-1."""
+    stage, SP, zb-h1), and the 3D factorization also with interleaved 1F1B and ZeRO-1.
+
+    Then context parallelism (:func:`_cp_layouts`)."""
+    return _pp_dp_tp_layouts(nproc, bounded) + _cp_layouts(nproc, bounded)
+
+
+def _cp_layouts(nproc: int, bounded: bool) -> list[Layout]:
+    """The cp layouts of :func:`layouts_that_fit` (explicit engine, Llama only: :func:`applies`).
+
+    Full: cp ∈ {2, 4} alone with both methods; on 4 ranks cp = 2 composed with dp = 2 (ZeRO 0,
+    1, 3), tp = 2 (± SP) and pp = 2 (1F1B), each also with the all-gather method once.
+    Bounded: on 8 ranks cp = 2 in three-axis compositions of all 8 — dp × cp × tp with ZeRO-3 and
+    SP, pp × dp × cp with ZeRO-1, pp × cp × tp with SP and zb-h1 — and cp = 8, cp = 4 × tp = 2,
+    the first also with the all-gather method."""
+    if bounded:
+        if nproc != 8:
+            return []
+        return [Layout(dp=2, cp=2, tp=2, zero=3, sp=True),
+                Layout(dp=2, cp=2, tp=2, zero=3, sp=True, cp_method="allgather"),
+                Layout(pp=2, dp=2, cp=2, zero=1, schedule="1f1b", microbatches=4),
+                Layout(pp=2, cp=2, tp=2, sp=True, schedule="zb-h1", microbatches=4),
+                Layout(cp=8), Layout(cp=4, tp=2)]
+    out = [Layout(cp=c, cp_method=m) for c in (2, 4) if c <= nproc for m in ("ring", "allgather")]
+    if nproc >= 4:
+        for method in ("ring", "allgather"):
+            zeros = (0, 1, 3) if method == "ring" else (0,)
+            out += [Layout(dp=2, cp=2, zero=z, cp_method=method) for z in zeros]
+            out += [Layout(cp=2, tp=2, sp=sp, cp_method=method)
+                    for sp in ((False, True) if method == "ring" else (False,))]
+            out.append(Layout(cp=2, pp=2, schedule="1f1b", microbatches=4, cp_method=method))
+    return out
+
+
+def _pp_dp_tp_layouts(nproc: int, bounded: bool) -> list[Layout]:
     comps = _compositions(nproc)
     if bounded:
         out = []
@@ -451,14 +484,15 @@ def verify_worker(args) -> int:
 
 
 def format_table(rows: list[dict], steps: int) -> str:
-    head = (f"{'layout':<28} {'engine':<9} {'model':<9} {'max loss diff':>14} "
+    w = max([28] + [len(r["layout"]) + 1 for r in rows])
+    head = (f"{'layout':<{w}} {'engine':<9} {'model':<9} {'max loss diff':>14} "
             f"{'max grad diff':>14} {'diff/tol':>9} {'max param diff':>15} {'param/bound':>12} "
             f"{'bytes/formula':>14}  pass")
     # diff/tol: the largest |Δ| / (atol + rtol·|ref|) over losses, norms and gradients;
     # param/bound: the largest |Δp| / (atol + rtol·|p| + AdamW bound); both ≤ 1 pass
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['layout']:<28} {r['engine']:<9} {r['model']:<9} "
+        lines.append(f"{r['layout']:<{w}} {r['engine']:<9} {r['model']:<9} "
                      f"{r['max_loss_diff']:>14.2e} {r['max_grad_diff']:>14.2e} "
                      f"{r['diff_over_tolerance']:>9.3f} {r['max_param_diff']:>15.2e} "
                      f"{r['param_diff_over_bound']:>12.3f} "
