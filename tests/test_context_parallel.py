@@ -164,3 +164,36 @@ def test_evaluation_and_sampling_under_cp_equal_one_process(world):
         assert float(rec["eval_sums"][1]) == float(c)
         assert float(rec["eval_sums"][0]) == pytest.approx(float(s), rel=RTOL, abs=ATOL)
         torch.testing.assert_close(rec["logits"], logits, rtol=RTOL, atol=ATOL)
+
+
+def _train_losses(out):
+    import json
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+@pytest.mark.timeout(400)
+def test_train_cp2_dp2_follows_the_dp4_loss_curve(tmp_path, cache_dir):
+    """``shardwise train --cp 2 --dp 2`` on the embedded corpus takes the same 20 steps as
+    ``--dp 4`` at the same global batch: each step's loss within the parity rule's
+    1e-6 + 1e-5·|loss| (the issue's bar is 1e-5; the losses are ~3-6). The two runs differ only
+    in the order fp32 sums are taken (a dp row's sequences split over cp instead of whole rows
+    over dp), and free-running AdamW amplifies that round-off only where √v̂ ~ ε (the parity
+    rule's note), which 20 steps from the same start do not reach at this tolerance."""
+    from conftest import run_cli
+
+    args = ["train", "--model", "tiny", "--steps", "20", "--seq-len", "64", "--global-batch",
+            "8", "--tokenizer", "bytes", "--eval-every", "100", "--eval-sequences", "8",
+            "--sample-tokens", "0", "--log-every", "1", "--timeout", "60"]
+    runs = {}
+    for name, layout, shown in (("cp", ["--cp", "2", "--dp", "2"], "dp=2 × cp=2 × tp=1"),
+                                ("dp", ["--dp", "4"], "dp=4 × tp=1")):
+        p = run_cli([*args, *layout, "--out", tmp_path / name], cache_dir, timeout=380)
+        assert p.returncode == 0, p.stdout[-3000:]
+        assert shown in p.stdout, p.stdout[-3000:]
+        runs[name] = _train_losses(tmp_path / name)
+    got, want = runs["cp"], runs["dp"]
+    assert len(got) == len(want) == 20
+    assert all(abs(a - b) <= ATOL + RTOL * abs(b) for a, b in zip(got, want)), (got, want)
+    assert got[-1] < got[0]  # and it learns
