@@ -197,3 +197,14 @@ def test_train_cp2_dp2_follows_the_dp4_loss_curve(tmp_path, cache_dir):
     assert len(got) == len(want) == 20
     assert all(abs(a - b) <= ATOL + RTOL * abs(b) for a, b in zip(got, want)), (got, want)
     assert got[-1] < got[0]  # and it learns
+
+
+@pytest.mark.timeout(300)
+def test_torch_context_parallel_splits_as_we_do_and_has_no_cpu_kernel(world):
+    """torch 2.13's ``context_parallel`` shards a position buffer with its head-tail load
+    balancer exactly as :func:`shard_sequence` does (checked on each rank inside
+    ``torch_context_parallel``, which raises otherwise), and its attention on CPU raises the
+    error ``validate_cp`` quotes when it refuses ``--engine torch --cp`` on CPU."""
+    for rec in world[:2]:
+        assert rec["torch_cp"]["split_checked"]
+        assert "does not have a sharding strategy registered" in rec["torch_cp"]["sdpa_error"]

@@ -7,7 +7,9 @@
 2. the model under cp = 2 × dp = 2: one training step with ``--ac none | full | selective``
    (gradients gathered to full shape, and the bytes of phase "step" and "recompute");
 3. evaluation and sampling under cp = 4: the loss sum and count of a batch (every rank's
-   chunks, all-reduced), and the logits of the plain-attention model (``plain_attention``).
+   chunks, all-reduced), and the logits of the plain-attention model (``plain_attention``);
+4. torch's ``context_parallel`` on CPU (cp = 2): its split of the positions (checked against
+   ours inside ``torch_context_parallel``), and what its attention raises on CPU.
 
 Each rank writes ``<out>/rank<r>.pt``.
 """
@@ -82,6 +84,21 @@ def eval_and_sample(topo, work) -> dict:
     return {"eval_sums": sums, "logits": logits}
 
 
+def torch_cp_on_cpu(topo) -> dict:
+    """Enter torch's context_parallel: our check of its split runs; then its patched SDPA on
+    this rank's chunks, which has no CPU kernel (the error validate_cp quotes)."""
+    from shardwise.parallel.cp.torch_cp import torch_context_parallel
+
+    error = ""
+    with torch_context_parallel(topo, S):  # raises if torch splits differently
+        q = torch.randn(B, H, S // 2, HD)
+        try:
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        except Exception as e:  # noqa: BLE001 - recorded for the test to read
+            error = f"{type(e).__name__}: {e}"
+    return {"split_checked": True, "sdpa_error": error}
+
+
 def main(out: str) -> None:
     init_distributed("cpu", timeout_s=60)
     rank = dist.get_rank()
@@ -98,6 +115,8 @@ def main(out: str) -> None:
         dpcp.ledger.records.clear()
         rec[f"model_ac_{ac}"] = model_step(dpcp, work, ac)
     rec.update(eval_and_sample(cp4, work))
+    if cp2.member:
+        rec["torch_cp"] = torch_cp_on_cpu(cp2)
     torch.save(rec, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 

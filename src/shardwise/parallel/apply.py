@@ -57,7 +57,7 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
                               cp=topo.size("cp"))
     # 1. every refusal, before any collective
     layout.check(model=model, topo=topo, engine=engine, reduce_dtype=reduce_dtype)
-    if layout.cp > 1:  # the attention cores, on the plain model (pp and tp keep them)
+    if layout.cp > 1 and engine == "explicit":  # the attention cores (pp and tp keep them)
         from .cp import parallelize_context
 
         parallelize_context(model, topo, layout.cp_method)
@@ -122,6 +122,10 @@ def dp_sync(model: nn.Module, topo, layout: Layout, engine: str, *, bucket_mb: f
 
         return DataParallel(model, topo, bucket_mb=bucket_mb, overlap=overlap,
                             reduce_dtype=reduce_dtype)
+    if layout.cp > 1:  # torch's context_parallel with DDP over dp × cp (CUDA only)
+        from .cp.torch_cp import TorchContextParallel
+
+        return TorchContextParallel(model, topo, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
     if layout.tp > 1:
         from .compose_torch import fsdp2_over_tp
 

@@ -111,7 +111,8 @@ class Layout:
            ZeRO-2/3 with pp > 1 (or in a pipeline engine) is refused, as DeepSpeed refuses it
            (m× the gradient / parameter traffic per step for memory ZeRO-1 mostly saves
            already: docs/composition.md §5); ZeRO shards over dp × cp (the data axis).
-           cp > 1: a known method, and not the torch engine on CPU (:func:`~.cp.validate_cp`).
+           cp > 1: a known method, and not the torch engine on CPU (:func:`~.cp.validate_cp`);
+           the torch engine's cp is dp × cp only (DDP inside torch's ``context_parallel``).
         2. the topology's degrees;
         3. the reduce dtype: fp32 or bf16 (:func:`~.dp.reduce_torch_dtype`);
         4. the model: cp > 1 needs a Llama-style model without dropout and ``seq_len``
@@ -136,6 +137,14 @@ class Layout:
             validate_zero(self.zero, self.dp * self.cp, engine=engine)
         if self.cp > 1:
             validate_cp(None, self.cp, self.cp_method, engine=engine, device=device)
+            rest = " ".join(flag for flag, on in ((f"--tp {self.tp}", self.tp > 1),
+                                                  (f"--pp {self.pp}", self.pp > 1),
+                                                  (f"--zero {self.zero}", self.zero > 0)) if on)
+            if engine == "torch" and rest:
+                raise ShardwiseConfigError(
+                    f"--engine torch --cp {self.cp} runs dp × cp with DDP inside torch's "
+                    f"context_parallel; {rest} is not wired with it: use --engine explicit "
+                    "for cp with tp, pp or ZeRO")
         if self.zero >= 2 and (self.pp > 1 or composition == "pp"):
             raise ShardwiseConfigError(
                 f"layout {self.name()}: ZeRO-{self.zero} does not compose with pipeline "

@@ -1,6 +1,7 @@
 """The same layouts through PyTorch's own implementations (``--engine torch``).
 
-DP → ``torch.nn.parallel.DistributedDataParallel`` over the topology's dp process group. DDP
+DP → ``torch.nn.parallel.DistributedDataParallel`` over the topology's data axis (dp, or dp × cp
+with context parallelism: :mod:`..cp.torch_cp`). DDP
 buckets and overlaps exactly as :class:`shardwise.parallel.dp.DataParallel` does; we give it a
 documented communication hook (``register_comm_hook``) that all-reduces each bucket through
 :mod:`shardwise.comm`, so the ledger sees DDP's traffic too, and that **sums** instead of
@@ -23,7 +24,7 @@ from .data_parallel import dp_grad_bytes_formula, dp_memory_formula, reduce_torc
 def _ledger_sum_hook(topo, bucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: SUM-all-reduce the bucket's flat gradient buffer over dp, booked in the
     ledger. Returns the future DDP waits on."""
-    return comm.all_reduce_future(bucket.buffer(), topo, "dp", tag="grad")
+    return comm.all_reduce_future(bucket.buffer(), topo, topo.data_axis, tag="grad")
 
 
 def _ledger_sum_hook_bf16(topo, bucket) -> torch.futures.Future[torch.Tensor]:
@@ -38,7 +39,7 @@ def _ledger_sum_hook_bf16(topo, bucket) -> torch.futures.Future[torch.Tensor]:
         buf.copy_(fut.value())
         return buf
 
-    return comm.all_reduce_future(low, topo, "dp", tag="grad").then(decompress)
+    return comm.all_reduce_future(low, topo, topo.data_axis, tag="grad").then(decompress)
 
 
 def ddp_comm_hook(reduce_dtype: str = "fp32"):
@@ -62,8 +63,8 @@ class TorchDataParallel(Engine):
         no_buffer_sync = ({"forward_sync_buffers": False}
                           if "forward_sync_buffers" in inspect.signature(DDP).parameters
                           else {"broadcast_buffers": False})
-        self.ddp = DDP(module, process_group=topo.group("dp"), bucket_cap_mb=bucket_mb,
-                       **no_buffer_sync)
+        self.ddp = DDP(module, process_group=topo.group(topo.data_axis),
+                       bucket_cap_mb=bucket_mb, **no_buffer_sync)
         self.ddp.register_comm_hook(topo, hook)
 
     def forward(self, *args, **kwargs):
@@ -81,7 +82,7 @@ class TorchDataParallel(Engine):
         all-reduce of every gradient per step, b_r = 4 (fp32) or 2 (bf16 compression)."""
         b = 2 if self.reduce_dtype == "bf16" else 4
         psi = sum(p.numel() for p in self.module.parameters())
-        return {"grad": dp_grad_bytes_formula(psi * b, self.topo.size("dp"))}
+        return {"grad": dp_grad_bytes_formula(psi * b, self.topo.size(self.topo.data_axis))}
 
     def memory_formula(self) -> dict[str, float]:
         """:func:`.data_parallel.dp_memory_formula` of this replica."""
