@@ -132,6 +132,20 @@ def test_core_attention_matches_one_process(world, cp, method):
 
 
 @pytest.mark.timeout(300)
+def test_allgather_attention_over_our_ring_collectives_matches_one_process(world):
+    """The all-gather and reduce-scatter of the all-gather method run by
+    shardwise.comm.algorithms (``--collectives ring``) instead of gloo's: the same outputs and
+    gradients (they write into autograd-free buffers from the comm thread)."""
+    out, dq, dk, dv = _reference()
+    for rec in world:
+        case = rec["core_cp4_allgather_ours"]
+        for mine, ref in ((case["out"], out), (case["dq"], dq), (case["dk"], dk),
+                          (case["dv"], dv)):
+            torch.testing.assert_close(mine, ref.index_select(2, case["pos"]), rtol=RTOL,
+                                       atol=ATOL)
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("ac", ["full", "selective"])
 def test_activation_checkpointing_recomputes_the_ring_and_keeps_the_gradients(world, ac):
     """dp = 2 × cp = 2: with --ac the gradients equal the run without (the recompute re-runs the

@@ -3,7 +3,8 @@
 1. core attention alone: ring and all-gather attention over cp = 2 (ranks 0, 1) and cp = 4, GQA
    (8 query heads, 2 kv heads), on seeded q, k, v [2, 8, 64, 8] and an output gradient: each
    rank saves its output and its q/k/v gradients at its chunks, and the ledger records of the
-   forward and the backward (op, tag, bytes);
+   forward and the backward (op, tag, bytes); the all-gather method also under
+   ``--collectives ring`` (our algorithms, on the comm thread);
 2. the model under cp = 2 × dp = 2: one training step with ``--ac none | full | selective``
    (gradients gathered to full shape, and the bytes of phase "step" and "recompute");
 3. evaluation and sampling under cp = 4: the loss sum and count of a batch (every rank's
@@ -109,6 +110,9 @@ def main(out: str) -> None:
         if cp2.member:
             rec[f"core_cp2_{method}"] = core_case(cp2, method)
         rec[f"core_cp4_{method}"] = core_case(cp4, method)
+    # the all-gather method over our own point-to-point algorithms (--collectives ring)
+    rec["core_cp4_allgather_ours"] = core_case(Topology(cp=4, timeout_s=60, collectives="ring"),
+                                               "allgather")
     work = SyntheticLMWorkload(vocab_size=67, seq_len=32, num_train=64, num_val=8, seed=0)
     dpcp = Topology(dp=2, cp=2, timeout_s=60)
     for ac in ("none", "full", "selective"):

@@ -176,7 +176,11 @@ def _ours(topo, op, axis, tensor_like, size_bytes, algorithm, tag, async_op, out
                              topo.index(axis))
     flat, back = _flat(out)
     phase = topo.ledger.current_phase  # booked under the phase it was issued in
-    fut = _CommThread.submit(lambda: body(flat, peers))  # → the bytes handed to send
+    def run():  # grad mode is per thread: a collective never records autograd history
+        with torch.no_grad():
+            return body(flat, peers)
+
+    fut = _CommThread.submit(run)  # → the bytes handed to send
 
     def finish():
         back()
