@@ -156,6 +156,7 @@ class SavedBytes:
         self.state = {t.untyped_storage().data_ptr()
                       for t in [*module.parameters(), *module.buffers()]}
         self.seen: dict[int, int] = {}
+        self.what: list[tuple] = []  # (storage bytes, shape, dtype, producer) in saved order
         self.total, self.limit = 0, limit
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
@@ -164,6 +165,8 @@ class SavedBytes:
         ptr = s.data_ptr()
         if ptr not in self.state and ptr not in self.seen and s.nbytes():
             self.seen[ptr] = s.nbytes()
+            self.what.append((s.nbytes(), tuple(t.shape), str(t.dtype).replace("torch.", ""),
+                              type(t.grad_fn).__name__ if t.grad_fn is not None else "-"))
             self.total += s.nbytes()
             if self.limit is not None and self.total > self.limit:
                 raise SavedBytesBudgetExceeded(
@@ -209,6 +212,11 @@ def measure(args, topo, cp: int, seq: int, method: str) -> dict:
     dist.all_reduce(total)  # the token-loss sums of every rank's chunks
     grads_finite = all(torch.isfinite(p.grad).all() for p in engine.module.parameters()
                        if p.grad is not None)
+    if args.list and topo.index("cp") == 0:
+        print(f"saved storages, cp={cp} s={seq} {method if cp > 1 else '-'} (rank 0; bytes, "
+              "shape saved, dtype, the op that made it):")
+        for row in saved.what:
+            print("   ", *row)
     return {"saved_bytes": saved.total, "storages": len(saved.seen),
             "loss": float(total) / denom, "grads_finite": bool(grads_finite),
             "fwd_bwd_s": seconds}
@@ -369,6 +377,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget-seq", type=int, default=4096)
     p.add_argument("--budget-cps", type=int, nargs="+", default=None,
                    help="the cps that run the budget step (default: all of --cps)")
+    p.add_argument("--list", action="store_true",
+                   help="print every saved storage of rank 0 (the formula's table, checked)")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     a.budget_cps = a.budget_cps or a.cps
