@@ -170,9 +170,9 @@ class SavedBytes:
             self.total += s.nbytes()
             if self.limit is not None and self.total > self.limit:
                 raise SavedBytesBudgetExceeded(
-                    f"{self.total:,} bytes saved for backward > budget {self.limit:,} (at a "
-                    f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')} tensor, the "
-                    f"{len(self.seen)}-th storage)")
+                    f"{self.total:,} bytes saved for backward > budget {self.limit:,} (at "
+                    f"storage {len(self.seen)}, a {tuple(t.shape)} "
+                    f"{str(t.dtype).replace('torch.', '')} tensor)")
         return t
 
     def __enter__(self):
