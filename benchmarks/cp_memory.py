@@ -39,11 +39,10 @@ core, cp = 1       SDPA (CPU flash kernel): q after RoPE [b, h, t, hd];    e·t�
 core, ring         ``_RingAttention``: q [b, h, t, hd]; k [b, k, t, hd]     e·t·(2d + 2k·hd)
                    (after RoPE), v [b, k, t, hd] (a view of wv's output),  + 4·t·h
                    not repeated; out [b, h, t, hd]; lse [b, h, 2, t/2]
-core, allgather    q, out, lse as the ring; K and V all-gathered, put in   e·t·2d + 4·t·h
-                   position order and repeated to h heads: [b, h, s, hd]   + 2·e·b·s·d
-                   each, over the whole sequence s; SDPA's additive mask,  + e·(s/cp)·s
-                   the bool [s/cp, s] mask converted to e-byte floats;     + 8·s
-                   the index_select's order [s] int64
+core, allgather    q, out, lse as the ring; K and V all-gathered and put   e·t·2d + 4·t·h
+                   in position order, at k heads (SDPA's ``enable_gqa``):  + 2·e·b·s·k·hd
+                   [b, k, s, hd] each, over the whole sequence s (the
+                   additive mask and the order: once per forward, below)
 wo                 its input, y = out as [b, t, h·hd]: out is laid out     0
                    [b, t, h, hd] (SDPA's kernel; the ring's zeros_like of
                    q keeps q's strides), so y is a view of out
@@ -59,7 +58,7 @@ So per layer (K/V term: 2d for cp = 1, whose SDPA saves the repeated copies; 2k�
 
     cp = 1:     e·t·(10d + 4f + 2) + 4·t·h
     ring:       e·t·(8d + 2k·hd + 4f + 2) + 4·t·h
-    allgather:  e·t·(8d + 4f + 2) + 4·t·h + 2·e·b·s·d + e·(s/cp)·s + 8·s
+    allgather:  e·t·(8d + 4f + 2) + 4·t·h + 2·e·b·s·k·hd
 
 Once per forward: the embedding's indices (``input_ids``, int64) 8·t; the final norm
 e·t·(2d + 1) and the output projection's input e·t·d (the first layer's x is the embedding's
@@ -67,16 +66,19 @@ output, counted in the layer; tied embeddings: no new parameter); the loss: log-
 output [b·t, V] fp32 4·t·V, nll's target (``labels``, int64) 8·t and its total weight (a fp32
 scalar, 4 bytes). cp > 1 only: RoPE's cos and sin rows gathered at this rank's positions,
 [b, 1, t, hd] fp32 each, built once and shared by every layer, 2·4·t·hd (at cp = 1 they are
-views of the model's buffers, not counted)::
+views of the model's buffers, not counted); the all-gather method only: its additive causal
+mask [s/cp, s] (e bytes) and the gathered rows' order [s] (int64), built once and shared by
+every layer (``attention._gathered_layout``)::
 
     total = L·layer + 8·t + e·t·(3d + 1) + 4·t·V + 8·t + 4 + [cp > 1]·8·t·hd
+            + [allgather]·(e·(s/cp)·s + 8·s)
 
-Memory ÷ cp: every term is ∝ t = b·s/cp except the all-gather's K/V (∝ s), its mask
-(∝ s²/cp) and its order (∝ s); the ring's per-token cost is a little below cp = 1's because
-it keeps K/V at k heads where SDPA keeps h (here k = h/2) and above it by the RoPE rows. So
-the ring's per-rank bytes × cp / cp = 1's bytes is slightly below 1, and all-gather's grows
-with s (Llama 3 chose all-gather for its small GQA K/V; the repeated copies and the mask of
-this implementation are what costs here). The same accounting as Korthikanti et al. 2022
+Memory ÷ cp: every term is ∝ t = b·s/cp except the all-gather's K/V (∝ s, at k heads), its
+mask (∝ s²/cp, once) and its order (∝ s, once); the ring's per-token cost is a little below
+cp = 1's because it keeps K/V at k heads where SDPA keeps h (here k = h/2) and above it by the
+RoPE rows. So the ring's per-rank bytes × cp / cp = 1's bytes is slightly below 1, and
+all-gather's grows with s and cp: it holds every layer's K/V for the whole sequence, which
+Llama 3 accepted because GQA makes them small (k/h of the activations). The same accounting as Korthikanti et al. 2022
 ("Reducing Activation Recomputation in Large Transformer Models", §4.1: per-layer bytes
 s·b·h·(34 + 5·a·s/h) in their notation, 16-bit with dropout), counted per tensor for this
 model and its kernels (a fused attention kernel saves no s×s scores).
@@ -132,11 +134,12 @@ def formula_bytes(cfg, batch: int, seq: int, cp: int, method: str = "ring",
     elif method == "ring":
         layer = e * t * (8 * d + 2 * kvd + 4 * f + 2) + lse
     else:
-        layer = (e * t * (8 * d + 4 * f + 2) + lse + 2 * e * batch * seq * d
-                 + e * (seq // cp) * seq + 8 * seq)
+        layer = e * t * (8 * d + 4 * f + 2) + lse + 2 * e * batch * seq * kvd
     once = 8 * t + e * t * (3 * d + 1) + 4 * t * V + 8 * t + 4
     if cp > 1:
         once += 2 * 4 * t * hd
+    if cp > 1 and method == "allgather":  # the mask and the order, shared by every layer
+        once += e * (seq // cp) * seq + 8 * seq
     layers = cfg.n_layers * layer
     return {"layers": layers, "once": once, "total": layers + once}
 

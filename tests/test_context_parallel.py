@@ -74,6 +74,10 @@ def test_positions_follow_the_chunks_in_the_plain_model():
     torch.testing.assert_close(shifted, first, rtol=RTOL, atol=ATOL)
     assert not torch.allclose(model(ids[:, :4], positions=torch.tensor([[0, 1, 2, 10]])), first,
                               rtol=RTOL, atol=ATOL)
+    # a chunk of a sequence longer than the model's positions (tiny: 256) is named, not an
+    # IndexError from the RoPE table
+    with pytest.raises(ValueError, match="position 300 ≥ max_seq_len 256"):
+        model(ids[:, :4], positions=torch.tensor([[0, 1, 2, 300]]))
 
 
 @pytest.mark.parametrize("kw,fragment", [

@@ -41,6 +41,7 @@ dK/dV back over the h/k query heads of each kv head.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -203,6 +204,21 @@ class _GatherKV(torch.autograd.Function):
         return mine, None
 
 
+@functools.lru_cache(maxsize=16)
+def _gathered_layout(n: int, me: int, length: int, device, dtype):
+    """For the all-gather method, built once per (layout, length, dtype) and shared by every
+    layer: the index [s] that puts the gathered rows (rank r's chunks r and 2n−1−r, rank by
+    rank) in position order, and the additive causal mask [s/cp, s] (0 or −∞) of this rank's
+    query positions against every key position."""
+    s = n * length
+    order = torch.argsort(torch.cat([zigzag_positions(s, n, r, device) for r in range(n)]))
+    mine = zigzag_positions(s, n, me, device)
+    visible = mine.unsqueeze(1) >= torch.arange(s, device=device)
+    mask = torch.zeros(length, s, dtype=dtype, device=device).masked_fill_(~visible,
+                                                                           float("-inf"))
+    return order, mask
+
+
 class ContextParallelAttention(nn.Module):
     """The core attention of one block over cp (replaces :class:`~shardwise.models.llama.
     CoreAttention`): q [b, h, s/cp, hd], k, v [b, k, s/cp, hd] — this rank's two chunks
@@ -227,14 +243,12 @@ class ContextParallelAttention(nn.Module):
         n, me = self.topo.size("cp"), self.topo.index("cp")
         b, h, length, hd = q.shape
         full = _GatherKV.apply(torch.stack([k, v]), self.topo)  # [n, 2, b, k, 2c, hd]
-        # rank r's K/V are chunks r and 2n−1−r: order the gathered rows by position
-        order = torch.cat([zigzag_positions(n * length, n, r, q.device) for r in range(n)])
+        order, mask = _gathered_layout(n, me, length, q.device, q.dtype)
         kv = full.permute(1, 2, 3, 0, 4, 5).reshape(2, b, k.shape[1], n * length, hd)
-        kv = kv.index_select(3, torch.argsort(order))  # [2, b, k, s, hd] in position order
-        mine = zigzag_positions(n * length, n, me, q.device)
-        mask = mine.unsqueeze(1) >= torch.arange(n * length, device=q.device)  # [s/cp, s]
-        return F.scaled_dot_product_attention(q, _expand(kv[0], h), _expand(kv[1], h),
-                                              attn_mask=mask)
+        kv = kv.index_select(3, order)  # [2, b, k, s, hd] in position order
+        # the gathered K/V stay at k heads (GQA in the kernel: h/k times less saved)
+        return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask,
+                                              enable_gqa=kv.shape[2] != h)
 
     def extra_repr(self) -> str:
         return f"method={self.method}, cp={self.topo.size('cp')}"
