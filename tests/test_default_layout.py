@@ -51,6 +51,22 @@ def test_describe_groups_by_hand():
     assert lines[3].strip() == "tp groups: {0,1} {2,3} {4,5} {6,7}"
 
 
+def test_describe_groups_with_cp_by_hand():
+    """dp=2, cp=2, tp=2 over ranks 0..7: r = (dp·2 + cp)·2 + tp, so tp {0,1} …, cp {0,2}
+    {1,3} {4,6} {5,7}, dp {0,4} {1,5} {2,6} {3,7}, and the gradients' dp × cp lines, one per tp
+    index: {0,2,4,6} {1,3,5,7}."""
+    from shardwise.train.report import describe_groups
+
+    grid = torch.arange(8).reshape(1, 2, 2, 2)
+    sizes = {"pp": 1, "dp": 2, "cp": 2, "tp": 2}
+    lines = describe_groups(types.SimpleNamespace(grid=grid, size=sizes.__getitem__))
+    assert lines[0].strip() == ("mesh (pp, dp, cp, tp) = (1, 2, 2, 2), rank r = "
+                                "((pp·2 + dp)·2 + cp)·2 + tp")
+    assert [ln.strip() for ln in lines[1:]] == [
+        "dp groups: {0,4} {1,5} {2,6} {3,7}", "cp groups: {0,2} {1,3} {4,6} {5,7}",
+        "tp groups: {0,1} {2,3} {4,5} {6,7}", "dp_cp (gradients) groups: {0,2,4,6} {1,3,5,7}"]
+
+
 # --- the micro-batch and pipeline microbatches, derived when not given (issue 23) -------------
 
 @pytest.mark.parametrize("argv,want", [

@@ -25,11 +25,14 @@ def describe_groups(topo) -> list[str]:
     else:
         rule = f"(pp·{topo.size('dp')} + dp)·{topo.size('tp')} + tp"
     lines = [f"  mesh ({names}) = {tuple(grid.shape)}, rank r = {rule}"]
-    for dim, axis in enumerate(axes):
-        if grid.shape[dim] > 1:
-            groups = grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist()
-            lines.append(f"    {axis} groups: " + " ".join(
-                "{" + ",".join(map(str, g)) + "}" for g in groups))
+    groups = {axis: grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist()
+              for dim, axis in enumerate(axes) if grid.shape[dim] > 1}
+    if grid.dim() == 4:  # cp > 1: the gradient sync's dp × cp lines (the data axis)
+        p, dp, cp, tp = grid.shape
+        groups["dp_cp (gradients)"] = grid.permute(0, 3, 1, 2).reshape(p * tp, dp * cp).tolist()
+    for axis, lines_of in groups.items():
+        lines.append(f"    {axis} groups: " + " ".join(
+            "{" + ",".join(map(str, g)) + "}" for g in lines_of))
     return lines
 
 
