@@ -187,6 +187,7 @@ def trace_worker(cfg: TrainConfig) -> int:
             print(f"pipeline timeline of this run: {pictures['png']} (Perfetto: "
                   f"{pictures['trace']}); measured bubble {pictures['bubble']:.3f}")
         if layout.cp > 1:
+            print()
             for line in _cp_lines(cfg, mcfg, engine, topo, recs, first, n_micro):
                 print(line)
     return 0
@@ -206,7 +207,6 @@ def _cp_lines(cfg, mcfg, engine, topo, recs, first: int, n_micro: int) -> list[s
               if isinstance(mod, ContextParallelAttention)]
     numbers = {id(r): i for i, r in enumerate(recs)}  # the rows of the table above
     mine = [r for r in topo.ledger.records[first:] if r.phase in ("step", "recompute")]
-    print()
     if cfg.cp_method == "allgather":
         return allgather_section(mine, numbers, topo, layers, n_micro,
                                  (kv * elem, text.format(e=elem)))
