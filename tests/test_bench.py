@@ -1,8 +1,9 @@
 """``shardwise bench --layout``: the report files, both engines, ledger = formula, A B A B order.
 
-One spawned 2-rank world (through the real command line) runs the tiny model on dp=2 and
-dp=2,zero=3 for 2 rounds × 1 timed step per engine; a layout ``check_supported`` refuses
-(ZeRO-3 with pp) must become a row of the table, not a crash. The expected bytes and memory of
+One spawned 2-rank world (through the real command line) runs the tiny model on dp=2,
+dp=2,zero=3 and cp=2 for 2 rounds × 1 timed step per engine; a layout ``check_supported``
+refuses (ZeRO-3 with pp) must become a row of the table, not a crash, and an engine a layout
+refuses (torch with cp on CPU) a cell saying so, with the reason. The expected bytes and memory of
 plain DP are worked out here by hand from the parameter count.
 """
 
@@ -23,7 +24,7 @@ VOCAB = 4096  # the layout bench's default vocabulary
 def report(cache_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     p = run_cli(["bench", "--layout", "dp=2", "--layouts", "dp=2,zero=3", "pp=2,dp=2,zero=3",
-                 "--model", "tiny", "--steps", "1", "--rounds", "2", "--seq-len", "16",
+                 "cp=2", "--model", "tiny", "--steps", "1", "--rounds", "2", "--seq-len", "16",
                  "--micro-batch", "2", "--out", out], cache_dir, timeout=120)
     assert p.returncode == 0, p.stdout
     return out, p.stdout, json.loads((out / "bench.json").read_text())
@@ -36,7 +37,7 @@ def test_report_files_and_both_engines(report):
         assert (out / name).stat().st_size > 0, name
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = {r["layout"]: r for r in data["rows"]}
-    assert set(rows) == {"dp=2", "dp=2,zero=3", "pp=2,dp=2,zero=3"}
+    assert set(rows) == {"dp=2", "dp=2,zero=3", "pp=2,dp=2,zero=3", "cp=2"}
     for name in ("dp=2", "dp=2,zero=3"):
         for eng in ("explicit", "torch"):
             r = rows[name][eng]
@@ -78,8 +79,9 @@ def test_explicit_ledger_equals_formula(report):
 def test_alternation_order_is_a_b_a_b(report):
     _, _, data = report
     for row in data["rows"]:
-        if "error" not in row:
-            assert row["order"] == ["explicit", "torch", "explicit", "torch"], row["layout"]
+        if "error" not in row:  # an engine the layout refuses is not timed (cp=2: torch)
+            timed = [e for e in ("explicit", "torch") if not row[e].get("refused")]
+            assert row["order"] == timed * 2, row["layout"]
 
 
 def test_alternate_skips_a_failed_variant_and_keeps_the_order():
@@ -142,3 +144,27 @@ def test_a_rank_that_failed_turns_the_engine_into_an_error_row():
     assert e["worst_rank_deviation"] == pytest.approx(0.2)
     assert row["explicit_over_torch"] is None and row["explicit_over_torch_paired"] is None
     assert "error: failed on rank(s) [1]" in format_table([row])
+
+
+@pytest.mark.timeout(150)
+def test_cp_row_refuses_torch_and_shows_the_ring_overlap(report):
+    """cp=2 on tiny (2 layers), micro-batch 2, seq 16: the torch engine is refused on CPU with
+    the reason; the explicit engine is timed, its ledger equals the formula, and its extra step
+    with ContextParallelAttention.timings gives per rank, counted here by hand, per layer
+    (n − 1) K/V exchanges forward, (n − 1) K/V + n dK/dV backward: 2 · (1 + 1 + 2) = 8."""
+    _, stdout, data = report
+    row = {r["layout"]: r for r in data["rows"]}["cp=2"]
+    assert row["torch"]["refused"] is True
+    assert "PyTorch's context_parallel does not run on CPU" in row["torch"]["error"]
+    assert "use --engine explicit" in row["torch"]["error"]  # the whole reason, with the fix
+    assert "| cp=2 | 2 | torch | refused: --engine torch --cp 2: PyTorch's" in stdout
+    e = row["explicit"]
+    assert e["median_step_s"] > 0 and e["steps_timed"] == 2
+    assert e["ledger_over_formula"] == 1.0 and e["worst_rank_deviation"] == 0.0
+    ring = e["ring_overlap"]
+    assert ring["exchanges_per_rank"] == 2 * ((2 - 1) + (2 - 1) + 2) == 8
+    assert ring["window_s"] > 0 and 0.0 <= ring["blocked_s"] <= ring["window_s"]
+    assert ring["overlap"] == pytest.approx(1 - ring["blocked_s"] / ring["window_s"])
+    assert len(ring["overlap_per_rank"]) == 2 and 0 <= ring["unblocked"] <= 16
+    assert f"| {ring['overlap']:.3f} |" in stdout and "ring overlap, cp=2" in stdout
+    assert "ring_overlap" not in {r["layout"]: r for r in data["rows"]}["dp=2"]["explicit"]

@@ -120,6 +120,68 @@ def test_trace_of_a_pipeline_draws_the_real_timeline(cache_dir, tmp_path):
     assert "ledger / formula within 0.00e+00 of 1" in p.stdout
 
 
+def _table_rows(stdout: str) -> dict[int, tuple[str, str, int]]:
+    """The trace table's rows: {#: (op, tag, S bytes)}."""
+    return {int(i): (op, tag, int(S.replace(",", ""))) for i, op, tag, S in re.findall(
+        r"^\[rank 0\]\s+(\d+) (\w+)\s+cp\s+2 (cp_\w+)\s+\w+\s+\[[\d, ]+\]\s+([\d,]+) ",
+        stdout, re.M)}
+
+
+@pytest.mark.timeout(120)
+def test_trace_cp_prints_the_ring_block_by_block(cache_dir):
+    """``trace --cp 2`` on tiny (2 layers, 2 kv heads, head_dim 32 / 4 = 8) with trace's
+    defaults (global batch 8, micro-batch 2: m = 4 micro-batches of b = 2 sequences), worked out
+    here by hand: a K/V message is 2·b·(s/cp)·k·hd·4 = 2·2·32·2·8·4 = 8,192 B; per layer and
+    micro-batch forward sends n − 1 = 1 K/V, backward 1 K/V and n = 2 dK/dV."""
+    p = run_cli(["trace", "--cp", "2", "--model", "tiny", "--seq-len", "64"], cache_dir,
+                timeout=100)
+    assert p.returncode == 0, p.stdout
+    out = p.stdout
+    n, layers, m, kv = 2, 2, 4, 2 * 2 * (64 // 2) * 2 * 8 * 4
+    table = _table_rows(out)
+    sends = [v for v in table.values() if v[0] == "send"]
+    assert sum(tag == "cp_kv" for _, tag, _ in sends) == 2 * (n - 1) * layers * m == 16
+    assert sum(tag == "cp_dkv" for _, tag, _ in sends) == n * layers * m == 16
+    assert {S for _, _, S in table.values()} == {kv}
+    assert f"one K/V message   = 2·b·(s/cp)·k·hd·4 = 2·2·(64/2)·2·8·4 = {kv:,} B" in out
+    ring = out[out.index("ring attention, cp rank 0 of 2"):]
+    # micro-batch 0 in detail: per layer 1 K/V forward, 1 K/V + 2 dK/dV backward
+    rows = re.findall(r"#(\d+)/#(\d+)\s+(K/V|dK/dV) +of cp (\d) → cp (\d).*?([\d,]+) B  "
+                      r"([\d.]+)", ring)
+    assert len(rows) == layers * ((n - 1) + (n - 1) + n) == 8, ring
+    for a, b, what, frm, to, nbytes, ratio in rows:
+        tag = "cp_kv" if what == "K/V" else "cp_dkv"  # each row points at a send and its recv
+        assert table[int(a)] == ("send", tag, kv) and table[int(b)] == ("recv", tag, kv)
+        assert to == "1" and int(nbytes.replace(",", "")) == kv and ratio == "1.0000"
+    # t = 0 holds its own block, t = 1 cp 1's; rank 0 holds chunks 0 and 3, cp 1 chunks 1, 2
+    assert "t=0  holds cp 0's (chunks 0, 3) K/V: K0·Q0 causal, K0·Q3 full, K3·Q3 causal; " \
+           "K3·Q0 skipped" in ring
+    assert "t=1  holds cp 1's (chunks 1, 2) K/V: K1·Q3 full, K2·Q3 full; K1·Q0, K2·Q0 " \
+           "skipped" in ring
+    assert [r[3] for r in rows if r[2] == "dK/dV"] == ["0", "1"] * layers  # block at t
+    for kind, count in (("forward   K/V    (cp_kv )", 8), ("backward  K/V    (cp_kv )", 8),
+                        ("backward  dK/dV  (cp_dkv)", 16)):
+        assert re.search(rf"{re.escape(kind)}\s+{count} sends, expected .* = {count}\n", ring)
+    assert "MISMATCH" not in ring and "within 0.00e+00 of 1" in ring
+
+
+@pytest.mark.timeout(120)
+def test_trace_cp_allgather_lists_each_layers_collectives(cache_dir):
+    """``--cp-method allgather``: one all_gather of K/V per layer and micro-batch forward and
+    one reduce_scatter backward, S = n·KV = 2·8,192 B, booked (n − 1)/n · S = 8,192 B."""
+    p = run_cli(["trace", "--cp", "2", "--cp-method", "allgather", "--model", "tiny",
+                 "--seq-len", "64"], cache_dir, timeout=100)
+    assert p.returncode == 0, p.stdout
+    kv = 2 * 2 * 32 * 2 * 8 * 4
+    rows = re.findall(r"(forward|backward) +micro-batch 0: #\d+ +(all_gather|reduce_scatter) +"
+                      r"cp_\w+ +S +([\d,]+) B +booked +([\d,.]+) B +1\.0000", p.stdout)
+    assert [r[:2] for r in rows] == [("forward", "all_gather")] * 2 + \
+        [("backward", "reduce_scatter")] * 2, p.stdout
+    assert {(int(S.replace(",", "")), float(b.replace(",", ""))) for *_, S, b in rows} == \
+        {(2 * kv, kv)}
+    assert "forward   all_gather        8, expected L·m = 2·4 = 8" in p.stdout
+
+
 def test_train_under_torchrun_uses_its_world(cache_dir, tmp_path):
     import os
     import subprocess

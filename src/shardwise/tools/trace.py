@@ -6,7 +6,13 @@ dtype, shape, the bytes booked by the formula and, under ``--collectives ring|tr
 the bytes really handed to send, each algorithm step's sends beneath it, ms), then per tag
 the ledger's bytes next to the formula of
 :func:`shardwise.formulas.step_bytes_formula`, and the model state this rank holds next to
-:func:`shardwise.formulas.memory_formula`.
+:func:`shardwise.formulas.memory_formula`. Under ``--cp N`` it then prints the cp section
+(:func:`ring_section`, :func:`allgather_section`): read back from the ledger's records in the
+order they were booked, the ring's sends block by block — at each ring step t, whose K/V this
+rank holds, the chunk pairs it computes with them, what it sends to which cp rank and what it
+receives, its bytes next to 2·b·(s/cp)·k·hd·elem — for every layer and pass of the first
+micro-batch, and the number of sends against (n − 1)·L·m and n·L·m; or, for ``--cp-method
+allgather``, each layer's all-gather and reduce-scatter.
 
 :func:`trace_pipeline` gathers one step's action timestamps from every pp rank
 (:func:`gather_timeline`, a collective over "pp") and draws
@@ -27,6 +33,8 @@ from ..comm.ledger import sent_total
 from ..config import TrainConfig
 from ..formulas import memory_formula, step_bytes_formula
 from ..parallel.apply import Layout, parallelize
+from ..parallel.cp import ContextParallelAttention, chunk_ids
+from ..parallel.cp.attention import _pairs
 from ..parallel.pp import KINDS, Event
 from ..topology import Topology
 from ..train.step import train_step
@@ -106,6 +114,7 @@ def trace_worker(cfg: TrainConfig) -> int:
     micro_batch, n_micro = cfg.microbatching()
     sampler = work.sampler(cfg.global_batch, topo.size("dp"), topo.index("dp"), cfg.seed)
     for _ in range(2 if layout.pp > 1 else 1):  # pipeline: trace the second, warm step
+        first = len(topo.ledger.records)  # this step's records, the recompute's too (cp view)
         res = train_step(engine, work.batches(sampler.next_local_batch(), micro_batch), opt,
                          topo, max_norm=cfg.grad_clip, scheduler=sched, dtype=cfg.dtype,
                          measure_memory=True)
@@ -177,7 +186,32 @@ def trace_worker(cfg: TrainConfig) -> int:
         if pictures:
             print(f"pipeline timeline of this run: {pictures['png']} (Perfetto: "
                   f"{pictures['trace']}); measured bubble {pictures['bubble']:.3f}")
+        if layout.cp > 1:
+            print()
+            for line in _cp_lines(cfg, mcfg, engine, topo, recs, first, n_micro):
+                print(line)
     return 0
+
+
+def _cp_lines(cfg, mcfg, engine, topo, recs, first: int, n_micro: int) -> list[str]:
+    """The cp section of the trace (rank 0): :func:`ring_section` or
+    :func:`allgather_section` over this step's records (``first``: where they start in the
+    ledger), with the K/V message formula 2·b·(s/cp)·k·hd·elem worked out for this run."""
+    n, tp = topo.size("cp"), topo.size("tp")
+    b, k, hd = cfg.microbatching()[0], mcfg.n_kv_heads // tp, mcfg.head_dim
+    elem = 2 if cfg.dtype == "bf16" else 4
+    kv = 2 * b * (cfg.seq_len // n) * k * hd
+    heads = "k" if tp == 1 else "(n_kv_heads/tp)"
+    text = (f"2·b·(s/cp)·{heads}·hd·{{e}} = 2·{b}·({cfg.seq_len}/{n})·{k}·{hd}·{{e}}")
+    layers = [name.removesuffix(".core") for name, mod in engine.module.named_modules()
+              if isinstance(mod, ContextParallelAttention)]
+    numbers = {id(r): i for i, r in enumerate(recs)}  # the rows of the table above
+    mine = [r for r in topo.ledger.records[first:] if r.phase in ("step", "recompute")]
+    if cfg.cp_method == "allgather":
+        return allgather_section(mine, numbers, topo, layers, n_micro,
+                                 (kv * elem, text.format(e=elem)))
+    return ring_section(mine, numbers, topo, layers, n_micro, (kv * elem, text.format(e=elem)),
+                        (kv * 4, text.format(e=4)))
 
 
 def gather_timeline(engine, topo) -> list:
@@ -214,3 +248,205 @@ def gather_timeline(engine, topo) -> list:
                             start=t0 - t_min, end=t1 - t_min,
                             peer=None if peer < 0 else int(peer)))
     return events
+
+
+# ---------------------------------------------------------------- cp: the ring, block by block
+
+def _ring_pattern(n: int, backward: bool) -> list[tuple[str, int]]:
+    """The (tag, ring step t that issued it) of one ring-attention pass's exchanges over n cp
+    ranks, in the order they are booked (a send is booked when its wait returns, see
+    :mod:`shardwise.parallel.cp.attention`): forward t = 0 … n − 2 K/V; backward K/V at t = 0,
+    then at each t ≥ 1 the dK/dV accumulator issued at t − 1 before that step's K/V, and after
+    the last step the accumulator issued at n − 1."""
+    if not backward:
+        return [("cp_kv", t) for t in range(n - 1)]
+    out = [("cp_kv", 0)]
+    for t in range(1, n - 1):
+        out += [("cp_dkv", t - 1), ("cp_kv", t)]
+    return out + [("cp_dkv", n - 2), ("cp_dkv", n - 1)]
+
+
+def ring_passes(exchanges: list[dict], n: int) -> tuple[list[dict], list[dict]]:
+    """Cut ``exchanges`` (this rank's ring exchanges of one phase in booking order, each a dict
+    with ``tag``) into passes: ``({"kind": "forward" | "backward", "steps": [(tag, t, ex)]}
+    …, the exchanges left over)``. A backward pass starts K/V then dK/dV (n = 2: K/V, dK/dV,
+    dK/dV), a forward pass is n − 1 K/V alone, so the cut is unique."""
+    passes, i = [], 0
+    while i < len(exchanges):
+        for kind in ("backward", "forward"):
+            pat = _ring_pattern(n, kind == "backward")
+            got = [e["tag"] for e in exchanges[i:i + len(pat)]]
+            if got == [tag for tag, _ in pat]:
+                passes.append({"kind": kind, "steps": [
+                    (tag, t, e) for (tag, t), e in zip(pat, exchanges[i:i + len(pat)])]})
+                i += len(pat)
+                break
+        else:
+            return passes, exchanges[i:]
+    return passes, []
+
+
+def _exchanges(records: list, numbers: dict) -> dict[str, list[dict]]:
+    """{phase: [exchange]} from ``records``: each send on the cp axis (tag cp_kv / cp_dkv) with
+    the receive booked right after it (one ring exchange's wait); ``numbers``: id(record) → its
+    row in the trace's table (step records only)."""
+    out: dict[str, list[dict]] = {}
+    cp = [r for r in records if r.axis == "cp" and r.tag in ("cp_kv", "cp_dkv")
+          and r.op in ("send", "recv")]
+    for a, b in zip(cp[::2], cp[1::2]):
+        if a.op != "send" or b.op != "recv" or a.tag != b.tag:
+            raise ValueError(f"ring records out of order: {a.op} {a.tag}, {b.op} {b.tag}")
+        out.setdefault(a.phase, []).append({"tag": a.tag, "send": a, "recv": b,
+                                            "rows": (numbers.get(id(a)), numbers.get(id(b)))})
+    if len(cp) % 2:
+        raise ValueError("a ring send without its receive")
+    return out
+
+
+def _block(n: int, j: int) -> str:
+    lo, hi = chunk_ids(n, j)
+    return f"cp {j}'s (chunks {lo}, {hi})"
+
+
+def _pairs_text(n: int, me: int, holder: int) -> str:
+    """The chunk pairs rank ``me`` computes at a ring step holding ``holder``'s K/V: key chunk
+    B · query chunk A, full if B < A, causal if B = A; skipped if B > A (attention._pairs)."""
+    done = {(chunk_ids(n, holder)[kb], chunk_ids(n, me)[qa]): causal
+            for qa, kb, causal in _pairs(n, me, holder)}
+    every = [(b, a) for a in chunk_ids(n, me) for b in chunk_ids(n, holder)]
+    shown = ", ".join(f"K{b}·Q{a} {'causal' if done[b, a] else 'full'}"
+                      for b, a in every if (b, a) in done)
+    skipped = [f"K{b}·Q{a}" for b, a in every if (b, a) not in done]
+    return shown + (f"; {', '.join(skipped)} skipped" if skipped else "")
+
+
+def _rows(ex: dict) -> str:
+    a, b = ex["rows"]
+    return f"#{a}/#{b}" if a is not None else "(recompute)"
+
+
+def ring_section(records: list, numbers: dict, topo, layers: list[str], m: int,
+                 kv: tuple[float, str], dkv: tuple[float, str]) -> list[str]:
+    """The lines of ``trace --cp N`` (ring method) for this rank: its ring steps, block by
+    block, for every layer and pass of micro-batch 0 (the others are checked to be the same),
+    then the counts of sends against (n − 1)·L·m and n·L·m, and each message's bytes against
+    its formula. ``records``: the step's records of phases "step" and "recompute" in booking
+    order; ``layers``: this rank's attention layers in order (L); ``m``: micro-batches per step;
+    ``kv``/``dkv``: (bytes of one K/V / dK/dV message by the formula, the formula written
+    out)."""
+    n, me = topo.size("cp"), topo.index("cp")
+    nxt, prv = (me + 1) % n, (me - 1) % n
+    lo, hi = chunk_ids(n, me)
+    lines = [f"ring attention, cp rank {me} of {n} (global rank {topo.rank}): it holds chunks "
+             f"{lo} and {hi} of the {2 * n} of each sequence; at ring step t it holds the K/V "
+             f"of cp rank ({me} − t) mod {n},",
+             f"  sends them on to cp rank {nxt} while it computes with them (key chunk B · "
+             "query chunk A: full if B < A, causal if B = A, skipped if B > A)",
+             f"  one K/V message   = {kv[1]} = {kv[0]:,.0f} B",
+             f"  one dK/dV message = {dkv[1]} = {dkv[0]:,.0f} B (fp32 accumulators)"]
+    by_phase = _exchanges(records, numbers)
+    L = len(layers)
+    counts = {}  # (pass, tag) → sends found
+    worst = 0.0
+    same = True  # every pass of micro-batch ≥ 1 has the steps of micro-batch 0
+    for phase in ("step", "recompute"):
+        passes, left = ring_passes(by_phase.get(phase, []), n)
+        if left:
+            lines.append(f"  {len(left)} {phase} exchange(s) fit no ring pass: "
+                         f"{[e['tag'] for e in left]}")
+        seen = {"forward": 0, "backward": 0}
+        for p in passes:
+            kind = "recompute" if phase == "recompute" else p["kind"]
+            k = seen[p["kind"]]
+            seen[p["kind"]] += 1
+            # forward runs the layers in order; backward, and the recompute (--ac) just before
+            # each layer's backward, in reverse
+            layer = layers[k % L] if kind == "forward" else layers[L - 1 - k % L]
+            for tag, t, ex in p["steps"]:
+                counts[kind, tag] = counts.get((kind, tag), 0) + 1
+                want = kv[0] if tag == "cp_kv" else dkv[0]
+                for r in (ex["send"], ex["recv"]):
+                    worst = max(worst, abs(r.size_bytes / want - 1))
+            if k >= L:  # micro-batches ≥ 1: the same ring steps as micro-batch 0
+                same &= [(tag, t) for tag, t, _ in p["steps"]] == _ring_pattern(
+                    n, p["kind"] == "backward")
+                continue
+            lines.append(f"{layer} {kind}, micro-batch 0:")
+            steps = {}
+            for tag, t, ex in p["steps"]:
+                steps.setdefault(t, []).append((tag, ex))
+            for t in range(n):
+                j = (me - t) % n
+                lines.append(f"  t={t}  holds {_block(n, j)} K/V: {_pairs_text(n, me, j)}")
+                for tag, ex in sorted(steps.get(t, []), key=lambda x: x[0] != "cp_kv"):
+                    what = "K/V  " if tag == "cp_kv" else "dK/dV"
+                    # the accumulator's n-th send (t = n − 1) reaches its owner, and this rank
+                    # receives its own, complete
+                    desc = (f"{what} of cp {j} → cp {nxt} (its owner), receives cp {me}'s "
+                            f"(complete) ← cp {prv}" if tag == "cp_dkv" and t == n - 1 else
+                            f"{what} of cp {j} → cp {nxt}, receives cp {(j - 1) % n}'s "
+                            f"← cp {prv}")
+                    sent, got = ex["send"].size_bytes, ex["recv"].size_bytes
+                    want = kv[0] if tag == "cp_kv" else dkv[0]
+                    lines.append(f"       {_rows(ex):<11} {desc:<66} {sent:>9,} B  "
+                                 f"{sent / want:.4f}"
+                                 f"{'' if got == sent else f'  (received {got:,} B)'}")
+                if t == n - 1 and p["kind"] != "backward":
+                    lines.append("       (last step: nothing sent)")
+    if m > 1:
+        lines.append(("micro-batch 1: " if m == 2 else f"micro-batches 1–{m - 1}: ")
+                     + ("the same ring steps for every layer and pass" if same
+                        else "NOT the same ring steps as micro-batch 0"))
+    lines.append(f"ring sends on cp rank {me}, counted in the ledger against the expected "
+                 f"(L = {L} attention layers here, m = {m} micro-batches, n = {n}):")
+    f = n - 1
+    for kind, tag, what, mult, text in (
+            ("forward", "cp_kv", "K/V", f, "(n−1)·L·m"),
+            ("backward", "cp_kv", "K/V", f, "(n−1)·L·m"),
+            ("backward", "cp_dkv", "dK/dV", n, "n·L·m")):
+        got, want = counts.get((kind, tag), 0), mult * L * m
+        lines.append(f"  {kind:<9} {what:<6} ({tag:<6}) {got:>4} sends, expected {text} = "
+                     f"{mult}·{L}·{m} = {want}{'' if got == want else '  MISMATCH'}")
+    if counts.get(("recompute", "cp_kv")):
+        lines.append(f"  recompute K/V    (cp_kv ) {counts['recompute', 'cp_kv']:>4} sends "
+                     "(--ac: phase recompute, outside the step's formula)")
+    lines.append(f"  every message's bytes / formula: within {worst:.2e} of 1")
+    return lines
+
+
+def allgather_section(records: list, numbers: dict, topo, layers: list[str], m: int,
+                      kv: tuple[float, str]) -> list[str]:
+    """The lines of ``trace --cp N --cp-method allgather`` for this rank: per layer and pass
+    of micro-batch 0 its all-gather of K/V (cp_kv) or reduce-scatter of dK/dV (cp_dkv), S =
+    n·KV, booked (n − 1)/n · S, next to the formula; then the counts against L·m each."""
+    n, L = topo.size("cp"), len(layers)
+    want = comm.ring_bytes("all_gather", n * kv[0], n)
+    lines = [f"all-gather attention, cp rank {topo.index('cp')} of {n}: per layer and "
+             "micro-batch one all_gather of K/V (cp_kv) in forward and one reduce_scatter of "
+             "dK/dV (cp_dkv) in backward",
+             f"  KV = {kv[1]} = {kv[0]:,.0f} B; S = n·KV = {n * kv[0]:,.0f} B; booked "
+             f"(n−1)/n·S = {want:,.1f} B"]
+    counts, worst = {}, 0.0
+    ops = {"all_gather": "cp_kv", "reduce_scatter": "cp_dkv"}
+    for r in records:
+        if r.axis != "cp" or ops.get(r.op) != r.tag:
+            continue
+        kind = ("recompute" if r.phase == "recompute" else
+                "forward" if r.op == "all_gather" else "backward")
+        k = counts.get(kind, 0)
+        counts[kind] = k + 1
+        worst = max(worst, abs(r.wire_bytes / want - 1))
+        if k < L:
+            layer = layers[L - 1 - k] if kind != "forward" else layers[k]
+            row = f"#{numbers[id(r)]}" if id(r) in numbers else "(recompute)"
+            lines.append(f"{layer} {kind:<9} micro-batch 0: {row:<11} {r.op:<14} {r.tag:<6} "
+                         f"S {r.size_bytes:>10,} B  booked {r.wire_bytes:>10,.1f} B  "
+                         f"{r.wire_bytes / want:.4f}")
+    for kind, what in (("forward", "all_gather"), ("backward", "reduce_scatter")):
+        got = counts.get(kind, 0)
+        lines.append(f"  {kind:<9} {what:<14} {got:>4}, expected L·m = {L}·{m} = {L * m}"
+                     f"{'' if got == L * m else '  MISMATCH'}")
+    if counts.get("recompute"):
+        lines.append(f"  recompute all_gather {counts['recompute']:>4} (--ac: phase recompute)")
+    lines.append(f"  every collective's booked bytes / formula: within {worst:.2e} of 1")
+    return lines

@@ -22,8 +22,21 @@ from the same seed (identical weights), each with its own AdamW and the same bat
    seq_len, all dp replicas) / median, and the explicit / torch step-time ratio (target ≤ 1.0,
    the shared ARCHITECTURE sketch's "Numbers we hold ourselves to").
 
+4. context parallelism with the ring (``cp=N``): one more step of the explicit engine, not
+   timed with the others, with :attr:`~shardwise.parallel.cp.ContextParallelAttention.timings`
+   on in every attention layer of every rank: each ring exchange gives (seconds from its issue
+   to its wait, seconds blocked in the wait). The transfer window is their sum (issue → wait
+   returns), the exposed part is the time blocked, and the ring's overlap is 1 − Σ blocked /
+   Σ window over the layout's ranks (1: every transfer hidden behind the block compute that ran
+   meanwhile; 0: none). It is a column of the explicit row, not a suite of its own: it is a
+   property of that layout's explicit engine, measured in the same world on the same batches,
+   and cp has no variant to set it against (PyTorch's ``context_parallel`` does not run on CPU,
+   and the ring has no non-overlapped mode).
+
 A layout or engine that raises (not built yet, refused, crashed mid-step) gets a row with the
-error instead of numbers; the other rows still run. Rank 0 prints a Markdown table and writes
+error instead of numbers; the other rows still run. An engine that the layout's checks refuse
+(a :class:`ShardwiseConfigError` before any collective — the torch engine with cp on CPU) is
+shown as ``refused`` with the whole reason. Rank 0 prints a Markdown table and writes
 ``bench.md``, ``bench.json`` and ``bench.png`` (bars: median step time per layout and engine,
 with the ratio on top) into ``out``.
 
@@ -54,7 +67,9 @@ from .harness import alternate, make_run, make_workload, markdown_table, timed_s
 ENGINES = ("explicit", "torch")
 # one float64 vector per (rank, engine) in the all-gather, in this order
 _FIELDS = ("member", "failed", "median_s", "ledger_bytes", "formula_bytes", "mem_bytes",
-           "mem_formula_bytes", "steps_timed")
+           "mem_formula_bytes", "steps_timed", "ring_exchanges", "ring_window_s",
+           "ring_blocked_s", "ring_unblocked")
+HIDDEN_S = 1e-4  # a ring wait that blocked less than this: the transfer was already done
 
 
 def _short(e: BaseException) -> str:
@@ -106,7 +121,11 @@ def bench_one_layout(layout: Layout, topo, args, order: list) -> dict:
                     m, topo, layout, engine=eng, bucket_mb=args.bucket_mb, seed=0,
                     reduce_dtype=getattr(args, "reduce_dtype", "fp32")), topo),
                 args.model, work, cfg, global_batch, dp, topo.index("dp"), **model_kw)
-        except Exception as e:  # not built yet / refused: a row saying so
+        except ShardwiseConfigError as e:  # refused by the layout's checks: the whole reason
+            runs[eng] = {"error": str(e), "refused": True, "times": []}
+            if topo.rank == 0:
+                print(f"[bench] {layout.name()} {eng}: refused: {e}", file=sys.stderr, flush=True)
+        except Exception as e:  # not built yet / crashed while building: a row saying so
             runs[eng] = {"error": _short(e), "times": []}
             if topo.rank == 0:  # the same error on every rank: print it once
                 print(f"[bench] {layout.name()} {eng}: {runs[eng]['error']}",
@@ -149,11 +168,14 @@ def bench_one_layout(layout: Layout, topo, args, order: list) -> dict:
         return step(r)[0]
 
     alternate(runs, args.rounds, args.steps, timed, order)
+    if layout.cp > 1 and layout.cp_method == "ring" and not runs["explicit"].get("error"):
+        ring_overlap_step(runs["explicit"], step)
     out = {}
     for eng, r in runs.items():
         times = [t for t in r["times"] if t == t]
         if r.get("error") or not times:
-            out[eng] = {"error": r.get("error", "no timed step")}
+            out[eng] = {"error": r.get("error", "no timed step"),
+                        **({"refused": True} if r.get("refused") else {})}
             continue
         out[eng] = {"median_s": statistics.median(times), "steps_timed": len(times),
                     "times_s": r["times"],
@@ -161,10 +183,33 @@ def bench_one_layout(layout: Layout, topo, args, order: list) -> dict:
                     "ledger_by_tag": r["ledger_by_tag"], "formula_by_tag": r["formula_by_tag"],
                     "seconds_by_tag": r["seconds_by_tag"],
                     "mem": r["mem"], "mem_formula": r["mem_formula"],
-                    "booking_off_after_warmup": r["booking_off"]}
+                    "booking_off_after_warmup": r["booking_off"],
+                    **({"ring": r["ring"]} if "ring" in r else {})}
     out["_meta"] = {"global_batch": global_batch, "n_micro": n_micro,
                     "tokens_per_step": global_batch * seq_len}
     return out
+
+
+def ring_overlap_step(run: dict, step) -> None:
+    """One more step of ``run`` (``step(run)``, the explicit engine of a ring cp layout) with
+    :attr:`ContextParallelAttention.timings` on in every attention layer; sets ``run["ring"]``
+    to this rank's ``{"exchanges", "window_s", "blocked_s", "unblocked"}``: the ring exchanges
+    of the step (K/V forward and backward, dK/dV), Σ (issue → wait returns), Σ time blocked in
+    wait, and how many waits blocked less than :data:`HIDDEN_S`."""
+    from ...parallel.cp import ContextParallelAttention
+
+    cores = [m for m in run["engine"].modules() if isinstance(m, ContextParallelAttention)]
+    timings: list = []
+    for m in cores:
+        m.timings = timings
+    try:
+        step(run)
+    finally:
+        for m in cores:
+            m.timings = None
+    run["ring"] = {"exchanges": len(timings), "window_s": sum(a + b for a, b in timings),
+                   "blocked_s": sum(b for _, b in timings),
+                   "unblocked": sum(b < HIDDEN_S for _, b in timings)}
 
 
 def _parse(text: str):
@@ -194,8 +239,11 @@ def _vector(res: dict | None) -> torch.Tensor:
         if "error" in r:
             v[i, 1] = 1.0
             continue
+        ring = r.get("ring", {})
         v[i, 2:] = torch.tensor([r["median_s"], r["ledger_bytes"], r["formula_bytes"],
-                                 r["mem"]["total"], r["mem_formula"] or 0.0, r["steps_timed"]],
+                                 r["mem"]["total"], r["mem_formula"] or 0.0, r["steps_timed"],
+                                 ring.get("exchanges", 0), ring.get("window_s", 0.0),
+                                 ring.get("blocked_s", 0.0), ring.get("unblocked", 0)],
                                 dtype=torch.float64)
     return v
 
@@ -254,7 +302,8 @@ def _row(text: str, lay: Layout, res: dict, g: torch.Tensor, order: list) -> dic
             mine = res[eng].get("error") if "error" in res[eng] else None
             bad = [int(r) for r in torch.nonzero(members).flatten()
                    if g[r, i, 1] == 1]
-            row[eng] = {"error": mine or f"failed on rank(s) {bad} (see their stderr)"}
+            row[eng] = {"error": mine or f"failed on rank(s) {bad} (see their stderr)",
+                        **({"refused": True} if res[eng].get("refused") else {})}
             continue
         med = float(gm[:, 2].max())
         ledger, formula = gm[:, 3], gm[:, 4]
@@ -280,6 +329,13 @@ def _row(text: str, lay: Layout, res: dict, g: torch.Tensor, order: list) -> dic
             "step_times_s_rank0": res[eng]["times_s"],
             "booking_off_after_warmup": res[eng]["booking_off_after_warmup"],
         }
+        if float(gm[:, 8].sum()):  # ring cp: Σ over the layout's ranks, and each rank's
+            window, blocked = gm[:, 9], gm[:, 10]
+            row[eng]["ring_overlap"] = {
+                "exchanges_per_rank": int(gm[0, 8]), "unblocked": int(gm[:, 11].sum()),
+                "window_s": float(window.sum()), "blocked_s": float(blocked.sum()),
+                "overlap": 1.0 - float(blocked.sum() / window.sum()),
+                "overlap_per_rank": (1.0 - blocked / window).tolist()}
     e, t = row["explicit"], row["torch"]
     both = "median_step_s" in e and "median_step_s" in t
     row["explicit_over_torch"] = e["median_step_s"] / t["median_step_s"] if both else None
@@ -310,7 +366,8 @@ def _fmt(x, spec, dash="—"):
 COLUMNS = [(title, align, itemgetter(i)) for i, (title, align) in enumerate([
     ("layout", "---"), ("ranks", "---:"), ("engine", "---"), ("median step (ms)", "---:"),
     ("tokens/s", "---:"), ("ledger / formula", "---:"), ("model state / rank (MiB)", "---:"),
-    ("state / formula", "---:"), ("explicit / torch (paired)", "---:")])]
+    ("state / formula", "---:"), ("explicit / torch (paired)", "---:"),
+    ("ring overlap", "---:")])]
 
 
 def _cells(rows: list[dict]) -> list[list]:
@@ -318,7 +375,7 @@ def _cells(rows: list[dict]) -> list[list]:
     out = []
     for row in rows:
         if "error" in row:
-            out.append([row["layout"], None, None, f"refused: {row['error']}"] + [None] * 5)
+            out.append([row["layout"], None, None, f"refused: {row['error']}"] + [None] * 6)
             continue
         for eng in ENGINES:
             r = row[eng]
@@ -326,13 +383,34 @@ def _cells(rows: list[dict]) -> list[list]:
                      f"({_fmt(row.get('explicit_over_torch_paired'), '.3f')})"
                      if eng == "explicit" else "")
             if "error" in r:
-                out.append([row["layout"], row["world"], eng, f"error: {r['error']}"]
-                           + [None] * 4 + [ratio])
+                why = "refused" if r.get("refused") else "error"
+                out.append([row["layout"], row["world"], eng, f"{why}: {r['error']}"]
+                           + [None] * 4 + [ratio, None])
                 continue
+            ring = r.get("ring_overlap")
             out.append([row["layout"], row["world"], eng, f"{r['median_step_s'] * 1e3:.1f}",
                         f"{r['tokens_per_s']:,.0f}", _fmt(r["ledger_over_formula"], ".4f"),
                         f"{r['model_state_bytes_max_rank'] / 2**20:.2f}",
-                        _fmt(r["memory_over_formula"], ".4f"), ratio])
+                        _fmt(r["memory_over_formula"], ".4f"), ratio,
+                        f"{ring['overlap']:.3f}" if ring else None])
+    return out
+
+
+def ring_lines(rows: list[dict]) -> list[str]:
+    """The lines under the table for each ring cp row: the overlap step's numbers."""
+    out = []
+    for row in rows:
+        ring = row.get("explicit", {}).get("ring_overlap")
+        if ring:
+            worst = min(ring["overlap_per_rank"])
+            out.append(f"ring overlap, {row['layout']} (one more explicit step, "
+                       f"ContextParallelAttention.timings on every rank): {row['world']} ranks × "
+                       f"{ring['exchanges_per_rank']} ring exchanges; transfer window (issue → "
+                       f"wait returns) Σ {ring['window_s'] * 1e3:.1f} ms, blocked in wait "
+                       f"(exposed) Σ {ring['blocked_s'] * 1e3:.1f} ms; overlap 1 − blocked / "
+                       f"window = {ring['overlap']:.3f} (worst rank {worst:.3f}); "
+                       f"{ring['unblocked']} of {row['world'] * ring['exchanges_per_rank']} "
+                       f"waits blocked < {HIDDEN_S * 1e3:g} ms")
     return out
 
 
@@ -381,8 +459,10 @@ def report(rows: list[dict], args, world: int) -> None:
             f"per engine (A B A B …, after 1 warm-up step), {world} processes, torch "
             f"{torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     config = {k: v for k, v in vars(args).items() if not callable(v)}
+    ring = ring_lines(rows)
     write_report(_cells(rows), COLUMNS, args.out, "bench", head=head,
-                 data={"config": config | {"world": world}, "rows": rows})
+                 data={"config": config | {"world": world}, "rows": rows},
+                 tail=([""] + ring) if ring else ())
     out = Path(args.out)
     png = draw_chart(rows, out / "bench.png", f"explicit vs torch, {args.model}, {world} "
                      "processes (ratio above the bars)")
