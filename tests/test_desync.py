@@ -77,9 +77,10 @@ def test_a_desync_raises_one_message_on_every_rank(ranks, case):
 
 @pytest.mark.timeout(150)
 def test_a_rank_stuck_in_compute_is_named_after_hang_after(ranks, world_out):
-    want = (f"rank {W.ODD} reported nothing since the check before step 1 (stuck in compute, "
-            f"in code outside shardwise.comm, or dead); ranks {OTHERS} wait at the check "
-            f"before step 2: rank ")
+    # its last position in the store: the grad all-reduce, the second collective of step 1
+    want = (f"rank {W.ODD} reported nothing since it issued all_reduce(dp, grad, float32[4]) #2 "
+            f"in step 1 (stuck in compute, in code outside shardwise.comm, or dead); ranks "
+            f"{OTHERS} wait at the check before step 2: rank ")
     msgs = {ranks[r]["compute"]["message"] for r in range(NPROC)}
     waited = []
     assert len(msgs) == 1 and next(iter(msgs)).startswith(want), msgs
@@ -88,7 +89,11 @@ def test_a_rank_stuck_in_compute_is_named_after_hang_after(ranks, world_out):
         assert rec["type"] == "CollectiveHang" and rec["timeout"], (r, rec)
         if r == W.ODD:  # it raises when it reaches the check, after its "compute"
             assert rec["seconds"] < W.HANG_AFTER_S + 3.0 + BOUND_S, rec
-            assert not (world_out / "flight" / f"rank{r}.json").exists()
+            # its record: it reached the check late and waited there for nothing; the
+            # diagnosis it raised is the one the waiting ranks published
+            flight = json.loads((world_out / "flight" / f"rank{r}.json").read_text())
+            assert flight["waiting"] == "at the check before step 2", flight
+            assert flight["waited_s"] < BOUND_S and flight["diagnosis"] == rec["message"]
             continue
         assert rec["seconds"] < W.HANG_AFTER_S + BOUND_S, (r, rec)  # not much after it
         flight = json.loads((world_out / "flight" / f"rank{r}.json").read_text())
