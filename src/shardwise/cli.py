@@ -112,6 +112,13 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--tokenizer", metavar="FILE.json", default=None,
                    help="ship this tokenizer instead of the run's own")
     e.set_defaults(func=cmd_export)
+
+    d = sub.add_parser("doctor", help="diagnose a run that hung, desynced or lost a rank from "
+                       "its flight records (RUN/flight)")
+    d.add_argument("run", metavar="RUN", help="a run folder (or its flight folder)")
+    d.add_argument("--last", type=int, default=8, help="collectives per rank to show")
+    d.set_defaults(func=lambda args, argv: __import__(
+        "shardwise.tools.doctor", fromlist=["main"]).main(args.run, args.last))
     return p
 
 

@@ -234,7 +234,8 @@ class CollectiveChecks:
         self.history.append([chan, fp, self.topo.ledger.current_phase, self.step, n])
         if self._blocks_host(axis):
             self._position()
-        return {"op": op, "chan": chan, "peer": peer, "tag": tag or "-", "n": n, "fp": fp}
+        return {"op": op, "chan": chan, "peer": peer, "tag": tag or "-", "n": n, "fp": fp,
+                "step": self.step}
 
     def wait(self, work, axis: str, entry=None, p2p: dict | None = None) -> None:
         """``work.wait()`` for a collective on ``axis`` (``entry``: what :meth:`issue`
@@ -259,18 +260,49 @@ class CollectiveChecks:
         t0 = time.monotonic()
         self._waiting = (what, t0, p2p)
         try:
+            if p2p is not None:  # gloo closes the pair when a send/recv wait times out
+                self._wait_in_thread(work, t0, what)
+                return
             while True:
                 try:
                     work.wait(timeout=sl)
                     return
                 except RuntimeError as e:
                     if "Operation timed out!" not in str(e):  # the collective's own error: a
-                        self._raise_known(e)  # peer that raised the diagnosis and left, or died
-                        self._peer_broke(what, e)
-                        raise
+                        self._failed(e, what)  # peer that raised the diagnosis and left, or died
                 self._while_waiting(t0=t0, what=what)
         finally:
             self._waiting = None
+
+    def _failed(self, e: BaseException, what: str):
+        """A wait failed with ``e`` (not a slice's timeout): raise the published diagnosis, or
+        the one the positions prove, else ``e``."""
+        self._raise_known(e)  # a peer that raised the diagnosis and left
+        self._peer_broke(what, e)  # a peer that died
+        raise e
+
+    def _wait_in_thread(self, work, t0: float, what: str) -> None:
+        """Wait for a point-to-point ``work`` (gloo cannot time such a wait out and wait again:
+        a timeout closes the pair) in a daemon thread, polling it every :data:`SLICE_S` as
+        :meth:`wait` does; a wait that never ends is left in its thread to die with the
+        process. Costs one thread start (~0.1 ms) per send or receive waited for."""
+        import threading
+
+        done, err = threading.Event(), []
+
+        def run():
+            try:
+                work.wait()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                err.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="shardwise-p2p-wait", daemon=True).start()
+        while not done.wait(SLICE_S):
+            self._while_waiting(t0=t0, what=what)
+        if err:
+            self._failed(err[0], what)
 
     def _position(self, where: str | None = None) -> None:
         """Publish ``pos/{rank}``: this rank's step, its last issued op (history entry), where
@@ -469,15 +501,20 @@ class CollectiveChecks:
         where: dict[str, list[int]] = collections.defaultdict(list)
         for r, rep in sorted(reports.items()):
             where[f"at the check {rep['label']}" if rep["label"] else rep["waiting"]].append(r)
-        parts = p2p_findings(states, silent)
+        findings = p2p_findings(states, silent)
+        named = set().union(*(rs for _, rs in findings)) if findings else set()
+        parts = [text for text, _ in findings]
         for r in silent:
+            if r in named:
+                continue
             last = (states.get(r) or {}).get("last")
             since = f"it issued {last[1]} #{last[4]} in step {last[3]}" if last else \
                 f"the check before step {self.step}"
             parts.append(f"rank {r} reported nothing since {since} (stuck in compute, in code "
                          f"outside shardwise.comm, or dead)")
         parts += [f"{_ranks_text(rs)} {'waits' if len(rs) == 1 else 'wait'} {w}"
-                  for w, rs in where.items()]
+                  for w, rs in ((w, [r for r in rs if r not in named]) for w, rs in where.items())
+                  if rs]
         return (f"{'; '.join(parts)}: rank {self._rank} waited {waited:.1f} s (--hang-after "
                 f"{self.hang_after_s:g}); see where a silent rank is with py-spy dump --pid PID"
                 + (f"; flight records in {self.flight_dir}" if self.flight_dir else ""))
@@ -596,14 +633,14 @@ def _where(state: dict) -> str:
     return f"last issued {last[1]} #{last[4]} in step {last[3]}" if last else "issued nothing"
 
 
-def p2p_findings(states: dict, silent=()) -> list[str]:
+def p2p_findings(states: dict, silent=()) -> list[tuple[str, set]]:
     """The point-to-point diagnosis from the ranks' ``states`` (rank → its report or position,
     as published in the store): for each rank waiting in a receive for message k of a channel
     whose sender sent fewer than k, one sentence naming the receive, the sender and what it
-    does instead (``silent``: ranks that published no report since the last check: stuck in
-    compute, or dead). In a mutual wait (each waits for a message the other never sent), the
-    rank that waits for the answer (:data:`ANSWERS`) to a message it never sent is named as
-    the one that skipped its send."""
+    does instead, with the ranks it names (``silent``: ranks that published no report since
+    the last check: stuck in compute, or dead). In a mutual wait (each waits for a message the
+    other never sent), the rank that waits for the answer (:data:`ANSWERS`) to a message it
+    never sent is named as the one that skipped its send."""
     waits = {r: st["wait_p2p"] for r, st in states.items()
              if r not in silent and (st.get("wait_p2p") or {}).get("op") == "recv"}
     out = []
@@ -611,33 +648,33 @@ def p2p_findings(states: dict, silent=()) -> list[str]:
         src, n, chan, tag = w["peer"], w["n"], w["chan"], w["tag"]
         st = states.get(src)
         if st is None:
-            out.append(f"rank {r} waits in {w['fp']} for message #{n} of {chan}; rank {src} "
-                       f"published nothing (dead before its first collective?)")
+            out.append((f"rank {r} waits in {w['fp']} for message #{n} of {chan}; rank {src} "
+                        f"published nothing (dead before its first collective?)", {r, src}))
             continue
         sent = st.get("sent", {}).get(chan, 0)
         if sent >= n:  # sent: in flight, or received by a receive that was sized differently
             continue
-        head = (f"rank {r} waits in {w['fp']} for message #{n} of {chan}, which rank {src} "
-                f"never sent (it sent {sent})")
+        head = (f"rank {r} waits in {w['fp']} for message #{n} of {chan} (step "
+                f"{w.get('step', '?')}), which rank {src} never sent (it sent {sent})")
+        skipped = f"rank {src} skipped a {tag} send to rank {r}; {_P2P_FIX}"
         other = waits.get(src)
         if src in silent:
             last = st.get("last")
-            out.append(head + (f"; rank {src} has issued nothing since {last[1]} #{last[4]} in "
-                               f"step {last[3]}" if last else f"; rank {src} reported nothing")
-                       + " (stuck in compute, or dead)")
+            out.append((head + (f"; rank {src} has issued nothing since {last[1]} #{last[4]} "
+                                f"in step {last[3]}" if last else
+                                f"; rank {src} reported nothing")
+                        + " (stuck in compute, or dead)", {r, src}))
         elif other and other["peer"] == r and \
                 states[r].get("sent", {}).get(other["chan"], 0) < other["n"]:  # a mutual wait
             if ANSWERS.get(other["tag"]) == tag:
-                out.append(f"{head} and itself waits in {other['fp']} for message "
-                           f"#{other['n']}, the answer to it: rank {src} skipped send "
-                           f"{tag} #{n} to rank {r}; {_P2P_FIX}")
+                out.append((f"{head}; rank {src} waits in {other['fp']} for message "
+                            f"#{other['n']}, the answer to it: {skipped}", {r, src}))
             elif ANSWERS.get(tag) != other["tag"] and r < src:
-                out.append(f"{head}, while rank {src} waits in {other['fp']} for message "
-                           f"#{other['n']}, which rank {r} never sent: the two wait for each "
-                           f"other (one of them skipped a send); {_P2P_FIX}")
+                out.append((f"{head}, while rank {src} waits in {other['fp']} for message "
+                            f"#{other['n']}, which rank {r} never sent: the two wait for each "
+                            f"other (one of them skipped a send); {_P2P_FIX}", {r, src}))
         else:
-            out.append(f"{head}; rank {src} moved on (it {_where(st)}): rank {src} skipped "
-                       f"send {tag} #{n} to rank {r}; {_P2P_FIX}")
+            out.append((f"{head}; rank {src} moved on (it {_where(st)}): {skipped}", {r, src}))
     return out
 
 
