@@ -66,9 +66,10 @@ def _parser() -> argparse.ArgumentParser:
                        "--suite dp (vs DDP, overlap on/off), zero (vs FSDP2), tp (vs DTensor), "
                        "pp (bubble vs formula, vs torch pipelining), collectives (ring/tree "
                        "vs the backend's, nccl-tests style), zero-collectives (ZeRO-2/3, "
-                       "--collectives ring vs native)")
+                       "--collectives ring vs native), checks (--check-collectives off/step/"
+                       "every)")
     b.add_argument("--suite", choices=("dp", "zero", "tp", "pp", "collectives",
-                                       "zero-collectives"), default="dp")
+                                       "zero-collectives", "checks"), default="dp")
     b.add_argument("--max-mb", type=float, default=64.0, help="collectives suite: the largest "
                    "message, MiB (sizes 1 KiB × 4^k up to it)")
     b.add_argument("--nproc", type=int, default=0, help="ranks (default 2; pp: 4)")
