@@ -5,7 +5,17 @@ a per-group sequence number (``#k``: the k-th collective on that process group s
 :class:`~shardwise.topology.Topology` was built, counted from 1) and a fingerprint, the text
 ``op(axis, tag, dtype[shape][, reduce op][, src=i])``, e.g. ``all_reduce(dp, grad,
 float32[4096])``. A group is one line of an axis (its axis name and its global ranks). Point to
-point sends and receives are not fingerprinted (a send and its receive differ by design).
+point sends and receives are not compared at the check (a send and its receive differ by
+design) but counted per channel ``"src>dst:tag"`` (:meth:`CollectiveChecks.issue_p2p`) and
+waited for like collectives: a receive that waits past ``--hang-after`` names the message it
+waits for, and the diagnosis compares it with the sender's count (:func:`p2p_findings`).
+
+On a host-blocking backend (gloo) every rank also publishes its *position* (``pos/{r}``: its
+last fingerprint, step, point-to-point counts) before each collective or message is launched:
+one store ``set``, not waited for (a few µs). A rank that dies inside a collective (gloo aborts
+a receiver of more bytes than it expects, SIGABRT; a SIGKILL) leaves it behind, and the local
+launcher, which serves the store (``SHARDWISE_DIAG_STORE``), prints one line from every rank's
+position after the failure (:func:`diagnose_store`).
 
 ``--check-collectives`` (:data:`MODES`) says when ranks compare them:
 
