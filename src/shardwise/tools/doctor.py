@@ -130,7 +130,7 @@ def report(run: str | Path, last: int = 8) -> tuple[str, bool]:
                 f"they could write)"), False
     line = diagnosis(records, launcher)
     why = cause(line, records, launcher)
-    out = [f"shardwise doctor {d}: flight records of "
+    out = [f"flight records in {d}: "
            f"{'ranks ' + ','.join(map(str, sorted(records))) if records else 'no rank'}"
            + ("; the launcher's positions of every rank" if launcher else ""),
            "", f"diagnosis: {line or '(none recorded)'}"]
