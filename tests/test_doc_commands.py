@@ -37,7 +37,7 @@ from conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SUBCOMMANDS = ("train", "verify", "trace", "bench", "plan", "export")
+SUBCOMMANDS = ("train", "verify", "trace", "bench", "plan", "export", "doctor")
 TEMPLATE = re.compile(r"\[|…|\bFILE\b|FILE\.toml|\bRUN\b|\bOUT\b|\bDIR\b|\bLAYOUT\b|\bN\b|\|")
 # run exactly by another test: the command and the test that runs it
 RUN_ELSEWHERE = {"shardwise verify --nproc 8 --bounded": "tests/test_verify_n8.py"}

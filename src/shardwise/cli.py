@@ -66,9 +66,10 @@ def _parser() -> argparse.ArgumentParser:
                        "--suite dp (vs DDP, overlap on/off), zero (vs FSDP2), tp (vs DTensor), "
                        "pp (bubble vs formula, vs torch pipelining), collectives (ring/tree "
                        "vs the backend's, nccl-tests style), zero-collectives (ZeRO-2/3, "
-                       "--collectives ring vs native)")
+                       "--collectives ring vs native), checks (--check-collectives off/step/"
+                       "every)")
     b.add_argument("--suite", choices=("dp", "zero", "tp", "pp", "collectives",
-                                       "zero-collectives"), default="dp")
+                                       "zero-collectives", "checks"), default="dp")
     b.add_argument("--max-mb", type=float, default=64.0, help="collectives suite: the largest "
                    "message, MiB (sizes 1 KiB × 4^k up to it)")
     b.add_argument("--nproc", type=int, default=0, help="ranks (default 2; pp: 4)")
@@ -112,6 +113,13 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--tokenizer", metavar="FILE.json", default=None,
                    help="ship this tokenizer instead of the run's own")
     e.set_defaults(func=cmd_export)
+
+    d = sub.add_parser("doctor", help="diagnose a run that hung, desynced or lost a rank from "
+                       "its flight records (RUN/flight)")
+    d.add_argument("run", metavar="RUN", help="a run folder (or its flight folder)")
+    d.add_argument("--last", type=int, default=8, help="collectives per rank to show")
+    d.set_defaults(func=lambda args, argv: __import__(
+        "shardwise.tools.doctor", fromlist=["main"]).main(args.run, args.last))
     return p
 
 

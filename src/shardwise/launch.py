@@ -178,6 +178,47 @@ def _last_lines(logs: str, rank: int, n: int = 25) -> list[str]:
     return []
 
 
+def _diag_store_server(timeout_s: float):
+    """A TCPStore served by this process on a free localhost port, for the ranks' collective
+    checks (``SHARDWISE_DIAG_STORE``; :mod:`shardwise.comm.fingerprint`), or None if it cannot
+    be started (then the ranks use the default store and only they diagnose)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)))
+    except Exception:  # noqa: BLE001 - a diagnosis aid only
+        return None
+
+
+def _diagnose(store, failed: dict) -> str | None:
+    """One line from every rank's position in ``store`` after the ranks ``failed`` (global
+    rank → exit code); also written, with the positions, to ``FLIGHT/diagnosis.json`` when the
+    ranks have a flight folder (``RUN/flight``: ``shardwise doctor RUN`` reads it). None when
+    the ranks published nothing (no collective checks)."""
+    import json
+
+    if store is None:
+        return None
+    try:  # a lazy import: the launcher needs the checks' reading only after a failure
+        from .comm.fingerprint import diagnose_store
+
+        line, record = diagnose_store(store, failed)
+    except Exception as e:  # noqa: BLE001 - never hide the failure itself behind ours
+        return f"(no diagnosis: reading the ranks' positions failed: {e})"
+    dirs = {p.get("flight_dir") for p in record.get("positions", {}).values()} - {None}
+    for d in dirs:
+        try:
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, "diagnosis.json"), "w") as f:
+                json.dump(record, f, indent=1)
+        except OSError:
+            pass
+    return line
+
+
 def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float = 5.0,
           program: list[str] | None = None, fork: bool = False, max_restarts: int = 0) -> int:
     """Run ``program *argv`` (default ``python -m shardwise``) as ``nproc`` local ranks under
@@ -228,6 +269,11 @@ def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float =
         entrypoint, args = _forked_worker, (list(argv), overlay, script)
     else:
         entrypoint, args = program[0], (*program[1:], *argv)
+    # the ranks' collective checks publish their positions in a store of ours, which outlives
+    # every rank: after a failure we read it and print one line (:func:`_diagnose`)
+    diag = _diag_store_server(grace_s)
+    if diag is not None:
+        overlay["SHARDWISE_DIAG_STORE"] = f"127.0.0.1:{diag.port}"
     logs = tempfile.mkdtemp(prefix="shardwise-launch-")
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
@@ -258,6 +304,9 @@ def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float =
         sys.stderr.write(f"[launcher] rank {rank} failed (exit code {code}; the first failure "
                          f"the agent saw); any rank still running was stopped. Its last "
                          f"lines:\n{last}")
+        line = _diagnose(diag, {r: f.exitcode for r, f in e.failures.items()})
+        if line:
+            sys.stderr.write(f"[launcher] diagnosis: {line}\n")
         sys.stderr.flush()
     except SignalException as stop:
         code = 128 + int(stop.sigval)

@@ -71,6 +71,8 @@ def main(out):
         topo = Topology(dp=dist.get_world_size(), timeout_s=TIMEOUT_S, check_collectives=mode)
         if case == "compute":
             topo.checks.hang_after_s, topo.checks.flight_dir = HANG_AFTER_S, f"{out}/flight"
+        else:  # every rank that raises writes its record there (shardwise doctor reads them)
+            topo.checks.flight_dir = f"{out}/flight_{case}"
         mark = {"t": time.perf_counter()}
         rec = {"type": None, "message": None}
         try:

@@ -5,7 +5,17 @@ a per-group sequence number (``#k``: the k-th collective on that process group s
 :class:`~shardwise.topology.Topology` was built, counted from 1) and a fingerprint, the text
 ``op(axis, tag, dtype[shape][, reduce op][, src=i])``, e.g. ``all_reduce(dp, grad,
 float32[4096])``. A group is one line of an axis (its axis name and its global ranks). Point to
-point sends and receives are not fingerprinted (a send and its receive differ by design).
+point sends and receives are not compared at the check (a send and its receive differ by
+design) but counted per channel ``"src>dst:tag"`` (:meth:`CollectiveChecks.issue_p2p`) and
+waited for like collectives: a receive that waits past ``--hang-after`` names the message it
+waits for, and the diagnosis compares it with the sender's count (:func:`p2p_findings`).
+
+On a host-blocking backend (gloo) every rank also publishes its *position* (``pos/{r}``: its
+last fingerprint, step, point-to-point counts) before each collective or message is launched:
+one store ``set``, not waited for (a few µs). A rank that dies inside a collective (gloo aborts
+a receiver of more bytes than it expects, SIGABRT; a SIGKILL) leaves it behind, and the local
+launcher, which serves the store (``SHARDWISE_DIAG_STORE``), prints one line from every rank's
+position after the failure (:func:`diagnose_store`).
 
 ``--check-collectives`` (:data:`MODES`) says when ranks compare them:
 
@@ -80,6 +90,27 @@ _FIX = ("every rank of a group must issue the same collectives, with the same sh
         "or an evaluation on one rank only) or a shape that depends on the rank's data")
 
 
+# the launcher's store (``SHARDWISE_DIAG_STORE`` = "host:port"), connected once per process
+TOPOLOGIES_KEY = "shardwise/topologies"  # the checks' prefixes, one a line, oldest first
+_DIAG: dict = {}
+
+
+def _diag_store(timeout_s: float):
+    """A client of the local launcher's store (``SHARDWISE_DIAG_STORE`` set by
+    :func:`shardwise.launch.spawn`), or None outside it (torchrun: the default store)."""
+    import datetime
+    import os
+
+    addr = os.environ.get("SHARDWISE_DIAG_STORE")
+    if not addr:
+        return None
+    if addr not in _DIAG or _DIAG[addr][0] != os.getpid():  # not a parent's connection
+        host, port = addr.rsplit(":", 1)
+        _DIAG[addr] = (os.getpid(), dist.TCPStore(
+            host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s)))
+    return _DIAG[addr][1]
+
+
 def fingerprint(op: str, axis: str, tag: str, tensor_like=None, reduce: str | None = None,
                 src: int | None = None) -> str:
     """The fingerprint text of one collective: ``op(axis, tag, dtype[shape][, reduce][, src=i])``
@@ -130,6 +161,10 @@ class CollectiveChecks:
         # writes this rank's flight record to flight_dir/rank{r}.json and ends the run
         self.hang_after_s: float | None = None
         self.flight_dir = None
+        # point to point: messages issued per channel "src>dst:tag" (global ranks), cumulative
+        self.sent: dict[str, int] = {}
+        self.recvd: dict[str, int] = {}
+        self._waiting = None  # (what, since: monotonic s, p2p wait or None) while in a wait
 
     # -- state --------------------------------------------------------------------------------
     @property
@@ -147,21 +182,36 @@ class CollectiveChecks:
         return key
 
     def store(self):
-        """The c10d store of the default group, under this topology's own prefix."""
+        """The store the checks use, under this topology's own prefix: the local launcher's
+        (``SHARDWISE_DIAG_STORE``, :func:`shardwise.launch.spawn`: it outlives every rank, so
+        the launcher reads the ranks' positions after any of them died), else the c10d store
+        of the default group. The topology's first rank registers the prefix under
+        :data:`TOPOLOGIES_KEY` with its ranks (for the launcher's diagnosis)."""
         if self._store is None:
-            base = dist.distributed_c10d._get_default_store()
-            self._prefix = f"shardwise/checks/{self.topo.group('world').group_name}/"
+            import os
+
+            base = _diag_store(self.timeout_s) or dist.distributed_c10d._get_default_store()
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            self._prefix = (f"shardwise/checks/{attempt}/"
+                            f"{self.topo.group('world').group_name}/")
             self._store = dist.PrefixStore(self._prefix, base)
+            if self._rank == min(self.topo.ranks):
+                self._store.set("ranks", json.dumps(list(self.topo.ranks)))
+                base.append(TOPOLOGIES_KEY, self._prefix + "\n")
         return self._store
 
     # -- hooks called by comm.ops ---------------------------------------------------------------
     def issue(self, op: str, axis: str, tensor_like=None, tag: str = "",
-              reduce: str | None = None, src: int | None = None) -> None:
+              reduce: str | None = None, src: int | None = None) -> list | None:
         """Record a collective about to be launched on ``axis`` (a group of > 1 rank); at
         ``every``, first compare its fingerprint with the peers' (raises
-        :class:`CollectiveMismatch` on a difference, before anything is sent)."""
+        :class:`CollectiveMismatch` on a difference, before anything is sent). On a
+        host-blocking backend (gloo), also publish this rank's position (one store ``set``,
+        not waited for: a few µs), so that a rank that dies inside it (gloo aborts the
+        process on a size mismatch) leaves its last fingerprint behind. Returns the history
+        entry ``[group, fingerprint, phase, step, seq]`` for :meth:`wait` (None: inactive)."""
         if not self.active:
-            return
+            return None
         g = self._group(axis)
         n = self.seq.get(g, 0) + 1
         self.seq[g] = n
@@ -171,28 +221,134 @@ class CollectiveChecks:
         self.history.append([g, *entry])
         if self.mode == "every":
             self._check_one(g, n, entry[0])
+        if self._blocks_host(axis):
+            self._position()
+        return self.history[-1]
 
-    def wait(self, work, axis: str) -> None:
-        """``work.wait()`` for a collective on ``axis``; on a host-blocking backend (gloo) in
-        slices of :data:`SLICE_S`, reporting after the first and raising
-        :class:`CollectiveMismatch` as soon as any rank has proven a divergence."""
+    def issue_p2p(self, op: str, axis: str, peer: int, tensor_like, tag: str = "") -> dict | None:
+        """Record a point-to-point ``op`` ("send" or "recv") with global rank ``peer`` about to
+        be launched on ``axis``: the k-th message of its channel ``"src>dst:tag"`` (global
+        ranks, counted from 1 since the topology was built), kept in the history with the
+        fingerprint ``recv(pp, pp_fwd, float32[2,16,64], from=0)``. Not compared at the check
+        (a send and its receive differ by design); a receive that waits past a slice reports
+        which message of which channel it waits for, and the diagnosis compares that with the
+        sender's count. Returns the wait description for :meth:`wait` (None: inactive)."""
+        if not self.active:
+            return None
+        src, dst = (self._rank, peer) if op == "send" else (peer, self._rank)
+        chan = f"{src}>{dst}:{tag or '-'}"
+        book = self.sent if op == "send" else self.recvd
+        n = book[chan] = book.get(chan, 0) + 1
+        fp = f"{fingerprint(op, axis, tag, tensor_like)[:-1]}, " \
+             f"{'to' if op == 'send' else 'from'}={peer})"
+        self.history.append([chan, fp, self.topo.ledger.current_phase, self.step, n])
+        if self._blocks_host(axis):
+            self._position()
+        return {"op": op, "chan": chan, "peer": peer, "tag": tag or "-", "n": n, "fp": fp,
+                "step": self.step}
+
+    def wait(self, work, axis: str, entry=None, p2p: dict | None = None) -> None:
+        """``work.wait()`` for a collective on ``axis`` (``entry``: what :meth:`issue`
+        returned; ``p2p``: what :meth:`issue_p2p` returned, for a send or receive); on a
+        host-blocking backend (gloo) in slices of :data:`SLICE_S`, reporting after the first
+        and raising :class:`CollectiveMismatch` as soon as any rank has proven a divergence,
+        or :class:`CollectiveHang` past ``hang_after_s``. If the wait fails because a peer
+        died (its connection closed), this rank publishes where it was and raises the
+        divergence the ranks' positions prove (a gloo size abort), else torch's error."""
         if not self.active or not self._blocks_host(axis):
             work.wait()
             return
         import datetime
 
+        if p2p is not None:
+            what = f"in {p2p['fp']} (message #{p2p['n']} of {p2p['chan']})"
+        elif entry is not None:
+            what = f"in {entry[1]} #{entry[4]}"
+        else:
+            what = "in a collective"
         sl = datetime.timedelta(seconds=SLICE_S)
         t0 = time.monotonic()
-        while True:
-            try:
-                work.wait(timeout=sl)
+        self._waiting = (what, t0, p2p)
+        try:
+            if p2p is not None:  # gloo closes the pair when a send/recv wait times out
+                self._wait_in_thread(work, t0, what)
                 return
-            except RuntimeError as e:
-                if "Operation timed out!" not in str(e):  # the collective's own error: a peer
-                    self._raise_known(e)  # that raised the diagnosis and left breaks it
-                    raise
-            self._while_waiting(t0=t0, what=f"in {self.history[-1][1]} #{self.history[-1][4]}"
-                                if self.history else "in a collective")
+            while True:
+                try:
+                    work.wait(timeout=sl)
+                    return
+                except RuntimeError as e:
+                    if "Operation timed out!" not in str(e):  # the collective's own error: a
+                        self._failed(e, what)  # peer that raised the diagnosis and left, or died
+                self._while_waiting(t0=t0, what=what)
+        finally:
+            self._waiting = None
+
+    def _failed(self, e: BaseException, what: str):
+        """A wait failed with ``e`` (not a slice's timeout): raise the published diagnosis, or
+        the one the positions prove, else ``e``."""
+        self._raise_known(e)  # a peer that raised the diagnosis and left
+        self._peer_broke(what, e)  # a peer that died
+        raise e
+
+    def _wait_in_thread(self, work, t0: float, what: str) -> None:
+        """Wait for a point-to-point ``work`` (gloo cannot time such a wait out and wait again:
+        a timeout closes the pair) in a daemon thread, polling it every :data:`SLICE_S` as
+        :meth:`wait` does; a wait that never ends is left in its thread to die with the
+        process. Costs one thread start (~0.1 ms) per send or receive waited for."""
+        import threading
+
+        done, err = threading.Event(), []
+
+        def run():
+            try:
+                work.wait()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                err.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="shardwise-p2p-wait", daemon=True).start()
+        while not done.wait(SLICE_S):
+            self._while_waiting(t0=t0, what=what)
+        if err:
+            self._failed(err[0], what)
+
+    def _position(self, where: str | None = None) -> None:
+        """Publish ``pos/{rank}``: this rank's step, its last issued op (history entry), where
+        it is (``where``: e.g. "at the check before step 3"; None: running), its point-to-point
+        counts and its flight folder, with the wall time (s since the epoch)."""
+        rec = {"rank": self._rank, "step": self.step, "epoch": self.epoch,
+               "last": self.history[-1] if self.history else None, "where": where,
+               "sent": self.sent, "recvd": self.recvd, "flight_dir": self.flight_dir,
+               "t": time.time()}
+        try:
+            self.store().set(f"pos/{self._rank}", json.dumps(rec))
+        except Exception:  # noqa: BLE001 - positions are best effort; the check is not
+            pass
+
+    def _peer_broke(self, what: str, cause: BaseException) -> None:
+        """A wait failed with a backend error (a peer died): publish this rank's position and
+        report, then raise the divergence the positions prove, if any (on gloo a size
+        mismatch aborts a receiver: the survivors and the dead rank's last position show
+        which rank issued which shape)."""
+        try:
+            self._position(where=f"{what} when a peer's connection broke")
+            self._report(waiting=what)
+            self._flight_record(diagnosis=f"a peer's connection broke: {cause}")
+            time.sleep(SLICE_S / 5)  # the other survivors publish theirs
+            msg = diagnose_positions(self._positions())
+        except Exception:  # noqa: BLE001 - the store may be gone too: torch's error stands
+            return
+        if msg:
+            self._raise(msg, cause=cause)
+
+    def _positions(self) -> dict:
+        """rank → its published position (``pos/{r}``), for the ranks that published one."""
+        s = self.store()
+        keys = [f"pos/{r}" for r in self.topo.ranks]
+        have = [k for k in keys if s.check([k])]
+        return {json.loads(v)["rank"]: json.loads(v) for v in (s.multi_get(have) if have else [])}
 
     def _raise_known(self, cause: BaseException | None = None) -> None:
         """Raise the topology's published diagnosis, if any (chained to ``cause``)."""
@@ -203,6 +359,7 @@ class CollectiveChecks:
             return
         if value:
             kind, _, msg = value.partition("|")
+            self._flight_record(diagnosis=msg)
             raise (CollectiveHang if kind == "hang" else CollectiveMismatch)(msg) from cause
 
     def _blocks_host(self, axis: str) -> bool:
@@ -234,6 +391,8 @@ class CollectiveChecks:
         s.set(f"b/{e}/{self._rank}", json.dumps({"label": label, "groups": summary}))
         keys = [f"b/{e}/{r}" for r in self.topo.ranks]
         t0 = time.monotonic()
+        self._position(where=f"at the check {label}")
+        self._waiting = (f"at the check {label}", t0, None)
         self._poll(lambda: s.check(keys), t0, f"reached the collective check {label}",
                    lambda: self._while_waiting(label=label, t0=t0, what=f"at the check {label}"))
         self._raise_known()  # a peer gave up on this rank (--hang-after) while it was away
@@ -254,6 +413,8 @@ class CollectiveChecks:
         self.base = dict(self.seq)
         self.pending.clear()
         self.step = nxt
+        self._waiting = None
+        self._position()
 
     # -- internals --------------------------------------------------------------------------------
     @property
@@ -288,11 +449,15 @@ class CollectiveChecks:
 
     def _report(self, label: str | None = None, waiting: str | None = None) -> None:
         """Publish this rank's full report of the current epoch (again only if it changed)."""
-        state = (self.epoch, sum(len(v) for v in self.pending.values()), label)
+        state = (self.epoch, sum(len(v) for v in self.pending.values()), label,
+                 sum(self.sent.values()) + sum(self.recvd.values()))
         if self._reported == state:
             return
         self._reported = state
         rep = {"rank": self._rank, "label": label, "waiting": waiting,
+               "wait_p2p": self._waiting[2] if self._waiting and not label else None,
+               "sent": self.sent, "recvd": self.recvd, "step": self.step,
+               "last": self.history[-1] if self.history else None,
                "groups": {g: {"base": self.base.get(g, 0), "members": self._members[g],
                               "ops": v} for g, v in self.pending.items() if v},
                "member_of": {g: m for g, m in self._members.items()}}
@@ -313,12 +478,10 @@ class CollectiveChecks:
         published diagnosis while it waits writes its flight record too."""
         waited = time.monotonic() - t0 if t0 is not None else 0.0
         if self.store().check(["abort"]):
-            self._flight_record(what, waited)
-            self._raise_known()
+            self._raise_known()  # writes the flight record
         self._report(label=label, waiting=None if label else what)
         reports = self._reports()
         if self.hang_after_s and waited >= self.hang_after_s:
-            self._flight_record(what, waited)
             self._raise(self._hang_message(reports, what, waited), kind="hang")
         msg = self._diagnose(reports)
         if msg and len(reports) < self.topo.world_size and self._found != self.epoch:
@@ -327,40 +490,64 @@ class CollectiveChecks:
         if msg:
             self._raise(msg)
 
-    def _raise(self, msg: str, kind: str = "mismatch"):
+    def _raise(self, msg: str, kind: str = "mismatch", cause: BaseException | None = None):
         """Publish ``msg`` as the topology's one diagnosis (unless another rank was first) and
         raise it (``kind`` "mismatch": :class:`CollectiveMismatch`; "hang":
-        :class:`CollectiveHang`)."""
+        :class:`CollectiveHang`), after writing this rank's flight record."""
         self.store().compare_set("abort", "", f"{kind}|{msg}")
-        self._raise_known()
+        self._raise_known(cause)
 
     def _hang_message(self, reports: dict, what: str, waited: float) -> str:
-        """Every rank's position from ``reports``: where each waits, and who reported nothing."""
+        """Every rank's position from ``reports`` (and, for a rank that published no report,
+        its last position): a receive whose message its sender never sent first, then where
+        each rank waits, and who reported nothing."""
+        try:
+            positions = self._positions()
+        except Exception:  # noqa: BLE001 - the reports alone still name the positions
+            positions = {}
+        states = {r: {**positions.get(r, {}), **rep} for r, rep in reports.items()}
         silent = [r for r in self.topo.ranks if r not in reports]
+        states.update({r: positions[r] for r in silent if r in positions})
         where: dict[str, list[int]] = collections.defaultdict(list)
         for r, rep in sorted(reports.items()):
             where[f"at the check {rep['label']}" if rep["label"] else rep["waiting"]].append(r)
-        parts = []
-        if silent:
-            parts.append(f"{_ranks_text(silent)} reported nothing since the check before step "
-                         f"{self.step} (stuck in compute, in code outside shardwise.comm, or "
-                         f"dead)")
+        findings = p2p_findings(states, silent)
+        named = set().union(*(rs for _, rs in findings)) if findings else set()
+        parts = [text for text, _ in findings]
+        for r in silent:
+            if r in named:
+                continue
+            last = (states.get(r) or {}).get("last")
+            since = f"it issued {last[1]} #{last[4]} in step {last[3]}" if last else \
+                f"the check before step {self.step}"
+            parts.append(f"rank {r} reported nothing since {since} (stuck in compute, in code "
+                         f"outside shardwise.comm, or dead)")
         parts += [f"{_ranks_text(rs)} {'waits' if len(rs) == 1 else 'wait'} {w}"
-                  for w, rs in where.items()]
+                  for w, rs in ((w, [r for r in rs if r not in named]) for w, rs in where.items())
+                  if rs]
         return (f"{'; '.join(parts)}: rank {self._rank} waited {waited:.1f} s (--hang-after "
                 f"{self.hang_after_s:g}); see where a silent rank is with py-spy dump --pid PID"
                 + (f"; flight records in {self.flight_dir}" if self.flight_dir else ""))
 
-    def _flight_record(self, what: str, waited: float) -> None:
-        """Write ``flight_dir/rank{r}.json``: this rank's last :data:`HISTORY` fingerprints,
-        what it waits for, for how long (s), and its Python stack."""
+    def _flight_record(self, what: str | None = None, waited: float | None = None,
+                       diagnosis: str | None = None) -> None:
+        """Write ``flight_dir/rank{r}.json``: this rank's last :data:`HISTORY` fingerprints
+        (collectives and point-to-point messages), what it waits for (default: the current
+        wait), for how long (s), the point-to-point counts per channel, the ``diagnosis`` it
+        raises, and its Python stack. Nothing without a ``flight_dir``."""
         if not self.flight_dir:
             return
         import os
         import traceback
 
+        if what is None:
+            what, since, _ = self._waiting or ("not waiting", time.monotonic(), None)
+            waited = time.monotonic() - since
         os.makedirs(self.flight_dir, exist_ok=True)
-        rec = {"rank": self._rank, "step": self.step, "waiting": what, "waited_s": waited,
+        rec = {"rank": self._rank, "step": self.step, "waiting": what, "waited_s": waited or 0.0,
+               "wait_p2p": self._waiting[2] if self._waiting else None,
+               "diagnosis": diagnosis, "ranks": list(self.topo.ranks),
+               "sent": self.sent, "recvd": self.recvd, "t": time.time(),
                "last": [{"group": g, "fingerprint": fp, "phase": ph, "step": st, "seq": n}
                         for g, fp, ph, st, n in self.history],
                "stack": traceback.format_stack()[:-2]}
@@ -436,6 +623,147 @@ class CollectiveChecks:
             s.delete_key(f"e/{g}/{n - 2}/{self._rank}")
 
 
+# A message with the key's tag is sent only in answer to one with the value's tag: a pipeline
+# stage sends the gradient of a microbatch (pp_bwd) only after it received its activation
+# (pp_fwd). In a mutual wait this names which of the two skipped its send.
+ANSWERS = {"pp_bwd": "pp_fwd"}
+
+_P2P_FIX = ("every send must meet its receive: look for a send under a stage-conditional "
+            "branch, or pipeline schedules that differ between the ranks")
+
+
+def _where(state: dict) -> str:
+    """Where a rank is, from its report or position: "waits at the check before step 3"."""
+    if state.get("label"):
+        return f"waits at the check {state['label']}"
+    w = state.get("waiting") or state.get("where")
+    if w:
+        return f"waits {w}"
+    last = state.get("last")
+    return f"last issued {last[1]} #{last[4]} in step {last[3]}" if last else "issued nothing"
+
+
+def p2p_findings(states: dict, silent=()) -> list[tuple[str, set]]:
+    """The point-to-point diagnosis from the ranks' ``states`` (rank → its report or position,
+    as published in the store): for each rank waiting in a receive for message k of a channel
+    whose sender sent fewer than k, one sentence naming the receive, the sender and what it
+    does instead, with the ranks it names (``silent``: ranks that published no report since
+    the last check: stuck in compute, or dead). In a mutual wait (each waits for a message the
+    other never sent), the rank that waits for the answer (:data:`ANSWERS`) to a message it
+    never sent is named as the one that skipped its send."""
+    waits = {r: st["wait_p2p"] for r, st in states.items()
+             if r not in silent and (st.get("wait_p2p") or {}).get("op") == "recv"}
+    out = []
+    for r, w in sorted(waits.items()):
+        src, n, chan, tag = w["peer"], w["n"], w["chan"], w["tag"]
+        st = states.get(src)
+        if st is None:
+            out.append((f"rank {r} waits in {w['fp']} for message #{n} of {chan}; rank {src} "
+                        f"published nothing (dead before its first collective?)", {r, src}))
+            continue
+        sent = st.get("sent", {}).get(chan, 0)
+        if sent >= n:  # sent: in flight, or received by a receive that was sized differently
+            continue
+        head = (f"rank {r} waits in {w['fp']} for message #{n} of {chan} (step "
+                f"{w.get('step', '?')}), which rank {src} never sent (it sent {sent})")
+        skipped = f"rank {src} skipped a {tag} send to rank {r}; {_P2P_FIX}"
+        other = waits.get(src)
+        if src in silent:
+            last = st.get("last")
+            out.append((head + (f"; rank {src} has issued nothing since {last[1]} #{last[4]} "
+                                f"in step {last[3]}" if last else
+                                f"; rank {src} reported nothing")
+                        + " (stuck in compute, or dead)", {r, src}))
+        elif other and other["peer"] == r and \
+                states[r].get("sent", {}).get(other["chan"], 0) < other["n"]:  # a mutual wait
+            if ANSWERS.get(other["tag"]) == tag:
+                out.append((f"{head}; rank {src} waits in {other['fp']} for message "
+                            f"#{other['n']}, the answer to it: {skipped}", {r, src}))
+            elif ANSWERS.get(tag) != other["tag"] and r < src:
+                out.append((f"{head}, while rank {src} waits in {other['fp']} for message "
+                            f"#{other['n']}, which rank {r} never sent: the two wait for each "
+                            f"other (one of them skipped a send); {_P2P_FIX}", {r, src}))
+        else:
+            out.append((f"{head}; rank {src} moved on (it {_where(st)}): {skipped}", {r, src}))
+    return out
+
+
+def diagnose_positions(states: dict) -> str | None:
+    """A divergence proven by the ranks' last issued collectives (``states``: rank → its
+    position or report, each with ``last`` = [group, fingerprint, phase, step, seq]): two
+    ranks whose last collective has the same sequence number of one group and different
+    fingerprints. The one line of :class:`CollectiveMismatch`, or None. Used when a rank died
+    inside the collective (gloo aborts a receiver of more bytes than it expects)."""
+    at: dict = collections.defaultdict(dict)
+    for r, st in states.items():
+        last = st.get("last")
+        if last and ">" not in last[0]:  # a collective's group, not a channel
+            at[(last[4], last[0])][r] = last[1:]
+    for (seq, g), entries in sorted(at.items()):
+        if len({e[0] for e in entries.values()}) > 1:
+            return CollectiveChecks._message(seq, g, entries, set(), {})
+    return None
+
+
+def _signal_text(code: int) -> str:
+    import signal
+
+    n = -code if code < 0 else code - 128 if code > 128 else 0
+    try:
+        return f"killed by {signal.Signals(n).name}" if n else f"exit code {code}"
+    except ValueError:
+        return f"exit code {code}"
+
+
+def diagnose_store(store, failed: dict) -> tuple[str | None, dict]:
+    """The launcher's diagnosis after ranks failed: ``store`` the launcher's own store (every
+    rank's checks published there, :func:`_diag_store`), ``failed`` global rank → exit code
+    (negative: killed by that signal; 128 + N likewise) of the ranks that failed. Returns
+    (one line or None when nothing was published, the record: the diagnosis, the failures,
+    every rank's position and report, for ``RUN/flight/diagnosis.json`` and ``shardwise
+    doctor``). The line is the diagnosis a rank published if any (a mismatch, a hang), else a
+    divergence the positions prove, else who died and where every rank stands."""
+    if not store.check([TOPOLOGIES_KEY]):
+        return None, {}
+    prefixes = [p for p in store.get(TOPOLOGIES_KEY).decode().splitlines() if p]
+    ps = dist.PrefixStore(prefixes[-1], store)  # the latest topology
+    ranks = json.loads(ps.get("ranks")) if ps.check(["ranks"]) else sorted(failed)
+    states = {r: json.loads(ps.get(f"pos/{r}")) for r in ranks if ps.check([f"pos/{r}"])}
+    abort = ps.get("abort").decode() if ps.check(["abort"]) else ""
+    kind, _, msg = abort.partition("|")
+    died = {r: c for r, c in failed.items()
+            if "connection broke" not in ((states.get(r) or {}).get("where") or "")
+            and (c < 0 or c > 128)}
+    if not msg:
+        proven = diagnose_positions(states)
+        kind = "mismatch" if proven else "died"
+        msg = proven
+        if proven and died:  # "…, at collective #2 on dp (…) in step 1 (rank 0 was killed by
+            head = proven[:-len(_FIX) - 2]  # SIGABRT inside it): every rank …"
+            msg = head + " (" + ", ".join(f"rank {r} was {_signal_text(c)}" for r, c in
+                                          sorted(died.items())) + f" inside it): {_FIX}"
+    if not msg and died:
+        parts = []
+        for r, c in sorted(died.items()):
+            last = (states.get(r) or {}).get("last")
+            parts.append(f"rank {r} died ({_signal_text(c)}) and has issued nothing since "
+                         + (f"{last[1]} #{last[4]} in step {last[3]}" if last
+                            else "the start"))
+        others: dict = collections.defaultdict(list)
+        for r in ranks:
+            if r not in died and r in states:
+                w = (states[r].get("where") or "").replace(" when a peer's connection broke",
+                                                           "")
+                others[f"wait {w}" if w else _where(states[r]).replace("waits", "wait")
+                       ].append(r)
+        parts += [f"{_ranks_text(rs)} {w}" for w, rs in others.items()]
+        msg = "; ".join(parts) + (": the survivors were stopped; find why it died (the kernel's "
+                                  "OOM killer: dmesg; a kill by the scheduler; its last lines)")
+    record = {"diagnosis": msg or None, "kind": kind or None, "failed": failed,
+              "ranks": ranks, "positions": states, "prefix": prefixes[-1]}
+    return msg or None, record
+
+
 def check(topo, step: int | None = None, label: str | None = None) -> None:
     """Compare the collectives every rank of ``topo`` issued since the last check (the step
     boundary of ``--check-collectives step|every``); a no-op for ``off``, for a world of one
@@ -447,4 +775,5 @@ def check(topo, step: int | None = None, label: str | None = None) -> None:
         checks.check(step, label)
 
 
-__all__ = ["MODES", "CollectiveChecks", "check", "fingerprint"]
+__all__ = ["MODES", "CollectiveChecks", "check", "diagnose_positions", "diagnose_store",
+           "fingerprint", "p2p_findings"]

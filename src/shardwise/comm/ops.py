@@ -35,6 +35,7 @@ Backend quirks live here and nowhere else:
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import time
 
@@ -208,28 +209,34 @@ def _flat(t: torch.Tensor):
 
 
 def _run(topo, op, axis, tensor_like, size_bytes, impl, tag, async_op, launch, after=None,
-         sent=None, reduce=None, src=None):
+         sent=None, reduce=None, src=None, peer=None):
     """Launch ``launch()`` (a torch.distributed call); book it on completion (``sent``: the
     measured bytes handed to send, for point-to-point; None for a backend collective); run
     ``after``. A timeout, at launch (a blocking call) or in :meth:`Handle.wait`, is raised as
     :class:`CollectiveTimeout`. With collective checks on (``topo.checks``,
     :mod:`.fingerprint`) the collective is fingerprinted first (``reduce``: its reduce op,
     ``src``: a broadcast's root) and always launched async, so its wait can report and raise
-    ``CollectiveMismatch`` instead of blocking for good."""
+    ``CollectiveMismatch`` instead of blocking for good. A send or receive (``peer``: the other
+    rank's global rank) is counted per channel instead (:meth:`~.fingerprint.CollectiveChecks.
+    issue_p2p`) and waited for the same way: a receive whose message never comes is named
+    after ``--hang-after``."""
     t0 = time.perf_counter()
 
     def guard():
         return _naming_timeouts(topo, op, axis, tensor_like, tag)
 
     checks = getattr(topo, "checks", None)
-    checks = checks if checks is not None and checks.active and op not in ("send", "recv") \
-        else None
-    waiter = (lambda w: checks.wait(w, axis)) if checks is not None else None
+    checks = checks if checks is not None and checks.active else None
+    waiter = None
     if topo.size(axis) == 1:  # a group of one: nothing moves; still booked (0 bytes)
         work = None
     else:
-        if checks is not None:
-            checks.issue(op, axis, tensor_like, tag, reduce, src)
+        if checks is not None and peer is not None:
+            p2p = checks.issue_p2p(op, axis, peer, tensor_like, tag)
+            waiter = lambda w: checks.wait(w, axis, p2p=p2p)  # noqa: E731
+        elif checks is not None:
+            entry = checks.issue(op, axis, tensor_like, tag, reduce, src)
+            waiter = lambda w: checks.wait(w, axis, entry)  # noqa: E731
         with guard():
             work = launch(async_op or checks is not None)
 
@@ -424,9 +431,11 @@ def send(tensor: torch.Tensor, topo, axis: str, dst: int, *, tag: str = "",
          async_op: bool = False):
     """Send ``tensor`` to the rank with index ``dst`` within ``axis``. Books S bytes."""
     peer = topo.global_rank(axis, dst)
+    if _skip_send_for_test(tag):
+        return Handle(None, lambda: None) if async_op else None
     return _run(topo, "send", axis, tensor, _nbytes(tensor), "isend", tag, async_op,
                 lambda a: _p2p(dist.isend, tensor, peer, topo.group(axis), a),
-                sent=float(_nbytes(tensor)))
+                sent=float(_nbytes(tensor)), peer=peer)
 
 
 def recv(tensor: torch.Tensor, topo, axis: str, src: int, *, tag: str = "",
@@ -435,7 +444,29 @@ def recv(tensor: torch.Tensor, topo, axis: str, src: int, *, tag: str = "",
     (the sender books them)."""
     peer = topo.global_rank(axis, src)
     return _run(topo, "recv", axis, tensor, _nbytes(tensor), "irecv", tag, async_op,
-                lambda a: _p2p(dist.irecv, tensor, peer, topo.group(axis), a), sent=0.0)
+                lambda a: _p2p(dist.irecv, tensor, peer, topo.group(axis), a), sent=0.0,
+                peer=peer)
+
+
+_SKIPPED: dict = {}  # tag → sends of this process with that tag (SHARDWISE_TEST_SKIP_SEND)
+
+
+def _skip_send_for_test(tag: str) -> bool:
+    """``SHARDWISE_TEST_SKIP_SEND=RANK:TAG:K`` (tests only; docs/troubleshooting.md): global
+    rank RANK skips its K-th send with tag TAG (counted from 1 in this process), as a pipeline
+    stage with a stage-conditional send would: nothing is sent or booked. Unset: False."""
+    spec = os.environ.get("SHARDWISE_TEST_SKIP_SEND")
+    if not spec:
+        return False
+    rank, want, k = spec.split(":")
+    if tag != want or not dist.is_initialized() or dist.get_rank() != int(rank):
+        return False
+    _SKIPPED[tag] = _SKIPPED.get(tag, 0) + 1
+    if _SKIPPED[tag] != int(k):
+        return False
+    print(f"[test] SHARDWISE_TEST_SKIP_SEND={spec}: rank {rank} skips send {tag} #{k}",
+          flush=True)
+    return True
 
 
 def _p2p(fn, tensor, peer, group, async_op):

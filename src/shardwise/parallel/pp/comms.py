@@ -25,6 +25,7 @@ class GradTraffic:
     def __init__(self, topo):
         self._topo = topo
         self.ledger = topo.ledger
+        self.checks = getattr(topo, "checks", None)  # its messages counted with the pp ones
 
     def size(self, axis):
         return self._topo.size(axis)

@@ -20,6 +20,8 @@ suite     variants                                                   files
           (nccl-tests columns, α-β fit; :mod:`.collectives`)         (+ ``.png``)
 ``zero-collectives``  ZeRO-2/3 with ``--collectives`` native vs   ``bench_zero_collectives_dp<n>.…``
           ring, alternating
+``checks``  ``--check-collectives`` off, step, every on dp, tp, pp     ``bench_checks.…``
+          (:mod:`.checks`)
 ========  =========================================================  ===================
 """
 
@@ -40,6 +42,7 @@ from ...topology import Topology, init_distributed
 from ...train.workload import SyntheticLMWorkload
 from ...viz.timeline import bubble_of
 from ..trace import gather_timeline, trace_pipeline
+from .checks import bench_checks
 from .collectives import bench_collectives, bench_zero_collectives
 from .harness import alternate, make_run, make_workload, timed_step, write_report
 
@@ -381,4 +384,5 @@ def bench_pp(args) -> int:
 
 
 SUITES = {"dp": bench_dp, "zero": bench_zero, "tp": bench_tp, "pp": bench_pp,
-          "collectives": bench_collectives, "zero-collectives": bench_zero_collectives}
+          "collectives": bench_collectives, "zero-collectives": bench_zero_collectives,
+          "checks": bench_checks}
