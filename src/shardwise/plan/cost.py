@@ -2,8 +2,9 @@
 
 Symbols: ``L`` layers, ``d`` width, ``h`` heads, ``hd = d/h``, ``kvd`` = kv heads · hd, ``f`` MLP
 hidden size, ``V`` vocabulary, ``s`` sequence length, ``b`` sequences per micro-batch, ``G``
-sequences per optimizer step (all replicas), ``n`` = dp, ``t`` = tp, ``p`` = pp, ``c`` = cp, ``v`` virtual
-stages per pipeline rank (interleaved 1F1B), ``m = G/(n·b)`` micro-batches per step and replica,
+sequences per optimizer step (all replicas), ``n`` = dp, ``t`` = tp, ``p`` = pp, ``c`` = cp,
+``v`` virtual stages per pipeline rank (interleaved 1F1B), ``m = G/(n·b)`` micro-batches per
+step and replica,
 ``a`` bytes per activation element, ``Ψ`` parameters, ``Ψ_s`` parameters held by one GPU's pipeline
 stage after TP sharding.
 
