@@ -17,9 +17,10 @@ What is enumerated, and why not more:
   :data:`MIN_CP_TOKENS` tokens of a sequence; for cp > 1 both methods, ring and all-gather.
   dp is what is left: GPUs / (tp · pp · cp). The bound: the cost model runs every attention
   block at the flash kernel's long-sequence utilisation, and the ring hides each transfer under
-  one block of ``s/cp`` queries; FlashAttention's own benchmarks (Dao 2023, Fig. 4–7) show its
-  throughput falling at sequences of 512–1k, so below 2,048 local tokens the model's timing is
-  not trusted and the search does not go there (a fixed ``--cp`` still may).
+  one block of ``s/cp`` queries; FlashAttention-2's attention benchmarks (Dao 2023, arXiv
+  2307.08691, §4.1) reach their lowest throughput at the shortest sequences they run (512–1k),
+  so below 2,048 local tokens the model's timing is not trusted and the search does not go
+  there (a fixed ``--cp`` still may).
 * zero: 0–3 when dp > 1 (a ZeRO stage over one rank is plain DP).
 * sp: on whenever tp > 1 (same bytes as TP without it, less memory: Korthikanti et al. 2022
   §4.2.2), unless fixed.
