@@ -6,8 +6,9 @@
     shardwise plan … --explain          # the formulas of the best layout with the numbers in
     shardwise plan … --json             # {"layouts": [{dp, tp, pp, zero, schedule, microbatches,
                                         #   mfu, step_time_s, mem_bytes_per_gpu, fits, …}, …]}
-    shardwise plan … --tp 8 --pp 16     # fix dimensions (--dp --tp --pp --zero --schedule
-                                        #   --microbatches --micro-batch --virtual-stages --ckpt)
+    shardwise plan … --tp 8 --pp 16     # fix dimensions (--dp --cp --cp-method --tp --pp --zero
+                                        #   --schedule --microbatches --micro-batch
+                                        #   --virtual-stages --ckpt)
     shardwise plan --model llama3-70b --gpu h100-sxm --plot mfu.png   # MFU vs GPUs per family
     shardwise plan --validate           # predicted vs published MFU of large runs
 
@@ -36,7 +37,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     """Register the ``plan`` subcommand on ``subparsers`` (from ``add_subparsers``)."""
     p = subparsers.add_parser(
         "plan", help="rank layouts of a model on a GPU cluster by predicted MFU",
-        description="Rank every layout (dp × tp × pp, ZeRO stage, pipeline schedule, "
+        description="Rank every layout (dp × cp × tp × pp, ZeRO stage, pipeline schedule, "
         "micro-batch, activation checkpointing) of a model on a cluster by the MFU the "
         "analytical cost model predicts, with per-GPU memory. See docs/planner.md.")
     p.add_argument("--model", default="llama3-8b",
@@ -58,6 +59,10 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                    "weights, bf16 compute (16 B/param); fp32 (default bf16)")
     g = p.add_argument_group("layout (fix a dimension; unset = searched)")
     g.add_argument("--dp", type=int)
+    g.add_argument("--cp", type=int, help="context parallelism: ranks that split every "
+                   "sequence (Llama-style models; seq divisible by 2·cp)")
+    g.add_argument("--cp-method", choices=("ring", "allgather"),
+                   help="cp > 1: K/V around a ring under attention, or all-gathered (Llama 3)")
     g.add_argument("--tp", type=int)
     g.add_argument("--pp", type=int)
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
@@ -140,7 +145,8 @@ def _setup(args):
 def _fixed(args):
     from .search import Fixed
 
-    return Fixed(dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero, sp=args.sp,
+    return Fixed(dp=args.dp, cp=args.cp, cp_method=args.cp_method, tp=args.tp, pp=args.pp,
+                 zero=args.zero, sp=args.sp,
                  schedule=args.schedule, virtual_stages=args.virtual_stages,
                  microbatches=args.microbatches, micro_batch=args.micro_batch, ckpt=args.ckpt,
                  grad_reduce=args.grad_reduce)
@@ -205,11 +211,13 @@ def _validate(args) -> int:
         json.dump({"runs": rows}, sys.stdout, indent=1)
         print()
         return 0
-    print(f"{'run':<18} {'GPUs':>6} {'published':>9} {'predicted':>9} {'diff':>6}  layout chosen")
+    print(f"{'run':<18} {'GPUs':>6} {'seq':>7} {'published':>9} {'predicted':>9} {'diff':>6} "
+          f"{'GiB/GPU':>8}  layout chosen")
     for r in rows:
         mark = "" if r["independent"] else "  (calibration source)"
-        print(f"{r['run']:<18} {r['gpus']:>6} {100 * r['published']:>8.1f}% "
-              f"{100 * r['predicted']:>8.1f}% {r['diff_points']:>+6.1f}  {r['layout']}{mark}")
+        print(f"{r['run']:<18} {r['gpus']:>6} {r['seq_len']:>7} {100 * r['published']:>8.1f}% "
+              f"{100 * r['predicted']:>8.1f}% {r['diff_points']:>+6.1f} "
+              f"{_gib(r['mem_bytes_per_gpu']):>8}  {r['layout']}{mark}")
     return 0
 
 
@@ -239,10 +247,12 @@ def format_table(results, model, cluster, gpus, tokens, top=10) -> str:
         f"{_gib(e0.capacity_bytes)} GiB per GPU (HBM − {A.memory_reserve:.0%} reserve)",
         f"  assumptions: dense GEMMs at {A.gemm_efficiency:.1%} of peak, flash attention at "
         f"{cluster.gpu.flash_efficiency:.0%}, links at {A.link_efficiency:.0%}; TP "
-        "collectives exposed, DP/ZeRO overlapped with backward (docs/planner.md)",
+        "collectives exposed, DP/ZeRO overlapped with backward, CP ring under attention, CP "
+        "all-gather exposed (docs/planner.md)",
         "",
     ]
-    head = (f"{'#':>3} {'dp':>5} {'tp':>5} {'pp':>3} {'zero':>5} {'schedule':<21} {'b':>2} "
+    head = (f"{'#':>3} {'dp':>5} {'cp':>5} {'tp':>5} {'pp':>3} {'zero':>5} {'schedule':<21} "
+            f"{'b':>2} "
             f"{'m':>4} {'ckpt':<9} {'MFU':>6} {'step s':>8} {'tok/s/GPU':>10} "
             f"{'GiB/GPU':>8}  params+grads+optim+act+buf GiB")
     lines.append(head)
@@ -256,7 +266,8 @@ def format_table(results, model, cluster, gpus, tokens, top=10) -> str:
         zero = f"{lay.zero}{'/mb' if lay.zero >= 2 and lay.grad_reduce == 'micro' else ''}"
         parts = "+".join(_gib(mem[k]) for k in ("params", "grads", "optimizer", "activations",
                                                  "buffers"))
-        return (f"{i:>3} {lay.dp:>5} {tp:>5} {lay.pp:>3} {zero:>5} {sched:<21} "
+        cp = f"{lay.cp}{'ag' if lay.cp > 1 and lay.cp_method == 'allgather' else ''}"
+        return (f"{i:>3} {lay.dp:>5} {cp:>5} {tp:>5} {lay.pp:>3} {zero:>5} {sched:<21} "
                 f"{lay.micro_batch:>2} {e.microbatches:>4} {lay.ckpt:<9} {e.mfu:>6.1%} "
                 f"{e.step_time_s:>8.2f} {e.tokens_per_s / lay.world:>10,.0f} "
                 f"{_gib(e.mem_bytes_per_gpu):>8}  {parts}")
@@ -287,7 +298,7 @@ def explain(e) -> str:
 
     M, C, lay, A, d = e.model, e.cluster, e.layout, e.assumptions, e.details
     prec = PRECISIONS[lay.precision]
-    t, p, n, b, s = lay.tp, lay.pp, lay.dp, lay.micro_batch, M.seq_len
+    t, p, n, b, s, cp = lay.tp, lay.pp, lay.dp, lay.micro_batch, M.seq_len, lay.cp
     v = lay.chunks
     f = e.flops
     out = [f"explain: {lay.name()}  ({M.name} on {lay.world:,} × {C.gpu.name})", ""]
@@ -311,15 +322,18 @@ def explain(e) -> str:
             "last stage" if p > 1 else "every GPU")
         out.append(f"  {label}: Ψ_s = {mem['params_count']:,.0f} parameters on this GPU")
         sh = {0: "", 1: "K/dp", 2: "(G+K)/dp", 3: "(P+G+K)/dp"}[lay.zero]
+        if cp > 1:
+            sh = sh.replace("dp", f"(dp·cp) = ÷{n * cp}")
         out.append(f"    zero {lay.zero}{' (' + sh + ')' if sh else ''}, P={prec.param} "
                    f"G={prec.grad} K={prec.optim} B/param: params {_human(mem['params'])} + "
                    f"grads {_human(mem['grads'])} + optimizer {_human(mem['optimizer'])}")
         out.append(f"    activations {_human(mem['activations'])}, buffers "
                    f"{_human(mem['buffers'])} → total {_human(mem['total'])}")
-    tokens_mb = b * s
+    tokens_mb = b * s // cp
     none = layer_activation_bytes(M, tokens_mb, tp=t, sp=lay.sp, ckpt="none",
                                   act_bytes=prec.act)
-    out.append(f"  activations per layer per micro-batch ({b}·{s} tokens, a = {prec.act} B, "
+    toks = f"{b}·{s}/{cp}" if cp > 1 else f"{b}·{s}"
+    out.append(f"  activations per layer per micro-batch ({toks} tokens, a = {prec.act} B, "
                f"t = {t}{', SP' if lay.sp else ''}): {_human(d['act_per_layer'])} "
                f"(ckpt={lay.ckpt}; without checkpointing {_human(none)})")
     held = in_flight(lay.schedule, p, e.microbatches, v)
@@ -327,6 +341,12 @@ def explain(e) -> str:
                + (" = min(m, p)·(1 + (p−1)/(p·v))" if p > 1 and lay.schedule ==
                   "interleaved-1f1b" else " = min(m, p)" if p > 1 and lay.schedule != "gpipe"
                   else " = m" if p > 1 else ""))
+    if cp > 1:
+        out.append(f"  cp = {cp}: every activation per token, so ÷ {cp}; KV = 2·b·(s/cp)·"
+                   f"(k/t)·hd·a = 2·{b}·{s // cp}·{M.n_kv_heads // t}·{M.head_dim}·{prec.act} "
+                   f"= {_human(d['cp_kv_bytes'])} per layer"
+                   + (f"; all-gather keeps the gathered K/V, (cp−1)·KV = "
+                      f"{_human(d['cp_gathered'])} more per layer" if d["cp_gathered"] else ""))
     out.append(f"  fits: {_human(e.mem_bytes_per_gpu)} ≤ {_human(e.capacity_bytes)}? "
                f"{'yes' if e.fits else 'NO'}")
     out.append("")
@@ -335,13 +355,22 @@ def explain(e) -> str:
     out.append(f"  a layer, per token: dense {ls['dense'] * 1e9:,.2f} ns (GEMMs at "
                f"{A.gemm_efficiency:.1%} of {d['peak'] / 1e12:,.0f} TFLOP/s) + attention core "
                f"{ls['core'] * 1e9:,.2f} ns + element-wise {ls['elementwise'] * 1e9:,.2f} ns")
+    cp_part = (f" + CP exposed {d['t_cp_mb'] * 1e3:,.2f} ms" if cp > 1 else "")
     out.append(f"  t_compute = {d['t_comp_mb'] * 1e3:,.2f} ms; TP collectives (exposed) "
-               f"{d['t_tp_mb'] * 1e3:,.2f} ms → t_mb = {d['t_mb'] * 1e3:,.2f} ms")
+               f"{d['t_tp_mb'] * 1e3:,.2f} ms{cp_part} → t_mb = {d['t_mb'] * 1e3:,.2f} ms")
+    if cp > 1:
+        how = ("ring: each K/V send hides under one block's attention, t_core/cp per step "
+               "(forward a third of t_core, backward two thirds); the last dK/dV send exposed"
+               if lay.cp_method == "ring" else
+               "all-gather of K/V before attention and reduce-scatter of dK/dV after it, "
+               "exposed (Llama 3 §3.3.2)")
+        out.append(f"  CP {lay.cp_method} over {cp} ranks: attention core of one layer "
+                   f"t_core = {d['t_core_layer'] * 1e3:,.3f} ms per micro-batch; {how}")
     out.append("")
     out.append("Communication per step (bytes sent per GPU by the ring formulas; seconds = "
                "steps·latency + bytes/(bw·link efficiency))")
     for c in e.comm:
-        out.append(f"  {c.axis:<2} {c.op:<14} {c.tag:<5} n={c.n:<5} S={c.size / 2**20:>10,.1f} "
+        out.append(f"  {c.axis:<5} {c.op:<14} {c.tag:<6} n={c.n:<5} S={c.size / 2**20:>10,.1f} "
                    f"MiB ×{c.count:>7,.0f}: {c.wire / 1e9:>9,.2f} GB sent, {c.seconds:>8.3f} s, "
                    f"exposed {c.exposed:.3f} s  [{c.link}] {c.note}")
     out.append("")
@@ -349,8 +378,10 @@ def explain(e) -> str:
     bub = {"gpipe": "(p−1)·t_mb", "1f1b": "(p−1)·t_mb", "interleaved-1f1b": "(p−1)·t_mb/v",
            "zb-h1": "(p−1)·t_mb/3"}.get(lay.schedule, "")
     out.append("Step time")
+    cp_sum = f" + CP {T['cp_exposed']:.3f}" if cp > 1 else ""
     out.append(f"  m·t_mb = {e.microbatches}·{d['t_mb'] * 1e3:,.2f} ms = "
-               f"{T['compute'] + T['tp']:.3f} s (compute {T['compute']:.3f} + TP {T['tp']:.3f})")
+               f"{T['compute'] + T['tp'] + T['cp_exposed']:.3f} s (compute {T['compute']:.3f} + "
+               f"TP {T['tp']:.3f}{cp_sum})")
     if p > 1:
         out.append(f"  bubble = {bub if e.microbatches >= p else '(p−1)·t_mb (m < p)'} = "
                    f"{T['bubble']:.3f} s")

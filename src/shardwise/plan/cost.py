@@ -2,8 +2,9 @@
 
 Symbols: ``L`` layers, ``d`` width, ``h`` heads, ``hd = d/h``, ``kvd`` = kv heads · hd, ``f`` MLP
 hidden size, ``V`` vocabulary, ``s`` sequence length, ``b`` sequences per micro-batch, ``G``
-sequences per optimizer step (all replicas), ``n`` = dp, ``t`` = tp, ``p`` = pp, ``v`` virtual
-stages per pipeline rank (interleaved 1F1B), ``m = G/(n·b)`` micro-batches per step and replica,
+sequences per optimizer step (all replicas), ``n`` = dp, ``t`` = tp, ``p`` = pp, ``c`` = cp,
+``v`` virtual stages per pipeline rank (interleaved 1F1B), ``m = G/(n·b)`` micro-batches per
+step and replica,
 ``a`` bytes per activation element, ``Ψ`` parameters, ``Ψ_s`` parameters held by one GPU's pipeline
 stage after TP sharding.
 
@@ -103,6 +104,36 @@ GPU is min(intra, k·inter) with the inter-node latency.
   the drain are exposed; without it (Megatron-LM's synchronous send/receive, which MegaScale,
   Jiang et al. 2024 §3.2, had to overlap) every send is on the critical path.
 
+Context parallelism (cp > 1; :mod:`shardwise.parallel.cp`)
+---------------------------------------------------------
+The rank grid is (pp, dp, cp, tp), TP innermost, CP next (:func:`axis_link`): the cp group of a
+rank is its tp peers' stride apart, on NVLink while ``t·c`` ≤ GPUs per node, across nodes
+(min(NVLink, k·NIC) with k cp members per node) beyond. Each rank holds ``s/c`` tokens of every
+sequence (the zig-zag split: seq_len must be divisible by 2c; Llama-style models only), so:
+
+* **memory**: every activation is per token, so activations, the loss's log-probabilities and
+  the pipeline buffers are those of ``b·s/c`` tokens (÷ c); the all-gather method also keeps the
+  gathered K/V of the whole sequence for attention's backward, ``c·KV`` per layer
+  (KV = :func:`cp_kv_bytes` = ``2·b·(s/c)·(k/t)·hd·a``) in place of its local KV, i.e.
+  ``(c−1)·KV`` more; one layer's transfer buffers (ring:
+  2·KV + 2·KV·4/a; all-gather: the c·KV gradient of the gathered K/V) are buffers;
+* **compute**: per token unchanged (each local query still attends to its causal prefix of the
+  whole sequence; ``12·d·s`` model FLOPs per token and layer, PaLM's full-square count), over
+  ``b·s/c`` tokens per micro-batch;
+* **traffic** per layer and micro-batch: :func:`cp_layer_bytes`, the bytes of our engine's
+  ring and all-gather attention (:func:`shardwise.parallel.cp.cp_attention_bytes`, checked
+  against the ledger at 1.0000); their time and overlap: :func:`cp_collectives` (the ring hides
+  each block's transfer under the previous block's attention when that is longer; the
+  all-gather is exposed, as Llama 3 §3.3.2 accepts for its small GQA K/V); full recomputation
+  repeats the forward's traffic;
+* **gradients**: parameters are replicated over cp, so DP/ZeRO run over the flattened dp × cp
+  group (torchtitan's ``dp_shard_cp``): model state with ZeRO is sharded over ``n·c`` ranks,
+  the gradient reduce-scatter / all-reduce and the parameter all-gathers span ``n·c`` ranks
+  (stride t on the grid), and the optimizer step updates a ``1/(n·c)`` shard.
+
+Not modelled: the lower efficiency of a flash kernel on the smaller ``s/(2c)`` blocks the ring
+computes, link contention between the ring and TP/DP traffic, and document masks.
+
 Pipeline bubble (idle time per step, ``t_mb`` = one micro-batch's forward + backward on a stage)
 -----------------------------------------------------------------------------------------------
 GPipe and 1F1B ``(p−1)·t_mb`` (Huang et al. 2019; Narayanan et al. 2021 §2.2.1: fraction
@@ -120,6 +151,7 @@ import math
 
 from ..comm.ledger import ring_bytes
 from ..errors import ShardwiseConfigError
+from ..parallel.cp import cp_attention_bytes, validate_cp
 from ..parallel.layout import Layout
 from .hardware import Cluster
 from .models import ModelSpec
@@ -174,9 +206,10 @@ class Assumptions:
 
 @dataclasses.dataclass(frozen=True)
 class PlanLayout(Layout):
-    """One way to run a step: a :class:`~shardwise.parallel.layout.Layout` (dp, tp, pp, zero,
-    sp, schedule, ``virtual_stages``: model chunks per pipeline rank, interleaved-1f1b only,
-    0 = the schedule's default, read through ``chunks``) plus the knobs only the planner
+    """One way to run a step: a :class:`~shardwise.parallel.layout.Layout` (dp, cp, tp, pp,
+    zero, sp, schedule, ``virtual_stages``: model chunks per pipeline rank, interleaved-1f1b
+    only, 0 = the schedule's default, read through ``chunks``; ``cp`` ranks split every
+    sequence, ``cp_method`` "ring" or "allgather") plus the knobs only the planner
     varies. ``schedule`` is ignored when pp == 1; ``microbatches`` stays 0: m follows from the
     global batch, m = G/(dp·b). ``micro_batch``: sequences per micro-batch (b). ``ckpt``:
     activation checkpointing (none | selective | full). ``precision``: a key of
@@ -496,23 +529,26 @@ class Collective:
 
 
 def axis_link(cluster: Cluster, layout: PlanLayout, axis: str) -> tuple[float, float, str]:
-    """(bandwidth bytes/s per GPU, latency s, description) of the groups along ``axis`` on the
-    rank grid (pp, dp, tp), TP innermost: ranks r = (pp_i·dp + dp_i)·tp + tp_i, filled node by
-    node. A group inside one node uses NVLink; one that spans nodes with k members per node gets
-    min(intra, k·inter) (k rings side by side, one per NIC)."""
-    return _axis_link(cluster, layout.tp, layout.dp, layout.pp, axis)
+    """(bandwidth bytes/s per GPU, latency s, description) of the groups along ``axis`` ("tp",
+    "cp", "dp", "pp", or "dp_cp": the flattened data axis of dp × cp) on the rank grid
+    (pp, dp, cp, tp), TP innermost and CP next: ranks r = ((pp_i·dp + dp_i)·cp + cp_i)·tp + tp_i,
+    filled node by node. A group inside one node uses NVLink; one that spans nodes with k members
+    per node gets min(intra, k·inter) (k rings side by side, one per NIC). So cp traffic stays on
+    NVLink while tp·cp ≤ GPUs per node and crosses nodes beyond."""
+    c = cluster  # the cache key: the link numbers only (hashing the whole Cluster is slow)
+    return _axis_link(c.gpus_per_node, c.intra_bw, c.inter_bw, c.intra_latency,
+                      c.inter_latency, layout.tp, layout.cp, layout.dp, layout.pp, axis)
 
 
-@functools.lru_cache(maxsize=4096)
-def _axis_link(cluster: Cluster, tp: int, dp: int, pp: int, axis: str):
-    n = {"tp": tp, "dp": dp, "pp": pp}[axis]
-    stride = {"tp": 1, "dp": tp, "pp": tp * dp}[axis]
-    gpn = cluster.gpus_per_node
+@functools.lru_cache(maxsize=8192)
+def _axis_link(gpn: int, intra_bw: float, inter_bw: float, intra_lat: float, inter_lat: float,
+               tp: int, cp: int, dp: int, pp: int, axis: str):
+    n = {"tp": tp, "cp": cp, "dp": dp, "pp": pp, "dp_cp": dp * cp}[axis]
+    stride = {"tp": 1, "cp": tp, "dp": tp * cp, "pp": tp * cp * dp, "dp_cp": tp}[axis]
     if (n - 1) * stride < gpn:  # the group of rank 0: ranks 0, stride, …, (n−1)·stride
-        return cluster.intra_bw, cluster.intra_latency, "intra-node"
+        return intra_bw, intra_lat, "intra-node"
     k = min(n, -(-gpn // stride))  # members on node 0
-    bw = min(cluster.intra_bw, k * cluster.inter_bw)
-    return bw, cluster.inter_latency, f"inter-node ({k}/node)"
+    return min(intra_bw, k * inter_bw), inter_lat, f"inter-node ({k}/node)"
 
 
 _STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
@@ -531,7 +567,8 @@ def collective_seconds(op: str, size: float, n: int, bw: float, latency: float,
 
 
 def _coll(cluster, layout, axis, op, tag, size, count, assume, note=""):
-    n = {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp}[axis]
+    n = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "pp": layout.pp,
+         "dp_cp": layout.dp * layout.cp}[axis]
     bw, lat, where = axis_link(cluster, layout, axis)
     wire, sec = collective_seconds(op, size, n, bw, lat, assume.link_efficiency)
     return Collective(axis, op, tag, size, n, count, wire * count, sec * count, 0.0, where, note)
@@ -540,39 +577,111 @@ def _coll(cluster, layout, axis, op, tag, size, count, assume, note=""):
 def dp_collectives(layout: PlanLayout, params: float, prec: Precision, m: int, cluster: Cluster,
                    assume: Assumptions, regathered: float | None = None) -> list[Collective]:
     """The dp-axis collectives of one optimizer step for a GPU holding ``params`` parameters
-    (see the module docstring). ``regathered``: parameters zero 3 gathers again before backward
+    (see the module docstring), over dp × cp: parameters are replicated over cp, so gradients
+    are summed and ZeRO shards over the flattened (dp, cp) group ("dp_cp", torchtitan's
+    ``dp_shard_cp``). ``regathered``: parameters zero 3 gathers again before backward
     (default all of them; shardwise's ZeRO engine keeps its root unit gathered). ``exposed`` is
     filled in by :func:`estimate`."""
     z = layout.zero
+    ax = "dp" if layout.cp == 1 else "dp_cp"  # parameters are replicated over cp too
     g, w = prec.grad_comm * params, prec.param * params
     again = params if regathered is None else regathered
     rs_count = m if z >= 2 and layout.grad_reduce == "micro" else 1
     rs_note = ("gradients, after every micro-batch" if rs_count > 1 else
                "gradients, once per step")
-    out = [_coll(cluster, layout, "dp", "all_reduce", "loss", 8, 2, assume,
+    out = [_coll(cluster, layout, ax, "all_reduce", "loss", 8, 2, assume,
                  "token count before the forward, loss sum after the step (fp64)")]
     if z == 0:
-        out.append(_coll(cluster, layout, "dp", "all_reduce", "grad", g, 1, assume,
+        out.append(_coll(cluster, layout, ax, "all_reduce", "grad", g, 1, assume,
                          "gradients, once per step"))
         return out
-    out.append(_coll(cluster, layout, "dp", "reduce_scatter", "grad", g, rs_count, assume,
+    out.append(_coll(cluster, layout, ax, "reduce_scatter", "grad", g, rs_count, assume,
                      rs_note))
     if z < 3:
-        out.append(_coll(cluster, layout, "dp", "all_gather", "param", w, 1, assume,
+        out.append(_coll(cluster, layout, ax, "all_gather", "param", w, 1, assume,
                          "updated parameters, once per step"))
     else:
-        c = _coll(cluster, layout, "dp", "all_gather", "param", w, m, assume,
+        c = _coll(cluster, layout, ax, "all_gather", "param", w, m, assume,
                   "parameters before every micro-batch's forward and backward")
         if again:
-            back = _coll(cluster, layout, "dp", "all_gather", "param",
+            back = _coll(cluster, layout, ax, "all_gather", "param",
                          prec.param * again, m, assume)
             c.wire += back.wire
             c.seconds += back.seconds
             c.count += m
         out.append(c)
-    out.append(_coll(cluster, layout, "dp", "all_reduce", "grad_norm", 8, 1, assume,
+    out.append(_coll(cluster, layout, ax, "all_reduce", "grad_norm", 8, 1, assume,
                      "sum of squares of the gradient shards, for the global norm (fp64)"))
     return out
+
+
+def cp_kv_bytes(model: ModelSpec, layout: PlanLayout) -> float:
+    """KV: bytes of one rank's K and V for one layer and one micro-batch, at the activation
+    dtype: ``2·b·(s/cp)·k·hd·a`` with k = n_kv_heads/tp (GQA: only the kv heads travel) and a
+    the activation bytes of ``layout.precision``. The unit of the formulas of
+    :mod:`shardwise.parallel.cp.attention` (its module docstring)."""
+    a = PRECISIONS[layout.precision].act
+    return (2.0 * layout.micro_batch * (model.seq_len // layout.cp)
+            * (model.n_kv_heads // layout.tp) * model.head_dim * a)
+
+
+def cp_layer_bytes(model: ModelSpec, layout: PlanLayout) -> dict[str, float]:
+    """{"cp_kv", "cp_dkv": bytes} one rank sends over cp for one layer and one micro-batch,
+    forward + backward (no recomputation): :func:`shardwise.parallel.cp.cp_attention_bytes`
+    with KV = :func:`cp_kv_bytes`, the formula the ledger checks at 1.0000 for our engine.
+    Ring: ``cp_kv`` = 2(cp−1)·KV (K/V around the ring forward, again backward), ``cp_dkv`` =
+    cp·KV·4/a (the fp32 dK/dV accumulators); allgather: (cp−1)·KV each (the all-gather of K/V
+    forward, the reduce-scatter of dK/dV backward). Empty when cp = 1."""
+    if layout.cp == 1:
+        return {}
+    kv = cp_kv_bytes(model, layout)
+    a = PRECISIONS[layout.precision].act
+    return cp_attention_bytes(layout.cp_method, layout.cp, kv, kv * 4 / a)
+
+
+def cp_collectives(model: ModelSpec, layout: PlanLayout, cluster: Cluster, assume: Assumptions,
+                   t_core: float, layers: int) -> list[Collective]:
+    """The cp-axis traffic of one micro-batch through ``layers`` layers, with ``exposed`` the
+    part on the critical path; ``t_core``: seconds of one layer's attention core for this
+    micro-batch on this rank, forward + backward, without recomputation (a third forward, two
+    thirds backward, as its FLOPs 4·d·s and 8·d·s per token split).
+
+    Ring (our engine; Liu et al. 2023 §3): cp steps per pass, each step's attention is 1/cp of
+    the pass (the zig-zag split gives every step the same causal work, 2 chunk pairs), and the
+    next block's transfer runs under it. Forward: cp − 1 sends of KV, each exposed only by what
+    exceeds one step's forward, ``(cp−1)·max(0, t_kv − t_f/cp)``. Backward: cp − 1 steps send
+    K/V and the fp32 dK/dV accumulator together under one step's backward, and the last dK/dV
+    send (back to its owner) is exposed: ``(cp−1)·max(0, t_kv + t_dkv − t_b/cp) + t_dkv``.
+    All-gather (Llama 3 §3.3.2): the K/V all-gather runs before the attention that needs it and
+    the dK/dV reduce-scatter after its backward, both exposed. Full recomputation runs the
+    forward's traffic again in backward (the recomputed forward attention needs K/V again)."""
+    if layout.cp == 1 or layers == 0:
+        return []
+    n, A = layout.cp, assume
+    kv = cp_kv_bytes(model, layout)
+    a = PRECISIONS[layout.precision].act
+    again = 2 if layout.ckpt == "full" else 1  # forward passes per micro-batch
+    per = layers * again
+    t_f, t_b = t_core / 3, 2 * t_core / 3
+    if layout.cp_method == "ring":
+        kvc = _coll(cluster, layout, "cp", "send", "cp_kv", kv, (n - 1) * (per + layers), A,
+                    "K/V to the next cp rank, forward and again backward, under attention")
+        dkv = _coll(cluster, layout, "cp", "send", "cp_dkv", kv * 4 / a, n * layers, A,
+                    "fp32 dK/dV accumulators around the ring (backward); the last exposed")
+        one_kv, one_dkv = kvc.seconds / kvc.count, dkv.seconds / dkv.count
+        fwd = (n - 1) * max(0.0, one_kv - t_f / n)
+        bwd = (n - 1) * max(0.0, one_kv + one_dkv - t_b / n) + one_dkv
+        # split the exposed time between the two tags in proportion to their bytes
+        exposed = per * fwd + layers * bwd
+        share = kvc.wire / (kvc.wire + dkv.wire)
+        kvc.exposed, dkv.exposed = exposed * share, exposed * (1 - share)
+        return [kvc, dkv]
+    ag = _coll(cluster, layout, "cp", "all_gather", "cp_kv", n * kv, per, A,
+               "K/V of the whole sequence before attention (exposed)")
+    rs = _coll(cluster, layout, "cp", "reduce_scatter", "cp_dkv", n * kv, layers, A,
+               "dK/dV back to their owners after attention's backward (exposed)")
+    ag.exposed, rs.exposed = ag.seconds, rs.seconds
+    return [ag, rs]
 
 
 def dp_step_bytes(model: ModelSpec, layout: PlanLayout, *, m: int = 1, params: float | None = None,
@@ -632,7 +741,8 @@ class Estimate:
     def to_json(self) -> dict:
         lay = self.layout
         return {
-            "dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero,
+            "dp": lay.dp, "cp": lay.cp, "cp_method": lay.cp_method if lay.cp > 1 else None,
+            "tp": lay.tp, "pp": lay.pp, "zero": lay.zero,
             "schedule": lay.schedule if lay.pp > 1 else None,
             "microbatches": self.microbatches, "mfu": self.mfu, "step_time_s": self.step_time_s,
             "mem_bytes_per_gpu": self.mem_bytes_per_gpu, "fits": self.fits,
@@ -646,14 +756,45 @@ class Estimate:
         }
 
 
+def llama_style(model: ModelSpec) -> bool:
+    """The shape our context-parallel attention runs on (and the estimator builds): SwiGLU,
+    RMSNorm, RoPE, no biases, no dropout."""
+    return (model.mlp == "swiglu" and model.norm == "rmsnorm" and not model.bias
+            and not model.learned_positions and not model.dropout)
+
+
+def check_cp(model: ModelSpec, cp: int, method: str = "ring") -> None:
+    """Raise ShardwiseConfigError unless ``model`` can run context parallelism over ``cp`` ranks
+    with ``method``: the core's own checks (:func:`shardwise.parallel.cp.validate_cp`: cp ≥ 1, a
+    known method), a Llama-style model (:func:`llama_style`), and ``model.seq_len`` divisible
+    by 2·cp (the zig-zag split cuts every sequence into 2·cp chunks)."""
+    validate_cp(None, cp, method)
+    if cp == 1:
+        return
+    if not llama_style(model):
+        raise ShardwiseConfigError(
+            f"--cp {cp}: context parallelism runs on Llama-style models (SwiGLU, RMSNorm, RoPE, "
+            f"no biases, no dropout), and {model.name} is not one: choose a Llama model "
+            "(llama3-8b, llama3-70b, llama3-405b, tiny, …) or --cp 1")
+    if model.seq_len % (2 * cp):
+        good = [k * 2 * cp for k in range(1, 4)]
+        raise ShardwiseConfigError(
+            f"--cp {cp} cuts each sequence into 2·cp = {2 * cp} chunks (the load-balanced causal "
+            f"split), but the sequence length {model.seq_len} is not divisible by {2 * cp}: "
+            f"choose a --seq-len that is a multiple of {2 * cp} (e.g. "
+            f"{', '.join(map(str, good))}), or another --cp")
+
+
 def check_layout(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batch: int) -> int:
     """Validate ``layout`` for ``model`` and a step of ``global_batch`` sequences; return m, the
     micro-batches per step and replica. Raises ShardwiseConfigError naming the constraint."""
     lay = layout
-    for name, v in (("dp", lay.dp), ("tp", lay.tp), ("pp", lay.pp), ("micro-batch", lay.micro_batch),
-                    ("virtual stages", lay.virtual_stages or 1)):
+    for name, v in (("dp", lay.dp), ("cp", lay.cp), ("tp", lay.tp), ("pp", lay.pp),
+                    ("micro-batch", lay.micro_batch), ("virtual stages", lay.virtual_stages or 1)):
         if not isinstance(v, int) or v < 1:
             raise ShardwiseConfigError(f"{name} = {v!r} must be a positive integer")
+    if lay.cp > 1:
+        check_cp(model, lay.cp, lay.cp_method)
     if lay.precision not in PRECISIONS:
         raise ShardwiseConfigError(f"--precision {lay.precision!r}: choose from "
                                    f"{sorted(PRECISIONS)}")
@@ -702,8 +843,10 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
     A, lay, M, C = assumptions, layout, model, cluster
     m = check_layout(M, C, lay, global_batch)
     prec = PRECISIONS[lay.precision]
-    t, p, n, v = lay.tp, lay.pp, lay.dp, lay.chunks
-    a, s, tokens_mb = prec.act, M.seq_len, lay.micro_batch * M.seq_len
+    t, p, n, v, cp = lay.tp, lay.pp, lay.dp, lay.chunks, lay.cp
+    # tokens of one micro-batch on this rank: b sequences, s/cp tokens of each (context
+    # parallelism splits every sequence; every activation is per token, so all of them ÷ cp)
+    a, s, tokens_mb = prec.act, M.seq_len, lay.micro_batch * (M.seq_len // lay.cp)
     peak = C.gpu.bf16_flops if prec.compute == "bf16" else C.gpu.fp32_flops
 
     # FLOPs per token
@@ -724,13 +867,24 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
                                        act_bytes=a)
     transient = (layer_activation_bytes(M, tokens_mb, tp=t, sp=lay.sp, ckpt="none",
                                         act_bytes=a) if lay.ckpt == "full" else 0.0)
+    kv = cp_kv_bytes(M, lay) if cp > 1 else 0.0
+    # all-gather CP: attention's backward needs the gathered K/V of the whole sequence,
+    # [b, s, k/t, hd] · 2 = cp·KV per layer, kept instead of the local K/V the layer formula
+    # counts (nothing else needs those: the projections keep their inputs, RoPE is linear):
+    # (cp − 1)·KV more per layer, with the layer's activations (or, under full recomputation,
+    # by the one layer recomputed at a time)
+    gathered = (cp - 1) * kv if cp > 1 and lay.cp_method == "allgather" else 0.0
+    if lay.ckpt == "full":
+        transient += gathered
+    else:
+        per_layer += gathered
     flight = in_flight(lay.schedule, p, m, v)
     memory = {}
     for where, layers, first, last in (("first", first_layers, True, p == 1),
                                        ("last", last_layers, p == 1, True)):
         params = stage_params(M, layers, tp=t, first=first, last=last, pp=p)
         tensors = stage_tensors(M, layers, first=first, last=last, pp=p)
-        st = model_state_bytes(params, tensors, lay.zero, n, prec,
+        st = model_state_bytes(params, tensors, lay.zero, n * cp, prec,
                                full_grads=lay.grad_reduce == "step" and m > 1)
         k = flight if first else 1.0
         act = k * layers * per_layer + transient
@@ -743,6 +897,9 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
             buf += (prec.param + prec.grad) * 2 * M.layer_params() / t
         if p > 1:
             buf += 2 * a * tokens_mb * M.d_model / t
+        if cp > 1:  # one layer at a time: ring receive + send blocks (K/V, fp32 dK/dV);
+            # all-gather: the gradient of the gathered K/V before its reduce-scatter
+            buf += 2 * kv + 2 * kv * 4 / a if lay.cp_method == "ring" else cp * kv
         if A.grad_bucket_copy and lay.zero < 2:
             buf += prec.grad * params
         memory[where] = {"params_count": params, **st, "activations": act, "buffers": buf,
@@ -753,7 +910,7 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
     mem = max(memory["first"]["total"], memory["last"]["total"])
 
     # compute and TP time per micro-batch on each stage; the slowest sets the pace
-    act_size = a * tokens_mb * M.d_model  # [b, s, d] activation, bytes
+    act_size = a * tokens_mb * M.d_model  # [b, s/cp, d] activation, bytes
     tp_ops = ("all_gather", "reduce_scatter") if lay.sp else ("all_reduce",)
     per_layer_colls = 4 + (2 if lay.ckpt == "full" else 0)  # all-reduce equivalents per layer
     comm: list[Collective] = []
@@ -774,6 +931,10 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
                                  "output layer input (forward gather / backward reduce)"))
         return sum(c.seconds for c in out), out
 
+    # one layer's attention core for this micro-batch on this rank, without recomputation:
+    # the window the ring's transfers hide under
+    recompute_core = lay.ckpt == "full" or (lay.ckpt == "selective" and not M.flash_attention)
+    t_core = tokens_mb * lsec["core"] / (4 / 3 if recompute_core else 1.0)
     shapes = {}  # stages of the same (layers, first, last) cost the same: evaluate each once
     for i, layers in enumerate(stages):
         key = (layers, i == 0, i == p - 1)
@@ -784,14 +945,17 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
                                                          last=key[2], pp=p)
                          / C.gpu.hbm_bandwidth)
             t_tp, colls = tp_time(*key)
-            shapes[key] = (comp + t_tp, comp, t_tp, colls, i)
-    t_mb, t_comp, t_tp, tp_colls, crit = max(shapes.values(), key=lambda x: x[0])
-    for c in tp_colls:
+            cp_colls = cp_collectives(M, lay, C, A, t_core, layers)
+            t_cp = sum(c.exposed for c in cp_colls)
+            shapes[key] = (comp + t_tp + t_cp, comp, t_tp, colls, i, t_cp, cp_colls)
+    t_mb, t_comp, t_tp, tp_colls, crit, t_cp, cp_colls = max(shapes.values(),
+                                                               key=lambda x: x[0])
+    for c in tp_colls + cp_colls:
         c.count *= m
         c.wire *= m
         c.seconds *= m
-        c.exposed = c.seconds
-    comm += tp_colls
+        c.exposed = c.exposed * m if c.axis == "cp" else c.seconds
+    comm += tp_colls + cp_colls
     bubble = bubble_time(lay.schedule, p, t_mb, v, m)
     pipeline = m * t_mb + bubble
 
@@ -826,7 +990,7 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
         pp_exposed = c.exposed
         comm.append(c)
 
-    opt_params = params_crit / (n if lay.zero >= 1 else 1)
+    opt_params = params_crit / (n * cp if lay.zero >= 1 else 1)
     t_opt = prec.adam_bytes * opt_params / C.gpu.hbm_bandwidth
     step = pipeline + dp_exposed + pp_exposed + t_opt
     step_tokens = global_batch * s
@@ -835,12 +999,15 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
     world = lay.world
     mfu = model_flops / (step * world * C.gpu.bf16_flops)
     hfu = hw_flops / (step * world * C.gpu.bf16_flops)
-    times = {"compute": m * t_comp, "tp": m * t_tp, "bubble": bubble, "dp_exposed": dp_exposed,
+    times = {"compute": m * t_comp, "tp": m * t_tp, "cp_exposed": m * t_cp, "bubble": bubble,
+             "dp_exposed": dp_exposed,
              "pp_exposed": pp_exposed, "optimizer": t_opt, "step": step}
     flops = {"model_per_token": model_flops_token, "layer_model_per_token": layer_model,
              "layer_hw_per_token": layer_hw, "head_per_token": head_flops,
              "model_per_step": model_flops, "hw_per_step": hw_flops}
-    details = {"t_mb": t_mb, "t_comp_mb": t_comp, "t_tp_mb": t_tp, "critical_stage": crit,
+    details = {"t_mb": t_mb, "t_comp_mb": t_comp, "t_tp_mb": t_tp, "t_cp_mb": t_cp,
+               "t_core_layer": t_core, "cp_kv_bytes": kv, "cp_gathered": gathered,
+               "critical_stage": crit,
                "in_flight": flight, "act_per_layer": per_layer, "transient": transient,
                "layer_seconds": lsec, "head_seconds": hsec, "peak": peak, "act_size": act_size,
                "opt_params": opt_params,

@@ -13,6 +13,15 @@ Llama 3 §3.3.2 cites PaLM's MFU).
   GPUs → 43 % BF16 MFU; DP 128 on 16,384 GPUs → 41 %. §3.3.1: 400 Gb/s RoCE per GPU, 8 GPUs per
   server over NVLink. §3.3.2: interleaved pipeline schedule, FSDP sharding optimizer states and
   gradients with parameters kept after forward (zero 1 here).
+* ``llama3-405b-128k`` — the long-context stage, same Table 4: sequence 131,072, 16M tokens per
+  batch, 16,384 GPUs, TP 8, CP 16, PP 16 → 380 TFLOPs/GPU, 38 % BF16 MFU. The table prints DP 4;
+  TP·CP·PP·DP must be 16,384 and DP · batch size/DP (16) · 131,072 must be 16M, so DP is 8, as a
+  Meta author confirmed: "this should be a typo. DP should be 8, so we have TP * CP * PP *
+  DP=16384, and DP * Batch size/DP * Seq.Len. = 16M" (jianyuh, github.com/meta-llama/llama3
+  issue #324, 2024-08-30). §3.3.2: context parallelism all-gathers K and V (GQA keeps them
+  small) and computes the local queries' attention, the all-gather exposed on the critical path
+  (``cp_method="allgather"`` here); the same interleaved schedule and FSDP as the 8K stage.
+  The planner chooses the virtual stages and the recomputation, as for the 8K rows.
 * ``gpt3-175b-64`` / ``mt-nlg-530b-280`` / ``megatron-1t-512`` / ``megatron-22b-8`` — Korthikanti
   et al. 2022, arXiv 2205.05198, Tables 3 and 5 (A100 80 GB, s = 2048, v = 51,200, no data
   parallelism, sequence parallelism + selective recomputation, interleaving with 3 stages for
@@ -45,6 +54,8 @@ class PublishedRun:
     independent: bool = True  # False: the run fed one of the model's constants
     p2p_overlap: bool = True  # the paper's software overlapped pipeline sends with compute
     megatron: bool = False  # Megatron-LM: weight-gradient accumulation fused into the GEMM
+    seq_len: int | None = None  # the run's sequence length, when not the model preset's
+    tflops: float | None = None  # published model TFLOP/s per GPU, when the paper gives it
 
 
 _K = "Korthikanti et al. 2022 (arXiv 2205.05198), Table 5"
@@ -52,10 +63,14 @@ _L3 = "Llama 3 (arXiv 2407.21783), Table 4"
 RUNS = (
     PublishedRun("llama3-405b-8k", "llama3-405b", "h100-sxm", 8192, 2048,
                  Fixed(tp=8, pp=16, dp=64, microbatches=32, schedule="interleaved-1f1b",
-                       zero=1), 0.43, _L3),
+                       zero=1), 0.43, _L3, tflops=430),
     PublishedRun("llama3-405b-16k", "llama3-405b", "h100-sxm", 16384, 2048,
                  Fixed(tp=8, pp=16, dp=128, microbatches=16, schedule="interleaved-1f1b",
-                       zero=1), 0.41, _L3),
+                       zero=1), 0.41, _L3, tflops=400),
+    PublishedRun("llama3-405b-128k", "llama3-405b", "h100-sxm", 16384, 128,
+                 Fixed(tp=8, cp=16, pp=16, dp=8, microbatches=16, schedule="interleaved-1f1b",
+                       zero=1, cp_method="allgather"), 0.38,
+                 _L3 + " (DP 8: meta-llama/llama3#324), §3.3.2", seq_len=131072, tflops=380),
     PublishedRun("gpt3-175b-64", "gpt3-175b", "a100-sxm-80gb", 64, 64,
                  Fixed(tp=8, pp=8, dp=1, micro_batch=1, schedule="interleaved-1f1b",
                        virtual_stages=3, ckpt="selective", sp=True), 0.514, _K,
@@ -81,6 +96,8 @@ def predict(run: PublishedRun, assumptions: Assumptions = Assumptions()):
     """The planner's best fitting estimate for ``run``'s published dimensions (or the best
     non-fitting one if none fits)."""
     model, cluster = get_model(run.model), get_cluster(run.gpu)
+    if run.seq_len is not None:
+        model = dataclasses.replace(model, seq_len=run.seq_len)
     assumptions = dataclasses.replace(assumptions, p2p_overlap=run.p2p_overlap,
                                       grad_accum_fused=run.megatron)
     return search(model, cluster, run.gpus, run.global_batch, run.fixed,
@@ -89,13 +106,17 @@ def predict(run: PublishedRun, assumptions: Assumptions = Assumptions()):
 
 def validation_rows(assumptions: Assumptions = Assumptions()) -> list[dict]:
     """One row per published run: predicted and published MFU (fractions), the difference in
-    points, the layout the planner chose and whether it fits."""
+    points, the layout the planner chose, whether it fits and its memory per GPU (bytes), and
+    model TFLOP/s per GPU (predicted: MFU × the dense bf16 peak; published where given)."""
     rows = []
     for run in RUNS:
         e = predict(run, assumptions)
         rows.append({"run": run.key, "model": run.model, "gpu": run.gpu, "gpus": run.gpus,
-                     "layout": e.layout.name(), "fits": e.fits, "predicted": e.mfu,
+                     "seq_len": e.model.seq_len, "layout": e.layout.name(), "fits": e.fits,
+                     "mem_bytes_per_gpu": e.mem_bytes_per_gpu, "predicted": e.mfu,
                      "published": run.mfu, "diff_points": 100 * (e.mfu - run.mfu),
+                     "tflops_predicted": e.mfu * e.cluster.gpu.bf16_flops / 1e12,
+                     "tflops_published": run.tflops,
                      "independent": run.independent, "source": run.source})
     return rows
 

@@ -1,6 +1,6 @@
 """Enumerate the layouts of a model on a cluster and rank them by predicted MFU.
 
-A layout fixes dp × tp × pp = the number of GPUs, the ZeRO stage over dp, sequence parallelism,
+A layout fixes dp × cp × tp × pp = the number of GPUs, the ZeRO stage over dp, sequence parallelism,
 the pipeline schedule and its virtual stages, the micro-batch size and activation checkpointing
 (:class:`~shardwise.plan.cost.PlanLayout`). :func:`search` evaluates every one that is valid
 (:func:`~shardwise.plan.cost.check_layout`) with :func:`~shardwise.plan.cost.estimate`; the ones
@@ -12,6 +12,15 @@ What is enumerated, and why not more:
 * tp: powers of two up to the GPUs per node (TP's per-layer all-reduces want NVLink; Narayanan
   et al. 2021 §3.3, takeaway #1) that divide the heads and the kv heads.
 * pp: divisors of GPUs / tp up to the number of layers.
+* cp: powers of two dividing GPUs / (tp · pp) with the sequence divisible by 2·cp, Llama-style
+  models only (:func:`~shardwise.plan.cost.check_cp`), while each rank keeps at least
+  :data:`MIN_CP_TOKENS` tokens of a sequence; for cp > 1 both methods, ring and all-gather.
+  dp is what is left: GPUs / (tp · pp · cp). The bound: the cost model runs every attention
+  block at the flash kernel's long-sequence utilisation, and the ring hides each transfer under
+  one block of ``s/cp`` queries; FlashAttention-2's attention benchmarks (Dao 2023, arXiv
+  2307.08691, §4.1) reach their lowest throughput at the shortest sequences they run (512–1k),
+  so below 2,048 local tokens the model's timing is not trusted and the search does not go
+  there (a fixed ``--cp`` still may).
 * zero: 0–3 when dp > 1 (a ZeRO stage over one rank is plain DP).
 * sp: on whenever tp > 1 (same bytes as TP without it, less memory: Korthikanti et al. 2022
   §4.2.2), unless fixed.
@@ -29,16 +38,22 @@ import dataclasses
 import math
 
 from ..errors import ShardwiseConfigError
-from .cost import CKPT, SCHEDULES, Assumptions, Estimate, PlanLayout, estimate
+from ..parallel.cp import CP_METHODS
+from .cost import CKPT, SCHEDULES, Assumptions, Estimate, PlanLayout, estimate, llama_style
 from .hardware import Cluster
 from .models import ModelSpec
 
-FAMILIES = ("DP", "ZeRO-1/2", "FSDP (ZeRO-3)", "TP + DP", "PP + DP", "TP + PP + DP")
+MIN_CP_TOKENS = 2048  # tokens of each sequence per rank below which cp is not searched
+
+FAMILIES = ("DP", "ZeRO-1/2", "FSDP (ZeRO-3)", "TP + DP", "PP + DP", "TP + PP + DP",
+            "CP + any")
 
 
 def family(layout: PlanLayout) -> str:
     """The strategy family of a layout, for the plot: which axes are > 1, and the ZeRO stage
-    when only data parallelism is used."""
+    when only data parallelism is used; every layout with cp > 1 is "CP + any"."""
+    if layout.cp > 1:
+        return "CP + any"
     if layout.tp == 1 and layout.pp == 1:
         return {0: "DP", 1: "ZeRO-1/2", 2: "ZeRO-1/2", 3: "FSDP (ZeRO-3)"}[layout.zero]
     if layout.pp == 1:
@@ -89,6 +104,8 @@ class Fixed:
     """Dimensions the user fixed (None = search over it)."""
 
     dp: int | None = None
+    cp: int | None = None
+    cp_method: str | None = None  # "ring" or "allgather" (cp > 1)
     tp: int | None = None
     pp: int | None = None
     zero: int | None = None
@@ -112,7 +129,7 @@ def candidates(model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int,
     f = fixed
     if gpus < 1:
         raise ShardwiseConfigError(f"--gpus {gpus} must be at least 1")
-    for name in ("dp", "tp", "pp"):
+    for name in ("dp", "cp", "tp", "pp"):
         v = getattr(f, name)
         if v is not None and (v < 1 or gpus % v):
             raise ShardwiseConfigError(f"--{name} {v} does not divide --gpus {gpus}: choose "
@@ -124,15 +141,16 @@ def candidates(model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int,
                if t <= min(cluster.gpus_per_node, gpus) and gpus % t == 0
                and model.n_heads % t == 0 and model.n_kv_heads % t == 0]
     out = []
+    cp_ok = llama_style(model)
     for tp in tps:
         pps = [f.pp] if f.pp is not None else [p for p in _divisors(gpus // tp)
                                                  if p <= model.n_layers]
-        for pp in pps:
-            if gpus % (tp * pp):
-                continue
-            dp = gpus // (tp * pp)
+        for pp, cp in _pp_cp(pps, f.cp, gpus, tp, model.seq_len, cp_ok):
+            dp = gpus // (tp * pp * cp)
             if f.dp is not None and dp != f.dp:
                 continue
+            methods = ([f.cp_method] if f.cp_method is not None else
+                       list(CP_METHODS)) if cp > 1 else ["ring"]
             zeros = [f.zero] if f.zero is not None else ([0, 1, 2, 3] if dp > 1 else [0])
             sps = [f.sp] if f.sp is not None else [tp > 1]
             if pp == 1:
@@ -166,11 +184,31 @@ def candidates(model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int,
                                 reduces = [f.grad_reduce] if zero >= 2 else ["step"]
                             for ck in ([f.ckpt] if f.ckpt else CKPT):
                                 for red in reduces:
-                                    out.append(PlanLayout(
-                                        dp=dp, tp=tp, pp=pp, zero=zero, sp=sp, schedule=sched,
-                                        virtual_stages=v, micro_batch=b, ckpt=ck,
-                                        precision=precision, grad_reduce=red))
+                                    for meth in methods:
+                                        out.append(PlanLayout(
+                                            dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, sp=sp,
+                                            schedule=sched, virtual_stages=v, micro_batch=b,
+                                            ckpt=ck, precision=precision, grad_reduce=red,
+                                            cp_method=meth))
     return out
+
+
+def _pp_cp(pps, fixed_cp, gpus, tp, seq_len, cp_ok):
+    """(pp, cp) pairs with tp·pp·cp dividing ``gpus``: cp fixed, or the powers of two whose
+    2·cp divides the sequence (only 1 unless the model is Llama-style, ``cp_ok``). A fixed cp
+    the model cannot run is kept, so that the estimate refuses it with its reason."""
+    for pp in pps:
+        if gpus % (tp * pp):
+            continue
+        rest = gpus // (tp * pp)
+        if fixed_cp is not None:
+            cps = [fixed_cp] if rest % fixed_cp == 0 else []
+        else:
+            cps = [c for c in (2**i for i in range(0, 20)) if c <= rest and rest % c == 0
+                   and (c == 1 or (cp_ok and seq_len % (2 * c) == 0
+                                   and seq_len // c >= MIN_CP_TOKENS))]
+        for cp in cps:
+            yield pp, cp
 
 
 def search(model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int,
