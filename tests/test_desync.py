@@ -208,10 +208,12 @@ def test_f_a_rank_killed_mid_step_is_named_by_the_launcher(tmp_path):
     p, elapsed = launch_faulty(tmp_path, "kill")
     assert p.returncode != 0, p.stdout[-3000:]
     line = launcher_line(p.stdout)
-    # step k issues collectives #2k-1 (grad) and #2k (loss): rank 2 died between #5 and #6
+    # step k issues collectives #2k-1 (grad) and #2k (loss): rank 2 died between #5 and #6.
+    # Where ranks 0 and 1 are named depends on how far they got before the launcher stopped
+    # them (waiting in #6, or still between #5 and #6 on a loaded machine): only the dead
+    # rank's part is exact
     assert line.startswith("rank 2 died (killed by SIGKILL) and has issued nothing since "
-                           "all_reduce(dp, grad, float32[4]) #5 in step 3; ranks 0,1 wait in "
-                           "all_reduce(dp, loss, float32[4]) #6: "), line
+                           "all_reduce(dp, grad, float32[4]) #5 in step 3; ranks 0,1 "), line
     assert elapsed < W.TIMEOUT_S / 2, elapsed
     assert not leftovers(tmp_path)
     rep = json.loads((tmp_path / "flight" / "diagnosis.json").read_text())
