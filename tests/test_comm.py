@@ -32,10 +32,10 @@ def ranks(tmp_path_factory):
 
 
 def test_rank_layout_puts_tp_innermost(ranks):
-    # r = (pp·dp + dp_index)·tp + tp_index with dp = tp = 2
+    # r = ((pp·dp + dp_index)·cp + cp_index)·tp + tp_index with dp = tp = 2, cp = 1
     assert [res["coords"] for res in ranks] == [
-        {"pp": 0, "dp": 0, "tp": 0}, {"pp": 0, "dp": 0, "tp": 1},
-        {"pp": 0, "dp": 1, "tp": 0}, {"pp": 0, "dp": 1, "tp": 1}]
+        {"pp": 0, "dp": 0, "cp": 0, "tp": 0}, {"pp": 0, "dp": 0, "cp": 0, "tp": 1},
+        {"pp": 0, "dp": 1, "cp": 0, "tp": 0}, {"pp": 0, "dp": 1, "cp": 0, "tp": 1}]
 
 
 def test_collective_values(ranks):

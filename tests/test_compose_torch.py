@@ -164,7 +164,7 @@ def test_optimizer_state_round_trip_across_layouts(results, reference):
 
 
 def _topo(dp, tp):
-    return SimpleNamespace(size=lambda axis: {"dp": dp, "tp": tp, "pp": 1}[axis],
+    return SimpleNamespace(size=lambda axis: {"dp": dp, "tp": tp, "pp": 1, "cp": 1}[axis],
                            describe=lambda: f"pp=1 × dp={dp} × tp={tp}")
 
 
