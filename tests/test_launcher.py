@@ -29,10 +29,21 @@ def _pids_of(marker: str) -> list[int]:
     return out
 
 
+def _is_diag_server(pid: int) -> bool:
+    """The launcher's diagnosis-store server (a child of the launcher, not a worker)."""
+    from shardwise.launch import DIAG_PROCESS_NAME
+
+    try:
+        return (Path("/proc") / str(pid) / "comm").read_text().strip() == DIAG_PROCESS_NAME
+    except OSError:
+        return False
+
+
 def _signal_and_expect_no_worker(launcher, marker: str, sig) -> None:
-    """Check 2 workers run (processes with ``marker`` in their command line, not the launcher),
-    send ``sig`` to the launcher, and fail if any worker is still alive 10 s after it exited."""
-    workers = [p for p in _pids_of(marker) if p != launcher.pid]
+    """Check 2 workers run (processes with ``marker`` in their command line, not the launcher
+    nor its diagnosis-store server), send ``sig`` to the launcher, and fail if any of them
+    (the server included) is still alive 10 s after it exited."""
+    workers = [p for p in _pids_of(marker) if p != launcher.pid and not _is_diag_server(p)]
     assert len(workers) == 2, f"expected 2 workers running, found {workers}"
     launcher.send_signal(sig)
     launcher.wait(timeout=30)

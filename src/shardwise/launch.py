@@ -178,24 +178,75 @@ def _last_lines(logs: str, rank: int, n: int = 25) -> list[str]:
     return []
 
 
-def _diag_store_server(timeout_s: float):
-    """A TCPStore served by this process on a free localhost port, for the ranks' collective
-    checks (``SHARDWISE_DIAG_STORE``; :mod:`shardwise.comm.fingerprint`), or None if it cannot
-    be started (then the ranks use the default store and only they diagnose)."""
-    import datetime
+DIAG_PROCESS_NAME = "shardwise-diag"  # the diagnosis store's server process (/proc/PID/comm)
 
-    import torch.distributed as dist
 
-    try:
-        return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)))
-    except Exception:  # noqa: BLE001 - a diagnosis aid only
-        return None
+class _DiagStore:
+    """A TCPStore for the ranks' collective checks (``SHARDWISE_DIAG_STORE``;
+    :mod:`shardwise.comm.fingerprint`), served on a free localhost port by a child process
+    forked before the agent starts, so that it outlives every rank and the launcher forks its
+    workers without the store's server thread inside (forking a process with threads can
+    leave a worker stuck on a lock that thread held: a rank that never reaches the
+    rendezvous). The launcher connects as a client only to read it after a failure."""
+
+    def __init__(self, port: int, pid: int, timeout_s: float):
+        self.port, self.pid, self.timeout_s = port, pid, timeout_s
+
+    @classmethod
+    def start(cls, timeout_s: float) -> "_DiagStore | None":
+        """The served store, or None if it cannot be started (then the ranks use the default
+        store and only they diagnose)."""
+        import datetime
+
+        try:
+            r, w = os.pipe()
+            parent, pid = os.getpid(), os.fork()
+        except OSError:
+            return None
+        if pid == 0:  # the server: until the launcher is gone
+            try:
+                os.close(r)
+                if sys.platform.startswith("linux"):  # named apart from the workers; dies
+                    libc = ctypes.CDLL(None)  # with the launcher (and polls, below)
+                    libc.prctl(15, DIAG_PROCESS_NAME.encode(), 0, 0, 0)  # PR_SET_NAME
+                    libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+                import torch.distributed as dist
+
+                store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                      timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)))
+                os.write(w, str(store.port).encode())
+                os.close(w)
+                while os.getppid() == parent:
+                    time.sleep(0.2)
+            finally:
+                os._exit(0)
+        os.close(w)
+        with os.fdopen(r) as f:
+            text = f.read()
+        if not text.isdigit():  # the child could not serve it
+            os.waitpid(pid, 0)
+            return None
+        return cls(int(text), pid, timeout_s)
+
+    def client(self):
+        import datetime
+
+        import torch.distributed as dist
+
+        return dist.TCPStore("127.0.0.1", self.port, is_master=False,
+                             timeout=datetime.timedelta(seconds=max(self.timeout_s, 1.0)))
+
+    def stop(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        except OSError:
+            pass
 
 
 def _diagnose(store, failed: dict) -> str | None:
-    """One line from every rank's position in ``store`` after the ranks ``failed`` (global
-    rank → exit code); also written, with the positions, to ``FLIGHT/diagnosis.json`` when the
+    """One line from every rank's position in ``store`` (the :class:`_DiagStore`) after the
+    ranks ``failed`` (global rank → exit code); also written, with the positions, to ``FLIGHT/diagnosis.json`` when the
     ranks have a flight folder (``RUN/flight``: ``shardwise doctor RUN`` reads it). None when
     the ranks published nothing (no collective checks)."""
     import json
@@ -205,7 +256,7 @@ def _diagnose(store, failed: dict) -> str | None:
     try:  # a lazy import: the launcher needs the checks' reading only after a failure
         from .comm.fingerprint import diagnose_store
 
-        line, record = diagnose_store(store, failed)
+        line, record = diagnose_store(store.client(), failed)
     except Exception as e:  # noqa: BLE001 - never hide the failure itself behind ours
         return f"(no diagnosis: reading the ranks' positions failed: {e})"
     dirs = {p.get("flight_dir") for p in record.get("positions", {}).values()} - {None}
@@ -271,7 +322,7 @@ def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float =
         entrypoint, args = program[0], (*program[1:], *argv)
     # the ranks' collective checks publish their positions in a store of ours, which outlives
     # every rank: after a failure we read it and print one line (:func:`_diagnose`)
-    diag = _diag_store_server(grace_s)
+    diag = _DiagStore.start(grace_s)
     if diag is not None:
         overlay["SHARDWISE_DIAG_STORE"] = f"127.0.0.1:{diag.port}"
     logs = tempfile.mkdtemp(prefix="shardwise-launch-")
@@ -320,6 +371,8 @@ def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float =
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         shutil.rmtree(logs, ignore_errors=True)
+        if diag is not None:
+            diag.stop()
     return code
 
 
