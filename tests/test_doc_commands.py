@@ -14,8 +14,9 @@ inline code span, that starts with ``shardwise <subcommand>`` (or ``python``). E
   nodes), the test suite itself (``pytest``; the README's ``make`` targets are run by the
   fresh-clone check), or a
   command another test runs whole (``verify --nproc 8 --bounded``: tests/test_verify_n8.py;
-  ``verify`` over the whole N = 4 matrix, or a part of it by engine or model:
-  tests/test_verify_n4.py), or, listed by hand in ``BY_HAND``, a command too long for the suite
+  ``verify`` over the whole N = 4 matrix, or a part of it by engine, model or layouts of the
+  matrix: tests/test_verify_n4.py, and of the bounded N = 8 one: tests/test_verify_n8.py),
+  or, listed by hand in ``BY_HAND``, a command too long for the suite
   (the whole matrix under another collective algorithm) with the test of its parts.
 
 A bare name in running text (``shardwise train``) is a mention, not an example: a command has
@@ -106,7 +107,43 @@ def _kind(cmd: str) -> str:
             set(a for a in argv[2:] if a.startswith("--")) <= {"--engine", "--models", "--nproc"} \
             and "--nproc 8" not in cmd:  # the matrix, or a part by engine / model
         return "elsewhere: tests/test_verify_n4.py runs the whole N = 4 matrix, all of this"
+    in_matrix = _cases_of_the_matrix(argv)
+    if in_matrix:
+        return f"elsewhere: {in_matrix} runs each of these cases (and more steps)"
     return "run"
+
+
+def _cases_of_the_matrix(argv: list[str]) -> str | None:
+    """The verify test that runs every case of ``shardwise verify --nproc N --layouts …
+    [--engine E] [--models M]`` itself — tests/test_verify_n4.py (N = 4, the whole matrix) or
+    tests/test_verify_n8.py (N = 8 --bounded) — when each layout is in that matrix and the
+    engines and models asked for are ones it runs (it runs each applicable pair of its
+    layouts, as verify does); else None (the command runs here)."""
+    from shardwise.parallel.layout import parse_layout
+    from shardwise.tools.verify import ENGINES, MODELS, applies, layouts_that_fit
+
+    if argv[:2] != ["shardwise", "verify"] or "--layouts" not in argv or "--nproc" not in argv:
+        return None
+    flags = {a for a in argv[2:] if a.startswith("--")}
+    if not flags <= {"--engine", "--models", "--nproc", "--layouts"}:
+        return None
+    value = {f: argv[argv.index(f) + 1] for f in flags - {"--layouts"}}
+    rest = argv[argv.index("--layouts") + 1:]
+    texts = rest[:next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest))]
+    n = value["--nproc"]
+    matrix, test = {"4": (layouts_that_fit(4), "tests/test_verify_n4.py"),
+                    "8": (layouts_that_fit(8, bounded=True), "tests/test_verify_n8.py")}.get(
+                        n, (None, None))
+    engines = ENGINES if value.get("--engine", "both") == "both" else (value["--engine"],)
+    models = value.get("--models", ",".join(MODELS)).split(",")
+    if matrix is None or not set(models) <= set(MODELS):
+        return None
+    for text in texts:  # the matrix runs every (model, engine) that applies to its layouts
+        layout = parse_layout(text)
+        if layout not in matrix or not any(applies(layout, m, e) for m in models
+                                           for e in engines):
+            return None
+    return test
 
 
 def _tiny_fits(argv: list[str]) -> bool:
