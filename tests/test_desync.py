@@ -11,6 +11,8 @@ with the one line and no traceback, well before the process-group timeout.
 """
 
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -141,7 +143,6 @@ def test_train_with_a_rank0_only_gather_exits_with_the_one_line(tmp_path, cache_
 
 # -- the local launcher's diagnosis: (b) under step, (f), (d); then shardwise doctor ---------------
 
-import os  # noqa: E402
 import re  # noqa: E402
 
 import launcher_faults as LF  # noqa: E402
@@ -222,6 +223,29 @@ def test_f_a_rank_killed_mid_step_is_named_by_the_launcher(tmp_path):
     assert found and "likely cause: rank that died: " in text, text
     assert "rank 2: -9" in text and "rank 2: no flight record; its last position in the " \
         "store: last issued all_reduce(dp, grad, float32[4]) #5 in step 3" in text, text
+
+
+@pytest.mark.timeout(120)
+def test_f_under_torchrun_rank0_names_the_rank_that_stopped(tmp_path):
+    """(f) under torchrun, which SIGTERMs the survivors as soon as rank 2 dies: rank 0's
+    handler reads the positions from torchrun's store and names rank 2 and where it stopped;
+    the job exits non-zero and no rank outlives it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDWISE_DIAG",
+                                                                     "TORCHELASTIC"))}
+    env["OMP_NUM_THREADS"] = "1"
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+                        LF.__file__, str(tmp_path), "kill"], env=env, capture_output=True,
+                       text=True, timeout=110)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-3000:]
+    lines = [ln for ln in out.splitlines()
+             if "[shardwise] diagnosis (rank 0, stopped by torchrun): " in ln]
+    assert len(lines) == 1, out[-4000:]
+    assert "rank 2 has issued nothing since all_reduce(dp, grad, float32[4]) #5 in step 3; " \
+        "ranks 0,1 " in lines[0], lines[0]
+    assert time.monotonic() - t0 < LF.TIMEOUT_S / 2
+    assert not leftovers(tmp_path)
 
 
 PP_HANG_AFTER_S = 2.0

@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import time
 import zlib
 
@@ -188,8 +189,6 @@ class CollectiveChecks:
         of the default group. The topology's first rank registers the prefix under
         :data:`TOPOLOGIES_KEY` with its ranks (for the launcher's diagnosis)."""
         if self._store is None:
-            import os
-
             base = _diag_store(self.timeout_s) or dist.distributed_c10d._get_default_store()
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             self._prefix = (f"shardwise/checks/{attempt}/"
@@ -198,6 +197,9 @@ class CollectiveChecks:
             if self._rank == min(self.topo.ranks):
                 self._store.set("ranks", json.dumps(list(self.topo.ranks)))
                 base.append(TOPOLOGIES_KEY, self._prefix + "\n")
+            if self._rank == 0 and "TORCHELASTIC_RUN_ID" in os.environ and \
+                    not os.environ.get("SHARDWISE_DIAG_STORE"):  # torchrun, not our launcher
+                _diagnose_when_torchrun_stops()
         return self._store
 
     # -- hooks called by comm.ops ---------------------------------------------------------------
@@ -764,6 +766,65 @@ def diagnose_store(store, failed: dict) -> tuple[str | None, dict]:
     return msg or None, record
 
 
+def diagnose_stopped(store) -> str | None:
+    """The diagnosis rank 0 prints when torchrun stops the job (it SIGTERMs every survivor as
+    soon as one rank fails, so no survivor's own wait can speak): from every rank's position in
+    ``store`` (the c10d store the checks publish in), a divergence the positions prove or a
+    message a rank published (:func:`diagnose_store`), else the ranks behind on the group of
+    their last collective — they stopped issuing (failed, or stuck in compute) — and where the
+    others wait. None when no rank is behind."""
+    line, record = diagnose_store(store, {})
+    if line:
+        return line
+    states = record.get("positions") or {}
+    ranks = record.get("ranks") or sorted(states)
+    last = {r: st["last"] for r, st in states.items() if st.get("last")}
+    top: dict = {}
+    for entry in last.values():  # [group, fingerprint, phase, step, seq]
+        top[entry[0]] = max(top.get(entry[0], 0), entry[4])
+    behind = [r for r in ranks if r not in last or last[r][4] < top.get(last[r][0], 0)]
+    if not behind:
+        return None
+    parts = [f"rank {r} has issued nothing since "
+             + (f"{last[r][1]} #{last[r][4]} in step {last[r][3]}" if r in last else "the start")
+             for r in behind]
+    others: dict = collections.defaultdict(list)
+    for r in ranks:
+        if r not in behind and r in states:
+            where = _where(states[r]).replace(" when a peer's connection broke", "")
+            others[where.replace("waits", "wait")].append(r)
+    parts += [f"{_ranks_text(rs)} {w}" for w, rs in others.items()]
+    return ("; ".join(parts) + ": torchrun stopped the job after a rank failed (its summary "
+            "gives the exit code); find why the rank behind stopped issuing")
+
+
+_TORCHRUN_HANDLER: list = []
+
+
+def _diagnose_when_torchrun_stops() -> None:
+    """On rank 0 under torchrun (main thread, once per process): a SIGTERM handler that prints
+    ``[shardwise] diagnosis (rank 0, stopped by torchrun): …`` (:func:`diagnose_stopped`) to
+    stderr and exits with 128 + the signal, as the default action's status would read."""
+    import signal
+    import sys
+    import threading
+
+    if _TORCHRUN_HANDLER or threading.current_thread() is not threading.main_thread():
+        return
+
+    def stopped(signum, frame):
+        try:
+            line = diagnose_stopped(dist.distributed_c10d._get_default_store())
+        except Exception:  # noqa: BLE001 - a diagnosis aid: never delay the stop with ours
+            line = None
+        if line:
+            sys.stderr.write(f"[shardwise] diagnosis (rank 0, stopped by torchrun): {line}\n")
+            sys.stderr.flush()
+        os._exit(128 + signum)
+
+    _TORCHRUN_HANDLER.append(signal.signal(signal.SIGTERM, stopped))
+
+
 def check(topo, step: int | None = None, label: str | None = None) -> None:
     """Compare the collectives every rank of ``topo`` issued since the last check (the step
     boundary of ``--check-collectives step|every``); a no-op for ``off``, for a world of one
@@ -775,5 +836,5 @@ def check(topo, step: int | None = None, label: str | None = None) -> None:
         checks.check(step, label)
 
 
-__all__ = ["MODES", "CollectiveChecks", "check", "diagnose_positions", "diagnose_store",
-           "fingerprint", "p2p_findings"]
+__all__ = ["MODES", "CollectiveChecks", "check", "diagnose_positions", "diagnose_stopped",
+           "diagnose_store", "fingerprint", "p2p_findings"]
