@@ -78,8 +78,9 @@ mask (∝ s²/cp, once) and its order (∝ s, once); the ring's per-token cost i
 cp = 1's because it keeps K/V at k heads where SDPA keeps h (here k = h/2) and above it by the
 RoPE rows. So the ring's per-rank bytes × cp / cp = 1's bytes is slightly below 1, and
 all-gather's grows with s and cp: it holds every layer's K/V for the whole sequence, which
-Llama 3 accepted because GQA makes them small (k/h of the activations). The same accounting as Korthikanti et al. 2022
-("Reducing Activation Recomputation in Large Transformer Models", §4.1: per-layer bytes
+Llama 3 accepted because GQA makes them small (k/h of the activations). The same accounting
+as Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+§4.1: per-layer bytes
 s·b·h·(34 + 5·a·s/h) in their notation, 16-bit with dropout), counted per tensor for this
 model and its kernels (a fused attention kernel saves no s×s scores).
 

@@ -246,9 +246,9 @@ class _DiagStore:
 
 def _diagnose(store, failed: dict) -> str | None:
     """One line from every rank's position in ``store`` (the :class:`_DiagStore`) after the
-    ranks ``failed`` (global rank → exit code); also written, with the positions, to ``FLIGHT/diagnosis.json`` when the
-    ranks have a flight folder (``RUN/flight``: ``shardwise doctor RUN`` reads it). None when
-    the ranks published nothing (no collective checks)."""
+    ranks ``failed`` (global rank → exit code); also written, with the positions, to
+    ``FLIGHT/diagnosis.json`` when the ranks have a flight folder (``RUN/flight``: ``shardwise
+    doctor RUN`` reads it). None when the ranks published nothing (no collective checks)."""
     import json
 
     if store is None:
