@@ -157,6 +157,9 @@ class Topology:
                     self._groups[axis], self._axis_ranks[axis] = mine, line
         if cp == 1:  # one rank per cp line: this rank alone; dp_cp is dp
             self._axis_ranks["cp"] = [self.rank]
+            if "dp" in self._groups:
+                self._groups["dp_cp"], self._axis_ranks["dp_cp"] = (self._groups["dp"],
+                                                                    self._axis_ranks["dp"])
         # the whole layout as one more axis, for run-level agreement (output folder, verify)
         self._world_group = dist.new_group(ranks, timeout=timeout)
         self._groups["world"], self._axis_ranks["world"] = self._world_group, ranks
@@ -193,14 +196,10 @@ class Topology:
     def group(self, axis: str) -> dist.ProcessGroup:
         """The process group of this rank's line along ``axis`` ("dp_cp" is "dp"'s when cp = 1;
         KeyError for "cp" when cp = 1: nothing runs over a line of one rank)."""
-        if axis == "dp_cp" and axis not in self._groups:
-            return self._groups["dp"]
         return self._groups[axis]
 
     def global_rank(self, axis: str, index: int) -> int:
         """Global rank of the member with ``index`` on this rank's line along ``axis``."""
-        if axis == "dp_cp" and axis not in self._axis_ranks:
-            axis = "dp"
         return self._axis_ranks[axis][index]
 
     def axis_of_ranks(self, ranks) -> str | None:
