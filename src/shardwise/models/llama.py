@@ -132,10 +132,12 @@ def rope_tables(cos: torch.Tensor, sin: torch.Tensor, s: int,
     """The RoPE rows for a sequence of ``s`` tokens: positions 0..s-1 ([s, hd] each), or the
     given ``positions`` [b, s] (int64; e.g. a context-parallel rank's chunks) → [b, 1, s, hd],
     which broadcasts over heads. Raises ``ValueError`` for a position past the tables
-    (max_seq_len)."""
+    (max_seq_len) on CPU; on an accelerator the check would sync the host every forward, so
+    the index itself fails there (``shardwise train`` checks ``--seq-len`` before any of it)."""
     if positions is None:
         return cos[:s], sin[:s]
-    if positions.numel() and int(positions.max()) >= cos.shape[0]:
+    if positions.device.type == "cpu" and positions.numel() and \
+            int(positions.max()) >= cos.shape[0]:
         raise ValueError(f"position {int(positions.max())} ≥ max_seq_len {cos.shape[0]}: the "
                          "whole sequence must fit the model's max_seq_len")
     return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)

@@ -52,7 +52,8 @@ def shard_sequence(batch: dict, topo) -> dict:
 
 
 def _seq_message(seq_len, cp: int) -> str:
-    good = [k * 2 * cp for k in range(1, 5)]
+    below = seq_len // (2 * cp) * 2 * cp  # the nearest multiples of 2·cp around it
+    good = [m for m in (below, below + 2 * cp) if m > 0]
     return (f"--cp {cp} cuts each sequence into 2·cp = {2 * cp} chunks (the load-balanced causal "
             f"split), but --seq-len {seq_len} is not divisible by {2 * cp}: choose a --seq-len "
             f"that is a multiple of {2 * cp} (e.g. {', '.join(map(str, good))}), or another --cp")
