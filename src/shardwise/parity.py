@@ -66,6 +66,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .models.moe import moe_aux_loss
+
 RTOL, ATOL = 1e-5, 1e-6
 IGNORE_INDEX = -100
 
@@ -158,8 +160,13 @@ def reference_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     """The reference's scalar loss of one whole batch (see :func:`reference_run`)."""
     if "input_ids" in batch:
         logits = model(batch["input_ids"])  # [B, S, V]
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
                                ignore_index=IGNORE_INDEX)
+        # a mixture of experts: its aux loss sums (load balance, z-loss) over the counted tokens
+        aux = moe_aux_loss(model)
+        if aux is not None:
+            loss = loss + aux / (batch["labels"] != IGNORE_INDEX).sum()
+        return loss
     return F.mse_loss(model(batch["inputs"]), batch["targets"])
 
 

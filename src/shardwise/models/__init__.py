@@ -16,18 +16,31 @@ from torch import nn
 from .ac import AC_MODES, checkpoint_block, set_activation_checkpointing
 from .llama import IGNORE_INDEX, PRESETS, Llama, LlamaConfig, generate, lm_loss
 from .mlp import MLPConfig, StackedMLP, mse_loss, regression_data
+from .moe import MOE_PRESETS, MoEConfig, MoELlama, moe_aux_loss, moe_layers
 
 MLP_PRESETS = {"mlp": {}, "mlp-tiny": dict(d_model=16, d_ff=32, n_layers=2)}
 
 
 def model_names() -> list[str]:
-    return sorted(PRESETS) + sorted(MLP_PRESETS)
+    return sorted(PRESETS) + sorted(MOE_PRESETS) + sorted(MLP_PRESETS)
+
+
+def is_llama_name(name: str) -> bool:
+    """Whether preset ``name`` is a Llama-style model (dense or mixture of experts)."""
+    return name in PRESETS or name in MOE_PRESETS
+
+
+def max_seq_len_of(name: str) -> int:
+    """The ``max_seq_len`` of Llama-style preset ``name``."""
+    return {**PRESETS, **MOE_PRESETS}[name]["max_seq_len"]
 
 
 def preset_config(name: str, vocab_size: int = 4096, **overrides):
     """The config (:class:`LlamaConfig` or :class:`MLPConfig`) of preset ``name``, no weights."""
     if name in PRESETS:
         return LlamaConfig(vocab_size=vocab_size, **{**PRESETS[name], **overrides})
+    if name in MOE_PRESETS:
+        return MoEConfig(vocab_size=vocab_size, **{**MOE_PRESETS[name], **overrides})
     if name in MLP_PRESETS:
         return MLPConfig(**{**MLP_PRESETS[name], **overrides})
     raise ValueError(f"unknown model {name!r}: choose from {model_names()}")
@@ -42,15 +55,24 @@ def build_model(name: str, vocab_size: int = 4096, **overrides) -> nn.Module:
     the ledger phase that books a recompute's TP collectives)."""
     ac = overrides.pop("ac", "none")
     cfg = preset_config(name, vocab_size, **overrides)
-    model = Llama(cfg) if isinstance(cfg, LlamaConfig) else StackedMLP(cfg)
+    if isinstance(cfg, MoEConfig):
+        model = MoELlama(cfg)
+    else:
+        model = Llama(cfg) if isinstance(cfg, LlamaConfig) else StackedMLP(cfg)
     set_activation_checkpointing(model, ac)
     return model
 
 
-def loss_sum_and_count(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward ``batch`` through ``model``: (sum of losses fp32 scalar, number of counted items)."""
+def loss_sum_and_count(model: nn.Module, batch: dict, aux: bool = True
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward ``batch`` through ``model``: (sum of losses fp32 scalar, number of counted items).
+    A mixture-of-experts model's auxiliary loss sums (:func:`~.moe.moe_aux_loss`: load balance
+    and router z-loss, already token sums) are added unless ``aux`` is False (evaluation
+    reports the language-model loss alone)."""
     if "input_ids" in batch:
-        return lm_loss(model(batch["input_ids"], **positions_kw(batch)), batch["labels"])
+        loss, count = lm_loss(model(batch["input_ids"], **positions_kw(batch)), batch["labels"])
+        extra = moe_aux_loss(model) if aux else None
+        return (loss if extra is None else loss + extra), count
     return mse_loss(model(batch["inputs"]), batch["targets"])
 
 
@@ -72,7 +94,9 @@ def config_of(model: nn.Module):
     return dataclasses.asdict(model.config)
 
 
-__all__ = ["AC_MODES", "IGNORE_INDEX", "MLP_PRESETS", "PRESETS", "Llama", "LlamaConfig",
-           "MLPConfig", "StackedMLP", "build_model", "checkpoint_block", "count_items", "generate",
-           "lm_loss", "loss_sum_and_count", "model_names", "mse_loss", "positions_kw",
-           "preset_config", "regression_data", "set_activation_checkpointing"]
+__all__ = ["AC_MODES", "IGNORE_INDEX", "MLP_PRESETS", "MOE_PRESETS", "PRESETS", "Llama",
+           "LlamaConfig", "MLPConfig", "MoEConfig", "MoELlama", "StackedMLP", "build_model",
+           "checkpoint_block", "count_items", "generate", "is_llama_name", "lm_loss",
+           "loss_sum_and_count", "max_seq_len_of", "model_names", "moe_aux_loss", "moe_layers",
+           "mse_loss", "positions_kw", "preset_config", "regression_data",
+           "set_activation_checkpointing"]

@@ -206,7 +206,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(self.make_block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -215,6 +215,10 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
+
+    def make_block(self, cfg: LlamaConfig, i: int) -> nn.Module:
+        """Block ``i`` (a variant model, e.g. :class:`~.moe.MoELlama`, returns its own)."""
+        return TransformerBlock(cfg)
 
     @torch.no_grad()
     def reset_parameters(self):

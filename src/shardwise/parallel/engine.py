@@ -181,8 +181,9 @@ class Engine(nn.Module):
 
 
     def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss sum, counted items) of ``batch`` — for evaluation (call under no_grad)."""
-        return loss_sum_and_count(self, batch)
+        """(loss sum, counted items) of ``batch`` — for evaluation (call under no_grad): the
+        language-model loss, without a mixture of experts' aux losses."""
+        return loss_sum_and_count(self, batch, aux=False)
 
     @contextlib.contextmanager
     def full_model(self):
