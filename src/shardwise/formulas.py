@@ -12,6 +12,9 @@ the run folder's ``ledger.json`` compare the ledger with the same numbers:
 * PP: the point-to-point activations/gradients, the tied-embedding gradient, the norm scalar
 * CP: the K/V blocks of ring attention (or their all-gather) and the dK/dV back, per layer
   (:mod:`shardwise.parallel.cp.attention`); every other term counts this rank's s/cp tokens
+* EP: per MoE layer and micro-batch, the routing counts' all-to-all and the token rows to and
+  from the other ep ranks, forward and backward, from the step's actual routing
+  (:func:`shardwise.parallel.ep.ep_bytes_formula`)
 * every layout: the token count before the forward and the loss sum after the step, one fp64
   scalar all-reduce each over every axis the engine reduces them on.
 
@@ -36,11 +39,13 @@ def step_bytes_formula(engine, topo, *, micro_steps: int, sequences: int, seq_le
     processes per step (all micro-batches); ``seq_len``: tokens per sequence (the whole
     sequence: with cp > 1 the engine's terms count this rank's s/cp of them)."""
     from .parallel.cp import cp_bytes_formula
+    from .parallel.ep import ep_bytes_formula
 
     cp = topo.size("cp")
     out = dict(engine.bytes_formula(micro_steps=micro_steps, sequences=sequences,
                                     seq_len=seq_len // cp, dtype=dtype))
     out.update(cp_bytes_formula(engine.module, topo, sequences, seq_len, dtype))
+    out.update(ep_bytes_formula(engine.module, topo))
     out.pop("total", None)
     out.pop("loss", None)
     out["loss"] = _scalar_all_reduces(engine, topo)

@@ -121,14 +121,20 @@ class Topology:
     and compare them across ranks (``check_collectives``: "off", "step" or "every").
     """
 
-    def __init__(self, pp: int = 1, dp: int = 1, tp: int = 1, *, cp: int = 1,
+    def __init__(self, pp: int = 1, dp: int = 1, tp: int = 1, *, cp: int = 1, ep: int = 1,
                  device: str = "cpu", ranks: list[int] | None = None, timeout_s: float = 300.0,
                  collectives: str = "native", check_collectives: str = "step"):
         self.collectives = check_algorithms(collectives)  # before any group is created
         world = dist.get_world_size()
         ranks = list(range(world)) if ranks is None else list(ranks)
         validate_degrees(pp, dp, tp, len(ranks), cp)
+        if not isinstance(ep, int) or ep < 1 or (dp * cp) % ep:
+            raise ShardwiseConfigError(
+                f"--ep {ep} must divide dp × cp = {dp * cp}: expert parallelism splits the "
+                "ranks of the data axis (EP ⊆ dp × cp); choose --ep from "
+                f"{[k for k in range(1, dp * cp + 1) if dp * cp % k == 0]}")
         self.degrees = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+        self.ep = ep
         self.data_axis = "dp_cp" if cp > 1 else "dp"
         self.ranks = ranks
         self.rank = dist.get_rank()
@@ -148,8 +154,17 @@ class Topology:
         # and dp × cp flattened (dp-major) for the gradient sync
         lines_of = {axis: self.grid.movedim(dim, -1).reshape(-1, self.grid.shape[dim]).tolist()
                     for dim, axis in enumerate(AXES) if axis != "cp" or cp > 1}
+        data_lines = self.grid.permute(0, 3, 1, 2).reshape(pp * tp, dp * cp).tolist()
         if cp > 1:
-            lines_of["dp_cp"] = self.grid.permute(0, 3, 1, 2).reshape(pp * tp, dp * cp).tolist()
+            lines_of["dp_cp"] = data_lines
+        # expert parallelism inside each data line: ep consecutive data ranks share out the
+        # experts ("ep"); the ranks holding the same experts ("edp", expert-data-parallel) sum
+        # their gradients (Megatron-Core's expert_model_parallel / expert_data_parallel)
+        if 1 < ep:
+            lines_of["ep"] = [line[g:g + ep] for line in data_lines
+                              for g in range(0, dp * cp, ep)]
+        if 1 < ep < dp * cp:
+            lines_of["edp"] = [line[j::ep] for line in data_lines for j in range(ep)]
         for axis, lines in lines_of.items():
             mine, _ = dist.new_subgroups_by_enumeration(lines, timeout=timeout)
             for line in lines:
@@ -160,6 +175,12 @@ class Topology:
             if "dp" in self._groups:
                 self._groups["dp_cp"], self._axis_ranks["dp_cp"] = (self._groups["dp"],
                                                                     self._axis_ranks["dp"])
+        if ep == 1 and "dp_cp" in self._groups:  # no expert parallelism: edp is the data axis
+            self._axis_ranks["ep"] = [self.rank]
+            self._groups["edp"], self._axis_ranks["edp"] = (self._groups["dp_cp"],
+                                                            self._axis_ranks["dp_cp"])
+        elif ep == dp * cp:  # every data rank holds other experts: nothing to sum over
+            self._axis_ranks["edp"] = [self.rank]
         # the whole layout as one more axis, for run-level agreement (output folder, verify)
         self._world_group = dist.new_group(ranks, timeout=timeout)
         self._groups["world"], self._axis_ranks["world"] = self._world_group, ranks
@@ -183,6 +204,10 @@ class Topology:
             return self.world_size
         if axis == "dp_cp":
             return self.degrees["dp"] * self.degrees["cp"]
+        if axis == "ep":
+            return self.ep
+        if axis == "edp":
+            return self.degrees["dp"] * self.degrees["cp"] // self.ep
         return self.degrees[axis]
 
     def index(self, axis: str) -> int:
@@ -191,6 +216,10 @@ class Topology:
             return self.ranks.index(self.rank)
         if axis == "dp_cp":
             return self.coords["dp"] * self.degrees["cp"] + self.coords["cp"]
+        if axis == "ep":
+            return self.index("dp_cp") % self.ep
+        if axis == "edp":
+            return self.index("dp_cp") // self.ep
         return self.coords[axis]
 
     def group(self, axis: str) -> dist.ProcessGroup:
@@ -207,7 +236,7 @@ class Topology:
         or None. Lets code that only sees a process group (e.g. DTensor's collectives, which may
         run on an equal mesh created for an earlier layout) name its axis."""
         want = sorted(ranks)
-        for axis in ("tp", "cp", "dp", "dp_cp", "pp", "world"):
+        for axis in ("tp", "cp", "dp", "dp_cp", "ep", "edp", "pp", "world"):
             if axis in self._axis_ranks and sorted(self._axis_ranks[axis]) == want:
                 return axis
         return None
@@ -220,4 +249,5 @@ class Topology:
         """E.g. ``"pp=1 × dp=2 × tp=1 (2 ranks)"``, ``"pp=1 × dp=2 × cp=2 × tp=1 (4 ranks)"``."""
         d = self.degrees
         cp = f" × cp={d['cp']}" if d["cp"] > 1 else ""
-        return f"pp={d['pp']} × dp={d['dp']}{cp} × tp={d['tp']} ({self.world_size} ranks)"
+        ep = f", ep={self.ep}" if self.ep > 1 else ""
+        return f"pp={d['pp']} × dp={d['dp']}{cp} × tp={d['tp']}{ep} ({self.world_size} ranks)"

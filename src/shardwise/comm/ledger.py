@@ -15,6 +15,8 @@ all_reduce         2(n−1)/n · S         reduce-scatter then all-gather, each 
 all_gather         (n−1)/n · S          n−1 steps, each forwarding one S/n shard
 reduce_scatter     (n−1)/n · S          n−1 steps, each forwarding one partial S/n shard
 all_to_all         (n−1)/n · S          every rank keeps 1/n of its input, sends the rest
+all_to_all_v       S                    uneven splits (MoE dispatch): S is already the bytes
+                                        of the rows this rank addresses to the others
 broadcast          (n−1)/n · S          pipelined chain: n−1 of the n ranks forward S;
                                         we book the per-rank average so every rank agrees
 reduce             (n−1)/n · S          the chain backwards: n−1 ranks send S (average)
@@ -56,7 +58,7 @@ def ring_bytes(op: str, size_bytes: float, n: int) -> float:
         return 2.0 * (n - 1) / n * size_bytes
     if op in ("all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce"):
         return (n - 1) / n * size_bytes
-    if op == "send":
+    if op in ("send", "all_to_all_v"):
         return float(size_bytes)
     if op in ("recv", "barrier"):
         return 0.0

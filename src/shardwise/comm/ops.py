@@ -410,6 +410,58 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, topo, axis: str, *, ta
                                                  async_op=a))
 
 
+class _Rows:
+    """What the fingerprint of an uneven all-to-all names: the dtype and the row shape, with
+    the row count (different on every rank) written ``v``."""
+
+    def __init__(self, t: torch.Tensor):
+        self.dtype, self.shape = t.dtype, ("v", *t.shape[1:])
+
+
+def all_to_all_v(output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                 input_splits: list[int], topo, axis: str, *, tag: str = "",
+                 async_op: bool = False):
+    """All-to-all with uneven splits along dim 0 (MoE token dispatch): rows
+    ``input[Σ input_splits[:j] : …+input_splits[j]]`` go to rank j of ``axis``; ``output``'s
+    rows from rank j land at ``Σ output_splits[:j]`` (``output_splits[j]`` = what rank j sends
+    here; every rank must agree, e.g. from a count all-to-all first). ``input`` [Σ
+    input_splits, ...], ``output`` [Σ output_splits, ...], same dtype and row shape.
+
+    Books S = the bytes of the rows this rank sends to the *other* ranks (its own block stays),
+    as op ``all_to_all_v`` (wire = S exactly: uneven blocks have no (n−1)/n average). torch's
+    ``all_to_all_single`` with split sizes runs on gloo and NCCL; ``--collectives ring|tree``:
+    pairwise exchange of the uneven blocks (:func:`.algorithms.all_to_all_v`). Raises
+    ``ValueError`` when the splits do not add up to the tensors' rows."""
+    n, i = topo.size(axis), topo.index(axis)
+    if len(input_splits) != n or len(output_splits) != n or \
+            sum(input_splits) != input.shape[0] or sum(output_splits) != output.shape[0]:
+        raise ValueError(f"all_to_all_v over {n} ranks: input_splits {input_splits} (Σ must be "
+                         f"{input.shape[0]}) and output_splits {output_splits} (Σ must be "
+                         f"{output.shape[0]}) need one entry per rank")
+    row = input[0].numel() * input.element_size() if input.dim() > 1 else input.element_size()
+    sent = (sum(input_splits) - input_splits[i]) * row
+    like = _Rows(input)
+    if n == 1:
+        output.copy_(input)
+    algo = _algorithm(topo, "all_to_all_v", sent, axis)
+    if algo:
+        per_row = input[0].numel() if input.dim() > 1 else 1
+
+        def bounds(splits):
+            out = [0]
+            for k in splits:
+                out.append(out[-1] + k * per_row)
+            return out
+
+        return _ours(topo, "all_to_all_v", axis, like, sent, algo, tag, async_op, output,
+                     lambda y, peers: algorithms.all_to_all_v(
+                         y, input.reshape(-1), peers, algo, bounds(input_splits),
+                         bounds(output_splits)))
+    return _run(topo, "all_to_all_v", axis, like, sent, "all_to_all_single", tag, async_op,
+                lambda a: dist.all_to_all_single(output, input, output_splits, input_splits,
+                                                 group=topo.group(axis), async_op=a))
+
+
 def reduce(tensor: torch.Tensor, topo, axis: str, dst: int = 0, op: str = "sum", *,
            tag: str = "", async_op: bool = False):
     """Reduce ``tensor`` (any shape) over ``axis`` into the rank with index ``dst`` within

@@ -327,8 +327,12 @@ def moe_aux_loss(module: nn.Module) -> torch.Tensor | None:
 
 
 def reset_moe_stats(module: nn.Module) -> None:
+    """Zero the routing statistics of ``module``'s MoE layers (and an all-to-all dispatcher's
+    records): called at the start of each step."""
     for m in moe_layers(module):
         m.reset_stats()
+        if hasattr(m.dispatcher, "reset"):
+            m.dispatcher.reset()
 
 
 def moe_stats(module: nn.Module) -> dict | None:

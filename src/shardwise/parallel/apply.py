@@ -10,6 +10,9 @@ or PyTorch's own (``engine="torch"``). It reads as the order of the transforms (
    cp > 1: every block's core attention becomes ring (or all-gather) attention over cp
    (:func:`~.cp.parallelize_context`; the train step cuts each batch to this rank's chunks, and
    the dp strategies of step 4 run over dp × cp);
+   ep > 1: every MoE layer keeps E/ep experts and dispatches tokens by all-to-all over ep
+   (:func:`~.ep.parallelize_experts`; expert gradients are summed over the expert-data-parallel
+   ranks, the rest over the data axis);
 2. pp > 1: split into this rank's pipeline stages, and compose the rest inside each stage
    (:func:`~.pp.build_pipeline`: the same TP transform per stage, DP / ZeRO-1 over dp, the
    tied-embedding swap and the SP sum after the schedule);
@@ -54,13 +57,17 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     if engine not in ("explicit", "torch"):
         raise ValueError(f"unknown engine {engine!r}: choose explicit or torch")
     layout = layout or Layout(dp=topo.size("dp"), tp=topo.size("tp"), pp=topo.size("pp"),
-                              cp=topo.size("cp"))
+                              cp=topo.size("cp"), ep=topo.size("ep"))
     # 1. every refusal, before any collective
     layout.check(model=model, topo=topo, engine=engine, reduce_dtype=reduce_dtype)
     if layout.cp > 1 and engine == "explicit":  # the attention cores (pp and tp keep them)
         from .cp import parallelize_context
 
         parallelize_context(model, topo, layout.cp_method)
+    if layout.ep > 1:  # every MoE layer keeps its E/ep experts and dispatches by all-to-all
+        from .ep import parallelize_experts
+
+        parallelize_experts(model, topo)
     dp_kw = dict(bucket_mb=bucket_mb, overlap=overlap, prefetch=prefetch,
                  reshard_after_forward=reshard_after_forward, reduce_dtype=reduce_dtype)
     # 2. pipeline stages; TP, DP/ZeRO-1 and the finishers are composed inside each stage

@@ -26,9 +26,10 @@ from ..errors import ShardwiseConfigError
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A parallel layout: degrees, ZeRO stage, sequence parallelism, pipeline schedule, and
+    """A parallel layout: degrees, ZeRO stage, sequence parallelism, pipeline schedule,
     context parallelism (``cp`` ranks split each sequence; ``cp_method`` "ring" or
-    "allgather", :mod:`.cp`). ``microbatches`` = 0: decided by the batch (global batch /
+    "allgather", :mod:`.cp`) and expert parallelism (``ep`` ranks of the data axis share out
+    an MoE model's experts, :mod:`.ep`; not a degree of the world: EP ⊆ dp × cp). ``microbatches`` = 0: decided by the batch (global batch /
     (dp × micro-batch)); ``virtual_stages`` = 0: the schedule's default (2 for
     interleaved-1f1b, else 1)."""
 
@@ -42,6 +43,7 @@ class Layout:
     virtual_stages: int = 0
     cp: int = 1
     cp_method: str = "ring"
+    ep: int = 1
 
     @property
     def world(self) -> int:
@@ -59,10 +61,12 @@ class Layout:
     def name(self) -> str:
         """Compact, e.g. ``"dp=2,zero=3"``, ``"tp=2,sp"``, ``"pp=4,1f1b,m=8"``,
         ``"pp=4,interleaved-1f1b,v=4"`` (v only when given and > 1), ``"dp=2,cp=2"``,
-        ``"cp=4,allgather"``. :func:`parse_layout` reads it back."""
+        ``"cp=4,allgather"``, ``"dp=4,ep=2"``. :func:`parse_layout` reads it back."""
         parts = [f"{k}={getattr(self, k)}" for k in ("dp", "cp", "tp", "pp")
                  if getattr(self, k) > 1]
         parts = parts or ["dp=1"]
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
         if self.cp > 1 and self.cp_method != "ring":
             parts.append(self.cp_method)
         if self.zero:
@@ -82,7 +86,7 @@ class Layout:
         return cls(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, zero=cfg.zero, sp=cfg.sp,
                    schedule=cfg.schedule, microbatches=cfg.microbatches,
                    virtual_stages=getattr(cfg, "virtual_stages", 0), cp=getattr(cfg, "cp", 1),
-                   cp_method=getattr(cfg, "cp_method", "ring"))
+                   cp_method=getattr(cfg, "cp_method", "ring"), ep=getattr(cfg, "ep", 1))
 
     def check(self, model_cfg=None, topo=None, *, model=None, engine: str = "explicit",
               reduce_dtype: str = "fp32", seq_len: int | None = None,
@@ -123,6 +127,7 @@ class Layout:
            (:func:`~.pp.split.validate_pp`)."""
         from .cp import validate_cp
         from .dp import reduce_torch_dtype
+        from .ep import validate_ep
         from .tp import validate_tp
         from .zero import validate_zero
 
@@ -131,6 +136,7 @@ class Layout:
         if device is None and getattr(topo, "device", None) is not None:
             device = topo.device.type
         # 1. the layout alone
+        validate_ep(None, self.ep, self.dp, self.cp, engine=engine)
         if self.sp and self.tp == 1:
             validate_tp(cfg, self.tp, self.sp, seq_len)
         if self.zero:
@@ -153,8 +159,9 @@ class Layout:
         # 2. the topology
         if topo is not None:
             sizes = tuple(topo.size(a) for a in ("pp", "dp", "cp", "tp"))
-            if sizes != (self.pp, self.dp, self.cp, self.tp):
+            if sizes != (self.pp, self.dp, self.cp, self.tp) or topo.size("ep") != self.ep:
                 cp = f", cp={self.cp}" if self.cp > 1 else ""
+                cp += f", ep={self.ep}" if self.ep > 1 else ""
                 raise ShardwiseConfigError(
                     f"layout {self.name()} does not match the topology {topo.describe()}: "
                     f"build Topology(pp={self.pp}, dp={self.dp}, tp={self.tp}{cp}) for it")
@@ -163,6 +170,7 @@ class Layout:
         # 4. the model
         if not known:
             return
+        validate_ep(cfg, self.ep, self.dp, self.cp, engine=engine, sp=self.sp)
         if self.cp > 1:
             validate_cp(cfg, self.cp, self.cp_method, seq_len=seq_len, engine=engine,
                         device=device)
@@ -187,7 +195,7 @@ class Layout:
 
 def parse_layout(text: str) -> Layout:
     """``"dp=2"``, ``"dp=2,zero=3"``, ``"tp=2,sp"``, ``"pp=4,schedule=1f1b,m=8"``, ``"dp=2,cp=2"``,
-    ``"cp=2,allgather"`` → Layout, checked by :meth:`Layout.check` (the layout alone). Raises
+    ``"cp=2,allgather"``, ``"dp=4,ep=2"`` → Layout, checked by :meth:`Layout.check` (the layout alone). Raises
     ShardwiseConfigError naming the syntax."""
     from .cp import CP_METHODS
     from .pp.schedules import SCHEDULES
@@ -203,12 +211,13 @@ def parse_layout(text: str) -> Layout:
             kw["cp_method"] = key
         elif key == "schedule" and value in SCHEDULES:
             kw["schedule"] = value
-        elif key in ("dp", "cp", "tp", "pp", "zero", "m", "microbatches", "v") and value.isdigit():
+        elif key in ("dp", "cp", "tp", "pp", "ep", "zero", "m", "microbatches", "v") \
+                and value.isdigit():
             kw[{"m": "microbatches", "v": "virtual_stages"}.get(key, key)] = int(value)
         else:
             raise ShardwiseConfigError(
                 f"--layouts {text!r}: write each layout as comma-separated parts: dp=N, cp=N, "
-                f"tp=N, pp=N, zero=Z, sp, a schedule ({', '.join(SCHEDULES)}), m=M, a cp method "
+                f"tp=N, pp=N, ep=N, zero=Z, sp, a schedule ({', '.join(SCHEDULES)}), m=M, a cp method "
                 f"({', '.join(CP_METHODS)}) (e.g. dp=2,zero=3, pp=2,1f1b,m=4 or dp=2,cp=2)")
     layout = Layout(**kw)
     layout.check()

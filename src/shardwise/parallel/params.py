@@ -31,12 +31,15 @@ from .dtensor_full import full_tensors
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """How a parameter is split over tp. ``tp_dim``: this rank holds a contiguous 1/tp chunk of
-    the full tensor along this dim (None: replicated over tp); ``tp_full``: the full tensor's
-    size along ``tp_dim`` without padding (the vocabulary is padded to a multiple of tp)."""
+    """How a parameter is split over tp and ep. ``tp_dim``: this rank holds a contiguous 1/tp
+    chunk of the full tensor along this dim (None: replicated over tp); ``tp_full``: the full
+    tensor's size along ``tp_dim`` without padding (the vocabulary is padded to a multiple of
+    tp). ``ep_full``: an expert weight stacked on dim 0 of which this rank holds a contiguous
+    1/ep (``ep_full`` experts in all; None: not split over ep)."""
 
     tp_dim: int | None = None
     tp_full: int | None = None
+    ep_full: int | None = None
 
 
 REPLICATED = Placement()
@@ -47,6 +50,19 @@ def mark_tp_shard(p: nn.Parameter, dim: int, full_size: int) -> nn.Parameter:
     there is ``full_size``; returns ``p``."""
     p.placement = Placement(tp_dim=dim, tp_full=full_size)
     return p
+
+
+def mark_ep_shard(p: nn.Parameter, n_experts: int) -> nn.Parameter:
+    """Record on ``p`` that it holds this ep rank's contiguous 1/ep of ``n_experts`` stacked
+    experts (dim 0); returns ``p``."""
+    p.placement = dataclasses.replace(placement(p), ep_full=n_experts)
+    return p
+
+
+def ep_sharded(p) -> bool:
+    """Whether ``p`` is an expert weight split over ep (its elements differ between ep ranks,
+    and its gradient is summed over the expert-data-parallel group "edp", not the data axis)."""
+    return placement(p).ep_full is not None
 
 
 def placement(p) -> Placement:
@@ -82,10 +98,12 @@ def tp_sharded(t) -> bool:
 def counted_grads(params, topo, *, skip=()) -> list[tuple[torch.Tensor, bool]]:
     """(this rank's gradient tensor, whether this rank counts it in the norm) for every
     parameter of ``params`` with a gradient, each parameter once. A tp shard counts on every tp
-    rank, a tp-replicated gradient on tp index 0 only; parameters in ``skip`` (a pipeline's tied
-    copy, counted on the first stage) never count. DTensor gradients are judged by their own
-    placement and given as their local tensor."""
+    rank, a tp-replicated gradient on tp index 0 only; with expert parallelism an expert shard
+    counts on every ep rank, any other gradient on ep index 0 only (sum the norm over "ep");
+    parameters in ``skip`` (a pipeline's tied copy, counted on the first stage) never count.
+    DTensor gradients are judged by their own placement and given as their local tensor."""
     tp0 = topo is None or topo.index("tp") == 0
+    ep0 = topo is None or topo.size("ep") == 1 or topo.index("ep") == 0
     skipped = {id(p) for p in skip}
     out = []
     for p in dict.fromkeys(params):
@@ -93,7 +111,8 @@ def counted_grads(params, topo, *, skip=()) -> list[tuple[torch.Tensor, bool]]:
         if g is None:
             continue
         sharded = tp_sharded(g) if is_dtensor(g) else tp_sharded(p)
-        out.append((local(g), id(p) not in skipped and (sharded or tp0)))
+        out.append((local(g), id(p) not in skipped and (sharded or tp0)
+                     and (ep0 or ep_sharded(p))))
     return out
 
 
@@ -177,6 +196,8 @@ def full_shape(p) -> tuple[int, ...]:
     shape, pl = list(p.shape), placement(p)
     if pl.tp_dim is not None:
         shape[pl.tp_dim] = pl.tp_full
+    if pl.ep_full is not None:
+        shape[0] = pl.ep_full
     return tuple(shape)
 
 
@@ -194,6 +215,9 @@ def to_local(full: torch.Tensor, p: nn.Parameter, topo) -> torch.Tensor:
 
         return distribute_tensor(full.clone(), p.device_mesh, p.placements, src_data_rank=None)
     pl = placement(p)
+    if pl.ep_full is not None:  # this ep rank's experts (never tp-split)
+        per = pl.ep_full // topo.size("ep")
+        return full.narrow(0, topo.index("ep") * per, per).clone()
     if pl.tp_dim is None:
         return full.clone()
     return shard_of(full, pl.tp_dim, topo, padded=p.shape[pl.tp_dim] * topo.size("tp"))
@@ -212,9 +236,14 @@ def to_full(pairs: list[tuple[torch.Tensor, nn.Parameter]], topo,
     dim first and flattened, into ``[Σ numel]``; the gather gives ``[n, Σ numel]``, and a
     tensor's columns of every rank's row, stacked in rank order on the sharded dim, are the full
     tensor. Collective over tp when any tensor is sharded: every tp rank passes the same
-    parameters in the same order."""
+    parameters in the same order. Expert shards (``placement(p).ep_full``) are gathered the same
+    way over "ep" (one all_gather for all, phase ``"gather"``): rank order on dim 0."""
     n = topo.size("tp") if topo is not None else 1
     out: list = [None] * len(pairs)
+    experts = [i for i, (t, p) in enumerate(pairs) if not is_dtensor(t) and ep_sharded(p)]
+    if experts and topo.size("ep") > 1:
+        for i, t in zip(experts, _gather_dim0([pairs[i][0] for i in experts], topo, "ep")):
+            out[i] = t
     dtensors = [i for i, (t, _) in enumerate(pairs) if is_dtensor(t)]
     if dtensors:
         for i, t in zip(dtensors, full_tensors([pairs[i][0] for i in dtensors], topo, cache)):
@@ -240,6 +269,21 @@ def to_full(pairs: list[tuple[torch.Tensor, nn.Parameter]], topo,
             whole = rows[:, start:start + s.numel()].reshape(n * s.shape[0], *s.shape[1:])
             out[i] = whole[: pl.tp_full].movedim(0, pl.tp_dim).contiguous()
             start += s.numel()
+    return out
+
+
+def _gather_dim0(tensors: list[torch.Tensor], topo, axis: str) -> list[torch.Tensor]:
+    """Each tensor [k, ...] gathered over ``axis`` into [n·k, ...] in rank order: one all_gather
+    of their concatenation (one dtype; phase ``"gather"``, tag ``"gather"``)."""
+    n = topo.size(axis)
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    rows = flat.new_empty(n * flat.numel())
+    with topo.ledger.phase("gather"):
+        comm.all_gather(rows, flat, topo, axis, tag="gather")
+    rows, start, out = rows.view(n, -1), 0, []
+    for t in tensors:
+        out.append(rows[:, start:start + t.numel()].reshape(n * t.shape[0], *t.shape[1:]))
+        start += t.numel()
     return out
 
 

@@ -27,6 +27,7 @@ from torch import nn
 from .. import comm
 from ..comm import fingerprint
 from ..models import count_items
+from ..models.moe import reset_moe_stats
 from ..parallel.cp import shard_sequence
 
 
@@ -60,6 +61,7 @@ def train_step(engine: nn.Module, microbatches: list[dict], optimizer, topo=None
         fingerprint.check(topo, step)  # sync point 0: the store, not a collective
         topo.ledger.begin_step()
     optimizer.zero_grad(set_to_none=True)
+    reset_moe_stats(engine)  # a mixture of experts: this step's routing statistics
     device = next(engine.parameters()).device  # scalars live there too (NCCL needs it)
     microbatches = [shard_sequence(mb, topo) for mb in microbatches]  # cp: this rank's chunks
     local = float(sum(count_items(mb) for mb in microbatches))

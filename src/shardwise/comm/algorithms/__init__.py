@@ -11,6 +11,7 @@ all_gather         ring              halving_doubling (doubling)
 broadcast          chain             binomial                   :mod:`.ring`, :mod:`.tree`
 reduce             chain             binomial
 all_to_all         pairwise          pairwise                   :mod:`.pairwise`
+all_to_all_v       pairwise          pairwise                   :mod:`.pairwise`
 =================  ================  =========================  ===================
 
 ``auto`` takes, per call, whichever of the two the α-β model of :mod:`.cost` predicts faster for
@@ -34,10 +35,11 @@ MODES = ("native", "ring", "tree", "auto")
 
 CHOICE = {
     "ring": {"all_reduce": "ring", "reduce_scatter": "ring", "all_gather": "ring",
-             "broadcast": "chain", "reduce": "chain", "all_to_all": "pairwise"},
+             "broadcast": "chain", "reduce": "chain", "all_to_all": "pairwise",
+             "all_to_all_v": "pairwise"},
     "tree": {"all_reduce": "halving_doubling", "reduce_scatter": "halving_doubling",
              "all_gather": "halving_doubling", "broadcast": "binomial", "reduce": "binomial",
-             "all_to_all": "pairwise"},
+             "all_to_all": "pairwise", "all_to_all_v": "pairwise"},
 }
 
 
@@ -62,6 +64,8 @@ def choose(op: str, mode: str, size_bytes: float, n: int, alpha: float = ALPHA_S
     if mode in CHOICE:
         return CHOICE[mode][op]
     options = {CHOICE["ring"][op], CHOICE["tree"][op]}
+    if len(options) == 1:
+        return options.pop()
     return min(sorted(options), key=lambda a: time_s(op, a, size_bytes, n, alpha, beta,
                                                      chunk_bytes))
 
@@ -124,6 +128,15 @@ def all_to_all(out: torch.Tensor, x: torch.Tensor, peers: Peers, algorithm: str)
     pairwise.all_to_all(out, x, peers)
 
 
+@_counted
+def all_to_all_v(out: torch.Tensor, x: torch.Tensor, peers: Peers, algorithm: str,
+                 send_bounds: list[int], recv_bounds: list[int]) -> int:
+    """Uneven blocks (:func:`.pairwise.all_to_all_v`): ``x``'s elements between
+    ``send_bounds[j]`` and ``send_bounds[j+1]`` to index j, ``out``'s from index j."""
+    pairwise.all_to_all_v(out, x, peers, send_bounds, recv_bounds)
+
+
 __all__ = ["MODES", "CHOICE", "check_collectives", "choose", "Peers", "all_reduce",
-           "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all", "time_s",
+           "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all", "all_to_all_v",
+           "time_s",
            "sent_bytes", "CHUNK_BYTES"]

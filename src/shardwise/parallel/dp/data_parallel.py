@@ -29,9 +29,10 @@ import torch
 from torch import nn
 
 from ... import comm
+from ...comm.ledger import ring_bytes
 from ...errors import ShardwiseConfigError
 from ..engine import Engine
-from ..params import local
+from ..params import ep_sharded, local
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -87,9 +88,10 @@ class GradBuckets:
     read through :func:`.params.local` (the PyTorch pipeline's DTensor shards)."""
 
     def __init__(self, params: list[nn.Parameter], topo, *, bucket_mb: float = 25.0,
-                 overlap: bool = True, reduce_dtype: str = "fp32"):
+                 overlap: bool = True, reduce_dtype: str = "fp32", axis: str | None = None):
         rdtype = reduce_torch_dtype(reduce_dtype)
         self.topo, self.overlap = topo, overlap
+        self.axis = axis or topo.data_axis  # "edp" for expert weights under expert parallelism
         self.enabled = True
         cap = max(1, int(bucket_mb * 2**20))
         self.buckets: list[_Bucket] = []
@@ -136,7 +138,7 @@ class GradBuckets:
                 view.zero_()
             else:
                 view.copy_(local(p.grad))  # casts to the reduce dtype (bf16: rounds)
-        bucket.handle = comm.all_reduce(bucket.buffer, self.topo, self.topo.data_axis, tag="grad",
+        bucket.handle = comm.all_reduce(bucket.buffer, self.topo, self.axis, tag="grad",
                                         async_op=True)
 
     def finish(self) -> None:
@@ -158,9 +160,60 @@ class GradBuckets:
         """Bytes of gradients one all-reduce round moves (in the reduce dtype)."""
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
 
+    def bytes_formula(self) -> float:
+        """Bytes this rank sends per step: :func:`dp_grad_bytes_formula` over this axis."""
+        return dp_grad_bytes_formula(self.grad_bytes(), self.topo.size(self.axis))
+
+
+class GradSync:
+    """The gradient sums of a model over the data axis, by :class:`GradBuckets`; with expert
+    parallelism, two of them: expert shards (:func:`~..params.ep_sharded`) over the
+    expert-data-parallel ranks "edp" (the ranks that hold the same experts), every other
+    parameter over the data axis. Same interface as one :class:`GradBuckets`."""
+
+    def __init__(self, params: list[nn.Parameter], topo, **kw):
+        experts = [p for p in params if ep_sharded(p)]
+        dense = [p for p in params if not ep_sharded(p)]
+        self.parts = [GradBuckets(dense, topo, **kw)] if dense else []
+        if experts:
+            self.parts.append(GradBuckets(experts, topo, axis="edp", **kw))
+
+    @property
+    def buckets(self) -> list[_Bucket]:
+        return [b for part in self.parts for b in part.buckets]
+
+    @contextlib.contextmanager
+    def sync_gradients(self, enabled: bool):
+        with contextlib.ExitStack() as stack:
+            for part in self.parts:
+                stack.enter_context(part.sync_gradients(enabled))
+            yield
+
+    def finish(self) -> None:
+        for part in self.parts:
+            part.finish()
+
+    def grad_bytes(self) -> int:
+        return sum(part.grad_bytes() for part in self.parts)
+
+    def bytes_formula(self) -> float:
+        """Σ over the parts of 2(n−1)/n · their gradient bytes (n: each part's group)."""
+        return sum(part.bytes_formula() for part in self.parts)
+
+
+def broadcast_replicas(params: list[nn.Parameter], topo, tag: str = "init") -> None:
+    """Make the replicas of ``params`` identical: a coalesced broadcast from index 0 of the
+    data axis, expert shards over "edp" (each ep rank holds other experts)."""
+    dense = [p.data for p in params if not ep_sharded(p)]
+    experts = [p.data for p in params if ep_sharded(p)]
+    comm.broadcast_coalesced(dense, topo, topo.data_axis, tag=tag)
+    if experts:
+        comm.broadcast_coalesced(experts, topo, "edp", tag=tag)
+
 
 class DataParallel(Engine):
-    """Wrap a plain model for explicit DP over ``topo``'s "dp" axis.
+    """Wrap a plain model for explicit DP over ``topo``'s data axis (expert shards: over
+    "edp", :class:`GradSync`).
 
     Forward is the plain model's forward. Parameters are broadcast from dp index 0 at
     construction (so replicas start identical even if the seeds differ). Gradients are summed
@@ -175,9 +228,9 @@ class DataParallel(Engine):
         self.topo, self.overlap, self.reduce_dtype = topo, overlap, reduce_dtype
         params = [p for p in module.parameters() if p.requires_grad]
         with topo.ledger.phase("init"):  # replicas identical from the start
-            comm.broadcast_coalesced([p.data for p in params], topo, topo.data_axis, tag="init")
-        self.grad_sync = GradBuckets(params, topo, bucket_mb=bucket_mb, overlap=overlap,
-                                     reduce_dtype=reduce_dtype)
+            broadcast_replicas(params, topo)
+        self.grad_sync = GradSync(params, topo, bucket_mb=bucket_mb, overlap=overlap,
+                                  reduce_dtype=reduce_dtype)
 
     @property
     def buckets(self) -> list[_Bucket]:
@@ -194,8 +247,14 @@ class DataParallel(Engine):
         """{"grad": bytes} this rank sends per step: :func:`dp_grad_bytes_formula` of the
         gradients *in the reduce dtype* (bf16: half of fp32), whatever ``micro_steps`` (one
         all-reduce per step) and ``dtype`` (autocast leaves gradients fp32)."""
-        return {"grad": dp_grad_bytes_formula(self.grad_sync.grad_bytes(),
-                                               self.topo.size(self.topo.data_axis))}
+        out = {"grad": self.grad_sync.bytes_formula()}
+        if self.topo.size("ep") > 1:  # the norm's Σ g² over the ep ranks' expert shards
+            out["grad_norm"] = ring_bytes("all_reduce", 8, self.topo.size("ep"))
+        return out
+
+    def norm_axes(self) -> tuple[str, ...]:
+        """Replicas: none; with expert parallelism "ep" (expert shards differ over it)."""
+        return ("ep",) if self.topo.size("ep") > 1 else ()
 
     def memory_formula(self) -> dict[str, float]:
         """:func:`dp_memory_formula` of this replica."""
