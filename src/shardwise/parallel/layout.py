@@ -159,7 +159,8 @@ class Layout:
         # 2. the topology
         if topo is not None:
             sizes = tuple(topo.size(a) for a in ("pp", "dp", "cp", "tp"))
-            if sizes != (self.pp, self.dp, self.cp, self.tp) or topo.size("ep") != self.ep:
+            ep = getattr(topo, "ep", 1)
+            if sizes != (self.pp, self.dp, self.cp, self.tp) or ep != self.ep:
                 cp = f", cp={self.cp}" if self.cp > 1 else ""
                 cp += f", ep={self.ep}" if self.ep > 1 else ""
                 raise ShardwiseConfigError(

@@ -18,6 +18,7 @@ from torch import nn
 from ... import comm
 from ...errors import ShardwiseConfigError
 from ...models.llama import Attention, FeedForward, Llama
+from ...models.moe import MoEFeedForward
 from ..params import tp_sharded
 from .comms import AXIS
 from .layers import (TPRNG, TensorParallelAttention, TensorParallelSwiGLU, TPDropout,
@@ -82,10 +83,11 @@ def tp_plan(model: nn.Module) -> list[tuple[str, type, type]]:
     a Llama, or a pipeline stage of one (its blocks under their global ``layers.{i}`` names)."""
     plan = [("tok_embeddings", nn.Embedding, VocabParallelEmbedding)] \
         if _held(model, "tok_embeddings") else []
-    for i, _ in model.layers.named_children():
+    for i, layer in model.layers.named_children():
         plan += [(f"layers.{i}.attention", Attention, TensorParallelAttention),
-                 (f"layers.{i}.feed_forward", FeedForward, TensorParallelSwiGLU),
                  (f"layers.{i}.dropout", nn.Dropout, TPDropout)]
+        if not isinstance(layer.feed_forward, MoEFeedForward):  # experts stay whole per rank
+            plan.append((f"layers.{i}.feed_forward", FeedForward, TensorParallelSwiGLU))
     if _held(model, "output"):
         plan.append(("output", nn.Linear, VocabParallelHead))
     return plan
@@ -95,9 +97,12 @@ _PLAIN_TYPES = (nn.Linear, nn.Embedding, nn.Dropout, Attention, FeedForward)
 
 
 def _leftovers(model: nn.Module) -> list[str]:
-    """Modules whose *exact* type is a plain one TP replaces (subclasses such as ours are fine)."""
+    """Modules whose *exact* type is a plain one TP replaces (subclasses such as ours are fine),
+    outside a mixture-of-experts layer (its router, experts and shared experts run whole on
+    every tp rank, on the tp-replicated input: docs/expert-parallel.md)."""
+    moe = [name for name, m in model.named_modules() if isinstance(m, MoEFeedForward)]
     return [f"{name} ({type(m).__name__})" for name, m in model.named_modules()
-            if type(m) in _PLAIN_TYPES]
+            if type(m) in _PLAIN_TYPES and not any(name.startswith(r + ".") for r in moe)]
 
 
 def check_plan_covers(model: nn.Module) -> list[tuple[str, type, type]]:
@@ -186,7 +191,8 @@ def apply_tp(model: nn.Module, topo, sp: bool = False, *, seed: int = 0) -> TPRN
         _set_submodule(model, "tok_embeddings", emb)
     for layer in model.layers.children():
         layer.attention = TensorParallelAttention(layer.attention, topo, sp, rng)
-        layer.feed_forward = TensorParallelSwiGLU(layer.feed_forward, topo, sp)
+        if not isinstance(layer.feed_forward, MoEFeedForward):
+            layer.feed_forward = TensorParallelSwiGLU(layer.feed_forward, topo, sp)
         layer.dropout = TPDropout(layer.dropout.p, rng, sp)
     if has_head:
         head = VocabParallelHead(model.output, topo, sp, weight=emb.weight if tied else None)
@@ -223,7 +229,9 @@ def tp_step_bytes_formula(model_config, sequences: int, seq_len: int, tp: int, s
     Megatron-LM §3 (f/g per block), Korthikanti et al. 2022 §4.2.2 (SP), JAX scaling book ch. 5."""
     n, L, d = tp, model_config.n_layers, model_config.d_model
     r = 2 * (n - 1) / n
-    out = tp_activation_bytes(sequences * seq_len, d, n, sp, blocks=L, dtype=dtype)
+    moe = getattr(model_config, "n_moe_layers", 0)  # MoE blocks: attention only is tp-split
+    out = tp_activation_bytes(sequences * seq_len, d, n, sp, blocks=L, dtype=dtype,
+                              moe_blocks=moe)
     out |= {"sp_grad": r * (2 * L + 1) * d * 4 if sp else 0.0, "grad_norm": r * 8,
             "loss": 2 * (2 * (dp - 1) / dp * 8)}
     out["total"] = sum(out.values())
@@ -232,7 +240,7 @@ def tp_step_bytes_formula(model_config, sequences: int, seq_len: int, tp: int, s
 
 def tp_activation_bytes(tokens: int, d: int, tp: int, sp: bool, *, blocks: int,
                         has_embedding: bool = True, has_head: bool = True,
-                        dtype: str = "fp32") -> dict[str, float]:
+                        dtype: str = "fp32", moe_blocks: int = 0) -> dict[str, float]:
     """{"tp_fwd", "tp_bwd", "ce": bytes} one rank sends per step for ``tokens`` tokens (all
     micro-batches) through ``blocks`` TP blocks of width ``d`` over ``tp`` ranks, plus the
     embedding exit (``has_embedding``) and the head entry and vocab-parallel cross-entropy
@@ -240,15 +248,18 @@ def tp_activation_bytes(tokens: int, d: int, tp: int, sp: bool, *, blocks: int,
     r = 2(n−1)/n, h = (n−1)/n, W = tokens·d·4 and X = tokens·d·(2 if bf16 else 4) (the
     row-parallel outputs under autocast), E/H = 1 where the stage holds the embedding / head:
     no SP fwd = r·(E·W + 2L·X), bwd = r·(2L·W + H·W); SP fwd = bwd = h·(E·W + 2L·W + 2L·X +
-    H·W); ``ce`` = H·r·3·tokens·4. Megatron-LM §3, Korthikanti et al. 2022 §4.2.2."""
+    H·W); ``ce`` = H·r·3·tokens·4. ``moe_blocks`` of the blocks are mixture-of-experts blocks,
+    whose feed-forward is not tp-split: one f/g pair each instead of two (2L → 2L − M below).
+    Megatron-LM §3, Korthikanti et al. 2022 §4.2.2."""
     n, L = tp, blocks
     r, h = 2 * (n - 1) / n, (n - 1) / n
     e, hd = float(has_embedding), float(has_head)
     wide = tokens * d * 4  # fp32 [.., d]
     exit_b = tokens * d * (2 if dtype == "bf16" else 4)  # row-parallel outputs under autocast
+    regions = 2 * L - moe_blocks  # tp-split regions: attention, and the dense feed-forwards
     if not sp:
-        fwd = r * (e * wide + 2 * L * exit_b)  # embedding g + 2 g per block
-        bwd = r * (2 * L * wide + hd * wide)  # 2 f per block + head f
+        fwd = r * (e * wide + regions * exit_b)  # embedding g + 2 g per block
+        bwd = r * (regions * wide + hd * wide)  # 2 f per block + head f
     else:  # emb RS, AG+RS ×2L, head AG forward; head RS, RS+AG ×2L, emb AG backward
-        fwd = bwd = h * (e * wide + 2 * L * wide + 2 * L * exit_b + hd * wide)
+        fwd = bwd = h * (e * wide + regions * wide + regions * exit_b + hd * wide)
     return {"tp_fwd": fwd, "tp_bwd": bwd, "ce": hd * r * 3 * tokens * 4}

@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from ...models import positions_kw
+from ...models import moe_aux_loss, positions_kw
 from ...models.llama import IGNORE_INDEX, Llama
 from ..engine import Engine
 from .apply import apply_tp, tp_step_bytes_formula
@@ -66,7 +66,11 @@ class TensorParallel(TPEngineBase):
         return losses.sum(), (batch["labels"] != IGNORE_INDEX).sum()
 
     def loss_sum(self, batch: dict) -> torch.Tensor:
-        return self.loss_sum_and_count(batch)[0]
+        """The training objective's sum: the vocab-parallel loss, plus a mixture of experts'
+        aux losses (:func:`~shardwise.models.moe_aux_loss`; computed whole on every tp rank)."""
+        s = self.loss_sum_and_count(batch)[0]
+        aux = moe_aux_loss(self.module)
+        return s if aux is None else s + aux
 
     def finish_gradient_sync(self) -> None:
         """With SP: SUM the norm weights' partial gradients over tp, one flat all-reduce of
