@@ -27,6 +27,15 @@ class TrainConfig:
     tie_embeddings: bool = True
     dropout: float = 0.0
     init_from_hf: str = ""  # a local HF LlamaForCausalLM folder: its architecture and weights
+    # mixture of experts (--model moe-tiny | moe-small; models/moe.py): 0 = the preset's
+    n_experts: int = 0  # routed experts per MoE block
+    top_k: int = 0  # experts per token
+    n_shared_experts: int = 0  # always-on experts (DeepSeekMoE)
+    moe_every: int = 0  # block i is MoE when i % moe_every == 0 (the preset's: every block)
+    capacity_factor: float = 0.0  # 0 = dropless; c > 0: at most ceil(c·k·s/E) copies per
+    # expert per sequence (the rest dropped, counted in metrics.jsonl)
+    aux_loss_coef: float = 0.01  # α of the load-balancing loss E·Σ f_i·P_i (per sequence)
+    z_loss_coef: float = 0.001  # β of the router z-loss (ST-MoE)
     # layout (world size = dp × cp × tp × pp). The default layout, dp=2 × tp=2 with ZeRO-1,
     # applies only when no degree is chosen; choosing any of dp/cp/tp/pp sets the others to
     # 1 and zero to 0 unless they are chosen too (see :func:`from_args`)
@@ -35,6 +44,7 @@ class TrainConfig:
     pp: int = 1
     cp: int = 1  # context parallelism: ranks that split each sequence (parallel/cp)
     cp_method: str = "ring"  # ring (K/V passed around the cp ring) | allgather (Llama 3)
+    ep: int = 1  # expert parallelism: ranks of dp × cp that share out the experts (parallel/ep)
     zero: int = 1
     sp: bool = False
     schedule: str = "1f1b"
@@ -119,7 +129,22 @@ class TrainConfig:
 
             over = {k: v for k, v in hf_model_overrides(self.init_from_hf).items()
                     if k != "vocab_size"}
+        over = {**over, **self.moe_overrides()}
         return {**over, "n_layers": self.n_layers} if self.n_layers else over
+
+    def moe_overrides(self) -> dict:
+        """The mixture-of-experts fields of an MoE preset this config sets ({} for a dense
+        model): ``--n-experts``, ``--top-k``, ``--moe-every`` where given (> 0),
+        ``--n-shared-experts``, ``--capacity-factor`` (0: dropless), the two coefficients."""
+        from .models import MOE_PRESETS
+
+        if self.model not in MOE_PRESETS:
+            return {}
+        over = {k: getattr(self, k) for k in ("n_experts", "top_k", "moe_every")
+                if getattr(self, k) > 0}
+        return {**over, "n_shared_experts": self.n_shared_experts,
+                "capacity_factor": self.capacity_factor or None,
+                "aux_loss_coef": self.aux_loss_coef, "z_loss_coef": self.z_loss_coef}
 
     def model_layers(self) -> int:
         from .models import preset_config
@@ -213,6 +238,11 @@ def from_args(args: argparse.Namespace, **defaults) -> TrainConfig:
         if "zero" not in chosen:
             given["zero"] = 0
     cfg = dataclasses.replace(cfg, **given)
+    if "capacity_factor" in by_user and not cfg.capacity_factor > 0:
+        raise ShardwiseConfigError(
+            f"--capacity-factor {cfg.capacity_factor} must be > 0 (each expert takes at most "
+            "ceil(c·k·s/E) token copies of a sequence): give e.g. 1.25, or omit it for dropless "
+            "routing")
     if not chosen & {"dp", "cp", "tp", "pp"} and cfg.tp > 1:
         from .models import MLP_PRESETS
 
@@ -348,7 +378,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
 
     Raises :class:`ShardwiseConfigError` naming the constraint and the fix.
     """
-    from .models import MLP_PRESETS, PRESETS, model_names
+    from .models import MLP_PRESETS, is_llama_name, max_seq_len_of, model_names
     from .topology import validate_degrees
 
     _validate_finite(cfg)
@@ -359,6 +389,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if cfg.n_layers < 0:
         raise ShardwiseConfigError(f"--n-layers {cfg.n_layers} must be ≥ 1 (or 0 for the preset)")
     for name, value in (("dp", cfg.dp), ("cp", cfg.cp), ("tp", cfg.tp), ("pp", cfg.pp),
+                        ("ep", cfg.ep),
                         ("steps", cfg.steps),
                         ("seq-len", cfg.seq_len), ("global-batch", cfg.global_batch),
                         ("micro-batch", cfg.micro_batch)):
@@ -366,9 +397,10 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
             raise ShardwiseConfigError(f"--{name} {value} must be at least 1")
     if world_size is not None:
         validate_degrees(cfg.pp, cfg.dp, cfg.tp, world_size, cfg.cp)
-    if cfg.model not in PRESETS and cfg.model not in MLP_PRESETS:
+    if not is_llama_name(cfg.model) and cfg.model not in MLP_PRESETS:
         raise ShardwiseConfigError(f"--model {cfg.model!r} is not a preset: choose from "
                                    f"{model_names()}")
+    _validate_moe(cfg)
     for key, allowed in CHOICES.items():
         if getattr(cfg, key) not in allowed:
             raise ShardwiseConfigError(f"--{key.replace('_', '-')} {getattr(cfg, key)!r}: "
@@ -394,12 +426,12 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
             f"--global-batch {cfg.global_batch} is not divisible by dp × micro-batch = "
             f"{cfg.dp} × {cfg.micro_batch} = {per_step}: choose a multiple of {per_step} "
             f"(e.g. {lo} or {lo + per_step}) or change --micro-batch")
-    if cfg.model in PRESETS and cfg.seq_len > PRESETS[cfg.model]["max_seq_len"] \
+    if is_llama_name(cfg.model) and cfg.seq_len > max_seq_len_of(cfg.model) \
             and not cfg.init_from_hf:  # (the HF model's own limit is checked above)
         raise ShardwiseConfigError(
             f"--seq-len {cfg.seq_len} exceeds the {cfg.model} model's max_seq_len "
-            f"{PRESETS[cfg.model]['max_seq_len']}: choose --seq-len ≤ "
-            f"{PRESETS[cfg.model]['max_seq_len']} or a larger --model")
+            f"{max_seq_len_of(cfg.model)}: choose --seq-len ≤ "
+            f"{max_seq_len_of(cfg.model)} or a larger --model")
     if cfg.data and not os.path.exists(cfg.data):
         raise ShardwiseConfigError(f"--data {cfg.data}: no such file or folder; give a .txt, "
                                    ".jsonl or .parquet file or a folder of them, or omit --data "
@@ -470,18 +502,42 @@ def _validate_finite(cfg: TrainConfig) -> None:
                 f"default {f.default!r}")
 
 
+def _validate_moe(cfg: TrainConfig) -> None:
+    """The mixture-of-experts flags: only with an MoE preset, each ≥ 0, and a model config
+    they can build (top_k ≤ n_experts, …: :class:`~.models.moe.MoEConfig`'s rules, as
+    :class:`ShardwiseConfigError`). ``--ep`` itself is the layout's (:func:`_validate_layout`)."""
+    from .models import MOE_PRESETS, preset_config
+
+    flags = [f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k in
+             ("n_experts", "top_k", "n_shared_experts", "moe_every", "capacity_factor")
+             if getattr(cfg, k)]
+    if cfg.model not in MOE_PRESETS:
+        if flags:
+            raise ShardwiseConfigError(
+                f"{', '.join(flags)}: mixture-of-experts settings need an MoE model: choose "
+                f"--model {' or '.join(sorted(MOE_PRESETS))}, or drop them")
+        return
+    for k in ("n_experts", "top_k", "n_shared_experts", "moe_every", "aux_loss_coef",
+              "z_loss_coef", "capacity_factor"):
+        if getattr(cfg, k) < 0:
+            raise ShardwiseConfigError(f"--{k.replace('_', '-')} {getattr(cfg, k)} must be ≥ 0")
+    try:
+        preset_config(cfg.model, cfg.vocab_size, **cfg.model_overrides())
+    except ValueError as e:
+        raise ShardwiseConfigError(f"--model {cfg.model}: {e}") from None
+
+
 def _validate_layout(cfg: TrainConfig) -> None:
     """The layout through the one validator, :meth:`~.parallel.layout.Layout.check`, with the
     model's config (read only when tp, sp, pp or cp needs it) and the batch (before any
     collective)."""
-    from .models import preset_config
+    from .models import MOE_PRESETS, PRESETS, preset_config
     from .parallel.layout import Layout
 
-    from .models import PRESETS
-
-    needs_model = cfg.tp > 1 or cfg.sp or cfg.pp > 1 or cfg.cp > 1
+    needs_model = cfg.tp > 1 or cfg.sp or cfg.pp > 1 or cfg.cp > 1 or cfg.ep > 1 \
+        or cfg.model in MOE_PRESETS
     over = cfg.model_overrides()
-    if cfg.model in PRESETS:  # a Llama: its dropout matters to cp
+    if cfg.model in PRESETS or cfg.model in MOE_PRESETS:  # a Llama: its dropout matters to cp
         over = {"dropout": cfg.dropout, **over}
     Layout.from_config(cfg).check(
         preset_config(cfg.model, cfg.vocab_size, **over) if needs_model

@@ -110,6 +110,39 @@ def evaluate(engine, work, topo, cfg: TrainConfig) -> float:
     return float(sums[0] / sums[1])
 
 
+def moe_metrics(engine, topo, tokens: int, model_cfg) -> dict:
+    """A mixture of experts' step record for ``metrics.jsonl`` ({} without MoE layers): the loss
+    breakdown ``loss_ce`` + ``loss_balance`` + ``loss_z`` (= the logged loss; each a sum over
+    the step's tokens / ``tokens``, the global count), the routed copies each expert took over
+    all MoE layers, ``moe_tokens_per_expert`` [E], its ``min``/``mean``/``max`` and the
+    imbalance ratio max / mean (1 = perfectly balanced), and ``moe_dropped`` copies (capacity
+    factor). One fp64 all-reduce of [3 + E] over the data axis (and pp: each stage holds other
+    layers), phase ``"metrics"``, outside the step's bytes."""
+    from ..models.moe import moe_stats
+
+    n = getattr(model_cfg, "n_experts", None)
+    if n is None:
+        return {}
+    st = moe_stats(engine.module)
+    if st is None:  # a pipeline stage without MoE layers still joins the sum
+        st = {"balance": 0.0, "z": 0.0, "dropped": 0, "tokens": torch.zeros(1, n)}
+    vec = torch.cat([torch.tensor([float(st["balance"]), float(st["z"]), float(st["dropped"])],
+                                  dtype=torch.float64),
+                     st["tokens"].sum(0).double()]).to(topo.device)
+    axes = [topo.data_axis] + (["pp"] if topo.size("pp") > 1 else [])
+    with topo.ledger.phase("metrics"):
+        for axis in axes:
+            comm.all_reduce(vec, topo, axis, tag="moe_stats")
+    vec = vec.cpu()
+    per_expert = [int(round(x)) for x in vec[3:].tolist()]
+    mean = sum(per_expert) / len(per_expert)
+    return {"loss_balance": float(vec[0]) / tokens, "loss_z": float(vec[1]) / tokens,
+            "moe_tokens_per_expert": per_expert, "moe_tokens_min": min(per_expert),
+            "moe_tokens_mean": mean, "moe_tokens_max": max(per_expert),
+            "moe_imbalance": max(per_expert) / mean if mean else 1.0,
+            "moe_dropped": int(round(float(vec[2])))}
+
+
 def train(cfg: TrainConfig) -> dict:
     """Train with ``cfg`` on this rank (one of ``WORLD_SIZE`` ranks, or alone). Returns a summary
     dict (rank 0: first/last validation loss, wall time, tokens/s)."""
@@ -136,7 +169,8 @@ def train(cfg: TrainConfig) -> dict:
     resume_from = None if refused else _find_resume(cfg, work, rank, fingerprint)
 
     init_distributed(cfg.device, cfg.timeout)
-    topo = Topology(cfg.pp, cfg.dp, cfg.tp, cp=cfg.cp, device=cfg.device, timeout_s=cfg.timeout,
+    topo = Topology(cfg.pp, cfg.dp, cfg.tp, cp=cfg.cp, ep=cfg.ep, device=cfg.device,
+                    timeout_s=cfg.timeout,
                     collectives=cfg.collectives, check_collectives=cfg.check_collectives)
     with topo.ledger.phase("init"):
         out, refused = comm.broadcast_object((out_name, refused), topo, "world")
@@ -257,6 +291,9 @@ def train(cfg: TrainConfig) -> dict:
                # model state this rank holds (bytes): parameters + gradients + optimizer state
                "mem_bytes": res.state_bytes["total"],
                **{f"mem_{k}_bytes": v for k, v in res.state_bytes.items() if k != "total"}}
+        rec.update(moe_metrics(engine, topo, res.tokens, model_cfg))  # {}: a dense model
+        if "loss_balance" in rec:
+            rec["loss_ce"] = rec["loss"] - rec["loss_balance"] - rec["loss_z"]
         if step == 1 and is_main:
             write_ledger_json(out / "ledger.json", topo, engine, cfg)
         if step == start + 1:  # the first step this run takes (step 1 unless resumed)
@@ -274,6 +311,11 @@ def train(cfg: TrainConfig) -> dict:
             msg = (f"step {step}/{cfg.steps}: loss {res.loss:.4f}, lr {rec['lr']:.2e}, "
                    f"grad norm {res.grad_norm:.3f}, {rec['tokens_per_s']:,.0f} tok/s, "
                    f"{dt * 1e3:.0f} ms/step, {rec['tflops']:.3f} TFLOP/s, MFU {rec['mfu']:.1%}")
+            if "moe_imbalance" in rec:
+                msg += (f" (ce {rec['loss_ce']:.4f} + balance {rec['loss_balance']:.4f} + z "
+                        f"{rec['loss_z']:.4f}; expert load max/mean {rec['moe_imbalance']:.2f}"
+                        + (f", {rec['moe_dropped']} dropped" if rec["moe_dropped"] else "")
+                        + ")")
             if "val_loss" in rec:
                 msg += f", validation loss {rec['val_loss']:.4f}"
             (bar.write(msg) if bar is not None else log.info(msg))
