@@ -56,11 +56,19 @@ from .errors import ShardwiseConfigError
 # -- FLOPs ---------------------------------------------------------------------------------------
 def matmul_params(cfg) -> int:
     """``N_mm``: parameters in per-token matmuls (see the module docstring) of a
-    :class:`~shardwise.models.LlamaConfig` or :class:`~shardwise.models.MLPConfig`."""
+    :class:`~shardwise.models.LlamaConfig` (an MoE one: the active parameters) or
+    :class:`~shardwise.models.MLPConfig`."""
     if hasattr(cfg, "vocab_size"):
         d, f, L, V = cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.vocab_size
         kv = cfg.n_kv_heads * cfg.head_dim
-        return L * (2 * d * d + 2 * d * kv + 3 * d * f) + d * V
+        dense = L * (2 * d * d + 2 * d * kv + 3 * d * f) + d * V
+        if getattr(cfg, "n_experts", None) is None:
+            return dense
+        # a mixture of experts: a token's MoE block runs its router, top_k routed and the
+        # shared experts instead of the dense SwiGLU (the *active* parameters; Mixtral §2)
+        fe = cfg.d_expert
+        moe = d * cfg.n_experts + (cfg.top_k + cfg.n_shared_experts) * 3 * d * fe
+        return dense + cfg.n_moe_layers * (moe - 3 * d * f)
     return cfg.n_layers * 2 * cfg.d_model * cfg.d_ff
 
 

@@ -66,8 +66,7 @@ class AllToAllDispatcher(nn.Module):
         recv_rows = [sum(r) for r in recv]
         if not _in_backward():
             self.records.append({"counts": list(counts), "received": recv_rows,
-                                 "row_bytes": rows[0].numel() * rows.element_size()
-                                 if rows.shape[0] else rows.shape[1] * rows.element_size()})
+                                 "row_bytes": rows.shape[1] * rows.element_size()})
         got = _AllToAllV.apply(rows, send_rows, recv_rows, self.topo, "ep_dispatch")
         # the received rows come as blocks (source j, local expert l), j-major: regroup them
         # l-major so each local expert's rows are contiguous
