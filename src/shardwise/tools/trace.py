@@ -136,6 +136,7 @@ def trace_worker(cfg: TrainConfig) -> int:
     gathered = torch.zeros(topo.world_size * 2, dtype=torch.float64)
     with topo.ledger.phase("verify"):
         comm.all_gather(gathered, totals, topo, "world")
+    split = ep_split_matrices(engine, topo) if layout.ep > 1 else None
     if dist.get_rank() == 0:
         from ..models import LlamaConfig, preset_config
 
@@ -191,7 +192,44 @@ def trace_worker(cfg: TrainConfig) -> int:
             print()
             for line in _cp_lines(cfg, mcfg, engine, topo, recs, first, n_micro):
                 print(line)
+        if split is not None:
+            print()
+            for line in ep_section(split, mcfg.d_model):
+                print(line)
     return 0
+
+
+def ep_split_matrices(engine, topo) -> torch.Tensor:
+    """The step's all-to-all split matrices of this rank's ep group: [L_moe, ep, ep] int64,
+    entry [l, i, j] = token rows ep rank i sent to ep rank j in MoE layer l (all micro-batches,
+    forward dispatch; the combine sends them back). One all_gather over "ep" (phase
+    ``"verify"``, outside the step); every rank calls it."""
+    from ..parallel.ep import split_matrix
+
+    mine = torch.tensor(split_matrix(engine.module), dtype=torch.long)  # [L, ep]
+    n = topo.size("ep")
+    rows = torch.zeros(n * mine.numel(), dtype=torch.long)
+    with topo.ledger.phase("verify"):
+        comm.all_gather(rows, mine.reshape(-1), topo, "ep", tag="trace")
+    return rows.view(n, *mine.shape).permute(1, 0, 2)  # [L, sender, receiver]
+
+
+def ep_section(split: torch.Tensor, d: int) -> list[str]:
+    """The ep section of the trace: per MoE layer, which ep rank sent how many token rows to
+    which (the routing made visible), and the off-diagonal rows × d × 4 bytes each rank sends
+    in the dispatch (the combine returns the transpose)."""
+    n = split.shape[1]
+    out = [f"ep: the all-to-all split matrices (token rows, forward dispatch; rank 0's ep "
+           f"group; row = sender, column = receiver; combine = transpose; row bytes = d·4 = "
+           f"{d * 4})"]
+    for layer, m in enumerate(split.tolist()):
+        out.append(f"  MoE layer {layer}:  " + " ".join(f"→{j:<7}" for j in range(n))
+                   + "  sent to others (bytes)")
+        for i, row in enumerate(m):
+            others = sum(row) - row[i]
+            out.append(f"    ep {i:<8}" + " ".join(f"{x:<8}" for x in row)
+                       + f"  {others:,} rows = {others * d * 4:,} B")
+    return out
 
 
 def _cp_lines(cfg, mcfg, engine, topo, recs, first: int, n_micro: int) -> list[str]:

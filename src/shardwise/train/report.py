@@ -14,7 +14,8 @@ from ..topology import AXES
 
 def describe_groups(topo) -> list[str]:
     """Log lines: the mesh shape and, per axis of size > 1, the global ranks of each group
-    (from ``topo.grid`` [pp, dp, cp, tp], tp innermost; shown as [pp, dp, tp] when cp = 1)."""
+    (from ``topo.grid`` [pp, dp, cp, tp], tp innermost; shown as [pp, dp, tp] when cp = 1),
+    and with expert parallelism the ep and edp groups inside each data line."""
     grid = topo.grid
     if grid.dim() == 4 and grid.shape[2] == 1:
         grid = grid.squeeze(2)
@@ -30,6 +31,15 @@ def describe_groups(topo) -> list[str]:
     if grid.dim() == 4:  # cp > 1: the gradient sync's dp × cp lines (the data axis)
         p, dp, cp, tp = grid.shape
         groups["dp_cp (gradients)"] = grid.permute(0, 3, 1, 2).reshape(p * tp, dp * cp).tolist()
+    if topo.size("ep") > 1:  # expert parallelism inside each data line
+        p, dp, cp, tp = topo.grid.shape
+        data = topo.grid.permute(0, 3, 1, 2).reshape(p * tp, dp * cp).tolist()
+        ep = topo.size("ep")
+        groups["ep (experts shared out)"] = [line[g:g + ep] for line in data
+                                             for g in range(0, dp * cp, ep)]
+        if ep < dp * cp:
+            groups["edp (expert gradients)"] = [line[j::ep] for line in data
+                                                for j in range(ep)]
     for axis, lines_of in groups.items():
         lines.append(f"    {axis} groups: " + " ".join(
             "{" + ",".join(map(str, g)) + "}" for g in lines_of))
