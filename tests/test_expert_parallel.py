@@ -38,9 +38,16 @@ def ranks(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt", weights_only=False)["cases"] for r in range(NPROC)]
 
 
+@pytest.fixture(scope="module")
+def ranks_n8(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ep8")
+    run_world(ROOT / "tests" / "workers" / "ep_n8_cases.py", out, 8)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False)["cases"] for r in range(8)]
+
+
 def reference(name: str, indices: torch.Tensor) -> dict:
     """The single-process step of case ``name``: loss and gradients of the whole batch."""
-    _, _, _, over, _, zero_router = W.CASES[name]
+    _, _, _, over, _, zero_router = W.ALL[name]
     work = SyntheticLMWorkload(vocab_size=W.VOCAB, seq_len=W.SEQ, num_train=64, num_val=8,
                                seed=0)
     model = W.make_model(over, zero_router)
@@ -50,11 +57,9 @@ def reference(name: str, indices: torch.Tensor) -> dict:
     return {"loss": loss.item(), "grads": {n: p.grad for n, p in model.named_parameters()}}
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", list(W.CASES))
-def test_loss_and_every_gradient_equal_one_process(ranks, name):
+def _check_parity(ranks, name):
     ref = reference(name, ranks[0][name]["global_indices"])
-    for r in range(NPROC):
+    for r in range(len(ranks)):
         rec = ranks[r][name]
         torch.testing.assert_close(torch.tensor(rec["loss"]), torch.tensor(ref["loss"]),
                                    rtol=RTOL, atol=ATOL)
@@ -64,18 +69,37 @@ def test_loss_and_every_gradient_equal_one_process(ranks, name):
                                        msg=lambda m: f"{name} rank {r} {n}: {m}")
 
 
+def _check_ledger(ranks, name):
+    for r in range(len(ranks)):
+        rec = ranks[r][name]
+        formula = {k: v for k, v in rec["formula"].items() if k != "total" and v}
+        ledger = {k: v for k, v in rec["ledger"].items() if v}
+        assert ledger == formula, (name, r, ledger, formula)
+        if W.ALL[name][2] > 1:
+            assert ledger["ep_dispatch"] > 0 or name.startswith("skew"), (name, r)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(W.CASES))
+def test_loss_and_every_gradient_equal_one_process(ranks, name):
+    _check_parity(ranks, name)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(W.CASES))
 def test_ledger_equals_the_formula_of_the_steps_routing(ranks, name):
     """Per tag, to the byte: ep_counts, ep_dispatch, ep_combine (from the routing counts each
     rank recorded), grad (dense over dp, experts over edp), grad_norm, loss."""
-    for r in range(NPROC):
-        rec = ranks[r][name]
-        formula = {k: v for k, v in rec["formula"].items() if k != "total" and v}
-        ledger = {k: v for k, v in rec["ledger"].items() if v}
-        assert ledger == formula, (name, r, ledger, formula)
-        if W.CASES[name][2] > 1:
-            assert ledger["ep_dispatch"] > 0 or name.startswith("skew"), (name, r)
+    _check_ledger(ranks, name)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(W.CASES_N8))
+def test_bounded_n8_set_equals_one_process_and_its_formula(ranks_n8, name):
+    """N = 8: ep = 8 over E = 8 experts, ep = 4 with a shared expert, tp = 2 × ep = 4 and
+    tp = 2 × ep = 2 with a capacity factor."""
+    _check_parity(ranks_n8, name)
+    _check_ledger(ranks_n8, name)
 
 
 def test_skewed_routing_sends_everything_to_expert_zero(ranks):

@@ -62,8 +62,19 @@ def make_model(overrides: dict, zero_router: bool):
     return model
 
 
+# the bounded N = 8 set (workers/ep_n8_cases.py): ep = 8 (E = 8), ep = 4 with a shared
+# expert, and tp = 2 with ep = 2 and 4
+CASES_N8 = {
+    "dp8_ep8_top2": (8, 1, 8, dict(n_experts=8), "native", False),
+    "dp8_ep4_top1_shared": (8, 1, 4, dict(top_k=1, n_shared_experts=1), "native", False),
+    "dp4_tp2_ep4": (4, 2, 4, {}, "native", False),
+    "dp4_tp2_ep2_capacity": (4, 2, 2, dict(capacity_factor=1.25), "native", False),
+}
+ALL = {**CASES, **CASES_N8}
+
+
 def run_case(name: str, work) -> dict:
-    dp, tp, ep, over, collectives, zero_router = CASES[name]
+    dp, tp, ep, over, collectives, zero_router = ALL[name]
     topo = Topology(dp=dp, tp=tp, ep=ep, timeout_s=60, collectives=collectives)
     engine = parallelize(make_model(over, zero_router), topo, Layout(dp=dp, tp=tp, ep=ep))
     opt = build_optimizer(engine, TrainConfig(model="moe-tiny", lr=3e-4))
@@ -86,11 +97,11 @@ def run_case(name: str, work) -> dict:
             "global_indices": torch.cat(every), "ep_index": topo.index("ep")}
 
 
-def main(out: str) -> None:
+def main(out: str, cases: dict = CASES) -> None:
     init_distributed("cpu", timeout_s=60)
     rank = dist.get_rank()
     work = SyntheticLMWorkload(vocab_size=VOCAB, seq_len=SEQ, num_train=64, num_val=8, seed=0)
-    rec = {"rank": rank, "cases": {name: run_case(name, work) for name in CASES}}
+    rec = {"rank": rank, "cases": {name: run_case(name, work) for name in cases}}
     torch.save(rec, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 
