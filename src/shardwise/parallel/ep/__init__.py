@@ -22,8 +22,9 @@ One MoE layer's forward on rank i of an ep group (:class:`~.dispatch.AllToAllDis
 Backward mirrors both token all-to-alls (the gradient of a dispatch is a combine-shaped
 all-to-all and vice versa; booked under the same tags). Bytes this rank sends per layer and
 micro-batch, with ``S_i`` = rows it sends to others and ``R_i`` = rows it receives from others
-(d_model · 4 bytes each, fp32 activations): dispatch S_i + combine R_i forward, and R_i + S_i
-backward, i.e. 2·(S_i + R_i)·d·4, plus (ep−1)/ep · E · 8 for the counts
+(d_model · 4 bytes each, fp32 activations; the combine's rows are the expert outputs, 2 bytes
+per element under bf16 autocast): dispatch S_i + combine R_i forward, and R_i + S_i backward,
+i.e. 2·(S_i + R_i)·d·4, plus (ep−1)/ep · E · 8 for the counts
 (:func:`ep_bytes_formula`: from the step's *actual* routing, so the ledger equals it every
 step, however skewed the routing). Uniform routing makes S_i = R_i = (ep−1)/ep · T·k.
 
@@ -114,7 +115,8 @@ def ep_bytes_formula(module: nn.Module, topo) -> dict[str, float]:
     layer and micro-batch, counts (ep−1)/ep · E · 8; dispatch S·row forward + R·row backward,
     combine R·row forward + S·row backward, with S the rows this rank addressed to other ranks
     (its router's counts for the experts it does not hold), R the rows the others addressed to
-    it, and row = d_model × the element size. {} without expert parallelism."""
+    it, and row = d_model × the element size (the dispatched activations' dtype; the expert
+    outputs', bf16 under autocast, for the combine). {} without expert parallelism."""
     from ...models.moe import moe_layers
 
     if topo is None or topo.size("ep") == 1:
@@ -127,10 +129,9 @@ def ep_bytes_formula(module: nn.Module, topo) -> dict[str, float]:
             send = [sum(rec["counts"][j * per:(j + 1) * per]) for j in range(ep)]
             s_rows = sum(send) - send[i]
             r_rows = sum(rec["received"]) - rec["received"][i]
-            row = rec["row_bytes"]
             out["ep_counts"] += (ep - 1) / ep * m.n_experts * 8
-            out["ep_dispatch"] += (s_rows + r_rows) * row
-            out["ep_combine"] += (r_rows + s_rows) * row
+            out["ep_dispatch"] += (s_rows + r_rows) * rec["row_bytes"]
+            out["ep_combine"] += (r_rows + s_rows) * rec["combine_row_bytes"]
     return out
 
 

@@ -41,7 +41,8 @@ class AllToAllDispatcher(nn.Module):
 
     ``records``: one dict per forward (not recomputes) since :meth:`reset`: ``counts`` [E] rows
     this rank routed to each expert, ``received`` [ep] rows each ep rank sent here,
-    ``row_bytes`` bytes of one row — what :func:`~shardwise.parallel.ep.ep_bytes_formula`
+    ``row_bytes`` bytes of one dispatched row (the activations' dtype) and
+    ``combine_row_bytes`` of one expert output row (bf16 under autocast) — what :func:`~shardwise.parallel.ep.ep_bytes_formula`
     computes the step's bytes from."""
 
     def __init__(self, topo, n_experts: int):
@@ -64,9 +65,10 @@ class AllToAllDispatcher(nn.Module):
         recv = recv_counts.tolist()
         send_rows = [sum(r) for r in send_counts.tolist()]
         recv_rows = [sum(r) for r in recv]
+        record = {"counts": list(counts), "received": recv_rows,
+                  "row_bytes": rows.shape[1] * rows.element_size()}
         if not _in_backward():
-            self.records.append({"counts": list(counts), "received": recv_rows,
-                                 "row_bytes": rows.shape[1] * rows.element_size()})
+            self.records.append(record)
         got = _AllToAllV.apply(rows, send_rows, recv_rows, self.topo, "ep_dispatch")
         # the received rows come as blocks (source j, local expert l), j-major: regroup them
         # l-major so each local expert's rows are contiguous
@@ -82,4 +84,6 @@ class AllToAllDispatcher(nn.Module):
         local_counts = [sum(recv[j][l] for j in range(ep)) for l in range(per)]
         y = experts(got[perm], local_counts)  # [M, d], l-major
         back = torch.empty_like(y).index_copy(0, perm, y) if y.shape[0] else y  # j-major again
+        # the expert outputs travel in their own dtype (bf16 under autocast)
+        record["combine_row_bytes"] = y.shape[1] * y.element_size()
         return _AllToAllV.apply(back, recv_rows, send_rows, self.topo, "ep_combine")
