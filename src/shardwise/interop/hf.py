@@ -1,10 +1,12 @@
-"""Hugging Face ``LlamaForCausalLM`` folders in and out of shardwise's Llama.
+"""Hugging Face ``LlamaForCausalLM`` and ``MixtralForCausalLM`` folders in and out of shardwise's
+Llama and its mixture of experts (:class:`~shardwise.models.MoELlama`).
 
 Export (``shardwise export --checkpoint DIR --to hf OUT``, :func:`export_hf`) reads one of our
 checkpoints (``checkpoints/step_N/``: DCP files with full-shape tensors under ``model.<FQN>``, and
 ``meta.json`` with the run's config) on one process, renames the tensors, and writes::
 
-    OUT/config.json            LlamaConfig fields (architectures = ["LlamaForCausalLM"])
+    OUT/config.json            LlamaConfig fields (architectures = ["LlamaForCausalLM"]; a MoE
+                               model: MixtralConfig fields, ["MixtralForCausalLM"])
     OUT/model.safetensors      fp32 tensors under Hugging Face names
     OUT/tokenizer.json         the run's tokenizer as a `tokenizers` file (when it can be found)
     OUT/tokenizer_config.json  PreTrainedTokenizerFast, eos token, model_max_length
@@ -37,6 +39,32 @@ its "rotate-half" RoPE (pairs x[j], x[j + hd/2]) computes the same thing. Our
 checks the logits, which would differ if either side rotated other pairs). GQA: k/v projections
 hold ``num_key_value_heads`` heads, query head ``q`` uses kv head ``q // (h/k)`` on both sides.
 RMSNorm: ``rms_norm_eps`` ↔ ``norm_eps``; both normalise in fp32 and multiply by the weight.
+
+**Mixtral** (Jiang et al. 2024; ``model_type = "mixtral"``) is our :class:`MoELlama` with every
+block a MoE (``moe_every = 1``), no shared experts, renormalised top-k weights (``norm_topk``) and
+no capacity (dropless): attention, norms and embeddings map as above, and per MoE block::
+
+    layers.{i}.feed_forward.router.weight    model.layers.{i}.block_sparse_moe.gate.weight  [E, d]
+    layers.{i}.feed_forward.experts.w1[j]    model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight
+    layers.{i}.feed_forward.experts.w3[j]    model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight
+    layers.{i}.feed_forward.experts.w2[j]    model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight
+
+(w1, w3 [f, d], w2 [d, f] per expert j; f = ``intermediate_size`` = our ``d_expert``). That is the
+file layout of the Hub's Mixtral-8x7B and what ``save_pretrained`` writes in transformers 4.x and
+5.x alike; transformers 5 stacks the experts in memory (``model.layers.{i}.mlp.gate.weight``,
+``mlp.experts.gate_up_proj`` [E, 2f, d] = cat(w1, w3) on dim 1, ``mlp.experts.down_proj``
+[E, d, f] = w2: our own layout) and converts on load and save. Import accepts both namings.
+Mixtral's router is ours: softmax over E in fp32, top-k, the k weights divided by their sum
+(``MixtralTopKRouter``), so the logits are equal; only on an *exact* tie of two probabilities
+could the two differ (``torch.topk`` promises no order among ties, we take the lower index).
+What Mixtral cannot represent is refused on export (:func:`check_hf_exportable`): shared experts,
+``moe_every`` > 1, a capacity factor (Mixtral never drops a token), unnormalised top-k weights.
+The auxiliary losses do not change logits; their coefficients travel as ``router_aux_loss_coef``
+(= our α; note that transformers' own balance loss, used only with ``output_router_logits``,
+pools the batch and the layers and lets f sum to k, where ours is per sequence and per layer) and
+``router_z_loss_coef`` (= β, a key Mixtral ignores; a folder without it imports with β = 0, as
+Mixtral was trained without a z-loss). ``router_jitter_noise`` (training-time input noise in
+transformers) is not read.
 
 GPT-2 (``model_type = "gpt2"``) is refused: it has learned absolute position embeddings,
 LayerNorm with bias, a GELU MLP and biases on every projection; our Llama family (RoPE, RMSNorm,
@@ -76,6 +104,13 @@ _TOP_MAP = [("tok_embeddings.weight", "model.embed_tokens.weight"),
             ("output.weight", "lm_head.weight")]
 _OURS_TO_HF = {**dict(_TOP_MAP), **{f"layers.{{i}}.{a}": f"model.layers.{{i}}.{b}"
                                     for a, b in _LAYER_MAP}}
+# Mixtral: ours → HF (the file layout; block i, expert j) and the HF names import accepts
+_MOE_OURS = re.compile(r"layers\.(\d+)\.feed_forward\.(router\.weight|experts\.w[123])")
+_MOE_HF = re.compile(r"model\.layers\.(\d+)\.(?:"
+                     r"(?:block_sparse_moe|mlp)\.(?P<gate>gate)\.weight|"
+                     r"block_sparse_moe\.experts\.(?P<j>\d+)\.(?P<w>w[123])\.weight|"
+                     r"mlp\.experts\.(?P<stacked>gate_up_proj|down_proj))")
+_DENSE_FFN = re.compile(r"layers\.\d+\.feed_forward\.w[123]\.weight")
 # tensors some HF checkpoints carry that are recomputed, not learned
 _HF_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq|"
                          r"model\.rotary_emb\.inv_freq")
@@ -97,19 +132,33 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], tie_embeddings: bool
     """Our plain-model FQNs → Hugging Face names (same tensors, no copy, no permutation).
 
     ``output.weight`` is dropped when ``tie_embeddings`` (HF ties ``lm_head`` to the embedding).
-    Raises ShardwiseConfigError for a name with no HF counterpart."""
+    A MoE model's stacked experts [E, …] become Mixtral's E per-expert tensors (views ``t[j]``;
+    module docstring). Raises ShardwiseConfigError for a name with no HF counterpart, or for a
+    model that mixes dense and MoE blocks (a Mixtral's every block is a MoE)."""
     out, unknown = {}, []
+    moe = any(_MOE_OURS.fullmatch(n) for n in state)
     for name, t in state.items():
         if name == "output.weight" and tie_embeddings:
             continue
-        hf = _rename(name, _OURS_TO_HF)
+        m = _MOE_OURS.fullmatch(name)
+        if m:
+            i, part = m.groups()
+            if part == "router.weight":
+                out[f"model.layers.{i}.block_sparse_moe.gate.weight"] = t
+            else:
+                for j in range(t.shape[0]):
+                    out[f"model.layers.{i}.block_sparse_moe.experts.{j}.{part[-2:]}.weight"] = t[j]
+            continue
+        hf = None if moe and _DENSE_FFN.fullmatch(name) else _rename(name, _OURS_TO_HF)
         if hf is None:
             unknown.append(name)
         else:
             out[hf] = t
     if unknown:
-        raise ShardwiseConfigError(f"no Hugging Face name for {unknown[:5]}: only the Llama "
-                                   "models (--model tiny/small/base) export to HF")
+        raise ShardwiseConfigError(
+            f"no Hugging Face name for {unknown[:5]}: only the Llama models (--model "
+            "tiny/small/base) and mixtures of experts with every block a MoE and no shared "
+            "experts (Mixtral) export to HF")
     return out
 
 
@@ -119,22 +168,59 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], tie_embeddings: bool, source
 
     With ``tie_embeddings`` the embedding is also returned as ``output.weight`` (our tied
     model's state dict holds both names for one tensor) and any ``lm_head.weight`` is ignored.
-    Raises ShardwiseConfigError listing names we cannot place (biases, other architectures)."""
+    Mixtral's per-expert tensors are stacked in expert order (``torch.stack``: a copy); its
+    transformers-5 names (``mlp.experts.gate_up_proj``, split into w1 and w3 as views) load too.
+    Raises ShardwiseConfigError listing names we cannot place (biases, other architectures), an
+    expert missing from a block, a tensor given twice, or experts of unequal shapes."""
     back = {v: k for k, v in _OURS_TO_HF.items()}
     out, unknown = {}, []
+    experts: dict[str, dict[int, torch.Tensor]] = {}  # our stacked FQN → {expert j: tensor}
+
+    def put(name: str, t: torch.Tensor) -> None:
+        if name in out:
+            raise ShardwiseConfigError(f"{source}: {name} is given twice (per-expert and "
+                                       "stacked Mixtral tensors of one block?): keep one naming")
+        out[name] = t
+
     for name, t in hf.items():
         if _HF_IGNORED.fullmatch(name) or (name == "lm_head.weight" and tie_embeddings):
+            continue
+        m = _MOE_HF.fullmatch(name)
+        if m:
+            ff = f"layers.{m.group(1)}.feed_forward"
+            if m.group("gate"):
+                put(f"{ff}.router.weight", t)
+            elif m.group("w"):
+                experts.setdefault(f"{ff}.experts.{m.group('w')}", {})[int(m.group("j"))] = t
+            elif m.group("stacked") == "down_proj":
+                put(f"{ff}.experts.w2", t)
+            else:  # gate_up_proj [E, 2f, d] = cat(w1, w3) on dim 1
+                f = t.shape[1] // 2
+                put(f"{ff}.experts.w1", t[:, :f])
+                put(f"{ff}.experts.w3", t[:, f:])
             continue
         ours = _rename(name, back)
         if ours is None:
             unknown.append(name)
         else:
-            out[ours] = t
+            put(ours, t)
     if unknown:
         raise ShardwiseConfigError(
             f"{source}: tensors {unknown[:6]}{' …' if len(unknown) > 6 else ''} have no place in "
             "shardwise's Llama (no biases, RMSNorm, SwiGLU): only bias-free Llama checkpoints "
             "load; check model_type/attention_bias/mlp_bias in config.json")
+    for name, parts in sorted(experts.items()):
+        missing = sorted(set(range(max(parts) + 1)) - set(parts))
+        if missing:
+            raise ShardwiseConfigError(f"{source}: {name}: experts {missing[:6]} are missing "
+                                       "(the per-expert tensors of a block must all be there): "
+                                       "copy the whole model folder")
+        try:
+            put(name, torch.stack([parts[j] for j in range(len(parts))]))
+        except RuntimeError as e:  # experts of unequal shapes
+            raise ShardwiseConfigError(f"{source}: {name}: the experts' tensors differ in shape "
+                                       f"({str(e).splitlines()[0]}): not a Mixtral "
+                                       "checkpoint") from None
     if tie_embeddings and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
@@ -142,11 +228,47 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], tie_embeddings: bool, source
 
 # ---------------------------------------------------------------------------------- configs
 
+def _is_moe(cfg) -> bool:
+    from ..models import MoEConfig
+
+    return isinstance(cfg, MoEConfig)
+
+
+def check_hf_exportable(cfg) -> str:
+    """The Hugging Face architecture our config ``cfg`` exports to: ``"LlamaForCausalLM"`` for a
+    :class:`~shardwise.models.LlamaConfig`, ``"MixtralForCausalLM"`` for a
+    :class:`~shardwise.models.MoEConfig` that Mixtral can express. Raises ShardwiseConfigError
+    naming what it cannot: shared experts, ``moe_every`` > 1, a capacity factor, unnormalised
+    top-k weights (each would make transformers compute other logits)."""
+    if not _is_moe(cfg):
+        return "LlamaForCausalLM"
+    why = []
+    if cfg.n_shared_experts:
+        why.append(f"n_shared_experts={cfg.n_shared_experts} (Mixtral has no shared experts)")
+    if cfg.moe_every != 1:
+        why.append(f"moe_every={cfg.moe_every} (every Mixtral block is a MoE; ours mixes in "
+                   "dense blocks)")
+    if cfg.capacity_factor is not None:
+        why.append(f"capacity_factor={cfg.capacity_factor} (Mixtral is dropless: it never "
+                   "drops a token)")
+    if not cfg.norm_topk:
+        why.append("norm_topk=False (Mixtral divides its top-k weights by their sum)")
+    if why:
+        raise ShardwiseConfigError(
+            "export: a MixtralForCausalLM cannot represent this mixture of experts: "
+            + "; ".join(why) + ": only MoE models with every block a MoE, no shared experts, "
+            "no capacity factor and renormalised top-k weights export to HF")
+    return "MixtralForCausalLM"
+
+
 def llama_to_hf_config(cfg, eos_id: int | None = None) -> dict:
-    """Our :class:`~shardwise.models.LlamaConfig` → a ``config.json`` dict for LlamaForCausalLM.
+    """Our :class:`~shardwise.models.LlamaConfig` → a ``config.json`` dict for LlamaForCausalLM
+    (a :class:`~shardwise.models.MoEConfig`: :func:`mixtral_to_hf_config`).
 
     Writes the RoPE base both as ``rope_theta`` (transformers 4.x) and ``rope_parameters``
     (5.x), so either version reads it."""
+    if _is_moe(cfg):
+        return mixtral_to_hf_config(cfg, eos_id)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -167,6 +289,44 @@ def llama_to_hf_config(cfg, eos_id: int | None = None) -> dict:
         "attention_dropout": 0.0,
         "mlp_bias": False,
         "pretraining_tp": 1,
+        "tie_word_embeddings": bool(cfg.tie_embeddings),
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+
+
+def mixtral_to_hf_config(cfg, eos_id: int | None = None) -> dict:
+    """Our :class:`~shardwise.models.MoEConfig` → a ``config.json`` dict for MixtralForCausalLM
+    (``intermediate_size`` = ``d_expert``; the auxiliary-loss coefficients as in the module
+    docstring; ``sliding_window`` null: full causal attention). Raises ShardwiseConfigError as
+    :func:`check_hf_exportable`."""
+    check_hf_exportable(cfg)
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_expert,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "initializer_range": cfg.init_std,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "sliding_window": None,
+        "attention_dropout": 0.0,
+        "num_local_experts": cfg.n_experts,
+        "num_experts_per_tok": cfg.top_k,
+        "output_router_logits": False,
+        "router_aux_loss_coef": cfg.aux_loss_coef,
+        "router_z_loss_coef": cfg.z_loss_coef,
+        "router_jitter_noise": 0.0,
         "tie_word_embeddings": bool(cfg.tie_embeddings),
         "bos_token_id": eos_id,
         "eos_token_id": eos_id,
@@ -197,9 +357,10 @@ def read_hf_config(folder: str | os.PathLike) -> dict:
 
 
 def hf_to_llama_config(hf: dict, source: str = "config.json"):
-    """A Hugging Face config dict → our LlamaConfig, or ShardwiseConfigError saying why the
-    architecture cannot be expressed (GPT-2, biases, RoPE scaling, another activation …)."""
-    from ..models import LlamaConfig
+    """A Hugging Face config dict → our LlamaConfig (``model_type`` "llama") or MoEConfig
+    ("mixtral"), or ShardwiseConfigError saying why the architecture cannot be expressed
+    (GPT-2, biases, RoPE scaling, another activation, a sliding attention window …)."""
+    from ..models import LlamaConfig, MoEConfig
 
     mt = hf.get("model_type")
     if mt == "gpt2":
@@ -207,10 +368,12 @@ def hf_to_llama_config(hf: dict, source: str = "config.json"):
             f"{source}: model_type 'gpt2' cannot be loaded: GPT-2 uses learned absolute position "
             "embeddings, LayerNorm with bias, a GELU MLP and biased projections, which "
             "shardwise's Llama family (RoPE, RMSNorm, SwiGLU, no biases) cannot express: "
-            "give a LlamaForCausalLM folder (model_type 'llama')")
-    if mt != "llama":
+            "give a LlamaForCausalLM folder (model_type 'llama') or a MixtralForCausalLM one "
+            "('mixtral')")
+    if mt not in ("llama", "mixtral"):
         raise ShardwiseConfigError(f"{source}: model_type {mt!r} is not supported: give a "
-                                   "LlamaForCausalLM folder (model_type 'llama')")
+                                   "LlamaForCausalLM folder (model_type 'llama') or a "
+                                   "MixtralForCausalLM one ('mixtral')")
     for key, ok in (("attention_bias", False), ("mlp_bias", False)):
         if hf.get(key, ok) != ok:
             raise ShardwiseConfigError(f"{source}: {key} = {hf[key]} but shardwise's Llama has "
@@ -225,22 +388,43 @@ def hf_to_llama_config(hf: dict, source: str = "config.json"):
         raise ShardwiseConfigError(
             f"{source}: RoPE scaling {rope_type!r} is not implemented (shardwise's RoPE is the "
             "plain rotate-half of RoFormer): use a checkpoint without rope_scaling")
+    # transformers' defaults where a field is absent: LlamaConfig's, or MixtralConfig's
+    mixtral = mt == "mixtral"
+    theta0, eps0, pos0 = (1e6, 1e-5, 4096 * 32) if mixtral else (10000.0, 1e-6, 2048)
     try:
         d, h = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        cfg = LlamaConfig(
+        kw = dict(
             vocab_size=int(hf["vocab_size"]), d_model=d,
             n_layers=int(hf["num_hidden_layers"]), n_heads=h,
             n_kv_heads=int(hf.get("num_key_value_heads") or h),
             d_ff=int(hf["intermediate_size"]),
-            max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-            rope_theta=float(hf.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_seq_len=int(hf.get("max_position_embeddings", pos0)),
+            rope_theta=float(hf.get("rope_theta") or (rope or {}).get("rope_theta") or theta0),
+            norm_eps=float(hf.get("rms_norm_eps", eps0)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             init_std=float(hf.get("initializer_range", 0.02)))
+        if mixtral:
+            kw.update(n_experts=int(hf.get("num_local_experts", 8)),
+                      top_k=int(hf.get("num_experts_per_tok", 2)), d_expert=kw["d_ff"],
+                      moe_every=1, n_shared_experts=0, capacity_factor=None, norm_topk=True,
+                      aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+                      z_loss_coef=float(hf.get("router_z_loss_coef", 0.0)))
+            window = hf.get("sliding_window")
+            window = None if window is None else int(window)
     except KeyError as e:
         raise ShardwiseConfigError(f"{source}: missing field {e.args[0]!r}: re-save the model "
                                    "with save_pretrained") from None
-    except ValueError as e:  # LlamaConfig's own checks (heads divide d_model, even head_dim)
+    except (TypeError, ValueError) as e:  # a field that is not a number
+        raise ShardwiseConfigError(f"{source}: {e}") from None
+    if mixtral and window is not None and window < kw["max_seq_len"]:
+        raise ShardwiseConfigError(
+            f"{source}: sliding_window = {window} < max_position_embeddings = "
+            f"{kw['max_seq_len']}: shardwise's attention is full causal attention, so sequences "
+            "longer than the window would attend differently: use a checkpoint with "
+            "sliding_window null")
+    try:
+        cfg = MoEConfig(**kw) if mixtral else LlamaConfig(**kw)
+    except ValueError as e:  # our configs' own checks: heads divide d_model, top_k ≤ E, …
         raise ShardwiseConfigError(f"{source}: {e}") from None
     if hf.get("head_dim") not in (None, cfg.head_dim):
         raise ShardwiseConfigError(
@@ -251,13 +435,25 @@ def hf_to_llama_config(hf: dict, source: str = "config.json"):
 
 ARCH_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len",
                "rope_theta", "norm_eps", "tie_embeddings")
+# the MoEConfig fields a Mixtral folder also decides (the loss coefficients stay the run's)
+MOE_ARCH_FIELDS = ("n_experts", "top_k", "d_expert", "moe_every", "n_shared_experts",
+                   "capacity_factor", "norm_topk")
+
+
+def hf_model_kind(folder: str | os.PathLike) -> str:
+    """``"moe"`` for a MixtralForCausalLM folder (build a MoE preset), ``"llama"`` for a
+    LlamaForCausalLM one. Raises as :func:`hf_to_llama_config`."""
+    cfg = hf_to_llama_config(read_hf_config(folder), source=f"{folder}/config.json")
+    return "moe" if _is_moe(cfg) else "llama"
 
 
 def hf_model_overrides(folder: str | os.PathLike) -> dict:
-    """The LlamaConfig fields (:data:`ARCH_FIELDS` + ``vocab_size``) of the HF folder, for
-    ``build_model(preset, **overrides)``. Raises as :func:`hf_to_llama_config`."""
+    """The config fields (:data:`ARCH_FIELDS` + ``vocab_size``, and for a Mixtral folder
+    :data:`MOE_ARCH_FIELDS`) of the HF folder, for ``build_model(preset, **overrides)`` (a MoE
+    preset for a Mixtral folder: :func:`hf_model_kind`). Raises as :func:`hf_to_llama_config`."""
     cfg = hf_to_llama_config(read_hf_config(folder), source=f"{folder}/config.json")
-    return {k: getattr(cfg, k) for k in (*ARCH_FIELDS, "vocab_size")}
+    fields = (*ARCH_FIELDS, "vocab_size", *(MOE_ARCH_FIELDS if _is_moe(cfg) else ()))
+    return {k: getattr(cfg, k) for k in fields}
 
 
 # ---------------------------------------------------------------------------------- weights
@@ -316,7 +512,7 @@ def check_weight_files(folder: str | os.PathLike, cfg=None) -> None:
     """Cheap pre-flight (headers only) for ``--init-from-hf``, run by ``config.validate`` before
     any collective: the weight files exist, every ``.safetensors`` header covers its file (a
     truncated copy fails here, on every rank, instead of after the process group exists), and,
-    given our LlamaConfig ``cfg``, the tensor names and shapes fit it."""
+    given our LlamaConfig or MoEConfig ``cfg``, the tensor names and shapes fit it."""
     shapes: dict[str, tuple] = {}
     for f in weight_files(folder):
         if not f.is_file():
@@ -337,21 +533,13 @@ def check_weight_files(folder: str | os.PathLike, cfg=None) -> None:
                                        "truncated; copy it again") from None
     if cfg is None or not shapes:
         return
-    from ..models import Llama
-
-    back = {v: k for k, v in _OURS_TO_HF.items()}
-    got, unknown = {}, []
-    for name, shape in shapes.items():
-        if _HF_IGNORED.fullmatch(name) or (name == "lm_head.weight" and cfg.tie_embeddings):
-            continue
-        ours = _rename(name, back)
-        (unknown.append(name) if ours is None else got.__setitem__(ours, shape))
-    if unknown:
-        raise ShardwiseConfigError(
-            f"{folder}: tensors {unknown[:6]} have no place in shardwise's Llama (no biases, "
-            "RMSNorm, SwiGLU): only bias-free Llama checkpoints load")
+    # the names and shapes as the weights would load: meta tensors through the same renaming
+    # (and Mixtral's expert stacking) that load_hf_weights applies
+    got = {k: tuple(v.shape) for k, v in from_hf_state_dict(
+        {k: torch.empty(v, device="meta") for k, v in shapes.items()}, cfg.tie_embeddings,
+        source=str(folder)).items()}
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in Llama(cfg).named_parameters()}
+        expected = {k: tuple(v.shape) for k, v in model_for(cfg).state_dict().items()}
     bad = [f"{k}: file {got.get(k, 'missing')} vs config.json {expected.get(k, 'absent')}"
            for k in sorted(set(expected) | set(got)) if got.get(k) != expected.get(k)]
     if bad:
@@ -360,13 +548,31 @@ def check_weight_files(folder: str | os.PathLike, cfg=None) -> None:
                                    "weights must come from the same save_pretrained")
 
 
+def model_for(cfg):
+    """Our plain model of config ``cfg``: :class:`~shardwise.models.MoELlama` for a MoEConfig,
+    else :class:`~shardwise.models.Llama` (on the current default device)."""
+    from ..models import Llama, MoELlama
+
+    return MoELlama(cfg) if _is_moe(cfg) else Llama(cfg)
+
+
 @torch.no_grad()
 def load_hf_weights(model, folder: str | os.PathLike) -> None:
-    """Copy the HF Llama folder's weights into our plain ``model`` (in place, before
+    """Copy the HF Llama or Mixtral folder's weights into our plain ``model`` (in place, before
     ``parallelize``). The architecture must match (build the model with
-    :func:`hf_model_overrides`); raises ShardwiseConfigError listing missing/unexpected names
-    and shape mismatches."""
+    :func:`hf_model_overrides`; a MoE preset for a Mixtral folder); raises ShardwiseConfigError
+    when the model is of the other kind, or listing missing/unexpected names and shape
+    mismatches."""
+    from ..models import MoELlama
+
     cfg = hf_to_llama_config(read_hf_config(folder), source=f"{folder}/config.json")
+    if _is_moe(cfg) != isinstance(model, MoELlama):
+        arch, have, need = (("MixtralForCausalLM", "a dense Llama", "a MoE") if _is_moe(cfg)
+                            else ("LlamaForCausalLM", "a MoELlama", "a dense"))
+        raise ShardwiseConfigError(
+            f"--init-from-hf {folder}: its config.json is a {arch} but the model built is "
+            f"{have}: build {need} model from the folder's overrides (hf_model_kind, "
+            "hf_model_overrides)")
     ours = from_hf_state_dict(read_hf_weights(folder), cfg.tie_embeddings, source=str(folder))
     _copy_into(model, ours, str(folder))
 
@@ -509,20 +715,28 @@ def _check_storage_files(step: Path, md) -> None:
 
 
 def checkpoint_model_config(state: dict[str, torch.Tensor], meta: dict):
-    """The LlamaConfig a checkpoint was trained with: ``meta["model_config"]`` when the run
-    recorded it, else the run config's preset + ``n_layers`` + ``tie_embeddings`` (+ the
-    ``--init-from-hf`` folder's architecture), with the vocabulary read off the embedding.
-    Raises ShardwiseConfigError when the tensors do not fit that config (listing them)."""
-    from ..models import LlamaConfig, PRESETS, preset_config
+    """The LlamaConfig (a MoEConfig for a mixture of experts) a checkpoint was trained with:
+    ``meta["model_config"]`` when the run recorded it, else the run config's preset +
+    ``n_layers`` + ``tie_embeddings`` (+ the ``--init-from-hf`` folder's architecture), with the
+    vocabulary read off the embedding. Raises ShardwiseConfigError for a model that is not
+    Llama-style, or when the tensors do not fit that config (listing them)."""
+    from ..models import MOE_PRESETS, PRESETS, LlamaConfig, MoEConfig, preset_config
 
     run = meta.get("config", {})
     if "model_config" in meta:
-        cfg = LlamaConfig(**meta["model_config"])
+        mc = meta["model_config"] or {}
+        try:
+            cfg = (MoEConfig if "n_experts" in mc else LlamaConfig)(**mc)
+        except TypeError as e:  # e.g. the regression MLP's config
+            raise ShardwiseConfigError(f"the checkpoint's model ({e}) is not a Llama-style "
+                                       "model: only the Llama and MoE models export to "
+                                       "HF") from None
     else:
         name = run.get("model", "")
-        if name not in PRESETS:
+        if name not in PRESETS and name not in MOE_PRESETS:
             raise ShardwiseConfigError(f"the checkpoint's model {name!r} is not a Llama preset: "
-                                       "only the Llama models (tiny/small/base) export to HF")
+                                       "only the Llama models (tiny/small/base) and the MoE "
+                                       "ones export to HF")
         if "tok_embeddings.weight" not in state:
             raise ShardwiseConfigError("the checkpoint has no tok_embeddings.weight (a pipeline "
                                        "checkpoint missing a stage?): cannot export")
@@ -534,10 +748,8 @@ def checkpoint_model_config(state: dict[str, torch.Tensor], meta: dict):
             over.update({k: v for k, v in hf_model_overrides(run["init_from_hf"]).items()
                          if k != "vocab_size"})
         cfg = preset_config(name, **over)
-    from ..models import Llama
-
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in Llama(cfg).named_parameters()}
+        expected = {k: tuple(v.shape) for k, v in model_for(cfg).named_parameters()}
     got = {k: tuple(v.shape) for k, v in state.items()}
     bad = [f"{k}: checkpoint {got.get(k, 'missing')} vs config {expected.get(k, 'absent')}"
            for k in sorted(set(expected) | set(got)) if got.get(k) != expected.get(k)]
@@ -618,7 +830,8 @@ def write_tokenizer_files(tok, out: Path, max_len: int) -> None:
 
 def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike,
               tokenizer: str | None = None) -> Path:
-    """Write a LlamaForCausalLM folder ``out`` from one of our checkpoints (see module doc).
+    """Write a LlamaForCausalLM folder ``out`` from one of our checkpoints (see module doc); a
+    MixtralForCausalLM folder when the checkpoint's model is a mixture of experts.
 
     ``tokenizer``: a tokenizer ``.json`` to ship instead of the run's own. The folder is written
     as ``out.tmp`` and renamed when complete. Returns ``out``. Raises ShardwiseConfigError for
@@ -629,6 +842,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike,
                                    "new output folder or remove it")
     state, meta, step = read_checkpoint(checkpoint)
     cfg = checkpoint_model_config(state, meta)
+    check_hf_exportable(cfg)  # before anything is written
     run = meta.get("config", {})
     try:
         if tokenizer:

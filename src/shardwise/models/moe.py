@@ -29,7 +29,8 @@ over ranks or micro-batches:
   as DeepSeek-V3's complementary sequence-wise loss, §2.1.2 eq. 17–20):
   ``L_bal = E · Σ_i f_i · P_i`` with ``f_i`` the fraction of the sequence's k·s routed copies
   that chose expert i (before any drop; no gradient) and ``P_i`` the mean router probability of
-  expert i over the sequence; 1 at perfect balance, E at total collapse.
+  expert i over the sequence; 1 at perfect balance (f_i = 1/E, whatever the P_i), E/k at total
+  collapse (a token picks an expert at most once, so f_i ≤ 1/k: E for top-1, as in Switch).
 * router z-loss (ST-MoE, Zoph et al. 2022 eq. 5): ``L_z = mean_t (logsumexp_i logits_ti)²``.
 
 Both enter the objective the way the token cross-entropy does, as sums divided by the step's
