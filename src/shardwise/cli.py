@@ -105,7 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     e = sub.add_parser("export", help="write a checkpoint as a Hugging Face LlamaForCausalLM "
-                       "folder (config.json, model.safetensors, tokenizer files)")
+                       "(an MoE model: MixtralForCausalLM) folder (config.json, "
+                       "model.safetensors, tokenizer files)")
     e.add_argument("--checkpoint", required=True, metavar="DIR",
                    help="a run folder (its latest checkpoint), or a checkpoints/step_N folder")
     e.add_argument("--to", required=True, choices=("hf",), help="output format")
@@ -207,9 +208,12 @@ def cmd_export(args, argv) -> int:
     """One process, no process group: read the checkpoint, write the HF folder."""
     from .interop.hf import export_hf
 
+    import json
+
     out = export_hf(args.checkpoint, args.out, tokenizer=args.tokenizer)
     files = ", ".join(sorted(f.name for f in out.iterdir()))  # every file export_hf wrote
-    print(f"shardwise export: {args.checkpoint} → {out} (LlamaForCausalLM: {files})")
+    arch = json.loads((out / "config.json").read_text())["architectures"][0]
+    print(f"shardwise export: {args.checkpoint} → {out} ({arch}: {files})")
     return 0
 
 

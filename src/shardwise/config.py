@@ -238,6 +238,15 @@ def from_args(args: argparse.Namespace, **defaults) -> TrainConfig:
         if "zero" not in chosen:
             given["zero"] = 0
     cfg = dataclasses.replace(cfg, **given)
+    if cfg.init_from_hf and "model" not in by_user and os.path.isdir(cfg.init_from_hf):
+        from .interop.hf import hf_model_kind  # the folder decides: dense Llama or Mixtral
+
+        try:
+            kind = hf_model_kind(cfg.init_from_hf)
+        except ShardwiseConfigError:  # validate() reports it, with the other checks
+            kind = "llama"
+        if kind == "moe":
+            cfg = dataclasses.replace(cfg, model="moe-small")
     if "capacity_factor" in by_user and not cfg.capacity_factor > 0:
         raise ShardwiseConfigError(
             f"--capacity-factor {cfg.capacity_factor} must be > 0 (each expert takes at most "
