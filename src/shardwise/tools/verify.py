@@ -60,8 +60,28 @@ def layouts_that_fit(nproc: int, bounded: bool = False) -> list[Layout]:
     ``nproc`` ranks, each factorization once with its most composed options (highest ZeRO
     stage, SP, zb-h1), and the 3D factorization also with interleaved 1F1B and ZeRO-1.
 
-    Then context parallelism (:func:`_cp_layouts`)."""
-    return _pp_dp_tp_layouts(nproc, bounded) + _cp_layouts(nproc, bounded)
+    Then context parallelism (:func:`_cp_layouts`) and expert parallelism
+    (:func:`_ep_layouts`: they run for a mixture-of-experts model only, ``--models moe-tiny``)."""
+    return (_pp_dp_tp_layouts(nproc, bounded) + _cp_layouts(nproc, bounded)
+            + _ep_layouts(nproc, bounded))
+
+
+def _ep_layouts(nproc: int, bounded: bool) -> list[Layout]:
+    """The ep layouts of :func:`layouts_that_fit` (explicit engine, MoE models only:
+    :func:`applies`). Full: ep = 2 and 4 over dp (ep = dp·cp and ep < dp), composed with ZeRO-1
+    and ZeRO-3, with tp = 2 and with pp = 2 (1F1B). Bounded (8 ranks): ep = 8, ep = 4 × ZeRO-3,
+    tp = 2 × ep = 4, pp = 2 × dp = 4 × ep = 2."""
+    if bounded:
+        if nproc != 8:
+            return []
+        return [Layout(dp=8, ep=8), Layout(dp=8, ep=4, zero=3), Layout(dp=4, tp=2, ep=4),
+                Layout(pp=2, dp=4, ep=2, schedule="1f1b", microbatches=4)]
+    out = [Layout(dp=d, ep=e) for d in (2, 4) if d <= nproc for e in (2, 4) if e <= d]
+    if nproc >= 4:
+        out += [Layout(dp=4, ep=2, zero=z) for z in (1, 3)]
+        out += [Layout(dp=2, tp=2, ep=2),
+                Layout(pp=2, dp=2, ep=2, schedule="1f1b", microbatches=4)]
+    return out
 
 
 def _cp_layouts(nproc: int, bounded: bool) -> list[Layout]:
@@ -142,7 +162,8 @@ def _compositions(n: int) -> list[Layout]:
 # The verify models: the `tiny` Llama widened to 8 heads / 4 kv heads (tp ∈ {2, 4}) and 8 layers
 # (pp = 4 with two interleaved chunks), vocab 67 (no small degree divides it); `mlp-tiny` with
 # 8 layers and d_ff 33 (flat shards need padding).
-MODEL_OVERRIDES = {"tiny": dict(n_heads=8, n_kv_heads=4), "mlp-tiny": dict(d_ff=33)}
+MODEL_OVERRIDES = {"tiny": dict(n_heads=8, n_kv_heads=4), "mlp-tiny": dict(d_ff=33),
+                   "moe-tiny": dict(n_heads=8, n_kv_heads=4)}
 MIN_LAYERS = 4
 
 
@@ -159,8 +180,13 @@ def layers_for(layout: Layout) -> int:
 
 def applies(layout: Layout, model: str, engine: str = "explicit") -> bool:
     """TP splits attention heads and CP sequences: Llama models only. CP runs on the explicit
-    engine only on CPU (PyTorch's ``context_parallel`` has no CPU kernel: validate_cp)."""
-    if layout.cp > 1 and engine != "explicit":
+    engine only on CPU (PyTorch's ``context_parallel`` has no CPU kernel: validate_cp). EP
+    needs a mixture-of-experts model and the explicit engine; an MoE model is refused with SP
+    and CP (:func:`~shardwise.parallel.ep.validate_ep`)."""
+    moe = model.startswith("moe")
+    if (layout.cp > 1 or layout.ep > 1) and engine != "explicit":
+        return False
+    if layout.ep > 1 and not moe or moe and (layout.sp or layout.cp > 1):
         return False
     return not ((layout.tp > 1 or layout.cp > 1) and model.startswith("mlp"))
 
@@ -380,9 +406,10 @@ def verify_worker(args) -> int:
             if lay.cp > 1 and CP_SEQ_LEN not in works:
                 works[CP_SEQ_LEN] = verify_workload(model_name, cfg.seed, overrides, CP_SEQ_LEN)
             work = works[CP_SEQ_LEN if lay.cp > 1 else 1]
-            shape = (lay.pp, lay.dp, lay.tp, lay.cp)
+            shape = (lay.pp, lay.dp, lay.tp, lay.cp, lay.ep)
             if shape not in topos:  # process groups are created once per grid shape
-                topos[shape] = Topology(*shape[:3], cp=lay.cp, ranks=range(lay.world),
+                topos[shape] = Topology(*shape[:3], cp=lay.cp, ep=lay.ep,
+                                        ranks=range(lay.world),
                                         timeout_s=args.timeout, collectives=args.collectives,
                                         check_collectives=checks)
             topo = topos[shape]
@@ -432,7 +459,7 @@ def verify_worker(args) -> int:
                     topos.clear()
                     everyone = Topology(dp=world, timeout_s=args.timeout,
                                         check_collectives=checks)
-                    topo = topos[shape] = Topology(*shape[:3], cp=lay.cp,
+                    topo = topos[shape] = Topology(*shape[:3], cp=lay.cp, ep=lay.ep,
                                                    ranks=range(lay.world),
                                                    timeout_s=args.timeout,
                                                    collectives=args.collectives,
