@@ -9,7 +9,8 @@ measurements and the pitfalls.
 
 from .flat import FlatShards
 from .units import UnitOrderCheck, assign_units, default_unit_names
-from .formulas import validate_zero, zero_memory_formula, zero_step_bytes_formula
+from .formulas import (validate_zero, zero_ep_memory_formula, zero_ep_step_bytes_formula,
+                       zero_memory_formula, zero_step_bytes_formula)
 from .zero import ZeroDataParallel
 from .zero3 import Zero3DataParallel  # registers stage 3 with ZeroDataParallel
 
@@ -24,4 +25,5 @@ def __getattr__(name: str):
 
 __all__ = ["FlatShards", "TorchZero", "UnitOrderCheck", "Zero3DataParallel", "ZeroDataParallel",
            "apply_fsdp", "assign_units", "default_unit_names", "validate_zero",
-           "zero_memory_formula", "zero_step_bytes_formula"]
+           "zero_ep_memory_formula", "zero_ep_step_bytes_formula", "zero_memory_formula",
+           "zero_step_bytes_formula"]

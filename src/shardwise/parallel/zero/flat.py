@@ -18,6 +18,13 @@ What moves, all over dp (ring costs, :mod:`shardwise.comm.ledger`; b bytes per e
   slices (phase and tag ``verify``), and of each optimizer-state tensor plus a MAX all_reduce of
   the step counters (phase and tag ``checkpoint``).
 
+"dp" above is the buffer's ``axis``: the data axis (dp, or dp × cp), or, for the expert weights
+of an expert-parallel model, "edp" — the ranks of the data axis that hold the *same* experts
+(:mod:`shardwise.parallel.ep`): their gradients are summed there and nowhere else, so their
+buffers are sharded there (Megatron-Core's distributed optimizer shards expert parameters over
+its expert-data-parallel group the same way). An axis of one rank (ep = dp·cp) shards nothing:
+k = P_u, and the collectives are local copies booked at 0 bytes.
+
 The optimizer is PyTorch's own, run over the *pieces* of this rank's slice
 (:func:`sharded_optimizer`): its state exists only on the owning rank (AdamW: 8Ψ/n bytes instead
 of 8Ψ, §5.1).
@@ -37,7 +44,8 @@ from ..params import local, tp_sharded
 
 # -- one group's flat buffers ---------------------------------------------------------------------
 class FlatShards:
-    """The flat buffers of one group of parameters over ``topo``'s "dp" axis.
+    """The flat buffers of one group of parameters over ``axis`` of ``topo`` (default: its data
+    axis; "edp" for expert shards, module docstring).
 
     ``named``: [(FQN, parameter)] in the order every dp rank shares. Sizes in elements:
     ``numel`` Ψ_u, ``padded`` P_u = ⌈Ψ_u/n⌉·n, ``shard_numel`` k = P_u/n; this rank (dp index i)
@@ -51,13 +59,15 @@ class FlatShards:
     ``shard_grad`` [k]: the summed gradient of this rank's slice (a view of ``grad_full``, or
               its own buffer when the full gradient is not kept: ZeRO-2/3).
 
-    ``reduce_dtype``: the dtype the gradient reduce_scatter moves (None: the parameters')."""
+    ``reduce_dtype``: the dtype the gradient reduce_scatter moves (None: the parameters').
+    ``n`` and the rank index i are those of ``axis``."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], topo, *, keep_full_grad: bool,
                  reduce_dtype: torch.dtype | None = None, name: str = "",
-                 module: nn.Module | None = None):
+                 module: nn.Module | None = None, axis: str | None = None):
         self.name, self.module, self.topo = name, module, topo
-        self.n, self.rank = topo.size(topo.data_axis), topo.index(topo.data_axis)
+        self.axis = axis or topo.data_axis
+        self.n, self.rank = topo.size(self.axis), topo.index(self.axis)
         self.fqns = [f for f, _ in named]
         self.params = [p for _, p in named]
         self.numels = [p.numel() for p in self.params]
@@ -112,7 +122,8 @@ class FlatShards:
 
     @torch.no_grad()
     def launch_reduce_scatter(self) -> None:
-        """Start summing the flat gradient over dp (async, tag ``grad``, in ``reduce_dtype``);
+        """Start summing the flat gradient over ``axis`` (async, tag ``grad``, in
+        ``reduce_dtype``);
         :meth:`wait_reduce_scatter` leaves this rank's slice in ``shard_grad``."""
         rdtype = self.reduce_dtype
         if self.grad_full is not None:
@@ -133,7 +144,7 @@ class FlatShards:
                     p.grad = None  # the full gradient is not kept
             out = self.shard_grad if rdtype == self.dtype else torch.empty(
                 self.shard_numel, dtype=rdtype, device=self.device)  # [k]
-        handle = comm.reduce_scatter(out, flat, self.topo, self.topo.data_axis, tag="grad",
+        handle = comm.reduce_scatter(out, flat, self.topo, self.axis, tag="grad",
                                      async_op=True)
         self._reduce = (handle, flat, out)
 
@@ -163,8 +174,8 @@ class FlatShards:
 @torch.no_grad()
 def all_gather_params(flats: list[FlatShards]) -> None:
     """After the optimizer step: every rank's updated slice into ``full`` (one all_gather per
-    group, tag ``param``, launched together)."""
-    handles = [comm.all_gather(f.full, f.shard.clone(), f.topo, f.topo.data_axis, tag="param",
+    group over its axis, tag ``param``, launched together)."""
+    handles = [comm.all_gather(f.full, f.shard.clone(), f.topo, f.axis, tag="param",
                                async_op=True)
                for f in flats]
     for h in handles:
@@ -233,18 +244,20 @@ def sharded_optimizer(flats: list[FlatShards], param_groups: list[dict],
 
 # -- full shapes over dp (parity checks, checkpoints) ---------------------------------------------
 @torch.no_grad()
-def gather_flats(shards: list[torch.Tensor], topo) -> list[torch.Tensor]:
+def gather_flats(shards: list[torch.Tensor], topo, axis: str | None = None) -> list[torch.Tensor]:
     """Each group's padded flat buffer ``[P_u]`` from every rank's slice ``shards[u]``
-    ``[P_u/n]``: one all_gather over dp for all of them (phase and tag ``verify``) of
-    ``[Σ P_u/n]`` into ``[n, Σ P_u/n]``, whose group columns, rank after rank, are the flat
-    buffer (one gather per group when the dtypes differ). Collective over dp."""
+    ``[P_u/n]``: one all_gather over ``axis`` (default the data axis; n its size) for all of
+    them (phase and tag ``verify``) of ``[Σ P_u/n]`` into ``[n, Σ P_u/n]``, whose group columns,
+    rank after rank, are the flat buffer (one gather per group when the dtypes differ).
+    Collective over ``axis``."""
+    axis = axis or topo.data_axis
     if len({s.dtype for s in shards}) > 1:
-        return [x for s in shards for x in gather_flats([s], topo)]
+        return [x for s in shards for x in gather_flats([s], topo, axis)]
     mine = torch.cat(shards)
-    n = topo.size(topo.data_axis)
+    n = topo.size(axis)
     rows = mine.new_empty(n * mine.numel())
     with topo.ledger.phase("verify"):
-        comm.all_gather(rows, mine, topo, topo.data_axis, tag="verify")
+        comm.all_gather(rows, mine, topo, axis, tag="verify")
     rows, start, out = rows.view(n, -1), 0, []
     for s in shards:
         out.append(rows[:, start:start + s.numel()].reshape(-1))
@@ -254,10 +267,16 @@ def gather_flats(shards: list[torch.Tensor], topo) -> list[torch.Tensor]:
 
 def gather_named(flats: list[FlatShards], shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """{FQN: tensor in its parameter's shape} from each group's slice ``shards[u]`` (e.g. the
-    summed gradients), gathered over dp by :func:`gather_flats`. Collective over dp."""
+    summed gradients), gathered over each group's axis by :func:`gather_flats` (one gather per
+    axis, the axes in the order the groups first name them). Collective over those axes."""
+    full: dict[int, torch.Tensor] = {}
+    for axis in dict.fromkeys(f.axis for f in flats):
+        idx = [i for i, f in enumerate(flats) if f.axis == axis]
+        for i, flat in zip(idx, gather_flats([shards[i] for i in idx], flats[0].topo, axis)):
+            full[i] = flat
     out = {}
-    for f, flat in zip(flats, gather_flats(shards, flats[0].topo)):
-        for fqn, (_, view) in zip(f.fqns, f.views(flat)):
+    for i, f in enumerate(flats):
+        for fqn, (_, view) in zip(f.fqns, f.views(full[i])):
             out[fqn] = view.clone()
     return out
 
@@ -266,10 +285,11 @@ def gather_named(flats: list[FlatShards], shards: list[torch.Tensor]) -> dict[st
 def gather_optimizer_state(flats: list[FlatShards], optimizer) -> dict[str, dict]:
     """{FQN: {"step": fp32 [], "exp_avg": [param shape], ...}} from a :func:`sharded_optimizer`:
     every state tensor of the pieces written into a zero [P_u] buffer at its flat position and
-    all-gathered over dp (one all_gather per group and key), the step counters all-reduced (MAX)
-    over dp (phase and tag ``checkpoint``). Parameters without state (never stepped) are absent.
-    Collective over dp; every dp rank must hold state for some piece or none does (true after
-    any step), since the state keys are read from this rank's own state."""
+    all-gathered over the group's axis (one all_gather per group and key), the step counters
+    all-reduced (MAX) over it (phase and tag ``checkpoint``). Parameters without state (never
+    stepped) are absent. Collective over the groups' axes; every rank must hold state for some
+    piece or none does (true after any step), since the state keys are read from this rank's
+    own state."""
     held = [dict() for _ in flats]  # per group: {j: (piece state, a, b)}
     keys: set[str] = set()
     for group in optimizer.param_groups:
@@ -285,14 +305,14 @@ def gather_optimizer_state(flats: list[FlatShards], optimizer) -> dict[str, dict
             steps = torch.zeros(len(f.params), dtype=torch.float64, device=f.device)
             for j, (st, _, _) in mine_.items():
                 steps[j] = float(st["step"]) + 1.0  # 0 = no state on this rank
-            comm.all_reduce(steps, f.topo, f.topo.data_axis, op="max", tag="checkpoint")
+            comm.all_reduce(steps, f.topo, f.axis, op="max", tag="checkpoint")
             full = {}
             for k in sorted(keys):
                 mine = torch.zeros(f.padded, dtype=f.dtype, device=f.device)
                 for st, a, b in mine_.values():
                     mine[a:b] = st[k].reshape(-1)
                 full[k] = torch.empty_like(mine)
-                comm.all_gather(full[k], mine[f.lo:f.hi].clone(), f.topo, f.topo.data_axis,
+                comm.all_gather(full[k], mine[f.lo:f.hi].clone(), f.topo, f.axis,
                                 tag="checkpoint")
             for j, (fqn, p) in enumerate(zip(f.fqns, f.params)):
                 if steps[j] > 0:

@@ -78,6 +78,43 @@ def zero_step_bytes_formula(stage: int, psi: float, n: int, bytes_per_elem: floa
     return out
 
 
+def zero_ep_memory_formula(stage: int, psi: float, n: int, psi_experts: float, n_experts: int,
+                           bytes_param: float = 4, bytes_grad: float = 4,
+                           bytes_optim: float = 8) -> dict[str, float]:
+    """:func:`zero_memory_formula` of a model under expert parallelism, per rank: ``psi`` dense
+    parameters sharded over the ``n`` ranks of the data axis, plus ``psi_experts`` elements of
+    this rank's E/ep experts sharded over the ``n_experts`` = dp·cp/ep ranks that hold the same
+    experts ("edp"), each part by the ZeRO paper's rule (§5.1–5.3), summed key by key. E.g.
+    ZeRO-3: (16·Ψ_dense)/n + (16·Ψ_experts)/n_e. Raises ``ValueError`` for a bad stage."""
+    dense = zero_memory_formula(stage, psi, n, bytes_param, bytes_grad, bytes_optim)
+    experts = zero_memory_formula(stage, psi_experts, n_experts, bytes_param, bytes_grad,
+                                  bytes_optim)
+    return {k: dense[k] + experts[k] for k in dense}
+
+
+def zero_ep_step_bytes_formula(stage: int, psi: float, n: int, psi_experts: float,
+                               n_experts: int, bytes_per_elem: float = 4, *,
+                               micro_steps: int = 1, regathered: float | None = None,
+                               regathered_experts: float | None = None,
+                               grad_bytes_per_elem: float | None = None) -> dict[str, float]:
+    """:func:`zero_step_bytes_formula` of a model under expert parallelism: the dense part
+    (``psi`` padded elements over the ``n`` ranks of the data axis, ``regathered`` of them
+    gathered again for backward) plus the expert part (``psi_experts`` padded elements of this
+    rank's experts over the ``n_experts`` ranks of "edp", ``regathered_experts``), ``grad``
+    and ``param`` summed; ``grad_norm`` is the dense part's alone (one fp64 scalar all-reduce
+    over the data axis counts the expert slices too). With ``psi_experts`` = 0 this is
+    :func:`zero_step_bytes_formula`. Raises ``ValueError`` for a bad stage."""
+    kw = dict(micro_steps=micro_steps, grad_bytes_per_elem=grad_bytes_per_elem)
+    out = zero_step_bytes_formula(stage, psi, n, bytes_per_elem, regathered=regathered, **kw)
+    if psi_experts:
+        experts = zero_step_bytes_formula(stage, psi_experts, n_experts, bytes_per_elem,
+                                          regathered=regathered_experts, **kw)
+        for k in ("grad", "param"):
+            out[k] += experts[k]
+        out["total"] = out["grad"] + out["param"] + out["grad_norm"]
+    return out
+
+
 def validate_zero(zero: int, dp: int, *, optimizer="adamw", engine: str = "explicit") -> None:
     """Raise :class:`ShardwiseConfigError` unless ZeRO ``zero`` can run over ``dp`` ranks with
     ``optimizer`` (a name such as ``"adamw"`` or a ``torch.optim.Optimizer`` subclass).

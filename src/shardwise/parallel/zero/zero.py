@@ -17,6 +17,18 @@ What moves over dp per optimizer step (ring collectives, b bytes per element):
 Ψ above is what travels: Σ over units of the padded size ⌈Ψ_u/n⌉·n (:mod:`.flat`). The formulas
 are :func:`.formulas.zero_memory_formula` and :func:`.formulas.zero_step_bytes_formula`;
 ``docs/zero.md`` has the table, the derivation and the pitfalls.
+
+**With expert parallelism** (:mod:`shardwise.parallel.ep`) a unit's expert shards (this rank's
+E/ep experts, :func:`..params.ep_sharded`) are summed over "edp", the dp·cp/ep ranks that hold
+the same experts, not over the whole data axis. So each unit with experts becomes two flat
+buffers: its dense parameters over the data axis (n = dp·cp) and its experts over "edp"
+(n_e = dp·cp/ep; the unit ``"<name>:experts"``, right after its dense part in forward order, so
+ZeRO-3 gathers and prefetches both in the same order on every rank). Every term above is then
+the sum of the two parts, each with its own n and Ψ (:func:`.formulas.zero_ep_memory_formula`,
+:func:`.formulas.zero_ep_step_bytes_formula`); with n_e = 1 (ep = dp·cp) the experts are not
+sharded and move nothing. The norm's one scalar all-reduce over the data axis still counts
+every element once: a dense element lives in one dp slice, an expert element in one edp slice
+of the one ep rank that holds its expert, and the data axis is exactly the ep × edp ranks.
 """
 
 from __future__ import annotations
@@ -30,11 +42,30 @@ from ... import comm
 from ...comm.ledger import ring_bytes
 from ..dp import reduce_torch_dtype
 from ..engine import Engine
-from ..params import sum_coalesced_, tp_sharded
+from ..params import ep_sharded, sum_coalesced_, tp_sharded
 from .flat import (FlatShards, gather_named, gather_optimizer_state, load_optimizer_state,
                    sharded_optimizer, storage_state_bytes)
-from .formulas import validate_zero, zero_memory_formula, zero_step_bytes_formula
+from .formulas import (validate_zero, zero_ep_memory_formula, zero_ep_step_bytes_formula,
+                       zero_memory_formula)
 from .units import assign_units
+
+EXPERTS = ":experts"  # suffix of the unit name of a unit's expert shards (sharded over "edp")
+
+
+def split_experts(named_units, axis: str) -> list[tuple[str, nn.Module, list, str]]:
+    """``[(name, module, [(fqn, param)])]`` (:func:`.units.assign_units`) → ``[(name, module,
+    named, axis)]``: each unit's non-expert parameters over ``axis`` (the data axis), then, if
+    it has any, its expert shards (:func:`..params.ep_sharded`) as unit ``name + ":experts"``
+    over "edp", same module. Without expert parallelism: the units unchanged, over ``axis``."""
+    out = []
+    for name, mod, named in named_units:
+        dense = [(f, p) for f, p in named if not ep_sharded(p)]
+        experts = [(f, p) for f, p in named if ep_sharded(p)]
+        if dense:
+            out.append((name, mod, dense, axis))
+        if experts:
+            out.append((name + EXPERTS, mod, experts, "edp"))
+    return out
 
 # -- the engine -----------------------------------------------------------------------------------
 _BY_STAGE: dict[int, type] = {}  # stage → subclass (ZeRO-3: .zero3, registered on import)
@@ -52,7 +83,9 @@ class ZeroDataParallel(Engine):
     ``reshard_after_forward``: ZeRO-3 only.
 
     Inside dp × tp the module holds this tp rank's shards; only their placements
-    (:func:`..params.tp_sharded`) are read here: the norm's counting, the SP sum.
+    (:func:`..params.tp_sharded`) are read here: the norm's counting, the SP sum. With expert
+    parallelism a unit's expert shards are their own flat buffer over "edp" (module
+    docstring; :func:`split_experts`).
 
     Raises :class:`ShardwiseConfigError` (before any collective) for dp < 2, a bad stage, a bad
     ``reduce_dtype``, or bad ``units``. After wrapping, do not move or re-create the model's
@@ -85,15 +118,17 @@ class ZeroDataParallel(Engine):
                                                                    overlap)
         self.reduce_dtype, self._rdtype = reduce_dtype, rdtype  # of the gradient reduce_scatter
         self.units = [FlatShards(named, topo, keep_full_grad=stage == 1, reduce_dtype=rdtype,
-                                 name=name, module=mod) for name, mod, named in named_units]
+                                 name=name, module=mod, axis=axis)
+                      for name, mod, named, axis in split_experts(named_units, topo.data_axis)]
         with topo.ledger.phase("init"):
-            for u in self.units:
-                comm.broadcast(u.full, topo, topo.data_axis, src=0,
-                               tag="init")  # replicas start identical
-        self.root = self.units[0] if self.units and self.units[0].name == "root" else None
-        self.blocks = [u for u in self.units if u is not self.root]  # forward order
+            for u in self.units:  # replicas start identical (expert shards: over edp)
+                comm.broadcast(u.full, topo, u.axis, src=0, tag="init")
+        # the root unit (and its experts, if any sit outside the blocks): gathered for the
+        # whole forward and backward by ZeRO-3
+        self.roots = [u for u in self.units if u.name in ("root", "root" + EXPERTS)]
+        self.blocks = [u for u in self.units if u not in self.roots]  # forward order
         # gradients become complete in reverse forward order, the root (tied embedding) last
-        self._reduce_order = self.blocks[::-1] + ([self.root] if self.root else [])
+        self._reduce_order = self.blocks[::-1] + self.roots
         self._next_reduce = 0
         self._ready: set[FlatShards] = set()  # all gradients arrived on the syncing micro-step
         self._arrived = {u: set() for u in self.units}  # ids of parameters, this backward
@@ -177,13 +212,18 @@ class ZeroDataParallel(Engine):
 
     def held_grads(self) -> list[tuple[torch.Tensor, bool]]:
         """The gradient this rank holds is its slices (padding is 0), each piece counted as
-        :meth:`.flat.FlatShards.held_grads` says (tp-replicated pieces on tp index 0 only)."""
+        :meth:`.flat.FlatShards.held_grads` says (tp-replicated pieces on tp index 0 only).
+        Expert slices over "edp" count on every rank too: each is held by one (ep, edp) pair
+        of data ranks only (when edp has one rank: this rank's whole experts, which no other
+        ep rank holds)."""
         return [h for u in self.units for h in u.held_grads()]
 
     def norm_axes(self) -> tuple[str, ...]:
         """tp shards differ over tp (dp × tp), slices over dp: the base ``clip_grad_norm_``
         (:func:`..params.grad_norm_`) all-reduces the fp64 Σ g² over tp, then over dp, so every
-        rank gets the norm of the *whole* gradient and scales its slices by the same factor."""
+        rank gets the norm of the *whole* gradient and scales its slices by the same factor.
+        With expert parallelism the data axis spans ep × edp, so the same all-reduce sums the
+        expert slices, each once (module docstring): no all-reduce over "ep"."""
         return ("tp", self.topo.data_axis)
 
     def make_optimizer(self, param_groups: list[dict], optimizer_class=torch.optim.AdamW,
@@ -253,11 +293,27 @@ class ZeroDataParallel(Engine):
                  + [u.shard_grad for u in self.units])
         return storage_state_bytes(params, grads, optimizer)
 
+    def _psi_by_axis(self, padded: bool) -> dict[str, tuple[float, int]]:
+        """{axis: (Ψ of its units, elements; padded: Σ P_u), its size n}."""
+        out: dict[str, tuple[float, int]] = {}
+        for u in self.units:
+            psi, n = out.get(u.axis, (0, u.n))
+            out[u.axis] = (psi + (u.padded if padded else u.numel), n)
+        return out
+
     def memory_formula(self) -> dict[str, float]:
-        """:func:`zero_memory_formula` for this stage, Ψ = :attr:`numel`, n = dp (fp32 AdamW)."""
+        """:func:`zero_memory_formula` for this stage, Ψ = :attr:`numel`, n = dp (fp32 AdamW);
+        with expert parallelism the sum of the dense part (n = dp·cp) and the expert part
+        (Ψ of this rank's experts, n = edp): :func:`.formulas.zero_ep_memory_formula`."""
         b = self.units[0].full.element_size()
-        return zero_memory_formula(self.stage, self.numel, self.n, bytes_param=b, bytes_grad=b,
-                                   bytes_optim=2 * b)
+        parts = self._psi_by_axis(padded=False)
+        if set(parts) <= {self.topo.data_axis}:
+            return zero_memory_formula(self.stage, self.numel, self.n, bytes_param=b,
+                                       bytes_grad=b, bytes_optim=2 * b)
+        dense, _ = parts.get(self.topo.data_axis, (0, self.n))
+        experts, n_e = parts["edp"]
+        return zero_ep_memory_formula(self.stage, dense, self.n, experts, n_e, bytes_param=b,
+                                      bytes_grad=b, bytes_optim=2 * b)
 
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
                       dtype: str = "fp32") -> dict[str, float]:
@@ -265,16 +321,22 @@ class ZeroDataParallel(Engine):
         z = self.step_bytes_formula(micro_steps)
         return {k: z[k] for k in ("grad", "param", "grad_norm")}
 
-    def _regathered(self) -> float | None:
-        """Elements all-gathered a second time, for backward (ZeRO-3 only)."""
+    def _regathered(self, axis: str | None = None) -> float | None:
+        """Elements (of the units over ``axis``; None: all) all-gathered a second time, for
+        backward (ZeRO-3 only)."""
         return None
 
     def step_bytes_formula(self, micro_steps: int = 1) -> dict[str, float]:
         """:func:`zero_step_bytes_formula` with this engine's padded Ψ, the reduce dtype's bytes
-        for the gradient reduce_scatter, and what ZeRO-3 gathers a second time for backward.
-        Inside dp × tp the tp scalar of the norm (tag ``"grad_norm"`` on axis tp) is not
-        included."""
-        return zero_step_bytes_formula(
-            self.stage, self.padded_numel, self.n, self.units[0].full.element_size(),
-            micro_steps=micro_steps, regathered=self._regathered(),
+        for the gradient reduce_scatter, and what ZeRO-3 gathers a second time for backward;
+        with expert parallelism one such term per axis, summed
+        (:func:`.formulas.zero_ep_step_bytes_formula`). Inside dp × tp the tp scalar of the
+        norm (tag ``"grad_norm"`` on axis tp) is not included."""
+        parts = self._psi_by_axis(padded=True)
+        dense, _ = parts.get(self.topo.data_axis, (0, self.n))
+        experts, n_e = parts.get("edp", (0, 1))
+        return zero_ep_step_bytes_formula(
+            self.stage, dense, self.n, experts, n_e, self.units[0].full.element_size(),
+            micro_steps=micro_steps, regathered=self._regathered(self.topo.data_axis),
+            regathered_experts=self._regathered("edp"),
             grad_bytes_per_elem=torch.empty(0, dtype=self._rdtype).element_size())

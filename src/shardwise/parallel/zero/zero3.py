@@ -15,6 +15,13 @@ gradients and optimizer state: (4Ψ + 4Ψ + 8Ψ)/n bytes per rank (ZeRO paper, R
 
 Besides the slices, a rank holds the gathered parameters of the units being computed: the root +
 the current unit + the prefetched one at peak (measured: ``gathered_params_peak``).
+
+With expert parallelism a block's experts are a unit of their own over "edp" (:mod:`.zero`),
+listed right after the block's dense unit and hooked on the same module: the block's pre-forward
+gathers its dense part and prefetches its experts, the experts' hook then waits for them and
+prefetches the next block — one order, the same on every rank (checked by
+:class:`.units.UnitOrderCheck` like any unit). Expert units over an axis of one rank (ep =
+dp·cp) are never freed: each rank owns its experts whole, and there is nothing to gather.
 """
 
 from __future__ import annotations
@@ -79,6 +86,8 @@ class Zero3DataParallel(ZeroDataParallel, stage=3):
         self._gathered: set[FlatShards] = set(self.units)
         self._inflight: dict[FlatShards, object] = {}  # unit → Handle of its async all_gather
         for u in self.units:
+            if u.n == 1:  # owned whole (expert shards, ep = dp·cp): `shard` stays `full`
+                continue
             u.shard = u.full[u.lo:u.hi].clone()  # [k]: the only persistent copy of these weights
             self._free(u)
         # on the first step, check the order is the same on every rank before each gather
@@ -92,8 +101,9 @@ class Zero3DataParallel(ZeroDataParallel, stage=3):
     # -- gather and free ------------------------------------------------------------------------
     def _free(self, u: FlatShards) -> None:
         """Free the storage only: the views autograd saved in forward (e.g. a Linear's weight)
-        stay valid and see the next gather's values (the FSDP technique)."""
-        if self._pinned:
+        stay valid and see the next gather's values (the FSDP technique). A unit over an axis
+        of one rank stays: its ``full`` is its only copy."""
+        if self._pinned or u.n == 1:
             return
         u.full.untyped_storage().resize_(0)
         self._gathered.discard(u)
@@ -103,7 +113,7 @@ class Zero3DataParallel(ZeroDataParallel, stage=3):
         self.gathered_peak_bytes = max(self.gathered_peak_bytes,
                                        storage_bytes(v.full for v in self.units))
         # [k] from every rank → [P_u]; rank j's slice lands at [j·k, (j+1)·k)
-        self._inflight[u] = comm.all_gather(u.full, u.shard, self.topo, self.topo.data_axis,
+        self._inflight[u] = comm.all_gather(u.full, u.shard, self.topo, u.axis,
                                             tag="param", async_op=async_op)
 
     def _unshard(self, u: FlatShards | None) -> None:
@@ -129,10 +139,11 @@ class Zero3DataParallel(ZeroDataParallel, stage=3):
             self._free(u)
 
     def _neighbour(self, u: FlatShards | None, step: int) -> FlatShards | None:
-        """The block after (+1) or before (−1) ``u``; from the root (or None), the first / last."""
+        """The block after (+1) or before (−1) ``u``; from a root unit (or None), the first /
+        last."""
         if not self.blocks:
             return None
-        if u is None or u is self.root:
+        if u is None or u in self.roots:
             return self.blocks[0] if step > 0 else self.blocks[-1]
         j = self.blocks.index(u) + step
         return self.blocks[j] if 0 <= j < len(self.blocks) else None
@@ -140,8 +151,9 @@ class Zero3DataParallel(ZeroDataParallel, stage=3):
     # -- the hooks ------------------------------------------------------------------------------
     def _model_pre_forward(self, module, args) -> None:
         super()._model_pre_forward(module, args)
-        self._unshard(self.root)
-        self._prefetch(self._neighbour(self.root, +1))  # overlaps the embedding lookup
+        for r in self.roots:
+            self._unshard(r)
+        self._prefetch(self._neighbour(None, +1))  # overlaps the embedding lookup
 
     def _model_post_forward(self, module, args, out):
         self._order.agree("forward", UnitOrderCheck.END)  # first forward: same unit count
@@ -151,7 +163,7 @@ class Zero3DataParallel(ZeroDataParallel, stage=3):
                 self._reshard(u)
             return out
         # root stays gathered: the output head's backward needs it next (FSDP2 does the same)
-        return _wrap_outputs(out, lambda: self._pre_backward(self.root))
+        return _wrap_outputs(out, lambda: self._pre_backward(None))
 
     def _make_pre_forward(self, u: FlatShards):
         j = self.blocks.index(u)
@@ -173,10 +185,15 @@ class Zero3DataParallel(ZeroDataParallel, stage=3):
         return hook
 
     def _pre_backward(self, u: FlatShards | None) -> None:
-        """Autograd is about to enter unit ``u`` (None: the model's output, no root unit)."""
-        if self._order.active["backward"] and u is not None and u is not self.root:
-            self._order.agree("backward", self.blocks.index(u))  # before any gather of u
-        self._unshard(u)
+        """Autograd is about to enter unit ``u`` (None: the model's output, whose backward
+        needs the root units, still gathered from the forward)."""
+        if u is None:
+            for r in self.roots:
+                self._unshard(r)
+        else:
+            if self._order.active["backward"]:
+                self._order.agree("backward", self.blocks.index(u))  # before any gather of u
+            self._unshard(u)
         self._prefetch(self._neighbour(u, -1))
 
     def _unit_backward_done(self, u: FlatShards) -> None:
@@ -237,7 +254,8 @@ class Zero3DataParallel(ZeroDataParallel, stage=3):
         out["gathered_params_peak"] = self.gathered_peak_bytes
         return out
 
-    def _regathered(self) -> float:
-        """Every block again before backward if ``reshard_after_forward`` (not the root, which
-        stays gathered), else nothing."""
-        return sum(u.padded for u in self.blocks) if self.reshard_after_forward else 0
+    def _regathered(self, axis: str | None = None) -> float:
+        """Every block (over ``axis``; None: all) again before backward if
+        ``reshard_after_forward`` (not the root, which stays gathered), else nothing."""
+        return (sum(u.padded for u in self.blocks if axis is None or u.axis == axis)
+                if self.reshard_after_forward else 0)
