@@ -154,6 +154,7 @@ def _cfg(**kw) -> TrainConfig:
     (dict(model="tiny", n_experts=8), r"mixture-of-experts settings need an MoE model"),
     (dict(ep=2, engine="torch"), r"PyTorch core has no expert-parallel module"),
     (dict(ep=2, dp=2, cp=2, seq_len=32), r"a mixture-of-experts model with --cp 2"),
+    (dict(dp=1, tp=2, engine="torch"), r"--engine torch --tp 2 with a mixture-of-experts"),
 ])
 def test_bad_input_is_refused_before_any_collective(kw, pattern):
     with pytest.raises(ShardwiseConfigError, match=pattern):

@@ -171,7 +171,8 @@ class Layout:
         # 4. the model
         if not known:
             return
-        validate_ep(cfg, self.ep, self.dp, self.cp, engine=engine, sp=self.sp)
+        validate_ep(cfg, self.ep, self.dp, self.cp, engine=engine, sp=self.sp, tp=self.tp,
+                    pp=self.pp)
         if self.cp > 1:
             validate_cp(cfg, self.cp, self.cp_method, seq_len=seq_len, engine=engine,
                         device=device)

@@ -188,6 +188,8 @@ def applies(layout: Layout, model: str, engine: str = "explicit") -> bool:
         return False
     if layout.ep > 1 and not moe or moe and (layout.sp or layout.cp > 1):
         return False
+    if moe and engine != "explicit" and (layout.tp > 1 or layout.pp > 1):
+        return False
     return not ((layout.tp > 1 or layout.cp > 1) and model.startswith("mlp"))
 
 

@@ -48,13 +48,15 @@ def is_moe_model(cfg) -> bool:
 
 
 def validate_ep(cfg, ep: int, dp: int = 1, cp: int = 1, *, engine: str = "explicit",
-                sp: bool = False) -> None:
+                sp: bool = False, tp: int = 1, pp: int = 1) -> None:
     """Raise :class:`ShardwiseConfigError` (no collective) unless ``ep`` expert-parallel ranks
     can run: ep ≥ 1 dividing dp × cp; with ep > 1 the explicit engine (PyTorch core has no
     expert-parallel module) and an MoE model (``cfg`` None: the model checks are skipped)
     whose ``n_experts`` ep divides. An MoE model with sequence parallelism or cp > 1 is refused
     (a sequence split over ranks would need its routing counts reduced for the per-sequence
-    balance loss: not wired)."""
+    balance loss: not wired), and on the torch engine with tp > 1 or pp > 1 (DTensor's
+    ``parallelize_module`` has no plan for a router and stacked experts, and
+    ``torch.distributed.pipelining`` no path for a stage's aux losses)."""
     if not isinstance(ep, int) or ep < 1:
         raise ShardwiseConfigError(f"--ep {ep} must be a positive integer")
     n = dp * cp
@@ -81,6 +83,13 @@ def validate_ep(cfg, ep: int, dp: int = 1, cp: int = 1, *, engine: str = "explic
             f"n_experts / ep experts; choose --ep from "
             f"{[k for k in range(1, cfg.n_experts + 1) if cfg.n_experts % k == 0 and n % k == 0]}"
             " or change --n-experts")
+    if moe and engine != "explicit" and (tp > 1 or pp > 1):
+        what = f"--tp {tp}" if tp > 1 else f"--pp {pp}"
+        raise ShardwiseConfigError(
+            f"--engine {engine} {what} with a mixture-of-experts model: DTensor's "
+            "parallelize_module has no plan for the router and the stacked experts, and "
+            "torch.distributed.pipelining no path for a stage's aux losses; use --engine "
+            "explicit (the torch engine runs an MoE model over dp / ZeRO / FSDP2)")
     if moe and (sp or cp > 1):
         what = "--sp" if sp else f"--cp {cp}"
         raise ShardwiseConfigError(
