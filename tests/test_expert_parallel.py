@@ -47,7 +47,7 @@ def ranks_n8(tmp_path_factory):
 
 def reference(name: str, indices: torch.Tensor) -> dict:
     """The single-process step of case ``name``: loss and gradients of the whole batch."""
-    _, _, _, over, _, zero_router = W.ALL[name]
+    _, _, _, over, _, zero_router, *_ = W.ALL[name]
     work = SyntheticLMWorkload(vocab_size=W.VOCAB, seq_len=W.SEQ, num_train=64, num_val=8,
                                seed=0)
     model = W.make_model(over, zero_router)
@@ -96,8 +96,8 @@ def test_ledger_equals_the_formula_of_the_steps_routing(ranks, name):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", list(W.CASES_N8))
 def test_bounded_n8_set_equals_one_process_and_its_formula(ranks_n8, name):
-    """N = 8: ep = 8 over E = 8 experts, ep = 4 with a shared expert, tp = 2 × ep = 4 and
-    tp = 2 × ep = 2 with a capacity factor."""
+    """N = 8: ep = 8 over E = 8 experts, ep = 4 with a shared expert, tp = 2 × ep = 4,
+    tp = 2 × ep = 2 with a capacity factor, ep = 4 × ZeRO-3, tp = 2 × ep = 2 × ZeRO-1."""
     _check_parity(ranks_n8, name)
     _check_ledger(ranks_n8, name)
 

@@ -63,30 +63,35 @@ def make_model(overrides: dict, zero_router: bool):
 
 
 # the bounded N = 8 set (workers/ep_n8_cases.py): ep = 8 (E = 8), ep = 4 with a shared
-# expert, and tp = 2 with ep = 2 and 4
+# expert, tp = 2 with ep = 2 and 4, ep = 4 under ZeRO-3, tp × ep under ZeRO-1 (a name → (...,
+# Layout options))
 CASES_N8 = {
     "dp8_ep8_top2": (8, 1, 8, dict(n_experts=8), "native", False),
     "dp8_ep4_top1_shared": (8, 1, 4, dict(top_k=1, n_shared_experts=1), "native", False),
     "dp4_tp2_ep4": (4, 2, 4, {}, "native", False),
     "dp4_tp2_ep2_capacity": (4, 2, 2, dict(capacity_factor=1.25), "native", False),
+    "dp8_ep4_zero3": (8, 1, 4, {}, "native", False, dict(zero=3)),
+    "dp4_tp2_ep2_zero1": (4, 2, 2, {}, "native", False, dict(zero=1)),
 }
 ALL = {**CASES, **CASES_N8}
 
 
 def run_case(name: str, work) -> dict:
-    dp, tp, ep, over, collectives, zero_router = ALL[name]
+    dp, tp, ep, over, collectives, zero_router, *extra = ALL[name]
     topo = Topology(dp=dp, tp=tp, ep=ep, timeout_s=60, collectives=collectives)
-    engine = parallelize(make_model(over, zero_router), topo, Layout(dp=dp, tp=tp, ep=ep))
+    layout = Layout(dp=dp, tp=tp, ep=ep, **(extra[0] if extra else {}))
+    engine = parallelize(make_model(over, zero_router), topo, layout)
     opt = build_optimizer(engine, TrainConfig(model="moe-tiny", lr=3e-4))
     sampler = work.sampler(GLOBAL, dp, topo.index("dp"), 0)
     local = sampler.next_local_batch()
-    res = train_step(engine, work.batches(local, MICRO), opt, topo, zero_grad=False)
+    batches = work.batches(local, MICRO)
+    res = train_step(engine, batches, opt, topo, zero_grad=False)
     ledger, sent = {}, {}
     for r in topo.ledger.step_records():
         ledger[r.tag] = ledger.get(r.tag, 0.0) + r.wire_bytes
         if r.sent_bytes is not None:
             sent[r.tag] = sent.get(r.tag, 0.0) + r.sent_bytes
-    formula = step_bytes_formula(engine, topo, micro_steps=len(local) // MICRO,
+    formula = step_bytes_formula(engine, topo, micro_steps=len(batches),
                                  sequences=len(local), seq_len=SEQ)
     stats = moe_stats(engine.module)
     every = [work.sampler(GLOBAL, dp, j, 0).next_local_batch() for j in range(dp)]
