@@ -349,6 +349,10 @@ def test_bad_moe_input_names_the_constraint(capsys):
         _spec(n_experts=0)
     with pytest.raises(ShardwiseConfigError, match="biases"):
         _spec(bias=True)
+    from shardwise.plan.estimate import to_llama_config
+
+    with pytest.raises(ShardwiseConfigError, match="estimator runs dense Llama models only"):
+        to_llama_config(get_model("mixtral-8x7b"))
     from shardwise.plan.cli import main
 
     assert main(["--gpus", "8", "--model", "llama3-8b", "--ep", "2"]) == 2
