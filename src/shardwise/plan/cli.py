@@ -6,8 +6,9 @@
     shardwise plan … --explain          # the formulas of the best layout with the numbers in
     shardwise plan … --json             # {"layouts": [{dp, tp, pp, zero, schedule, microbatches,
                                         #   mfu, step_time_s, mem_bytes_per_gpu, fits, …}, …]}
-    shardwise plan … --tp 8 --pp 16     # fix dimensions (--dp --cp --cp-method --tp --pp --zero
-                                        #   --schedule --microbatches --micro-batch
+    shardwise plan --model mixtral-8x7b --gpus 64 --global-batch-tokens 1M  # MoE: ep searched
+    shardwise plan … --tp 8 --pp 16     # fix dimensions (--dp --cp --cp-method --ep --tp --pp
+                                        #   --zero --schedule --microbatches --micro-batch
                                         #   --virtual-stages --ckpt)
     shardwise plan --model llama3-70b --gpu h100-sxm --plot mfu.png   # MFU vs GPUs per family
     shardwise plan --validate           # predicted vs published MFU of large runs
@@ -37,12 +38,15 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     """Register the ``plan`` subcommand on ``subparsers`` (from ``add_subparsers``)."""
     p = subparsers.add_parser(
         "plan", help="rank layouts of a model on a GPU cluster by predicted MFU",
-        description="Rank every layout (dp × cp × tp × pp, ZeRO stage, pipeline schedule, "
+        description="Rank every layout (dp × cp × tp × pp, expert parallelism for MoE models, "
+        "ZeRO stage, pipeline schedule, "
         "micro-batch, activation checkpointing) of a model on a cluster by the MFU the "
         "analytical cost model predicts, with per-GPU memory. See docs/planner.md.")
     p.add_argument("--model", default="llama3-8b",
-                   help="preset (llama3-8b, llama3-70b, llama3-405b, gpt3-175b, …, or our "
-                   "tiny/small/base) or a FILE.toml of ModelSpec fields (default llama3-8b)")
+                   help="preset (llama3-8b, llama3-70b, llama3-405b, gpt3-175b, …, the MoE "
+                   "mixtral-8x7b, mixtral-8x22b, dbrx, llama4-scout, llama4-maverick, or our "
+                   "tiny/small/base, moe-tiny/moe-small) or a FILE.toml of ModelSpec fields "
+                   "(default llama3-8b)")
     p.add_argument("--gpus", type=int, help="number of GPUs (required unless --plot or "
                    "--validate)")
     p.add_argument("--gpu", default="h100-sxm", help="GPU preset: a100-sxm-80gb, h100-sxm, "
@@ -63,6 +67,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                    "sequence (Llama-style models; seq divisible by 2·cp)")
     g.add_argument("--cp-method", choices=("ring", "allgather"),
                    help="cp > 1: K/V around a ring under attention, or all-gathered (Llama 3)")
+    g.add_argument("--ep", type=int, help="expert parallelism (MoE models): ranks of the data "
+                   "axes (dp × cp) that share out the experts; divides dp·cp and n_experts")
     g.add_argument("--tp", type=int)
     g.add_argument("--pp", type=int)
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
@@ -145,7 +151,8 @@ def _setup(args):
 def _fixed(args):
     from .search import Fixed
 
-    return Fixed(dp=args.dp, cp=args.cp, cp_method=args.cp_method, tp=args.tp, pp=args.pp,
+    return Fixed(dp=args.dp, cp=args.cp, cp_method=args.cp_method, ep=args.ep, tp=args.tp,
+                 pp=args.pp,
                  zero=args.zero, sp=args.sp,
                  schedule=args.schedule, virtual_stages=args.virtual_stages,
                  microbatches=args.microbatches, micro_batch=args.micro_batch, ckpt=args.ckpt,
@@ -248,10 +255,13 @@ def format_table(results, model, cluster, gpus, tokens, top=10) -> str:
         f"  assumptions: dense GEMMs at {A.gemm_efficiency:.1%} of peak, flash attention at "
         f"{cluster.gpu.flash_efficiency:.0%}, links at {A.link_efficiency:.0%}; TP "
         "collectives exposed, DP/ZeRO overlapped with backward, CP ring under attention, CP "
-        "all-gather exposed (docs/planner.md)",
+        "all-gather exposed" + (", EP all-to-alls exposed, uniform routing" if model.is_moe
+                                else "") + " (docs/planner.md)",
         "",
     ]
-    head = (f"{'#':>3} {'dp':>5} {'cp':>5} {'tp':>5} {'pp':>3} {'zero':>5} {'schedule':<21} "
+    moe = model.is_moe
+    head = (f"{'#':>3} {'dp':>5} {'cp':>5} " + (f"{'ep':>3} " if moe else "")
+            + f"{'tp':>5} {'pp':>3} {'zero':>5} {'schedule':<21} "
             f"{'b':>2} "
             f"{'m':>4} {'ckpt':<9} {'MFU':>6} {'step s':>8} {'tok/s/GPU':>10} "
             f"{'GiB/GPU':>8}  params+grads+optim+act+buf GiB")
@@ -267,7 +277,8 @@ def format_table(results, model, cluster, gpus, tokens, top=10) -> str:
         parts = "+".join(_gib(mem[k]) for k in ("params", "grads", "optimizer", "activations",
                                                  "buffers"))
         cp = f"{lay.cp}{'ag' if lay.cp > 1 and lay.cp_method == 'allgather' else ''}"
-        return (f"{i:>3} {lay.dp:>5} {cp:>5} {tp:>5} {lay.pp:>3} {zero:>5} {sched:<21} "
+        ep = f"{lay.ep:>3} " if moe else ""
+        return (f"{i:>3} {lay.dp:>5} {cp:>5} {ep}{tp:>5} {lay.pp:>3} {zero:>5} {sched:<21} "
                 f"{lay.micro_batch:>2} {e.microbatches:>4} {lay.ckpt:<9} {e.mfu:>6.1%} "
                 f"{e.step_time_s:>8.2f} {e.tokens_per_s / lay.world:>10,.0f} "
                 f"{_gib(e.mem_bytes_per_gpu):>8}  {parts}")
@@ -303,7 +314,17 @@ def explain(e) -> str:
     f = e.flops
     out = [f"explain: {lay.name()}  ({M.name} on {lay.world:,} × {C.gpu.name})", ""]
     out.append("FLOPs per token (model FLOPs: 6·N + 12·L·d·s; PaLM App. B, Korthikanti App. A)")
-    out.append(f"  N = L·(2d² + 2d·kvd + {M.n_mlp_mats}·d·f) + V·d = {M.matmul_params():,}")
+    if M.is_moe:
+        Lm, mats = M.n_moe_layers, M.n_mlp_mats
+        dense = (f"({M.n_layers - Lm})·(2d² + 2d·kvd + {mats}·d·f) + " if Lm < M.n_layers
+                 else "")
+        out.append(f"  N (active) = {dense}L_m·(2d² + 2d·kvd + d·E + (k + n_shared)·{mats}·d·f_e)"
+                   f" + V·d, L_m = {Lm}, E = {M.n_experts}, k = {M.top_k}, n_shared = "
+                   f"{M.n_shared_experts}, f_e = {M.expert_ff}: {M.matmul_params():,}")
+        out.append(f"  parameters: {M.num_params():,} total (memory), {M.num_active_params():,} "
+                   "active (FLOPs)")
+    else:
+        out.append(f"  N = L·(2d² + 2d·kvd + {M.n_mlp_mats}·d·f) + V·d = {M.matmul_params():,}")
     out.append(f"  6·N + 12·L·d·s = 6·{M.matmul_params():,} + 12·{M.n_layers}·{M.d_model}·{s} "
                f"= {f['model_per_token']:.4g}")
     out.append(f"  per step: {e.tokens:,} tokens × {f['model_per_token']:.4g} = "
@@ -324,6 +345,10 @@ def explain(e) -> str:
         sh = {0: "", 1: "K/dp", 2: "(G+K)/dp", 3: "(P+G+K)/dp"}[lay.zero]
         if cp > 1:
             sh = sh.replace("dp", f"(dp·cp) = ÷{n * cp}")
+        if lay.ep > 1 and mem.get("expert_params_count"):
+            out.append(f"    of them experts: L_m·E·{M.n_mlp_mats}·d·f_e/(ep·etp) = "
+                       f"{mem['expert_params_count']:,.0f} (E/ep = {M.n_experts // lay.ep} per "
+                       f"layer), their ZeRO shards over dp·cp/ep = {n * cp // lay.ep} ranks")
         out.append(f"    zero {lay.zero}{' (' + sh + ')' if sh else ''}, P={prec.param} "
                    f"G={prec.grad} K={prec.optim} B/param: params {_human(mem['params'])} + "
                    f"grads {_human(mem['grads'])} + optimizer {_human(mem['optimizer'])}")
@@ -333,7 +358,8 @@ def explain(e) -> str:
     none = layer_activation_bytes(M, tokens_mb, tp=t, sp=lay.sp, ckpt="none",
                                   act_bytes=prec.act)
     toks = f"{b}·{s}/{cp}" if cp > 1 else f"{b}·{s}"
-    out.append(f"  activations per layer per micro-batch ({toks} tokens, a = {prec.act} B, "
+    kind = "a dense layer" if M.is_moe else "per layer"
+    out.append(f"  activations {kind} per micro-batch ({toks} tokens, a = {prec.act} B, "
                f"t = {t}{', SP' if lay.sp else ''}): {_human(d['act_per_layer'])} "
                f"(ckpt={lay.ckpt}; without checkpointing {_human(none)})")
     held = in_flight(lay.schedule, p, e.microbatches, v)
@@ -347,15 +373,28 @@ def explain(e) -> str:
                    f"= {_human(d['cp_kv_bytes'])} per layer"
                    + (f"; all-gather keeps the gathered K/V, (cp−1)·KV = "
                       f"{_human(d['cp_gathered'])} more per layer" if d["cp_gathered"] else ""))
+    if M.is_moe:
+        out.append(f"  an MoE layer keeps {_human(d['act_per_moe_layer'])} per micro-batch (router "
+                   f"probabilities, k = {M.top_k} dispatched copies, the experts' intermediates "
+                   "and outputs); MoE layers per stage: "
+                   f"{_stages(d['moe_layers_per_stage'])}")
     out.append(f"  fits: {_human(e.mem_bytes_per_gpu)} ≤ {_human(e.capacity_bytes)}? "
                f"{'yes' if e.fits else 'NO'}")
     out.append("")
     ls = d["layer_seconds"]
     out.append(f"Compute per micro-batch on the slowest stage (stage {d['critical_stage']})")
-    out.append(f"  a layer, per token: dense {ls['dense'] * 1e9:,.2f} ns (GEMMs at "
+    kind = "a dense layer" if M.is_moe else "a layer"
+    out.append(f"  {kind}, per token: dense {ls['dense'] * 1e9:,.2f} ns (GEMMs at "
                f"{A.gemm_efficiency:.1%} of {d['peak'] / 1e12:,.0f} TFLOP/s) + attention core "
                f"{ls['core'] * 1e9:,.2f} ns + element-wise {ls['elementwise'] * 1e9:,.2f} ns")
+    if M.is_moe:
+        ms = d["moe_layer_seconds"]
+        out.append(f"  an MoE layer, per token: dense {ms['dense'] * 1e9:,.2f} ns (attention ÷ tp, "
+                   f"router + shared + top-{M.top_k} experts ÷ etp) + attention core "
+                   f"{ms['core'] * 1e9:,.2f} ns + element-wise {ms['elementwise'] * 1e9:,.2f} ns")
     cp_part = (f" + CP exposed {d['t_cp_mb'] * 1e3:,.2f} ms" if cp > 1 else "")
+    if lay.ep > 1:
+        cp_part += f" + EP {d['t_ep_mb'] * 1e3:,.2f} ms"
     out.append(f"  t_compute = {d['t_comp_mb'] * 1e3:,.2f} ms; TP collectives (exposed) "
                f"{d['t_tp_mb'] * 1e3:,.2f} ms{cp_part} → t_mb = {d['t_mb'] * 1e3:,.2f} ms")
     if cp > 1:
@@ -366,11 +405,19 @@ def explain(e) -> str:
                "exposed (Llama 3 §3.3.2)")
         out.append(f"  CP {lay.cp_method} over {cp} ranks: attention core of one layer "
                    f"t_core = {d['t_core_layer'] * 1e3:,.3f} ms per micro-batch; {how}")
+    if lay.ep > 1:
+        from .cost import ep_tokens
+
+        eb = d["ep_bytes_layer"]
+        out.append(f"  EP over {lay.ep} ranks (uniform routing): T = b·(s/cp)/etp = "
+                   f"{ep_tokens(M, lay):,.0f} tokens per micro-batch, each all-to-all moves "
+                   f"(ep−1)/ep·T·k·d·a; per MoE layer dispatch {_human(eb['ep_dispatch'])} + "
+                   f"combine {_human(eb['ep_combine'])} (forward + backward), exposed")
     out.append("")
     out.append("Communication per step (bytes sent per GPU by the ring formulas; seconds = "
                "steps·latency + bytes/(bw·link efficiency))")
     for c in e.comm:
-        out.append(f"  {c.axis:<5} {c.op:<14} {c.tag:<6} n={c.n:<5} S={c.size / 2**20:>10,.1f} "
+        out.append(f"  {c.axis:<5} {c.op:<14} {c.tag:<11} n={c.n:<5} S={c.size / 2**20:>10,.1f} "
                    f"MiB ×{c.count:>7,.0f}: {c.wire / 1e9:>9,.2f} GB sent, {c.seconds:>8.3f} s, "
                    f"exposed {c.exposed:.3f} s  [{c.link}] {c.note}")
     out.append("")
@@ -379,9 +426,10 @@ def explain(e) -> str:
            "zb-h1": "(p−1)·t_mb/3"}.get(lay.schedule, "")
     out.append("Step time")
     cp_sum = f" + CP {T['cp_exposed']:.3f}" if cp > 1 else ""
+    cp_sum += f" + EP {T['ep_exposed']:.3f}" if lay.ep > 1 else ""
     out.append(f"  m·t_mb = {e.microbatches}·{d['t_mb'] * 1e3:,.2f} ms = "
-               f"{T['compute'] + T['tp'] + T['cp_exposed']:.3f} s (compute {T['compute']:.3f} + "
-               f"TP {T['tp']:.3f}{cp_sum})")
+               f"{T['compute'] + T['tp'] + T['cp_exposed'] + T['ep_exposed']:.3f} s (compute "
+               f"{T['compute']:.3f} + TP {T['tp']:.3f}{cp_sum})")
     if p > 1:
         out.append(f"  bubble = {bub if e.microbatches >= p else '(p−1)·t_mb (m < p)'} = "
                    f"{T['bubble']:.3f} s")

@@ -134,6 +134,46 @@ sequence (the zig-zag split: seq_len must be divisible by 2c; Llama-style models
 Not modelled: the lower efficiency of a flash kernel on the smaller ``s/(2c)`` blocks the ring
 computes, link contention between the ring and TP/DP traffic, and document masks.
 
+Mixture of experts and expert parallelism (``model.n_experts`` > 0, ``ep`` ≥ 1)
+-------------------------------------------------------------------------------
+An MoE layer (:mod:`shardwise.plan.models`: E experts of width f_e, top_k k, n_shared shared
+experts) holds every expert but runs k of them per token, so **memory counts total parameters
+and FLOPs active ones**: model FLOPs per token ``6·N_active + 12·L·d·s`` with N_active the
+attention, the router (d·E), the shared experts and k experts per MoE layer (Megatron-LM's
+``num_floating_point_operations``, Mixtral's "active parameters").
+
+Expert parallelism shares the experts out over ``ep`` ranks of the data axes (EP ⊆ dp × cp:
+Megatron-Core's tp-cp-ep-dp-pp order, torchtitan, :class:`shardwise.topology.Topology`; ep
+divides dp·cp and E): each rank holds E/ep experts of every MoE layer. The ep group is ep
+consecutive ranks of the data line (stride tp), the expert-data-parallel group "edp" the
+dp·cp/ep ranks that hold the same experts (stride tp·ep) (:func:`axis_link`).
+
+* **memory**: expert weights, gradients and optimizer state ÷ ep, and ZeRO shards them over
+  edp (so with ZeRO-3, P·E_layer/(ep·dp·cp/ep) = P·E_layer/(dp·cp): EP saves their gathers,
+  not their shards); router, shared experts and every dense weight as before over dp·cp.
+  Activations of an MoE layer: :func:`layer_activation_bytes` (``moe``); one layer's receive
+  buffer of dispatched rows, ``T·k·d·a``, is a buffer.
+* **compute**: under uniform routing every rank computes as many expert rows (T·k per
+  micro-batch) as its tokens sent, so the time per token is that of the active FLOPs, ep or
+  not (:func:`layer_seconds`).
+* **all-to-all** per MoE layer and micro-batch: dispatch and combine forward, and both again
+  backward, each moving ``(ep−1)/ep · T·k·d·a`` per rank in each direction (T tokens the rank
+  routes, :func:`ep_tokens`) — the uniform-routing expectation of the bytes the engine's
+  formula counts from the actual routing (:func:`ep_layer_bytes`,
+  :func:`shardwise.parallel.ep.ep_bytes_formula`); plus the E int64 routing counts. Timed over
+  the link the ep group spans and **exposed** (:func:`ep_collectives`).
+* **gradients**: expert gradients are summed (reduce-scattered under ZeRO) over edp, dense ones
+  over dp·cp, under the same tags, in the same backward window (:func:`dp_collectives`).
+* **TP** (:func:`etp`): with SP, experts split over tp and the dispatched copies gathered over
+  it (Megatron-Core's expert tensor parallelism = tp: the MoE layer's TP collectives carry
+  k copies, the shared experts one more pair); without SP the MoE feed-forward is whole on
+  every tp rank (shardwise's engine: one f/g pair per MoE block, expert FLOPs not ÷ tp).
+
+Not modelled: routing imbalance (the busiest rank sets the pace of every all-to-all), token
+dropping, all-to-all overlap with compute (DeepSeek-V3's DualPipe, Megatron-Core ≥ v0.14),
+grouped-GEMM efficiency below the dense GEMMs', MoE parallel folding (an ep group that spans
+tp ranks, ETP ≠ TP), the dispatcher's host synchronisation for dropless splits.
+
 Pipeline bubble (idle time per step, ``t_mb`` = one micro-batch's forward + backward on a stage)
 -----------------------------------------------------------------------------------------------
 GPipe and 1F1B ``(p−1)·t_mb`` (Huang et al. 2019; Narayanan et al. 2021 §2.2.1: fraction
@@ -240,7 +280,7 @@ class PlanLayout(Layout):
 
 
 def layer_activation_bytes(model: ModelSpec, tokens: int, *, tp: int = 1, sp: bool = False,
-                           ckpt: str = "none", act_bytes: int = 2) -> float:
+                           ckpt: str = "none", act_bytes: int = 2, moe: bool = False) -> float:
     """Bytes one transformer layer keeps for backward for a micro-batch of ``tokens`` = b·s
     tokens (each sequence ``model.seq_len`` long), on one TP rank.
 
@@ -262,6 +302,16 @@ def layer_activation_bytes(model: ModelSpec, tokens: int, *, tp: int = 1, sp: bo
     TP (eq. 2): attention and MLP tensors are split over ``tp``; the norms' tensors and the
     dropout masks are replicated unless ``sp`` (sequence parallelism, eq. 4: everything / t).
 
+    ``moe``: an MoE layer, whose MLP part is, per token, the router's fp32 probabilities
+    (4·E), the k dispatched copies of the token the experts multiply (a·k·d), each copy's
+    expert intermediates (the MLP's count with f_e), the k expert outputs the combine weights
+    (their gradient needs them: a·k·d) and the shared experts' intermediates. All but the
+    dispatched copies are split over the expert-tensor-parallel degree ``etp`` (:func:`etp`:
+    t with SP, Megatron-Core's expert TP; 1 without, shardwise's whole MoE feed-forward per tp
+    rank); the copies are whole on every tp rank (with SP they are all-gathered over tp before
+    the experts). Selective recomputation keeps the copies, the experts' pre-activations and
+    outputs; full keeps the layer input.
+
     ``ckpt``: "none"; "selective" — recompute every FLOP-light operation in backward (the norms'
     outputs, the MLP activation function, a non-flash attention core; Korthikanti §5 applied to
     every such operation): keep the two norm inputs, Q, K, V, the attention output and the MLP's
@@ -280,7 +330,8 @@ def layer_activation_bytes(model: ModelSpec, tokens: int, *, tp: int = 1, sp: bo
         return tokens * a * d / rep
     if ckpt == "selective":
         replicated = 2 * a * d + masks
-        split = a * (2 * d + 2 * kv_stored) + lse + a * m.d_ff * (2 if m.mlp == "swiglu" else 1)
+        mlp = 2 if m.mlp == "swiglu" else 1
+        split = a * (2 * d + 2 * kv_stored) + lse
     elif ckpt == "none":
         if m.kernels == "eager":
             replicated = 2 * (3 * a * d + 4) + masks
@@ -288,10 +339,23 @@ def layer_activation_bytes(model: ModelSpec, tokens: int, *, tp: int = 1, sp: bo
         else:
             replicated = 2 * (2 * a * d) + masks
             mlp = 3 if m.mlp == "swiglu" else 2
-        split = a * (2 * d + 2 * kv_stored) + lse + core + a * m.d_ff * mlp
+        split = a * (2 * d + 2 * kv_stored) + lse + core
     else:
         raise ShardwiseConfigError(f"--ckpt {ckpt!r}: choose from {CKPT}")
-    return tokens * (replicated / rep + split / tp)
+    if not moe:
+        return tokens * (replicated / rep + (split + a * m.d_ff * mlp) / tp)
+    k, f_e, e = m.top_k, m.expert_ff, etp(tp, sp)
+    experts = 4 * m.n_experts + a * (k * mlp * f_e + k * d + m.n_shared_experts * mlp * f_e)
+    return tokens * (replicated / rep + split / tp + a * k * d + experts / e)
+
+
+def etp(tp: int, sp: bool) -> int:
+    """The expert-tensor-parallel degree an MoE layer runs with under ``tp``: with sequence
+    parallelism the experts are split over the tp ranks and the dispatched tokens gathered over
+    them (Megatron-Core's default ``expert_tensor_parallel_size`` = tp, which needs SP with
+    EP); without it the MoE feed-forward is whole on every tp rank, which routes the same
+    tokens (shardwise's engine, :mod:`shardwise.parallel.ep`): 1."""
+    return tp if sp else 1
 
 
 def head_activation_bytes(model: ModelSpec, tokens: int, *, tp: int = 1, sp: bool = False,
@@ -351,7 +415,7 @@ def bubble_time(schedule: str, p: int, t_mb: float, v: int = 1, m: int | None = 
 
 
 def elementwise_bytes(model: ModelSpec, *, tp: int = 1, sp: bool = False, ckpt: str = "none",
-                      act_bytes: int = 2) -> float:
+                      act_bytes: int = 2, moe: bool = False) -> float:
     """HBM bytes per token one layer's element-wise operations read and write, forward +
     backward, on one TP rank (``a`` = ``act_bytes``).
 
@@ -361,7 +425,12 @@ def elementwise_bytes(model: ModelSpec, *, tp: int = 1, sp: bool = False, ckpt: 
     forward 10, selective recomputation the norms' 4. RoPE reads and writes Q and K forward and
     backward (4·(d + kvd)). On f-wide tensors (split over tp): SwiGLU 3 forward + 5 backward,
     GeLU 2 + 3, plus the forward again under any recomputation. Dropout writes and reads a 1-byte
-    mask after attention and after the MLP."""
+    mask after attention and after the MLP.
+
+    ``moe``: the f-wide passes run on (k + n_shared) experts' f_e-wide tensors per token, split
+    over :func:`etp`; the permutation that sorts the k copies by expert and the combine that
+    sums them back read and write k·d per token each (4·k·d forward, the same backward: the
+    "permute/unpermute" kernels of Megatron-Core), on the rank's share (÷ etp)."""
     m, a, d = model, act_bytes, model.d_model
     rep = tp if sp else 1
     d_passes = 22 + {"none": 0, "selective": 4, "full": 10}[ckpt]
@@ -369,7 +438,13 @@ def elementwise_bytes(model: ModelSpec, *, tp: int = 1, sp: bool = False, ckpt: 
     f_passes = f_fwd + f_bwd + (f_fwd if ckpt != "none" else 0)
     rope = 0 if m.learned_positions else 4 * (d + m.kv_dim) * (1.5 if ckpt == "full" else 1)
     masks = 4 * d if m.dropout else 0
-    return a * d_passes * d / rep + a * rope / tp + a * f_passes * m.d_ff / tp + masks / rep
+    if moe:
+        e, k = etp(tp, sp), m.top_k
+        width = (k + m.n_shared_experts) * m.expert_ff
+        mlp = a * f_passes * width / e + a * 8 * k * d * (1.5 if ckpt == "full" else 1) / e
+    else:
+        mlp = a * f_passes * m.d_ff / tp
+    return a * d_passes * d / rep + a * rope / tp + mlp + masks / rep
 
 
 def attention_core_bytes(model: ModelSpec, *, tp: int = 1, ckpt: str = "none",
@@ -387,15 +462,25 @@ def attention_core_bytes(model: ModelSpec, *, tp: int = 1, ckpt: str = "none",
     return m.n_heads / tp * m.seq_len * per_elem
 
 
-def layer_seconds(model: ModelSpec, layout: PlanLayout, gpu, assumptions: "Assumptions") -> dict:
+def layer_seconds(model: ModelSpec, layout: PlanLayout, gpu, assumptions: "Assumptions",
+                  moe: bool = False) -> dict:
     """Seconds per token of one layer's forward + backward (recomputation included) on one GPU
     of ``layout``, by part: "dense", "core", "elementwise", and their sum "total" (the module
-    docstring gives the roofline). Communication is not included."""
+    docstring gives the roofline). Communication is not included. ``moe``: an MoE layer —
+    the attention matmuls split over tp, the router, the shared experts and top_k experts per
+    token (every token's k copies run on some rank: under uniform routing each rank computes
+    as many copies as it sent, so expert parallelism leaves the FLOPs per rank unchanged) split
+    over :func:`etp`; all at the same ``gemm_efficiency``."""
     m, lay, A = model, layout, assumptions
     prec = PRECISIONS[lay.precision]
     peak = gpu.bf16_flops if prec.compute == "bf16" else gpu.fp32_flops
     t, d, s = lay.tp, m.d_model, m.seq_len
-    dense = 6 * m.layer_matmul_params() * (4 / 3 if lay.ckpt == "full" else 1) / t
+    if moe:
+        ffn = m.layer_active_matmul_params(moe=True) - m.attention_matmul_params()
+        matmuls = m.attention_matmul_params() / t + ffn / etp(t, lay.sp)
+    else:
+        matmuls = m.layer_matmul_params() / t
+    dense = 6 * matmuls * (4 / 3 if lay.ckpt == "full" else 1)
     core_flops = 12 * d * s / t
     if lay.ckpt == "full" or (lay.ckpt == "selective" and not m.flash_attention):
         core_flops *= 4 / 3
@@ -406,8 +491,8 @@ def layer_seconds(model: ModelSpec, layout: PlanLayout, gpu, assumptions: "Assum
         t_core = max(core_flops / (peak * A.gemm_efficiency),
                      attention_core_bytes(m, tp=t, ckpt=lay.ckpt, act_bytes=prec.act)
                      / gpu.hbm_bandwidth)
-    t_elem = elementwise_bytes(m, tp=t, sp=lay.sp, ckpt=lay.ckpt,
-                               act_bytes=prec.act) / gpu.hbm_bandwidth
+    t_elem = elementwise_bytes(m, tp=t, sp=lay.sp, ckpt=lay.ckpt, act_bytes=prec.act,
+                               moe=moe) / gpu.hbm_bandwidth
     return {"dense": t_dense, "core": t_core, "elementwise": t_elem,
             "total": t_dense + t_core + t_elem}
 
@@ -456,32 +541,49 @@ def _partition(n_layers: int, p: int, head_cost: float) -> tuple[int, ...]:
     return best[1]
 
 
-def stage_params(model: ModelSpec, layers: int, *, tp: int, first: bool, last: bool,
-                 pp: int) -> float:
-    """Parameters one GPU of a pipeline stage holds with ``layers`` layers: matmul weights and
-    the vocabulary split over tp, norms/biases replicated. The first stage holds the embedding,
-    the last the final norm and the output projection (with tied embeddings and pp > 1, a copy of
-    the embedding, as Megatron-LM keeps one on both ends)."""
+def stage_param_split(model: ModelSpec, layers: int, *, tp: int, first: bool, last: bool,
+                      pp: int, start: int = 0, ep: int = 1, sp: bool = False
+                      ) -> tuple[float, float]:
+    """(dense, expert): parameters one GPU of a pipeline stage holds with ``layers`` layers
+    from layer ``start`` on. Dense: matmul weights and the vocabulary split over tp,
+    norms/biases replicated; the first stage holds the embedding, the last the final norm and
+    the output projection (with tied embeddings and pp > 1, a copy of the embedding, as
+    Megatron-LM keeps one on both ends); an MoE layer's router (replicated, as Megatron-Core
+    keeps it) and shared experts (÷ :func:`etp`). Expert: the routed experts of the stage's MoE
+    layers, E/ep of them per rank, each split over :func:`etp` — ``L_m·E·(2|3)·d·f_e/(ep·etp)``
+    (0 for a dense model)."""
     m = model
-    n = layers * (m.layer_matmul_params() / tp + m.layer_small_params())
+    n_moe = m.moe_layers_in(start, layers)
+    e = etp(tp, sp)
+    n = (layers - n_moe) * (m.layer_matmul_params() / tp + m.layer_small_params())
+    n += n_moe * (m.attention_matmul_params() / tp + m.layer_small_params()
+                  + m.router_params() + m.shared_params() / e)
     if first:
         n += m.vocab_size * m.d_model / tp + m.learned_positions * m.d_model
     if last:
         n += m.d_model * (2 if m.norm == "layernorm" else 1)
         if not m.tie_embeddings or (pp > 1 and not first):
             n += m.vocab_size * m.d_model / tp
-    return n
+    return n, n_moe * m.n_experts * m.expert_params() / (ep * e)
 
 
-def stage_tensors(model: ModelSpec, layers: int, *, first: bool, last: bool, pp: int) -> int:
-    """Parameter tensors on a stage (for the optimizer's step counters)."""
+def stage_params(model: ModelSpec, layers: int, *, tp: int, first: bool, last: bool,
+                 pp: int, start: int = 0, ep: int = 1, sp: bool = False) -> float:
+    """Parameters one GPU of a pipeline stage holds: dense + expert of
+    :func:`stage_param_split` (the same arguments)."""
+    return sum(stage_param_split(model, layers, tp=tp, first=first, last=last, pp=pp,
+                                 start=start, ep=ep, sp=sp))
+
+
+def stage_tensors(model: ModelSpec, layers: int, *, first: bool, last: bool, pp: int,
+                  start: int = 0) -> int:
+    """Parameter tensors on a stage (for the optimizer's step counters); a rank's slice of
+    stacked experts is still one tensor per matrix."""
     m = model
     if pp == 1:
         return m.num_tensors()
-    per_layer = (m.num_tensors() - (1 + (1 if m.learned_positions else 0)
-                                    + (2 if m.norm == "layernorm" else 1)
-                                    + (0 if m.tie_embeddings else 1))) // m.n_layers
-    n = layers * per_layer
+    n_moe = m.moe_layers_in(start, layers)
+    n = (layers - n_moe) * m.layer_tensors() + n_moe * m.layer_tensors(moe=True)
     if first:
         n += 1 + (1 if m.learned_positions else 0)
     if last:
@@ -534,17 +636,26 @@ def axis_link(cluster: Cluster, layout: PlanLayout, axis: str) -> tuple[float, f
     (pp, dp, cp, tp), TP innermost and CP next: ranks r = ((pp_i·dp + dp_i)·cp + cp_i)·tp + tp_i,
     filled node by node. A group inside one node uses NVLink; one that spans nodes with k members
     per node gets min(intra, k·inter) (k rings side by side, one per NIC). So cp traffic stays on
-    NVLink while tp·cp ≤ GPUs per node and crosses nodes beyond."""
+    NVLink while tp·cp ≤ GPUs per node and crosses nodes beyond.
+
+    Expert parallelism rides on the data line (dp × cp flattened, stride tp), as
+    :class:`shardwise.topology.Topology` builds it and Megatron-Core's tp-cp-ep-dp-pp order
+    places it: "ep", ``ep`` consecutive ranks of the line (stride tp; on NVLink while
+    tp·ep ≤ GPUs per node); "edp", the dp·cp/ep ranks that hold the same experts (stride
+    tp·ep)."""
     c = cluster  # the cache key: the link numbers only (hashing the whole Cluster is slow)
     return _axis_link(c.gpus_per_node, c.intra_bw, c.inter_bw, c.intra_latency,
-                      c.inter_latency, layout.tp, layout.cp, layout.dp, layout.pp, axis)
+                      c.inter_latency, layout.tp, layout.cp, layout.dp, layout.pp, axis,
+                      layout.ep)
 
 
 @functools.lru_cache(maxsize=8192)
 def _axis_link(gpn: int, intra_bw: float, inter_bw: float, intra_lat: float, inter_lat: float,
-               tp: int, cp: int, dp: int, pp: int, axis: str):
-    n = {"tp": tp, "cp": cp, "dp": dp, "pp": pp, "dp_cp": dp * cp}[axis]
-    stride = {"tp": 1, "cp": tp, "dp": tp * cp, "pp": tp * cp * dp, "dp_cp": tp}[axis]
+               tp: int, cp: int, dp: int, pp: int, axis: str, ep: int = 1):
+    n = {"tp": tp, "cp": cp, "dp": dp, "pp": pp, "dp_cp": dp * cp, "ep": ep,
+         "edp": dp * cp // ep}[axis]
+    stride = {"tp": 1, "cp": tp, "dp": tp * cp, "pp": tp * cp * dp, "dp_cp": tp, "ep": tp,
+              "edp": tp * ep}[axis]
     if (n - 1) * stride < gpn:  # the group of rank 0: ranks 0, stride, …, (n−1)·stride
         return intra_bw, intra_lat, "intra-node"
     k = min(n, -(-gpn // stride))  # members on node 0
@@ -568,50 +679,66 @@ def collective_seconds(op: str, size: float, n: int, bw: float, latency: float,
 
 def _coll(cluster, layout, axis, op, tag, size, count, assume, note=""):
     n = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "pp": layout.pp,
-         "dp_cp": layout.dp * layout.cp}[axis]
+         "dp_cp": layout.dp * layout.cp, "ep": layout.ep,
+         "edp": layout.dp * layout.cp // layout.ep}[axis]
     bw, lat, where = axis_link(cluster, layout, axis)
     wire, sec = collective_seconds(op, size, n, bw, lat, assume.link_efficiency)
     return Collective(axis, op, tag, size, n, count, wire * count, sec * count, 0.0, where, note)
 
 
 def dp_collectives(layout: PlanLayout, params: float, prec: Precision, m: int, cluster: Cluster,
-                   assume: Assumptions, regathered: float | None = None) -> list[Collective]:
+                   assume: Assumptions, regathered: float | None = None,
+                   expert_params: float = 0.0) -> list[Collective]:
     """The dp-axis collectives of one optimizer step for a GPU holding ``params`` parameters
     (see the module docstring), over dp × cp: parameters are replicated over cp, so gradients
     are summed and ZeRO shards over the flattened (dp, cp) group ("dp_cp", torchtitan's
     ``dp_shard_cp``). ``regathered``: parameters zero 3 gathers again before backward
-    (default all of them; shardwise's ZeRO engine keeps its root unit gathered). ``exposed`` is
-    filled in by :func:`estimate`."""
+    (default all of them; shardwise's ZeRO engine keeps its root unit gathered).
+    ``expert_params``: routed-expert parameters on this GPU; with ep > 1 their gradients are
+    summed (and ZeRO shards them) over the expert-data-parallel group "edp" of dp·cp/ep ranks
+    that hold the same experts, the same collectives under the same tags ("grad", "param") as
+    the dense ones, as shardwise's DP engine books them; with ep = 1 they are dense
+    parameters. ``exposed`` is filled in by :func:`estimate`."""
     z = layout.zero
     ax = "dp" if layout.cp == 1 else "dp_cp"  # parameters are replicated over cp too
-    g, w = prec.grad_comm * params, prec.param * params
-    again = params if regathered is None else regathered
+    if layout.ep == 1:
+        params, expert_params = params + expert_params, 0.0
+    groups = [(ax, params, params if regathered is None else regathered)]
+    if expert_params:
+        groups.append(("edp", expert_params, expert_params))
     rs_count = m if z >= 2 and layout.grad_reduce == "micro" else 1
     rs_note = ("gradients, after every micro-batch" if rs_count > 1 else
                "gradients, once per step")
     out = [_coll(cluster, layout, ax, "all_reduce", "loss", 8, 2, assume,
                  "token count before the forward, loss sum after the step (fp64)")]
-    if z == 0:
-        out.append(_coll(cluster, layout, ax, "all_reduce", "grad", g, 1, assume,
-                         "gradients, once per step"))
-        return out
-    out.append(_coll(cluster, layout, ax, "reduce_scatter", "grad", g, rs_count, assume,
-                     rs_note))
-    if z < 3:
-        out.append(_coll(cluster, layout, ax, "all_gather", "param", w, 1, assume,
-                         "updated parameters, once per step"))
-    else:
-        c = _coll(cluster, layout, ax, "all_gather", "param", w, m, assume,
-                  "parameters before every micro-batch's forward and backward")
-        if again:
-            back = _coll(cluster, layout, ax, "all_gather", "param",
-                         prec.param * again, m, assume)
-            c.wire += back.wire
-            c.seconds += back.seconds
-            c.count += m
-        out.append(c)
-    out.append(_coll(cluster, layout, ax, "all_reduce", "grad_norm", 8, 1, assume,
-                     "sum of squares of the gradient shards, for the global norm (fp64)"))
+    for axis, psi, again in groups:
+        g, w = prec.grad_comm * psi, prec.param * psi
+        what = "" if axis != "edp" else " of the experts (over the ranks holding the same ones)"
+        if z == 0:
+            out.append(_coll(cluster, layout, axis, "all_reduce", "grad", g, 1, assume,
+                             "gradients" + what + ", once per step"))
+            continue
+        out.append(_coll(cluster, layout, axis, "reduce_scatter", "grad", g, rs_count, assume,
+                         rs_note.replace("gradients", "gradients" + what)))
+        if z < 3:
+            out.append(_coll(cluster, layout, axis, "all_gather", "param", w, 1, assume,
+                             "updated parameters" + what + ", once per step"))
+        else:
+            c = _coll(cluster, layout, axis, "all_gather", "param", w, m, assume,
+                      "parameters" + what + " before every micro-batch's forward and backward")
+            if again:
+                back = _coll(cluster, layout, axis, "all_gather", "param",
+                             prec.param * again, m, assume)
+                c.wire += back.wire
+                c.seconds += back.seconds
+                c.count += m
+            out.append(c)
+    if z:
+        out.append(_coll(cluster, layout, ax, "all_reduce", "grad_norm", 8, 1, assume,
+                         "sum of squares of the gradient shards, for the global norm (fp64)"))
+    elif expert_params:  # each ep rank holds other experts: their squares summed over ep
+        out.append(_coll(cluster, layout, "ep", "all_reduce", "grad_norm", 8, 1, assume,
+                         "sum of squares of the expert gradients over ep, for the norm (fp64)"))
     return out
 
 
@@ -684,6 +811,66 @@ def cp_collectives(model: ModelSpec, layout: PlanLayout, cluster: Cluster, assum
     return [ag, rs]
 
 
+def ep_tokens(model: ModelSpec, layout: PlanLayout) -> float:
+    """T: tokens of one micro-batch whose routed copies this rank dispatches, b·(s/cp)/etp (with
+    SP each tp rank routes its s/t share; without it every tp rank routes all of them)."""
+    return layout.micro_batch * (model.seq_len // layout.cp) / etp(layout.tp, layout.sp)
+
+
+def ep_layer_bytes(model: ModelSpec, layout: PlanLayout) -> dict[str, float]:
+    """{"ep_dispatch", "ep_combine", "ep_counts": bytes} one rank sends over ep for one MoE
+    layer and one micro-batch, forward + backward (no recomputation), under uniform routing —
+    the expectation when every expert receives T·k/E of each rank's copies (a balanced router;
+    Megatron-Bridge's MoE benchmarks force it): of the T·k copies a rank routes, (ep−1)/ep go
+    to other ranks, and as many arrive from them. With a row of d·a bytes:
+
+    * ``ep_dispatch`` = 2 · (ep−1)/ep · T·k·d·a: the dispatch forward, and its gradient (the
+      reverse all-to-all) backward;
+    * ``ep_combine`` = the same: the combine forward, its gradient backward;
+    * ``ep_counts`` = (ep−1)/ep · E · 8: the all-to-all of the int64 routing counts, forward.
+
+    These are the terms of :func:`shardwise.parallel.ep.ep_bytes_formula` (the engine's
+    formula from the step's actual routing, which its ledger equals at 1.0000) with its S_i =
+    R_i = (ep−1)/ep · T·k. Skewed routing moves more on the ranks that hold popular experts;
+    not modelled. Empty when ep = 1 or the model is dense."""
+    if layout.ep == 1 or not model.is_moe:
+        return {}
+    ep, a = layout.ep, PRECISIONS[layout.precision].act
+    rows = (ep - 1) / ep * ep_tokens(model, layout) * model.top_k
+    return {"ep_dispatch": 2 * rows * model.d_model * a,
+            "ep_combine": 2 * rows * model.d_model * a,
+            "ep_counts": (ep - 1) / ep * model.n_experts * 8}
+
+
+def ep_collectives(model: ModelSpec, layout: PlanLayout, cluster: Cluster, assume: Assumptions,
+                   moe_layers: int) -> list[Collective]:
+    """The ep-axis all-to-alls of one micro-batch through ``moe_layers`` MoE layers (buffer
+    S = T·k·d·a, :func:`ep_tokens`; each sends (ep−1)/ep·S, :func:`ep_layer_bytes`): per layer
+    a dispatch and a combine forward and both again backward, plus the routing counts' all-to-all
+    forward; full recomputation runs the forward's three again. Time: (ep−1) steps of latency +
+    bytes over the link the ep group spans (:func:`axis_link`). All exposed: the dispatch sits
+    between the router and the experts and the combine between the experts and the residual,
+    with nothing of the same layer to hide under — Megatron-Core overlapped them only from v0.14
+    (2025-09, batch-level overlap of two micro-batches; DeepSeek-V3's DualPipe, §3.2.1, does
+    the same), which this model does not assume."""
+    if layout.ep == 1 or not model.is_moe or moe_layers == 0:
+        return []
+    a = PRECISIONS[layout.precision].act
+    size = ep_tokens(model, layout) * model.top_k * model.d_model * a
+    again = 1 if layout.ckpt == "full" else 0
+    out = [_coll(cluster, layout, "ep", "all_to_all", "ep_dispatch", size,
+                 (2 + again) * moe_layers, assume,
+                 "routed token copies to their experts' ranks, forward and backward (exposed)"),
+           _coll(cluster, layout, "ep", "all_to_all", "ep_combine", size,
+                 (2 + again) * moe_layers, assume,
+                 "expert outputs back to their tokens' ranks, forward and backward (exposed)"),
+           _coll(cluster, layout, "ep", "all_to_all", "ep_counts", model.n_experts * 8,
+                 (1 + again) * moe_layers, assume, "routing counts before the dispatch (int64)")]
+    for c in out:
+        c.exposed = c.seconds
+    return out
+
+
 def dp_step_bytes(model: ModelSpec, layout: PlanLayout, *, m: int = 1, params: float | None = None,
                   regathered: float | None = None) -> dict[str, float]:
     """Bytes one rank sends on the dp axis per optimizer step, by ledger tag ("grad", "param",
@@ -692,16 +879,21 @@ def dp_step_bytes(model: ModelSpec, layout: PlanLayout, *, m: int = 1, params: f
     sends the padded count); ``regathered`` as in :func:`dp_collectives`. Zero 0:
     ``grad = 2(n−1)/n · G_c·Ψ``, ``loss = 2 · 2(n−1)/n · 8``; zero 1/2: reduce-scatter + all-gather,
     (n−1)/n each, plus one fp64 all-reduce for the gradient norm; zero 3: the all-gathers per
-    micro-batch. Link speeds do not enter (bytes only)."""
+    micro-batch. With ep > 1 a rank's E/ep experts go over "edp" (:func:`dp_collectives`), under
+    the same tags. Link speeds do not enter (bytes only)."""
     from .hardware import get_cluster
 
     if layout.tp != 1 or layout.pp != 1:
         raise ValueError("dp_step_bytes: the whole model per rank only (tp = pp = 1)")
     prec = PRECISIONS[layout.precision]
     psi = model.num_params() if params is None else params
+    experts = 0.0
+    if params is None and layout.ep > 1:  # a rank's share of the experts, reduced over edp
+        psi -= model.num_expert_params()
+        experts = model.num_expert_params() / layout.ep
     out: dict[str, float] = {}
     for c in dp_collectives(layout, psi, prec, m, get_cluster("h100-sxm"), Assumptions(),
-                            regathered):
+                            regathered, expert_params=experts):
         out[c.tag] = out.get(c.tag, 0.0) + c.wire
     return out
 
@@ -742,6 +934,7 @@ class Estimate:
         lay = self.layout
         return {
             "dp": lay.dp, "cp": lay.cp, "cp_method": lay.cp_method if lay.cp > 1 else None,
+            "ep": lay.ep,
             "tp": lay.tp, "pp": lay.pp, "zero": lay.zero,
             "schedule": lay.schedule if lay.pp > 1 else None,
             "microbatches": self.microbatches, "mfu": self.mfu, "step_time_s": self.step_time_s,
@@ -785,6 +978,29 @@ def check_cp(model: ModelSpec, cp: int, method: str = "ring") -> None:
             f"{', '.join(map(str, good))}), or another --cp")
 
 
+def check_ep(model: ModelSpec, layout: PlanLayout) -> None:
+    """Raise ShardwiseConfigError unless ``layout.ep`` expert-parallel ranks can run ``model``:
+    the core's own check (:func:`shardwise.parallel.ep.validate_ep` without a model: ep ≥ 1
+    dividing dp × cp, EP ⊆ dp × cp), then an MoE model whose n_experts ep divides. The engine's
+    refusal of MoE with SP or cp > 1 (a sequence split needs its routing counts summed for the
+    per-sequence balance loss, not wired there) is not the planner's: it models those layouts
+    as Megatron-Core runs them."""
+    from ..parallel.ep import validate_ep
+
+    validate_ep(None, layout.ep, layout.dp, layout.cp)
+    if layout.ep > 1 and not model.is_moe:
+        raise ShardwiseConfigError(
+            f"--ep {layout.ep} needs a mixture-of-experts model (there are no experts to split), "
+            f"and {model.name} is dense: choose an MoE model (mixtral-8x7b, mixtral-8x22b, dbrx, "
+            "llama4-scout, llama4-maverick, moe-tiny, …) or --ep 1")
+    if model.is_moe and model.n_experts % layout.ep:
+        ok = [e for e in range(1, model.n_experts + 1) if model.n_experts % e == 0
+              and (layout.dp * layout.cp) % e == 0]
+        raise ShardwiseConfigError(
+            f"--ep {layout.ep} must divide n_experts = {model.n_experts} ({model.name}): each "
+            f"rank holds n_experts / ep experts; choose --ep from {ok}")
+
+
 def check_layout(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batch: int) -> int:
     """Validate ``layout`` for ``model`` and a step of ``global_batch`` sequences; return m, the
     micro-batches per step and replica. Raises ShardwiseConfigError naming the constraint."""
@@ -795,6 +1011,8 @@ def check_layout(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_
             raise ShardwiseConfigError(f"{name} = {v!r} must be a positive integer")
     if lay.cp > 1:
         check_cp(model, lay.cp, lay.cp_method)
+    if lay.ep != 1 or model.is_moe:
+        check_ep(model, lay)
     if lay.precision not in PRECISIONS:
         raise ShardwiseConfigError(f"--precision {lay.precision!r}: choose from "
                                    f"{sorted(PRECISIONS)}")
@@ -843,30 +1061,42 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
     A, lay, M, C = assumptions, layout, model, cluster
     m = check_layout(M, C, lay, global_batch)
     prec = PRECISIONS[lay.precision]
-    t, p, n, v, cp = lay.tp, lay.pp, lay.dp, lay.chunks, lay.cp
+    t, p, n, v, cp, ep = lay.tp, lay.pp, lay.dp, lay.chunks, lay.cp, lay.ep
     # tokens of one micro-batch on this rank: b sequences, s/cp tokens of each (context
     # parallelism splits every sequence; every activation is per token, so all of them ÷ cp)
     a, s, tokens_mb = prec.act, M.seq_len, lay.micro_batch * (M.seq_len // lay.cp)
     peak = C.gpu.bf16_flops if prec.compute == "bf16" else C.gpu.fp32_flops
+    kinds = (False, True) if M.is_moe else (False,)  # dense layers, MoE layers
 
-    # FLOPs per token
-    layer_model = 6 * M.layer_matmul_params() + 12 * M.d_model * s
+    # FLOPs per token, per kind of layer (an MoE layer: its active weights)
     extra = {"none": 0.0, "selective": 0.0 if M.flash_attention else 4 * M.d_model * s,
-             "full": 2 * M.layer_matmul_params() + 4 * M.d_model * s}[lay.ckpt]
-    layer_hw = layer_model + extra
+             "full": 4 * M.d_model * s}[lay.ckpt]
+    layer_model = {moe: 6 * M.layer_active_matmul_params(moe) + 12 * M.d_model * s
+                   for moe in kinds}
+    layer_hw = {moe: layer_model[moe] + extra
+                + (2 * M.layer_active_matmul_params(moe) if lay.ckpt == "full" else 0.0)
+                for moe in kinds}
+    n_moe = M.n_moe_layers
     head_flops = 6 * M.vocab_size * M.d_model
-    model_flops_token = M.n_layers * layer_model + head_flops
-    lsec = layer_seconds(M, lay, C.gpu, A)
+    model_flops_token = ((M.n_layers - n_moe) * layer_model[False]
+                         + n_moe * layer_model.get(True, 0.0) + head_flops)
+    hw_flops_token = ((M.n_layers - n_moe) * layer_hw[False] + n_moe * layer_hw.get(True, 0.0)
+                      + head_flops)
+    lsec = {moe: layer_seconds(M, lay, C.gpu, A, moe=moe) for moe in kinds}
     hsec = head_seconds(M, lay, C.gpu, A)
-    stages = partition_layers(M.n_layers, p, round(hsec / lsec["total"], 6))
-    first_layers, last_layers = stages[0], stages[-1]
+    mean_layer = ((M.n_layers - n_moe) * lsec[False]["total"]
+                  + n_moe * lsec.get(True, lsec[False])["total"]) / M.n_layers
+    stages = partition_layers(M.n_layers, p, round(hsec / mean_layer, 6))
+    starts = [sum(stages[:i]) for i in range(p)]
+    moe_in = [M.moe_layers_in(starts[i], stages[i]) for i in range(p)]
 
     # memory of the first and the last stage
     capacity = C.gpu.hbm_bytes * (1 - A.memory_reserve)
-    per_layer = layer_activation_bytes(M, tokens_mb, tp=t, sp=lay.sp, ckpt=lay.ckpt,
-                                       act_bytes=a)
-    transient = (layer_activation_bytes(M, tokens_mb, tp=t, sp=lay.sp, ckpt="none",
-                                        act_bytes=a) if lay.ckpt == "full" else 0.0)
+    per_layer = {moe: layer_activation_bytes(M, tokens_mb, tp=t, sp=lay.sp, ckpt=lay.ckpt,
+                                             act_bytes=a, moe=moe) for moe in kinds}
+    transient = (max(layer_activation_bytes(M, tokens_mb, tp=t, sp=lay.sp, ckpt="none",
+                                            act_bytes=a, moe=moe) for moe in kinds)
+                 if lay.ckpt == "full" else 0.0)
     kv = cp_kv_bytes(M, lay) if cp > 1 else 0.0
     # all-gather CP: attention's backward needs the gathered K/V of the whole sequence,
     # [b, s, k/t, hd] · 2 = cp·KV per layer, kept instead of the local K/V the layer formula
@@ -877,50 +1107,75 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
     if lay.ckpt == "full":
         transient += gathered
     else:
-        per_layer += gathered
+        per_layer = {moe: x + gathered for moe, x in per_layer.items()}
     flight = in_flight(lay.schedule, p, m, v)
+    # ZeRO-3 gathers two layers at a time: the largest layer this rank gathers (an MoE layer
+    # holds its router whole, its E/ep experts ÷ etp; layer 0 is always an MoE layer)
+    gathered_layer = M.layer_params() / t
+    if M.is_moe:
+        moe_layer = sum(stage_param_split(M, 1, tp=t, first=False, last=False, pp=2, ep=ep,
+                                          sp=lay.sp))
+        gathered_layer = moe_layer if M.moe_every == 1 else max(gathered_layer, moe_layer)
     memory = {}
-    for where, layers, first, last in (("first", first_layers, True, p == 1),
-                                       ("last", last_layers, p == 1, True)):
-        params = stage_params(M, layers, tp=t, first=first, last=last, pp=p)
-        tensors = stage_tensors(M, layers, first=first, last=last, pp=p)
-        st = model_state_bytes(params, tensors, lay.zero, n * cp, prec,
-                               full_grads=lay.grad_reduce == "step" and m > 1)
+    for where, i, first, last in (("first", 0, True, p == 1), ("last", p - 1, p == 1, True)):
+        layers = stages[i]
+        split = stage_param_split(M, layers, tp=t, first=first, last=last, pp=p,
+                                  start=starts[i], ep=ep, sp=lay.sp)
+        tensors = stage_tensors(M, layers, first=first, last=last, pp=p, start=starts[i])
+        full_grads = lay.grad_reduce == "step" and m > 1
+        dense_split = split[0] + (split[1] if ep == 1 else 0.0)
+        st = model_state_bytes(dense_split, tensors, lay.zero, n * cp, prec, full_grads)
+        if ep > 1:  # expert weights: E/ep per rank, ZeRO over the dp·cp/ep ranks that share them
+            ex = model_state_bytes(split[1], 0, lay.zero, n * cp // ep, prec, full_grads)
+            st = {key: st[key] + ex[key] for key in st}
         k = flight if first else 1.0
-        act = k * layers * per_layer + transient
+        act = k * ((layers - moe_in[i]) * per_layer[False]
+                   + moe_in[i] * per_layer.get(True, 0.0)) + transient
         if first:
             act += k * embedding_activation_bytes(M, tokens_mb)
         if last:
             act += head_activation_bytes(M, tokens_mb, tp=t, sp=lay.sp, act_bytes=a)
         buf = 0.0
         if lay.zero == 3:
-            buf += (prec.param + prec.grad) * 2 * M.layer_params() / t
+            buf += (prec.param + prec.grad) * 2 * gathered_layer
         if p > 1:
             buf += 2 * a * tokens_mb * M.d_model / t
         if cp > 1:  # one layer at a time: ring receive + send blocks (K/V, fp32 dK/dV);
             # all-gather: the gradient of the gathered K/V before its reduce-scatter
             buf += 2 * kv + 2 * kv * 4 / a if lay.cp_method == "ring" else cp * kv
+        if ep > 1 and moe_in[i]:  # one MoE layer's receive buffer of dispatched rows
+            buf += ep_tokens(M, lay) * M.top_k * M.d_model * a
+        params = split[0] + split[1]
         if A.grad_bucket_copy and lay.zero < 2:
             buf += prec.grad * params
-        memory[where] = {"params_count": params, **st, "activations": act, "buffers": buf,
+        memory[where] = {"params_count": params, "expert_params_count": split[1], **st,
+                         "activations": act, "buffers": buf,
                          "total": st["params"] + st["grads"] + st["optimizer"] + act + buf}
         if p == 1:
             memory["last"] = memory["first"]
             break
     mem = max(memory["first"]["total"], memory["last"]["total"])
 
-    # compute and TP time per micro-batch on each stage; the slowest sets the pace
+    # compute, TP and EP time per micro-batch on each stage; the slowest sets the pace
     act_size = a * tokens_mb * M.d_model  # [b, s/cp, d] activation, bytes
     tp_ops = ("all_gather", "reduce_scatter") if lay.sp else ("all_reduce",)
-    per_layer_colls = 4 + (2 if lay.ckpt == "full" else 0)  # all-reduce equivalents per layer
+    # all-reduce equivalents of act_size per layer: attention's f/g pair and the MLP's, forward
+    # and backward; an MoE layer's experts with SP move k copies (Megatron-Core's gather of the
+    # dispatched rows over tp), the shared experts one more pair, and without SP the whole MoE
+    # feed-forward needs none (shardwise's engine: one f/g pair per MoE block); full
+    # recomputation repeats the forward half
+    units = {False: 4.0, True: (2.0 + (2.0 * M.top_k + (2.0 if M.n_shared_experts else 0.0))
+                                * (lay.sp and t > 1))}
+    recompute = 1.5 if lay.ckpt == "full" else 1.0
     comm: list[Collective] = []
 
-    def tp_time(layers, first, last):
+    def tp_time(layers, moes, first, last):
         if t == 1:
             return 0.0, []
         out = []
+        count = recompute * ((layers - moes) * units[False] + moes * units[True])
         for op in tp_ops:
-            out.append(_coll(C, lay, "tp", op, "act", act_size, per_layer_colls * layers, A,
+            out.append(_coll(C, lay, "tp", op, "act", act_size, count, A,
                              "layers: f/g of attention and MLP, forward + backward"))
         if first:
             out.append(_coll(C, lay, "tp", "reduce_scatter" if lay.sp else "all_reduce",
@@ -934,49 +1189,61 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
     # one layer's attention core for this micro-batch on this rank, without recomputation:
     # the window the ring's transfers hide under
     recompute_core = lay.ckpt == "full" or (lay.ckpt == "selective" and not M.flash_attention)
-    t_core = tokens_mb * lsec["core"] / (4 / 3 if recompute_core else 1.0)
-    shapes = {}  # stages of the same (layers, first, last) cost the same: evaluate each once
+    t_core = tokens_mb * lsec[False]["core"] / (4 / 3 if recompute_core else 1.0)
+    shapes = {}  # stages of the same (layers, MoE layers, first, last) cost the same
     for i, layers in enumerate(stages):
-        key = (layers, i == 0, i == p - 1)
+        key = (layers, moe_in[i], i == 0, i == p - 1)
         if key not in shapes:
-            comp = tokens_mb * (layers * lsec["total"] + (hsec if key[2] else 0.0))
+            comp = tokens_mb * ((layers - moe_in[i]) * lsec[False]["total"]
+                                + moe_in[i] * lsec.get(True, lsec[False])["total"]
+                                + (hsec if key[3] else 0.0))
             if not A.grad_accum_fused:  # every micro-batch's weight gradients: + into .grad
-                comp += (prec.wgrad_bytes * stage_params(M, layers, tp=t, first=key[1],
-                                                         last=key[2], pp=p)
+                comp += (prec.wgrad_bytes * stage_params(M, layers, tp=t, first=key[2],
+                                                         last=key[3], pp=p, start=starts[i],
+                                                         ep=ep, sp=lay.sp)
                          / C.gpu.hbm_bandwidth)
             t_tp, colls = tp_time(*key)
             cp_colls = cp_collectives(M, lay, C, A, t_core, layers)
             t_cp = sum(c.exposed for c in cp_colls)
-            shapes[key] = (comp + t_tp + t_cp, comp, t_tp, colls, i, t_cp, cp_colls)
-    t_mb, t_comp, t_tp, tp_colls, crit, t_cp, cp_colls = max(shapes.values(),
-                                                               key=lambda x: x[0])
-    for c in tp_colls + cp_colls:
+            ep_colls = ep_collectives(M, lay, C, A, moe_in[i])
+            t_ep = sum(c.exposed for c in ep_colls)
+            shapes[key] = (comp + t_tp + t_cp + t_ep, comp, t_tp, colls, i, t_cp, cp_colls,
+                           t_ep, ep_colls)
+    (t_mb, t_comp, t_tp, tp_colls, crit, t_cp, cp_colls, t_ep,
+     ep_colls) = max(shapes.values(), key=lambda x: x[0])
+    for c in tp_colls + cp_colls + ep_colls:
         c.count *= m
         c.wire *= m
         c.seconds *= m
         c.exposed = c.exposed * m if c.axis == "cp" else c.seconds
-    comm += tp_colls + cp_colls
+    comm += tp_colls + cp_colls + ep_colls
     bubble = bubble_time(lay.schedule, p, t_mb, v, m)
     pipeline = m * t_mb + bubble
 
     # DP/ZeRO: the critical stage's parameters; overlap windows (module docstring)
-    params_crit = stage_params(M, stages[crit], tp=t, first=crit == 0, last=crit == p - 1, pp=p)
-    dp_colls = dp_collectives(lay, params_crit, prec, m, C, A)
+    dense_crit, expert_crit = stage_param_split(M, stages[crit], tp=t, first=crit == 0,
+                                                last=crit == p - 1, pp=p, start=starts[crit],
+                                                ep=ep, sp=lay.sp)
+    params_crit = dense_crit + expert_crit
+    dp_colls = dp_collectives(lay, dense_crit, prec, m, C, A, expert_params=expert_crit)
     t_f, t_b = t_mb / 3, 2 * t_mb / 3
+    grads = [c for c in dp_colls if c.tag == "grad"]  # dense and expert ones share a window
+    gathers = [c for c in dp_colls if c.tag == "param"]
     for c in dp_colls:
         if c.tag in ("loss", "grad_norm"):
             c.exposed = c.seconds
-        elif c.tag == "grad":  # under the backward of the micro-batch(es) it follows
-            c.exposed = c.count * max(0.0, c.seconds / c.count - t_b)
-        elif lay.zero in (1, 2):  # the param all-gather, under the next step's first forward
-            c.exposed = max(0.0, c.seconds - t_f)
     if lay.zero == 3:  # per micro-batch: one gather under forward, one (+ RS) under backward
-        ag = next(c for c in dp_colls if c.tag == "param")
-        rs = next(c for c in dp_colls if c.tag == "grad")
-        one_ag = ag.seconds / ag.count
-        one_rs = rs.seconds / rs.count
-        ag.exposed = m * (max(0.0, one_ag - t_f) + max(0.0, one_ag - t_b))
-        rs.exposed = rs.count * max(0.0, one_rs - max(0.0, t_b - one_ag))
+        one_ag = sum(c.seconds / c.count for c in gathers)
+        one_rs = sum(c.seconds / c.count for c in grads)
+        _share(gathers, m * (max(0.0, one_ag - t_f) + max(0.0, one_ag - t_b)))
+        _share(grads, grads[0].count * max(0.0, one_rs - max(0.0, t_b - one_ag)))
+    else:  # the gradients under the backward of the micro-batch(es) they follow; zero 1/2's
+        # param all-gather under the next step's first forward
+        if grads:
+            _share(grads, grads[0].count * max(0.0, sum(c.seconds / c.count for c in grads)
+                                              - t_b))
+        if gathers:
+            _share(gathers, max(0.0, sum(c.seconds for c in gathers) - t_f))
     comm += dp_colls
     dp_exposed = sum(c.exposed for c in dp_colls)
 
@@ -990,27 +1257,44 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
         pp_exposed = c.exposed
         comm.append(c)
 
-    opt_params = params_crit / (n * cp if lay.zero >= 1 else 1)
+    if lay.zero >= 1:  # the optimizer updates its ZeRO shard: dense ÷ dp·cp, experts ÷ dp·cp/ep
+        opt_params = ((dense_crit + (expert_crit if ep == 1 else 0.0)) / (n * cp)
+                      + (expert_crit / (n * cp // ep) if ep > 1 else 0.0))
+    else:
+        opt_params = params_crit
     t_opt = prec.adam_bytes * opt_params / C.gpu.hbm_bandwidth
     step = pipeline + dp_exposed + pp_exposed + t_opt
     step_tokens = global_batch * s
     model_flops = step_tokens * model_flops_token
-    hw_flops = step_tokens * (M.n_layers * layer_hw + head_flops)
+    hw_flops = step_tokens * hw_flops_token
     world = lay.world
     mfu = model_flops / (step * world * C.gpu.bf16_flops)
     hfu = hw_flops / (step * world * C.gpu.bf16_flops)
-    times = {"compute": m * t_comp, "tp": m * t_tp, "cp_exposed": m * t_cp, "bubble": bubble,
-             "dp_exposed": dp_exposed,
+    times = {"compute": m * t_comp, "tp": m * t_tp, "cp_exposed": m * t_cp,
+             "ep_exposed": m * t_ep, "bubble": bubble, "dp_exposed": dp_exposed,
              "pp_exposed": pp_exposed, "optimizer": t_opt, "step": step}
-    flops = {"model_per_token": model_flops_token, "layer_model_per_token": layer_model,
-             "layer_hw_per_token": layer_hw, "head_per_token": head_flops,
+    flops = {"model_per_token": model_flops_token, "layer_model_per_token": layer_model[False],
+             "layer_hw_per_token": layer_hw[False], "head_per_token": head_flops,
              "model_per_step": model_flops, "hw_per_step": hw_flops}
+    if M.is_moe:
+        flops.update(moe_layer_model_per_token=layer_model[True],
+                     moe_layer_hw_per_token=layer_hw[True])
     details = {"t_mb": t_mb, "t_comp_mb": t_comp, "t_tp_mb": t_tp, "t_cp_mb": t_cp,
-               "t_core_layer": t_core, "cp_kv_bytes": kv, "cp_gathered": gathered,
-               "critical_stage": crit,
-               "in_flight": flight, "act_per_layer": per_layer, "transient": transient,
-               "layer_seconds": lsec, "head_seconds": hsec, "peak": peak, "act_size": act_size,
-               "opt_params": opt_params,
-               "params_crit": params_crit}
+               "t_ep_mb": t_ep, "t_core_layer": t_core, "cp_kv_bytes": kv,
+               "cp_gathered": gathered, "critical_stage": crit, "moe_layers_per_stage": moe_in,
+               "in_flight": flight, "act_per_layer": per_layer[False],
+               "act_per_moe_layer": per_layer.get(True, 0.0), "transient": transient,
+               "layer_seconds": lsec[False], "moe_layer_seconds": lsec.get(True),
+               "head_seconds": hsec, "peak": peak, "act_size": act_size,
+               "ep_bytes_layer": ep_layer_bytes(M, lay), "opt_params": opt_params,
+               "params_crit": params_crit, "expert_params_crit": expert_crit}
     return Estimate(M, C, lay, A, global_batch, m, stages, memory, mem, capacity, mem <= capacity,
                     flops, times, comm, step, step_tokens / step, mfu, hfu, details)
+
+
+def _share(colls: list[Collective], exposed: float) -> None:
+    """Spread ``exposed`` seconds over collectives that run in one overlap window, in
+    proportion to their time."""
+    total = sum(c.seconds for c in colls)
+    for c in colls:
+        c.exposed = exposed * c.seconds / total if total else 0.0

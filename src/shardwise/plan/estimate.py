@@ -40,14 +40,20 @@ from ..errors import ShardwiseConfigError
 
 
 def to_llama_config(spec, max_seq_len: int | None = None):
-    """The :class:`~shardwise.models.LlamaConfig` of a Llama-style :class:`ModelSpec` (SwiGLU,
-    RMSNorm, RoPE, no biases). Raises ShardwiseConfigError for other shapes."""
+    """The :class:`~shardwise.models.LlamaConfig` of a dense Llama-style :class:`ModelSpec`
+    (SwiGLU, RMSNorm, RoPE, no biases). Raises ShardwiseConfigError for other shapes and for
+    mixtures of experts."""
     from ..models import LlamaConfig
 
     if spec.mlp != "swiglu" or spec.norm != "rmsnorm" or spec.bias or spec.learned_positions:
         raise ShardwiseConfigError(f"model {spec.name}: the estimator builds shardwise's Llama "
                                    "(SwiGLU, RMSNorm, RoPE, no biases); choose a Llama-style "
                                    "model such as llama3-8b or tiny")
+    if spec.is_moe:
+        raise ShardwiseConfigError(
+            f"model {spec.name} is a mixture of experts: the estimator runs dense Llama models "
+            "only (an MoE forward reads its routing counts on the host, which fake tensors "
+            "cannot answer); use `shardwise plan` for its analytical memory")
     return LlamaConfig(vocab_size=spec.vocab_size, d_model=spec.d_model, n_layers=spec.n_layers,
                        n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads, d_ff=spec.d_ff,
                        max_seq_len=max_seq_len or spec.seq_len,

@@ -2,8 +2,9 @@
 
 For each GPU count, :func:`shardwise.plan.search.search` ranks every layout; each family
 (:func:`shardwise.plan.search.family`: DP, ZeRO-1/2, FSDP (ZeRO-3), TP + DP, PP + DP,
-TP + PP + DP) contributes its best layout that fits. A family with no fitting layout at a count
-leaves a gap in its line, so the plot also shows where each strategy stops fitting in memory.
+TP + PP + DP, CP + any, EP + any) contributes its best layout that fits. A family with no
+fitting layout at a count leaves a gap in its line, so the plot also shows where each strategy
+stops fitting in memory.
 """
 
 from __future__ import annotations

@@ -29,6 +29,22 @@ Llama 3 §3.3.2 cites PaLM's MFU).
   data parallelism, batch × 8) → 54.2 % (``mt-nlg-530b-2240``). The 22B layer time of their
   Table 4 is where ``gemm_efficiency`` comes from, so that row is a consistency check, not an
   independent one.
+* ``mixtral-8x7b-64`` — a mixture of experts: Megatron-Core's MoE README
+  (github.com/NVIDIA/Megatron-LM, ``megatron/core/transformer/moe/README.md``), "Reference Best
+  Parallel Mapping": Mixtral 8x7B, dropless, all-to-all dispatcher, BF16, 64 H100 (8 × H100
+  80GB HBM3 per server, NVLink 4, 8 × 400 Gbit/s InfiniBand), sequence 4,096, TP 1, EP 8, PP 4,
+  VP 8, micro-batch 1, global batch 256; "This boosts Mixtral 8X7B bf16 training to achieve 468
+  TFLOPS as of MCore v0.9" (commit c230e0d7, 2024-11-21, which also moved the table's benchmark
+  image to PyTorch 24.09 with TransformerEngine 1.11; the v0.8 text of 2024-08-02, commit
+  0b981f9c, gave 438 TFLOPS for the same mapping on PyTorch 24.04 / TE 1.9). VP is the number
+  of virtual stages, 8 one-layer chunks per rank: the maintainers' Megatron-MoE-ModelZoo
+  (github.com/yanring/Megatron-MoE-ModelZoo, ``runtime_configs/benchmarking/runtime.conf``)
+  lists Mixtral-8x7B as TP 1 PP 4 EP 8 VPP 8 MBS 1 GBS 256 and sets LAYERS_PER_VP =
+  NUM_LAYERS / PP / VPP. Megatron's TFLOPS are its ``num_floating_point_operations``: 6 × the
+  top-k active matmul weights + 12·L·d·s, the convention here (less the router's 0.01 %).
+  ZeRO 1 (``--use-distributed-optimizer`` with ``--overlap-grad-reduce`` /
+  ``--overlap-param-gather`` in the README's recipe), Megatron's fused gradient accumulation,
+  overlapped pipeline sends with VPP; recomputation is not stated (the planner chooses).
 """
 
 from __future__ import annotations
@@ -86,6 +102,11 @@ RUNS = (
     PublishedRun("megatron-1t-512", "megatron-1t", "a100-sxm-80gb", 512, 512,
                  Fixed(tp=8, pp=64, dp=1, micro_batch=1, schedule="1f1b", ckpt="selective",
                        sp=True), 0.563, _K, p2p_overlap=False, megatron=True),
+    PublishedRun("mixtral-8x7b-64", "mixtral-8x7b", "h100-sxm", 64, 256,
+                 Fixed(tp=1, pp=4, ep=8, dp=16, micro_batch=1, schedule="interleaved-1f1b",
+                       virtual_stages=8, zero=1), 468 / 989,
+                 "Megatron-Core MoE README, MCore v0.9 (Reference Best Parallel Mapping)",
+                 megatron=True, tflops=468),
     PublishedRun("megatron-22b-8", "megatron-22b", "a100-sxm-80gb", 8, 4,
                  Fixed(tp=8, pp=1, dp=1, micro_batch=4, ckpt="selective", sp=True), 0.415, _K,
                  independent=False, p2p_overlap=False, megatron=True),

@@ -1,6 +1,7 @@
 """Enumerate the layouts of a model on a cluster and rank them by predicted MFU.
 
-A layout fixes dp × cp × tp × pp = the number of GPUs, the ZeRO stage over dp, sequence parallelism,
+A layout fixes dp × cp × tp × pp = the number of GPUs, expert parallelism ep over dp × cp (MoE
+models), the ZeRO stage over dp, sequence parallelism,
 the pipeline schedule and its virtual stages, the micro-batch size and activation checkpointing
 (:class:`~shardwise.plan.cost.PlanLayout`). :func:`search` evaluates every one that is valid
 (:func:`~shardwise.plan.cost.check_layout`) with :func:`~shardwise.plan.cost.estimate`; the ones
@@ -12,6 +13,10 @@ What is enumerated, and why not more:
 * tp: powers of two up to the GPUs per node (TP's per-layer all-reduces want NVLink; Narayanan
   et al. 2021 §3.3, takeaway #1) that divide the heads and the kv heads.
 * pp: divisors of GPUs / tp up to the number of layers.
+* ep (mixture-of-experts models only): every divisor of dp × cp that divides the number of
+  experts (expert parallelism rides on the data axes, EP ⊆ dp × cp, so it adds no GPUs: each
+  (dp, cp) split is tried with every such ep). Dense models: ep = 1; a fixed ``--ep`` is kept so
+  that the estimate refuses it with its reason.
 * cp: powers of two dividing GPUs / (tp · pp) with the sequence divisible by 2·cp, Llama-style
   models only (:func:`~shardwise.plan.cost.check_cp`), while each rank keeps at least
   :data:`MIN_CP_TOKENS` tokens of a sequence; for cp > 1 both methods, ring and all-gather.
@@ -46,12 +51,15 @@ from .models import ModelSpec
 MIN_CP_TOKENS = 2048  # tokens of each sequence per rank below which cp is not searched
 
 FAMILIES = ("DP", "ZeRO-1/2", "FSDP (ZeRO-3)", "TP + DP", "PP + DP", "TP + PP + DP",
-            "CP + any")
+            "CP + any", "EP + any")
 
 
 def family(layout: PlanLayout) -> str:
     """The strategy family of a layout, for the plot: which axes are > 1, and the ZeRO stage
-    when only data parallelism is used; every layout with cp > 1 is "CP + any"."""
+    when only data parallelism is used; every layout with ep > 1 is "EP + any", every other
+    one with cp > 1 "CP + any"."""
+    if layout.ep > 1:
+        return "EP + any"
     if layout.cp > 1:
         return "CP + any"
     if layout.tp == 1 and layout.pp == 1:
@@ -106,6 +114,7 @@ class Fixed:
     dp: int | None = None
     cp: int | None = None
     cp_method: str | None = None  # "ring" or "allgather" (cp > 1)
+    ep: int | None = None  # expert parallelism over the data axes (MoE models)
     tp: int | None = None
     pp: int | None = None
     zero: int | None = None
@@ -151,6 +160,12 @@ def candidates(model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int,
                 continue
             methods = ([f.cp_method] if f.cp_method is not None else
                        list(CP_METHODS)) if cp > 1 else ["ring"]
+            if f.ep is not None:
+                eps = [f.ep]
+            elif model.is_moe:
+                eps = [e for e in _divisors(dp * cp) if model.n_experts % e == 0]
+            else:
+                eps = [1]
             zeros = [f.zero] if f.zero is not None else ([0, 1, 2, 3] if dp > 1 else [0])
             sps = [f.sp] if f.sp is not None else [tp > 1]
             if pp == 1:
@@ -185,11 +200,12 @@ def candidates(model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int,
                             for ck in ([f.ckpt] if f.ckpt else CKPT):
                                 for red in reduces:
                                     for meth in methods:
-                                        out.append(PlanLayout(
-                                            dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, sp=sp,
-                                            schedule=sched, virtual_stages=v, micro_batch=b,
-                                            ckpt=ck, precision=precision, grad_reduce=red,
-                                            cp_method=meth))
+                                        for ep in eps:
+                                            out.append(PlanLayout(
+                                                dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, sp=sp,
+                                                schedule=sched, virtual_stages=v,
+                                                micro_batch=b, ckpt=ck, precision=precision,
+                                                grad_reduce=red, cp_method=meth, ep=ep))
     return out
 
 
