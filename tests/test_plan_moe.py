@@ -194,7 +194,8 @@ def test_all_to_all_bytes_equal_the_engines_formula_under_uniform_routing():
 
     class Recorded(nn.Module):  # a dispatcher that saw m uniform micro-batches
         records = [{"counts": [copies // cfg.n_experts] * cfg.n_experts,
-                    "received": [copies // ep] * ep, "row_bytes": cfg.d_model * 4}] * m
+                    "received": [copies // ep] * ep, "row_bytes": cfg.d_model * 4,
+                    "combine_row_bytes": cfg.d_model * 4}] * m
 
     for layer in moe_layers(model):
         layer.dispatcher = Recorded()
