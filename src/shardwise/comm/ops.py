@@ -35,6 +35,7 @@ Backend quirks live here and nowhere else:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import time
@@ -438,15 +439,13 @@ def all_to_all_v(output: torch.Tensor, input: torch.Tensor, output_splits: list[
         raise ValueError(f"all_to_all_v over {n} ranks: input_splits {input_splits} (Σ must be "
                          f"{input.shape[0]}) and output_splits {output_splits} (Σ must be "
                          f"{output.shape[0]}) need one entry per rank")
-    row = input[0].numel() * input.element_size() if input.dim() > 1 else input.element_size()
-    sent = (sum(input_splits) - input_splits[i]) * row
+    per_row = math.prod(input.shape[1:])  # elements of one row (also when this rank has none)
+    sent = (sum(input_splits) - input_splits[i]) * per_row * input.element_size()
     like = _Rows(input)
     if n == 1:
         output.copy_(input)
     algo = _algorithm(topo, "all_to_all_v", sent, axis)
     if algo:
-        per_row = input[0].numel() if input.dim() > 1 else 1
-
         def bounds(splits):
             out = [0]
             for k in splits:
