@@ -23,7 +23,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "shardwise"
 
 
 def _topo(pp=1, dp=1, tp=1):
-    sizes = {"pp": pp, "dp": dp, "cp": 1, "tp": tp}
+    sizes = {"pp": pp, "dp": dp, "cp": 1, "tp": tp, "ep": 1}
     return SimpleNamespace(size=sizes.__getitem__,
                            describe=lambda: f"pp={pp} × dp={dp} × tp={tp}")
 

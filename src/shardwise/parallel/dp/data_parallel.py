@@ -203,9 +203,10 @@ class GradSync:
 
 def broadcast_replicas(params: list[nn.Parameter], topo, tag: str = "init") -> None:
     """Make the replicas of ``params`` identical: a coalesced broadcast from index 0 of the
-    data axis, expert shards over "edp" (each ep rank holds other experts)."""
-    dense = [p.data for p in params if not ep_sharded(p)]
-    experts = [p.data for p in params if ep_sharded(p)]
+    data axis, expert shards over "edp" (each ep rank holds other experts). DTensor parameters
+    (the torch pipeline's TP stages): their local shards."""
+    dense = [local(p.data) for p in params if not ep_sharded(p)]
+    experts = [local(p.data) for p in params if ep_sharded(p)]
     comm.broadcast_coalesced(dense, topo, topo.data_axis, tag=tag)
     if experts:
         comm.broadcast_coalesced(experts, topo, "edp", tag=tag)

@@ -54,9 +54,9 @@ def validate_ep(cfg, ep: int, dp: int = 1, cp: int = 1, *, engine: str = "explic
     expert-parallel module) and an MoE model (``cfg`` None: the model checks are skipped)
     whose ``n_experts`` ep divides. An MoE model with sequence parallelism or cp > 1 is refused
     (a sequence split over ranks would need its routing counts reduced for the per-sequence
-    balance loss: not wired), and on the torch engine with tp > 1 or pp > 1 (DTensor's
-    ``parallelize_module`` has no plan for a router and stacked experts, and
-    ``torch.distributed.pipelining`` no path for a stage's aux losses)."""
+    balance loss: not wired), and on the torch engine with tp > 1 (DTensor's
+    ``parallelize_module`` has no plan for a router and stacked experts; pp > 1:
+    :func:`~..pp.split.validate_pp_moe`)."""
     if not isinstance(ep, int) or ep < 1:
         raise ShardwiseConfigError(f"--ep {ep} must be a positive integer")
     n = dp * cp
@@ -83,13 +83,11 @@ def validate_ep(cfg, ep: int, dp: int = 1, cp: int = 1, *, engine: str = "explic
             f"n_experts / ep experts; choose --ep from "
             f"{[k for k in range(1, cfg.n_experts + 1) if cfg.n_experts % k == 0 and n % k == 0]}"
             " or change --n-experts")
-    if moe and engine != "explicit" and (tp > 1 or pp > 1):
-        what = f"--tp {tp}" if tp > 1 else f"--pp {pp}"
+    if moe and engine != "explicit" and tp > 1:  # (pp: :func:`..pp.split.validate_pp_moe`)
         raise ShardwiseConfigError(
-            f"--engine {engine} {what} with a mixture-of-experts model: DTensor's "
-            "parallelize_module has no plan for the router and the stacked experts, and "
-            "torch.distributed.pipelining no path for a stage's aux losses; use --engine "
-            "explicit (the torch engine runs an MoE model over dp / ZeRO / FSDP2)")
+            f"--engine {engine} --tp {tp} with a mixture-of-experts model: DTensor's "
+            "parallelize_module has no plan for the router and the stacked experts; use "
+            "--engine explicit (the torch engine runs an MoE model over dp / ZeRO / FSDP2)")
     if moe and (sp or cp > 1):
         what = "--sp" if sp else f"--cp {cp}"
         raise ShardwiseConfigError(

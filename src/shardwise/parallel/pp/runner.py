@@ -5,6 +5,13 @@ counted tokens of all microbatches of all dp ranks: the last stage back-propagat
 ``loss_sum(microbatch) / T`` for each microbatch, so the gradients accumulated over the m
 microbatches are ∇L, with no second division by m ("double scaling").
 
+A mixture of experts: every stage's MoE layers, not only the last stage's, have auxiliary losses
+(load balance, router z-loss; token sums). The runner puts them in *attach mode* for the step
+(:func:`~shardwise.models.moe.set_aux_grad_scale` with 1/T; Megatron-Core's
+``MoEAuxLossAutoScaler``): each layer's output carries its aux loss's gradient 1/T, so the
+backward of any stage reaches its routers with no loss of its own, and each forward's aux value
+(detached) joins this rank's loss sum, which the engine reduces over pp and the data axis.
+
 What moves over pp: per SEND_F/RECV_F one activation (tag ``pp_fwd``), per SEND_B/RECV_B its
 gradient (``pp_bwd``), on two channels (:mod:`.comms` has the bytes). The actions, zero bubble's
 I/W (Qi et al. 2023 §2) and why they cannot deadlock: docs/pipeline-parallel.md §4.
@@ -18,6 +25,7 @@ import torch
 
 from ... import comm
 from ...errors import ShardwiseConfigError
+from ...models.moe import moe_layers, set_aux_grad_scale
 from ..engine import autocast
 from .comms import GradTraffic
 from .split import first_stage_input
@@ -74,6 +82,7 @@ class ScheduleRunner:
         self.chunks, self.topo, self.module = chunks, topo, module
         self.grad_topo = GradTraffic(topo)  # gradients: the other channel (.comms)
         self.zb = ZeroBubbleCapture(module) if split_backward else None
+        self.moe = [moe_layers(c) for c in chunks]  # each chunk's MoE layers (maybe none)
         self.timeline: list[tuple] = []
         self.peak_alive = 0
 
@@ -83,9 +92,11 @@ class ScheduleRunner:
         list on every pp rank, on this rank's device). ``act_shape(mb)``: the shape of the
         tensor between stages for ``mb`` (each receive is sized from its own microbatch, so
         unequal rows send no shape); ``loss_sum(y, mb)``: the last stage's token-loss sum.
-        ``denom``: the global count of counted tokens. Returns this rank's loss sum, fp64 [1]
-        (0 except on the last stage). RuntimeError if the schedule leaves state behind. Sends
-        are ``isend``, waited at the end of the step; receives block."""
+        ``denom``: the global count of counted tokens. Returns this rank's loss sum, fp64 [1]:
+        the last stage's token losses plus, with MoE layers, every forward's aux loss sums
+        (0 on a stage with neither). RuntimeError if the schedule leaves state behind. Sends
+        are ``isend``, waited at the end of the step; receives block. MoE layers are in attach
+        mode (aux gradient 1/``denom``) during the step and back in plain mode after it."""
         mbs = microbatches
         shapes = [act_shape(mb) for mb in mbs]
         first = next(self.module.parameters())
@@ -95,6 +106,7 @@ class ScheduleRunner:
         sends, alive = [], set()
         self.timeline, self.peak_alive = [], 0
         topo, grad_topo = self.topo, self.grad_topo
+        set_aux_grad_scale(self.module, 1.0 / denom)  # each MoE layer's aux gradient: 1/T
         for a in actions:
             key = (a.microbatch, a.chunk)
             chunk = self.chunks[a.chunk]
@@ -120,6 +132,8 @@ class ScheduleRunner:
                     self.zb.active = []
                 with autocast(dtype, device):
                     y = chunk(x, mbs[a.microbatch].get("position_ids"))
+                    for m in self.moe[a.chunk]:  # this forward's aux sums, for the log line
+                        loss += m.aux.detach().double()
                     if chunk.is_last:
                         s = loss_sum(y, mbs[a.microbatch])
                         loss += s.detach().double()
@@ -159,6 +173,7 @@ class ScheduleRunner:
                                   -1 if a.peer is None else a.peer, t0, time.time()))
         for handle, _ in sends:
             handle.wait()
+        set_aux_grad_scale(self.module, None)
         leftover = [d for d in (inputs, outputs, out_grads, in_grads, wgrad) if d]
         if leftover:  # a schedule bug; the simulator should have caught it
             raise RuntimeError(f"pipeline step left state behind: {leftover}")

@@ -3,10 +3,18 @@
 norm).
 
 TP (+SP) inside each stage (:func:`..tp.apply_tp`), the schedule across stages, DP
-(:class:`..dp.GradBuckets`) / ZeRO-1 (:mod:`..zero.flat`) over dp after the last microbatch.
+(:class:`..dp.GradSync`) / ZeRO-1 (:mod:`..zero.flat`) over dp after the last microbatch.
 Every rank talks only to the pp neighbours with its own (dp, tp) index. ``forward_backward``
-returns this rank's loss *sum* (0 off the last stage), which the train step all-reduces over
-``reduce_loss_axes``: pp and the data axis (dp, or dp × cp).
+returns this rank's loss *sum* (the last stage's token losses, plus every stage's MoE aux
+losses: :mod:`.runner`), which the train step all-reduces over ``reduce_loss_axes``: pp and the
+data axis (dp, or dp × cp).
+
+A mixture of experts with expert parallelism (ep > 1; :func:`..ep.parallelize_experts` ran on
+the plain model before the split, so each stage holds its layers' E/ep experts): the stage's
+token all-to-alls run inside its F and B over "ep" (the ep ranks share the pp index, so they run
+the same actions in the same order); expert shards are summed over "edp", the rest over the data
+axis (:class:`..dp.GradSync`); the norm sums over "ep" too. ZeRO-1 shards over the data axis
+only and is refused with ep > 1 (:func:`.split.validate_pp_moe`).
 
 Bytes this rank sends per optimizer step, by tag (:meth:`PipelineParallel.bytes_formula`; the
 derivation: docs/composition.md, "Pipelines composed"), rank r of p, v chunks, m microbatches,
@@ -18,8 +26,11 @@ parameters (its tp shards) in the reduce dtype, P_r their elements padded to a m
   embedding and head; ``sp_grad`` (SP): 2(t−1)/t of the norm weights' bytes, t = tp;
 * ``tied`` (p > 1, first and last rank): the [V_pad/tp, d] table shard's gradient, once;
 * ``grad`` (dp > 1): 2(n−1)/n·Ψ_r, or with ZeRO-1 (n−1)/n·P_r elements in the reduce dtype
-  and ``param`` (n−1)/n·P_r in the parameters' dtype;
-* ``grad_norm``: one fp64 scalar all-reduced over tp, dp (ZeRO-1 only) and pp.
+  and ``param`` (n−1)/n·P_r in the parameters' dtype; with ep > 1 the expert shards' part
+  2(n_e−1)/n_e·Ψ_r,experts over n_e = dp·cp/ep ranks ("edp");
+* ``grad_norm``: one fp64 scalar all-reduced over tp, dp (ZeRO-1 only), ep (ep > 1) and pp;
+* ``ep_counts``/``ep_dispatch``/``ep_combine`` (ep > 1): :func:`..ep.ep_bytes_formula` of the
+  stage's MoE layers, added by :func:`shardwise.formulas.step_bytes_formula`.
 
 Sources: Megatron-LM §3 and Narayanan et al. 2021 §2.3 (PP × TP), Korthikanti et al. 2022 §4.2.2
 (SP), ZeRO paper §7.2.1, JAX scaling book ch. 5 (collective costs).
@@ -35,7 +46,7 @@ from torch import nn
 from ... import comm
 from ...comm import ring_bytes
 from ...models import count_items
-from ..dp import GradBuckets
+from ..dp.data_parallel import GradSync, broadcast_replicas
 from ..engine import Engine
 from ..layout import Layout
 from ..params import counted_grads, local as _local, tp_sharded
@@ -70,8 +81,9 @@ class PipelineParallel(Engine):
                  seed: int = 0, reduce_dtype: str = "fp32", bucket_mb: float = 25.0):
         self.tp, self.sp, self.zero = topo.size("tp"), bool(sp), int(zero)
         Layout(dp=topo.size("dp"), tp=self.tp, pp=topo.size("pp"), zero=self.zero, sp=self.sp,
-               schedule=schedule, cp=topo.size("cp")).check(model=model, engine=self._engine_name,
-                                        reduce_dtype=reduce_dtype, composition="pp")
+               schedule=schedule, cp=topo.size("cp"), ep=topo.size("ep")).check(
+            model=model, engine=self._engine_name, reduce_dtype=reduce_dtype,
+            composition="pp")
         self.p, self.pp_index = topo.size("pp"), topo.index("pp")
         self.v = check_schedule(schedule, self.p, microbatches or self.p, virtual_stages)
         stage = StageModule(model, self.pp_index, self.p, self.v, layers_per_stage)
@@ -89,8 +101,7 @@ class PipelineParallel(Engine):
                                      split_backward=schedule == "zb-h1")
         with topo.ledger.phase("init"):
             if topo.size(topo.data_axis) > 1:  # replicas of a stage start identical
-                comm.broadcast_coalesced([_local(p.data) for p in stage.parameters()], topo,
-                                         topo.data_axis, tag="init")
+                broadcast_replicas(list(stage.parameters()), topo)  # expert shards over edp
             if stage.tied and self.p > 1 and (self.is_first or self.is_last):
                 if self.is_first:
                     comm.send(_local(stage.tok_embeddings.weight.data), topo, "pp", self.p - 1,
@@ -98,11 +109,12 @@ class PipelineParallel(Engine):
                 else:
                     comm.recv(_local(stage.tied_output.data), topo, "pp", 0, tag="init")
         self.zero1 = self._build_zero1() if self.zero == 1 else None
-        # dp > 1 without ZeRO-1 shards: DP's own gradient sync (:class:`..dp.GradBuckets`),
-        # launched after the schedule's last backward (overlap=False: zb-h1's W pass writes
-        # .grad by hand, where post-accumulate hooks do not fire)
-        self.dp_sync = (GradBuckets(self._params(), topo, bucket_mb=bucket_mb, overlap=False,
-                                    reduce_dtype=reduce_dtype)
+        # dp > 1 without ZeRO-1 shards: DP's own gradient sync (:class:`..dp.GradSync`: expert
+        # shards over "edp", the rest over the data axis), launched after the schedule's last
+        # backward (overlap=False: zb-h1's W pass writes .grad by hand, where post-accumulate
+        # hooks do not fire)
+        self.dp_sync = (GradSync(self._params(), topo, bucket_mb=bucket_mb, overlap=False,
+                                 reduce_dtype=reduce_dtype)
                         if topo.size(topo.data_axis) > 1 and self.zero1 is None else None)
 
     _engine_name = "explicit"
@@ -136,9 +148,12 @@ class PipelineParallel(Engine):
         return self.zero1.held_grads(skip=tied)
 
     def norm_axes(self) -> tuple[str, ...]:
-        """Axes the squared-norm scalar is summed over: tp (shards), dp (ZeRO-1 slices), pp."""
+        """Axes the squared-norm scalar is summed over: tp (shards), dp (ZeRO-1 slices), ep
+        (expert shards; :func:`..params.counted_grads` counts the dense gradients on ep index 0
+        only), pp."""
         dp = (self.topo.data_axis,) if self.zero1 else ()
-        return (("tp",) if self.tp > 1 else ()) + dp + ("pp",)
+        ep = ("ep",) if self.topo.size("ep") > 1 else ()
+        return (("tp",) if self.tp > 1 else ()) + dp + ep + ("pp",)
 
     def schedule(self, m: int):
         """The (cached) :class:`~.schedules.Schedule` for ``m`` microbatches."""
@@ -164,8 +179,9 @@ class PipelineParallel(Engine):
 
         ``microbatches``: the same list of dicts on every pp rank (``input_ids``/``labels`` or
         ``inputs``/``targets``, [b, s] each); their row counts b may differ. ``denom``: the
-        global count of counted tokens. Returns this rank's loss sum, fp64 [1] (0 except on the
-        last stage). Raises ShardwiseConfigError for an invalid m."""
+        global count of counted tokens. Returns this rank's loss sum, fp64 [1]: the last
+        stage's token losses and this rank's MoE aux loss sums (0 on a stage with neither).
+        Raises ShardwiseConfigError for an invalid m."""
         sched = self.schedule(len(microbatches))
         device = next(self.module.parameters()).device
         mbs = [{k: t.to(device, non_blocking=True) for k, t in mb.items()} for mb in microbatches]
@@ -203,9 +219,10 @@ class PipelineParallel(Engine):
         if self.zero1 is not None:
             out["grad"] = ring_bytes("reduce_scatter", self.zero1.padded * red, dp)
             out["param"] = ring_bytes("all_gather", self.zero1.padded * elem, dp)
+        elif self.dp_sync is not None:  # dense over the data axis, expert shards over edp
+            out["grad"] = self.dp_sync.bytes_formula()
         else:
-            out["grad"] = ring_bytes("all_reduce", sum(_local(p).numel() for p in params) * red,
-                                     dp)
+            out["grad"] = 0.0
         if n > 1:
             out |= tp_activation_bytes(sequences * seq_len, d, n, self.sp,
                                        blocks=sum(len(c.layers) for c in self.chunks),
