@@ -161,9 +161,9 @@ def _compositions(n: int) -> list[Layout]:
 
 # The verify models: the `tiny` Llama widened to 8 heads / 4 kv heads (tp ∈ {2, 4}) and 8 layers
 # (pp = 4 with two interleaved chunks), vocab 67 (no small degree divides it); `mlp-tiny` with
-# 8 layers and d_ff 33 (flat shards need padding).
+# 8 layers and d_ff 33 (flat shards need padding); `moe-tiny` as `tiny` with 8 experts (ep ≤ 8).
 MODEL_OVERRIDES = {"tiny": dict(n_heads=8, n_kv_heads=4), "mlp-tiny": dict(d_ff=33),
-                   "moe-tiny": dict(n_heads=8, n_kv_heads=4)}
+                   "moe-tiny": dict(n_heads=8, n_kv_heads=4, n_experts=8)}
 MIN_LAYERS = 4
 
 

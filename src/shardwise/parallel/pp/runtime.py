@@ -45,7 +45,7 @@ from torch import nn
 
 from ... import comm
 from ...comm import ring_bytes
-from ...models import count_items
+from ...models import count_items, moe_layers
 from ..dp.data_parallel import GradSync, broadcast_replicas
 from ..engine import Engine
 from ..layout import Layout
@@ -223,11 +223,12 @@ class PipelineParallel(Engine):
             out["grad"] = self.dp_sync.bytes_formula()
         else:
             out["grad"] = 0.0
-        if n > 1:
+        if n > 1:  # an MoE block's feed-forward stays whole per tp rank: one f/g pair less
+            moe = sum(len(moe_layers(c)) for c in self.chunks)
             out |= tp_activation_bytes(sequences * seq_len, d, n, self.sp,
                                        blocks=sum(len(c.layers) for c in self.chunks),
                                        has_embedding=stage.holds_embedding,
-                                       has_head=stage.holds_head, dtype=dtype)
+                                       has_head=stage.holds_head, dtype=dtype, moe_blocks=moe)
             if self.sp:
                 rep = sum(_local(p).numel() * elem for p in params if not tp_sharded(p))
                 out["sp_grad"] = ring_bytes("all_reduce", rep, n)
