@@ -63,6 +63,7 @@ CASES = [
     Case(2, "interleaved-1f1b", moe_every=2, m=4),
     Case(2, "zb-h1"),
     Case(1, "1f1b", zero=1),
+    Case(2, "1f1b", zero=1),
     Case(2, "1f1b", skew=True),
 ]
 

@@ -114,8 +114,8 @@ class Layout:
            ZeRO needs dp ≥ 2, a stage in {0..3} and a known engine (:func:`~.zero.validate_zero`);
            ZeRO-2/3 with pp > 1 (or in a pipeline engine) is refused, as DeepSpeed refuses it
            (m× the gradient / parameter traffic per step for memory ZeRO-1 mostly saves
-           already: docs/composition.md §5), and so is ZeRO-1 with ep > 1 in a pipeline
-           (:func:`~.pp.split.validate_pp_moe`); ZeRO shards over dp × cp (the data axis).
+           already: docs/composition.md §5); ZeRO shards over dp × cp (the data axis), expert
+           shards over edp.
            cp > 1: a known method, and not the torch engine on CPU (:func:`~.cp.validate_cp`);
            the torch engine's cp is dp × cp only (DDP inside torch's ``context_parallel``).
         2. the topology's degrees;
@@ -159,10 +159,6 @@ class Layout:
                 f"layout {self.name()}: ZeRO-{self.zero} does not compose with pipeline "
                 "parallelism (each of the m micro-batches would re-shard gradients/re-gather "
                 "parameters; DeepSpeed refuses it too): use --zero 1 with --pp, or --pp 1")
-        if pipeline:  # a mixture of experts in a pipeline: ZeRO-1 with ep (the layout alone)
-            from .pp.split import validate_pp_moe
-
-            validate_pp_moe(None, ep=self.ep, zero=self.zero, engine=engine)
         # 2. the topology
         if topo is not None:
             sizes = tuple(topo.size(a) for a in ("pp", "dp", "cp", "tp"))
@@ -180,8 +176,10 @@ class Layout:
             return
         validate_ep(cfg, self.ep, self.dp, self.cp, engine=engine, sp=self.sp, tp=self.tp,
                     pp=self.pp)
-        if pipeline:
-            validate_pp_moe(cfg, ep=self.ep, zero=self.zero, engine=engine)
+        if pipeline:  # a mixture of experts in a pipeline: the explicit engine
+            from .pp.split import validate_pp_moe
+
+            validate_pp_moe(cfg, engine=engine)
         if self.cp > 1:
             validate_cp(cfg, self.cp, self.cp_method, seq_len=seq_len, engine=engine,
                         device=device)

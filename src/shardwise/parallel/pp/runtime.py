@@ -13,8 +13,9 @@ A mixture of experts with expert parallelism (ep > 1; :func:`..ep.parallelize_ex
 the plain model before the split, so each stage holds its layers' E/ep experts): the stage's
 token all-to-alls run inside its F and B over "ep" (the ep ranks share the pp index, so they run
 the same actions in the same order); expert shards are summed over "edp", the rest over the data
-axis (:class:`..dp.GradSync`); the norm sums over "ep" too. ZeRO-1 shards over the data axis
-only and is refused with ep > 1 (:func:`.split.validate_pp_moe`).
+axis (:class:`..dp.GradSync`); the norm sums over "ep" too. ZeRO-1 keeps two flat buffers,
+the dense parameters over the data axis and the expert shards over "edp" (then the norm's one
+scalar over the data axis counts every slice once).
 
 Bytes this rank sends per optimizer step, by tag (:meth:`PipelineParallel.bytes_formula`; the
 derivation: docs/composition.md, "Pipelines composed"), rank r of p, v chunks, m microbatches,
@@ -49,7 +50,7 @@ from ...models import count_items, moe_layers
 from ..dp.data_parallel import GradSync, broadcast_replicas
 from ..engine import Engine
 from ..layout import Layout
-from ..params import counted_grads, local as _local, tp_sharded
+from ..params import counted_grads, ep_sharded, local as _local, tp_sharded
 from ..tp import apply_tp, tp_activation_bytes, vocab_parallel_cross_entropy
 from ..zero.flat import (FlatShards, gather_named, gather_optimizer_state, load_optimizer_state,
                          sharded_optimizer)
@@ -128,11 +129,19 @@ class PipelineParallel(Engine):
         """Megatron TP inside the stage: the whole model's transform, as torchtitan does."""
         return apply_tp(stage, self.topo, self.sp, seed=seed)
 
-    def _build_zero1(self):
-        """ZeRO-1 over dp: the stage's trainable parameters as one flat buffer sharded over dp."""
+    def _build_zero1(self) -> list:
+        """ZeRO-1 over dp: the stage's trainable parameters as one flat buffer sharded over the
+        data axis; with expert parallelism the expert shards as a second one over "edp" (the
+        ranks holding the same experts; :mod:`..zero.zero`)."""
         named = [(n, p) for n, p in self.named_params() if p.requires_grad]
-        return FlatShards(named, self.topo, keep_full_grad=True,
-                          reduce_dtype=torch.bfloat16 if self.reduce_dtype == "bf16" else None)
+        red = torch.bfloat16 if self.reduce_dtype == "bf16" else None
+        dense = [(n, p) for n, p in named if not ep_sharded(p)]
+        experts = [(n, p) for n, p in named if ep_sharded(p)]
+        out = [FlatShards(dense, self.topo, keep_full_grad=True, reduce_dtype=red)]
+        if experts:
+            out.append(FlatShards(experts, self.topo, keep_full_grad=True, reduce_dtype=red,
+                                  name="experts", axis="edp"))
+        return out
 
     def _params(self) -> list[nn.Parameter]:
         """This stage's trainable parameters, each once, in module order."""
@@ -145,14 +154,15 @@ class PipelineParallel(Engine):
         tied = [self.module.tied_output] if self.module.tied_output is not None else []
         if self.zero1 is None:
             return counted_grads(self._params(), self.topo, skip=tied)
-        return self.zero1.held_grads(skip=tied)
+        return [h for f in self.zero1 for h in f.held_grads(skip=tied)]
 
     def norm_axes(self) -> tuple[str, ...]:
-        """Axes the squared-norm scalar is summed over: tp (shards), dp (ZeRO-1 slices), ep
-        (expert shards; :func:`..params.counted_grads` counts the dense gradients on ep index 0
-        only), pp."""
+        """Axes the squared-norm scalar is summed over: tp (shards), dp (ZeRO-1 slices: dense
+        over the data axis, experts over edp — each element on one rank of the data axis, which
+        is exactly the ep × edp ranks), else ep (expert shards; :func:`..params.counted_grads`
+        counts the dense gradients on ep index 0 only), pp."""
         dp = (self.topo.data_axis,) if self.zero1 else ()
-        ep = ("ep",) if self.topo.size("ep") > 1 else ()
+        ep = ("ep",) if self.topo.size("ep") > 1 and not self.zero1 else ()
         return (("tp",) if self.tp > 1 else ()) + dp + ep + ("pp",)
 
     def schedule(self, m: int):
@@ -200,7 +210,7 @@ class PipelineParallel(Engine):
         stage = self.module
         params = self._params()
         elem = _local(params[0]).element_size()
-        n, dp = self.tp, self.topo.size(self.topo.data_axis)
+        n = self.tp
         d = stage.config.d_model
         # Σ_b A_b over the m microbatches = the bytes of all the step's rows (equal or not):
         # p2p_bytes_formula's m·A with m = 1 and A = that sum
@@ -216,9 +226,11 @@ class PipelineParallel(Engine):
         out["grad_norm"] = sum(ring_bytes("all_reduce", 8, self.topo.size(a))
                                for a in self.norm_axes())
         red = 2 if self.reduce_dtype == "bf16" else elem
-        if self.zero1 is not None:
-            out["grad"] = ring_bytes("reduce_scatter", self.zero1.padded * red, dp)
-            out["param"] = ring_bytes("all_gather", self.zero1.padded * elem, dp)
+        if self.zero1 is not None:  # each flat buffer over its own axis
+            out["grad"] = sum(ring_bytes("reduce_scatter", f.padded * red, f.n)
+                              for f in self.zero1)
+            out["param"] = sum(ring_bytes("all_gather", f.padded * elem, f.n)
+                               for f in self.zero1)
         elif self.dp_sync is not None:  # dense over the data axis, expert shards over edp
             out["grad"] = self.dp_sync.bytes_formula()
         else:
@@ -281,7 +293,8 @@ class PipelineParallel(Engine):
         if self.tp > 1 and self.sp:
             self.sum_replicated_grads()
         if self.zero1 is not None:
-            self.zero1.reduce_scatter()
+            for f in self.zero1:
+                f.reduce_scatter()
         elif self.dp_sync is not None:
             self.dp_sync.finish()
 
@@ -298,7 +311,7 @@ class PipelineParallel(Engine):
         """AdamW over this stage's parameters (ZeRO-1: over this rank's dp slice of them)."""
         param_groups = self._tied_without_decay(param_groups)
         if self.zero1 is not None:
-            return sharded_optimizer([self.zero1], param_groups, torch.optim.AdamW, **adamw)
+            return sharded_optimizer(self.zero1, param_groups, torch.optim.AdamW, **adamw)
         return torch.optim.AdamW(param_groups, **adamw)
 
     def named_params(self):
@@ -309,19 +322,19 @@ class PipelineParallel(Engine):
         """This stage's summed gradients in tp-local shape (ZeRO-1: gathered over dp)."""
         if self.zero1 is None:
             return super().dp_gradients()
-        return gather_named([self.zero1], [self.zero1.shard_grad])
+        return gather_named(self.zero1, [f.shard_grad for f in self.zero1])
 
     def dp_optimizer_state(self, optimizer) -> dict[str, dict]:
         """ZeRO-1: the slices' state gathered over dp."""
         if self.zero1 is None:
             return super().dp_optimizer_state(optimizer)
-        return gather_optimizer_state([self.zero1], optimizer)
+        return gather_optimizer_state(self.zero1, optimizer)
 
     def dp_load_optimizer_state(self, optimizer, local: dict[str, dict]) -> None:
         """ZeRO-1: each tp-local state tensor cut to this rank's dp slice (no collective)."""
         if self.zero1 is None:
             return super().dp_load_optimizer_state(optimizer, local)
-        load_optimizer_state([self.zero1], optimizer, local)
+        load_optimizer_state(self.zero1, optimizer, local)
 
     @contextlib.contextmanager
     def sync_gradients(self, enabled: bool):

@@ -88,23 +88,13 @@ def validate_pp(model_or_n_layers, pp: int, schedule: str, microbatches: int,
     return v
 
 
-def validate_pp_moe(cfg, *, ep: int = 1, zero: int = 0, engine: str = "explicit") -> None:
-    """Check a pipeline over a mixture-of-experts model (or, ``cfg`` None, the layout alone)
-    before anything runs; raise :class:`ShardwiseConfigError` naming the rule and the fix.
-
-    * ZeRO-1 with ep > 1: the pipeline's ZeRO-1 (:class:`..zero.flat.FlatShards` of the stage)
-      shards every gradient over the data axis, but expert shards differ between the ep ranks
-      and must be reduced over the expert-data-parallel ranks ("edp") only: not wired.
-    * ``--engine torch`` with an MoE model: ``torch.distributed.pipelining`` back-propagates the
+def validate_pp_moe(cfg, *, engine: str = "explicit") -> None:
+    """Check a pipeline over a mixture-of-experts model (``cfg`` None or a dense model: nothing
+    to check) before anything runs; raise :class:`ShardwiseConfigError` naming the rule and the
+    fix: ``--engine torch`` with an MoE model: ``torch.distributed.pipelining`` back-propagates the
       last stage's loss alone, so the aux losses (load balance, z-loss) of the other stages'
       routers — and the aux values in the logged loss — would be lost without an error; the
       explicit engine attaches them (:mod:`.runner`)."""
-    if zero and ep > 1:
-        raise ShardwiseConfigError(
-            f"--zero {zero} --ep {ep} with a pipeline: the pipeline's ZeRO-1 shards the stage's "
-            "gradients over the data axis, but expert gradients are summed over the ranks that "
-            f"hold the same experts (dp × cp / ep of them), which it does not do: use --zero 0 "
-            f"with --pp and --ep, or --ep 1")
     moe = cfg is not None and getattr(cfg, "n_experts", None) is not None
     if moe and engine != "explicit":
         raise ShardwiseConfigError(
