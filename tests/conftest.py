@@ -50,3 +50,35 @@ def pytest_collection_modifyitems(items):
     first = ("test_doc_commands", "test_verify_n4", "test_verify_n8")
     items.sort(key=lambda item: next((i for i, f in enumerate(first) if f in item.nodeid),
                                      len(first)))  # stable
+
+
+# Routing is a discrete choice: a layout whose router inputs differ from the reference's by
+# round-off (~1e-7 relative: another summation order, the parity rule's premise) routes every
+# token to the same experts unless its k-th and (k+1)-th router probabilities lie within that
+# round-off. An MoE parity test checks that its data keeps them apart by far more (MIN_GAP, 100×
+# the parity rule's rtol), so no CPU's summation order can flip a choice.
+MIN_ROUTING_GAP = 1e-5
+
+
+def min_routing_gap(model, batch: dict) -> float:
+    """The smallest p_(k) − p_(k+1) over every token and MoE layer of ``model`` on ``batch``
+    (router probabilities sorted descending; 1.0 where k = E). No gradient."""
+    import torch
+
+    from shardwise.models import moe_layers
+
+    gaps = []
+
+    def hook(mod, inputs, out, k):
+        p = out.detach().float().softmax(-1).sort(-1, descending=True).values
+        gaps.append(float((p[..., k - 1] - p[..., k]).min()) if k < p.shape[-1] else 1.0)
+
+    hooks = [m.router.register_forward_hook(lambda mod, i, o, k=m.top_k: hook(mod, i, o, k))
+             for m in moe_layers(model)]
+    try:
+        with torch.no_grad():
+            model(batch["input_ids"])
+    finally:
+        for h in hooks:
+            h.remove()
+    return min(gaps)

@@ -27,7 +27,7 @@ from shardwise.parity import ATOL, RTOL, assert_parity, reference_run
 from shardwise.train.workload import SyntheticLMWorkload
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import run_world  # noqa: E402
+from conftest import MIN_ROUTING_GAP, min_routing_gap, run_world  # noqa: E402
 import ep_pp_cases as W  # noqa: E402
 
 D, E = 32, 4  # d_model and n_experts of the moe-tiny preset
@@ -49,6 +49,13 @@ def _global_batch() -> dict:
     work = SyntheticLMWorkload(vocab_size=W.V, seq_len=W.SEQ, num_train=64, num_val=4, seed=0)
     rows = DistributedSampler(64, W.GLOBAL, 1, 0, seed=0).next_global_batch()
     return work.batches(rows, W.GLOBAL)[0]
+
+
+@pytest.mark.parametrize("case", [c for c in W.CASES if not c.skew], ids=lambda c: c.name)
+def test_no_routing_choice_is_near_a_tie(case):
+    """Every layout routes as the reference does (conftest.min_routing_gap); the skewed cases
+    tie exactly on purpose (zeroed routers) and the tie-break decides."""
+    assert min_routing_gap(W.build(case), _global_batch()) > MIN_ROUTING_GAP
 
 
 @pytest.mark.parametrize("case", W.CASES, ids=lambda c: c.name)

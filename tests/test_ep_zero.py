@@ -23,7 +23,7 @@ from shardwise.parallel.zero import (zero_ep_memory_formula, zero_ep_step_bytes_
                                      zero_memory_formula, zero_step_bytes_formula)
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import run_world  # noqa: E402
+from conftest import MIN_ROUTING_GAP, min_routing_gap, run_world  # noqa: E402
 import ep_zero_cases as W  # noqa: E402
 
 IDS = [W.case_name(*c) for c in W.CASES]
@@ -53,6 +53,19 @@ def _reference(model_name):
 @pytest.fixture(scope="module")
 def references():
     return {m: _reference(m) for m in W.MODELS}
+
+
+def test_no_routing_choice_is_near_a_tie(references):
+    """Every layout routes as the reference does (conftest.min_routing_gap): at both steps'
+    parameters the k-th and (k+1)-th router probabilities of every token stay apart."""
+    for m, ref in references.items():
+        model = W.make_model(m)
+        for step, batch in enumerate(ref["batches"]):
+            if step:
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        p.copy_(ref["params"][step - 1][n])
+            assert min_routing_gap(model, batch) > MIN_ROUTING_GAP, (m, step)
 
 
 def _load(results, case):

@@ -10,7 +10,9 @@ bad inputs, each refused before any collective.
 Tolerances: the parity rule's (rtol 1e-5, atol 1e-6; shardwise.parity derives them from the
 round-off of summing the same fp32 terms in another order: an expert's rows arrive from the
 other ranks in another order, and the combine adds the same products). Routing itself is
-exact: ties are broken by expert index, and the skewed cases tie on purpose.
+exact: ties are broken by expert index, the skewed cases tie on purpose, and every other case's
+data keeps each token's k-th and (k+1)-th router probabilities ≥ 1e-5 apart (checked), far
+beyond what another summation order could move them.
 """
 
 import sys
@@ -18,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, run_world
+from conftest import MIN_ROUTING_GAP, ROOT, min_routing_gap, run_world
 from shardwise.config import TrainConfig, validate
 from shardwise.errors import ShardwiseConfigError
 from shardwise.parallel.layout import Layout
@@ -52,6 +54,10 @@ def reference(name: str, indices: torch.Tensor) -> dict:
                                seed=0)
     model = W.make_model(over, zero_router)
     batch = work.batches(indices, len(indices))[0]
+    # every layout routes as this one does (conftest.min_routing_gap); the zeroed routers tie
+    # exactly instead (all logits 0 on any CPU) and the tie-break decides
+    if not zero_router:
+        assert min_routing_gap(model, batch) > MIN_ROUTING_GAP, name
     loss = reference_loss(model, batch)
     loss.backward()
     return {"loss": loss.item(), "grads": {n: p.grad for n, p in model.named_parameters()}}
