@@ -247,7 +247,10 @@ def from_args(args: argparse.Namespace, **defaults) -> TrainConfig:
             kind = "llama"
         if kind == "moe":
             cfg = dataclasses.replace(cfg, model="moe-small")
-    if "capacity_factor" in by_user and not cfg.capacity_factor > 0:
+    # a capacity factor given as a flag must be > 0 (NaN and infinity: validate's finite check;
+    # a saved config.toml's 0.0 is the default, dropless)
+    if "capacity_factor" in given and math.isfinite(cfg.capacity_factor) \
+            and not cfg.capacity_factor > 0:
         raise ShardwiseConfigError(
             f"--capacity-factor {cfg.capacity_factor} must be > 0 (each expert takes at most "
             "ceil(c·k·s/E) token copies of a sequence): give e.g. 1.25, or omit it for dropless "

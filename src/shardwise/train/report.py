@@ -31,7 +31,7 @@ def describe_groups(topo) -> list[str]:
     if grid.dim() == 4:  # cp > 1: the gradient sync's dp × cp lines (the data axis)
         p, dp, cp, tp = grid.shape
         groups["dp_cp (gradients)"] = grid.permute(0, 3, 1, 2).reshape(p * tp, dp * cp).tolist()
-    if topo.size("ep") > 1:  # expert parallelism inside each data line
+    if getattr(topo, "ep", 1) > 1:  # expert parallelism inside each data line
         p, dp, cp, tp = topo.grid.shape
         data = topo.grid.permute(0, 3, 1, 2).reshape(p * tp, dp * cp).tolist()
         ep = topo.size("ep")
