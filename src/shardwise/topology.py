@@ -210,6 +210,12 @@ class Topology:
 
             dims = tuple(a for a in AXES if a in self._groups)
             grid = self.grid if cp > 1 else self.grid.squeeze(2)
+            if dp_replicate > 1:  # HSDP: dp as (dp_replicate, dp_shard), for FSDP2's 2-D mesh
+                i = dims.index("dp")
+                dims = dims[:i] + ("dp_replicate", "dp_shard") + dims[i + 1:]
+                shape = list(grid.shape)
+                grid = grid.reshape(*shape[:i], dp_replicate, dp // dp_replicate,
+                                    *shape[i + 1:])
             self.mesh = DeviceMesh.from_group([self._groups[a] for a in dims], self.device.type,
                                               mesh=grid, mesh_dim_names=dims)
 

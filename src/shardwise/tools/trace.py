@@ -93,7 +93,8 @@ def trace_worker(cfg: TrainConfig) -> int:
 
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     init_distributed(cfg.device, cfg.timeout)
-    topo = Topology(cfg.pp, cfg.dp, cfg.tp, cp=cfg.cp, ep=cfg.ep, device=cfg.device,
+    topo = Topology(cfg.pp, cfg.dp, cfg.tp, cp=cfg.cp, ep=cfg.ep, dp_replicate=cfg.dp_replicate,
+                    device=cfg.device,
                     timeout_s=cfg.timeout,
                     collectives=cfg.collectives, check_collectives=cfg.check_collectives)
     work = (verify_workload(cfg.model, cfg.seed, cfg.model_overrides())

@@ -409,9 +409,10 @@ def verify_worker(args) -> int:
             if lay.cp > 1 and CP_SEQ_LEN not in works:
                 works[CP_SEQ_LEN] = verify_workload(model_name, cfg.seed, overrides, CP_SEQ_LEN)
             work = works[CP_SEQ_LEN if lay.cp > 1 else 1]
-            shape = (lay.pp, lay.dp, lay.tp, lay.cp, lay.ep)
+            shape = (lay.pp, lay.dp, lay.tp, lay.cp, lay.ep, lay.dp_replicate)
             if shape not in topos:  # process groups are created once per grid shape
                 topos[shape] = Topology(*shape[:3], cp=lay.cp, ep=lay.ep,
+                                        dp_replicate=lay.dp_replicate,
                                         ranks=range(lay.world),
                                         timeout_s=args.timeout, collectives=args.collectives,
                                         check_collectives=checks)
@@ -463,6 +464,7 @@ def verify_worker(args) -> int:
                     everyone = Topology(dp=world, timeout_s=args.timeout,
                                         check_collectives=checks)
                     topo = topos[shape] = Topology(*shape[:3], cp=lay.cp, ep=lay.ep,
+                                                   dp_replicate=lay.dp_replicate,
                                                    ranks=range(lay.world),
                                                    timeout_s=args.timeout,
                                                    collectives=args.collectives,
