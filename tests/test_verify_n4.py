@@ -43,6 +43,11 @@ def test_verify_passes_every_layout_that_fits_both_engines(cache_dir, tmp_path):
         assert (layout, "explicit", "tiny") in cases
         assert (layout, "torch", "tiny") not in cases and (layout, "explicit", "mlp-tiny") \
             not in cases
+    # HSDP: dp_replicate = 2 × dp_shard = 2 with ZeRO-1/2/3, both engines, both models
+    for zero in (1, 2, 3):
+        for engine in ("explicit", "torch"):
+            for model in ("tiny", "mlp-tiny"):
+                assert (f"dp=4,dp_replicate=2,zero={zero}", engine, model) in cases
     assert report["pass"] and all(c["pass"] for c in report["cases"])
     assert all(c["ledger_vs_formula_max_deviation"] < 1e-9 for c in report["cases"])
     assert all(c["diff_over_tolerance"] <= 1 and c["param_diff_over_bound"] <= 1

@@ -13,7 +13,7 @@ from conftest import run_cli
 def test_verify_bounded_8_rank_compositions(cache_dir, tmp_path):
     """N = 8, bounded: each factorization of 8 with at least two degrees > 1 (FSDP+TP with
     tp = 4 and with dp = 4, PP×TP, PP×DP, 3D with zb-h1 + SP and with interleaved 1F1B), and
-    cp in three-axis compositions and alone (cp = 8)."""
+    cp in three-axis compositions and alone (cp = 8), HSDP × tp."""
     p = run_cli(["verify", "--nproc", "8", "--bounded", "--json", tmp_path / "verify.json"],
                 cache_dir, timeout=380)
     assert p.returncode == 0, p.stdout
@@ -25,6 +25,11 @@ def test_verify_bounded_8_rank_compositions(cache_dir, tmp_path):
     assert {"dp=2,cp=2,tp=2,zero=3,sp", "dp=2,cp=2,tp=2,allgather,zero=3,sp",
             "dp=2,cp=2,pp=2,zero=1,1f1b,m=4", "cp=2,tp=2,pp=2,sp,zb-h1,m=4", "cp=8",
             "cp=4,tp=2"} <= layouts
+    # HSDP × tp: dp_replicate = 2 × dp_shard = 2 × tp = 2, ZeRO-1 and 3, both engines
+    cases = {(c["layout"], c["engine"]) for c in report["cases"]}
+    for zero in (1, 3):
+        for engine in ("explicit", "torch"):
+            assert (f"dp=4,tp=2,dp_replicate=2,zero={zero}", engine) in cases
     assert {c["engine"] for c in report["cases"]} == {"explicit", "torch"}
     assert report["pass"] and all(c["pass"] for c in report["cases"])
     assert all(c["ledger_vs_formula_max_deviation"] < 1e-9 for c in report["cases"])

@@ -45,6 +45,10 @@ class TrainConfig:
     cp: int = 1  # context parallelism: ranks that split each sequence (parallel/cp)
     cp_method: str = "ring"  # ring (K/V passed around the cp ring) | allgather (Llama 3)
     ep: int = 1  # expert parallelism: ranks of dp × cp that share out the experts (parallel/ep)
+    # HSDP: dp = dp_replicate × dp_shard; ZeRO shards within dp_shard, replicas all-reduce the
+    # shards (--dp-shard S alone: dp = dp_replicate × S; 0 = dp / dp_replicate)
+    dp_replicate: int = 1
+    dp_shard: int = 0
     zero: int = 1
     sp: bool = False
     schedule: str = "1f1b"
@@ -231,6 +235,9 @@ def from_args(args: argparse.Namespace, **defaults) -> TrainConfig:
     given = {k: v for k, v in vars(args).items() if k in names}
     by_user = set(given) | _toml_keys(path)
     chosen = by_user | set(defaults)
+    if "dp_shard" in given and "dp" not in chosen:  # HSDP: dp = dp_replicate × dp_shard
+        given["dp"] = given["dp_shard"] * given.get("dp_replicate", cfg.dp_replicate)
+        chosen = chosen | {"dp"}
     if chosen & {"dp", "cp", "tp", "pp"}:  # a layout was chosen: the default one does not apply
         for k in ("dp", "cp", "tp", "pp"):  # e.g. --tp 2 alone is tp=2 × dp=1, not × dp=2
             if k not in chosen:
@@ -401,12 +408,17 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if cfg.n_layers < 0:
         raise ShardwiseConfigError(f"--n-layers {cfg.n_layers} must be ≥ 1 (or 0 for the preset)")
     for name, value in (("dp", cfg.dp), ("cp", cfg.cp), ("tp", cfg.tp), ("pp", cfg.pp),
-                        ("ep", cfg.ep),
+                        ("ep", cfg.ep), ("dp-replicate", cfg.dp_replicate),
                         ("steps", cfg.steps),
                         ("seq-len", cfg.seq_len), ("global-batch", cfg.global_batch),
                         ("micro-batch", cfg.micro_batch)):
         if value < 1:
             raise ShardwiseConfigError(f"--{name} {value} must be at least 1")
+    if cfg.dp_shard < 0 or (cfg.dp_shard and cfg.dp_shard * cfg.dp_replicate != cfg.dp):
+        raise ShardwiseConfigError(
+            f"--dp-shard {cfg.dp_shard} × --dp-replicate {cfg.dp_replicate} must equal --dp "
+            f"{cfg.dp} (HSDP: dp = dp_replicate × dp_shard): give two of the three, e.g. "
+            f"--dp-replicate {cfg.dp_replicate} --dp-shard {max(1, cfg.dp // cfg.dp_replicate)}")
     if world_size is not None:
         validate_degrees(cfg.pp, cfg.dp, cfg.tp, world_size, cfg.cp)
     if not is_llama_name(cfg.model) and cfg.model not in MLP_PRESETS:

@@ -110,7 +110,9 @@ class Topology:
 
     Attributes: ``degrees`` {"pp","dp","cp","tp"} → int; ``coords`` this rank's index on each
     axis; ``data_axis`` "dp", or "dp_cp" when cp > 1 (the flattened dp × cp lines, dp-major:
-    where gradients are summed); ``mesh`` a ``DeviceMesh`` with dims ("pp","dp","tp"), and
+    where gradients are summed); ``ep`` and the axes "ep"/"edp" (expert parallelism inside the
+    data axis); ``dp_replicate`` R and ``shard_axis`` (HSDP: dp = R × S, replicate outer; ZeRO
+    shards over "dp_shard" and all-reduces over "dp_replicate"; without HSDP the data axis); ``mesh`` a ``DeviceMesh`` with dims ("pp","dp","tp"), and
     "cp" between dp and tp when cp > 1, for PyTorch's own parallel APIs;
     ``ledger`` where every collective on these groups is booked; ``device`` torch.device;
     ``collectives`` which implementation :mod:`shardwise.comm.ops` runs its collectives with
@@ -122,7 +124,7 @@ class Topology:
     """
 
     def __init__(self, pp: int = 1, dp: int = 1, tp: int = 1, *, cp: int = 1, ep: int = 1,
-                 device: str = "cpu", ranks: list[int] | None = None, timeout_s: float = 300.0,
+                 dp_replicate: int = 1, device: str = "cpu", ranks: list[int] | None = None, timeout_s: float = 300.0,
                  collectives: str = "native", check_collectives: str = "step"):
         self.collectives = check_algorithms(collectives)  # before any group is created
         world = dist.get_world_size()
@@ -133,8 +135,17 @@ class Topology:
                 f"--ep {ep} must divide dp × cp = {dp * cp}: expert parallelism splits the "
                 "ranks of the data axis (EP ⊆ dp × cp); choose --ep from "
                 f"{[k for k in range(1, dp * cp + 1) if dp * cp % k == 0]}")
+        if not isinstance(dp_replicate, int) or dp_replicate < 1 or dp % dp_replicate:
+            raise ShardwiseConfigError(
+                f"--dp-replicate {dp_replicate} must divide dp = {dp}: HSDP splits dp into "
+                "dp_replicate × dp_shard; choose --dp-replicate from "
+                f"{[k for k in range(1, dp + 1) if dp % k == 0]}")
         self.degrees = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
         self.ep = ep
+        # HSDP: dp = dp_replicate × dp_shard (replicate outer): ZeRO shards over "dp_shard" and
+        # all-reduces the shards over "dp_replicate" (the shard axis is the data axis without it)
+        self.dp_replicate = dp_replicate
+        self.shard_axis = "dp_shard" if dp_replicate > 1 else ("dp_cp" if cp > 1 else "dp")
         self.data_axis = "dp_cp" if cp > 1 else "dp"
         self.ranks = ranks
         self.rank = dist.get_rank()
@@ -165,6 +176,12 @@ class Topology:
                               for g in range(0, dp * cp, ep)]
         if 1 < ep < dp * cp:
             lines_of["edp"] = [line[j::ep] for line in data_lines for j in range(ep)]
+        if dp_replicate > 1:  # HSDP inside each dp line: index r·S + s, S = dp / R
+            shard = dp // dp_replicate
+            dp_lines = lines_of["dp"]
+            lines_of["dp_shard"] = [line[r:r + shard] for line in dp_lines
+                                    for r in range(0, dp, shard)]
+            lines_of["dp_replicate"] = [line[j::shard] for line in dp_lines for j in range(shard)]
         for axis, lines in lines_of.items():
             mine, _ = dist.new_subgroups_by_enumeration(lines, timeout=timeout)
             for line in lines:
@@ -193,6 +210,12 @@ class Topology:
 
             dims = tuple(a for a in AXES if a in self._groups)
             grid = self.grid if cp > 1 else self.grid.squeeze(2)
+            if dp_replicate > 1:  # HSDP: dp as (dp_replicate, dp_shard), for FSDP2's 2-D mesh
+                i = dims.index("dp")
+                dims = dims[:i] + ("dp_replicate", "dp_shard") + dims[i + 1:]
+                shape = list(grid.shape)
+                grid = grid.reshape(*shape[:i], dp_replicate, dp // dp_replicate,
+                                    *shape[i + 1:])
             self.mesh = DeviceMesh.from_group([self._groups[a] for a in dims], self.device.type,
                                               mesh=grid, mesh_dim_names=dims)
 
@@ -208,6 +231,10 @@ class Topology:
             return self.ep
         if axis == "edp":
             return self.degrees["dp"] * self.degrees["cp"] // self.ep
+        if axis == "dp_replicate":
+            return self.dp_replicate
+        if axis == "dp_shard":
+            return self.degrees["dp"] // self.dp_replicate
         return self.degrees[axis]
 
     def index(self, axis: str) -> int:
@@ -220,6 +247,10 @@ class Topology:
             return self.index("dp_cp") % self.ep
         if axis == "edp":
             return self.index("dp_cp") // self.ep
+        if axis == "dp_replicate":
+            return self.coords["dp"] // self.size("dp_shard")
+        if axis == "dp_shard":
+            return self.coords["dp"] % self.size("dp_shard")
         return self.coords[axis]
 
     def group(self, axis: str) -> dist.ProcessGroup:
@@ -236,7 +267,8 @@ class Topology:
         or None. Lets code that only sees a process group (e.g. DTensor's collectives, which may
         run on an equal mesh created for an earlier layout) name its axis."""
         want = sorted(ranks)
-        for axis in ("tp", "cp", "dp", "dp_cp", "ep", "edp", "pp", "world"):
+        for axis in ("tp", "cp", "dp", "dp_cp", "dp_shard", "dp_replicate", "ep", "edp", "pp",
+                     "world"):
             if axis in self._axis_ranks and sorted(self._axis_ranks[axis]) == want:
                 return axis
         return None
@@ -250,4 +282,6 @@ class Topology:
         d = self.degrees
         cp = f" × cp={d['cp']}" if d["cp"] > 1 else ""
         ep = f", ep={self.ep}" if self.ep > 1 else ""
-        return f"pp={d['pp']} × dp={d['dp']}{cp} × tp={d['tp']}{ep} ({self.world_size} ranks)"
+        dp = (f"(dp_replicate={self.dp_replicate} × dp_shard={self.size('dp_shard')})"
+              if self.dp_replicate > 1 else f"{d['dp']}")
+        return f"pp={d['pp']} × dp={dp}{cp} × tp={d['tp']}{ep} ({self.world_size} ranks)"

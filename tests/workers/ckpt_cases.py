@@ -33,9 +33,9 @@ CFG = TrainConfig(model="tiny", lr=3e-3, warmup_steps=2, steps=N, grad_clip=1.0,
 
 # layouts as "verify syntax[@engine]"; the test file holds the same lists
 FROM = ["dp=2", "dp=4,zero=3", "tp=2", "pp=2,1f1b", "dp=2,zero=3@torch", "tp=2@torch",
-        "dp=2,cp=2,zero=1"]
+        "dp=2,cp=2,zero=1", "dp=4,dp_replicate=2,zero=3"]
 TO = ["dp=1", "dp=2,zero=3", "tp=2", "pp=2,1f1b", "dp=2@torch", "tp=2@torch",
-      "pp=2,tp=2,1f1b", "dp=2,tp=2,zero=3", "cp=2,tp=2,sp"]
+      "pp=2,tp=2,1f1b", "dp=2,tp=2,zero=3", "cp=2,tp=2,sp", "dp=4,dp_replicate=2,zero=2@torch"]
 
 
 def split(spec: str):
@@ -85,7 +85,8 @@ def main(out: str) -> None:
     results, saved = {}, {}
     for spec in FROM:
         layout, engine_name = split(spec)
-        topo = Topology(layout.pp, layout.dp, layout.tp, cp=layout.cp, ranks=range(layout.world),
+        topo = Topology(layout.pp, layout.dp, layout.tp, cp=layout.cp,
+                        dp_replicate=layout.dp_replicate, ranks=range(layout.world),
                         timeout_s=60)
         if not topo.member:
             continue
@@ -106,7 +107,8 @@ def main(out: str) -> None:
         for to in TO + ["control"]:
             layout, engine_name = split("dp=2" if to == "control" else to)
             topo = Topology(layout.pp, layout.dp, layout.tp, cp=layout.cp,
-                            ranks=range(layout.world), timeout_s=60)
+                            dp_replicate=layout.dp_replicate, ranks=range(layout.world),
+                            timeout_s=60)
             if not topo.member:
                 continue
             if to == "control" and spec != FROM[0]:

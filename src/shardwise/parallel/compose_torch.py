@@ -63,7 +63,9 @@ class FSDP2Sync(Engine):
         """``replicate`` issues its dp all-reduce with ``torch.distributed.all_reduce`` (booked
         as ``grad``); with SP, FSDP2 redistributes the norm weights' ``Partial`` gradients
         inside backward (booked as ``sp_grad``)."""
-        return {"c10d_tag": "grad" if self.zero == 0 else None, "sp_grad": self.sp}
+        hsdp = getattr(self.topo, "dp_replicate", 1) > 1  # FSDP2's own replica all-reduce
+        return {"c10d_tag": "grad" if self.zero == 0 else "grad_replicate" if hsdp else None,
+                "sp_grad": self.sp}
 
     def sum_replicated_grads(self) -> None:
         """Nothing: FSDP2 already summed the SP partial gradients over tp inside backward."""
@@ -89,8 +91,9 @@ class FSDP2Sync(Engine):
                 raise RuntimeError(f"gradient of {n} still Partial {p.grad.placements}")
 
     def norm_axes(self) -> tuple[str, ...]:
-        """FSDP2 (zero ≥ 1): every gradient is a dp shard; ``replicate``: whole over dp."""
-        return ("dp",) if self.zero else ()
+        """FSDP2 (zero ≥ 1): every gradient is a dp shard (HSDP: a dp_shard shard, equal on
+        the replicas); ``replicate``: whole over dp."""
+        return (self.topo.shard_axis,) if self.zero else ()
 
     def named_params(self):
         """Resharded first (:meth:`_reshard`): the DTensor shards, which the base engine's
@@ -115,12 +118,12 @@ class FSDP2Sync(Engine):
 
         names = [nm for nm, _ in self.module.named_parameters()]
         return zero_memory_formula(3 if self.zero else 0, self._padded_local_numel(names),
-                                   self.topo.size("dp"))
+                                   self.topo.size(self.topo.shard_axis))
 
     def _padded_local_numel(self, names) -> int:
         """Elements FSDP2 moves for parameters ``names``: each tp-local shard's dim 0 padded to a
         multiple of dp (``⌈rows/dp⌉·dp·rest``); ``replicate``: the tp-local numel."""
-        n, total = self.topo.size("dp"), 0
+        n, total = self.topo.size(self.topo.shard_axis), 0
         for name in names:
             shape = self.local_shapes[name]
             rest = math.prod(shape[1:])
@@ -142,7 +145,7 @@ class FSDP2Sync(Engine):
 
         Padding per rank makes the bytes differ between tp ranks when tp does not divide the
         vocabulary (each rank's own shard sizes are used)."""
-        n = self.topo.size("dp")
+        n = self.topo.size(self.topo.shard_axis)  # HSDP: the shard group
         f = (n - 1) / n
         b_r = torch.finfo(REDUCE_DTYPES[self.reduce_dtype]).bits // 8
         names = [nm for nm, _ in self.module.named_parameters()]
@@ -151,8 +154,14 @@ class FSDP2Sync(Engine):
             return {"grad": 2 * f * psi * b_r, "param": 0.0, "grad_norm": 0.0}
         block_names = [nm for nm in names if nm.startswith("layers.")]
         again = self._padded_local_numel(block_names) if self.reshard_after_forward else 0
-        return {"param": micro_steps * f * (psi + again) * 4, "grad": f * psi * b_r,
-                "grad_norm": ring_bytes("all_reduce", 8, n)}
+        out = {"param": micro_steps * f * (psi + again) * 4, "grad": f * psi * b_r,
+               "grad_norm": ring_bytes("all_reduce", 8, n)}
+        if getattr(self.topo, "dp_replicate", 1) > 1:  # HSDP: the shards over the replicas
+            from .zero.formulas import hsdp_replicate_bytes
+
+            out["grad_replicate"] = hsdp_replicate_bytes(psi, n, self.topo.size("dp_replicate"),
+                                                         b_r)
+        return out
 
 
 def fsdp2_over_tp(model: Llama, topo, layout, *, reshard_after_forward: bool = True,

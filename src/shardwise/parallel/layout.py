@@ -28,8 +28,10 @@ from ..errors import ShardwiseConfigError
 class Layout:
     """A parallel layout: degrees, ZeRO stage, sequence parallelism, pipeline schedule,
     context parallelism (``cp`` ranks split each sequence; ``cp_method`` "ring" or
-    "allgather", :mod:`.cp`) and expert parallelism (``ep`` ranks of the data axis share out
-    an MoE model's experts, :mod:`.ep`; not a degree of the world: EP ⊆ dp × cp). ``microbatches`` = 0: decided by the batch (global batch /
+    "allgather", :mod:`.cp`), expert parallelism (``ep`` ranks of the data axis share out
+    an MoE model's experts, :mod:`.ep`; not a degree of the world: EP ⊆ dp × cp) and HSDP
+    (``dp_replicate`` R: dp = R × dp_shard, ZeRO within each shard group of dp / R ranks, the
+    shards all-reduced across the R replicas; also inside dp). ``microbatches`` = 0: decided by the batch (global batch /
     (dp × micro-batch)); ``virtual_stages`` = 0: the schedule's default (2 for
     interleaved-1f1b, else 1)."""
 
@@ -44,6 +46,12 @@ class Layout:
     cp: int = 1
     cp_method: str = "ring"
     ep: int = 1
+    dp_replicate: int = 1
+
+    @property
+    def dp_shard(self) -> int:
+        """HSDP's shard group size S = dp / dp_replicate (dp without HSDP)."""
+        return self.dp // self.dp_replicate if self.dp_replicate else self.dp
 
     @property
     def world(self) -> int:
@@ -65,6 +73,8 @@ class Layout:
         parts = [f"{k}={getattr(self, k)}" for k in ("dp", "cp", "tp", "pp")
                  if getattr(self, k) > 1]
         parts = parts or ["dp=1"]
+        if self.dp_replicate > 1:
+            parts.append(f"dp_replicate={self.dp_replicate}")
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
         if self.cp > 1 and self.cp_method != "ring":
@@ -86,7 +96,8 @@ class Layout:
         return cls(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, zero=cfg.zero, sp=cfg.sp,
                    schedule=cfg.schedule, microbatches=cfg.microbatches,
                    virtual_stages=getattr(cfg, "virtual_stages", 0), cp=getattr(cfg, "cp", 1),
-                   cp_method=getattr(cfg, "cp_method", "ring"), ep=getattr(cfg, "ep", 1))
+                   cp_method=getattr(cfg, "cp_method", "ring"), ep=getattr(cfg, "ep", 1),
+                   dp_replicate=getattr(cfg, "dp_replicate", 1))
 
     def check(self, model_cfg=None, topo=None, *, model=None, engine: str = "explicit",
               reduce_dtype: str = "fp32", seq_len: int | None = None,
@@ -112,6 +123,8 @@ class Layout:
 
         1. the layout alone: ``sp`` needs tp > 1 (TP's rule, :func:`~.tp.validate_tp`);
            ZeRO needs dp ≥ 2, a stage in {0..3} and a known engine (:func:`~.zero.validate_zero`);
+           HSDP (``dp_replicate`` > 1) needs ZeRO, dp_shard ≥ 2 and no cp, ep or pp
+           (:meth:`_check_hsdp`);
            ZeRO-2/3 with pp > 1 (or in a pipeline engine) is refused, as DeepSpeed refuses it
            (m× the gradient / parameter traffic per step for memory ZeRO-1 mostly saves
            already: docs/composition.md §5); ZeRO shards over dp × cp (the data axis), expert
@@ -139,6 +152,7 @@ class Layout:
             device = topo.device.type
         # 1. the layout alone
         validate_ep(None, self.ep, self.dp, self.cp, engine=engine)
+        self._check_hsdp()
         if self.sp and self.tp == 1:
             validate_tp(cfg, self.tp, self.sp, seq_len)
         if self.zero:
@@ -162,10 +176,12 @@ class Layout:
         # 2. the topology
         if topo is not None:
             sizes = tuple(topo.size(a) for a in ("pp", "dp", "cp", "tp"))
-            ep = getattr(topo, "ep", 1)
-            if sizes != (self.pp, self.dp, self.cp, self.tp) or ep != self.ep:
+            ep, rep = getattr(topo, "ep", 1), getattr(topo, "dp_replicate", 1)
+            if sizes != (self.pp, self.dp, self.cp, self.tp) or (ep, rep) != (self.ep,
+                                                                              self.dp_replicate):
                 cp = f", cp={self.cp}" if self.cp > 1 else ""
                 cp += f", ep={self.ep}" if self.ep > 1 else ""
+                cp += f", dp_replicate={self.dp_replicate}" if self.dp_replicate > 1 else ""
                 raise ShardwiseConfigError(
                     f"layout {self.name()} does not match the topology {topo.describe()}: "
                     f"build Topology(pp={self.pp}, dp={self.dp}, tp={self.tp}{cp}) for it")
@@ -202,6 +218,37 @@ class Layout:
                         layers_per_stage=layers_per_stage)
 
 
+    def _check_hsdp(self) -> None:
+        """HSDP (dp_replicate R > 1): R divides dp with a shard group S = dp / R ≥ 2, under ZeRO
+        1-3 (HSDP shards the model state within S), without cp, ep or pp (not wired)."""
+        r = self.dp_replicate
+        if r == 1:
+            return
+        if not isinstance(r, int) or r < 1 or self.dp % r:
+            raise ShardwiseConfigError(
+                f"--dp-replicate {r} must divide dp = {self.dp}: HSDP splits dp into "
+                f"dp_replicate × dp_shard; choose from "
+                f"{[k for k in range(1, self.dp + 1) if self.dp % k == 0]}")
+        if self.dp // r < 2:
+            raise ShardwiseConfigError(
+                f"--dp-replicate {r} with dp = {self.dp} leaves dp_shard = {self.dp // r}: "
+                "nothing to shard within a replica; choose a smaller --dp-replicate (HSDP needs "
+                "dp_shard ≥ 2) or --zero 0 for plain data parallelism")
+        if not self.zero:
+            raise ShardwiseConfigError(
+                f"--dp-replicate {r} with --zero 0: HSDP shards the model state within "
+                "dp_shard and replicates it across dp_replicate; without ZeRO every rank "
+                "replicates it anyway: add --zero 1, 2 or 3, or drop --dp-replicate")
+        other = [f for f, on in ((f"--cp {self.cp}", self.cp > 1), (f"--ep {self.ep}",
+                                                                    self.ep > 1),
+                                 (f"--pp {self.pp}", self.pp > 1)) if on]
+        if other:
+            raise ShardwiseConfigError(
+                f"--dp-replicate {r} with {' '.join(other)}: HSDP composes with tp here; with "
+                "cp, ep or pp it is not wired: drop --dp-replicate (ZeRO over the whole data "
+                "axis) or the other flag")
+
+
 def parse_layout(text: str) -> Layout:
     """``"dp=2"``, ``"dp=2,zero=3"``, ``"tp=2,sp"``, ``"pp=4,schedule=1f1b,m=8"``, ``"dp=2,cp=2"``,
     ``"cp=2,allgather"``, ``"dp=4,ep=2"`` → Layout, checked by :meth:`Layout.check` (the layout alone). Raises
@@ -220,13 +267,13 @@ def parse_layout(text: str) -> Layout:
             kw["cp_method"] = key
         elif key == "schedule" and value in SCHEDULES:
             kw["schedule"] = value
-        elif key in ("dp", "cp", "tp", "pp", "ep", "zero", "m", "microbatches", "v") \
-                and value.isdigit():
+        elif key in ("dp", "cp", "tp", "pp", "ep", "zero", "m", "microbatches", "v",
+                     "dp_replicate") and value.isdigit():
             kw[{"m": "microbatches", "v": "virtual_stages"}.get(key, key)] = int(value)
         else:
             raise ShardwiseConfigError(
                 f"--layouts {text!r}: write each layout as comma-separated parts: dp=N, cp=N, "
-                f"tp=N, pp=N, ep=N, zero=Z, sp, a schedule ({', '.join(SCHEDULES)}), m=M, a cp method "
+                f"tp=N, pp=N, ep=N, dp_replicate=R, zero=Z, sp, a schedule ({', '.join(SCHEDULES)}), m=M, a cp method "
                 f"({', '.join(CP_METHODS)}) (e.g. dp=2,zero=3, pp=2,1f1b,m=4 or dp=2,cp=2)")
     layout = Layout(**kw)
     layout.check()

@@ -93,7 +93,8 @@ def trace_worker(cfg: TrainConfig) -> int:
 
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     init_distributed(cfg.device, cfg.timeout)
-    topo = Topology(cfg.pp, cfg.dp, cfg.tp, cp=cfg.cp, ep=cfg.ep, device=cfg.device,
+    topo = Topology(cfg.pp, cfg.dp, cfg.tp, cp=cfg.cp, ep=cfg.ep, dp_replicate=cfg.dp_replicate,
+                    device=cfg.device,
                     timeout_s=cfg.timeout,
                     collectives=cfg.collectives, check_collectives=cfg.check_collectives)
     work = (verify_workload(cfg.model, cfg.seed, cfg.model_overrides())
@@ -166,6 +167,8 @@ def trace_worker(cfg: TrainConfig) -> int:
         print(f"{'total (rank 0)':<20} {total:>16,.1f} {formula['total']:>16,.1f} "
               f"{_ratio(total, formula['total']):>8} {_sent(sent):>14} "
               f"{_ratio(sent, formula['total']) if sent is not None else '—':>12}")
+        for line in axis_lines(recs, formula):
+            print(line)
         print("(booked: the ring formula's bytes, what the ledger compares with the layout's "
               "formula; sent: the bytes handed to send, measured under --collectives "
               f"ring|tree|auto, — for the backend's own; this run: --collectives "
@@ -197,6 +200,29 @@ def trace_worker(cfg: TrainConfig) -> int:
             for line in ep_section(split, mcfg.d_model):
                 print(line)
     return 0
+
+
+def axis_lines(recs, formula: dict) -> list[str]:
+    """Per mesh axis: the step's ledger bytes and the formula's, each formula tag attributed to
+    the axis its collectives ran on (a tag whose records span several axes, e.g. ``loss`` over
+    dp and pp, is shown as one row "a+b")."""
+    axes_of: dict[str, set] = {}
+    ledger: dict[str, float] = {}
+    for r in recs:
+        axes_of.setdefault(r.tag, set()).add(r.axis)
+    for r in recs:
+        key = "+".join(sorted(axes_of[r.tag]))
+        ledger[key] = ledger.get(key, 0.0) + r.wire_bytes
+    want: dict[str, float] = {}
+    for tag, v in formula.items():
+        if tag != "total" and v:
+            key = "+".join(sorted(axes_of.get(tag, {"(no record)"})))
+            want[key] = want.get(key, 0.0) + v
+    out = [f"{'axis':<20} {'ledger bytes':>16} {'formula bytes':>16} {'ratio':>8}"]
+    for key in sorted(set(ledger) | set(want)):
+        m, f = ledger.get(key, 0.0), want.get(key, 0.0)
+        out.append(f"{key:<20} {m:>16,.1f} {f:>16,.1f} {_ratio(m, f):>8}")
+    return out
 
 
 def ep_split_matrices(engine, topo) -> torch.Tensor:

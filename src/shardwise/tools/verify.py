@@ -60,10 +60,19 @@ def layouts_that_fit(nproc: int, bounded: bool = False) -> list[Layout]:
     ``nproc`` ranks, each factorization once with its most composed options (highest ZeRO
     stage, SP, zb-h1), and the 3D factorization also with interleaved 1F1B and ZeRO-1.
 
-    Then context parallelism (:func:`_cp_layouts`) and expert parallelism
-    (:func:`_ep_layouts`: they run for a mixture-of-experts model only, ``--models moe-tiny``)."""
+    Then context parallelism (:func:`_cp_layouts`), expert parallelism (:func:`_ep_layouts`:
+    they run for a mixture-of-experts model only, ``--models moe-tiny``) and HSDP
+    (:func:`_hsdp_layouts`)."""
     return (_pp_dp_tp_layouts(nproc, bounded) + _cp_layouts(nproc, bounded)
-            + _ep_layouts(nproc, bounded))
+            + _ep_layouts(nproc, bounded) + _hsdp_layouts(nproc, bounded))
+
+
+def _hsdp_layouts(nproc: int, bounded: bool) -> list[Layout]:
+    """HSDP (dp = dp_replicate × dp_shard, both engines): full, dp_replicate = 2 × dp_shard = 2
+    with ZeRO-1, 2 and 3; bounded (8 ranks), the same × tp = 2 with ZeRO-1 and 3."""
+    if bounded:
+        return [Layout(dp=4, tp=2, dp_replicate=2, zero=z) for z in (1, 3)] if nproc == 8 else []
+    return [Layout(dp=4, dp_replicate=2, zero=z) for z in (1, 2, 3)] if nproc >= 4 else []
 
 
 def _ep_layouts(nproc: int, bounded: bool) -> list[Layout]:
@@ -409,9 +418,10 @@ def verify_worker(args) -> int:
             if lay.cp > 1 and CP_SEQ_LEN not in works:
                 works[CP_SEQ_LEN] = verify_workload(model_name, cfg.seed, overrides, CP_SEQ_LEN)
             work = works[CP_SEQ_LEN if lay.cp > 1 else 1]
-            shape = (lay.pp, lay.dp, lay.tp, lay.cp, lay.ep)
+            shape = (lay.pp, lay.dp, lay.tp, lay.cp, lay.ep, lay.dp_replicate)
             if shape not in topos:  # process groups are created once per grid shape
                 topos[shape] = Topology(*shape[:3], cp=lay.cp, ep=lay.ep,
+                                        dp_replicate=lay.dp_replicate,
                                         ranks=range(lay.world),
                                         timeout_s=args.timeout, collectives=args.collectives,
                                         check_collectives=checks)
@@ -463,6 +473,7 @@ def verify_worker(args) -> int:
                     everyone = Topology(dp=world, timeout_s=args.timeout,
                                         check_collectives=checks)
                     topo = topos[shape] = Topology(*shape[:3], cp=lay.cp, ep=lay.ep,
+                                                   dp_replicate=lay.dp_replicate,
                                                    ranks=range(lay.world),
                                                    timeout_s=args.timeout,
                                                    collectives=args.collectives,

@@ -169,7 +169,8 @@ def train(cfg: TrainConfig) -> dict:
     resume_from = None if refused else _find_resume(cfg, work, rank, fingerprint)
 
     init_distributed(cfg.device, cfg.timeout)
-    topo = Topology(cfg.pp, cfg.dp, cfg.tp, cp=cfg.cp, ep=cfg.ep, device=cfg.device,
+    topo = Topology(cfg.pp, cfg.dp, cfg.tp, cp=cfg.cp, ep=cfg.ep, dp_replicate=cfg.dp_replicate,
+                    device=cfg.device,
                     timeout_s=cfg.timeout,
                     collectives=cfg.collectives, check_collectives=cfg.check_collectives)
     with topo.ledger.phase("init"):

@@ -31,6 +31,14 @@ def describe_groups(topo) -> list[str]:
     if grid.dim() == 4:  # cp > 1: the gradient sync's dp × cp lines (the data axis)
         p, dp, cp, tp = grid.shape
         groups["dp_cp (gradients)"] = grid.permute(0, 3, 1, 2).reshape(p * tp, dp * cp).tolist()
+    if getattr(topo, "dp_replicate", 1) > 1:  # HSDP inside each dp line
+        p, dp, cp, tp = topo.grid.shape
+        lines_dp = topo.grid.permute(0, 2, 3, 1).reshape(-1, dp).tolist()
+        shard = dp // topo.dp_replicate
+        groups["dp_shard (ZeRO shards)"] = [ln[r:r + shard] for ln in lines_dp
+                                            for r in range(0, dp, shard)]
+        groups["dp_replicate (replicas)"] = [ln[j::shard] for ln in lines_dp
+                                             for j in range(shard)]
     if getattr(topo, "ep", 1) > 1:  # expert parallelism inside each data line
         p, dp, cp, tp = topo.grid.shape
         data = topo.grid.permute(0, 3, 1, 2).reshape(p * tp, dp * cp).tolist()

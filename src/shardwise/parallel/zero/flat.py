@@ -60,13 +60,17 @@ class FlatShards:
               its own buffer when the full gradient is not kept: ZeRO-2/3).
 
     ``reduce_dtype``: the dtype the gradient reduce_scatter moves (None: the parameters').
-    ``n`` and the rank index i are those of ``axis``."""
+    ``n`` and the rank index i are those of ``axis``. ``replicate_axis`` (HSDP: "dp_replicate"):
+    after the reduce-scatter, the summed slice is all-reduced over it (tag ``grad_replicate``,
+    in the reduce dtype), the replicas holding the same slices."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], topo, *, keep_full_grad: bool,
                  reduce_dtype: torch.dtype | None = None, name: str = "",
-                 module: nn.Module | None = None, axis: str | None = None):
+                 module: nn.Module | None = None, axis: str | None = None,
+                 replicate_axis: str | None = None):
         self.name, self.module, self.topo = name, module, topo
         self.axis = axis or topo.data_axis
+        self.replicate_axis = replicate_axis  # HSDP: shards all-reduced over "dp_replicate"
         self.n, self.rank = topo.size(self.axis), topo.index(self.axis)
         self.fqns = [f for f, _ in named]
         self.params = [p for _, p in named]
@@ -152,6 +156,8 @@ class FlatShards:
     def wait_reduce_scatter(self) -> None:
         handle, _, out = self._reduce
         handle.wait()
+        if self.replicate_axis is not None:  # HSDP: sum this shard across the replicas
+            comm.all_reduce(out, self.topo, self.replicate_axis, tag="grad_replicate")
         if out is not self.shard_grad:
             self.shard_grad.copy_(out)  # out of the aliased buffer; bf16 → fp32
         self._reduce = None

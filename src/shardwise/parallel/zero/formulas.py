@@ -115,6 +115,19 @@ def zero_ep_step_bytes_formula(stage: int, psi: float, n: int, psi_experts: floa
     return out
 
 
+def hsdp_replicate_bytes(psi: float, shard: int, replicate: int,
+                         bytes_per_elem: float = 4) -> float:
+    """Bytes one rank sends per step in HSDP's cross-replica all-reduce: its 1/S shard of the
+    ``psi`` (padded) gradient elements, summed over the R = ``replicate`` replicas:
+    2(R−1)/R · Ψb/S (ring all-reduce; PyTorch FSDP paper, Zhao et al. 2023, §3.2.3). Together
+    with the reduce-scatter within the shard group, (S−1)/S·Ψb, a rank sends
+    Ψb·((S−1)/S + 2(R−1)/(R·S)) for its gradients — the same total as an all-reduce over all
+    R·S ranks when the groups are equal, but only the Ψb·2(R−1)/(R·S) part crosses between
+    replicas (the inter-node links when a shard group is one node)."""
+    return 2 * (replicate - 1) / replicate * psi * bytes_per_elem / shard if replicate > 1 \
+        else 0.0
+
+
 def validate_zero(zero: int, dp: int, *, optimizer="adamw", engine: str = "explicit") -> None:
     """Raise :class:`ShardwiseConfigError` unless ZeRO ``zero`` can run over ``dp`` ranks with
     ``optimizer`` (a name such as ``"adamw"`` or a ``torch.optim.Optimizer`` subclass).

@@ -41,7 +41,8 @@ from ..dp import ddp_comm_hook  # DDP comm hook: SUM all_reduce through the ledg
 from ..engine import Engine
 from .flat import storage_state_bytes
 from .units import UnitOrderCheck, assign_units
-from .formulas import validate_zero, zero_memory_formula, zero_step_bytes_formula
+from .formulas import (hsdp_replicate_bytes, validate_zero, zero_memory_formula,
+                       zero_step_bytes_formula)
 
 try:  # FSDP2's pluggable collectives (private module in torch 2.13)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -61,10 +62,12 @@ if AllGather is not None:
             return torch.empty(*size, dtype=dtype, device=device)
 
     class _LedgerAllGather(_LedgerComm, AllGather):
-        """A unit's padded shards, all-gathered (tag ``param``)."""
+        """A unit's padded shards, all-gathered (tag ``param``) over the shard axis (dp;
+        HSDP: dp_shard)."""
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            comm.all_gather(output_tensor, input_tensor, self.topo, "dp", tag="param")
+            comm.all_gather(output_tensor, input_tensor, self.topo, self.topo.shard_axis,
+                            tag="param")
             return None
 
     class _LedgerReduceScatter(_LedgerComm, ReduceScatter):
@@ -73,7 +76,8 @@ if AllGather is not None:
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             if op != dist.ReduceOp.SUM:
                 raise RuntimeError(f"FSDP2 asked for reduce op {op}; shardwise sums gradients")
-            comm.reduce_scatter(output_tensor, input_tensor, self.topo, "dp", tag="grad")
+            comm.reduce_scatter(output_tensor, input_tensor, self.topo, self.topo.shard_axis,
+                                tag="grad")
             return None
 
 
@@ -104,7 +108,10 @@ def apply_fsdp(module: nn.Module, topo, stage: int, reduce_dtype: str = "fp32", 
     fqn = {id(m): n for n, m in module.named_modules()}
     names = [fqn[id(u)] for u in units]
     mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if reduce_dtype == "bf16" else None)
-    mesh = topo.mesh["dp"]
+    # HSDP: FSDP2's 2-D mesh (replicate, shard): it reduce-scatters within dp_shard (our hook)
+    # and all-reduces the shards over dp_replicate itself (c10d, booked by :meth:`booking`)
+    hsdp = getattr(topo, "dp_replicate", 1) > 1
+    mesh = topo.mesh["dp_replicate", "dp_shard"] if hsdp else topo.mesh["dp"]
     if stage == 0:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
@@ -145,14 +152,18 @@ class TorchZero(Engine):
 
     def __init__(self, module: nn.Module, topo, stage: int, *, units: list[str] | None = None,
                  bucket_mb: float = 25.0, reduce_dtype: str = "fp32"):
-        validate_zero(stage, topo.size("dp"), engine="torch")
+        validate_zero(stage, topo.size(topo.shard_axis), engine="torch")
         hook = ddp_comm_hook(reduce_dtype)  # validates reduce_dtype
         self.reduce_dtype = reduce_dtype
         named_units = assign_units(module, units)  # same checks (tied weights) as explicit ZeRO
         super().__init__(module)
-        self.topo, self.stage, self.n = topo, stage, topo.size("dp")
+        # HSDP: FSDP2 over the 2-D mesh (dp_replicate, dp_shard), ZeRO-1 as FSDP2's ZeRO-2
+        # (ZeroRedundancyOptimizer has no hybrid mode); n is the shard group
+        self.hsdp = getattr(topo, "dp_replicate", 1) > 1
+        self.topo, self.stage, self.n = topo, stage, topo.size(topo.shard_axis)
         self._numel = sum(p.numel() for _, _, ps in named_units for _, p in ps)
-        if stage == 1:
+        self._ddp = stage == 1 and not self.hsdp
+        if self._ddp:
             # gradient_as_bucket_view: .grad are views of DDP's buckets, so gradients take 4Ψ
             no_buffer_sync = ({"forward_sync_buffers": False}  # RoPE tables are deterministic
                               if "forward_sync_buffers" in inspect.signature(DDP).parameters
@@ -171,11 +182,21 @@ class TorchZero(Engine):
         self.reshard_after_forward = fsdp.reshard_after_forward
 
     def forward(self, *args, **kwargs):
-        return self.ddp(*args, **kwargs) if self.stage == 1 else self.module(*args, **kwargs)
+        return self.ddp(*args, **kwargs) if self._ddp else self.module(*args, **kwargs)
+
+    def booking(self, **options):
+        """HSDP: FSDP2 all-reduces the gradient shards over dp_replicate with
+        ``torch.distributed.all_reduce`` itself (no hook into :mod:`shardwise.comm`): booked by
+        :class:`..tp.dtensor.BookFunctionalCollectives` as tag ``grad_replicate``."""
+        if not self.hsdp:
+            return contextlib.nullcontext()
+        from ..tp.dtensor import BookFunctionalCollectives
+
+        return BookFunctionalCollectives(self.topo, c10d_tag="grad_replicate")
 
     @contextlib.contextmanager
     def sync_gradients(self, enabled: bool):
-        if self.stage == 1:
+        if self._ddp:
             with (contextlib.nullcontext() if enabled else self.ddp.no_sync()):
                 yield
             return
@@ -192,21 +213,22 @@ class TorchZero(Engine):
         after a forward even without grad, so they are resharded here: otherwise the next
         training step would skip their all-gather (the ledger would fall short of the formula)."""
         out = super().loss_sum_and_count(batch)
-        if self.stage != 1:
+        if not self._ddp:
             for m in self.fsdp_modules:
                 m.reshard()
         return out
 
     def norm_axes(self) -> tuple[str, ...]:
-        """Stage 1: replicated gradients (none); FSDP2: each rank holds its dp shard (dp)."""
-        return () if self.stage == 1 else ("dp",)
+        """Stage 1: replicated gradients (none); FSDP2: each rank holds its dp shard (dp; HSDP:
+        dp_shard, the replicas hold the same shards)."""
+        return () if self._ddp else (self.topo.shard_axis,)
 
     def make_optimizer(self, param_groups: list[dict], optimizer_class=torch.optim.AdamW,
                        **kwargs) -> torch.optim.Optimizer:
         """FSDP2: the plain optimizer over the DTensor parameters (its state is sharded like
         them). Stage 1: ``ZeroRedundancyOptimizer`` wrapping ``optimizer_class``."""
         validate_zero(self.stage, self.n, optimizer=optimizer_class, engine="torch")
-        if self.stage == 1:
+        if self._ddp:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
             return ZeroRedundancyOptimizer(param_groups, optimizer_class=optimizer_class,
@@ -223,7 +245,7 @@ class TorchZero(Engine):
         (``comm.broadcast``, phase ``checkpoint``, tag ``optim_state``: one packed fp32 tensor
         [1 + 1 + 2·numel] = (has-state flag, step, exp_avg, exp_avg_sq) per parameter).
         Collective: every dp rank calls it."""
-        if self.stage != 1:
+        if not self._ddp:
             return super().dp_optimizer_state(optimizer)
         owner = optimizer._param_to_rank  # ZeroRedundancyOptimizer: dp group rank = dp index
         out = {}
@@ -248,7 +270,7 @@ class TorchZero(Engine):
         FSDP2 cuts each full tensor to this rank's dp shard (``distribute_tensor``, no
         collective); stage 1 keeps only the parameters this rank owns (into
         ``optimizer.optim``). Raises ``KeyError`` naming missing FQNs."""
-        if self.stage != 1:
+        if not self._ddp:
             return super().dp_load_optimizer_state(optimizer, state)
         owner = optimizer._param_to_rank
         for n, p in self.named_params():
@@ -273,7 +295,7 @@ class TorchZero(Engine):
     def padded_numel(self) -> int:
         """Elements FSDP2's collectives move: each parameter's dim 0 padded to a multiple of n
         (stage 1: Ψ, DDP does not pad)."""
-        if self.stage == 1:
+        if self._ddp:
             return self._numel
         return self._fsdp_padded(self.module.parameters())
 
@@ -284,13 +306,13 @@ class TorchZero(Engine):
     def memory_formula(self) -> dict[str, float]:
         """ZeRO-1's formula for stage 1; ZeRO-3's for stages 2 and 3 (FSDP2 keeps parameters
         sharded between steps in both)."""
-        return zero_memory_formula(1 if self.stage == 1 else 3, self._numel, self.n)
+        return zero_memory_formula(1 if self._ddp else 3, self._numel, self.n)
 
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
                       dtype: str = "fp32") -> dict[str, float]:
         """{"grad", "param", "grad_norm": bytes} of :meth:`step_bytes_formula`."""
         z = self.step_bytes_formula(micro_steps)
-        return {k: z[k] for k in ("grad", "param", "grad_norm")}
+        return {k: z[k] for k in ("grad", "param", "grad_norm", "grad_replicate") if k in z}
 
     def step_bytes_formula(self, micro_steps: int = 1) -> dict[str, float]:
         """What the ledger sees per step (tags grad / param / grad_norm). Stage 1: DDP's SUM
@@ -299,12 +321,17 @@ class TorchZero(Engine):
         with FSDP2's per-parameter padding; the root is gathered once per micro-step, blocks
         twice with reshard-after-forward (stage 3), once without (stage 2)."""
         b_r = 2 if self.reduce_dtype == "bf16" else 4  # gradients travel in the reduce dtype
-        if self.stage == 1:
+        if self._ddp:
             out = zero_step_bytes_formula(0, self._numel, self.n, 4, grad_bytes_per_elem=b_r)
             out["unbooked_param_broadcast"] = (self.n - 1) / self.n * 4 * self._numel
             return out
         blocks = self._fsdp_padded(p for m in self.fsdp_modules[:-1] for p in m.parameters())
-        return zero_step_bytes_formula(3, self.padded_numel, self.n, 4, micro_steps=micro_steps,
-                                       regathered=blocks if self.reshard_after_forward else 0,
-                                       grad_bytes_per_elem=b_r)
+        out = zero_step_bytes_formula(3, self.padded_numel, self.n, 4, micro_steps=micro_steps,
+                                      regathered=blocks if self.reshard_after_forward else 0,
+                                      grad_bytes_per_elem=b_r)
+        if self.hsdp:  # FSDP2 all-reduces each rank's padded shards over the replicas
+            out["grad_replicate"] = hsdp_replicate_bytes(
+                self.padded_numel, self.n, self.topo.size("dp_replicate"), b_r)
+            out["total"] += out["grad_replicate"]
+        return out
 

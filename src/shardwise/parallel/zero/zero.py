@@ -18,6 +18,13 @@ What moves over dp per optimizer step (ring collectives, b bytes per element):
 are :func:`.formulas.zero_memory_formula` and :func:`.formulas.zero_step_bytes_formula`;
 ``docs/zero.md`` has the table, the derivation and the pitfalls.
 
+**HSDP** (``dp_replicate`` R > 1: dp = R × S; PyTorch FSDP paper, Zhao et al. 2023, §3.2.3
+"hybrid sharding"): every flat buffer is sharded over the S ranks of "dp_shard" only (the
+model state ÷ S, not ÷ dp), the gradient reduce-scatter runs within the shard group, and each
+rank's summed 1/S shard is then all-reduced across the R replicas over "dp_replicate" (tag
+``grad_replicate``, 2(R−1)/R·Ψb/S); parameters are all-gathered within the shard group only.
+The norm's scalar is summed over dp_shard (the replicas hold the same slices).
+
 **With expert parallelism** (:mod:`shardwise.parallel.ep`) a unit's expert shards (this rank's
 E/ep experts, :func:`..params.ep_sharded`) are summed over "edp", the dp·cp/ep ranks that hold
 the same experts, not over the whole data axis. So each unit with experts becomes two flat
@@ -45,8 +52,8 @@ from ..engine import Engine
 from ..params import ep_sharded, sum_coalesced_, tp_sharded
 from .flat import (FlatShards, gather_named, gather_optimizer_state, load_optimizer_state,
                    sharded_optimizer, storage_state_bytes)
-from .formulas import (validate_zero, zero_ep_memory_formula, zero_ep_step_bytes_formula,
-                       zero_memory_formula)
+from .formulas import (hsdp_replicate_bytes, validate_zero, zero_ep_memory_formula,
+                       zero_ep_step_bytes_formula, zero_memory_formula)
 from .units import assign_units
 
 EXPERTS = ":experts"  # suffix of the unit name of a unit's expert shards (sharded over "edp")
@@ -108,21 +115,27 @@ class ZeroDataParallel(Engine):
     def __init__(self, module: nn.Module, topo, stage: int, *, units: list[str] | None = None,
                  prefetch: bool = True, reshard_after_forward: bool = True, overlap: bool = True,
                  reduce_dtype: str = "fp32"):
-        validate_zero(stage, topo.size(topo.data_axis))
+        validate_zero(stage, topo.size(topo.shard_axis))
         rdtype = reduce_torch_dtype(reduce_dtype)
         named_units = assign_units(module, units)  # all checks done before the first collective
         super().__init__(module)
         self.topo, self.stage = topo, stage
-        self.n, self.rank = topo.size(topo.data_axis), topo.index(topo.data_axis)
+        # the shard group: the data axis, or HSDP's dp_shard (shards all-reduced over
+        # dp_replicate after each reduce-scatter)
+        self.n, self.rank = topo.size(topo.shard_axis), topo.index(topo.shard_axis)
+        self.replicate = "dp_replicate" if getattr(topo, "dp_replicate", 1) > 1 else None
         self.prefetch, self.reshard_after_forward, self.overlap = (prefetch, reshard_after_forward,
                                                                    overlap)
         self.reduce_dtype, self._rdtype = reduce_dtype, rdtype  # of the gradient reduce_scatter
         self.units = [FlatShards(named, topo, keep_full_grad=stage == 1, reduce_dtype=rdtype,
-                                 name=name, module=mod, axis=axis)
-                      for name, mod, named, axis in split_experts(named_units, topo.data_axis)]
+                                 name=name, module=mod, axis=axis,
+                                 replicate_axis=self.replicate if axis == "dp_shard" else None)
+                      for name, mod, named, axis in split_experts(named_units, topo.shard_axis)]
         with topo.ledger.phase("init"):
-            for u in self.units:  # replicas start identical (expert shards: over edp)
-                comm.broadcast(u.full, topo, u.axis, src=0, tag="init")
+            for u in self.units:  # replicas start identical (expert shards: over edp; HSDP's
+                # shard groups: over the whole data axis, every replica too)
+                comm.broadcast(u.full, topo, topo.data_axis if u.axis == "dp_shard" else u.axis,
+                               src=0, tag="init")
         # the root unit (and its experts, if any sit outside the blocks): gathered for the
         # whole forward and backward by ZeRO-3
         self.roots = [u for u in self.units if u.name in ("root", "root" + EXPERTS)]
@@ -224,7 +237,7 @@ class ZeroDataParallel(Engine):
         rank gets the norm of the *whole* gradient and scales its slices by the same factor.
         With expert parallelism the data axis spans ep × edp, so the same all-reduce sums the
         expert slices, each once (module docstring): no all-reduce over "ep"."""
-        return ("tp", self.topo.data_axis)
+        return ("tp", self.topo.shard_axis)  # HSDP: the replicas hold the same slices
 
     def make_optimizer(self, param_groups: list[dict], optimizer_class=torch.optim.AdamW,
                        **kwargs) -> torch.optim.Optimizer:
@@ -307,10 +320,10 @@ class ZeroDataParallel(Engine):
         (Ψ of this rank's experts, n = edp): :func:`.formulas.zero_ep_memory_formula`."""
         b = self.units[0].full.element_size()
         parts = self._psi_by_axis(padded=False)
-        if set(parts) <= {self.topo.data_axis}:
+        if set(parts) <= {self.topo.shard_axis}:  # (HSDP: n = dp_shard)
             return zero_memory_formula(self.stage, self.numel, self.n, bytes_param=b,
                                        bytes_grad=b, bytes_optim=2 * b)
-        dense, _ = parts.get(self.topo.data_axis, (0, self.n))
+        dense, _ = parts.get(self.topo.shard_axis, (0, self.n))
         experts, n_e = parts["edp"]
         return zero_ep_memory_formula(self.stage, dense, self.n, experts, n_e, bytes_param=b,
                                       bytes_grad=b, bytes_optim=2 * b)
@@ -319,7 +332,7 @@ class ZeroDataParallel(Engine):
                       dtype: str = "fp32") -> dict[str, float]:
         """{"grad", "param", "grad_norm": bytes} of :meth:`step_bytes_formula`."""
         z = self.step_bytes_formula(micro_steps)
-        return {k: z[k] for k in ("grad", "param", "grad_norm")}
+        return {k: z[k] for k in ("grad", "param", "grad_norm", "grad_replicate") if k in z}
 
     def _regathered(self, axis: str | None = None) -> float | None:
         """Elements (of the units over ``axis``; None: all) all-gathered a second time, for
@@ -333,10 +346,15 @@ class ZeroDataParallel(Engine):
         (:func:`.formulas.zero_ep_step_bytes_formula`). Inside dp × tp the tp scalar of the
         norm (tag ``"grad_norm"`` on axis tp) is not included."""
         parts = self._psi_by_axis(padded=True)
-        dense, _ = parts.get(self.topo.data_axis, (0, self.n))
+        dense, _ = parts.get(self.topo.shard_axis, (0, self.n))
         experts, n_e = parts.get("edp", (0, 1))
-        return zero_ep_step_bytes_formula(
+        grad_b = torch.empty(0, dtype=self._rdtype).element_size()
+        out = zero_ep_step_bytes_formula(
             self.stage, dense, self.n, experts, n_e, self.units[0].full.element_size(),
-            micro_steps=micro_steps, regathered=self._regathered(self.topo.data_axis),
-            regathered_experts=self._regathered("edp"),
-            grad_bytes_per_elem=torch.empty(0, dtype=self._rdtype).element_size())
+            micro_steps=micro_steps, regathered=self._regathered(self.topo.shard_axis),
+            regathered_experts=self._regathered("edp"), grad_bytes_per_elem=grad_b)
+        if self.replicate:  # HSDP: each rank's 1/S shard of the gradients over the R replicas
+            out["grad_replicate"] = hsdp_replicate_bytes(dense, self.n,
+                                                         self.topo.size(self.replicate), grad_b)
+            out["total"] += out["grad_replicate"]
+        return out
