@@ -112,8 +112,9 @@ class Topology:
     axis; ``data_axis`` "dp", or "dp_cp" when cp > 1 (the flattened dp × cp lines, dp-major:
     where gradients are summed); ``ep`` and the axes "ep"/"edp" (expert parallelism inside the
     data axis); ``dp_replicate`` R and ``shard_axis`` (HSDP: dp = R × S, replicate outer; ZeRO
-    shards over "dp_shard" and all-reduces over "dp_replicate"; without HSDP the data axis); ``mesh`` a ``DeviceMesh`` with dims ("pp","dp","tp"), and
-    "cp" between dp and tp when cp > 1, for PyTorch's own parallel APIs;
+    shards over "dp_shard" and all-reduces over "dp_replicate"; without HSDP the data axis);
+    ``mesh`` a ``DeviceMesh`` with dims ("pp","dp","tp"), and "cp" between dp and tp when
+    cp > 1 (HSDP: "dp" as "dp_replicate", "dp_shard"), for PyTorch's own parallel APIs;
     ``ledger`` where every collective on these groups is booked; ``device`` torch.device;
     ``collectives`` which implementation :mod:`shardwise.comm.ops` runs its collectives with
     ("native": the backend's; "ring", "tree", "auto": :mod:`shardwise.comm.algorithms` over
@@ -124,7 +125,8 @@ class Topology:
     """
 
     def __init__(self, pp: int = 1, dp: int = 1, tp: int = 1, *, cp: int = 1, ep: int = 1,
-                 dp_replicate: int = 1, device: str = "cpu", ranks: list[int] | None = None, timeout_s: float = 300.0,
+                 dp_replicate: int = 1, device: str = "cpu", ranks: list[int] | None = None,
+                 timeout_s: float = 300.0,
                  collectives: str = "native", check_collectives: str = "step"):
         self.collectives = check_algorithms(collectives)  # before any group is created
         world = dist.get_world_size()

@@ -31,9 +31,9 @@ class Layout:
     "allgather", :mod:`.cp`), expert parallelism (``ep`` ranks of the data axis share out
     an MoE model's experts, :mod:`.ep`; not a degree of the world: EP ⊆ dp × cp) and HSDP
     (``dp_replicate`` R: dp = R × dp_shard, ZeRO within each shard group of dp / R ranks, the
-    shards all-reduced across the R replicas; also inside dp). ``microbatches`` = 0: decided by the batch (global batch /
-    (dp × micro-batch)); ``virtual_stages`` = 0: the schedule's default (2 for
-    interleaved-1f1b, else 1)."""
+    shards all-reduced across the R replicas; also inside dp). ``microbatches`` = 0: decided by
+    the batch (global batch / (dp × micro-batch)); ``virtual_stages`` = 0: the schedule's
+    default (2 for interleaved-1f1b, else 1)."""
 
     dp: int = 1
     tp: int = 1
@@ -251,8 +251,8 @@ class Layout:
 
 def parse_layout(text: str) -> Layout:
     """``"dp=2"``, ``"dp=2,zero=3"``, ``"tp=2,sp"``, ``"pp=4,schedule=1f1b,m=8"``, ``"dp=2,cp=2"``,
-    ``"cp=2,allgather"``, ``"dp=4,ep=2"`` → Layout, checked by :meth:`Layout.check` (the layout alone). Raises
-    ShardwiseConfigError naming the syntax."""
+    ``"cp=2,allgather"``, ``"dp=4,ep=2"``, ``"dp=4,dp_replicate=2,zero=3"`` → Layout, checked by
+    :meth:`Layout.check` (the layout alone). Raises ShardwiseConfigError naming the syntax."""
     from .cp import CP_METHODS
     from .pp.schedules import SCHEDULES
 
@@ -273,7 +273,8 @@ def parse_layout(text: str) -> Layout:
         else:
             raise ShardwiseConfigError(
                 f"--layouts {text!r}: write each layout as comma-separated parts: dp=N, cp=N, "
-                f"tp=N, pp=N, ep=N, dp_replicate=R, zero=Z, sp, a schedule ({', '.join(SCHEDULES)}), m=M, a cp method "
+                f"tp=N, pp=N, ep=N, dp_replicate=R, zero=Z, sp, a schedule "
+                f"({', '.join(SCHEDULES)}), m=M, a cp method "
                 f"({', '.join(CP_METHODS)}) (e.g. dp=2,zero=3, pp=2,1f1b,m=4 or dp=2,cp=2)")
     layout = Layout(**kw)
     layout.check()

@@ -78,7 +78,8 @@ def _hsdp_layouts(nproc: int, bounded: bool) -> list[Layout]:
 def _ep_layouts(nproc: int, bounded: bool) -> list[Layout]:
     """The ep layouts of :func:`layouts_that_fit` (explicit engine, MoE models only:
     :func:`applies`). Full: ep = 2 and 4 over dp (ep = dp·cp and ep < dp), composed with ZeRO-1
-    and ZeRO-3, with tp = 2 and with pp = 2 (1F1B, ZeRO 0 and 1). Bounded (8 ranks): ep = 8, ep = 4 × ZeRO-3,
+    and ZeRO-3, with tp = 2 and with pp = 2 (1F1B, ZeRO 0 and 1). Bounded (8 ranks): ep = 8,
+    ep = 4 × ZeRO-3,
     tp = 2 × ep = 4, pp = 2 × dp = 4 × ep = 2."""
     if bounded:
         if nproc != 8:

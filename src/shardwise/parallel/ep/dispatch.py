@@ -42,8 +42,8 @@ class AllToAllDispatcher(nn.Module):
     ``records``: one dict per forward (not recomputes) since :meth:`reset`: ``counts`` [E] rows
     this rank routed to each expert, ``received`` [ep] rows each ep rank sent here,
     ``row_bytes`` bytes of one dispatched row (the activations' dtype) and
-    ``combine_row_bytes`` of one expert output row (bf16 under autocast) — what :func:`~shardwise.parallel.ep.ep_bytes_formula`
-    computes the step's bytes from."""
+    ``combine_row_bytes`` of one expert output row (bf16 under autocast) — what
+    :func:`~shardwise.parallel.ep.ep_bytes_formula` computes the step's bytes from."""
 
     def __init__(self, topo, n_experts: int):
         super().__init__()
