@@ -176,8 +176,10 @@ tp ranks, ETP ≠ TP), the dispatcher's host synchronisation for dropless splits
 
 Hybrid sharded data parallelism (HSDP: ``dp_replicate`` R > 1, ZeRO ≥ 1)
 ------------------------------------------------------------------------
-PyTorch FSDP's "hybrid sharding" (Zhao et al. 2023, "PyTorch FSDP", §3.2.3), torchtitan's and
-FSDP2's ``fully_shard`` on a 2-D (replicate, shard) mesh: dp = R × S, the mesh (pp,
+PyTorch FSDP's "hybrid sharding" (Zhao et al. 2023, "PyTorch FSDP", §3.2.3; FSDP1's
+``HYBRID_SHARD``, pytorch/pytorch#89915: "zero-3 style sharding within a node, and data parallel
+across"), torchtitan's and FSDP2's ``fully_shard`` on a 2-D (replicate, shard) mesh; for ZeRO-1,
+Megatron-Core's ``num_distributed_optimizer_instances`` = R. dp = R × S, the mesh (pp,
 dp_replicate, dp_shard, cp, tp), replicas outermost (:func:`axis_link`). ZeRO runs over the
 shard group, the S·cp ranks of one replica ("dp_shard_cp"; S·cp = dp·cp without HSDP), and the
 R shard groups hold the same shards. With Ψ_s a rank's parameters and S' = S·cp:
@@ -193,7 +195,10 @@ R shard groups hold the same shards. With Ψ_s a rank's parameters and S' = S·c
 * **links**: each term over the link its group spans — the shard group on NVLink while
   S'·tp ≤ GPUs per node, the replicas (stride S'·tp) across nodes — and in the same overlap
   windows as ZeRO's (the all-reduce after the last micro-batch's reduce-scatter, under its
-  backward);
+  backward). With ``grad_reduce="micro"`` the shard is all-reduced once, after the last
+  micro-batch: FSDP2's "reduce-scatter but no all-reduce" accumulation,
+  ``set_requires_all_reduce(False)`` on the others (pytorch/pytorch#126166); FSDP2's default
+  all-reduces after every micro-batch, m× that term;
 * **optimizer**: updates a 1/S' shard.
 
 So against ZeRO-3 over all of dp, HSDP with an intra-node shard group takes every parameter
@@ -781,9 +786,10 @@ def dp_collectives(layout: PlanLayout, params: float, prec: Precision, m: int, c
     gradient shard (1/(S·cp) of Ψ, tag "grad") over the R replicas ("dp_replicate") follows
     the reduce-scatter, once per step (with ``grad_reduce="micro"`` the shard accumulates over
     the micro-batches and is all-reduced after the last: FSDP2's
-    ``set_requires_all_reduce(False)`` on the others). The global norm sums the squares over
-    the shard group (the replicas hold the same shard); the loss and token count are summed
-    over every data rank. ``exposed`` is filled in by :func:`estimate`."""
+    ``set_requires_all_reduce(False)`` on the others, pytorch/pytorch#126166). The global norm
+    sums the squares over the shard group (the replicas hold the same shard); the loss and
+    token count are summed over every data rank. ``exposed`` is filled in by
+    :func:`estimate`."""
     z, R = layout.zero, layout.dp_replicate
     whole = "dp" if layout.cp == 1 else "dp_cp"  # every data rank (parameters replicated on cp)
     if R == 1:
