@@ -120,6 +120,22 @@ def test_bytes_with_cp_span_the_shard_group_times_cp():
     assert got["dp_cp"] == pytest.approx({"loss": 2 * 2 * 7 / 8 * 8}, rel=REL)
 
 
+def test_expert_bytes_shard_inside_the_group_and_all_reduce_over_the_replicas():
+    """Mixtral 8x7B (bf16), dp 16 = R 2 × S 8, ep 4, zero 1: a rank holds the dense D and X/4
+    experts. Dense: reduce-scatter and all-gather over S = 8; experts over the S/ep = 2 ranks of
+    the shard group that hold them ("edp"); both shards all-reduced over R = 2, D/8 and
+    (X/4)/2 of them."""
+    mx = get_model("mixtral-8x7b")
+    X = mx.num_expert_params()
+    D = mx.num_params() - X
+    got = cost.dp_step_bytes(mx, PlanLayout(dp=16, dp_replicate=2, ep=4, zero=1), by_axis=True)
+    assert got["dp_shard"]["grad"] == pytest.approx(7 / 8 * 4 * D, rel=REL)
+    assert got["edp"]["grad"] == pytest.approx(1 / 2 * 4 * X / 4, rel=REL)
+    assert got["edp"]["param"] == pytest.approx(1 / 2 * 2 * X / 4, rel=REL)
+    assert got["dp_replicate"]["grad"] == pytest.approx(2 * 1 / 2 * 4 * (D / 8 + X / 4 / 2),
+                                                        rel=REL)
+
+
 def test_links_of_the_shard_group_and_the_replicas():
     """8 GPUs per node. tp 1, dp 16 = 2 × 8: the shard group is one node (NVLink), the two
     replicas are 8 ranks apart, one per node (one NIC: 50 GB/s, 5 µs). tp 2, dp 16 = 2 × 8:

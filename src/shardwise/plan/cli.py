@@ -481,14 +481,18 @@ def _explain_hsdp(e) -> list[str]:
            + (f"S' = S·cp = {sh}" if cp > 1 else f"S = {S}")
            + f" ranks ({sh}·tp = {sh * t} GPUs, {shard_link}), the R = {R} replicas "
            f"{rep_link}"]
-    psi = d["params_crit"]
+    experts = lay.ep > 1 and d["expert_params_crit"] > 0
+    psi = d["params_crit"] - (d["expert_params_crit"] if experts else 0.0)
     f = f"({sh}−1)/{sh}"
     out.append(f"  per step on this GPU: Ψ_s = {psi:,.0f} parameters, G_c = {prec.grad_comm} B, "
                f"P = {prec.param} B, m = {m}"
-               + (" (dense part; the experts' over edp: the table above)" if lay.ep > 1 else ""))
+               + (" (the dense ones; the experts' reduce-scatter and all-gathers over edp and "
+                  "their shard's all-reduce over the replicas: the table above)" if experts
+                  else ""))
 
-    def wire(axis, tag):
-        return sum(c.wire for c in e.comm if c.axis == axis and c.tag == tag)
+    def wire(axis, tag):  # the dense parameters' collectives (not the experts')
+        return sum(c.wire for c in e.comm if c.axis == axis and c.tag == tag
+                   and "of the experts" not in c.note)
 
     rs_m = "m·" if lay.zero >= 2 and lay.grad_reduce == "micro" and m > 1 else ""
     ag = {1: "", 2: "", 3: "2·m·"}[lay.zero]
