@@ -85,7 +85,8 @@ def test_bytes_per_axis_by_hand(zero, reduce):
       reduce="micro", ZeRO-2/3: ×m); parameters all-gathered, (S−1)/S·4Ψ (ZeRO-1/2, once;
       ZeRO-3 before each micro-batch's forward and backward: ×2m); the fp64 norm all-reduce
       2(S−1)/S·8;
-    * dp_replicate: the 1/S shard all-reduced once, 2(R−1)/R·4Ψ/S;
+    * dp_replicate: the 1/S shard all-reduced once, 2(R−1)/R·4Ψ/S (tag "grad_replicate", as
+      the engines book it: shardwise.parallel.zero.formulas.hsdp_replicate_bytes);
     * dp: the token count and the loss, two fp64 all-reduces over every data rank, 2·2(7/8)·8.
     The per-tag sums are the same bytes."""
     m_spec = get_model("tiny")
@@ -97,10 +98,12 @@ def test_bytes_per_axis_by_hand(zero, reduce):
     ag = (2 * m if zero == 3 else 1) * f * 4 * psi
     assert got == {
         "dp_shard": pytest.approx({"grad": rs, "param": ag, "grad_norm": 2 * f * 8}, rel=REL),
-        "dp_replicate": pytest.approx({"grad": 2 * (R - 1) / R * 4 * psi / S}, rel=REL),
+        "dp_replicate": pytest.approx({"grad_replicate": 2 * (R - 1) / R * 4 * psi / S},
+                                      rel=REL),
         "dp": pytest.approx({"loss": 2 * 2 * 7 / 8 * 8}, rel=REL)}
     by_tag = cost.dp_step_bytes(m_spec, lay, m=m)
-    assert by_tag["grad"] == pytest.approx(rs + 2 * (R - 1) / R * 4 * psi / S, rel=REL)
+    assert by_tag["grad"] == pytest.approx(rs, rel=REL)
+    assert by_tag["grad_replicate"] == pytest.approx(2 * (R - 1) / R * 4 * psi / S, rel=REL)
     # R = 1 is ZeRO over all of dp, on the one "dp" axis as before
     flat = cost.dp_step_bytes(m_spec, PlanLayout(dp=8, zero=zero, precision="fp32",
                                                  grad_reduce=reduce), m=m, by_axis=True)
@@ -116,7 +119,8 @@ def test_bytes_with_cp_span_the_shard_group_times_cp():
     got = cost.dp_step_bytes(m, PlanLayout(dp=4, dp_replicate=2, cp=2, zero=1), by_axis=True)
     assert got["dp_shard_cp"]["grad"] == pytest.approx(3 / 4 * 4 * psi, rel=REL)
     assert got["dp_shard_cp"]["param"] == pytest.approx(3 / 4 * 2 * psi, rel=REL)
-    assert got["dp_replicate"]["grad"] == pytest.approx(2 * 1 / 2 * 4 * psi / 4, rel=REL)
+    assert got["dp_replicate"]["grad_replicate"] == pytest.approx(2 * 1 / 2 * 4 * psi / 4,
+                                                                  rel=REL)
     assert got["dp_cp"] == pytest.approx({"loss": 2 * 2 * 7 / 8 * 8}, rel=REL)
 
 
@@ -132,8 +136,8 @@ def test_expert_bytes_shard_inside_the_group_and_all_reduce_over_the_replicas():
     assert got["dp_shard"]["grad"] == pytest.approx(7 / 8 * 4 * D, rel=REL)
     assert got["edp"]["grad"] == pytest.approx(1 / 2 * 4 * X / 4, rel=REL)
     assert got["edp"]["param"] == pytest.approx(1 / 2 * 2 * X / 4, rel=REL)
-    assert got["dp_replicate"]["grad"] == pytest.approx(2 * 1 / 2 * 4 * (D / 8 + X / 4 / 2),
-                                                        rel=REL)
+    assert got["dp_replicate"]["grad_replicate"] == pytest.approx(
+        2 * 1 / 2 * 4 * (D / 8 + X / 4 / 2), rel=REL)
 
 
 def test_links_of_the_shard_group_and_the_replicas():
@@ -161,7 +165,7 @@ def test_gradient_overlap_charges_the_once_per_step_all_reduce_to_the_last_backw
     1 − 0.5 each, the last 1 + 1.5 − 0.5 → 3.5 s; without the all-reduce 4 × 0.5 (the model
     before HSDP: count × (per − w))."""
     rs = Collective("dp_shard", "reduce_scatter", "grad", 1.0, 8, 4, seconds=4.0)
-    ar = Collective("dp_replicate", "all_reduce", "grad", 1.0, 2, 1, seconds=1.5)
+    ar = Collective("dp_replicate", "all_reduce", "grad_replicate", 1.0, 2, 1, seconds=1.5)
     assert cost._grad_exposed([rs, ar], 0.5) == pytest.approx(3.5, rel=REL)
     assert cost._grad_exposed([rs], 0.5) == pytest.approx(4 * 0.5, rel=REL)
     assert cost._grad_exposed([ar], 2.0) == 0.0
@@ -263,7 +267,7 @@ def test_search_keeps_a_fixed_R_and_names_its_family():
     lay = PlanLayout(dp=16, dp_replicate=2, pp=4, zero=3, schedule="1f1b")
     assert family(lay) == "HSDP + any"
     assert family(PlanLayout(dp=4, dp_replicate=2, cp=2, zero=3)) == "CP + any"
-    assert lay.name().startswith("dp=16,dp_replicate=2,pp=4,zero=3")
+    assert lay.name() == "dp=16,pp=4,dp_replicate=2,zero=3,1f1b,b=1"  # the engine's format
     assert PlanLayout(dp=16, zero=3).name() == "dp=16,zero=3,b=1"
 
 
@@ -277,6 +281,8 @@ def test_bad_hsdp_input_names_the_constraint(capsys):
         estimate(m, H100, PlanLayout(dp=8, dp_replicate=3, zero=3), 8)
     with pytest.raises(ShardwiseConfigError, match="--zero 0: .*plain DP"):
         estimate(m, H100, PlanLayout(dp=8, dp_replicate=2, zero=0), 8)
+    with pytest.raises(ShardwiseConfigError, match="shard group of .* = 1 rank"):
+        estimate(m, H100, PlanLayout(dp=8, dp_replicate=8, zero=3), 8)
     with pytest.raises(ShardwiseConfigError, match="positive integer"):
         estimate(m, H100, PlanLayout(dp=8, dp_replicate=0, zero=3), 8)
     with pytest.raises(ShardwiseConfigError, match="inside a shard group of .* = 2 ranks"):
@@ -302,7 +308,7 @@ def test_cli_dp_replicate_in_json_table_and_explain(capsys):
     assert _plan(*args, "--top", 2, "--explain") == 0
     text = capsys.readouterr().out
     assert "dp R×S: HSDP" in text and "  1   2×8 " in text
-    assert "explain: dp=16,dp_replicate=2,zero=3" in text
+    assert "explain: dp=16,dp_replicate=2,zero=3" in text  # no pp: right after dp
     assert "HSDP (PyTorch FSDP hybrid sharding" in text and "ZeRO-3 over all dp = 16" in text
     assert "all-reduce of the 1/S shard over the replicas  2(R−1)/R·G_c·Ψ_s/S" in text
     assert "fewer bytes across nodes than ZeRO-3 over all of dp" in text

@@ -501,7 +501,7 @@ def _explain_hsdp(e) -> list[str]:
                f"[{shard_link}]")
     out.append(f"    all-reduce of the 1/{s_sym} shard over the replicas  2(R−1)/R·G_c·Ψ_s/{s_sym}"
                f" = 2·{R - 1}/{R}·{prec.grad_comm}·Ψ_s/{sh} = "
-               f"{wire('dp_replicate', 'grad') / 1e9:,.2f} GB [{rep_link}]")
+               f"{wire('dp_replicate', 'grad_replicate') / 1e9:,.2f} GB [{rep_link}]")
     out.append(f"    all-gathers of the parameters in the shard group  {ag}({s_sym}−1)/{s_sym}"
                "·P·Ψ_s"
                f" = {ag}{f}·{prec.param}·Ψ_s = {wire(ax, 'param') / 1e9:,.2f} GB "

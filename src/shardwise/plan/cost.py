@@ -310,11 +310,16 @@ class PlanLayout(Layout):
         """:meth:`Layout.name` (the format of verify and bench), then the planner's knobs, e.g.
         ``"dp=64,tp=8,pp=16,zero=1,sp,interleaved-1f1b,v=8,b=1,ckpt=selective"``;
         ``reduce/micro-batch`` marks ZeRO-2/3 reducing after every micro-batch; an HSDP layout
-        has ``dp_replicate=R`` after its dp, e.g. ``"dp=16,dp_replicate=2,tp=2,pp=2,…"``."""
+        has ``dp_replicate=R`` after its degrees, e.g. ``"dp=16,pp=4,dp_replicate=2,zero=3,…"``
+        (the format of the engine's ``Layout.name``)."""
         base = super().name()
-        if self.dp_replicate > 1:
-            base = base.replace(f"dp={self.dp}", f"dp={self.dp},dp_replicate={self.dp_replicate}",
-                                1)
+        if self.dp_replicate > 1 and "dp_replicate=" not in base:
+            # the engine's Layout.name format: after the degrees (dp, cp, tp, pp)
+            head = base.split(",")
+            k = 0
+            while k < len(head) and head[k].split("=")[0] in ("dp", "cp", "tp", "pp"):
+                k += 1
+            base = ",".join(head[:k] + [f"dp_replicate={self.dp_replicate}"] + head[k:])
         parts = [base, f"b={self.micro_batch}"]
         if self.ckpt != "none":
             parts.append(f"ckpt={self.ckpt}")
@@ -783,7 +788,8 @@ def dp_collectives(layout: PlanLayout, params: float, prec: Precision, m: int, c
     ("dp_shard", or "dp_shard_cp" with cp > 1: S·cp ranks; the experts' over "edp", S·cp/ep
     ranks) exactly as over all of dp·cp without HSDP — the gradient reduce-scatter and the
     parameter all-gathers span the shard group only — and one all-reduce of this rank's
-    gradient shard (1/(S·cp) of Ψ, tag "grad") over the R replicas ("dp_replicate") follows
+    gradient shard (1/(S·cp) of Ψ) over the R replicas ("dp_replicate", tag
+    "grad_replicate", as shardwise's HSDP engines book it) follows
     the reduce-scatter, once per step (with ``grad_reduce="micro"`` the shard accumulates over
     the micro-batches and is all-reduced after the last: FSDP2's
     ``set_requires_all_reduce(False)`` on the others, pytorch/pytorch#126166). The global norm
@@ -821,7 +827,7 @@ def dp_collectives(layout: PlanLayout, params: float, prec: Precision, m: int, c
         out.append(_coll(cluster, layout, axis, "reduce_scatter", "grad", g, rs_count, assume,
                          rs_note.replace("gradients", "gradients" + what)))
         if rep:
-            out.append(_coll(cluster, layout, rep, "all_reduce", "grad",
+            out.append(_coll(cluster, layout, rep, "all_reduce", "grad_replicate",
                              g / axis_size(layout, axis), 1, assume,
                              "the gradient shard" + (" of the experts" if axis == "edp"
                                                      else "")
@@ -987,8 +993,9 @@ def dp_step_bytes(model: ModelSpec, layout: PlanLayout, *, m: int = 1, params: f
     (n−1)/n each, plus one fp64 all-reduce for the gradient norm; zero 3: the all-gathers per
     micro-batch. With ep > 1 a rank's E/ep experts go over "edp" (:func:`dp_collectives`), under
     the same tags. HSDP (``dp_replicate`` R > 1, S = dp/R, cp = 1): "grad" is the
-    reduce-scatter over S, (S−1)/S·G_c·Ψ, plus the all-reduce of the shard over R,
-    2(R−1)/R·G_c·Ψ/S; "param" the all-gathers over S only. ``by_axis``: {axis: {tag: bytes}}
+    reduce-scatter over S, (S−1)/S·G_c·Ψ, "grad_replicate" the all-reduce of the shard over
+    R, 2(R−1)/R·G_c·Ψ/S (:func:`shardwise.parallel.zero.formulas.hsdp_replicate_bytes`, the
+    engines' tag); "param" the all-gathers over S only. ``by_axis``: {axis: {tag: bytes}}
     instead (axes "dp", "dp_cp", "dp_shard", "dp_shard_cp", "dp_replicate", "edp", "ep"), the
     per-axis numbers a ledger that books the mesh's axes compares with. Link speeds do not
     enter (bytes only)."""
@@ -1116,7 +1123,8 @@ def check_ep(model: ModelSpec, layout: PlanLayout) -> None:
 
 def check_hsdp(layout: PlanLayout) -> None:
     """Raise ShardwiseConfigError unless ``layout.dp_replicate`` R is a valid HSDP split of dp:
-    a positive integer dividing dp (dp = R × S), with a ZeRO stage ≥ 1 when R > 1 (ZeRO-0
+    a positive integer dividing dp (dp = R × S) that leaves a shard group of S·cp ≥ 2 ranks,
+    with a ZeRO stage ≥ 1 when R > 1 (ZeRO-0
     shards nothing, so every rank already holds everything and all-reduces over all of dp: an
     R would change nothing but the name), and with ep > 1 an ep that divides S·cp (the expert
     group lives inside a shard group, as torchtitan carves ep out of ``dp_shard_cp``)."""
@@ -1135,6 +1143,11 @@ def check_hsdp(layout: PlanLayout) -> None:
             "the state within a group and replicates it across groups: choose --zero 1, 2 or "
             "3, or --dp-replicate 1")
     shard = layout.dp_shard * layout.cp
+    if R > 1 and shard < 2:
+        raise ShardwiseConfigError(
+            f"--dp-replicate {R} with dp = {dp} leaves a shard group of dp_shard·cp = "
+            f"{layout.dp_shard}·{layout.cp} = 1 rank: nothing to shard within a replica; "
+            "choose a smaller --dp-replicate (the shard group needs ≥ 2 ranks)")
     if R > 1 and layout.ep > 1 and shard % layout.ep:
         ok = [e for e in range(1, shard + 1) if shard % e == 0]
         raise ShardwiseConfigError(
@@ -1371,7 +1384,8 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
     params_crit = dense_crit + expert_crit
     dp_colls = dp_collectives(lay, dense_crit, prec, m, C, A, expert_params=expert_crit)
     t_f, t_b = t_mb / 3, 2 * t_mb / 3
-    grads = [c for c in dp_colls if c.tag == "grad"]  # dense and expert ones share a window
+    # dense and expert gradients, and HSDP's shard all-reduce after them, share a window
+    grads = [c for c in dp_colls if c.tag in ("grad", "grad_replicate")]
     gathers = [c for c in dp_colls if c.tag == "param"]
     for c in dp_colls:
         if c.tag in ("loss", "grad_norm"):
