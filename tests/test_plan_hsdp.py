@@ -111,6 +111,29 @@ def test_bytes_per_axis_by_hand(zero, reduce):
     assert flat["dp"]["grad"] == pytest.approx(rs / f * 7 / 8, rel=REL)
 
 
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_bytes_per_axis_equal_the_engines_hsdp_formula(zero):
+    """The planner's per-axis bytes are the formula the HSDP engines' ledger equals (1.0000,
+    docs/zero.md): :func:`shardwise.parallel.zero.formulas.zero_step_bytes_formula` over the
+    S ranks of dp_shard (grad, param, grad_norm) and ``hsdp_replicate_bytes`` over dp_replicate
+    (grad_replicate), for tiny in fp32 at dp 8 = 2 × 4, m = 2. Skipped where the engines' HSDP
+    (issue 22's other part) is not in the tree."""
+    try:
+        from shardwise.parallel.zero.formulas import (hsdp_replicate_bytes,
+                                                      zero_step_bytes_formula)
+    except ImportError:
+        pytest.skip("the engines' HSDP formula (hsdp_replicate_bytes) is not in this tree")
+    spec = get_model("tiny")
+    psi, S, R, m = spec.num_params(), 4, 2, 2
+    got = cost.dp_step_bytes(spec, PlanLayout(dp=8, dp_replicate=R, zero=zero,
+                                              precision="fp32"), m=m, by_axis=True)
+    engine = zero_step_bytes_formula(zero, psi, S, 4, micro_steps=m)
+    assert got["dp_shard"] == pytest.approx({k: engine[k] for k in ("grad", "param",
+                                                                     "grad_norm")}, rel=REL)
+    assert got["dp_replicate"] == pytest.approx(
+        {"grad_replicate": hsdp_replicate_bytes(psi, S, R, 4)}, rel=REL)
+
+
 def test_bytes_with_cp_span_the_shard_group_times_cp():
     """Llama 3 8B (bf16: G_c 4, P 2), dp 4 = 2 × 2, cp 2, zero 1: the shard group is S·cp = 4
     ranks ("dp_shard_cp"), the replicas R = 2, the loss over all dp·cp = 8."""
