@@ -7,9 +7,10 @@
     shardwise plan … --json             # {"layouts": [{dp, tp, pp, zero, schedule, microbatches,
                                         #   mfu, step_time_s, mem_bytes_per_gpu, fits, …}, …]}
     shardwise plan --model mixtral-8x7b --gpus 64 --global-batch-tokens 1M  # MoE: ep searched
-    shardwise plan … --tp 8 --pp 16     # fix dimensions (--dp --cp --cp-method --ep --tp --pp
-                                        #   --zero --schedule --microbatches --micro-batch
-                                        #   --virtual-stages --ckpt)
+    shardwise plan … --tp 8 --pp 16     # fix dimensions (--dp --dp-replicate --cp --cp-method
+                                        #   --ep --tp --pp --zero --schedule --microbatches
+                                        #   --micro-batch --virtual-stages --ckpt)
+    shardwise plan … --pp 4 --zero 3 --dp-replicate 2 --explain  # HSDP vs ZeRO-3 over all of dp
     shardwise plan --model llama3-70b --gpu h100-sxm --plot mfu.png   # MFU vs GPUs per family
     shardwise plan --validate           # predicted vs published MFU of large runs
 
@@ -63,6 +64,10 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                    "weights, bf16 compute (16 B/param); fp32 (default bf16)")
     g = p.add_argument_group("layout (fix a dimension; unset = searched)")
     g.add_argument("--dp", type=int)
+    g.add_argument("--dp-replicate", type=int, metavar="R",
+                   help="HSDP: dp = R × S, ZeRO shards over the S ranks (× cp) of a shard "
+                   "group and the R groups replicate it (needs --zero ≥ 1; 1 = ZeRO over all "
+                   "of dp; default: searched, the shard group filling a node)")
     g.add_argument("--cp", type=int, help="context parallelism: ranks that split every "
                    "sequence (Llama-style models; seq divisible by 2·cp)")
     g.add_argument("--cp-method", choices=("ring", "allgather"),
@@ -151,7 +156,8 @@ def _setup(args):
 def _fixed(args):
     from .search import Fixed
 
-    return Fixed(dp=args.dp, cp=args.cp, cp_method=args.cp_method, ep=args.ep, tp=args.tp,
+    return Fixed(dp=args.dp, dp_replicate=args.dp_replicate, cp=args.cp,
+                 cp_method=args.cp_method, ep=args.ep, tp=args.tp,
                  pp=args.pp,
                  zero=args.zero, sp=args.sp,
                  schedule=args.schedule, virtual_stages=args.virtual_stages,
@@ -260,6 +266,7 @@ def format_table(results, model, cluster, gpus, tokens, top=10) -> str:
         "",
     ]
     moe = model.is_moe
+    hsdp_shown = []  # set by row(): the legend line of an HSDP dp column
     head = (f"{'#':>3} {'dp':>5} {'cp':>5} " + (f"{'ep':>3} " if moe else "")
             + f"{'tp':>5} {'pp':>3} {'zero':>5} {'schedule':<21} "
             f"{'b':>2} "
@@ -278,7 +285,10 @@ def format_table(results, model, cluster, gpus, tokens, top=10) -> str:
                                                  "buffers"))
         cp = f"{lay.cp}{'ag' if lay.cp > 1 and lay.cp_method == 'allgather' else ''}"
         ep = f"{lay.ep:>3} " if moe else ""
-        return (f"{i:>3} {lay.dp:>5} {cp:>5} {ep}{tp:>5} {lay.pp:>3} {zero:>5} {sched:<21} "
+        dp = f"{lay.dp_replicate}×{lay.dp_shard}" if lay.dp_replicate > 1 else f"{lay.dp}"
+        if lay.dp_replicate > 1:
+            hsdp_shown.append(i)
+        return (f"{i:>3} {dp:>5} {cp:>5} {ep}{tp:>5} {lay.pp:>3} {zero:>5} {sched:<21} "
                 f"{lay.micro_batch:>2} {e.microbatches:>4} {lay.ckpt:<9} {e.mfu:>6.1%} "
                 f"{e.step_time_s:>8.2f} {e.tokens_per_s / lay.world:>10,.0f} "
                 f"{_gib(e.mem_bytes_per_gpu):>8}  {parts}")
@@ -300,6 +310,8 @@ def format_table(results, model, cluster, gpus, tokens, top=10) -> str:
                          "first:")
         for i, e in enumerate((better or nofit)[:5], 1):
             lines.append(row(i, e))
+    if hsdp_shown:
+        lines.insert(4, "  dp R×S: HSDP, R replicas of a ZeRO shard group of S data ranks (× cp)")
     return "\n".join(lines)
 
 
@@ -343,12 +355,17 @@ def explain(e) -> str:
             "last stage" if p > 1 else "every GPU")
         out.append(f"  {label}: Ψ_s = {mem['params_count']:,.0f} parameters on this GPU")
         sh = {0: "", 1: "K/dp", 2: "(G+K)/dp", 3: "(P+G+K)/dp"}[lay.zero]
-        if cp > 1:
+        R, S = lay.dp_replicate, lay.dp_shard
+        if R > 1:  # HSDP: ZeRO over the shard group, the R groups replicate it
+            sh = sh.replace("dp", f"(S·cp) = ÷{S * cp}" if cp > 1 else f"S = ÷{S}")
+            sh += f"; HSDP dp = R × S = {R} × {S}: the states ×{R} of ZeRO over all of dp"
+        elif cp > 1:
             sh = sh.replace("dp", f"(dp·cp) = ÷{n * cp}")
         if lay.ep > 1 and mem.get("expert_params_count"):
+            grp = "S·cp/ep" if R > 1 else "dp·cp/ep"
             out.append(f"    of them experts: L_m·E·{M.n_mlp_mats}·d·f_e/(ep·etp) = "
                        f"{mem['expert_params_count']:,.0f} (E/ep = {M.n_experts // lay.ep} per "
-                       f"layer), their ZeRO shards over dp·cp/ep = {n * cp // lay.ep} ranks")
+                       f"layer), their ZeRO shards over {grp} = {S * cp // lay.ep} ranks")
         out.append(f"    zero {lay.zero}{' (' + sh + ')' if sh else ''}, P={prec.param} "
                    f"G={prec.grad} K={prec.optim} B/param: params {_human(mem['params'])} + "
                    f"grads {_human(mem['grads'])} + optimizer {_human(mem['optimizer'])}")
@@ -416,11 +433,15 @@ def explain(e) -> str:
     out.append("")
     out.append("Communication per step (bytes sent per GPU by the ring formulas; seconds = "
                "steps·latency + bytes/(bw·link efficiency))")
+    width = max([5] + [len(c.axis) for c in e.comm])
     for c in e.comm:
-        out.append(f"  {c.axis:<5} {c.op:<14} {c.tag:<11} n={c.n:<5} S={c.size / 2**20:>10,.1f} "
+        out.append(f"  {c.axis:<{width}} {c.op:<14} {c.tag:<11} n={c.n:<5} "
+                   f"S={c.size / 2**20:>10,.1f} "
                    f"MiB ×{c.count:>7,.0f}: {c.wire / 1e9:>9,.2f} GB sent, {c.seconds:>8.3f} s, "
                    f"exposed {c.exposed:.3f} s  [{c.link}] {c.note}")
     out.append("")
+    if lay.dp_replicate > 1:
+        out += _explain_hsdp(e) + [""]
     T = e.times
     bub = {"gpipe": "(p−1)·t_mb", "1f1b": "(p−1)·t_mb", "interleaved-1f1b": "(p−1)·t_mb/v",
            "zb-h1": "(p−1)·t_mb/3"}.get(lay.schedule, "")
@@ -440,6 +461,76 @@ def explain(e) -> str:
     out.append(f"  MFU = {f['model_per_step']:.4g} / ({e.step_time_s:.3f} s · {lay.world:,} · "
                f"{C.gpu.bf16_flops / 1e12:,.0f} TFLOP/s) = {e.mfu:.1%}   (HFU {e.hfu:.1%})")
     return "\n".join(out)
+
+
+def _explain_hsdp(e) -> list[str]:
+    """The HSDP part of :func:`explain`: its per-axis byte formulas with this layout's numbers,
+    and its inter-node bytes against ZeRO-3 over all of dp (:func:`cost.hsdp_comparison`)."""
+    from .cost import PRECISIONS, axis_link, hsdp_comparison
+
+    C, lay, d = e.cluster, e.layout, e.details
+    prec = PRECISIONS[lay.precision]
+    R, S, cp, t, m = lay.dp_replicate, lay.dp_shard, lay.cp, lay.tp, e.microbatches
+    ax = "dp_shard" if cp == 1 else "dp_shard_cp"
+    sh = S * cp
+    s_sym = "S" if cp == 1 else "S'"
+    shard_link = axis_link(C, lay, ax)[2]
+    rep_link = axis_link(C, lay, "dp_replicate")[2]
+    out = [f"HSDP (PyTorch FSDP hybrid sharding, Zhao et al. 2023 §3.2.3): dp = R × S = {R} × "
+           f"{S}; ZeRO-{lay.zero} over the shard group of "
+           + (f"S' = S·cp = {sh}" if cp > 1 else f"S = {S}")
+           + f" ranks ({sh}·tp = {sh * t} GPUs, {shard_link}), the R = {R} replicas "
+           f"{rep_link}"]
+    experts = lay.ep > 1 and d["expert_params_crit"] > 0
+    psi = d["params_crit"] - (d["expert_params_crit"] if experts else 0.0)
+    f = f"({sh}−1)/{sh}"
+    out.append(f"  per step on this GPU: Ψ_s = {psi:,.0f} parameters, G_c = {prec.grad_comm} B, "
+               f"P = {prec.param} B, m = {m}"
+               + (" (the dense ones; the experts' reduce-scatter and all-gathers over edp and "
+                  "their shard's all-reduce over the replicas: the table above)" if experts
+                  else ""))
+
+    def wire(axis, tag):  # the dense parameters' collectives (not the experts')
+        return sum(c.wire for c in e.comm if c.axis == axis and c.tag == tag
+                   and "of the experts" not in c.note)
+
+    rs_m = "m·" if lay.zero >= 2 and lay.grad_reduce == "micro" and m > 1 else ""
+    ag = {1: "", 2: "", 3: "2·m·"}[lay.zero]
+    out.append(f"    reduce-scatter of the gradients in the shard group  {rs_m}({s_sym}−1)/{s_sym}"
+               f"·G_c·Ψ_s = {rs_m}{f}·{prec.grad_comm}·Ψ_s = {wire(ax, 'grad') / 1e9:,.2f} GB "
+               f"[{shard_link}]")
+    out.append(f"    all-reduce of the 1/{s_sym} shard over the replicas  2(R−1)/R·G_c·Ψ_s/{s_sym}"
+               f" = 2·{R - 1}/{R}·{prec.grad_comm}·Ψ_s/{sh} = "
+               f"{wire('dp_replicate', 'grad_replicate') / 1e9:,.2f} GB [{rep_link}]")
+    out.append(f"    all-gathers of the parameters in the shard group  {ag}({s_sym}−1)/{s_sym}"
+               "·P·Ψ_s"
+               f" = {ag}{f}·{prec.param}·Ψ_s = {wire(ax, 'param') / 1e9:,.2f} GB "
+               f"[{shard_link}]")
+    cmp = hsdp_comparison(e)
+    out.append("  inter-node bytes per GPU and step (every collective whose group spans nodes; "
+               "in brackets the data-parallel axes'):")
+    labels = {"hsdp": f"HSDP R × S = {R} × {S}", "zero3": f"ZeRO-3 over all dp = {lay.dp}",
+              "same_stage": f"ZeRO-{lay.zero} over all dp = {lay.dp}"}
+    for key in ("hsdp", "zero3", "same_stage"):
+        if key not in cmp:
+            continue
+        r = cmp[key]
+        out.append(f"    {labels[key]:<26} {r['inter_node_bytes'] / 1e9:>10,.2f} GB "
+                   f"({r['inter_node_dp_bytes'] / 1e9:,.2f} GB); model state "
+                   f"{_human(r['model_state_bytes'])}, {_human(r['mem_bytes_per_gpu'])} per GPU"
+                   f"{'' if r['fits'] else ' (does not fit)'}; DP exposed "
+                   f"{r['dp_exposed_s']:.3f} s, step {r['step_time_s']:.3f} s, MFU "
+                   f"{r['mfu']:.1%}  [{r['layout']}]")
+
+    def times(x):
+        return "∞" if x == float("inf") else "—" if x is None else f"{x:,.1f}×"
+
+    h, z = cmp["hsdp"], cmp["zero3"]
+    out.append(f"  → HSDP sends {times(cmp['saving'])} fewer bytes across nodes than ZeRO-3 over "
+               f"all of dp ({times(cmp['saving_dp'])} on the data-parallel axes), for "
+               f"{h['model_state_bytes'] / z['model_state_bytes']:,.2f}× its model state per "
+               "GPU")
+    return out
 
 
 def _stages(stages) -> str:

@@ -174,6 +174,37 @@ dropping, all-to-all overlap with compute (DeepSeek-V3's DualPipe, Megatron-Core
 grouped-GEMM efficiency below the dense GEMMs', MoE parallel folding (an ep group that spans
 tp ranks, ETP ≠ TP), the dispatcher's host synchronisation for dropless splits.
 
+Hybrid sharded data parallelism (HSDP: ``dp_replicate`` R > 1, ZeRO ≥ 1)
+------------------------------------------------------------------------
+PyTorch FSDP's "hybrid sharding" (Zhao et al. 2023, "PyTorch FSDP", §3.2.3; FSDP1's
+``HYBRID_SHARD``, pytorch/pytorch#89915: "zero-3 style sharding within a node, and data parallel
+across"), torchtitan's and FSDP2's ``fully_shard`` on a 2-D (replicate, shard) mesh; for ZeRO-1,
+Megatron-Core's ``num_distributed_optimizer_instances`` = R. dp = R × S, the mesh (pp,
+dp_replicate, dp_shard, cp, tp), replicas outermost (:func:`axis_link`). ZeRO runs over the
+shard group, the S·cp ranks of one replica ("dp_shard_cp"; S·cp = dp·cp without HSDP), and the
+R shard groups hold the same shards. With Ψ_s a rank's parameters and S' = S·cp:
+
+* **memory**: the ZeRO formulas above with n·c → S' (each state is R× what ZeRO over all of
+  dp·cp holds): zero 3 ``(P + G + K)·Ψ_s/S'``; expert state over S'/ep ranks;
+* **bytes per step** (ZeRO §7's formulas within the group, plus one all-reduce across groups;
+  :func:`dp_collectives`): gradients reduce-scattered in the shard group,
+  ``(S'−1)/S'·G_c·Ψ_s``, then this rank's 1/S' shard all-reduced over the R replicas,
+  ``2(R−1)/R·G_c·Ψ_s/S'``; parameters all-gathered in the shard group only,
+  ``(S'−1)/S'·P·Ψ_s`` (zero 1/2 once per step; zero 3 before every micro-batch's forward and
+  again before its backward);
+* **links**: each term over the link its group spans — the shard group on NVLink while
+  S'·tp ≤ GPUs per node, the replicas (stride S'·tp) across nodes — and in the same overlap
+  windows as ZeRO's (the all-reduce after the last micro-batch's reduce-scatter, under its
+  backward). With ``grad_reduce="micro"`` the shard is all-reduced once, after the last
+  micro-batch: FSDP2's "reduce-scatter but no all-reduce" accumulation,
+  ``set_requires_all_reduce(False)`` on the others (pytorch/pytorch#126166); FSDP2's default
+  all-reduces after every micro-batch, m× that term;
+* **optimizer**: updates a 1/S' shard.
+
+So against ZeRO-3 over all of dp, HSDP with an intra-node shard group takes every parameter
+gather and the reduce-scatter off the inter-node links and sends ``2(R−1)/R·G_c·Ψ_s/S'`` per
+step across them instead, for R× the model state (:func:`hsdp_comparison`).
+
 Pipeline bubble (idle time per step, ``t_mb`` = one micro-batch's forward + backward on a stage)
 -----------------------------------------------------------------------------------------------
 GPipe and 1F1B ``(p−1)·t_mb`` (Huang et al. 2019; Narayanan et al. 2021 §2.2.1: fraction
@@ -256,18 +287,40 @@ class PlanLayout(Layout):
     :data:`PRECISIONS`. ``grad_reduce`` (zero 2 and 3 with several micro-batches): "step" — the
     micro-batches accumulate full local gradients and one reduce-scatter runs after the last
     (shardwise's ZeRO engine, FSDP under ``no_sync``); "micro" — a reduce-scatter after every
-    micro-batch, gradients stay sharded (DeepSpeed ZeRO-2, FSDP without ``no_sync``)."""
+    micro-batch, gradients stay sharded (DeepSpeed ZeRO-2, FSDP without ``no_sync``).
+    ``dp_replicate`` R (HSDP, hybrid sharded data parallelism): dp = R × S, ZeRO shards over the
+    shard group of S = :attr:`dp_shard` ranks (× cp) and the R shard groups replicate each other
+    (module docstring, section "HSDP"); R = 1 is ZeRO over all of dp. R must divide dp and needs
+    ZeRO ≥ 1 (:func:`check_layout`)."""
 
     micro_batch: int = 1
     ckpt: str = "none"
     precision: str = "bf16"
     grad_reduce: str = "step"  # zero 2/3: "step" (once, after accumulating) or "micro"
+    # HSDP replicas (the planner's own field until the engine's Layout has one)
+    dp_replicate: int = 1
+
+    @property
+    def dp_shard(self) -> int:
+        """S = dp / dp_replicate: the data-parallel ranks of one shard group (times cp, the
+        ranks ZeRO shards over)."""
+        return self.dp // self.dp_replicate
 
     def name(self) -> str:
         """:meth:`Layout.name` (the format of verify and bench), then the planner's knobs, e.g.
         ``"dp=64,tp=8,pp=16,zero=1,sp,interleaved-1f1b,v=8,b=1,ckpt=selective"``;
-        ``reduce/micro-batch`` marks ZeRO-2/3 reducing after every micro-batch."""
-        parts = [super().name(), f"b={self.micro_batch}"]
+        ``reduce/micro-batch`` marks ZeRO-2/3 reducing after every micro-batch; an HSDP layout
+        has ``dp_replicate=R`` after its degrees, e.g. ``"dp=16,pp=4,dp_replicate=2,zero=3,…"``
+        (the format of the engine's ``Layout.name``)."""
+        base = super().name()
+        if self.dp_replicate > 1 and "dp_replicate=" not in base:
+            # the engine's Layout.name format: after the degrees (dp, cp, tp, pp)
+            head = base.split(",")
+            k = 0
+            while k < len(head) and head[k].split("=")[0] in ("dp", "cp", "tp", "pp"):
+                k += 1
+            base = ",".join(head[:k] + [f"dp_replicate={self.dp_replicate}"] + head[k:])
+        parts = [base, f"b={self.micro_batch}"]
         if self.ckpt != "none":
             parts.append(f"ckpt={self.ckpt}")
         if self.zero >= 2 and self.grad_reduce == "micro":
@@ -641,21 +694,53 @@ def axis_link(cluster: Cluster, layout: PlanLayout, axis: str) -> tuple[float, f
     Expert parallelism rides on the data line (dp × cp flattened, stride tp), as
     :class:`shardwise.topology.Topology` builds it and Megatron-Core's tp-cp-ep-dp-pp order
     places it: "ep", ``ep`` consecutive ranks of the line (stride tp; on NVLink while
-    tp·ep ≤ GPUs per node); "edp", the dp·cp/ep ranks that hold the same experts (stride
-    tp·ep)."""
+    tp·ep ≤ GPUs per node); "edp", the S·cp/ep ranks of a shard group that hold the same
+    experts (stride tp·ep; S = dp without HSDP).
+
+    HSDP (``dp_replicate`` R > 1) splits dp into (dp_replicate, dp_shard), replicas outer — the
+    mesh (pp, dp_replicate, dp_shard, cp, tp) of torchtitan and FSDP2, whose flat dp index
+    r_i·S + s_i is the dp index above, so every other axis is unchanged: "dp_shard", the S
+    ranks of a shard group (stride tp·cp); "dp_shard_cp", the S·cp ranks ZeRO shards over
+    (stride tp: torchtitan's ``dp_shard_cp``); "dp_replicate", the R ranks that hold the same
+    shard (stride tp·cp·S). The shard group is on NVLink while S·cp·tp ≤ GPUs per node."""
     c = cluster  # the cache key: the link numbers only (hashing the whole Cluster is slow)
     return _axis_link(c.gpus_per_node, c.intra_bw, c.inter_bw, c.intra_latency,
                       c.inter_latency, layout.tp, layout.cp, layout.dp, layout.pp, axis,
-                      layout.ep)
+                      layout.ep, layout.dp_replicate)
+
+
+def axis_size(layout: PlanLayout, axis: str) -> int:
+    """Ranks in one group along ``axis`` (the axes of :func:`axis_link`)."""
+    return _axis_geometry(layout.tp, layout.cp, layout.dp, layout.pp, axis, layout.ep,
+                          layout.dp_replicate)[0]
+
+
+def _axis_geometry(tp: int, cp: int, dp: int, pp: int, axis: str, ep: int = 1,
+                   dpr: int = 1) -> tuple[int, int]:
+    """(ranks in the group, stride between them on the rank grid) of ``axis``."""
+    ds = dp // dpr  # the shard group's dp ranks (all of dp without HSDP)
+    n = {"tp": tp, "cp": cp, "dp": dp, "pp": pp, "dp_cp": dp * cp, "ep": ep,
+         "edp": ds * cp // ep, "dp_shard": ds, "dp_shard_cp": ds * cp,
+         "dp_replicate": dpr}[axis]
+    stride = {"tp": 1, "cp": tp, "dp": tp * cp, "pp": tp * cp * dp, "dp_cp": tp, "ep": tp,
+              "edp": tp * ep, "dp_shard": tp * cp, "dp_shard_cp": tp,
+              "dp_replicate": tp * cp * ds}[axis]
+    return n, stride
+
+
+def members_per_node(cluster: Cluster, layout: PlanLayout, axis: str) -> int:
+    """k: the members of rank 0's group along ``axis`` on its node — 0 when the whole group is
+    inside one node (:func:`axis_link`'s placement)."""
+    n, stride = _axis_geometry(layout.tp, layout.cp, layout.dp, layout.pp, axis, layout.ep,
+                               layout.dp_replicate)
+    gpn = cluster.gpus_per_node
+    return 0 if (n - 1) * stride < gpn else min(n, -(-gpn // stride))
 
 
 @functools.lru_cache(maxsize=8192)
 def _axis_link(gpn: int, intra_bw: float, inter_bw: float, intra_lat: float, inter_lat: float,
-               tp: int, cp: int, dp: int, pp: int, axis: str, ep: int = 1):
-    n = {"tp": tp, "cp": cp, "dp": dp, "pp": pp, "dp_cp": dp * cp, "ep": ep,
-         "edp": dp * cp // ep}[axis]
-    stride = {"tp": 1, "cp": tp, "dp": tp * cp, "pp": tp * cp * dp, "dp_cp": tp, "ep": tp,
-              "edp": tp * ep}[axis]
+               tp: int, cp: int, dp: int, pp: int, axis: str, ep: int = 1, dpr: int = 1):
+    n, stride = _axis_geometry(tp, cp, dp, pp, axis, ep, dpr)
     if (n - 1) * stride < gpn:  # the group of rank 0: ranks 0, stride, …, (n−1)·stride
         return intra_bw, intra_lat, "intra-node"
     k = min(n, -(-gpn // stride))  # members on node 0
@@ -678,9 +763,7 @@ def collective_seconds(op: str, size: float, n: int, bw: float, latency: float,
 
 
 def _coll(cluster, layout, axis, op, tag, size, count, assume, note=""):
-    n = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "pp": layout.pp,
-         "dp_cp": layout.dp * layout.cp, "ep": layout.ep,
-         "edp": layout.dp * layout.cp // layout.ep}[axis]
+    n = axis_size(layout, axis)
     bw, lat, where = axis_link(cluster, layout, axis)
     wire, sec = collective_seconds(op, size, n, bw, lat, assume.link_efficiency)
     return Collective(axis, op, tag, size, n, count, wire * count, sec * count, 0.0, where, note)
@@ -698,9 +781,30 @@ def dp_collectives(layout: PlanLayout, params: float, prec: Precision, m: int, c
     summed (and ZeRO shards them) over the expert-data-parallel group "edp" of dp·cp/ep ranks
     that hold the same experts, the same collectives under the same tags ("grad", "param") as
     the dense ones, as shardwise's DP engine books them; with ep = 1 they are dense
-    parameters. ``exposed`` is filled in by :func:`estimate`."""
-    z = layout.zero
-    ax = "dp" if layout.cp == 1 else "dp_cp"  # parameters are replicated over cp too
+    parameters.
+
+    HSDP (``layout.dp_replicate`` R > 1, ZeRO ≥ 1; PyTorch FSDP, Zhao et al. 2023 §3.2.3
+    "hybrid sharding"; torchtitan's and FSDP2's 2-D mesh): ZeRO runs over the shard group
+    ("dp_shard", or "dp_shard_cp" with cp > 1: S·cp ranks; the experts' over "edp", S·cp/ep
+    ranks) exactly as over all of dp·cp without HSDP — the gradient reduce-scatter and the
+    parameter all-gathers span the shard group only — and one all-reduce of this rank's
+    gradient shard (1/(S·cp) of Ψ) over the R replicas ("dp_replicate", tag
+    "grad_replicate", as shardwise's HSDP engines book it) follows
+    the reduce-scatter, once per step (with ``grad_reduce="micro"`` the shard accumulates over
+    the micro-batches and is all-reduced after the last: FSDP2's
+    ``set_requires_all_reduce(False)`` on the others, pytorch/pytorch#126166). The global norm
+    sums the squares over the shard group (the replicas hold the same shard); the loss and
+    token count are summed over every data rank. ``exposed`` is filled in by
+    :func:`estimate`."""
+    z, R = layout.zero, layout.dp_replicate
+    whole = "dp" if layout.cp == 1 else "dp_cp"  # every data rank (parameters replicated on cp)
+    if R == 1:
+        ax, rep = whole, None
+    else:
+        if z == 0:
+            raise ShardwiseConfigError(f"dp_replicate={R} needs ZeRO ≥ 1 (with zero 0 every "
+                                       "rank holds everything: plain DP)")
+        ax, rep = ("dp_shard" if layout.cp == 1 else "dp_shard_cp"), "dp_replicate"
     if layout.ep == 1:
         params, expert_params = params + expert_params, 0.0
     groups = [(ax, params, params if regathered is None else regathered)]
@@ -709,17 +813,25 @@ def dp_collectives(layout: PlanLayout, params: float, prec: Precision, m: int, c
     rs_count = m if z >= 2 and layout.grad_reduce == "micro" else 1
     rs_note = ("gradients, after every micro-batch" if rs_count > 1 else
                "gradients, once per step")
-    out = [_coll(cluster, layout, ax, "all_reduce", "loss", 8, 2, assume,
+    out = [_coll(cluster, layout, whole, "all_reduce", "loss", 8, 2, assume,
                  "token count before the forward, loss sum after the step (fp64)")]
     for axis, psi, again in groups:
         g, w = prec.grad_comm * psi, prec.param * psi
         what = "" if axis != "edp" else " of the experts (over the ranks holding the same ones)"
+        if rep:
+            what += " in the shard group"
         if z == 0:
             out.append(_coll(cluster, layout, axis, "all_reduce", "grad", g, 1, assume,
                              "gradients" + what + ", once per step"))
             continue
         out.append(_coll(cluster, layout, axis, "reduce_scatter", "grad", g, rs_count, assume,
                          rs_note.replace("gradients", "gradients" + what)))
+        if rep:
+            out.append(_coll(cluster, layout, rep, "all_reduce", "grad_replicate",
+                             g / axis_size(layout, axis), 1, assume,
+                             "the gradient shard" + (" of the experts" if axis == "edp"
+                                                     else "")
+                             + " over the replicas, once per step"))
         if z < 3:
             out.append(_coll(cluster, layout, axis, "all_gather", "param", w, 1, assume,
                              "updated parameters" + what + ", once per step"))
@@ -872,7 +984,7 @@ def ep_collectives(model: ModelSpec, layout: PlanLayout, cluster: Cluster, assum
 
 
 def dp_step_bytes(model: ModelSpec, layout: PlanLayout, *, m: int = 1, params: float | None = None,
-                  regathered: float | None = None) -> dict[str, float]:
+                  regathered: float | None = None, by_axis: bool = False) -> dict:
     """Bytes one rank sends on the dp axis per optimizer step, by ledger tag ("grad", "param",
     "grad_norm", "loss"), for pp = tp = 1 (the whole model on every rank): the number the ledger
     books. ``params`` overrides Ψ (an engine whose flat buffers are padded to a multiple of dp
@@ -880,7 +992,13 @@ def dp_step_bytes(model: ModelSpec, layout: PlanLayout, *, m: int = 1, params: f
     ``grad = 2(n−1)/n · G_c·Ψ``, ``loss = 2 · 2(n−1)/n · 8``; zero 1/2: reduce-scatter + all-gather,
     (n−1)/n each, plus one fp64 all-reduce for the gradient norm; zero 3: the all-gathers per
     micro-batch. With ep > 1 a rank's E/ep experts go over "edp" (:func:`dp_collectives`), under
-    the same tags. Link speeds do not enter (bytes only)."""
+    the same tags. HSDP (``dp_replicate`` R > 1, S = dp/R, cp = 1): "grad" is the
+    reduce-scatter over S, (S−1)/S·G_c·Ψ, "grad_replicate" the all-reduce of the shard over
+    R, 2(R−1)/R·G_c·Ψ/S (:func:`shardwise.parallel.zero.formulas.hsdp_replicate_bytes`, the
+    engines' tag); "param" the all-gathers over S only. ``by_axis``: {axis: {tag: bytes}}
+    instead (axes "dp", "dp_cp", "dp_shard", "dp_shard_cp", "dp_replicate", "edp", "ep"), the
+    per-axis numbers a ledger that books the mesh's axes compares with. Link speeds do not
+    enter (bytes only)."""
     from .hardware import get_cluster
 
     if layout.tp != 1 or layout.pp != 1:
@@ -891,10 +1009,11 @@ def dp_step_bytes(model: ModelSpec, layout: PlanLayout, *, m: int = 1, params: f
     if params is None and layout.ep > 1:  # a rank's share of the experts, reduced over edp
         psi -= model.num_expert_params()
         experts = model.num_expert_params() / layout.ep
-    out: dict[str, float] = {}
+    out: dict = {}
     for c in dp_collectives(layout, psi, prec, m, get_cluster("h100-sxm"), Assumptions(),
                             regathered, expert_params=experts):
-        out[c.tag] = out.get(c.tag, 0.0) + c.wire
+        into = out.setdefault(c.axis, {}) if by_axis else out
+        into[c.tag] = into.get(c.tag, 0.0) + c.wire
     return out
 
 
@@ -933,7 +1052,8 @@ class Estimate:
     def to_json(self) -> dict:
         lay = self.layout
         return {
-            "dp": lay.dp, "cp": lay.cp, "cp_method": lay.cp_method if lay.cp > 1 else None,
+            "dp": lay.dp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
+            "cp": lay.cp, "cp_method": lay.cp_method if lay.cp > 1 else None,
             "ep": lay.ep,
             "tp": lay.tp, "pp": lay.pp, "zero": lay.zero,
             "schedule": lay.schedule if lay.pp > 1 else None,
@@ -1001,6 +1121,41 @@ def check_ep(model: ModelSpec, layout: PlanLayout) -> None:
             f"rank holds n_experts / ep experts; choose --ep from {ok}")
 
 
+def check_hsdp(layout: PlanLayout) -> None:
+    """Raise ShardwiseConfigError unless ``layout.dp_replicate`` R is a valid HSDP split of dp:
+    a positive integer dividing dp (dp = R × S) that leaves a shard group of S·cp ≥ 2 ranks,
+    with a ZeRO stage ≥ 1 when R > 1 (ZeRO-0
+    shards nothing, so every rank already holds everything and all-reduces over all of dp: an
+    R would change nothing but the name), and with ep > 1 an ep that divides S·cp (the expert
+    group lives inside a shard group, as torchtitan carves ep out of ``dp_shard_cp``)."""
+    R, dp = layout.dp_replicate, layout.dp
+    if not isinstance(R, int) or R < 1:
+        raise ShardwiseConfigError(f"--dp-replicate {R!r} must be a positive integer")
+    if dp % R:
+        ok = [r for r in range(1, dp + 1) if dp % r == 0]
+        raise ShardwiseConfigError(
+            f"--dp-replicate {R} must divide dp = {dp} (dp = dp_replicate × dp_shard): choose "
+            f"from {ok}")
+    if R > 1 and layout.zero == 0:
+        raise ShardwiseConfigError(
+            f"--dp-replicate {R} with --zero 0: without ZeRO every rank holds the whole model "
+            "state and the gradient all-reduce already spans all of dp (plain DP); HSDP shards "
+            "the state within a group and replicates it across groups: choose --zero 1, 2 or "
+            "3, or --dp-replicate 1")
+    shard = layout.dp_shard * layout.cp
+    if R > 1 and shard < 2:
+        raise ShardwiseConfigError(
+            f"--dp-replicate {R} with dp = {dp} leaves a shard group of dp_shard·cp = "
+            f"{layout.dp_shard}·{layout.cp} = 1 rank: nothing to shard within a replica; "
+            "choose a smaller --dp-replicate (the shard group needs ≥ 2 ranks)")
+    if R > 1 and layout.ep > 1 and shard % layout.ep:
+        ok = [e for e in range(1, shard + 1) if shard % e == 0]
+        raise ShardwiseConfigError(
+            f"--ep {layout.ep} with --dp-replicate {R}: the expert group must lie inside a "
+            f"shard group of dp_shard·cp = {layout.dp_shard}·{layout.cp} = {shard} ranks: "
+            f"choose --ep from {ok}, or another --dp-replicate")
+
+
 def check_layout(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batch: int) -> int:
     """Validate ``layout`` for ``model`` and a step of ``global_batch`` sequences; return m, the
     micro-batches per step and replica. Raises ShardwiseConfigError naming the constraint."""
@@ -1011,6 +1166,7 @@ def check_layout(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_
             raise ShardwiseConfigError(f"{name} = {v!r} must be a positive integer")
     if lay.cp > 1:
         check_cp(model, lay.cp, lay.cp_method)
+    check_hsdp(lay)
     if lay.ep != 1 or model.is_moe:
         check_ep(model, lay)
     if lay.precision not in PRECISIONS:
@@ -1061,7 +1217,8 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
     A, lay, M, C = assumptions, layout, model, cluster
     m = check_layout(M, C, lay, global_batch)
     prec = PRECISIONS[lay.precision]
-    t, p, n, v, cp, ep = lay.tp, lay.pp, lay.dp, lay.chunks, lay.cp, lay.ep
+    t, p, v, cp, ep = lay.tp, lay.pp, lay.chunks, lay.cp, lay.ep
+    shard = lay.dp_shard * cp  # the ranks ZeRO shards over: dp·cp, or S·cp with HSDP
     # tokens of one micro-batch on this rank: b sequences, s/cp tokens of each (context
     # parallelism splits every sequence; every activation is per token, so all of them ÷ cp)
     a, s, tokens_mb = prec.act, M.seq_len, lay.micro_batch * (M.seq_len // lay.cp)
@@ -1124,9 +1281,9 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
         tensors = stage_tensors(M, layers, first=first, last=last, pp=p, start=starts[i])
         full_grads = lay.grad_reduce == "step" and m > 1
         dense_split = split[0] + (split[1] if ep == 1 else 0.0)
-        st = model_state_bytes(dense_split, tensors, lay.zero, n * cp, prec, full_grads)
-        if ep > 1:  # expert weights: E/ep per rank, ZeRO over the dp·cp/ep ranks that share them
-            ex = model_state_bytes(split[1], 0, lay.zero, n * cp // ep, prec, full_grads)
+        st = model_state_bytes(dense_split, tensors, lay.zero, shard, prec, full_grads)
+        if ep > 1:  # expert weights: E/ep per rank, ZeRO over the S·cp/ep ranks that share them
+            ex = model_state_bytes(split[1], 0, lay.zero, shard // ep, prec, full_grads)
             st = {key: st[key] + ex[key] for key in st}
         k = flight if first else 1.0
         act = k * ((layers - moe_in[i]) * per_layer[False]
@@ -1227,21 +1384,20 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
     params_crit = dense_crit + expert_crit
     dp_colls = dp_collectives(lay, dense_crit, prec, m, C, A, expert_params=expert_crit)
     t_f, t_b = t_mb / 3, 2 * t_mb / 3
-    grads = [c for c in dp_colls if c.tag == "grad"]  # dense and expert ones share a window
+    # dense and expert gradients, and HSDP's shard all-reduce after them, share a window
+    grads = [c for c in dp_colls if c.tag in ("grad", "grad_replicate")]
     gathers = [c for c in dp_colls if c.tag == "param"]
     for c in dp_colls:
         if c.tag in ("loss", "grad_norm"):
             c.exposed = c.seconds
     if lay.zero == 3:  # per micro-batch: one gather under forward, one (+ RS) under backward
         one_ag = sum(c.seconds / c.count for c in gathers)
-        one_rs = sum(c.seconds / c.count for c in grads)
         _share(gathers, m * (max(0.0, one_ag - t_f) + max(0.0, one_ag - t_b)))
-        _share(grads, grads[0].count * max(0.0, one_rs - max(0.0, t_b - one_ag)))
+        _share(grads, _grad_exposed(grads, max(0.0, t_b - one_ag)))
     else:  # the gradients under the backward of the micro-batch(es) they follow; zero 1/2's
         # param all-gather under the next step's first forward
         if grads:
-            _share(grads, grads[0].count * max(0.0, sum(c.seconds / c.count for c in grads)
-                                              - t_b))
+            _share(grads, _grad_exposed(grads, t_b))
         if gathers:
             _share(gathers, max(0.0, sum(c.seconds for c in gathers) - t_f))
     comm += dp_colls
@@ -1257,9 +1413,9 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
         pp_exposed = c.exposed
         comm.append(c)
 
-    if lay.zero >= 1:  # the optimizer updates its ZeRO shard: dense ÷ dp·cp, experts ÷ dp·cp/ep
-        opt_params = ((dense_crit + (expert_crit if ep == 1 else 0.0)) / (n * cp)
-                      + (expert_crit / (n * cp // ep) if ep > 1 else 0.0))
+    if lay.zero >= 1:  # the optimizer updates its ZeRO shard: dense ÷ S·cp, experts ÷ S·cp/ep
+        opt_params = ((dense_crit + (expert_crit if ep == 1 else 0.0)) / shard
+                      + (expert_crit / (shard // ep) if ep > 1 else 0.0))
     else:
         opt_params = params_crit
     t_opt = prec.adam_bytes * opt_params / C.gpu.hbm_bandwidth
@@ -1290,6 +1446,81 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
                "params_crit": params_crit, "expert_params_crit": expert_crit}
     return Estimate(M, C, lay, A, global_batch, m, stages, memory, mem, capacity, mem <= capacity,
                     flops, times, comm, step, step_tokens / step, mfu, hfu, details)
+
+
+DP_AXES = ("dp", "dp_cp", "dp_shard", "dp_shard_cp", "dp_replicate", "edp")
+
+
+def inter_node_bytes(e: Estimate) -> dict[str, float]:
+    """{axis: bytes} that leave one GPU's node through its NIC per step, for the collectives
+    of ``e`` whose group spans nodes (:func:`axis_link`). A ring collective over a group with k
+    members per node sends ``wire`` bytes per rank (the ledger's number); the model runs k rings
+    side by side, each leaving the node once, one per NIC, so a node's k GPUs send k·wire, of
+    which the k boundary hops — ``wire`` in all, ``wire/k`` per NIC — leave it (the time model's
+    ``wire/(k·inter)`` is the same count). With one member per node (HSDP's replicas; a dp group
+    at tp·cp = GPUs per node) every byte a rank sends leaves its node."""
+    out: dict[str, float] = {}
+    for c in e.comm:
+        k = members_per_node(e.cluster, e.layout, c.axis)
+        if k:
+            out[c.axis] = out.get(c.axis, 0.0) + c.wire / k
+    return out
+
+
+def hsdp_comparison(e: Estimate) -> dict:
+    """HSDP against ZeRO over all of dp, for one HSDP estimate ``e`` (``dp_replicate`` > 1):
+    the same model, cluster, batch and every other degree, re-estimated with dp_replicate = 1
+    at ZeRO-3 ("zero3") and, when ``e`` is ZeRO-1/2, at its own stage ("same_stage"). Returns
+    {"hsdp" | "zero3" [| "same_stage"]: {"layout", "inter_node_bytes" (all axes, per GPU and
+    step), "inter_node_dp_bytes" (the data-parallel axes, :data:`DP_AXES`), "by_axis",
+    "model_state_bytes" (parameters + gradients + optimizer of the peak stage), "mem_bytes_per_gpu",
+    "fits", "step_time_s", "dp_exposed_s", "mfu"}, "saving": zero3 / hsdp inter-node bytes,
+    "saving_dp": the same on the data-parallel axes} (a ratio is ``math.inf`` when HSDP sends
+    nothing across nodes, None when neither does). Raises ValueError for a layout without
+    HSDP."""
+    lay = e.layout
+    if lay.dp_replicate == 1:
+        raise ValueError("hsdp_comparison: the layout has dp_replicate = 1 (no HSDP)")
+    refs = {"zero3": dataclasses.replace(lay, dp_replicate=1, zero=3)}
+    if lay.zero != 3:
+        refs["same_stage"] = dataclasses.replace(lay, dp_replicate=1)
+    rows = {"hsdp": e}
+    for key, ref in refs.items():
+        rows[key] = estimate(e.model, e.cluster, ref, e.global_batch, e.assumptions)
+    out: dict = {}
+    for key, x in rows.items():
+        by_axis = inter_node_bytes(x)
+        peak = max(x.memory.values(), key=lambda mem: mem["total"])
+        out[key] = {"layout": x.layout.name(), "inter_node_bytes": sum(by_axis.values()),
+                    "inter_node_dp_bytes": sum(v for k, v in by_axis.items() if k in DP_AXES),
+                    "by_axis": by_axis,
+                    "model_state_bytes": peak["params"] + peak["grads"] + peak["optimizer"],
+                    "mem_bytes_per_gpu": x.mem_bytes_per_gpu, "fits": x.fits,
+                    "step_time_s": x.step_time_s, "dp_exposed_s": x.times["dp_exposed"],
+                    "mfu": x.mfu}
+
+    def ratio(ref, own):
+        if own == 0:
+            return None if ref == 0 else math.inf
+        return ref / own
+
+    out["saving"] = ratio(out["zero3"]["inter_node_bytes"], out["hsdp"]["inter_node_bytes"])
+    out["saving_dp"] = ratio(out["zero3"]["inter_node_dp_bytes"],
+                             out["hsdp"]["inter_node_dp_bytes"])
+    return out
+
+
+def _grad_exposed(grads: list[Collective], window: float) -> float:
+    """Exposed seconds of the gradient collectives of a step, each micro-batch's under the
+    ``window`` of its backward: those called once per micro-batch (count > 1: ZeRO-2/3's
+    reduce-scatter with ``grad_reduce="micro"``) run under every backward, those called once
+    (the reduction after accumulating, HSDP's all-reduce over the replicas) under the last
+    one's, after that micro-batch's own."""
+    every = [c for c in grads if c.count > 1]
+    k = max((c.count for c in every), default=1)
+    per = sum(c.seconds / c.count for c in every)
+    once = sum(c.seconds for c in grads if c.count <= 1)
+    return (k - 1) * max(0.0, per - window) + max(0.0, per + once - window)
 
 
 def _share(colls: list[Collective], exposed: float) -> None:

@@ -27,6 +27,14 @@ What is enumerated, and why not more:
   so below 2,048 local tokens the model's timing is not trusted and the search does not go
   there (a fixed ``--cp`` still may).
 * zero: 0–3 when dp > 1 (a ZeRO stage over one rank is plain DP).
+* dp_replicate (HSDP, zero ≥ 1): 1, and the R whose shard group fills one node, S·cp·tp =
+  GPUs per node (S = dp/R ≥ 2 when cp = 1, R ≥ 2), when it exists. The shard group must lie
+  inside a node — that is what HSDP is for (Zhao et al. 2023, §3.2.3: shard within the
+  high-bandwidth domain, replicate across it) — and among the groups that do, the one that
+  fills the node dominates the smaller ones in this model: less state per GPU (÷ S) and fewer
+  inter-node bytes (the replicas' all-reduce, 2(R−1)/R·Ψ/S, shrinks as S grows), at a few
+  more NVLink ring steps. So HSDP adds at most one candidate per ZeRO layout. A fixed
+  ``dp_replicate`` is kept as given (the estimate refuses an R that does not divide dp).
 * sp: on whenever tp > 1 (same bytes as TP without it, less memory: Korthikanti et al. 2022
   §4.2.2), unless fixed.
 * schedule (pp > 1): gpipe, 1f1b, zb-h1, and interleaved-1f1b with 2, 4, 8, … virtual stages up
@@ -51,17 +59,19 @@ from .models import ModelSpec
 MIN_CP_TOKENS = 2048  # tokens of each sequence per rank below which cp is not searched
 
 FAMILIES = ("DP", "ZeRO-1/2", "FSDP (ZeRO-3)", "TP + DP", "PP + DP", "TP + PP + DP",
-            "CP + any", "EP + any")
+            "CP + any", "EP + any", "HSDP + any")
 
 
 def family(layout: PlanLayout) -> str:
     """The strategy family of a layout, for the plot: which axes are > 1, and the ZeRO stage
     when only data parallelism is used; every layout with ep > 1 is "EP + any", every other
-    one with cp > 1 "CP + any"."""
+    one with cp > 1 "CP + any", every other one with dp_replicate > 1 "HSDP + any"."""
     if layout.ep > 1:
         return "EP + any"
     if layout.cp > 1:
         return "CP + any"
+    if layout.dp_replicate > 1:
+        return "HSDP + any"
     if layout.tp == 1 and layout.pp == 1:
         return {0: "DP", 1: "ZeRO-1/2", 2: "ZeRO-1/2", 3: "FSDP (ZeRO-3)"}[layout.zero]
     if layout.pp == 1:
@@ -112,6 +122,7 @@ class Fixed:
     """Dimensions the user fixed (None = search over it)."""
 
     dp: int | None = None
+    dp_replicate: int | None = None  # HSDP replicas R (dp = R × S); 1 = ZeRO over all of dp
     cp: int | None = None
     cp_method: str | None = None  # "ring" or "allgather" (cp > 1)
     ep: int | None = None  # expert parallelism over the data axes (MoE models)
@@ -167,6 +178,9 @@ def candidates(model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int,
             else:
                 eps = [1]
             zeros = [f.zero] if f.zero is not None else ([0, 1, 2, 3] if dp > 1 else [0])
+            if f.dp_replicate is not None and f.dp_replicate > 1 and f.zero is None:
+                zeros = [z for z in zeros if z] or zeros  # HSDP needs ZeRO (zero 0 refused)
+            reps = _replicas(f.dp_replicate, dp, cp, tp, cluster.gpus_per_node)
             sps = [f.sp] if f.sp is not None else [tp > 1]
             if pp == 1:
                 scheds = [("1f1b", 1)]
@@ -201,11 +215,31 @@ def candidates(model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int,
                                 for red in reduces:
                                     for meth in methods:
                                         for ep in eps:
-                                            out.append(PlanLayout(
-                                                dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, sp=sp,
-                                                schedule=sched, virtual_stages=v,
-                                                micro_batch=b, ckpt=ck, precision=precision,
-                                                grad_reduce=red, cp_method=meth, ep=ep))
+                                            for r in (reps if zero or f.dp_replicate
+                                                      else [1]):
+                                                if (r > 1 and f.ep is None
+                                                        and (dp // r * cp) % ep):
+                                                    continue  # ep must fit in a shard group
+                                                out.append(PlanLayout(
+                                                    dp=dp, cp=cp, tp=tp, pp=pp, zero=zero,
+                                                    sp=sp, schedule=sched, virtual_stages=v,
+                                                    micro_batch=b, ckpt=ck,
+                                                    precision=precision, grad_reduce=red,
+                                                    cp_method=meth, ep=ep, dp_replicate=r))
+    return out
+
+
+def _replicas(fixed: int | None, dp: int, cp: int, tp: int, gpus_per_node: int) -> list[int]:
+    """The dp_replicate values tried for a (dp, cp, tp): the fixed one, else 1 and the R whose
+    shard group of S = dp/R data ranks fills one node (S·cp·tp = GPUs per node, S·cp ≥ 2,
+    R ≥ 2; the module docstring says why only that one)."""
+    if fixed is not None:
+        return [fixed]
+    out = [1]
+    if gpus_per_node % (cp * tp) == 0:
+        s = gpus_per_node // (cp * tp)
+        if s * cp >= 2 and dp % s == 0 and dp // s >= 2:
+            out.append(dp // s)
     return out
 
 
