@@ -297,14 +297,7 @@ class PlanLayout(Layout):
     ckpt: str = "none"
     precision: str = "bf16"
     grad_reduce: str = "step"  # zero 2/3: "step" (once, after accumulating) or "micro"
-    # HSDP replicas (the planner's own field until the engine's Layout has one)
-    dp_replicate: int = 1
-
-    @property
-    def dp_shard(self) -> int:
-        """S = dp / dp_replicate: the data-parallel ranks of one shard group (times cp, the
-        ranks ZeRO shards over)."""
-        return self.dp // self.dp_replicate
+    # (``dp_replicate`` and ``dp_shard``: the engine's Layout fields, inherited)
 
     def name(self) -> str:
         """:meth:`Layout.name` (the format of verify and bench), then the planner's knobs, e.g.
