@@ -167,8 +167,14 @@ class ModelSpec:
         return self.is_moe and i % self.moe_every == 0
 
     def moe_layers_in(self, start: int, count: int) -> int:
-        """MoE blocks among blocks ``start … start + count − 1`` (a pipeline stage)."""
-        return sum(self.is_moe_layer(i) for i in range(start, start + count))
+        """MoE blocks among blocks ``start … start + count − 1`` (a pipeline stage): the
+        multiples of ``moe_every`` in the range, counted in closed form (the search asks this
+        for every layout and stage)."""
+        if not self.is_moe or count <= 0:
+            return 0
+        k = self.moe_every
+        return (start + count - 1) // k - (start - 1) // k if start > 0 else \
+            (count - 1) // k + 1
 
     @property
     def n_moe_layers(self) -> int:
