@@ -328,9 +328,10 @@ class CollectiveChecks:
     def _position(self, where: str | None = None) -> None:
         """Publish ``pos/{rank}``: this rank's step, its last issued op (history entry), where
         it is (``where``: e.g. "at the check before step 3", "in all_reduce(dp, grad,
-        float32[4]) #5" while it waits in its last op; None: running, past it), its
-        point-to-point counts and its flight folder, with the wall time (s since the epoch)."""
-        rec = {"rank": self._rank, "step": self.step, "epoch": self.epoch,
+        float32[4]) #5" while it waits in its last op; None: running, past it), its point-to-point
+        counts, its flight folder and its process id (the local launcher maps the exit statuses
+        it recorded to ranks with it), with the wall time (s since the epoch)."""
+        rec = {"rank": self._rank, "pid": os.getpid(), "step": self.step, "epoch": self.epoch,
                "last": self.history[-1] if self.history else None, "where": where,
                "sent": self.sent, "recvd": self.recvd, "flight_dir": self.flight_dir,
                "t": time.time()}
@@ -735,12 +736,10 @@ def diagnose_store(store, failed: dict) -> tuple[str | None, dict]:
     every rank's position and report, for ``RUN/flight/diagnosis.json`` and ``shardwise
     doctor``). The line is the diagnosis a rank published if any (a mismatch, a hang), else a
     divergence the positions prove, else who died and where every rank stands."""
-    if not store.check([TOPOLOGIES_KEY]):
+    latest = _latest_topology(store, failed)
+    if latest is None:
         return None, {}
-    prefixes = [p for p in store.get(TOPOLOGIES_KEY).decode().splitlines() if p]
-    ps = dist.PrefixStore(prefixes[-1], store)  # the latest topology
-    ranks = json.loads(ps.get("ranks")) if ps.check(["ranks"]) else sorted(failed)
-    states = {r: json.loads(ps.get(f"pos/{r}")) for r in ranks if ps.check([f"pos/{r}"])}
+    prefix, ps, ranks, states = latest
     abort = ps.get("abort").decode() if ps.check(["abort"]) else ""
     kind, _, msg = abort.partition("|")
     died = {r: c for r, c in failed.items()
@@ -772,8 +771,28 @@ def diagnose_store(store, failed: dict) -> tuple[str | None, dict]:
         msg = "; ".join(parts) + (": the survivors were stopped; find why it died (the kernel's "
                                   "OOM killer: dmesg; a kill by the scheduler; its last lines)")
     record = {"diagnosis": msg or None, "kind": kind or None, "failed": failed,
-              "ranks": ranks, "positions": states, "prefix": prefixes[-1]}
+              "ranks": ranks, "positions": states, "prefix": prefix}
     return msg or None, record
+
+
+def _latest_topology(store, failed=()):
+    """(prefix, prefixed store, ranks, rank → position) of the latest topology whose checks
+    published in ``store``; its ranks as it registered them, else those in ``failed``. None
+    when no topology published."""
+    if not store.check([TOPOLOGIES_KEY]):
+        return None
+    prefixes = [p for p in store.get(TOPOLOGIES_KEY).decode().splitlines() if p]
+    ps = dist.PrefixStore(prefixes[-1], store)  # the latest topology
+    ranks = json.loads(ps.get("ranks")) if ps.check(["ranks"]) else sorted(failed)
+    states = {r: json.loads(ps.get(f"pos/{r}")) for r in ranks if ps.check([f"pos/{r}"])}
+    return prefixes[-1], ps, ranks, states
+
+
+def store_positions(store) -> dict:
+    """Global rank → its last published position (:meth:`CollectiveChecks._position`: its last
+    op, where it is, its pid, …) for the latest topology in ``store``; {} when none published."""
+    latest = _latest_topology(store)
+    return latest[3] if latest else {}
 
 
 def diagnose_stopped(store) -> str | None:
@@ -847,4 +866,4 @@ def check(topo, step: int | None = None, label: str | None = None) -> None:
 
 
 __all__ = ["MODES", "CollectiveChecks", "check", "diagnose_positions", "diagnose_stopped",
-           "diagnose_store", "fingerprint", "p2p_findings"]
+           "diagnose_store", "fingerprint", "p2p_findings", "store_positions"]
