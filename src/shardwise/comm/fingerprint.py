@@ -745,14 +745,17 @@ def diagnose_store(store, failed: dict) -> tuple[str | None, dict]:
     died = {r: c for r, c in failed.items()
             if "connection broke" not in ((states.get(r) or {}).get("where") or "")
             and (c < 0 or c > 128)}
+    proven = diagnose_positions(states)
     if not msg:
-        proven = diagnose_positions(states)
         kind = "mismatch" if proven else "died"
         msg = proven
-        if proven and died:  # "…, at collective #2 on dp (…) in step 1 (rank 0 was killed by
-            head = proven[:-len(_FIX) - 2]  # SIGABRT inside it): every rank …"
-            msg = head + " (" + ", ".join(f"rank {r} was {_signal_text(c)}" for r, c in
-                                          sorted(died.items())) + f" inside it): {_FIX}"
+    # the positions prove it, published by a survivor that was not stopped before (the proof
+    # of _peer_broke) or by nobody: "…, at collective #2 on dp (…) in step 1 (rank 0 was
+    # killed by SIGABRT inside it): every rank …"
+    if proven and msg == proven and died:
+        msg = proven[:-len(_FIX) - 2] + " (" + ", ".join(
+            f"rank {r} was {_signal_text(c)}" for r, c in sorted(died.items())) + \
+            f" inside it): {_FIX}"
     if not msg and died:
         parts = []
         for r, c in sorted(died.items()):
