@@ -209,12 +209,23 @@ def test_f_a_rank_killed_mid_step_is_named_by_the_launcher(tmp_path):
     p, elapsed = launch_faulty(tmp_path, "kill")
     assert p.returncode != 0, p.stdout[-3000:]
     line = launcher_line(p.stdout)
-    # step k issues collectives #2k-1 (grad) and #2k (loss): rank 2 died between #5 and #6.
-    # Where ranks 0 and 1 are named depends on how far they got before the launcher stopped
-    # them (waiting in #6, or still between #5 and #6 on a loaded machine): only the dead
-    # rank's part is exact
-    assert line.startswith("rank 2 died (killed by SIGKILL) and has issued nothing since "
-                           "all_reduce(dp, grad, float32[4]) #5 in step 3; ranks 0,1 "), line
+    # step k issues collectives #2k-1 (grad) and #2k (loss): rank 2 died between #5 and #6
+    dead = ("rank 2 died (killed by SIGKILL) and has issued nothing since all_reduce(dp, grad, "
+            "float32[4]) #5 in step 3; ")
+    tail = ": the survivors were stopped; "
+    assert line.startswith(dead) and tail in line, line
+    # ranks 0 and 1 wait in #6, whether or not their wait had failed on the broken connection
+    # before the launcher stopped them; on a loaded machine one may have been stopped between
+    # #5 and #6, before it issued #6. Each is named once, in one of these two places, and
+    # ranks in the same place are named together
+    places = ("wait in all_reduce(dp, loss, float32[4]) #6",
+              "last issued all_reduce(dp, grad, float32[4]) #5 in step 3")
+    named: dict[int, str] = {}
+    for part in line[len(dead):line.index(tail)].split("; "):
+        m = re.fullmatch(r"ranks? ([\d,]+) (.+)", part)
+        assert m and m.group(2) in places and m.group(2) not in named.values(), line
+        named.update((int(r), m.group(2)) for r in m.group(1).split(","))
+    assert sorted(named) == [0, 1], line
     assert elapsed < W.TIMEOUT_S / 2, elapsed
     assert not leftovers(tmp_path)
     rep = json.loads((tmp_path / "flight" / "diagnosis.json").read_text())

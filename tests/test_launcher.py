@@ -130,3 +130,59 @@ def test_forked_script_workers_die_with_their_launcher(tmp_path):
         _signal_and_expect_no_worker(launcher, str(script), signal.SIGKILL)
     finally:
         _kill_all(launcher, str(script))
+
+
+# -- the exit statuses the launcher records itself (the agent reports one failure only) --------
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="records on Linux only")
+@pytest.mark.timeout(60)
+def test_exits_records_each_child_as_it_dies_and_leaves_it_to_be_reaped():
+    """Two children: the first SIGKILLs itself, the second exits with status 1 once the first
+    is recorded. ``_Exits`` records both, in that order, with the agent's convention (negative:
+    the signal), and reaps neither: ``waitpid`` still gets each status (as the agent will)."""
+    import threading
+
+    from shardwise.launch import _Exits
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are installed from the main thread only")
+
+    def child(die):
+        pid = os.fork()
+        if pid == 0:
+            die()
+        return pid
+
+    def recorded(n):
+        deadline = time.monotonic() + 20
+        while len(exits.died) < n:
+            assert time.monotonic() < deadline, exits.died
+            time.sleep(0.01)
+
+    with _Exits() as exits:
+        killed = child(lambda: os.kill(os.getpid(), signal.SIGKILL))
+        recorded(1)
+        failed = child(lambda: os._exit(1))
+        recorded(2)
+    assert [(pid, code) for pid, code, _ in exits.died] == [(killed, -9), (failed, 1)]
+    assert exits.died[0][2] <= exits.died[1][2]
+    assert os.waitstatus_to_exitcode(os.waitpid(killed, 0)[1]) == -9
+    assert os.waitstatus_to_exitcode(os.waitpid(failed, 0)[1]) == 1
+
+
+def test_failed_first_names_the_rank_that_died_before_the_one_the_agent_reported():
+    """Rank 2 was killed (pid 102, at 1.0 s); ranks 0 and 1 exited with status 1 on its broken
+    connection (1.2 s, 1.3 s), and the agent looked late: it reports rank 0, the
+    lowest-numbered of the dead. The report gains rank 2, the first to fail, and not rank 1,
+    which died after the reported rank (it may have been stopped by the agent)."""
+    from shardwise.launch import _failed_first
+
+    died = [(102, -9, 1.0), (100, 1, 1.2), (101, 1, 1.3), (555, 0, 0.5)]  # 555: no rank
+    positions = {r: {"rank": r, "pid": 100 + r} for r in range(3)}
+    assert _failed_first({0: 1}, 100, died, positions) == ({0: 1, 2: -9}, 2)
+    # the agent saw rank 2 itself: nothing to add
+    assert _failed_first({2: -9}, 102, died, positions) == ({2: -9}, 2)
+    # no record of the reported rank (another platform, or a thread): its report stands
+    assert _failed_first({0: 1}, 100, [], positions) == ({0: 1}, None)
+    # a rank with no position (it died before its first collective) cannot be placed
+    assert _failed_first({0: 1}, 100, died, {0: positions[0]}) == ({0: 1}, 0)

@@ -28,6 +28,7 @@ interpreters 13.35 s.
 from __future__ import annotations
 
 import ctypes
+import glob
 import importlib
 import io
 import os
@@ -163,8 +164,6 @@ class _environ:
 def _last_lines(logs: str, rank: int, n: int = 25) -> list[str]:
     """The last ``n`` lines local rank ``rank`` wrote in its latest attempt: its stderr log,
     else its stdout log (the agent keeps them as ``<logs>/<run>/attempt_<k>/<rank>/*.log``)."""
-    import glob
-
     attempts = sorted(glob.glob(os.path.join(logs, "*", "attempt_*", str(rank))),
                       key=lambda d: int(d.split("attempt_")[-1].split(os.sep)[0]))
     for name in ("stderr.log", "stdout.log"):
@@ -244,21 +243,108 @@ class _DiagStore:
             pass
 
 
-def _diagnose(store, failed: dict) -> str | None:
+class _Exits:
+    """``with _Exits() as exits:`` the exit status of every child of this process, recorded the
+    moment it dies, in the order they died (:attr:`died`): a SIGCHLD handler looks at each
+    dead child with ``waitid(…, WNOWAIT)``, which leaves it for the agent to reap.
+
+    Why: with forked workers the agent reports one failure only, the lowest-numbered rank of
+    those already dead when it looks (every ``monitor_interval``, 0.1 s; later on a loaded
+    machine), not the first to die. A rank killed by SIGKILL breaks its peers' gloo waits at
+    once, and a peer that exits on that error (status 1) before the agent looks is reported
+    in its place: the rank that died, and its signal, would be lost. The handler runs in the
+    main thread, where the agent reaps its children, so a child is looked at before the agent
+    can reap it (between the kernel's SIGCHLD and the handler the agent's thread would have to
+    be inside the very ``waitpid`` of that child). Linux only (the children are read from
+    ``/proc/self/task/*/children``), main thread only; elsewhere nothing is recorded and the
+    agent's report stands."""
+
+    def __init__(self):
+        self.died: list[tuple[int, int, float]] = []  # (pid, exit code or -signal, monotonic s)
+        self._seen: set[int] = set()  # dead children recorded and not yet reaped
+        self._old = None
+
+    def __enter__(self) -> "_Exits":
+        if sys.platform.startswith("linux") and hasattr(os, "waitid") and \
+                threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGCHLD, self._on_sigchld)
+            signal.siginterrupt(signal.SIGCHLD, False)  # system calls it interrupts restart
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGCHLD, self._old)
+            self._old = None
+
+    def _on_sigchld(self, signum, frame) -> None:
+        # it runs wherever the main thread was interrupted: no import, no lock, no output
+        now, kids = time.monotonic(), set()
+        for name in glob.glob("/proc/self/task/*/children"):
+            try:
+                with open(name) as f:
+                    kids.update(int(pid) for pid in f.read().split())
+            except (OSError, ValueError):
+                pass
+        self._seen &= kids  # reaped since: its pid may come back as a new child's
+        for pid in sorted(kids - self._seen):
+            try:
+                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:  # reaped meanwhile
+                continue
+            if info is None:  # alive
+                continue
+            self._seen.add(pid)
+            self.died.append((pid, info.si_status if info.si_code == os.CLD_EXITED
+                              else -info.si_status, now))
+
+
+def _failed_first(failed: dict, reported_pid: int | None, died: list,
+                  positions: dict) -> tuple[dict, int | None]:
+    """``failed`` (global rank → exit code, as the agent reported it) completed with every rank
+    whose death :class:`_Exits` recorded (``died``) no later than that of the rank the agent
+    reported (``reported_pid``): those failed by themselves, since the agent stops the others
+    only after it saw a failure; and the first of them to fail (None: not known). A rank is
+    known by the pid of its position (``positions``: global rank → its position in the
+    store); the ranks that published none keep the agent's report."""
+    last = {pid: (code, t) for pid, code, t in died}  # a pid's latest death
+    if reported_pid not in last:
+        return failed, None
+    rank_of = {p["pid"]: r for r, p in positions.items() if p.get("pid") in last}
+    out, when = dict(failed), {}
+    for pid, r in rank_of.items():
+        code, t = last[pid]
+        if code != 0 and t <= last[reported_pid][1]:
+            out.setdefault(r, code)
+            when[r] = t
+    reported = rank_of.get(reported_pid)
+    first = min(when, key=lambda r: (when[r], r != reported, r)) if when else None
+    return out, first
+
+
+def _diagnose(store, failed: dict, exits: _Exits | None = None,
+              reported_pid: int | None = None) -> tuple[str | None, dict, int | None]:
     """One line from every rank's position in ``store`` (the :class:`_DiagStore`) after the
-    ranks ``failed`` (global rank → exit code); also written, with the positions, to
+    ranks ``failed`` (global rank → exit code, as the agent reported them: the pid of that
+    rank ``reported_pid``) failed, with ``failed`` completed from the deaths ``exits``
+    recorded (:func:`_failed_first`); also written, with the positions, to
     ``FLIGHT/diagnosis.json`` when the ranks have a flight folder (``RUN/flight``: ``shardwise
-    doctor RUN`` reads it). None when the ranks published nothing (no collective checks)."""
+    doctor RUN`` reads it). Returns (the line, or None when the ranks published nothing (no
+    collective checks); the failures as completed; the first rank to fail, None: the agent's)."""
     import json
 
     if store is None:
-        return None
+        return None, failed, None
     try:  # a lazy import: the launcher needs the checks' reading only after a failure
-        from .comm.fingerprint import diagnose_store
+        from .comm.fingerprint import diagnose_store, store_positions
 
-        line, record = diagnose_store(store.client(), failed)
+        client = store.client()
+        first = None
+        if exits is not None:
+            failed, first = _failed_first(failed, reported_pid, exits.died,
+                                          store_positions(client))
+        line, record = diagnose_store(client, failed)
     except Exception as e:  # noqa: BLE001 - never hide the failure itself behind ours
-        return f"(no diagnosis: reading the ranks' positions failed: {e})"
+        return f"(no diagnosis: reading the ranks' positions failed: {e})", failed, None
     dirs = {p.get("flight_dir") for p in record.get("positions", {}).values()} - {None}
     for d in dirs:
         try:
@@ -267,7 +353,7 @@ def _diagnose(store, failed: dict) -> str | None:
                 json.dump(record, f, indent=1)
         except OSError:
             pass
-    return line
+    return line, failed, first
 
 
 def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float = 5.0,
@@ -275,8 +361,9 @@ def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float =
     """Run ``program *argv`` (default ``python -m shardwise``) as ``nproc`` local ranks under
     PyTorch's elastic agent (:func:`torch.distributed.launcher.api.elastic_launch`, the agent
     torchrun runs; ``--standalone``'s rendezvous: c10d on a port the agent binds itself); return
-    0, or the exit code of the first failed rank the agent saw (128 + N for signal N), after the
-    agent has stopped the others (SIGTERM, then SIGKILL after ``grace_s`` seconds).
+    0, or the exit code of the first rank that failed (128 + N for signal N; the first to die
+    as :class:`_Exits` recorded it, where the agent reported a later one), after the agent has
+    stopped the others (SIGTERM, then SIGKILL after ``grace_s`` seconds).
 
     ``fork``: run ``python -m shardwise *argv`` (or, for ``program = [python, script.py]``, the
     script) in workers forked from this process (:func:`_forked_worker`), only where
@@ -342,20 +429,27 @@ def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float =
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT,
                                                            signal.SIGHUP, signal.SIGQUIT)}
     code = 0
+    exits = _Exits()  # every rank's exit as it happens: the agent reports only one
     try:
         for lg in quiet:
             lg.setLevel(logging.CRITICAL)
-        with _environ({} if forked else overlay):  # a forked worker sets it itself
+        with _environ({} if forked else overlay), exits:  # a forked worker sets it itself
             elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
+        seen, failure = e.get_first_failure()
+        line, failed, first = _diagnose(diag, {r: f.exitcode for r, f in e.failures.items()},
+                                        exits, failure.pid)
+        rank, why = seen, "the first failure the agent saw"
+        if first is not None and first != seen:  # it died before the rank the agent reported
+            rank, why = first, (f"the first to fail; the agent reported rank {seen}, which "
+                                f"failed later")
+        exitcode = failed[rank]
+        code = exitcode if exitcode >= 0 else 128 - exitcode
         sys.stdout.flush()
-        last = "".join(f"[rank {rank}] {ln}\n" for ln in _last_lines(logs, failure.local_rank))
-        sys.stderr.write(f"[launcher] rank {rank} failed (exit code {code}; the first failure "
-                         f"the agent saw); any rank still running was stopped. Its last "
-                         f"lines:\n{last}")
-        line = _diagnose(diag, {r: f.exitcode for r, f in e.failures.items()})
+        local = failure.local_rank + rank - seen  # one node: local and global ranks are equal
+        last = "".join(f"[rank {rank}] {ln}\n" for ln in _last_lines(logs, local))
+        sys.stderr.write(f"[launcher] rank {rank} failed (exit code {code}; {why}); any rank "
+                         f"still running was stopped. Its last lines:\n{last}")
         if line:
             sys.stderr.write(f"[launcher] diagnosis: {line}\n")
         sys.stderr.flush()

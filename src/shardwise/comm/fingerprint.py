@@ -11,11 +11,12 @@ waited for like collectives: a receive that waits past ``--hang-after`` names th
 waits for, and the diagnosis compares it with the sender's count (:func:`p2p_findings`).
 
 On a host-blocking backend (gloo) every rank also publishes its *position* (``pos/{r}``: its
-last fingerprint, step, point-to-point counts) before each collective or message is launched:
-one store ``set``, not waited for (a few µs). A rank that dies inside a collective (gloo aborts
-a receiver of more bytes than it expects, SIGABRT; a SIGKILL) leaves it behind, and the local
-launcher, which serves the store (``SHARDWISE_DIAG_STORE``), prints one line from every rank's
-position after the failure (:func:`diagnose_store`).
+last fingerprint, step, point-to-point counts, whether it waits in it) before each collective or
+message is launched, and again when its wait returns: a store ``set`` each, not waited for (a
+few µs). A rank that dies inside a collective (gloo aborts a receiver of more bytes than it
+expects, SIGABRT; a SIGKILL) leaves it behind, and the local launcher, which serves the store
+(``SHARDWISE_DIAG_STORE``), prints one line from every rank's position after the failure
+(:func:`diagnose_store`).
 
 ``--check-collectives`` (:data:`MODES`) says when ranks compare them:
 
@@ -208,10 +209,12 @@ class CollectiveChecks:
         """Record a collective about to be launched on ``axis`` (a group of > 1 rank); at
         ``every``, first compare its fingerprint with the peers' (raises
         :class:`CollectiveMismatch` on a difference, before anything is sent). On a
-        host-blocking backend (gloo), also publish this rank's position (one store ``set``,
-        not waited for: a few µs), so that a rank that dies inside it (gloo aborts the
-        process on a size mismatch) leaves its last fingerprint behind. Returns the history
-        entry ``[group, fingerprint, phase, step, seq]`` for :meth:`wait` (None: inactive)."""
+        host-blocking backend (gloo), also publish this rank's position, "in" it (one store
+        ``set``, not waited for: a few µs; :meth:`wait` publishes another when it returns), so
+        that a rank that dies inside it (gloo aborts the process on a size mismatch) leaves its
+        last fingerprint behind, and a rank stopped while it waits is named as waiting in it.
+        Returns the history entry ``[group, fingerprint, phase, step, seq]`` for :meth:`wait`
+        (None: inactive)."""
         if not self.active:
             return None
         g = self._group(axis)
@@ -224,7 +227,7 @@ class CollectiveChecks:
         if self.mode == "every":
             self._check_one(g, n, entry[0])
         if self._blocks_host(axis):
-            self._position()
+            self._position(where=f"in {entry[0]} #{n}")
         return self.history[-1]
 
     def issue_p2p(self, op: str, axis: str, peer: int, tensor_like, tag: str = "") -> dict | None:
@@ -245,7 +248,7 @@ class CollectiveChecks:
              f"{'to' if op == 'send' else 'from'}={peer})"
         self.history.append([chan, fp, self.topo.ledger.current_phase, self.step, n])
         if self._blocks_host(axis):
-            self._position()
+            self._position(where=f"in {fp} (message #{n} of {chan})")
         return {"op": op, "chan": chan, "peer": peer, "tag": tag or "-", "n": n, "fp": fp,
                 "step": self.step}
 
@@ -254,9 +257,10 @@ class CollectiveChecks:
         returned; ``p2p``: what :meth:`issue_p2p` returned, for a send or receive); on a
         host-blocking backend (gloo) in slices of :data:`SLICE_S`, reporting after the first
         and raising :class:`CollectiveMismatch` as soon as any rank has proven a divergence,
-        or :class:`CollectiveHang` past ``hang_after_s``. If the wait fails because a peer
-        died (its connection closed), this rank publishes where it was and raises the
-        divergence the ranks' positions prove (a gloo size abort), else torch's error."""
+        or :class:`CollectiveHang` past ``hang_after_s``; when it returns, publish this rank's
+        position again (running: past it). If the wait fails because a peer died (its
+        connection closed), this rank publishes where it was and raises the divergence the
+        ranks' positions prove (a gloo size abort), else torch's error."""
         if not self.active or not self._blocks_host(axis):
             work.wait()
             return
@@ -274,17 +278,22 @@ class CollectiveChecks:
         try:
             if p2p is not None:  # gloo closes the pair when a send/recv wait times out
                 self._wait_in_thread(work, t0, what)
-                return
-            while True:
-                try:
-                    work.wait(timeout=sl)
-                    return
-                except RuntimeError as e:
-                    if "Operation timed out!" not in str(e):  # the collective's own error: a
-                        self._failed(e, what)  # peer that raised the diagnosis and left, or died
-                self._while_waiting(t0=t0, what=what)
+            else:
+                while True:
+                    try:
+                        work.wait(timeout=sl)
+                        break
+                    except RuntimeError as e:
+                        # the collective's own error: a peer that raised the diagnosis and
+                        # left, or died
+                        if "Operation timed out!" not in str(e):
+                            self._failed(e, what)
+                    self._while_waiting(t0=t0, what=what)
         finally:
             self._waiting = None
+        # past it: "last issued" now means running after it (the position at issue said "in
+        # it"), so a rank stopped between two collectives is not named as waiting in the first
+        self._position()
 
     def _failed(self, e: BaseException, what: str):
         """A wait failed with ``e`` (not a slice's timeout): raise the published diagnosis, or
@@ -318,9 +327,11 @@ class CollectiveChecks:
 
     def _position(self, where: str | None = None) -> None:
         """Publish ``pos/{rank}``: this rank's step, its last issued op (history entry), where
-        it is (``where``: e.g. "at the check before step 3"; None: running), its point-to-point
-        counts and its flight folder, with the wall time (s since the epoch)."""
-        rec = {"rank": self._rank, "step": self.step, "epoch": self.epoch,
+        it is (``where``: e.g. "at the check before step 3", "in all_reduce(dp, grad,
+        float32[4]) #5" while it waits in its last op; None: running, past it), its point-to-point
+        counts, its flight folder and its process id (the local launcher maps the exit statuses
+        it recorded to ranks with it), with the wall time (s since the epoch)."""
+        rec = {"rank": self._rank, "pid": os.getpid(), "step": self.step, "epoch": self.epoch,
                "last": self.history[-1] if self.history else None, "where": where,
                "sent": self.sent, "recvd": self.recvd, "flight_dir": self.flight_dir,
                "t": time.time()}
@@ -725,25 +736,26 @@ def diagnose_store(store, failed: dict) -> tuple[str | None, dict]:
     every rank's position and report, for ``RUN/flight/diagnosis.json`` and ``shardwise
     doctor``). The line is the diagnosis a rank published if any (a mismatch, a hang), else a
     divergence the positions prove, else who died and where every rank stands."""
-    if not store.check([TOPOLOGIES_KEY]):
+    latest = _latest_topology(store, failed)
+    if latest is None:
         return None, {}
-    prefixes = [p for p in store.get(TOPOLOGIES_KEY).decode().splitlines() if p]
-    ps = dist.PrefixStore(prefixes[-1], store)  # the latest topology
-    ranks = json.loads(ps.get("ranks")) if ps.check(["ranks"]) else sorted(failed)
-    states = {r: json.loads(ps.get(f"pos/{r}")) for r in ranks if ps.check([f"pos/{r}"])}
+    prefix, ps, ranks, states = latest
     abort = ps.get("abort").decode() if ps.check(["abort"]) else ""
     kind, _, msg = abort.partition("|")
     died = {r: c for r, c in failed.items()
             if "connection broke" not in ((states.get(r) or {}).get("where") or "")
             and (c < 0 or c > 128)}
+    proven = diagnose_positions(states)
     if not msg:
-        proven = diagnose_positions(states)
         kind = "mismatch" if proven else "died"
         msg = proven
-        if proven and died:  # "…, at collective #2 on dp (…) in step 1 (rank 0 was killed by
-            head = proven[:-len(_FIX) - 2]  # SIGABRT inside it): every rank …"
-            msg = head + " (" + ", ".join(f"rank {r} was {_signal_text(c)}" for r, c in
-                                          sorted(died.items())) + f" inside it): {_FIX}"
+    # the positions prove it, published by a survivor that was not stopped before (the proof
+    # of _peer_broke) or by nobody: "…, at collective #2 on dp (…) in step 1 (rank 0 was
+    # killed by SIGABRT inside it): every rank …"
+    if proven and msg == proven and died:
+        msg = proven[:-len(_FIX) - 2] + " (" + ", ".join(
+            f"rank {r} was {_signal_text(c)}" for r, c in sorted(died.items())) + \
+            f" inside it): {_FIX}"
     if not msg and died:
         parts = []
         for r, c in sorted(died.items()):
@@ -762,8 +774,28 @@ def diagnose_store(store, failed: dict) -> tuple[str | None, dict]:
         msg = "; ".join(parts) + (": the survivors were stopped; find why it died (the kernel's "
                                   "OOM killer: dmesg; a kill by the scheduler; its last lines)")
     record = {"diagnosis": msg or None, "kind": kind or None, "failed": failed,
-              "ranks": ranks, "positions": states, "prefix": prefixes[-1]}
+              "ranks": ranks, "positions": states, "prefix": prefix}
     return msg or None, record
+
+
+def _latest_topology(store, failed=()):
+    """(prefix, prefixed store, ranks, rank → position) of the latest topology whose checks
+    published in ``store``; its ranks as it registered them, else those in ``failed``. None
+    when no topology published."""
+    if not store.check([TOPOLOGIES_KEY]):
+        return None
+    prefixes = [p for p in store.get(TOPOLOGIES_KEY).decode().splitlines() if p]
+    ps = dist.PrefixStore(prefixes[-1], store)  # the latest topology
+    ranks = json.loads(ps.get("ranks")) if ps.check(["ranks"]) else sorted(failed)
+    states = {r: json.loads(ps.get(f"pos/{r}")) for r in ranks if ps.check([f"pos/{r}"])}
+    return prefixes[-1], ps, ranks, states
+
+
+def store_positions(store) -> dict:
+    """Global rank → its last published position (:meth:`CollectiveChecks._position`: its last
+    op, where it is, its pid, …) for the latest topology in ``store``; {} when none published."""
+    latest = _latest_topology(store)
+    return latest[3] if latest else {}
 
 
 def diagnose_stopped(store) -> str | None:
@@ -837,4 +869,4 @@ def check(topo, step: int | None = None, label: str | None = None) -> None:
 
 
 __all__ = ["MODES", "CollectiveChecks", "check", "diagnose_positions", "diagnose_stopped",
-           "diagnose_store", "fingerprint", "p2p_findings"]
+           "diagnose_store", "fingerprint", "p2p_findings", "store_positions"]
