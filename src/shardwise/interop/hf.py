@@ -269,12 +269,18 @@ def llama_to_hf_config(cfg, eos_id: int | None = None) -> dict:
     (5.x), so either version reads it."""
     if _is_moe(cfg):
         return mixtral_to_hf_config(cfg, eos_id)
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            **_decoder_config(cfg, cfg.d_ff, eos_id), "attention_bias": False,
+            "mlp_bias": False, "pretraining_tp": 1}
+
+
+def _decoder_config(cfg, intermediate: int, eos_id: int | None) -> dict:
+    """The ``config.json`` keys Llama and Mixtral folders share (``intermediate_size``: the
+    dense SwiGLU's, or one expert's)."""
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.d_ff,
+        "intermediate_size": intermediate,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads,
@@ -285,10 +291,7 @@ def llama_to_hf_config(cfg, eos_id: int | None = None) -> dict:
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "attention_bias": False,
         "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "pretraining_tp": 1,
         "tie_word_embeddings": bool(cfg.tie_embeddings),
         "bos_token_id": eos_id,
         "eos_token_id": eos_id,
@@ -303,36 +306,11 @@ def mixtral_to_hf_config(cfg, eos_id: int | None = None) -> dict:
     docstring; ``sliding_window`` null: full causal attention). Raises ShardwiseConfigError as
     :func:`check_hf_exportable`."""
     check_hf_exportable(cfg)
-    return {
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.d_expert,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
-        "initializer_range": cfg.init_std,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "sliding_window": None,
-        "attention_dropout": 0.0,
-        "num_local_experts": cfg.n_experts,
-        "num_experts_per_tok": cfg.top_k,
-        "output_router_logits": False,
-        "router_aux_loss_coef": cfg.aux_loss_coef,
-        "router_z_loss_coef": cfg.z_loss_coef,
-        "router_jitter_noise": 0.0,
-        "tie_word_embeddings": bool(cfg.tie_embeddings),
-        "bos_token_id": eos_id,
-        "eos_token_id": eos_id,
-        "torch_dtype": "float32",
-        "use_cache": True,
-    }
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            **_decoder_config(cfg, cfg.d_expert, eos_id), "sliding_window": None,
+            "num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k,
+            "output_router_logits": False, "router_aux_loss_coef": cfg.aux_loss_coef,
+            "router_z_loss_coef": cfg.z_loss_coef, "router_jitter_noise": 0.0}
 
 
 def read_hf_config(folder: str | os.PathLike) -> dict:
