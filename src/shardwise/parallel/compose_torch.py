@@ -77,10 +77,10 @@ class FSDP2Sync(Engine):
 
     def _reshard(self) -> None:
         """Make the registered parameters the sharded ones (FSDP2 swaps in the unsharded ones
-        while a unit is gathered) before reading them or their optimizer state."""
-        if self.zero:
-            for u in self.units:
-                u.reshard()
+        while a unit is gathered; ``replicate``, FSDP2's DDP mode, swaps them too) before reading
+        them or their optimizer state."""
+        for u in self.units:
+            u.reshard()
 
     def finish_gradient_sync(self) -> None:
         """Nothing left: FSDP2 reduces each unit at the end of its backward (and waits for it at
