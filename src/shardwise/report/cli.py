@@ -107,6 +107,10 @@ def train_with_report(cfg) -> dict:
 
     if not cfg.out:  # the folder the report goes to must be known before train() runs
         cfg = dataclasses.replace(cfg, out=default_out_dir())
+    if cfg.wandb:  # every rank: the same clear error before any collective
+        from .wandb_log import require_wandb
+
+        require_wandb()
     main_rank = int(os.environ.get("RANK", "0")) == 0
     try:
         summary = train(cfg)

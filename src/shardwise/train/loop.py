@@ -240,7 +240,8 @@ def train(cfg: TrainConfig) -> dict:
         _truncate_metrics(out / "metrics.jsonl", _checkpoint_step(resume_from))
     elif is_main:  # a fresh start (e.g. --resume auto with nothing to resume): fresh logs
         _fresh_logs(out)
-    metrics = MetricsLogger(out, enabled=is_main)
+    metrics = MetricsLogger(out, enabled=is_main, wandb=cfg.wandb,
+                            run_config=dataclasses.asdict(cfg))
     show_bar = is_main and (sys.stderr.isatty() or os.environ.get("SHARDWISE_TTY") == "1")
     bar = None
     if show_bar:
