@@ -28,7 +28,8 @@ K = 3  # the step whose loss the perturbed copy bends
 
 
 def _missing(what: str):
-    msg = f"{what} (make install puts it in place: apt-get install chromium; pip install -e .[browser])"
+    msg = (f"{what} (make install puts it in place: apt-get install chromium; "
+           "pip install -e .[browser])")
     if CI:
         pytest.fail(f"CI=true but {msg}")
     pytest.skip(msg)

@@ -142,14 +142,15 @@ def command_section(run: dict) -> str:
     cfg = run["config"]
     if cfg:
         rows = [[k, _fmt_val(v)] for k, v in cfg.items()]
-        parts.append("<details open><summary>Effective config (config.toml, "
+        parts.append("<details><summary>Effective config (config.toml, "
                      f"{len(rows)} keys)</summary>" + table(["key", "value"], rows,
                                                             sortable=True) + "</details>")
     else:
         parts.append('<p class="muted">No config.toml in the run folder.</p>')
     s = run["summary"]
     if s:
-        parts.append(table(["summary", "value"], [[k, _fmt_val(v)] for k, v in s.items()]))
+        parts.append("<details><summary>summary.json</summary>" + table(
+            ["summary", "value"], [[k, _fmt_val(v)] for k, v in s.items()]) + "</details>")
     return "".join(parts)
 
 
@@ -449,7 +450,8 @@ def compare_sections(runs: list[dict], threshold: float = rd.THRESHOLD) -> list[
     for i, d in enumerate(deltas):
         if d["first_over"] is not None:
             marks.append({"x": d["first_over"], "cls": "first-divergence",
-                          "label": f"run {i + 1}: |Δ| > {threshold:g} from step {d['first_over']}"})
+                          "label": f"run {i + 1}: |Δ| > {threshold:g} from step "
+                                   f"{d['first_over']}"})
     s = [{"name": f"{i}: {labels[i]}", "points": rd.series(r, "loss"), "dash": i > 0}
          for i, r in enumerate(runs)]
     s += [{"name": f"{i}: val", "points": rd.series(r, "val_loss"), "markers": True,
@@ -584,7 +586,7 @@ def verify_section(v: dict, sid: str = "verify") -> tuple[str, str, str]:
     n_fail = sum(1 for c in cases if not c.get("pass", True))
     head = (f"<p>{len(cases)} cases, {len(layouts)} layouts, {v.get('steps', '?')} steps each; "
             f"rtol {v.get('rtol')}, atol {v.get('atol')}; "
-            + (f'<span class="ok">all pass</span>' if not n_fail else
+            + ('<span class="ok">all pass</span>' if not n_fail else
                f'<span class="bad">{n_fail} fail</span>')
             + ". Cell: the largest of max |Δloss|, |Δgrad|, |Δgrad norm| against the "
               "single-process reference; colour on a log scale, green ≤ 1e-9, yellow ≈ "

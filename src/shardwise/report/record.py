@@ -50,6 +50,8 @@ def command_line(argv: list[str] | None = None) -> str:
     """The command as the user would retype it: ``shardwise train --dp 2 …`` (``python -m
     shardwise`` and the console script both show as ``shardwise``)."""
     argv = list(sys.argv if argv is None else argv)
+    if len(argv) >= 4 and argv[-2] == "--out" and argv[-4:-2] == argv[-2:]:
+        argv = argv[:-2]  # the local launcher appends the --out it was already given
     head = Path(argv[0]).name if argv else "shardwise"
     if head in ("__main__.py", "shardwise", "-m", "-c") or not argv:
         head = "shardwise"

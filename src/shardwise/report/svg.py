@@ -124,7 +124,7 @@ def line_chart(chart_id: str, series: list[dict], *, xlabel: str = "step", ylabe
         parts.append(f'<g class="{escape(m.get("cls", "mark"))}" data-step="{_num(m["x"])}">'
                      f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{T}" y2="{T + ph}" '
                      f'stroke="#C44E52" stroke-width="2" stroke-dasharray="4 2"/>'
-                     f'<text x="{x + 4:.1f}" y="{T + 12}" class="marklabel">'
+                     f'<text x="{x + 4:.1f}" y="{T + 30}" class="marklabel">'
                      f'{escape(m.get("label", ""))}</text></g>')
     # legend
     lx = L + 8
@@ -242,7 +242,7 @@ def mesh_chart(chart_id: str, mesh: dict, stages: list | None = None) -> str:
     cols = cp * tp
     panel_w = cols * (bw + gap) + gap
     panel_h = dp * (bh + gap) + gap
-    width = max(pp * (panel_w + 24) + 20, 320)
+    width = max(pp * (panel_w + 24) + 20, 560)
     height = panel_h + 70
     parts = [f'<svg class="chart" id="{escape(chart_id)}" data-chart="{escape(chart_id)}" '
              f'data-points="{pp * dp * cp * tp}" viewBox="0 0 {width} {height}" '
