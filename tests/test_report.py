@@ -174,13 +174,25 @@ def test_a_crashing_run_writes_its_report_and_keeps_its_error(tmp_path, monkeypa
     class Boom(RuntimeError):
         pass
 
-    def crash(cfg):
+    from pathlib import Path
+
+    from shardwise.report import record
+
+    def crash(cfg):  # a run that recorded its start (as RunRecorder.start does), then failed
         make_run_folder = dataclasses.asdict(cfg)["out"]
         make_run(tmp_path / "tmp", curve(4))
         import shutil
 
         shutil.copytree(tmp_path / "tmp", make_run_folder, dirs_exist_ok=True)
+        record._started.add(str(Path(make_run_folder).resolve()))
         raise Boom("step 5 went wrong")
+
+    # refused before it started (e.g. a busy folder): the folder is left untouched
+    busy = make_run(tmp_path / "busy", curve(3))
+    monkeypatch.setattr(loop, "train", lambda cfg: (_ for _ in ()).throw(Boom("busy")))
+    with pytest.raises(Boom, match="busy"):
+        train_with_report(TrainConfig(out=str(busy)))
+    assert not (busy / "report.html").exists()
 
     monkeypatch.setattr(loop, "train", crash)
     out = tmp_path / "run"
@@ -196,5 +208,40 @@ def test_a_crashing_run_writes_its_report_and_keeps_its_error(tmp_path, monkeypa
     monkeypatch.setattr(loop, "train", crash_unwritable)
     monkeypatch.setattr("shardwise.report.cli.build", lambda *a, **k: 1 / 0)
     (tmp_path / "run2").mkdir()
+    record._started.add(str((tmp_path / "run2").resolve()))
     with pytest.raises(Boom, match="the original error"):
         train_with_report(TrainConfig(out=str(tmp_path / "run2")))
+
+
+Q = ["train", "--model", "tiny", "--tokenizer", "bytes", "--seq-len", "16", "--global-batch",
+     "4", "--micro-batch", "2", "--eval-sequences", "4", "--eval-every", "100",
+     "--sample-tokens", "4", "--timeout", "60", "--steps", "4", "--save-every", "2"]
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_run_leaves_a_report_and_its_resume_under_another_layout_is_shown(
+        tmp_path, cache_dir):
+    from conftest import run_cli
+
+    out = tmp_path / "run"
+    # every rank SIGKILLs itself after step 2's checkpoint: rank 0 cannot write the report,
+    # the launcher writes what the folder holds
+    r = run_cli([*Q, "--dp", "2", "--out", out], cache_dir,
+                env={"SHARDWISE_TEST_KILL_AT_STEP": "2"})
+    assert r.returncode != 0 and "SIGKILL rank 0" in r.stdout, r.stdout[-3000:]
+    p = parse(out / "report.html")
+    assert p.sections == list(RUN_SECTIONS)
+    assert p.lines["chart-loss"]["train loss"] == (2, 2)
+    # resumed on a tp=2 layout: the report names where, and both layouts
+    r = run_cli([*Q, "--dp", "1", "--tp", "2", "--resume", "auto", "--out", out], cache_dir)
+    assert r.returncode == 0, r.stdout[-3000:]
+    run = rd.load_run(out)
+    invs = run["extra"]["invocations"]
+    assert [i["start_step"] for i in invs] == [0, 2]
+    assert invs[1]["resumed_from"].endswith("step_2")
+    assert invs[1]["resumed_layout"].startswith("pp=1 × dp=2 × tp=1")
+    assert invs[1]["layout"].startswith("pp=1 × dp=1 × tp=2")
+    p = parse(out / "report.html")
+    assert p.lines["chart-loss"]["train loss"] == (4, 4)
+    text = (out / "report.html").read_text()
+    assert "Resumes" in text and "resumed at step 2" in text

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import traceback
 
 from .config import add_config_flags, check_timeout, from_args, validate
@@ -156,7 +157,7 @@ def _as_worker(work) -> int:
 
 
 def cmd_train(args, argv) -> int:
-    from .report.cli import train_with_report, write_run_report
+    from .report.cli import recorded_since, train_with_report, write_run_report
     from .train.loop import default_out_dir
 
     cfg = from_args(args)
@@ -167,9 +168,10 @@ def cmd_train(args, argv) -> int:
 
             load_workload(cfg)  # build the tokenizer/token cache once; raises on bad data
             out = cfg.out or default_out_dir()
+            t0 = time.time()
             code = spawn([*argv, "--out", out], cfg.world_size(), fork=cfg.device == "cpu",
                          max_restarts=cfg.max_restarts)
-            if code:  # rank 0 may have been stopped before its report: write what there is
+            if code and recorded_since(out, t0):  # rank 0 may have died before its report
                 write_run_report(out, quiet=True)
             return code
     # rank 0 writes RUN/report.html at the end, and on a crash what the folder holds

@@ -81,6 +81,17 @@ def main(paths: list[str], out: str | None, threshold: float | None) -> int:
     return 0
 
 
+def recorded_since(run, t0: float) -> bool:
+    """Whether the run folder's ``report_data.json`` was written at or after ``t0`` (epoch
+    seconds): the launcher's test that its workers got as far as recording this run."""
+    from .record import FILE
+
+    try:
+        return (Path(run) / FILE).stat().st_mtime >= t0
+    except OSError:
+        return False
+
+
 def write_run_report(run, quiet: bool = False) -> Path | None:
     """``RUN/report.html`` for the run folder ``run``, best effort: any error is logged as one
     line and swallowed (the report must never hide how the run ended). Returns the path, or
@@ -112,10 +123,12 @@ def train_with_report(cfg) -> dict:
 
         require_wandb()
     main_rank = int(os.environ.get("RANK", "0")) == 0
+    from .record import started_here
+
     try:
         summary = train(cfg)
     except BaseException:
-        if main_rank:
+        if main_rank and started_here(cfg.out):  # not a folder the run was refused
             write_run_report(cfg.out, quiet=True)
         raise
     if main_rank:

@@ -33,6 +33,13 @@ from pathlib import Path
 log = logging.getLogger("shardwise")
 
 FILE = "report_data.json"
+_started: set[str] = set()  # run folders whose recording this process started (rank 0)
+
+
+def started_here(out) -> bool:
+    """Whether this process began recording the run folder ``out`` (its crash report may be
+    written there; a run refused before that, e.g. by a busy folder, must not touch it)."""
+    return str(Path(out).resolve()) in _started
 
 
 def axis_bytes(topo) -> dict[str, float]:
@@ -129,6 +136,7 @@ class RunRecorder:
         of the groups (:func:`shardwise.train.report.describe_groups`), shown as text."""
         if not self.enabled:
             return
+        _started.add(str(self.path.parent.resolve()))
         resumed_layout = None
         if resume_from is not None:
             try:
