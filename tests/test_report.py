@@ -88,6 +88,12 @@ def test_loss_delta_finds_the_first_step_over_the_threshold():
     nan = [(s, math.nan if s == 3 else v) for s, v in a]
     assert rd.loss_delta(a, nan)["first_over"] == 3
     assert rd.loss_delta(nan, list(nan))["equal"]
+    # verify's relative rule: 2e-5 at |loss| ≈ 4 is within 1e-6 + 1e-5·4
+    assert d["rel_over"] == []
+    assert rd.loss_delta(a, [(s, v + 1e-4) for s, v in a])["rel_over"] == list(range(1, 21))
+    from shardwise import parity
+
+    assert (rd.RTOL, rd.ATOL) == (parity.RTOL, parity.ATOL)
     # only the steps both logged are compared
     short = rd.loss_delta(a, a[:10])
     assert short["common"] == 10 and short["only_a"] == list(range(11, 21))

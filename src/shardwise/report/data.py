@@ -19,6 +19,9 @@ except ModuleNotFoundError:  # Python 3.10
     tomllib = None
 
 THRESHOLD = 1e-5  # |Δloss| the comparison calls equal: verify's rtol at loss ≈ 1 (parity.py)
+# verify's per-step rule |Δ| ≤ ATOL + RTOL·|ref| (shardwise.parity.RTOL, ATOL; kept here as
+# numbers so reading a run needs no torch; tests/test_report.py checks they agree)
+RTOL, ATOL = 1e-5, 1e-6
 
 
 def _json(path: Path):
@@ -112,7 +115,8 @@ def loss_delta(a: list[tuple[int, float]], b: list[tuple[int, float]],
     Returns ``{"steps", "delta" (list of |a − b|, NaN where either is not finite and they are
     not both the same non-finite value), "max", "first_over" (the first step where |Δ| >
     threshold or is NaN, None if none), "equal" (True when every |Δ| ≤ threshold), "common"
-    (how many steps both have), "only_a", "only_b" (steps one run has and the other lacks)}``.
+    (how many steps both have), "only_a", "only_b" (steps one run has and the other lacks),
+    "rel_over" (the steps over verify's rule ATOL + RTOL·|a|)}``.
     """
     da, db = dict(a), dict(b)
     steps = sorted(set(da) & set(db))
@@ -127,7 +131,11 @@ def loss_delta(a: list[tuple[int, float]], b: list[tuple[int, float]],
         if first is None and not d <= threshold:
             first = s
     finite = [d for d in delta if math.isfinite(d)]
+    # verify's rule, relative to run a's loss: the steps over ATOL + RTOL·|a|
+    rel_over = [s for s, d in zip(steps, delta)
+                if not d <= ATOL + RTOL * (abs(da[s]) if math.isfinite(da[s]) else 0.0)]
     return {"steps": steps, "delta": delta, "max": max(finite) if finite else None,
+            "rel_over": rel_over,
             "first_over": first, "equal": bool(steps) and first is None,
             "common": len(steps), "only_a": sorted(set(da) - set(db)),
             "only_b": sorted(set(db) - set(da)), "threshold": threshold}
