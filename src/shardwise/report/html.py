@@ -481,10 +481,11 @@ def compare_sections(runs: list[dict], threshold: float = rd.THRESHOLD) -> list[
         ro = d["rel_over"]
         parts.append(f'<p class="rule" data-run="{i}" data-rel-over="{len(ro)}">Against '
                      f"verify's per-step rule |Δ| ≤ {rd.ATOL:g} + {rd.RTOL:g}·|loss|: "
-                     + ("within it at every step." if not ro else
-                        f"over it at {len(ro)} of {d['common']} steps (first: step {ro[0]}).")
-                     + " Over many steps the fp32 round-off of two summation orders is "
-                       "amplified by training; verify checks a few steps exactly.</p>")
+                     + ("within it at every step.</p>" if not ro else
+                        f"over it at {len(ro)} of {d['common']} steps (first: step {ro[0]}). "
+                        "Over many steps training amplifies the fp32 round-off of two "
+                        "summation orders; `shardwise verify` checks a few steps against "
+                        "that rule.</p>"))
         if d["only_a"] or d["only_b"]:
             parts.append(f"<p class=\"muted\">Steps only run 0 logged: {len(d['only_a'])}; "
                          f"only run {i}: {len(d['only_b'])}.</p>")
