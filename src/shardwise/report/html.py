@@ -154,6 +154,11 @@ def command_section(run: dict) -> str:
     return "".join(parts)
 
 
+def _sentence(text: str | None) -> str:
+    """``text`` with a capital first letter and a full stop ("" for None)."""
+    return f"{text[:1].upper()}{text[1:]}." if text else ""
+
+
 def _fmt_val(v) -> str:
     if isinstance(v, float):
         return f"{v:.6g}"
@@ -288,11 +293,14 @@ def memory_section(run: dict) -> str:
                    _td(tot / ftot if ftot else None, _r(tot, ftot))])
         body += table(["rank"] + [f"{k} {w}" for k in keys for w in ("measured", "formula")]
                       + ["total", "formula total", "ratio"], rows, sortable=True)
+        no_formula = all(v is None for p in per for v in p["mem_formula"].values())
         body += ("<p class=\"muted\">Model state after the optimizer step (fp32 master "
-                 "weights, gradients, AdamW m and v); the formula is the engine's (ZeRO paper "
-                 "§3.1: 4Ψ + 4Ψ + 8Ψ, sharded by stage); its 8Ψ leaves out AdamW's fp32 step "
-                 "counter per tensor. "
-                 + escape(first.get("memory_note") or "") + "</p>")
+                 "weights, gradients, AdamW m and v); "
+                 + ("no closed form is wired for this engine's memory (as <code>shardwise "
+                    "trace</code> says): measured only. " if no_formula else
+                    "the formula is the engine's (ZeRO paper §3.1: 4Ψ + 4Ψ + 8Ψ, sharded by "
+                    "stage); its 8Ψ leaves out AdamW's fp32 step counter per tensor. ")
+                 + escape(_sentence(first.get("memory_note"))) + "</p>")
         if first.get("cuda_peak_bytes_rank0"):
             body += (f"<p>CUDA peak allocated on rank 0 (state + activations): "
                      f"{_b(first['cuda_peak_bytes_rank0'])} B.</p>")

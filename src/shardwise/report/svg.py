@@ -143,7 +143,14 @@ def bar_chart(chart_id: str, groups: list[str], series: list[dict], *, ylabel: s
     """Grouped bars: one group per label in ``groups``, one bar per series (``[{"name",
     "values": [v or None per group]}]``); None draws no bar. Each bar is a ``<rect
     class="bar" data-value>`` with a ``<title>``."""
-    L, R, T, B = 70, 16, 12, 44
+    L, R, T = 70, 16, 12
+    rows, lx = 1, 78  # legend rows: wrap at the chart's width
+    for s in series:
+        step = 30 + 7 * len(s["name"])
+        if lx + step > width - 8:
+            rows, lx = rows + 1, 78
+        lx += step
+    B = 30 + 16 * rows
     pw, ph = width - L - R, height - T - B
     vals = [v for s in series for v in s["values"] if v is not None and math.isfinite(v)]
     top = max(vals) if vals else 1.0
@@ -173,13 +180,16 @@ def bar_chart(chart_id: str, groups: list[str], series: list[dict], *, ylabel: s
                          f'data-value="{v}" x="{gx + i * bw:.1f}" y="{T + ph - h:.1f}" '
                          f'width="{bw * 0.92:.1f}" height="{h:.1f}" fill="{colour}">'
                          f'<title>{escape(s["name"])} {escape(label)}: {v:,.0f}</title></rect>')
-    lx = L + 8
+    lx, ly = L + 8, T + ph + 26
     for i, s in enumerate(series):
         colour = s.get("colour") or PALETTE[i % len(PALETTE)]
-        parts.append(f'<rect x="{lx}" y="{height - 14}" width="10" height="10" '
-                     f'fill="{colour}"/><text x="{lx + 14}" y="{height - 5}" class="legend">'
+        step = 30 + 7 * len(s["name"])
+        if lx + step > width - 8:
+            lx, ly = L + 8, ly + 16
+        parts.append(f'<rect x="{lx}" y="{ly}" width="10" height="10" '
+                     f'fill="{colour}"/><text x="{lx + 14}" y="{ly + 9}" class="legend">'
                      f'{escape(s["name"])}</text>')
-        lx += 30 + 7 * len(s["name"])
+        lx += step
     parts.append(f'<text transform="translate(12 {T + ph / 2}) rotate(-90)" '
                  f'text-anchor="middle" class="axis">{escape(ylabel)}</text></svg>')
     return "".join(parts)
@@ -195,7 +205,7 @@ def timeline_chart(chart_id: str, events: list, p: int, *, width: int = 900) -> 
     action ``[rank, kind, microbatch, chunk, start_s, end_s]``, coloured by kind (the colours
     of :mod:`shardwise.viz.timeline`), compute boxes labelled with their micro-batch."""
     row, L, T = 30, 60, 8
-    height = T + p * row + 40
+    height = T + p * row + 58
     t1 = max((e[5] for e in events), default=1.0) or 1.0
     pw = width - L - 12
     parts = [f'<svg class="chart" id="{escape(chart_id)}" data-chart="{escape(chart_id)}" '
@@ -219,15 +229,15 @@ def timeline_chart(chart_id: str, events: list, p: int, *, width: int = 900) -> 
         x = L + t / (t1 * 1e3) * pw
         parts.append(f'<text x="{x:.1f}" y="{T + p * row + 14}" text-anchor="middle" '
                      f'class="tick">{fmt(t)}</text>')
-    parts.append(f'<text x="{L + pw / 2}" y="{height - 6}" text-anchor="middle" class="axis">'
-                 'ms from the step\'s first action</text>')
+    parts.append(f'<text x="{L + pw / 2}" y="{T + p * row + 32}" text-anchor="middle" '
+                 'class="axis">ms from the step\'s first action</text>')
     lx = L
     order = list(TIMELINE_COLOURS)
     for kind in sorted({e[1] for e in events},
                        key=lambda k: (order.index(k) if k in order else len(order), k)):
-        parts.append(f'<rect x="{lx}" y="{height - 34}" width="10" height="10" '
+        parts.append(f'<rect x="{lx}" y="{height - 14}" width="10" height="10" '
                      f'fill="{TIMELINE_COLOURS.get(kind, "#999")}"/><text x="{lx + 13}" '
-                     f'y="{height - 25}" class="legend">{escape(kind)}</text>')
+                     f'y="{height - 5}" class="legend">{escape(kind)}</text>')
         lx += 22 + 8 * len(kind)
     parts.append("</svg>")
     return "".join(parts)
