@@ -130,12 +130,25 @@ class RunRecorder:
         except OSError as e:  # the run goes on; the report will say what it lacks
             log.warning(f"report: could not write {self.path}: {e}")
 
+    def _rank0(self, what: str, fill) -> None:
+        """Run ``fill()`` (rank 0's bookkeeping, no collective) and write the file; an error is
+        one warning, never the run's end (the other ranks would not know to stop)."""
+        if not self.enabled:
+            return
+        try:
+            fill()
+        except Exception as e:  # noqa: BLE001 — best effort by design
+            log.warning(f"report: could not record {what}: {e!r}")
+        self._write()
+
     def start(self, cfg, topo, *, resume_from=None, start_step: int = 0, epoch=None,
               n_params: int | None = None, group_lines: list[str] | None = None) -> None:
         """Record this invocation (rank 0; no collective). ``group_lines``: the log's lines
         of the groups (:func:`shardwise.train.report.describe_groups`), shown as text."""
-        if not self.enabled:
-            return
+        self._rank0("the run's start", lambda: self._start(
+            cfg, topo, resume_from, start_step, epoch, n_params, group_lines))
+
+    def _start(self, cfg, topo, resume_from, start_step, epoch, n_params, group_lines):
         _started.add(str(self.path.parent.resolve()))
         resumed_layout = None
         if resume_from is not None:
@@ -156,7 +169,6 @@ class RunRecorder:
         self.data["epoch"] = dict(epoch or {})
         self.data["params"] = n_params
         self.data["microbatching"] = list(cfg.microbatching())
-        self._write()
 
     def first_step(self, topo, engine, cfg, res) -> None:
         """After the first step of this invocation. Collective over the whole layout (every
@@ -173,11 +185,11 @@ class RunRecorder:
             formula = step_bytes_formula(engine, topo, micro_steps=n_micro,
                                          sequences=cfg.global_batch // cfg.dp,
                                          seq_len=cfg.seq_len, dtype=cfg.dtype)
-        except NotImplementedError:
+        except Exception:  # noqa: BLE001 — the same on every rank: the report goes without
             formula = None
         try:
             mem_f = memory_formula(engine, topo)
-        except NotImplementedError:
+        except Exception:  # noqa: BLE001
             mem_f = None
         mem = res.state_bytes or {}
         nan = float("nan")
@@ -192,8 +204,12 @@ class RunRecorder:
         with topo.ledger.phase("report"):
             comm.all_gather(everyone, mine, topo, "world", tag="report")
         everyone = everyone.cpu()
-        if not self.enabled:
-            return
+        self._rank0("the first step", lambda: self._first_step(
+            topo, everyone, recs, formula, keys))
+
+    def _first_step(self, topo, everyone, recs, formula, keys) -> None:
+        import torch
+
         rows = everyone.view(topo.world_size, -1).tolist()
         fin = (lambda x: None if x != x else x)  # NaN → null
         self.data["first_step"] = {
@@ -212,7 +228,6 @@ class RunRecorder:
         }
         if topo.device.type == "cuda":
             self.data["first_step"]["cuda_peak_bytes_rank0"] = torch.cuda.max_memory_allocated()
-        self._write()
 
     def timeline(self, engine, topo, cfg) -> None:
         """Under a pipeline (no-op otherwise, and for engines without action timestamps):
@@ -220,11 +235,13 @@ class RunRecorder:
         if topo.size("pp") < 2 or not getattr(engine, "timeline", None):
             return
         from ..tools.trace import gather_timeline
-        from ..viz.timeline import bubble_of
 
         events = gather_timeline(engine, topo)
-        if not self.enabled:
-            return
+        self._rank0("the pipeline timeline", lambda: self._timeline(events, engine, topo, cfg))
+
+    def _timeline(self, events, engine, topo, cfg) -> None:
+        from ..viz.timeline import bubble_of
+
         p = topo.size("pp")
         m = max((e.microbatch for e in events), default=-1) + 1
         v = getattr(engine, "v", 1) or 1
@@ -232,5 +249,4 @@ class RunRecorder:
             "p": p, "m": m, "v": v, "schedule": getattr(engine, "schedule_name", cfg.schedule),
             "bubble": bubble_of(events, p), "formula": (p - 1) / (v * m + p - 1) if m else None,
             "events": [[e.rank, e.kind, e.microbatch, e.chunk, e.start, e.end] for e in events]}
-        self._write()
 
