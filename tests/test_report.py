@@ -159,6 +159,12 @@ def test_verify_json_renders_as_a_matrix_with_one_cell_per_case(tmp_path):
     worst = max(max(c[k] for k in ("max_loss_diff", "max_grad_diff", "max_grad_norm_diff"))
                 for c in cases)
     assert max(float(a["data-v"]) for a in cells) == pytest.approx(worst)
+    # a failed case is marked, and the page says how many failed
+    v = json.loads(src.read_text())
+    v["cases"][5]["pass"] = False
+    (tmp_path / "bad.json").write_text(json.dumps(v))
+    text = build([str(tmp_path / "bad.json")], out=str(tmp_path / "bad.html")).read_text()
+    assert text.count(" ✗</td>") == 1 and "1 fail" in text and "all pass" not in text
 
 
 def test_report_rejects_a_path_that_is_neither_a_run_nor_verify_json(tmp_path):

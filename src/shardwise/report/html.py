@@ -347,6 +347,13 @@ def collectives_section(run: dict) -> str:
 def pipeline_section(run: dict) -> str:
     tl = run["extra"].get("timeline")
     pp = run["config"].get("pp", 1)
+    if tl and tl.get("bubble") is None:
+        f = tl.get("formula")
+        return (timeline_chart("chart-timeline", tl["events"], tl["p"])
+                + f"<p>{escape(str(tl.get('schedule')))}: p = {tl['p']}, m = {tl['m']}. This "
+                  "engine exposes only each rank's whole step (STEP), not its actions: no "
+                  "bubble to measure; (p − 1)/(m + p − 1) = "
+                + (f"{f:.3f}" if f else "—") + ".</p>")
     if tl:
         f = tl.get("formula")
         ratio = f"{tl['bubble'] / f:.2f}" if f else "—"
@@ -434,8 +441,8 @@ def run_sections(run: dict) -> list[tuple[str, str, str]]:
 
 def run_page(run: dict, verify: list[dict] | None = None) -> str:
     secs = run_sections(run)
-    for v in verify or []:
-        secs.append(verify_section(v))
+    for i, v in enumerate(verify or []):
+        secs.append(verify_section(v, sid=f"verify{i or ''}"))
     return page(f"shardwise run {run['name']}", f"{_layout_name(run)} — {run['path']}", secs)
 
 
@@ -565,8 +572,8 @@ def compare_sections(runs: list[dict], threshold: float = rd.THRESHOLD) -> list[
 def compare_page(runs: list[dict], verify: list[dict] | None = None,
                  threshold: float = rd.THRESHOLD) -> str:
     secs = compare_sections(runs, threshold)
-    for v in verify or []:
-        secs.append(verify_section(v))
+    for i, v in enumerate(verify or []):
+        secs.append(verify_section(v, sid=f"verify{i or ''}"))
     return page(f"shardwise: {len(runs)} runs compared",
                 " vs ".join(_layout_name(r) for r in runs), secs)
 
@@ -574,8 +581,10 @@ def compare_page(runs: list[dict], verify: list[dict] | None = None,
 # -- verify --------------------------------------------------------------------------------------
 def verify_section(v: dict, sid: str = "verify") -> tuple[str, str, str]:
     """``shardwise verify --json`` as a matrix: rows = layouts, columns = model × engine, each
-    cell the largest of the case's max loss / grad / grad-norm differences, coloured on a log
-    scale (green ≤ 1e-9, red ≥ 1e-4), a failed case outlined in red."""
+    cell the largest of the case's max loss / grad / grad-norm differences, coloured by that
+    error over verify's tolerance (``diff_over_tolerance``, log scale: green ≤ 1 %, red ≥
+    100 %; the raw error, green ≤ 1e-9 and red ≥ 1e-4, where a file lacks it), a failed case
+    outlined in red."""
     cases = v.get("cases", [])
     cols = sorted({(c.get("model", ""), c.get("engine", "")) for c in cases})
     layouts = list(dict.fromkeys(c["layout"] for c in cases))
@@ -594,8 +603,13 @@ def verify_section(v: dict, sid: str = "verify") -> tuple[str, str, str]:
             tip = ", ".join(f"{k} {c[k]:.2e}" for k in ("max_loss_diff", "max_grad_diff",
                                                         "max_grad_norm_diff", "max_param_diff")
                             if isinstance(c.get(k), (int, float)))
+            frac = c.get("diff_over_tolerance")  # the error over verify's tolerance
+            colour = (heat_colour(frac, lo=1e-2, hi=1.0) if isinstance(frac, (int, float))
+                      else heat_colour(err))
+            if isinstance(frac, (int, float)):
+                tip += f", {frac:.1%} of the tolerance"
             r.append(f'<td class="heat" data-v="{err}" title="{escape(tip)}" '
-                     f'style="background:{heat_colour(err)}'
+                     f'style="background:{colour}'
                      f'{"" if ok else ";outline:2px solid #b71c1c"}">{err:.1e}'
                      f'{"" if ok else " ✗"}</td>')
         rows.append(r)
@@ -605,8 +619,10 @@ def verify_section(v: dict, sid: str = "verify") -> tuple[str, str, str]:
             + ('<span class="ok">all pass</span>' if not n_fail else
                f'<span class="bad">{n_fail} fail</span>')
             + ". Cell: the largest of max |Δloss|, |Δgrad|, |Δgrad norm| against the "
-              "single-process reference; colour on a log scale, green ≤ 1e-9, yellow ≈ "
-              "3e-7, red ≥ 1e-4.</p>")
+              "single-process reference; colour: that error as a fraction of verify's "
+              "tolerance (<code>diff_over_tolerance</code>) on a log scale, green ≤ 1%, yellow "
+              "10%, red ≥ 100% (a failure, also outlined); hover a cell for every diff. "
+              "Without that field: the error itself, green ≤ 1e-9, red ≥ 1e-4.</p>")
     body = head + table(["layout"] + [f"{m} · {e}" for m, e in cols], rows, sortable=True,
                         tid="verify-matrix")
     if v.get("rule"):

@@ -245,8 +245,14 @@ class RunRecorder:
         p = topo.size("pp")
         m = max((e.microbatch for e in events), default=-1) + 1
         v = getattr(engine, "v", 1) or 1
+        # an engine that exposes only whole steps (kind STEP: torch pipelining) has no bubble
+        # to measure; the microbatches are then the config's
+        whole = all(e.kind == "STEP" for e in events)
+        if whole:
+            m = cfg.microbatching()[1]
         self.data["timeline"] = {
             "p": p, "m": m, "v": v, "schedule": getattr(engine, "schedule_name", cfg.schedule),
-            "bubble": bubble_of(events, p), "formula": (p - 1) / (v * m + p - 1) if m else None,
+            "bubble": None if whole else bubble_of(events, p),
+            "formula": (p - 1) / (v * m + p - 1) if m else None,
             "events": [[e.rank, e.kind, e.microbatch, e.chunk, e.start, e.end] for e in events]}
 
