@@ -30,9 +30,22 @@ for name in (*launch.PRELOAD, "shardwise.cli", "torch.distributed.checkpoint", "
 endef
 export WARM_IMPORTS
 
-.PHONY: install train test test-cpu-paths bench clean
+.PHONY: install browser train test test-cpu-paths bench clean
 
-install: $(STAMP)
+install: $(STAMP) browser
+
+# The report's browser test (tests/test_report_browser.py) needs a Chromium: Debian's package,
+# installed when missing (root only; idempotent). Without it the test skips, or fails under CI=true.
+browser:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then \
+	  :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "make install: installing Debian's chromium for the report's browser test"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	else \
+	  echo "make install: no chromium and not root (or no apt-get): skipping it; the report's" \
+	    "browser test will skip (and fail under CI=true): sudo apt-get install chromium"; \
+	fi
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)

@@ -1,4 +1,4 @@
-"""``shardwise train | verify | trace | bench`` — the command line.
+"""``shardwise train | verify | trace | bench | report`` — the command line.
 
 Run alone, a command that needs several ranks spawns them itself (see :mod:`shardwise.launch`);
 under torchrun it uses torchrun's world. Errors in the input print one line that names the
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import traceback
 
 from .config import add_config_flags, check_timeout, from_args, validate
@@ -59,8 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=cmd_trace)
 
     from .plan.cli import add_plan_parser
+    from .report.cli import add_report_parser
 
     add_plan_parser(sub)
+    add_report_parser(sub)
 
     b = sub.add_parser("bench", help="step time of our engines vs PyTorch's, alternating: "
                        "--suite dp (vs DDP, overlap on/off), zero (vs FSDP2), tp (vs DTensor), "
@@ -154,7 +157,8 @@ def _as_worker(work) -> int:
 
 
 def cmd_train(args, argv) -> int:
-    from .train.loop import default_out_dir, train
+    from .report.cli import recorded_since, train_with_report, write_run_report
+    from .train.loop import default_out_dir
 
     cfg = from_args(args)
     if not is_worker():
@@ -164,9 +168,14 @@ def cmd_train(args, argv) -> int:
 
             load_workload(cfg)  # build the tokenizer/token cache once; raises on bad data
             out = cfg.out or default_out_dir()
-            return spawn([*argv, "--out", out], cfg.world_size(), fork=cfg.device == "cpu",
+            t0 = time.time()
+            code = spawn([*argv, "--out", out], cfg.world_size(), fork=cfg.device == "cpu",
                          max_restarts=cfg.max_restarts)
-    return _as_worker(lambda: train(cfg) and 0)
+            if code and recorded_since(out, t0):  # rank 0 may have died before its report
+                write_run_report(out, quiet=True)
+            return code
+    # rank 0 writes RUN/report.html at the end, and on a crash what the folder holds
+    return _as_worker(lambda: train_with_report(cfg) and 0)
 
 
 def cmd_verify(args, argv) -> int:

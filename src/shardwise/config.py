@@ -107,6 +107,7 @@ class TrainConfig:
     # writes RUN/flight/rank{r}.json and ends the run naming every rank's position; 0 = half
     # of --timeout (needs --check-collectives step or every)
     hang_after: float = 0.0
+    wandb: str = ""  # a Weights & Biases project: mirror metrics.jsonl there (offline by default)
     # the fields above that :func:`derive_batching` chose, not the user ("micro_batch",
     # "microbatches", comma-separated): a run folder's config.toml read back with --config
     # derives them again for its layout instead of taking them as chosen. Not a flag

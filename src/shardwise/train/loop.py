@@ -37,6 +37,7 @@ from .checkpoint import (Checkpointer, DivergedError, RunFolderBusyError,
 from .metrics import MetricsLogger, plot_loss
 from .optim import build_optimizer, build_scheduler
 from .report import describe_groups, describe_traffic, write_ledger_json
+from ..report.record import RunRecorder, axis_bytes
 from .step import train_step
 from .workload import load_workload
 
@@ -239,7 +240,8 @@ def train(cfg: TrainConfig) -> dict:
         _truncate_metrics(out / "metrics.jsonl", _checkpoint_step(resume_from))
     elif is_main:  # a fresh start (e.g. --resume auto with nothing to resume): fresh logs
         _fresh_logs(out)
-    metrics = MetricsLogger(out, enabled=is_main)
+    metrics = MetricsLogger(out, enabled=is_main, wandb=cfg.wandb,
+                            run_config=dataclasses.asdict(cfg))
     show_bar = is_main and (sys.stderr.isatty() or os.environ.get("SHARDWISE_TTY") == "1")
     bar = None
     if show_bar:
@@ -262,6 +264,9 @@ def train(cfg: TrainConfig) -> dict:
         log.info(f"step 0: validation loss {val_losses[0][1]:.4f}")
         metrics.log({"step": 0, "val_loss": val_losses[0][1]})
         tokens_seen = 0
+    recorder = RunRecorder(out, is_main)  # RUN/report_data.json for `shardwise report`
+    recorder.start(cfg, topo, resume_from=resume_from, start_step=start, epoch=epoch,
+                   n_params=n_params, group_lines=describe_groups(topo))
     if bar is not None:
         bar.update(start)
     for step in range(start + 1, cfg.steps + 1):
@@ -288,7 +293,7 @@ def train(cfg: TrainConfig) -> dict:
                # achieved model TFLOP/s of all ranks together, and MFU (flops.py)
                "tflops": flops_step / dt / 1e12,
                "mfu": mfu(flops_step, dt, peak, n_peak),
-               "comm_bytes": topo.ledger.step_bytes(),
+               "comm_bytes": topo.ledger.step_bytes(), **axis_bytes(topo),
                # model state this rank holds (bytes): parameters + gradients + optimizer state
                "mem_bytes": res.state_bytes["total"],
                **{f"mem_{k}_bytes": v for k, v in res.state_bytes.items() if k != "total"}}
@@ -300,6 +305,9 @@ def train(cfg: TrainConfig) -> dict:
         if step == start + 1:  # the first step this run takes (step 1 unless resumed)
             for line in describe_traffic(topo, engine, cfg):
                 log.info(line)
+            recorder.first_step(topo, engine, cfg, res)  # collective: every rank
+        if step == min(start + 2, cfg.steps):  # pp: a warm step's timeline (collective)
+            recorder.timeline(engine, topo, cfg)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             rec["val_loss"] = evaluate(engine, work, topo, cfg)
             val_losses.append((step, rec["val_loss"]))

@@ -1,4 +1,5 @@
-"""Run outputs on rank 0: ``metrics.jsonl``, TensorBoard events in ``tb/``, ``loss.png``."""
+"""Run outputs on rank 0: ``metrics.jsonl``, TensorBoard events in ``tb/``, ``loss.png``, and
+with ``--wandb PROJECT`` the same records in Weights & Biases."""
 
 from __future__ import annotations
 
@@ -10,10 +11,15 @@ class MetricsLogger:
     """Append one JSON object per logged step to ``out/metrics.jsonl`` and mirror the numeric
     fields to TensorBoard (``out/tb``). A no-op when ``enabled`` is False (ranks other than 0)."""
 
-    def __init__(self, out: Path, enabled: bool, tensorboard: bool = True):
+    def __init__(self, out: Path, enabled: bool, tensorboard: bool = True, wandb: str = "",
+                 run_config: dict | None = None):
         self.enabled = enabled
         self.path = Path(out) / "metrics.jsonl"
-        self._tb = None
+        self._tb = self._wandb = None
+        if enabled and wandb:  # --wandb PROJECT: the same records (report/wandb_log.py)
+            from ..report.wandb_log import WandbSink
+
+            self._wandb = WandbSink(wandb, out, run_config)
         if enabled:
             self._file = open(self.path, "a")
             if tensorboard:
@@ -30,12 +36,16 @@ class MetricsLogger:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, record["step"])
+        if self._wandb is not None:
+            self._wandb.log(record)
 
     def close(self) -> None:
         if self.enabled:
             self._file.close()
             if self._tb is not None:
                 self._tb.close()
+            if self._wandb is not None:
+                self._wandb.close()
 
 
 def read_metrics(path: Path) -> list[dict]:
