@@ -159,6 +159,10 @@ def load_workload(cfg: TrainConfig):
         return RegressionWorkload(cfg)
     if cfg.task == "sft":
         return SFTWorkload(cfg)
+    if cfg.task == "dpo":  # preference pairs beside a frozen reference (train/dpo.py)
+        from .dpo import DPOWorkload
+
+        return DPOWorkload(cfg)
     return LMWorkload(cfg)
 
 
