@@ -87,7 +87,8 @@ def dpo_loss_sum_and_count(logits: torch.Tensor, batch: dict) -> tuple[torch.Ten
     :func:`token_loss_sum`."""
     losses = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(),
                              ignore_index=IGNORE_INDEX, reduction="none")  # [b·s]
-    return token_loss_sum(losses, batch), torch.tensor(count_pairs_or_tokens(batch))
+    return token_loss_sum(losses, batch), torch.tensor(count_pairs_or_tokens(batch),
+                                                       device=logits.device)
 
 
 def count_pairs_or_tokens(batch: dict) -> int:

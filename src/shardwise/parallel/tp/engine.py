@@ -64,7 +64,8 @@ class TensorParallel(TPEngineBase):
         losses = vocab_parallel_cross_entropy(local_logits, batch["labels"],
                                               self.head.vocab_start, self.head.vocab_size,
                                               self.topo)
-        return token_loss_sum(losses, batch), torch.tensor(count_items(batch))  # DPO: pairs
+        count = torch.tensor(count_items(batch), device=batch["labels"].device)  # DPO: pairs
+        return token_loss_sum(losses, batch), count
 
     def loss_sum(self, batch: dict) -> torch.Tensor:
         """The training objective's sum: the vocab-parallel loss, plus a mixture of experts'
