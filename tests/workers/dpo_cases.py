@@ -4,7 +4,7 @@ Cases (pp, dp, tp, zero, schedule, m, micro, engine) on a 4-layer tiny Llama (d 
 tied embeddings) with synthetic preference pairs (:class:`~shardwise.train.dpo.
 SyntheticDPOWorkload`), 3 AdamW steps with binding clipping: the policy and its frozen reference
 built by :func:`~shardwise.train.dpo.build_reference` in the same layout, the reference pass
-(:meth:`~shardwise.train.dpo.DPOWorkload.with_reference`) and the ordinary
+(:meth:`~shardwise.train.dpo.DPOReference.with_reference`) and the ordinary
 :func:`~shardwise.train.step.train_step`, as the training loop runs them.
 
 Each member rank writes ``<out>/<case>_rank<r>.pt``: per step the loss, grad norm, every
@@ -21,7 +21,9 @@ from shardwise.config import TrainConfig
 from shardwise.models import build_model
 from shardwise.parallel.apply import Layout, parallelize
 from shardwise.topology import Topology, init_distributed
-from shardwise.train.dpo import SyntheticDPOWorkload, build_reference, reference_copy
+from shardwise.train.dpo import (DPOReference, SyntheticDPOWorkload, build_reference,
+                                 reference_copy)
+from shardwise.train.loop import eval_shard
 from shardwise.train.optim import build_optimizer
 from shardwise.train.step import train_step
 
@@ -70,26 +72,26 @@ def run_case(work, topo, case, out, rank):
     ref_model = reference_copy(model)
     layout = Layout(pp=pp, dp=dp, tp=tp, zero=zero, schedule=schedule, microbatches=m)
     eng = parallelize(model, topo, layout, engine=engine)
-    ref = build_reference(ref_model, layout, lambda mod, lay: parallelize(mod, topo, lay,
-                                                                          engine=engine))
-    work.attach_reference(ref, topo)
+    ref_engine = build_reference(ref_model, layout, lambda mod, lay: parallelize(
+        mod, topo, lay, engine=engine))
+    ref = DPOReference(ref_engine, topo, BETA)
     opt = build_optimizer(eng, cfg)
     sampler = work.sampler(global_batch(case), dp, topo.index("dp"), seed=0)
     rec = {"loss": [], "grad_norm": [], "grads": [], "params": [], "metrics": [],
            "coords": dict(topo.coords),
-           "ref_requires_grad": any(p.requires_grad for p in ref.parameters()),
-           "ref_bytes": ref.model_state_bytes()}
-    rec["val_loss"] = work.evaluate(eng, topo, cfg)
-    rec["val_metrics"] = dict(work.last_eval)
+           "ref_requires_grad": any(p.requires_grad for p in ref_engine.parameters()),
+           "ref_bytes": ref_engine.model_state_bytes()}
+    rec["val_loss"] = ref.evaluate(eng, work, cfg, eval_shard)
+    rec["val_metrics"] = dict(ref.last_eval)
     for _ in range(STEPS):
-        mbs = work.with_reference(work.batches(sampler.next_local_batch(), micro))
+        mbs = ref.with_reference(work.batches(sampler.next_local_batch(), micro))
         res = train_step(eng, mbs, opt, topo, max_norm=MAX_NORM, zero_grad=False)
         rec["loss"].append(res.loss)
         rec["grad_norm"].append(res.grad_norm)
-        rec["metrics"].append(work.step_metrics(mbs))
+        rec["metrics"].append(ref.step_metrics(mbs))
         rec["grads"].append({n: g.clone() for n, g in eng.named_full_gradients().items()})
         rec["params"].append({n: t.clone() for n, t in eng.named_full_parameters().items()})
-    rec["ref_grads"] = sum(p.grad is not None for p in ref.parameters())
+    rec["ref_grads"] = sum(p.grad is not None for p in ref_engine.parameters())
     torch.save(rec, f"{out}/{case_name(*case)}_rank{rank}.pt")
 
 

@@ -12,7 +12,7 @@ What it adds to the loop (:mod:`.loop` calls these at four places, all ``cfg.tas
    have, so it is built with zero=0 there (its parameters are replicated over dp exactly like the
    policy's). Then every parameter gets ``requires_grad=False``, the engine is put in eval mode
    (no dropout), no optimizer is built for it, and the checkpointer never sees it.
-2. **The reference pass** (:meth:`DPOWorkload.with_reference`): before each training step, one
+2. **The reference pass** (:meth:`DPOReference.with_reference`): before each training step, one
    forward of the reference per micro-batch under ``no_grad`` (its layout's collectives: TP
    all-reduces, ZeRO-3 gathers, pipeline sends, booked under the ledger phase ``"reference"``,
    outside the step's bytes). The objective (:mod:`shardwise.models.dpo`) writes each row's
@@ -22,7 +22,7 @@ What it adds to the loop (:mod:`.loop` calls these at four places, all ``cfg.tas
 3. **The step** is the ordinary :func:`~.step.train_step`: the count it all-reduces is pairs
    (``count_items``), the objective returns each micro-batch's DPO loss sum, so the loss and
    every gradient are those of the mean over all pairs of the global batch.
-4. **Metrics** (:meth:`DPOWorkload.step_metrics`): from the log-probs the step's forward wrote
+4. **Metrics** (:meth:`DPOReference.step_metrics`): from the log-probs the step's forward wrote
    (no extra forward), per global batch: ``dpo_reward_margin`` = mean of r_w − r_l with
    r = β·(log π_θ − log π_ref), ``dpo_reward_accuracy`` = fraction of pairs with r_w > r_l,
    ``dpo_reward_chosen``/``_rejected``, ``dpo_logps_chosen``/``_rejected`` (mean summed
@@ -47,10 +47,8 @@ import torch
 
 from .. import comm
 from ..config import TrainConfig
-from ..data import DistributedSampler
-from ..errors import ShardwiseConfigError
 from ..models.dpo import DPO_BETA, DPO_LOGPS, REF_LOGPS, sigmoid_dpo_loss
-from .workload import LMWorkload, model_vocab, tokenizer_spec
+from .workload import DPOWorkload
 
 log = logging.getLogger("shardwise")
 
@@ -58,69 +56,12 @@ STATS = ("loss", "margin", "correct", "pi_chosen", "pi_rejected", "ref_chosen", 
          "pairs")  # the fp64 sums reduced for the metrics, in this order
 
 
-class PairSampler(DistributedSampler):
-    """A :class:`~shardwise.data.DistributedSampler` over *pairs* whose epoch counts are given
-    in rows (two per pair), like every other workload's sequences."""
+class DPOReference:
+    """The frozen reference engine (from :func:`build_reference`) of a DPO run and what the loop
+    does with it: the reference pass, the step's metrics, the validation. ``beta``: β."""
 
-    def epoch_counts(self) -> dict[str, int]:
-        return {k: 2 * v if k != "steps_per_epoch" else v
-                for k, v in super().epoch_counts().items()}
-
-
-class DPOWorkload(LMWorkload):
-    """Preference pairs (:mod:`shardwise.data.dpo`): rows ``[2n, seq_len + 1]``, pair ``i`` in
-    rows ``2i`` (chosen) and ``2i + 1`` (rejected). ``--global-batch`` and ``--micro-batch``
-    count rows (sequences), so each must hold whole pairs (:func:`shardwise.config.validate`);
-    the sampler draws ``global_batch / 2`` pairs a step, ``global_batch / (2·dp)`` per dp rank.
-    ``attach_reference`` must be called before :meth:`with_reference`/:meth:`evaluate`."""
-
-    kind = "lm"
-
-    def __init__(self, cfg: TrainConfig):
-        from ..data.dpo import prepare_dpo_data
-
-        self.data = prepare_dpo_data(cfg.data, tokenizer_spec(cfg), cfg.vocab_size, cfg.seq_len)
-        self.vocab_size = model_vocab(cfg, self.data.vocab_size)
-        self.num_train, self.num_val = len(self.data.train), len(self.data.val)  # rows
-        self.beta = cfg.dpo_beta
-        self.ref = self.topo = None
-        if self.num_train < cfg.global_batch:
-            raise ShardwiseConfigError(
-                f"--global-batch {cfg.global_batch} sequences = {cfg.global_batch // 2} pairs a "
-                f"step, but --data {cfg.data} has {self.num_train // 2} training pairs: lower "
-                "--global-batch or add records")
-        st = self.data.stats
-        self.description = (
-            f"DPO {cfg.data} ({st['train_pairs']:,} train / {st['val_pairs']:,} val pairs, two "
-            f"padded rows each: {st['response_fraction']:.0%} response targets, "
-            f"{st['truncated']} responses truncated; β = {self.beta}; tokenizer "
-            f"{tokenizer_spec(cfg)}, vocab {self.data.vocab_size})")
-
-    def sampler(self, global_batch, dp_size, dp_rank, seed) -> DistributedSampler:
-        return PairSampler(self.num_train // 2, global_batch // 2, dp_size, dp_rank, seed)
-
-    def batches(self, indices: torch.Tensor, micro_batch: int, split: str = "train") -> list[dict]:
-        """Pairs ``indices`` of ``split`` as ``{"input_ids", "labels"}`` micro-batches of
-        ``micro_batch`` rows (``micro_batch / 2`` pairs; the last may hold fewer), chosen and
-        rejected adjacent. Raises ShardwiseConfigError for an odd ``micro_batch``."""
-        if micro_batch % 2:
-            raise ShardwiseConfigError(f"a DPO micro-batch of {micro_batch} rows would split a "
-                                       "(chosen, rejected) pair: choose an even --micro-batch")
-        rows = torch.stack([2 * indices, 2 * indices + 1], 1).flatten()  # [c0, r0, c1, r1, …]
-        tokens = (self.data.train if split == "train" else self.data.val).index_select(0, rows)
-        labels = (self.data.train_labels if split == "train"
-                  else self.data.val_labels).index_select(0, rows)
-        return [{"input_ids": r[:, :-1].contiguous(), "labels": lb.contiguous()}
-                for r, lb in zip(tokens.split(micro_batch), labels.split(micro_batch))]
-
-    def sample_text(self, model, cfg: TrainConfig, prompt: str | None = None) -> str:
-        """The model's continuation of the first validation prompt (seeded)."""
-        return super().sample_text(model, cfg, prompt=prompt or self.data.prompts[0])
-
-    # -- the reference ------------------------------------------------------------------------
-    def attach_reference(self, ref_engine, topo) -> None:
-        """Use ``ref_engine`` (from :func:`build_reference`) for the reference log-probs."""
-        self.ref, self.topo = ref_engine, topo
+    def __init__(self, ref_engine, topo, beta: float):
+        self.ref, self.topo, self.beta = ref_engine, topo, beta
 
     @torch.no_grad()
     def with_reference(self, microbatches: list[dict]) -> list[dict]:
@@ -188,19 +129,19 @@ class DPOWorkload(LMWorkload):
         return out
 
     @torch.no_grad()
-    def evaluate(self, engine, topo, cfg: TrainConfig) -> float:
-        """Mean DPO loss over the first ``max(1, eval_sequences // 2)`` validation pairs (each
-        once, split over dp as :func:`~.loop.eval_shard` splits sequences; padding forwards on
-        the pair 0 keep the collectives matched). Logs the validation reward margin and
-        accuracy (rank 0) and keeps them in ``last_eval``. Collective."""
-        from .loop import eval_shard
-
+    def evaluate(self, engine, work, cfg: TrainConfig, eval_shard) -> float:
+        """Mean DPO loss of ``engine`` (the policy) over the first ``max(1, eval_sequences //
+        2)`` validation pairs of ``work``, each once, split over dp by ``eval_shard`` (the
+        loop's :func:`~.loop.eval_shard`, in pairs); padding forwards on the pair 0 keep the
+        collectives matched. Logs the validation reward margin and accuracy (rank 0) and keeps
+        them in ``last_eval``. Collective."""
+        topo = self.topo
         dp, r = topo.size("dp"), topo.index("dp")
         micro = cfg.microbatching()[0]
-        n = min(self.num_val // 2, max(1, cfg.eval_sequences // 2))
+        n = min(work.num_val // 2, max(1, cfg.eval_sequences // 2))
         idx, forwards = eval_shard(n, dp, r, micro // 2)
-        real = self.batches(idx, micro, split="val") if idx.numel() else []
-        pad = self.batches(torch.zeros(1, dtype=torch.long), 2, split="val")[0]
+        real = work.batches(idx, micro, split="val") if idx.numel() else []
+        pad = work.batches(torch.zeros(1, dtype=torch.long), 2, split="val")[0]
         sums = torch.zeros(len(STATS), dtype=torch.float64, device=topo.device)
         engine.eval()
         for i in range(forwards):
@@ -278,9 +219,8 @@ class SyntheticDPOWorkload(DPOWorkload):
         cut = 2 * num_pairs
         self.data = SimpleNamespace(train=rows[:cut], train_labels=labels[:cut], val=rows[cut:],
                                     val_labels=labels[cut:], tokenizer=None, prompts=[])
-        self.vocab_size, self.beta = vocab_size, beta
+        self.vocab_size, self.beta, self.reference = vocab_size, beta, None
         self.num_train, self.num_val = cut, 2 * num_val_pairs
-        self.ref = self.topo = None
         self.description = f"synthetic preference pairs (vocab {vocab_size}, seq {seq_len})"
 
     def sample_text(self, model, cfg):

@@ -91,7 +91,7 @@ def evaluate(engine, work, topo, cfg: TrainConfig) -> float:
     rank must issue the same collectives. The [loss sum, tokens] pair is all-reduced over dp
     (phase "eval"); a collective over the layout: every rank calls it together."""
     if cfg.task == "dpo":  # the mean DPO loss over validation pairs (train/dpo.py)
-        return work.evaluate(engine, topo, cfg)
+        return work.reference.evaluate(engine, work, cfg, eval_shard)
     dp, r = topo.size("dp"), topo.index("dp")
     micro = cfg.microbatching()[0]
     idx, forwards = eval_shard(min(work.num_val, cfg.eval_sequences), dp, r, micro)
@@ -197,7 +197,7 @@ def train(cfg: TrainConfig) -> dict:
 
         load_hf_weights(model, cfg.init_from_hf)
     if cfg.task == "dpo":  # DPO's frozen reference: the initial policy, before any --resume
-        from .dpo import build_reference, log_suffix, reference_copy
+        from .dpo import DPOReference, build_reference, log_suffix, reference_copy
 
         ref_model = reference_copy(model)
     if resume_from is not None:  # layout-free weights into the plain model, before parallelize
@@ -217,8 +217,9 @@ def train(cfg: TrainConfig) -> dict:
 
     engine = parallelize_as_configured(model, Layout.from_config(cfg))
     if cfg.task == "dpo":  # the reference in the policy's layout, frozen (train/dpo.py)
-        work.attach_reference(build_reference(ref_model.to(topo.device), Layout.from_config(cfg),
-                                              parallelize_as_configured), topo)
+        work.reference = DPOReference(build_reference(
+            ref_model.to(topo.device), Layout.from_config(cfg), parallelize_as_configured),
+            topo, cfg.dpo_beta)
     micro_batch, n_micro = cfg.microbatching()
     optimizer = build_optimizer(engine, cfg)
     scheduler = build_scheduler(optimizer, cfg)
@@ -282,7 +283,7 @@ def train(cfg: TrainConfig) -> dict:
         batch = work.batches(local, micro_batch)
         t0 = time.perf_counter()
         if cfg.task == "dpo":  # the frozen reference's log-probs, one forward per micro-batch
-            batch = work.with_reference(batch)  # (inside the step's time)
+            batch = work.reference.with_reference(batch)  # (inside the step's time)
         res = train_step(engine, batch, optimizer, topo, max_norm=cfg.grad_clip,
                          scheduler=scheduler, dtype=cfg.dtype, measure_memory=True, step=step)
         dt = time.perf_counter() - t0
@@ -308,7 +309,7 @@ def train(cfg: TrainConfig) -> dict:
                **{f"mem_{k}_bytes": v for k, v in res.state_bytes.items() if k != "total"}}
         rec.update(moe_metrics(engine, topo, res.tokens, model_cfg))  # {}: a dense model
         if cfg.task == "dpo":  # reward margin, accuracy, log-probs (from the step's forward)
-            rec.update(work.step_metrics(batch))
+            rec.update(work.reference.step_metrics(batch))
         if "loss_balance" in rec:
             rec["loss_ce"] = rec["loss"] - rec["loss_balance"] - rec["loss_z"]
         if step == 1 and is_main:
