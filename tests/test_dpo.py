@@ -349,3 +349,20 @@ def test_resume_in_another_layout_rebuilds_the_reference_from_the_initial_policy
     for s in (3, 4):
         for k in ("loss", "dpo_reward_margin", "dpo_logps_chosen", "dpo_logps_rejected"):
             assert resumed[s][k] == pytest.approx(full[s][k], rel=1e-5, abs=1e-6), (s, k)
+
+
+def test_bf16_reference_pass_runs_under_the_policys_autocast(cache_dir, tmp_path):
+    """--dtype bf16: the reference forward runs under the same autocast as the policy's, so at
+    step 1 (policy = reference) every margin is exactly 0 and the loss exactly log 2 in bf16
+    too (a reference forward in fp32 against the bf16 policy gave a step-1 margin of −9.4e-5:
+    the difference of bf16 and fp32 log-probs, times β)."""
+    p = run_cli(["train", "--task", "dpo", "--data", preference_file(tmp_path), "--model",
+                 "tiny", "--tokenizer", "bytes", "--seq-len", "40", "--global-batch", "4",
+                 "--micro-batch", "2", "--dp", "1", "--steps", "2", "--dtype", "bf16",
+                 "--sample-tokens", "0", "--eval-sequences", "4", "--out", tmp_path / "run"],
+                cache_dir, timeout=200)
+    assert p.returncode == 0, p.stdout
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    first = next(r for r in recs if r.get("step") == 1)
+    assert first["dpo_reward_margin"] == 0.0 and first["dpo_reward_chosen"] == 0.0
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-7)

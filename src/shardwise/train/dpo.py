@@ -48,6 +48,7 @@ import torch
 from .. import comm
 from ..config import TrainConfig
 from ..models.dpo import DPO_BETA, DPO_LOGPS, REF_LOGPS, sigmoid_dpo_loss
+from ..parallel.engine import autocast
 from .workload import DPOWorkload
 
 log = logging.getLogger("shardwise")
@@ -58,20 +59,23 @@ STATS = ("loss", "margin", "correct", "pi_chosen", "pi_rejected", "ref_chosen", 
 
 class DPOReference:
     """The frozen reference engine (from :func:`build_reference`) of a DPO run and what the loop
-    does with it: the reference pass, the step's metrics, the validation. ``beta``: β."""
+    does with it: the reference pass, the step's metrics, the validation. ``beta``: β;
+    ``dtype``: the training step's compute dtype (``--dtype``), which the reference pass runs
+    in too (under the same autocast as the policy's forward, so that at step 1, policy =
+    reference, every margin is exactly 0 in bf16 as in fp32)."""
 
-    def __init__(self, ref_engine, topo, beta: float):
-        self.ref, self.topo, self.beta = ref_engine, topo, beta
+    def __init__(self, ref_engine, topo, beta: float, dtype: str = "fp32"):
+        self.ref, self.topo, self.beta, self.dtype = ref_engine, topo, beta, dtype
 
     @torch.no_grad()
-    def with_reference(self, microbatches: list[dict]) -> list[dict]:
+    def with_reference(self, microbatches: list[dict], dtype: str | None = None) -> list[dict]:
         """The micro-batches on the device with the DPO keys (:mod:`shardwise.models.dpo`):
         ``dpo_beta``, ``ref_logps`` [b] (the reference's summed response log-probs, from one
         forward of the reference engine per micro-batch) and a zeroed ``dpo_logps`` [b] buffer
-        for the policy's. Collective over the layout (every rank calls it together, with the
-        same number of micro-batches)."""
+        for the policy's. ``dtype``: the autocast of the forward (default: the step's). Collective
+        over the layout (every rank calls it together, with the same number of micro-batches)."""
         dev, out = self.topo.device, []
-        with self.topo.ledger.phase("reference"):
+        with self.topo.ledger.phase("reference"), autocast(dtype or self.dtype, dev):
             for mb in microbatches:
                 mb = {k: v.to(dev) for k, v in mb.items()}
                 b = mb["labels"].shape[0]
@@ -145,7 +149,8 @@ class DPOReference:
         sums = torch.zeros(len(STATS), dtype=torch.float64, device=topo.device)
         engine.eval()
         for i in range(forwards):
-            (mb,) = self.with_reference([real[i] if i < len(real) else pad])
+            # fp32, as the policy's evaluation forward (the loop evaluates without autocast)
+            (mb,) = self.with_reference([real[i] if i < len(real) else pad], dtype="fp32")
             engine.loss_sum_and_count(mb)  # the policy's log-probs into mb["dpo_logps"]
             if i < len(real):
                 sums += self._local_sums([mb])

@@ -219,7 +219,7 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.task == "dpo":  # the reference in the policy's layout, frozen (train/dpo.py)
         work.reference = DPOReference(build_reference(
             ref_model.to(topo.device), Layout.from_config(cfg), parallelize_as_configured),
-            topo, cfg.dpo_beta)
+            topo, cfg.dpo_beta, cfg.dtype)
     micro_batch, n_micro = cfg.microbatching()
     optimizer = build_optimizer(engine, cfg)
     scheduler = build_scheduler(optimizer, cfg)
