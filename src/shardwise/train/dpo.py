@@ -10,7 +10,7 @@ What it adds to the loop (:mod:`.loop` calls these at four places, all ``cfg.tas
    of the policy: with ZeRO-3 its parameters are sharded over dp and gathered unit by unit in its
    forward; ZeRO-1/2 shard only gradients and optimizer state, which the reference does not
    have, so it is built with zero=0 there (its parameters are replicated over dp exactly like the
-   policy's). Then every parameter gets ``requires_grad=False``, the engine is put in eval mode
+   policy's; with HSDP, which needs zero ≥ 1, it keeps the policy's stage). Then every parameter gets ``requires_grad=False``, the engine is put in eval mode
    (no dropout), no optimizer is built for it, and the checkpointer never sees it.
 2. **The reference pass** (:meth:`DPOReference.with_reference`): before each training step, one
    forward of the reference per micro-batch under ``no_grad`` (its layout's collectives: TP
@@ -196,7 +196,7 @@ def log_suffix(rec: dict) -> str:
 class SyntheticDPOWorkload(DPOWorkload):
     """Random preference pairs for parity checks (no files): vocab ``vocab_size`` (default 67,
     which no small dp/tp degree divides), each pair a random prompt of 1 … seq_len − 2 tokens
-    shared by two different random responses of random lengths (at least 1 token, cut at the
+    shared by two random responses of random lengths (at least 1 token, cut at the
     row), then padding: so rows count very different numbers of response targets and a pair's
     two rows differ in length. Labels as :mod:`shardwise.data.dpo` makes them (prompt and
     padding targets −100)."""
