@@ -65,7 +65,9 @@ class TrainConfig:
     reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after each forward
     # data
     data: str = ""  # "" = the embedded default corpus (the stdlib's .py sources)
-    task: str = "lm"  # lm (packed text) | sft (alpaca-style .jsonl, prompt tokens masked)
+    task: str = "lm"  # lm (packed text) | sft (alpaca-style .jsonl, prompt tokens masked) |
+    # dpo (prompt/chosen/rejected .jsonl beside a frozen reference: train/dpo.py)
+    dpo_beta: float = 0.1  # --task dpo: β of the sigmoid DPO loss (Rafailov et al. 2023, eq. 7)
     tokenizer: str = "bpe"  # bpe | bytes | FILE.json
     vocab_size: int = 4096  # BPE vocabulary size when training one
     seq_len: int = 128
@@ -186,7 +188,7 @@ CHOICES = {
     "schedule": ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"),
     "engine": ("explicit", "torch"),
     "dtype": ("fp32", "bf16"),
-    "task": ("lm", "sft"),
+    "task": ("lm", "sft", "dpo"),
     "device": ("cpu", "cuda"),
     "reduce_dtype": ("fp32", "bf16"),
     "ac": ("none", "selective", "full"),
@@ -434,6 +436,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
 
     check_collectives(cfg.collectives)
     _validate_task_and_init(cfg)
+    if cfg.task == "dpo":
+        _validate_dpo(cfg)
     _validate_ranges(cfg)
     _validate_layout(cfg)
     per_step = cfg.dp * cfg.micro_batch
@@ -644,6 +648,45 @@ def _validate_task_and_init(cfg: TrainConfig) -> None:
             raise ShardwiseConfigError(
                 f"--seq-len {cfg.seq_len} exceeds the HF model's max_position_embeddings "
                 f"{over['max_seq_len']}: choose --seq-len ≤ {over['max_seq_len']}")
+
+
+def _validate_dpo(cfg: TrainConfig) -> None:
+    """``--task dpo``: a dense Llama, a ``.jsonl`` file, β > 0, a layout DPO runs in, and batches
+    of whole pairs: chosen and rejected sit in adjacent rows of one micro-batch on one rank
+    (train/dpo.py), so the global batch, each dp rank's share and each micro-batch must be
+    even numbers of rows. Before any collective."""
+    from .models import MLP_PRESETS, MOE_PRESETS
+
+    if cfg.model in MLP_PRESETS or cfg.model in MOE_PRESETS:
+        raise ShardwiseConfigError(f"--task dpo trains a dense language model; --model {cfg.model}"
+                                   " is not one: choose --model tiny, small or base")
+    if not cfg.data or not cfg.data.endswith(".jsonl"):
+        raise ShardwiseConfigError(f"--task dpo needs --data FILE.jsonl with one "
+                                   '{"prompt", "chosen", "rejected"} record per line, got '
+                                   f"{cfg.data or 'none'}")
+    if not cfg.dpo_beta > 0:
+        raise ShardwiseConfigError(f"--dpo-beta {cfg.dpo_beta} must be > 0 (the KL weight β; "
+                                   "TRL's default is 0.1)")
+    if cfg.cp > 1:
+        raise ShardwiseConfigError("--task dpo with --cp > 1: a row's log-prob would be split "
+                                   "over the cp ranks; use dp, tp, pp or ZeRO")
+    if cfg.engine == "torch" and (cfg.tp > 1 or cfg.pp > 1):
+        raise ShardwiseConfigError("--task dpo with --engine torch runs dp and ZeRO layouts "
+                                   "only (DTensor's loss_parallel and torch.pipelining give no "
+                                   "per-row log-probs): use --engine explicit for tp or pp")
+    micro, m = cfg.microbatching()
+    local = cfg.global_batch // cfg.dp
+    pairs = "each (chosen, rejected) pair sits in adjacent rows of one micro-batch on one rank"
+    if cfg.global_batch % 2 or local % 2 or cfg.global_batch % cfg.dp:
+        raise ShardwiseConfigError(
+            f"--task dpo: --global-batch {cfg.global_batch} over --dp {cfg.dp} gives "
+            f"{cfg.global_batch / cfg.dp:g} rows per rank, which would split a pair ({pairs}): "
+            f"choose --global-batch a multiple of 2 × dp = {2 * cfg.dp}")
+    if micro % 2:
+        raise ShardwiseConfigError(
+            f"--task dpo: a micro-batch of {micro} rows would split a pair ({pairs}): choose an "
+            "even --micro-batch" + (" (or --microbatches dividing global batch / (2·dp))"
+                                    if cfg.pp > 1 else ""))
 
 
 def _validate_checkpointing(cfg: TrainConfig) -> None:

@@ -158,6 +158,8 @@ def reference_at(ref: dict, params: dict[str, torch.Tensor], step: int) -> dict:
 
 def reference_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     """The reference's scalar loss of one whole batch (see :func:`reference_run`)."""
+    if "ref_logps" in batch:  # preference pairs (rows 2i, 2i + 1): the DPO loss
+        return reference_dpo_loss(model, batch)
     if "input_ids" in batch:
         logits = model(batch["input_ids"])  # [B, S, V]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
@@ -168,6 +170,29 @@ def reference_loss(model: nn.Module, batch: dict) -> torch.Tensor:
             loss = loss + aux / (batch["labels"] != IGNORE_INDEX).sum()
         return loss
     return F.mse_loss(model(batch["inputs"]), batch["targets"])
+
+
+def sequence_logps(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor
+                   ) -> torch.Tensor:
+    """Each row's summed log-probability of its counted targets, fp64 [B]: ``log_softmax`` of
+    the logits [B, S, V], the entries at the labels [B, S] gathered, positions with label −100
+    dropped, summed per row (with grad)."""
+    logp = torch.log_softmax(model(input_ids).float(), dim=-1)  # [B, S, V]
+    counted = labels != IGNORE_INDEX
+    picked = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [B, S]
+    return torch.where(counted, picked, torch.zeros_like(picked)).double().sum(-1)
+
+
+def reference_dpo_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    """The mean sigmoid DPO loss (Rafailov et al. 2023, eq. 7) of one whole batch of pairs:
+    chosen at rows 2i, rejected at 2i + 1; ``batch["ref_logps"]`` [B] the frozen reference's
+    :func:`sequence_logps`, ``batch["dpo_beta"]`` β. Written here from the formula, sharing no
+    code with :mod:`shardwise.models.dpo`."""
+    pi = sequence_logps(model, batch["input_ids"], batch["labels"])
+    ref = torch.as_tensor(batch["ref_logps"], dtype=torch.float64)
+    beta = float(batch["dpo_beta"])
+    z = beta * ((pi[0::2] - ref[0::2]) - (pi[1::2] - ref[1::2]))
+    return torch.log1p(torch.exp(-z)).mean().float()  # −log σ(z) = log(1 + e^(−z))
 
 
 # -- the AdamW parameter bound -------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .ac import AC_MODES, checkpoint_block, set_activation_checkpointing
+from .dpo import count_pairs_or_tokens, dpo_loss_sum_and_count, is_dpo
 from .llama import IGNORE_INDEX, PRESETS, Llama, LlamaConfig, generate, lm_loss
 from .mlp import MLPConfig, StackedMLP, mse_loss, regression_data
 from .moe import MOE_PRESETS, MoEConfig, MoELlama, moe_aux_loss, moe_layers
@@ -70,7 +71,10 @@ def loss_sum_and_count(model: nn.Module, batch: dict, aux: bool = True
     and router z-loss, already token sums) are added unless ``aux`` is False (evaluation
     reports the language-model loss alone)."""
     if "input_ids" in batch:
-        loss, count = lm_loss(model(batch["input_ids"], **positions_kw(batch)), batch["labels"])
+        logits = model(batch["input_ids"], **positions_kw(batch))
+        if is_dpo(batch):  # preference pairs: the DPO objective (.dpo), counted in pairs
+            return dpo_loss_sum_and_count(logits, batch)
+        loss, count = lm_loss(logits, batch["labels"])
         extra = moe_aux_loss(model) if aux else None
         return (loss if extra is None else loss + extra), count
     return mse_loss(model(batch["inputs"]), batch["targets"])
@@ -86,7 +90,7 @@ def count_items(batch: dict) -> int:
     """Items the loss will count in ``batch`` (tokens with a label, or regression elements) —
     known before the forward pass."""
     if "labels" in batch:
-        return int((batch["labels"] != IGNORE_INDEX).sum())
+        return count_pairs_or_tokens(batch)  # DPO: pairs (.dpo)
     return batch["targets"].numel()
 
 

@@ -91,6 +91,8 @@ def evaluate(engine, work, topo, cfg: TrainConfig) -> float:
     sum and token count are not added, because sharded engines gather inside forward and every
     rank must issue the same collectives. The [loss sum, tokens] pair is all-reduced over dp
     (phase "eval"); a collective over the layout: every rank calls it together."""
+    if cfg.task == "dpo":  # the mean DPO loss over validation pairs (train/dpo.py)
+        return work.reference.evaluate(engine, work, cfg, eval_shard)
     dp, r = topo.size("dp"), topo.index("dp")
     micro = cfg.microbatching()[0]
     idx, forwards = eval_shard(min(work.num_val, cfg.eval_sequences), dp, r, micro)
@@ -195,6 +197,10 @@ def train(cfg: TrainConfig) -> dict:
         from ..interop.hf import load_hf_weights
 
         load_hf_weights(model, cfg.init_from_hf)
+    if cfg.task == "dpo":  # DPO's frozen reference: the initial policy, before any --resume
+        from .dpo import DPOReference, build_reference, log_suffix, reference_copy
+
+        ref_model = reference_copy(model)
     if resume_from is not None:  # layout-free weights into the plain model, before parallelize
         load_model(resume_from, model)
     model.to(topo.device)
@@ -203,11 +209,18 @@ def train(cfg: TrainConfig) -> dict:
     # --ac: checkpoint inside each block; collectives a recompute re-issues (TP) are booked
     # under phase "recompute", outside the step's bytes (see models/ac.py)
     set_activation_checkpointing(model, cfg.ac, lambda: topo.ledger.phase("recompute"))
-    engine = parallelize(model, topo, Layout.from_config(cfg), engine=cfg.engine,
-                         bucket_mb=cfg.bucket_mb, overlap=cfg.overlap, prefetch=cfg.prefetch,
-                         reshard_after_forward=cfg.reshard_after_forward,
-                         layers_per_stage=cfg.stage_split(), seed=cfg.seed,
-                         reduce_dtype=cfg.reduce_dtype)
+    def parallelize_as_configured(m, layout):
+        return parallelize(m, topo, layout, engine=cfg.engine, bucket_mb=cfg.bucket_mb,
+                           overlap=cfg.overlap, prefetch=cfg.prefetch,
+                           reshard_after_forward=cfg.reshard_after_forward,
+                           layers_per_stage=cfg.stage_split(), seed=cfg.seed,
+                           reduce_dtype=cfg.reduce_dtype)
+
+    engine = parallelize_as_configured(model, Layout.from_config(cfg))
+    if cfg.task == "dpo":  # the reference in the policy's layout, frozen (train/dpo.py)
+        work.reference = DPOReference(build_reference(
+            ref_model.to(topo.device), Layout.from_config(cfg), parallelize_as_configured),
+            topo, cfg.dpo_beta, cfg.dtype)
     micro_batch, n_micro = cfg.microbatching()
     optimizer = build_optimizer(engine, cfg)
     scheduler = build_scheduler(optimizer, cfg)
@@ -274,6 +287,8 @@ def train(cfg: TrainConfig) -> dict:
         faults.log_samples(step, local, topo)  # SHARDWISE_TEST_* hooks: no-ops unless set
         batch = work.batches(local, micro_batch)
         t0 = time.perf_counter()
+        if cfg.task == "dpo":  # the frozen reference's log-probs, one forward per micro-batch
+            batch = work.reference.with_reference(batch)  # (inside the step's time)
         res = train_step(engine, batch, optimizer, topo, max_norm=cfg.grad_clip,
                          scheduler=scheduler, dtype=cfg.dtype, measure_memory=True, step=step)
         dt = time.perf_counter() - t0
@@ -298,6 +313,8 @@ def train(cfg: TrainConfig) -> dict:
                "mem_bytes": res.state_bytes["total"],
                **{f"mem_{k}_bytes": v for k, v in res.state_bytes.items() if k != "total"}}
         rec.update(moe_metrics(engine, topo, res.tokens, model_cfg))  # {}: a dense model
+        if cfg.task == "dpo":  # reward margin, accuracy, log-probs (from the step's forward)
+            rec.update(work.reference.step_metrics(batch))
         if "loss_balance" in rec:
             rec["loss_ce"] = rec["loss"] - rec["loss_balance"] - rec["loss_z"]
         if step == 1 and is_main:
@@ -325,6 +342,8 @@ def train(cfg: TrainConfig) -> dict:
                         f"{rec['loss_z']:.4f}; expert load max/mean {rec['moe_imbalance']:.2f}"
                         + (f", {rec['moe_dropped']} dropped" if rec["moe_dropped"] else "")
                         + ")")
+            if cfg.task == "dpo":
+                msg += log_suffix(rec)
             if "val_loss" in rec:
                 msg += f", validation loss {rec['val_loss']:.4f}"
             (bar.write(msg) if bar is not None else log.info(msg))

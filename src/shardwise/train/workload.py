@@ -151,14 +151,77 @@ class SFTWorkload(LMWorkload):
         return super().sample_text(model, cfg, prompt=prompt or self.data.prompts[0])
 
 
+class PairSampler(DistributedSampler):
+    """A :class:`~shardwise.data.DistributedSampler` over *pairs* whose epoch counts are given
+    in rows (two per pair), like every other workload's sequences."""
+
+    def epoch_counts(self) -> dict[str, int]:
+        return {k: 2 * v if k != "steps_per_epoch" else v
+                for k, v in super().epoch_counts().items()}
+
+
+class DPOWorkload(LMWorkload):
+    """Preference pairs (:mod:`shardwise.data.dpo`): rows ``[2n, seq_len + 1]``, pair ``i`` in
+    rows ``2i`` (chosen) and ``2i + 1`` (rejected). ``--global-batch`` and ``--micro-batch``
+    count rows (sequences), so each must hold whole pairs (:func:`shardwise.config.validate`);
+    the sampler draws ``global_batch / 2`` pairs a step, ``global_batch / (2·dp)`` per dp rank.
+    The frozen reference and what the loop does with it are :mod:`.dpo`'s
+    (:class:`~.dpo.DPOReference`, which the loop keeps in ``reference``)."""
+
+    kind = "lm"
+
+    def __init__(self, cfg: TrainConfig):
+        from ..data.dpo import prepare_dpo_data
+
+        self.data = prepare_dpo_data(cfg.data, tokenizer_spec(cfg), cfg.vocab_size, cfg.seq_len)
+        self.vocab_size = model_vocab(cfg, self.data.vocab_size)
+        self.num_train, self.num_val = len(self.data.train), len(self.data.val)  # rows
+        self.beta, self.reference = cfg.dpo_beta, None  # reference: set by the loop
+        if self.num_train < cfg.global_batch:
+            raise ShardwiseConfigError(
+                f"--global-batch {cfg.global_batch} sequences = {cfg.global_batch // 2} pairs a "
+                f"step, but --data {cfg.data} has {self.num_train // 2} training pairs: lower "
+                "--global-batch or add records")
+        st = self.data.stats
+        self.description = (
+            f"DPO {cfg.data} ({st['train_pairs']:,} train / {st['val_pairs']:,} val pairs, two "
+            f"padded rows each: {st['response_fraction']:.0%} response targets, "
+            f"{st['truncated']} responses truncated; β = {self.beta}; tokenizer "
+            f"{tokenizer_spec(cfg)}, vocab {self.data.vocab_size})")
+
+    def sampler(self, global_batch, dp_size, dp_rank, seed) -> DistributedSampler:
+        return PairSampler(self.num_train // 2, global_batch // 2, dp_size, dp_rank, seed)
+
+    def batches(self, indices: torch.Tensor, micro_batch: int, split: str = "train") -> list[dict]:
+        """Pairs ``indices`` of ``split`` as ``{"input_ids", "labels"}`` micro-batches of
+        ``micro_batch`` rows (``micro_batch / 2`` pairs; the last may hold fewer), chosen and
+        rejected adjacent. Raises ShardwiseConfigError for an odd ``micro_batch``."""
+        if micro_batch % 2:
+            raise ShardwiseConfigError(f"a DPO micro-batch of {micro_batch} rows would split a "
+                                       "(chosen, rejected) pair: choose an even --micro-batch")
+        rows = torch.stack([2 * indices, 2 * indices + 1], 1).flatten()  # [c0, r0, c1, r1, …]
+        tokens = (self.data.train if split == "train" else self.data.val).index_select(0, rows)
+        labels = (self.data.train_labels if split == "train"
+                  else self.data.val_labels).index_select(0, rows)
+        return [{"input_ids": r[:, :-1].contiguous(), "labels": lb.contiguous()}
+                for r, lb in zip(tokens.split(micro_batch), labels.split(micro_batch))]
+
+    def sample_text(self, model, cfg: TrainConfig, prompt: str | None = None) -> str:
+        """The model's continuation of the first validation prompt (seeded)."""
+        return super().sample_text(model, cfg, prompt=prompt or self.data.prompts[0])
+
+
 def load_workload(cfg: TrainConfig):
     """The data for ``cfg.model`` and ``cfg.task``: regression for the MLP, SFT records for
-    ``--task sft``, else packed text. Raises ShardwiseConfigError on bad data (before any
-    collective: it reads files and the token cache only)."""
+    ``--task sft``, preference pairs for ``--task dpo``, else packed text. Raises
+    ShardwiseConfigError on bad data (before any collective: it reads files and the token cache
+    only)."""
     if cfg.model in MLP_PRESETS:
         return RegressionWorkload(cfg)
     if cfg.task == "sft":
         return SFTWorkload(cfg)
+    if cfg.task == "dpo":  # preference pairs (the frozen reference: train/dpo.py)
+        return DPOWorkload(cfg)
     return LMWorkload(cfg)
 
 

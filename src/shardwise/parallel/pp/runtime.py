@@ -47,6 +47,7 @@ from torch import nn
 from ... import comm
 from ...comm import ring_bytes
 from ...models import count_items, moe_layers
+from ...models.dpo import token_loss_sum
 from ..dp.data_parallel import GradSync, broadcast_replicas
 from ..engine import Engine
 from ..layout import Layout
@@ -179,8 +180,8 @@ class PipelineParallel(Engine):
         """Token-loss sum (fp32) of logits [b, s, V], or with tp > 1 [b, s, V_pad/tp]."""
         if self.tp > 1:
             head = self.module.output
-            return vocab_parallel_cross_entropy(y, mb["labels"], head.vocab_start,
-                                                head.vocab_size, self.topo).sum()
+            return token_loss_sum(vocab_parallel_cross_entropy(  # DPO too (models/dpo.py)
+                y, mb["labels"], head.vocab_start, head.vocab_size, self.topo), mb)
         return loss_sum(y, mb)
 
     def forward_backward(self, microbatches: list[dict], denom: float,

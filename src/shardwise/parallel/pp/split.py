@@ -17,6 +17,7 @@ from torch import nn
 
 from ...errors import ShardwiseConfigError
 from ...models import lm_loss, mse_loss
+from ...models.dpo import dpo_loss_sum_and_count, is_dpo
 from ...models.llama import rope_tables
 from .schedules import check_schedule
 
@@ -253,6 +254,8 @@ def activation_shape(mb: dict, config, seq_shards: int = 1) -> tuple[int, ...]:
 
 def loss_sum(out: torch.Tensor, mb: dict) -> torch.Tensor:
     """Sum of per-token (per-element) losses of the last stage's output (fp32 scalar)."""
+    if is_dpo(mb):  # preference pairs: the DPO objective (models/dpo.py)
+        return dpo_loss_sum_and_count(out, mb)[0]
     if "labels" in mb:
         return lm_loss(out, mb["labels"])[0]
     return mse_loss(out, mb["targets"])[0]

@@ -10,8 +10,9 @@ import contextlib
 
 import torch
 
-from ...models import moe_aux_loss, positions_kw
-from ...models.llama import IGNORE_INDEX, Llama
+from ...models import count_items, moe_aux_loss, positions_kw
+from ...models.dpo import token_loss_sum
+from ...models.llama import Llama
 from ..engine import Engine
 from .apply import apply_tp, tp_step_bytes_formula
 from .comms import AXIS
@@ -63,7 +64,8 @@ class TensorParallel(TPEngineBase):
         losses = vocab_parallel_cross_entropy(local_logits, batch["labels"],
                                               self.head.vocab_start, self.head.vocab_size,
                                               self.topo)
-        return losses.sum(), (batch["labels"] != IGNORE_INDEX).sum()
+        count = torch.tensor(count_items(batch), device=batch["labels"].device)  # DPO: pairs
+        return token_loss_sum(losses, batch), count
 
     def loss_sum(self, batch: dict) -> torch.Tensor:
         """The training objective's sum: the vocab-parallel loss, plus a mixture of experts'
