@@ -5,8 +5,9 @@ inline code span, that starts with ``shardwise <subcommand>`` (or ``python``). E
 
 * **run**, in a scratch folder, one page's commands in order (a page's ``export`` reads the run
   its ``train`` wrote), made small without changing what it shows: ``train`` runs 2 steps,
-  ``verify`` 1 step, ``bench`` 1 step of 1 round, and ``tiny`` replaces the default model of
-  train and bench where the command's own validator accepts it (its 2 kv heads do not split
+  ``verify`` 1 step, ``bench`` 1 step of 1 round, ``plan --plot`` the first two of its
+  ``--plot-gpus`` (each count is a whole layout search, ~10 s), and ``tiny`` replaces the
+  default model of train and bench where the command's own validator accepts it (its 2 kv heads do not split
   over tp = 4; ``trace`` already defaults to tiny, with layers enough for its stages);
 * or, for a template (a placeholder such as ``[flags]``, ``FILE.toml``, ``RUN``, ``…``),
   **parsed**: every ``--flag`` it names must be a flag of its subcommand;
@@ -201,6 +202,9 @@ def shrink(cmd: str, scratch: Path) -> list[str]:
         argv = _set(argv, "--out", str(scratch / "bench"))
         if "collectives" in argv:  # its message sizes: 1 KiB … 1 MiB, not … 64 MiB
             argv = _set(argv, "--max-mb", "1")
+    if sub == "plan" and "--plot-gpus" in argv:  # the plot drawn over two GPU counts, not 8
+        argv = _set(argv, "--plot-gpus", ",".join(argv[argv.index("--plot-gpus") + 1]
+                                                  .split(",")[:2]))
     return argv
 
 
