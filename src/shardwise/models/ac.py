@@ -63,6 +63,7 @@ completing on another thread during a recompute would be booked as ``"recompute"
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
@@ -146,6 +147,16 @@ def checkpoint_block(fn: Callable, *args, mode: str = "full",
 
     if mode not in ("selective", "full"):
         raise ValueError(f"activation checkpointing mode {mode!r}: choose from {AC_MODES}")
+    if torch.compiler.is_compiling():  # a compiled block (--compile, models/compile.py)
+        # dynamo turns the checkpoint into a higher-order op and AOT autograd's partitioner
+        # decides the recompute inside the compiled backward, so no recompute context can be
+        # entered (only TP's collectives are booked by it, and --compile refuses tp > 1);
+        # dynamo accepts SAC's context function only as this partial
+        kw = {}
+        if mode == "selective":
+            kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts,
+                                                 _selective_policy)
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **kw)
     rc = recompute_context or contextlib.nullcontext
 
     def context_fn():
