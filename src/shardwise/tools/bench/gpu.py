@@ -201,7 +201,7 @@ def run_one(topo, plan: Plan, model: str, vocab: int, micro: int, overrides: dic
 
 
 def _gb(x) -> str | None:
-    return None if x is None else f"{x / 1e9:.1f}"
+    return None if x is None else f"{x / 1e9:.3g}"
 
 
 COLUMNS = [
@@ -213,7 +213,7 @@ COLUMNS = [
     ("planner MFU", "---:", lambda r: f"{r['planner']['mfu']:.1%}" if "planner" in r else None),
     ("step (ms)", "---:", lambda r: f"{r['median_step_s'] * 1e3:.1f}"
      if "median_step_s" in r else None),
-    ("planner step (ms)", "---:", lambda r: f"{r['planner']['step_time_s'] * 1e3:.1f}"
+    ("planner step (ms)", "---:", lambda r: f"{r['planner']['step_time_s'] * 1e3:.3g}"
      if "planner" in r else None),
     ("first step (s)", "---:", lambda r: f"{r['first_step_s']:.1f}" if "first_step_s" in r
      else None),
