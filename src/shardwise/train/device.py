@@ -123,10 +123,10 @@ def device_memory_keys(engine, topo, cfg, model_cfg, n_params: int) -> dict:
             "act_estimate_bytes": act}
 
 
-def device_lines(model_cfg, topo, cfg) -> list[str]:
+def device_lines(model_cfg, topo, cfg, module) -> list[str]:
     """Start-up log lines: the attention kernel (:func:`attention_line`) and the AdamW
-    implementation (:func:`shardwise.train.optim.adamw_impl` of the device)."""
-    from .optim import adamw_impl
+    implementation (:func:`shardwise.train.optim.adamw_impl_of` this rank's ``module``)."""
+    from .optim import adamw_impl_of
 
     lines = []
     att = attention_line(model_cfg, device=topo.device, dtype=cfg.dtype,
@@ -134,6 +134,6 @@ def device_lines(model_cfg, topo, cfg) -> list[str]:
                          tp=cfg.tp)
     if att:
         lines.append(att)
-    lines.append(f"  optimizer: AdamW, {adamw_impl(topo.device)} implementation "
-                 f"(fused on CUDA, foreach on CPU)")
+    lines.append(f"  optimizer: AdamW, {adamw_impl_of(module)} implementation "
+                 "(fused on CUDA, foreach on CPU, for-loop over mixed DTensor/Tensor)")
     return lines

@@ -240,7 +240,7 @@ def train(cfg: TrainConfig) -> dict:
              f"{'GPUs' if topo.device.type == 'cuda' else 'cores'} ({peak_src})")
 
     gpu_mem = device_memory_keys(engine, topo, cfg, model_cfg, n_params)  # {} on CPU
-    for line in device_lines(model_cfg, topo, cfg):  # SDPA kernel, AdamW implementation
+    for line in device_lines(model_cfg, topo, cfg, engine.module):  # SDPA kernel, AdamW
         log.info(line)
 
     if resume_from is not None and is_main:  # steps after the checkpoint are redone

@@ -55,11 +55,21 @@ def build_optimizer(engine: nn.Module, cfg, impl: str | None = None) -> torch.op
     ``impl``: "for-loop" | "foreach" | "fused" (:data:`ADAMW_IMPLS`); None = :func:`adamw_impl`
     of the parameters' device (fused on CUDA, foreach on CPU). The sharded ZeRO optimizers
     take the same keyword through ``make_optimizer``."""
-    first = next(iter(engine.module.parameters()), None)
-    device = first.device if first is not None else torch.device("cpu")
     return engine.make_optimizer(param_groups(engine.module, cfg.weight_decay), lr=cfg.lr,
                                  betas=(cfg.beta1, cfg.beta2), eps=1e-8,
-                                 **adamw_kwargs(impl or adamw_impl(device)))
+                                 **adamw_kwargs(impl or adamw_impl_of(engine.module)))
+
+
+def adamw_impl_of(model: nn.Module) -> str:
+    """:func:`adamw_impl` of ``model``'s parameters' device; "for-loop" when they mix tensor
+    types (DTensor TP shards next to plain tensors, ``--engine torch --tp``): one multi-tensor
+    or fused call cannot take both (``_foreach_lerp_ got mixed torch.Tensor and DTensor``)."""
+    params = list(model.parameters())
+    if not params:
+        return adamw_impl("cpu")
+    if len({type(p.data) for p in params}) > 1:
+        return "for-loop"
+    return adamw_impl(params[0].device)
 
 
 def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float:
