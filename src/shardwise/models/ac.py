@@ -21,13 +21,15 @@ The modes, as this package implements them for its blocks (``TransformerBlock`` 
                (``torch.utils.checkpoint.create_selective_checkpoint_contexts``): the outputs of
                the *expensive* ops — matrix multiplies (``mm``/``addmm``/``bmm``) and the fused
                attention kernel (``scaled_dot_product_*``) — are saved; everything else
-               (RMSNorm, RoPE, the GQA ``repeat_interleave`` of k/v where SDPA lacks native GQA, SiLU and the gate product,
-               GELU, residual adds, dtype casts, dropout) is recomputed. This is Korthikanti
+               (RMSNorm, RoPE, the GQA ``repeat_interleave`` of k/v where SDPA lacks native
+               GQA, SiLU and the gate product, GELU, residual adds, dtype casts, dropout) is
+               recomputed. This is Korthikanti
                §4's principle applied to a block whose attention core is already a fused kernel
                (FlashAttention-style SDPA never stores the s² scores — it *is* a selective
                recompute of the core): what is left that is large and cheap is the pointwise
                work between the matmuls, e.g. SwiGLU's two [b, s, f] intermediates and (without
-               native GQA) the repeated k/v [b, h, s, hd]. Extra FLOPs: pointwise only (no matmul is re-run).
+               native GQA) the repeated k/v [b, h, s, hd]. Extra FLOPs: pointwise only (no
+               matmul is re-run).
 
 Where the checkpoint sits. It is applied *inside* the block's ``forward`` (the block calls
 :func:`checkpoint_block` on its own body), not by wrapping the block module, so module hooks on

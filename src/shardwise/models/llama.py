@@ -110,7 +110,8 @@ class CoreAttention(nn.Module):
     [b, k, s, hd] (each kv head serves h/k query heads) → [b, h, s, hd], through
     ``scaled_dot_product_attention`` (native GQA, ``enable_gqa=True``, where this torch has
     it; else K/V repeated to h heads: :mod:`.sdpa`). No parameters: Megatron's "core
-    attention", the part a sequence-parallel transform replaces (context parallelism: ring attention over cp)."""
+    attention", the part a sequence-parallel transform replaces (context parallelism: ring
+    attention over cp)."""
 
     def forward(self, q, k, v, dropout_p: float = 0.0):
         if k.shape[1] != q.shape[1]:  # GQA: each kv head serves h/k query heads

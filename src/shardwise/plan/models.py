@@ -378,8 +378,8 @@ def model_names() -> list[str]:
 def get_model(name: str) -> ModelSpec:
     """A preset (:data:`PRESETS`, or shardwise's own tiny/small/base and moe-tiny/moe-small at
     vocab 4096, sequence 128, eager kernels; ``llama-1b`` at its vocabulary 32,000
-    (:data:`shardwise.models.llama.PRESET_VOCAB`), sequence 2048, untied) or a TOML file of :class:`ModelSpec` fields.
-    Raises ShardwiseConfigError."""
+    (:data:`shardwise.models.llama.PRESET_VOCAB`), sequence 2048, untied) or a TOML file of
+    :class:`ModelSpec` fields. Raises ShardwiseConfigError."""
     from ..models import MOE_PRESETS, preset_config
     from ..models import PRESETS as OURS
     from ..models.llama import PRESET_VOCAB
