@@ -87,3 +87,33 @@ def test_fused_equals_for_loop_adamw(cases):
     a = cases["adamw"]
     bound = a["steps"] * a["lr"] * 16 * U32 + 4 * U32 * a["max_abs_param"]
     assert a["max_abs_err"] <= bound
+
+
+def test_train_loop_logs_device_memory_per_rank_per_step(tmp_path):
+    """``shardwise train --device DEVICE`` (one rank, 3 steps of the tiny model, eager):
+    on an accelerator every step's record has each rank's peak and reserved bytes (the peak
+    above the model state the loop counted, reserved ≥ peak) next to the formula and the
+    planner's activation estimate; on CPU none of these keys (nothing is measured there)."""
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, "-m", "shardwise", "train", "--model", "tiny", "--dp",
+                        "1", "--device", DEVICE, "--steps", "3", "--global-batch", "4",
+                        "--seq-len", "64", "--tokenizer", "bytes",
+                        "--eval-every", "100", "--eval-sequences", "4", "--sample-tokens", "0",
+                        "--out", str(out)], env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-4000:]
+    assert "attention: scaled_dot_product_attention" in p.stdout
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+             if '"loss"' in line]
+    assert len(steps) == 3
+    for r in steps:
+        if DEVICE == "cpu":
+            assert not any(k.startswith("gpu_") for k in r)
+            continue
+        peak, reserved = r["gpu_max_allocated_bytes"], r["gpu_reserved_bytes"]
+        assert len(peak) == len(reserved) == 1
+        assert r["mem_bytes"] <= peak[0] <= reserved[0]
+        assert r["mem_formula_bytes"] > 0 and r["act_estimate_bytes"] > 0
