@@ -73,7 +73,9 @@ class Plan:
 FULL = Plan(models=(("llama-1b", 32000, 8, {"tie_embeddings": False}),
                     ("small", 4096, 16, {"max_seq_len": 2048})),
             seq_len=2048, dtype="bf16", warmup=3, steps=8)
-DRY = Plan(models=(("tiny", 256, 2, {}),), seq_len=64, dtype="fp32", warmup=1, steps=2,
+# the shapes of tests/workers/gpu_cases.py (V 67, 4 × 32 tokens), so that inductor's graph cache
+# can serve the dry run's compiles from the tests' (the dry run proves the path, not a speed)
+DRY = Plan(models=(("tiny", 67, 4, {}),), seq_len=32, dtype="fp32", warmup=1, steps=2,
            device="cpu")
 
 
@@ -171,6 +173,9 @@ def run_one(topo, plan: Plan, model: str, vocab: int, micro: int, overrides: dic
         if i >= plan.warmup:
             times.append(dt)
     med = statistics.median(times)
+    from torch._dynamo.utils import counters  # graphs dynamo compiled in this run (reset above)
+
+    graphs = int(counters["stats"].get("unique_graphs", 0))
     peak_alloc = mod.max_memory_allocated(dev) if mod else None
     reserved = mod.memory_reserved(dev) if mod else None
     state = dp_memory_formula(n_params)["total"]
@@ -184,7 +189,7 @@ def run_one(topo, plan: Plan, model: str, vocab: int, micro: int, overrides: dic
         "first_step_s": first, "median_step_s": med, "step_times_s": times,
         "tokens_per_s": micro * plan.seq_len / med, "tflops": flops / med / 1e12,
         "mfu": mfu(flops, med, peak, 1), "peak_tflops": peak / 1e12, "peak_source": peak_src,
-        "final_loss": res.loss,
+        "final_loss": res.loss, "compiled_graphs": graphs,
         "attention": (attention_line(model_cfg, device=dev, dtype=plan.dtype, micro_batch=micro,
                                      seq_len=plan.seq_len) or "").strip(),
         "adamw": adamw_impl_of(engine.module),
