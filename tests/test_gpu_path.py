@@ -94,6 +94,8 @@ def test_train_loop_logs_device_memory_per_rank_per_step(tmp_path):
     on an accelerator every step's record has each rank's peak and reserved bytes (the peak
     above the model state the loop counted, reserved ≥ peak) next to the formula and the
     planner's activation estimate; on CPU none of these keys (nothing is measured there)."""
+    for dep in ("matplotlib", "tensorboard"):  # loss.png and tb/ of the run folder
+        pytest.importorskip(dep)
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

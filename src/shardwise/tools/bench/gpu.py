@@ -80,9 +80,14 @@ DRY = Plan(models=(("tiny", 67, 4, {}),), seq_len=32, dtype="fp32", warmup=1, st
 
 
 def run_tests(out: Path, device: str) -> dict:
-    """``pytest -m gpu tests/test_gpu_path.py`` on ``device``: {"passed", "failed", "errors",
-    "returncode", "seconds", "tail"} (the JUnit XML is kept in ``out``)."""
+    """``pytest -m gpu tests/test_gpu_path.py`` on ``device``: {"passed", "failed", "skipped",
+    "returncode", "seconds", "tail", "cases"} (the JUnit XML is kept in ``out``). Where this
+    Python has no pytest (the device is offline), :func:`run_tests_without_pytest`."""
+    import importlib.util
     import xml.etree.ElementTree as ET
+
+    if importlib.util.find_spec("pytest") is None:
+        return run_tests_without_pytest(out, device)
 
     xml = out / "pytest_gpu.xml"
     env = {**os.environ, "SHARDWISE_GPU_TEST_DEVICE": device,
@@ -93,7 +98,8 @@ def run_tests(out: Path, device: str) -> dict:
                         str(ROOT / "tests/test_gpu_path.py")], cwd=ROOT, env=env,
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     res = {"returncode": p.returncode, "seconds": time.perf_counter() - t0,
-           "tail": p.stdout[-3000:], "passed": 0, "failed": 0, "errors": 0, "cases": {}}
+           "tail": p.stdout[-3000:], "passed": 0, "failed": 0, "skipped": 0, "cases": {},
+           "runner": "pytest"}
     if xml.is_file():
         for case in ET.parse(xml).getroot().iter("testcase"):
             bad = case.find("failure") is not None or case.find("error") is not None
@@ -101,8 +107,87 @@ def run_tests(out: Path, device: str) -> dict:
             res["cases"][case.get("name")] = ("failed" if bad else
                                               "skipped" if skipped else "passed")
         for v in res["cases"].values():
-            if v in ("passed", "failed"):
-                res[v] += 1
+            res[v] += 1
+    return res
+
+
+def run_tests_without_pytest(out: Path, device: str) -> dict:
+    """The same tests without pytest: tests/test_gpu_path.py imported with a stand-in
+    ``pytest`` module (marks and fixtures as plain decorators, ``parametrize`` expanded,
+    ``importorskip``/``skip`` as a skip), each ``test_*`` called with the ``cases`` fixture's
+    value and a fresh ``tmp_path``. Same result dict as :func:`run_tests`."""
+    import importlib.util
+    import tempfile
+    import types
+
+    class Skip(Exception):
+        pass
+
+    def importorskip(name):
+        try:
+            return __import__(name)
+        except ImportError:
+            raise Skip(f"no {name}") from None
+
+    def skip(reason=""):
+        raise Skip(reason)
+
+    def parametrize(names, values):
+        def deco(fn):
+            fn._params = [v if isinstance(v, tuple) else (v,) for v in values]
+            return fn
+        return deco
+
+    class Mark:
+        def __getattr__(self, name):
+            return parametrize if name == "parametrize" else (lambda *a, **k: (lambda f: f))
+
+    shim = types.ModuleType("pytest")
+    shim.mark, shim.importorskip, shim.skip = Mark(), importorskip, skip
+    shim.fixture = lambda *a, **k: (lambda f: f)
+    t0 = time.perf_counter()
+    res = {"returncode": 0, "passed": 0, "failed": 0, "skipped": 0, "cases": {},
+           "runner": "without pytest (tools/bench/gpu.py)", "tail": ""}
+    os.environ["SHARDWISE_GPU_TEST_DEVICE"] = device
+    saved = sys.modules.get("pytest")
+    sys.modules["pytest"] = shim
+    try:
+        spec = importlib.util.spec_from_file_location("test_gpu_path",
+                                                      ROOT / "tests/test_gpu_path.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        factory = types.SimpleNamespace(mktemp=lambda n: Path(tempfile.mkdtemp(n, dir=out)))
+        try:
+            cases = mod.cases(factory)
+        except BaseException as e:  # the worker failed: every test that needs it fails
+            cases, res["tail"] = None, f"cases: {type(e).__name__}: {e}"[-3000:]
+        for name in sorted(n for n in dir(mod) if n.startswith("test_")):
+            fn = getattr(mod, name)
+            for params in getattr(fn, "_params", [()]):
+                label = name + (f"[{'-'.join(map(str, params))}]" if params else "")
+                argnames = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+                kw = {"tmp_path": Path(tempfile.mkdtemp("tmp", dir=out))}
+                args = [cases if a == "cases" else kw[a] for a in argnames[:1]
+                        if a in ("cases", "tmp_path")] + list(params)
+                try:
+                    if "cases" in argnames and cases is None:
+                        raise RuntimeError("the cases worker failed")
+                    fn(*args)
+                    res["cases"][label] = "passed"
+                except Skip:
+                    res["cases"][label] = "skipped"
+                except BaseException as e:
+                    res["cases"][label] = "failed"
+                    res["tail"] += f"\n{label}: {type(e).__name__}: {e}"[:1000]
+    finally:
+        if saved is None:
+            sys.modules.pop("pytest", None)
+        else:
+            sys.modules["pytest"] = saved
+    for v in res["cases"].values():
+        res[v] += 1
+    res["returncode"] = int(res["failed"] > 0)
+    res["seconds"] = time.perf_counter() - t0
     return res
 
 
