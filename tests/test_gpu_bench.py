@@ -1,6 +1,8 @@
 """``benchmarks/gpu.sh --cpu-dry-run``: the GPU benchmark's whole path on CPU (tiny model, fp32,
 gloo; the gpu tests' CPU variants), so the script the device runs is proven runnable.
-~45 s here with inductor's cache warm (two compiles of the tiny block), up to ~90 s cold."""
+~70 s on this 2-core machine with inductor's cache warm, ~100 s when the cores are shared or
+the cache is cold: over the 60 s we aimed for, because the path itself is one pytest, a
+3-step ``shardwise train`` and four compiles of the tiny block."""
 
 import json
 import os
@@ -8,16 +10,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.timeout(600)
 def test_gpu_sh_cpu_dry_run_writes_gpu_json_and_its_table(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     p = subprocess.run([str(ROOT / "benchmarks/gpu.sh"), str(tmp_path), "--cpu-dry-run"],
                        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       timeout=280)
+                       timeout=560)
     assert p.returncode == 0, p.stdout[-5000:]
     rep = json.loads((tmp_path / "gpu.json").read_text())
     assert rep["dry_run"] is True and rep["device"] == "cpu" and rep["backend"] == "gloo"
