@@ -39,9 +39,11 @@ def test_gpu_sh_cpu_dry_run_writes_gpu_json_and_its_table(tmp_path):
         # CPU: no device memory is measured, so nothing is written for it
         assert r["peak_allocated_bytes"] is None and r["reserved_bytes"] is None
         assert "peak_vs_planner" not in r
-        # the formula and the planner agree on the model state (16 B per parameter) and the
-        # planner adds the activation estimate (+4 B per tensor: AdamW's step counters)
+        # the formula and the planner agree on the model state (16 B per parameter), the
+        # gradient buckets (4 B per parameter) and the activations; the planner adds AdamW's
+        # fp32 step counter per tensor (4 B each, < 64 tensors here)
         assert r["model_state_formula_bytes"] == 16 * r["params"]
+        assert r["gradient_bucket_bytes"] == 4 * r["params"]
         pl = r["planner"]
         assert 0 <= pl["mem_bytes_per_gpu"] - r["formula_peak_bytes"] <= 4 * 64
         assert pl["tokens_per_s"] > 0 and 0 < pl["mfu"] < 1

@@ -14,9 +14,10 @@ peak memory against the formula and the planner, in one call.
    step (MFU: :func:`shardwise.flops.step_flops` — 6·N + 12·L·d·s per token — over the
    datasheet's dense peak, 989 TFLOP/s bf16 for an H200: :func:`shardwise.flops.peak_flops`).
 3. Peak memory over the timed steps (``max_memory_allocated``) against the model-state formula
-   16Ψ (fp32 weights, gradients and AdamW moments, ZeRO paper §3.1) plus the planner's
-   activation bytes (:func:`shardwise.train.device.activation_estimate`), and against the
-   planner's whole per-GPU estimate.
+   16Ψ (fp32 weights, gradients and AdamW moments, ZeRO paper §3.1) plus the explicit DP
+   engine's gradient buckets (4Ψ: it keeps them at dp = 1 too) plus the planner's activation
+   bytes (:func:`shardwise.train.device.activation_estimate`), and against the planner's whole
+   per-GPU estimate (with ``grad_bucket_copy``).
 4. The planner's prediction for the same run (:func:`shardwise.plan.cost.estimate`: one H200,
    dp = 1, the run's micro-batch, ``--ac``, precision "amp" — our bf16 autocast with fp32 master
    state): step time, tokens/s, MFU, memory, next to the measurement.
@@ -194,7 +195,7 @@ def run_tests_without_pytest(out: Path, device: str) -> dict:
 def planner_prediction(model_cfg, seq_len: int, micro_batch: int, ac: str, dtype: str,
                        compiled: bool) -> dict:
     """The planner's estimate of this one-GPU run on an H200 (module docstring, item 4)."""
-    from ...plan.cost import PlanLayout, estimate
+    from ...plan.cost import Assumptions, PlanLayout, estimate
     from ...plan.hardware import get_cluster
     from ...plan.models import from_llama_config
 
@@ -202,7 +203,10 @@ def planner_prediction(model_cfg, seq_len: int, micro_batch: int, ac: str, dtype
                              kernels="fused" if compiled else "eager")
     layout = PlanLayout(dp=1, micro_batch=micro_batch, ckpt=ac,
                         precision="amp" if dtype == "bf16" else "fp32")
-    e = estimate(spec, get_cluster("h200", gpus_per_node=1), layout, micro_batch)
+    # our explicit DP engine keeps its gradient buckets even at dp = 1: a second copy of the
+    # gradients (the planner's grad_bucket_copy)
+    e = estimate(spec, get_cluster("h200", gpus_per_node=1), layout, micro_batch,
+                 Assumptions(grad_bucket_copy=True))
     return {"gpu": "h200-sxm", "step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s,
             "mfu": e.mfu, "mem_bytes_per_gpu": e.mem_bytes_per_gpu}
 
@@ -264,6 +268,8 @@ def run_one(topo, plan: Plan, model: str, vocab: int, micro: int, overrides: dic
     peak_alloc = mod.max_memory_allocated(dev) if mod else None
     reserved = mod.memory_reserved(dev) if mod else None
     state = dp_memory_formula(n_params)["total"]
+    buckets = sum(b.buffer.numel() * b.buffer.element_size()
+                  for b in getattr(engine, "buckets", []))  # the explicit DP's flat buffers
     act = activation_estimate(model_cfg, micro_batch=micro, seq_len=plan.seq_len, ac=ac,
                               dtype=plan.dtype, compiled=compiled)
     pred = planner_prediction(model_cfg, plan.seq_len, micro, ac, plan.dtype, compiled)
@@ -279,8 +285,9 @@ def run_one(topo, plan: Plan, model: str, vocab: int, micro: int, overrides: dic
                                      seq_len=plan.seq_len) or "").strip(),
         "adamw": adamw_impl_of(engine.module),
         "peak_allocated_bytes": peak_alloc, "reserved_bytes": reserved,
-        "model_state_formula_bytes": state, "activation_estimate_bytes": act,
-        "formula_peak_bytes": state + act if act is not None else None,
+        "model_state_formula_bytes": state, "gradient_bucket_bytes": buckets,
+        "activation_estimate_bytes": act,
+        "formula_peak_bytes": state + buckets + act if act is not None else None,
         "planner": pred,
     }
     if peak_alloc:
