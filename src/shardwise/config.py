@@ -87,6 +87,7 @@ class TrainConfig:
     dtype: str = "fp32"  # fp32 | bf16 (autocast compute, fp32 master weights and grads)
     reduce_dtype: str = "fp32"  # fp32 | bf16: the dtype gradients are reduced in over dp
     ac: str = "none"  # activation checkpointing per block: none | selective | full
+    compile: bool = False  # torch.compile each transformer block (models/compile.py)
     peak_tflops: float = 0.0  # MFU: peak dense TFLOP/s of one GPU / CPU core (0 = table/probe)
     device: str = "cpu"  # cpu | cuda
     # run
@@ -480,6 +481,12 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
             "(input, then weight gradients), and PyTorch's selective checkpoint can be "
             "back-propagated through only once: use --ac full (recomputes per pass) or another "
             "--schedule")
+    if cfg.compile:  # layouts whose blocks cannot be one graph (models/compile.py)
+        from .models import MOE_PRESETS
+        from .models.compile import check_compile
+
+        check_compile(tp=cfg.tp, cp=cfg.cp, ep=cfg.ep, moe=cfg.model in MOE_PRESETS,
+                      pp=cfg.pp, schedule=cfg.schedule)
     if cfg.peak_tflops < 0:
         raise ShardwiseConfigError(f"--peak-tflops {cfg.peak_tflops} must be ≥ 0 (0 = the "
                                    "device's table value, or a measured CPU peak)")

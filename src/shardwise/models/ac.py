@@ -21,13 +21,15 @@ The modes, as this package implements them for its blocks (``TransformerBlock`` 
                (``torch.utils.checkpoint.create_selective_checkpoint_contexts``): the outputs of
                the *expensive* ops — matrix multiplies (``mm``/``addmm``/``bmm``) and the fused
                attention kernel (``scaled_dot_product_*``) — are saved; everything else
-               (RMSNorm, RoPE, the GQA ``repeat_interleave`` of k/v, SiLU and the gate product,
-               GELU, residual adds, dtype casts, dropout) is recomputed. This is Korthikanti
+               (RMSNorm, RoPE, the GQA ``repeat_interleave`` of k/v where SDPA lacks native
+               GQA, SiLU and the gate product, GELU, residual adds, dtype casts, dropout) is
+               recomputed. This is Korthikanti
                §4's principle applied to a block whose attention core is already a fused kernel
                (FlashAttention-style SDPA never stores the s² scores — it *is* a selective
                recompute of the core): what is left that is large and cheap is the pointwise
-               work between the matmuls, e.g. SwiGLU's two [b, s, f] intermediates and the
-               repeated k/v [b, h, s, hd]. Extra FLOPs: pointwise only (no matmul is re-run).
+               work between the matmuls, e.g. SwiGLU's two [b, s, f] intermediates and (without
+               native GQA) the repeated k/v [b, h, s, hd]. Extra FLOPs: pointwise only (no
+               matmul is re-run).
 
 Where the checkpoint sits. It is applied *inside* the block's ``forward`` (the block calls
 :func:`checkpoint_block` on its own body), not by wrapping the block module, so module hooks on
@@ -63,6 +65,7 @@ completing on another thread during a recompute would be booked as ``"recompute"
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
@@ -146,6 +149,16 @@ def checkpoint_block(fn: Callable, *args, mode: str = "full",
 
     if mode not in ("selective", "full"):
         raise ValueError(f"activation checkpointing mode {mode!r}: choose from {AC_MODES}")
+    if torch.compiler.is_compiling():  # a compiled block (--compile, models/compile.py)
+        # dynamo turns the checkpoint into a higher-order op and AOT autograd's partitioner
+        # decides the recompute inside the compiled backward, so no recompute context can be
+        # entered (only TP's collectives are booked by it, and --compile refuses tp > 1);
+        # dynamo accepts SAC's context function only as this partial
+        kw = {}
+        if mode == "selective":
+            kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts,
+                                                 _selective_policy)
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **kw)
     rc = recompute_context or contextlib.nullcontext
 
     def context_fn():

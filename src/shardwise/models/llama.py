@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ac import CheckpointedBlock
+from .sdpa import SDPA_GQA
 
 
 @dataclasses.dataclass
@@ -65,7 +66,14 @@ PRESETS = {
     "tiny": dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=256),
     "small": dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, d_ff=688, max_seq_len=1024),
     "base": dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, d_ff=1376, max_seq_len=2048),
+    # ~1.1 B at vocab 32,000 (PRESET_VOCAB), untied: 16·60.8 M blocks + 2·65.5 M embeddings;
+    # fp32 weights + grads + AdamW = 16 B/param ≈ 17.7 GB, one GPU (benchmarks/gpu.sh)
+    "llama-1b": dict(d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=8192,
+                     max_seq_len=2048, tie_embeddings=False),
 }
+# The vocabulary a preset is meant for, where the data's tokenizer does not decide it (the
+# planner's table and the GPU benchmark use it; training takes the tokenizer's vocabulary)
+PRESET_VOCAB = {"llama-1b": 32000}
 
 
 class RMSNorm(nn.Module):
@@ -100,12 +108,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class CoreAttention(nn.Module):
     """softmax(q·kᵀ/√hd + causal mask)·v per head, with GQA: q [b, h, s, hd], k and v
     [b, k, s, hd] (each kv head serves h/k query heads) → [b, h, s, hd], through
-    ``scaled_dot_product_attention``. No parameters: Megatron's "core attention", the part a
-    sequence-parallel transform replaces (context parallelism: ring attention over cp)."""
+    ``scaled_dot_product_attention`` (native GQA, ``enable_gqa=True``, where this torch has
+    it; else K/V repeated to h heads: :mod:`.sdpa`). No parameters: Megatron's "core
+    attention", the part a sequence-parallel transform replaces (context parallelism: ring
+    attention over cp)."""
 
     def forward(self, q, k, v, dropout_p: float = 0.0):
         if k.shape[1] != q.shape[1]:  # GQA: each kv head serves h/k query heads
-            rep = q.shape[1] // k.shape[1]
+            if SDPA_GQA:  # in the kernel: no repeated K/V [b, h, s, hd] (models/sdpa.py)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                      dropout_p=dropout_p, enable_gqa=True)
+            rep = q.shape[1] // k.shape[1]  # torch < 2.5: repeat K/V to h heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
 

@@ -226,6 +226,7 @@ from ..parallel.cp import cp_attention_bytes, validate_cp
 from ..parallel.layout import Layout
 from .hardware import Cluster
 from .models import ModelSpec
+from ..models.sdpa import SDPA_GQA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,8 +343,9 @@ def layer_activation_bytes(model: ModelSpec, tokens: int, *, tp: int = 1, sp: bo
     kernel adds its fp32 log-sum-exp (4·h bytes per token). ``kernels="eager"`` (our Llama in
     PyTorch eager mode, exact in fp32 — checked under FakeTensorMode by
     :mod:`shardwise.plan.estimate`): RMSNorm keeps x, x·rstd and the output (3·d) plus rstd
-    (4 bytes); K and V are repeated to all h heads before attention (d each); SwiGLU keeps
-    w1x, silu(w1x), w3x and their product (4·f).
+    (4 bytes); K and V are ``kvd`` wide where SDPA attends them natively (``enable_gqa``,
+    torch ≥ 2.5, :mod:`shardwise.models.sdpa`), else repeated to all h heads (d each); SwiGLU
+    keeps w1x, silu(w1x), w3x and their product (4·f).
 
     TP (eq. 2): attention and MLP tensors are split over ``tp``; the norms' tensors and the
     dropout masks are replicated unless ``sp`` (sequence parallelism, eq. 4: everything / t).
@@ -365,7 +367,8 @@ def layer_activation_bytes(model: ModelSpec, tokens: int, *, tp: int = 1, sp: bo
     input (``a·d`` per token, split by SP).
     """
     m, a, d = model, act_bytes, model.d_model
-    kv_stored = d if m.kernels == "eager" else m.kv_dim
+    # eager: K and V repeated to h heads only where this torch's SDPA lacks native GQA
+    kv_stored = d if m.kernels == "eager" and not SDPA_GQA else m.kv_dim
     rep = tp if sp else 1  # divisor of the parts TP replicates
     masks = 2 * d if m.dropout else 0  # bytes per token, 1-byte masks
     lse = 4 * m.n_heads if m.flash_attention else 0

@@ -1,5 +1,7 @@
 """Model shapes the planner knows: Llama 3 8B/70B/405B, GPT-3 175B, Megatron's GPT runs, and any
-:class:`~shardwise.models.LlamaConfig` (our own ``tiny``/``small``/``base``).
+:class:`~shardwise.models.LlamaConfig` (our own ``tiny``/``small``/``base``, and ``llama-1b``:
+16 layers, d 2048, 32 heads, 8 kv heads, SwiGLU 8192, vocabulary 32,000, untied, s = 2048 —
+1.10 B parameters, the one-GPU shape of ``benchmarks/gpu.sh``).
 
 A :class:`ModelSpec` holds what the cost model needs: layers ``L``, width ``d``, heads ``h``, kv
 heads ``k`` (head dim ``hd = d/h``, kv width ``kvd = k·hd``), SwiGLU/GeLU hidden size ``f``,
@@ -375,13 +377,18 @@ def model_names() -> list[str]:
 
 def get_model(name: str) -> ModelSpec:
     """A preset (:data:`PRESETS`, or shardwise's own tiny/small/base and moe-tiny/moe-small at
-    vocab 4096, sequence 128, eager kernels) or a TOML file of :class:`ModelSpec` fields.
-    Raises ShardwiseConfigError."""
+    vocab 4096, sequence 128, eager kernels; ``llama-1b`` at its vocabulary 32,000
+    (:data:`shardwise.models.llama.PRESET_VOCAB`), sequence 2048, untied) or a TOML file of
+    :class:`ModelSpec` fields. Raises ShardwiseConfigError."""
     from ..models import MOE_PRESETS, preset_config
     from ..models import PRESETS as OURS
+    from ..models.llama import PRESET_VOCAB
 
     if name in PRESETS:
         return PRESETS[name]
+    if name in PRESET_VOCAB:  # a preset meant for one shape (llama-1b: V 32,000, s 2048)
+        cfg = preset_config(name, PRESET_VOCAB[name])
+        return from_llama_config(cfg, seq_len=cfg.max_seq_len, name=name)
     if name in OURS or name in MOE_PRESETS:
         return from_llama_config(preset_config(name), seq_len=128, name=name)
     if name.endswith(".toml"):

@@ -25,10 +25,12 @@ from ..config import TrainConfig, batching_note, validate
 from ..errors import ShardwiseConfigError
 from ..flops import mfu, peak_devices, peak_flops, step_flops
 from ..models import build_model, set_activation_checkpointing
+from ..models.compile import compile_blocks
 from ..parallel.apply import Layout, parallelize
 from ..parallel.cp import plain_attention, shard_sequence
 from ..topology import Topology, init_distributed
 from . import faults
+from .device import device_lines, device_memory_keys, memory_record, reset_peak
 from .checkpoint import (Checkpointer, DivergedError, RunFolderBusyError,
                          check_checkpoints_writable, check_disk_space, check_same_data,
                          checkpoint_bytes_estimate, data_fingerprint, diverged_message,
@@ -221,6 +223,8 @@ def train(cfg: TrainConfig) -> dict:
         work.reference = DPOReference(build_reference(
             ref_model.to(topo.device), Layout.from_config(cfg), parallelize_as_configured),
             topo, cfg.dpo_beta, cfg.dtype)
+    if cfg.compile:  # each block's forward; hooks and the step stay eager (models/compile.py)
+        log.info(f"  --compile: torch.compile on {compile_blocks(engine.module)} blocks")
     micro_batch, n_micro = cfg.microbatching()
     optimizer = build_optimizer(engine, cfg)
     scheduler = build_scheduler(optimizer, cfg)
@@ -248,6 +252,10 @@ def train(cfg: TrainConfig) -> dict:
              f"{flops_step / 1e9:,.2f} GFLOP per step (6·N + 12·L·d·s per token); peak "
              f"{peak / 1e12:.3f} TFLOP/s × {n_peak} "
              f"{'GPUs' if topo.device.type == 'cuda' else 'cores'} ({peak_src})")
+
+    gpu_mem = device_memory_keys(engine, topo, cfg, model_cfg, n_params)  # {} on CPU
+    for line in device_lines(model_cfg, topo, cfg, engine.module):  # SDPA kernel, AdamW
+        log.info(line)
 
     if resume_from is not None and is_main:  # steps after the checkpoint are redone
         _truncate_metrics(out / "metrics.jsonl", _checkpoint_step(resume_from))
@@ -286,6 +294,7 @@ def train(cfg: TrainConfig) -> dict:
         local = sampler.next_local_batch()
         faults.log_samples(step, local, topo)  # SHARDWISE_TEST_* hooks: no-ops unless set
         batch = work.batches(local, micro_batch)
+        reset_peak(topo.device)  # device memory: this step's peak (train/device.py)
         t0 = time.perf_counter()
         if cfg.task == "dpo":  # the frozen reference's log-probs, one forward per micro-batch
             batch = work.reference.with_reference(batch)  # (inside the step's time)
@@ -315,6 +324,8 @@ def train(cfg: TrainConfig) -> dict:
         rec.update(moe_metrics(engine, topo, res.tokens, model_cfg))  # {}: a dense model
         if cfg.task == "dpo":  # reward margin, accuracy, log-probs (from the step's forward)
             rec.update(work.reference.step_metrics(batch))
+        if gpu_mem:  # per-rank peak/reserved bytes, beside the formula and the planner's
+            rec.update(memory_record(topo.device, topo), **gpu_mem)
         if "loss_balance" in rec:
             rec["loss_ce"] = rec["loss"] - rec["loss_balance"] - rec["loss_z"]
         if step == 1 and is_main:

@@ -24,11 +24,52 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(engine: nn.Module, cfg) -> torch.optim.Optimizer:
+ADAMW_IMPLS = ("for-loop", "foreach", "fused")
+# device types whose torch has the fused (one kernel for every tensor) AdamW; CPU has one too
+# (torch ≥ 2.4), but there the multi-tensor ``foreach`` path is the one whose results equal the
+# for-loop reference bitwise (tests/test_gpu_path.py), so CPU keeps ``foreach``
+FUSED_DEVICE_TYPES = ("cuda", "xpu")
+
+
+def adamw_impl(device: torch.device | str) -> str:
+    """The AdamW implementation for parameters on ``device``: "fused" where the device type has
+    torch's fused kernel (:data:`FUSED_DEVICE_TYPES`: one launch updates every tensor of a
+    group), else "foreach" (multi-tensor ops, ``torch._foreach_*``: a few calls per group
+    instead of ~10 per parameter tensor). Both compute Loshchilov & Hutter 2019's Alg. 2 as
+    the for-loop does; ``foreach`` with the same elementwise ops in the same order."""
+    return "fused" if torch.device(device).type in FUSED_DEVICE_TYPES else "foreach"
+
+
+def adamw_kwargs(impl: str) -> dict:
+    """``torch.optim.AdamW`` keyword arguments selecting ``impl`` (:data:`ADAMW_IMPLS`).
+    Raises ``ValueError`` for another name."""
+    if impl not in ADAMW_IMPLS:
+        raise ValueError(f"AdamW implementation {impl!r}: choose from {ADAMW_IMPLS}")
+    return {"for-loop": {"foreach": False}, "foreach": {"foreach": True},
+            "fused": {"fused": True}}[impl]
+
+
+def build_optimizer(engine: nn.Module, cfg, impl: str | None = None) -> torch.optim.Optimizer:
     """AdamW(lr, betas=(beta1, beta2), eps=1e-8) over :func:`param_groups` of the engine's plain
-    model, built by the engine (so a sharded strategy can shard its state). State is fp32."""
+    model, built by the engine (so a sharded strategy can shard its state). State is fp32.
+    ``impl``: "for-loop" | "foreach" | "fused" (:data:`ADAMW_IMPLS`); None = :func:`adamw_impl`
+    of the parameters' device (fused on CUDA, foreach on CPU). The sharded ZeRO optimizers
+    take the same keyword through ``make_optimizer``."""
     return engine.make_optimizer(param_groups(engine.module, cfg.weight_decay), lr=cfg.lr,
-                                 betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+                                 betas=(cfg.beta1, cfg.beta2), eps=1e-8,
+                                 **adamw_kwargs(impl or adamw_impl_of(engine.module)))
+
+
+def adamw_impl_of(model: nn.Module) -> str:
+    """:func:`adamw_impl` of ``model``'s parameters' device; "for-loop" when they mix tensor
+    types (DTensor TP shards next to plain tensors, ``--engine torch --tp``): one multi-tensor
+    or fused call cannot take both (``_foreach_lerp_ got mixed torch.Tensor and DTensor``)."""
+    params = list(model.parameters())
+    if not params:
+        return adamw_impl("cpu")
+    if len({type(p.data) for p in params}) > 1:
+        return "for-loop"
+    return adamw_impl(params[0].device)
 
 
 def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float:

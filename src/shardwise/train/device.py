@@ -1,0 +1,139 @@
+"""What the training loop reports about the accelerator: the attention kernel it runs, the
+AdamW implementation, and the device memory each rank peaks at per step.
+
+Device memory (``metrics.jsonl``, on an accelerator only). PyTorch's caching allocator counts
+the bytes of live tensors (``max_memory_allocated``: the step's peak, reset before each step)
+and the bytes it holds from the driver (``memory_reserved``: allocated + cached free blocks,
+what ``nvidia-smi`` shows minus the CUDA context). Each rank's pair is gathered (one int64
+all-reduce of ``[world, 2]`` over all ranks, phase ``"metrics"``, outside the step's bytes) and
+rank 0 writes ``gpu_max_allocated_bytes`` and ``gpu_reserved_bytes`` as lists indexed by global
+rank. Beside them, per rank 0 (the same on every dp rank of a dp-only layout):
+``mem_formula_bytes`` — the model-state formula (:func:`shardwise.formulas.memory_formula`, the
+ZeRO paper's 16Ψ, 4Ψ + 4Ψ + 8Ψ/N, …) — and ``act_estimate_bytes`` — the planner's activation
+bytes for one micro-batch (:func:`activation_estimate`). On CPU nothing is measured, so these
+device keys are absent (never zeros or guesses).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+
+
+def accelerator_type(device: torch.device) -> str | None:
+    """``device.type`` when it is an accelerator with a memory-statistics API in
+    ``torch.<type>`` (``max_memory_allocated``, ``memory_reserved``), else None (CPU, meta)."""
+    if device.type in ("cpu", "meta"):
+        return None
+    mod = getattr(torch, device.type, None)
+    return device.type if mod is not None and hasattr(mod, "max_memory_allocated") else None
+
+
+def reset_peak(device: torch.device) -> None:
+    """Start a new peak-memory window on ``device`` (no-op on CPU)."""
+    kind = accelerator_type(device)
+    if kind is not None:
+        getattr(torch, kind).reset_peak_memory_stats(device)
+
+
+def memory_record(device: torch.device, topo) -> dict:
+    """``{"gpu_max_allocated_bytes": [per rank], "gpu_reserved_bytes": [per rank]}`` since the
+    last :func:`reset_peak`, gathered over all ranks (a collective: every rank calls it,
+    module docstring); {} on CPU, where no collective is issued either."""
+    kind = accelerator_type(device)
+    if kind is None:
+        return {}
+    mod = getattr(torch, kind)
+    world, me = topo.size("world"), topo.index("world")
+    table = torch.zeros(world, 2, dtype=torch.int64, device=device)
+    table[me, 0] = mod.max_memory_allocated(device)
+    table[me, 1] = mod.memory_reserved(device)
+    if world > 1:
+        with topo.ledger.phase("metrics"):
+            comm.all_reduce(table, topo, "world", tag="memory")
+    rows = table.cpu().tolist()
+    return {"gpu_max_allocated_bytes": [r[0] for r in rows],
+            "gpu_reserved_bytes": [r[1] for r in rows]}
+
+
+def activation_estimate(model_cfg, *, micro_batch: int, seq_len: int, ac: str, dtype: str,
+                        tp: int = 1, sp: bool = False, compiled: bool = False) -> float | None:
+    """The planner's bytes of activations one micro-batch keeps for backward on one rank
+    (:func:`shardwise.plan.cost.layer_activation_bytes` × layers + the head and embedding
+    terms), for ``model_cfg`` (a dense :class:`~shardwise.models.LlamaConfig`; None for other
+    models) with ``micro_batch`` sequences of ``seq_len`` tokens, ``ac`` (none | selective |
+    full), compute ``dtype`` (bf16: 2-byte activations, else 4). Kernels: "eager" (our PyTorch
+    Llama, exact in fp32) or, ``compiled``, "fused" (what inductor's fusions approach)."""
+    from ..models import LlamaConfig
+    from ..plan import cost
+    from ..plan.models import from_llama_config
+
+    if type(model_cfg) is not LlamaConfig:
+        return None
+    spec = from_llama_config(model_cfg, seq_len=seq_len,
+                             kernels="fused" if compiled else "eager")
+    a, tokens = (2 if dtype == "bf16" else 4), micro_batch * seq_len
+    return (model_cfg.n_layers * cost.layer_activation_bytes(spec, tokens, tp=tp, sp=sp,
+                                                             ckpt=ac, act_bytes=a)
+            + cost.head_activation_bytes(spec, tokens, tp=tp, sp=sp, act_bytes=a)
+            + cost.embedding_activation_bytes(spec, tokens))
+
+
+def attention_line(model_cfg, *, device: torch.device, dtype: str, micro_batch: int,
+                   seq_len: int, tp: int = 1) -> str | None:
+    """The start-up line naming the SDPA kernel the blocks run (:func:`~shardwise.models.sdpa.
+    sdpa_backend` for this rank's heads, micro-batch, sequence and compute dtype) and whether
+    GQA is native; None for a model without attention (the MLP)."""
+    from ..models.sdpa import SDPA_GQA, sdpa_backend
+
+    heads, kv = getattr(model_cfg, "n_heads", None), getattr(model_cfg, "n_kv_heads", None)
+    if heads is None or kv is None:
+        return None
+    h, k = max(1, heads // tp), max(1, kv // tp)
+    name = sdpa_backend(h, k, model_cfg.head_dim, seq_len, device=device,
+                        dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
+                        batch=micro_batch)
+    gqa = ("MHA" if h == k else "native GQA (enable_gqa)" if SDPA_GQA
+           else "GQA by repeating K/V (this torch's SDPA has no enable_gqa)")
+    return (f"  attention: scaled_dot_product_attention, {name} kernel on {device.type} "
+            f"({h} q / {k} kv heads per rank, {gqa})")
+
+
+def device_memory_keys(engine, topo, cfg, model_cfg, n_params: int) -> dict:
+    """The constant keys written next to each step's measured device memory (module
+    docstring): ``mem_formula_bytes`` (rank 0's model-state formula; a single process: the
+    replica's 16Ψ) and ``act_estimate_bytes`` (:func:`activation_estimate`, None where the
+    planner has no formula for this model); {} on CPU, where no device memory is measured."""
+    from ..formulas import memory_formula
+    from ..parallel.dp.data_parallel import dp_memory_formula
+
+    if accelerator_type(topo.device) is None:
+        return {}
+    formula = memory_formula(engine, topo)
+    if formula is None and topo.world_size == 1:
+        formula = dp_memory_formula(n_params)
+    micro_batch = cfg.microbatching()[0]
+    act = None
+    if cfg.pp == 1 and cfg.cp == 1:  # one stage, whole sequences: the formula's setting
+        act = activation_estimate(model_cfg, micro_batch=micro_batch, seq_len=cfg.seq_len,
+                                  ac=cfg.ac, dtype=cfg.dtype, tp=cfg.tp, sp=cfg.sp,
+                                  compiled=cfg.compile)
+    return {"mem_formula_bytes": formula["total"] if formula else None,
+            "act_estimate_bytes": act}
+
+
+def device_lines(model_cfg, topo, cfg, module) -> list[str]:
+    """Start-up log lines: the attention kernel (:func:`attention_line`) and the AdamW
+    implementation (:func:`shardwise.train.optim.adamw_impl_of` this rank's ``module``)."""
+    from .optim import adamw_impl_of
+
+    lines = []
+    att = attention_line(model_cfg, device=topo.device, dtype=cfg.dtype,
+                         micro_batch=cfg.microbatching()[0], seq_len=cfg.seq_len // cfg.cp,
+                         tp=cfg.tp)
+    if att:
+        lines.append(att)
+    lines.append(f"  optimizer: AdamW, {adamw_impl_of(module)} implementation "
+                 "(fused on CUDA, foreach on CPU, for-loop over mixed DTensor/Tensor)")
+    return lines
