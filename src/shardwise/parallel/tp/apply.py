@@ -22,7 +22,8 @@ from ...models.moe import MoEFeedForward
 from ..params import tp_sharded
 from .comms import AXIS
 from .layers import (TPRNG, TensorParallelAttention, TensorParallelSwiGLU, TPDropout,
-                     VocabParallelEmbedding, VocabParallelHead, padded_vocab_size)
+                     TPPositionEmbedding, VocabParallelEmbedding, VocabParallelHead,
+                     padded_vocab_size)
 
 
 # -- validation (no collectives: called by config.validate and before any conversion) -------------
@@ -83,6 +84,8 @@ def tp_plan(model: nn.Module) -> list[tuple[str, type, type]]:
     a Llama, or a pipeline stage of one (its blocks under their global ``layers.{i}`` names)."""
     plan = [("tok_embeddings", nn.Embedding, VocabParallelEmbedding)] \
         if _held(model, "tok_embeddings") else []
+    if _held(model, "pos_embeddings"):  # learned positions (GPT-2): replicated table
+        plan.append(("pos_embeddings", nn.Embedding, TPPositionEmbedding))
     for i, layer in model.layers.named_children():
         plan += [(f"layers.{i}.attention", Attention, TensorParallelAttention),
                  (f"layers.{i}.dropout", nn.Dropout, TPDropout)]
@@ -189,6 +192,9 @@ def apply_tp(model: nn.Module, topo, sp: bool = False, *, seed: int = 0) -> TPRN
     if has_emb:
         emb = VocabParallelEmbedding(model.tok_embeddings, topo, sp)
         _set_submodule(model, "tok_embeddings", emb)
+    if _held(model, "pos_embeddings"):
+        _set_submodule(model, "pos_embeddings", TPPositionEmbedding(model.pos_embeddings,
+                                                                    topo, sp))
     for layer in model.layers.children():
         layer.attention = TensorParallelAttention(layer.attention, topo, sp, rng)
         if not isinstance(layer.feed_forward, MoEFeedForward):
@@ -200,6 +206,8 @@ def apply_tp(model: nn.Module, topo, sp: bool = False, *, seed: int = 0) -> TPRN
     for c in getattr(model, "chunks", ()):  # a stage's chunks run the modules it holds
         if c.tok_embeddings is not None:
             c.tok_embeddings = model.tok_embeddings
+        if getattr(c, "pos_embeddings", None) is not None:
+            c.pos_embeddings = model.pos_embeddings
         if c.output is not None:
             c.output = model.output
         c.sp_degree = n if sp else 1

@@ -1,0 +1,82 @@
+"""Worker for tests/test_family_parity.py: every model family × layout in one 2-rank world.
+
+For each family folder that the test wrote with transformers (``<out>/<family>``: GPT-2, Qwen2,
+Qwen3, Mistral), the model is imported the way ``shardwise train --init-from-hf`` imports it
+(config.json → overrides → plain model → ``load_hf_weights``, before ``parallelize``), then
+trained for 2 AdamW steps (global batch 8, micro-batch 2, clipping that binds) in each layout
+of :data:`LAYOUTS`. Each rank writes ``<out>/<family>_<layout>_rank<r>.pt``: loss, grad norm,
+every gradient and parameter it holds at full shape (a pipeline stage: its own), per step.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from shardwise.config import TrainConfig
+from shardwise.interop.hf import hf_model_overrides, load_hf_weights
+from shardwise.models import Llama, LlamaConfig
+from shardwise.parallel.apply import Layout, parallelize
+from shardwise.topology import Topology, init_distributed
+from shardwise.train.optim import build_optimizer
+from shardwise.train.step import train_step
+from shardwise.train.workload import SyntheticLMWorkload
+
+FAMILIES = ("gpt2", "qwen2", "qwen3", "mistral")
+STEPS, GLOBAL_BATCH, MICRO, MAX_NORM, LR, SEQ, V = 2, 8, 2, 0.3, 3e-4, 16, 257
+# name → (Layout, topology degrees (pp, dp, tp))
+LAYOUTS = {"dp2": (Layout(dp=2), (1, 2, 1)),
+           "dp2_zero3": (Layout(dp=2, zero=3), (1, 2, 1)),
+           "tp2": (Layout(tp=2), (1, 1, 2)),
+           "tp2_sp": (Layout(tp=2, sp=True), (1, 1, 2)),
+           "pp2": (Layout(pp=2, microbatches=4), (2, 1, 1))}
+
+
+def workload():
+    return SyntheticLMWorkload(vocab_size=V, seq_len=SEQ, num_train=64, num_val=4, seed=0)
+
+
+def imported_model(folder: str) -> Llama:
+    """The plain model ``--init-from-hf folder`` starts from."""
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**hf_model_overrides(folder)))
+    load_hf_weights(model, folder)
+    return model
+
+
+def run_case(topo, work, family, name, layout, out, rank):
+    engine = parallelize(imported_model(f"{out}/{family}"), topo, layout, seed=0)
+    opt = build_optimizer(engine, TrainConfig(model="tiny", lr=LR, weight_decay=0.1))
+    dp = topo.size("dp")
+    sampler = work.sampler(GLOBAL_BATCH, dp, topo.index("dp"), seed=0)
+    rec = {"loss": [], "grad_norm": [], "grads": [], "params": []}
+    for _ in range(STEPS):
+        res = train_step(engine, work.batches(sampler.next_local_batch(), MICRO), opt, topo,
+                         max_norm=MAX_NORM, zero_grad=False)
+        rec["loss"].append(res.loss)
+        rec["grad_norm"].append(res.grad_norm)
+        rec["grads"].append({n: g.detach().clone()
+                             for n, g in engine.named_full_gradients().items()})
+        rec["params"].append({n: t.detach().clone()
+                              for n, t in engine.named_full_parameters().items()})
+    torch.save(rec, f"{out}/{family}_{name}_rank{rank}.pt")
+
+
+def main(out: str) -> None:
+    init_distributed("cpu", timeout_s=120)
+    rank = dist.get_rank()
+    work = workload()
+    topos = {}
+    for _, degrees in LAYOUTS.values():  # creation is collective: every rank, same order
+        if degrees not in topos:
+            pp, dp, tp = degrees
+            topos[degrees] = Topology(pp=pp, dp=dp, tp=tp, ranks=range(2), timeout_s=120)
+    for family in FAMILIES:
+        for name, (layout, degrees) in LAYOUTS.items():
+            run_case(topos[degrees], work, family, name, layout, out, rank)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
