@@ -4,7 +4,8 @@ For each family folder that the test wrote with transformers (``<out>/<family>``
 Qwen3, Mistral), the model is imported the way ``shardwise train --init-from-hf`` imports it
 (config.json → overrides → plain model → ``load_hf_weights``, before ``parallelize``), then
 trained for 2 AdamW steps (global batch 8, micro-batch 2, clipping that binds) in each layout
-of :data:`LAYOUTS`. Each rank writes ``<out>/<family>_<layout>_rank<r>.pt``: loss, grad norm,
+of :data:`LAYOUTS` (explicit
+engine, and the PyTorch one: FSDP2, DTensor TP). Each rank writes ``<out>/<family>_<layout>_rank<r>.pt``: loss, grad norm,
 every gradient and parameter it holds at full shape (a pipeline stage: its own), per step.
 """
 
@@ -24,12 +25,16 @@ from shardwise.train.workload import SyntheticLMWorkload
 
 FAMILIES = ("gpt2", "qwen2", "qwen3", "mistral")
 STEPS, GLOBAL_BATCH, MICRO, MAX_NORM, LR, SEQ, V = 2, 8, 2, 0.3, 3e-4, 16, 257
-# name → (Layout, topology degrees (pp, dp, tp))
-LAYOUTS = {"dp2": (Layout(dp=2), (1, 2, 1)),
-           "dp2_zero3": (Layout(dp=2, zero=3), (1, 2, 1)),
-           "tp2": (Layout(tp=2), (1, 1, 2)),
-           "tp2_sp": (Layout(tp=2, sp=True), (1, 1, 2)),
-           "pp2": (Layout(pp=2, microbatches=4), (2, 1, 1))}
+# name → (Layout, topology degrees (pp, dp, tp), engine)
+LAYOUTS = {"dp2": (Layout(dp=2), (1, 2, 1), "explicit"),
+           "dp2_zero3": (Layout(dp=2, zero=3), (1, 2, 1), "explicit"),
+           "tp2": (Layout(tp=2), (1, 1, 2), "explicit"),
+           "tp2_sp": (Layout(tp=2, sp=True), (1, 1, 2), "explicit"),
+           "pp2": (Layout(pp=2, microbatches=4), (2, 1, 1), "explicit"),
+           "torch_dp2_zero3": (Layout(dp=2, zero=3), (1, 2, 1), "torch"),
+           "torch_tp2": (Layout(tp=2), (1, 1, 2), "torch"),
+           "torch_tp2_sp": (Layout(tp=2, sp=True), (1, 1, 2), "torch"),
+           "torch_pp2": (Layout(pp=2, microbatches=4), (2, 1, 1), "torch")}
 
 
 def workload():
@@ -44,8 +49,9 @@ def imported_model(folder: str) -> Llama:
     return model
 
 
-def run_case(topo, work, family, name, layout, out, rank):
-    engine = parallelize(imported_model(f"{out}/{family}"), topo, layout, seed=0)
+def run_case(topo, work, family, name, layout, engine_name, out, rank):
+    engine = parallelize(imported_model(f"{out}/{family}"), topo, layout, seed=0,
+                         engine=engine_name)
     opt = build_optimizer(engine, TrainConfig(model="tiny", lr=LR, weight_decay=0.1))
     dp = topo.size("dp")
     sampler = work.sampler(GLOBAL_BATCH, dp, topo.index("dp"), seed=0)
@@ -67,13 +73,13 @@ def main(out: str) -> None:
     rank = dist.get_rank()
     work = workload()
     topos = {}
-    for _, degrees in LAYOUTS.values():  # creation is collective: every rank, same order
+    for _, degrees, _ in LAYOUTS.values():  # creation is collective: every rank, same order
         if degrees not in topos:
             pp, dp, tp = degrees
             topos[degrees] = Topology(pp=pp, dp=dp, tp=tp, ranks=range(2), timeout_s=120)
     for family in FAMILIES:
-        for name, (layout, degrees) in LAYOUTS.items():
-            run_case(topos[degrees], work, family, name, layout, out, rank)
+        for name, (layout, degrees, engine) in LAYOUTS.items():
+            run_case(topos[degrees], work, family, name, layout, engine, out, rank)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -32,7 +32,7 @@ from ...models.llama import IGNORE_INDEX
 from ..engine import autocast
 from ..params import is_dtensor as _is_dtensor, local as _local, local_state_bytes
 from ..tp.dtensor import (BookFunctionalCollectives, booked_as, dtensor_tp_plan,
-                          reduce_partial_grads)
+                          prepare_replicated_for_dtensor, reduce_partial_grads)
 from .runtime import PipelineParallel
 from .split import first_stage_input, loss_sum
 
@@ -78,6 +78,7 @@ class TorchPipelineParallel(PipelineParallel):
         cfg = stage.config
         # the whole model's plan (it only counts the layers), restricted to this stage's modules
         plan = dtensor_tp_plan(types.SimpleNamespace(layers=[None] * cfg.n_layers), self.sp)
+        prepare_replicated_for_dtensor(stage, self.topo, self.sp)
         mine = dict(stage.named_modules())
         plan = {k: v for k, v in plan.items() if k in mine}
         if "output" in plan:  # plain local logits [b, s, V/tp] out of the pipeline stage

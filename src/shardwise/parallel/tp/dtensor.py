@@ -166,6 +166,29 @@ def dtensor_tp_plan(model: Llama, sp: bool) -> dict:
     return plan
 
 
+def prepare_replicated_for_dtensor(model: nn.Module, topo, sp: bool) -> None:
+    """The model families' tp-replicated parameters that act *inside* a TP region or on a
+    sequence shard, made exact under DTensor TP before :func:`dtensor_tp_plan` applies (in
+    place; a Llama is left alone). The plan leaves them plain tensors, so DTensor would neither
+    complete nor reduce their gradients: Qwen3's per-head q/k norm (each rank's heads give a
+    partial gradient) becomes :class:`~.layers.TPSummedNorm`, GPT-2's learned positions
+    :class:`~.layers.TPPositionEmbedding` (with SP: this rank's sequence shard, its gradient
+    summed over tp by f). Both sum through :mod:`shardwise.comm` (tag ``tp_bwd``)."""
+    from .layers import TPPositionEmbedding, TPSummedNorm
+
+    if getattr(model, "pos_embeddings", None) is not None:
+        model.pos_embeddings = TPPositionEmbedding(model.pos_embeddings, topo, sp, grad_sum=sp)
+        for c in getattr(model, "chunks", ()):
+            if c.pos_embeddings is not None:
+                c.pos_embeddings = model.pos_embeddings
+    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    for layer in layers:
+        att = layer.attention
+        if getattr(att, "q_norm", None) is not None:
+            att.q_norm, att.k_norm = TPSummedNorm(att.q_norm, topo), TPSummedNorm(att.k_norm,
+                                                                                   topo)
+
+
 def reduce_partial_grads(params, topo, tag: str = "sp_grad") -> None:
     """SP under DTensor: the norm weights' gradients are left ``Partial(sum)`` (each tp rank
     summed over its sequence shard), which DTensor would reduce lazily wherever next used. Reduce
@@ -237,12 +260,17 @@ def parallelize_tensor_dtensor(model: Llama, topo, sp: bool = False, *,
 
     validate_tp(getattr(model, "config", None), topo.size(AXIS), sp)
     check_plan_covers(model)
+    from .layers import TPPositionEmbedding
+
     tied = model.config.tie_embeddings
-    parallelize_module(model, topo.mesh[AXIS], dtensor_tp_plan(model, sp))
+    prepare_replicated_for_dtensor(model, topo, sp)
+    mine = dict(model.named_modules())  # a GELU MLP has no w3
+    plan = {k: v for k, v in dtensor_tp_plan(model, sp).items() if k in mine}
+    parallelize_module(model, topo.mesh[AXIS], plan)
     if tied:  # one Parameter again: both are Shard(0) over the same mesh
         model.output.weight = model.tok_embeddings.weight
     plain = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))
-             and not _is_dtensor(m.weight)]
+             and not isinstance(m, TPPositionEmbedding) and not _is_dtensor(m.weight)]
     if plain:
         raise RuntimeError(f"DTensor TP conversion incomplete: {', '.join(plain)} not sharded")
     return TorchTensorParallel(model, topo, sp, book_collectives)

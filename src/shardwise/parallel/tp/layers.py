@@ -194,12 +194,14 @@ class TPPositionEmbedding(nn.Embedding):
     with SP this tp rank's sequence shard [.., s/n, d] (the same rows
     :class:`VocabParallelEmbedding`'s reduce-scatter hands it). No collective; under SP the
     table's gradient covers only this rank's positions: summed over tp with the other
-    replicated parameters (``sp_grad``)."""
+    replicated parameters (``sp_grad``), or, with ``grad_sum`` (the DTensor engine, whose SP
+    finisher sums only DTensor ``Partial`` gradients), by f on the weight (:class:`.comms.
+    CopyToTP`: all-reduce of its gradient in backward, tag ``tp_bwd``)."""
 
-    def __init__(self, plain: nn.Embedding, topo, sp: bool):
+    def __init__(self, plain: nn.Embedding, topo, sp: bool, grad_sum: bool = False):
         super().__init__(*plain.weight.shape, _weight=plain.weight.detach())
         self.weight = plain.weight  # the same Parameter (replicated: nothing to cut)
-        self.topo, self.sp = topo, sp
+        self.topo, self.sp, self.grad_sum = topo, sp, grad_sum
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         if self.sp:
@@ -209,10 +211,11 @@ class TPPositionEmbedding(nn.Embedding):
                 raise ValueError(f"sequence parallelism: tp={n} does not divide the sequence "
                                  f"length {s}")
             positions = positions[:, i * s // n:(i + 1) * s // n]
-        return F.embedding(positions, self.weight)
+        w = CopyToTP.apply(self.weight, self.topo, AXIS) if self.grad_sum else self.weight
+        return F.embedding(positions, w)
 
 
-class _TPSummedNorm(nn.Module):
+class TPSummedNorm(nn.Module):
     """Qwen3's per-head q/k RMSNorm on this rank's heads, without SP: the weight [hd] is
     replicated but each tp rank's heads reach only their share of its gradient, so the weight
     enters through f (:class:`.comms.CopyToTP`: identity forward, all-reduce of its gradient
@@ -263,8 +266,8 @@ class TensorParallelAttention(nn.Module):
         self.rope = plain.rope
         self.q_norm, self.k_norm = plain.q_norm, plain.k_norm  # replicated [hd] (Qwen3)
         if plain.q_norm is not None and not sp:
-            self.q_norm, self.k_norm = (_TPSummedNorm(plain.q_norm, topo),
-                                        _TPSummedNorm(plain.k_norm, topo))
+            self.q_norm, self.k_norm = (TPSummedNorm(plain.q_norm, topo),
+                                        TPSummedNorm(plain.k_norm, topo))
 
     def forward(self, x, cos, sin):
         x = enter_tp_region(x, self.topo, self.sp)  # [b, s, d], replicated over tp
