@@ -63,3 +63,18 @@ def test_imported_family_trains_like_one_process(results, references, family, la
         assert rec["grads"][0], f"rank {rank} holds no gradients"
         assert_parity({**rec, "params_full": whole}, ref, where=f"{family} {layout} rank {rank}",
                       all_names="pp" not in layout)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", list(W.LAYOUTS))
+@pytest.mark.parametrize("family", W.FAMILIES)
+def test_ledger_equals_formula(results, family, layout):
+    """Every step's bytes per ledger tag equal the engine's formula (the families' biases,
+    LayerNorm biases, positions and q/k norms included: tp_replicated_numel, f_summed_bytes)."""
+    for rank in range(2):
+        rec = torch.load(results / f"{family}_{layout}_rank{rank}.pt", weights_only=False)
+        for got, want in zip(rec["bytes"], rec["formula"]):
+            tags = (set(got) | set(want)) - {"total"}
+            for tag in sorted(tags):
+                assert got.get(tag, 0.0) == pytest.approx(want.get(tag, 0.0), rel=1e-9), \
+                    (family, layout, rank, tag, got, want)

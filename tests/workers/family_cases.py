@@ -6,7 +6,8 @@ Qwen3, Mistral), the model is imported the way ``shardwise train --init-from-hf`
 trained for 2 AdamW steps (global batch 8, micro-batch 2, clipping that binds) in each layout
 of :data:`LAYOUTS` (explicit
 engine, and the PyTorch one: FSDP2, DTensor TP). Each rank writes ``<out>/<family>_<layout>_rank<r>.pt``: loss, grad norm,
-every gradient and parameter it holds at full shape (a pipeline stage: its own), per step.
+every gradient and parameter it holds at full shape (a pipeline stage: its own), and the
+ledger's bytes by tag against :func:`shardwise.formulas.step_bytes_formula`, per step.
 """
 
 import sys
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.config import TrainConfig
+from shardwise.formulas import step_bytes_formula
 from shardwise.interop.hf import hf_model_overrides, load_hf_weights
 from shardwise.models import Llama, LlamaConfig
 from shardwise.parallel.apply import Layout, parallelize
@@ -55,10 +57,18 @@ def run_case(topo, work, family, name, layout, engine_name, out, rank):
     opt = build_optimizer(engine, TrainConfig(model="tiny", lr=LR, weight_decay=0.1))
     dp = topo.size("dp")
     sampler = work.sampler(GLOBAL_BATCH, dp, topo.index("dp"), seed=0)
-    rec = {"loss": [], "grad_norm": [], "grads": [], "params": []}
+    rec = {"loss": [], "grad_norm": [], "grads": [], "params": [], "bytes": [], "formula": []}
+    local = GLOBAL_BATCH // dp
+    micro_steps = layout.microbatches or local // MICRO
     for _ in range(STEPS):
-        res = train_step(engine, work.batches(sampler.next_local_batch(), MICRO), opt, topo,
-                         max_norm=MAX_NORM, zero_grad=False)
+        res = train_step(engine, work.batches(sampler.next_local_batch(), local // micro_steps),
+                         opt, topo, max_norm=MAX_NORM, zero_grad=False)
+        by_tag = {}
+        for r in topo.ledger.step_records():
+            by_tag[r.tag] = by_tag.get(r.tag, 0.0) + r.wire_bytes
+        rec["bytes"].append(by_tag)
+        rec["formula"].append(step_bytes_formula(engine, topo, micro_steps=micro_steps,
+                                                 sequences=local, seq_len=SEQ))
         rec["loss"].append(res.loss)
         rec["grad_norm"].append(res.grad_norm)
         rec["grads"].append({n: g.detach().clone()

@@ -216,8 +216,24 @@ def apply_tp(model: nn.Module, topo, sp: bool = False, *, seed: int = 0) -> TPRN
 
 
 # -- the formula ----------------------------------------------------------------------------------
+def tp_replicated_numel(cfg) -> int:
+    """Elements of the parameters TP leaves whole on every tp rank (explicit engine), from the
+    model config: the norms ((2L + 1)·d, twice with LayerNorm's bias), the row-parallel biases
+    (wo, w2: d each per layer), Qwen3's q/k norms (2·hd per layer) and GPT-2's position table
+    (P·d). Column-parallel biases are sharded with their weight."""
+    d, L = cfg.d_model, cfg.n_layers
+    norm = getattr(cfg, "norm", "rms")
+    out = (2 * L + 1) * d * (2 if norm == "layer" else 1)
+    out += L * d * (int(getattr(cfg, "o_bias", False)) + int(getattr(cfg, "mlp_bias", False)))
+    out += 2 * L * cfg.head_dim * int(getattr(cfg, "qk_norm", False))
+    if getattr(cfg, "pos", "rope") == "learned":
+        out += cfg.max_seq_len * d
+    return out
+
+
 def tp_step_bytes_formula(model_config, sequences: int, seq_len: int, tp: int, sp: bool = False,
-                          dp: int = 1, dtype: str = "fp32") -> dict[str, float]:
+                          dp: int = 1, dtype: str = "fp32", micro_steps: int = 1
+                          ) -> dict[str, float]:
     """Bytes one rank sends per optimizer step with explicit TP, by ledger tag, plus ``"total"``.
 
     ``sequences``: sequences this rank processes in the step (all micro-batches: every byte
@@ -229,7 +245,11 @@ def tp_step_bytes_formula(model_config, sequences: int, seq_len: int, tp: int, s
       (SP: (2 + 4L) collectives of (n−1)/n·A); by direction, and ``dtype="bf16"`` (the 2L
       row-parallel outputs under autocast carry 2 bytes): :func:`tp_activation_bytes`.
     * ``ce`` — the vocab-parallel cross-entropy: r·(N + 2N)·4 (MAX of [N], SUM of [2, N], fp32).
-    * ``sp_grad`` — SP only: r·(2L + 1)·d·4, the norm weights' gradients (fp32).
+    * ``sp_grad`` — SP only: r·R·4, the gradients of the R tp-replicated elements
+      (:func:`tp_replicated_numel`: (2L + 1)·d norm weights for a Llama; the families' biases,
+      positions and q/k norms too).
+    * ``tp_bwd`` also holds, without SP, Qwen3's q/k-norm gradients summed by f in each
+      micro-step's backward: ``micro_steps``·r·2L·hd·4 (the one term not linear in the batch).
     * ``grad_norm`` — r·8: the squared gradient norm (fp64 scalar) over tp.
     * ``loss`` — 2·(2(dp−1)/dp)·8: token count and loss sum over dp (0 at dp = 1).
 
@@ -240,8 +260,10 @@ def tp_step_bytes_formula(model_config, sequences: int, seq_len: int, tp: int, s
     moe = getattr(model_config, "n_moe_layers", 0)  # MoE blocks: attention only is tp-split
     out = tp_activation_bytes(sequences * seq_len, d, n, sp, blocks=L, dtype=dtype,
                               moe_blocks=moe)
-    out |= {"sp_grad": r * (2 * L + 1) * d * 4 if sp else 0.0, "grad_norm": r * 8,
-            "loss": 2 * (2 * (dp - 1) / dp * 8)}
+    out |= {"sp_grad": r * tp_replicated_numel(model_config) * 4 if sp else 0.0,
+            "grad_norm": r * 8, "loss": 2 * (2 * (dp - 1) / dp * 8)}
+    if getattr(model_config, "qk_norm", False) and not sp:
+        out["tp_bwd"] += micro_steps * r * 2 * L * model_config.head_dim * 4
     out["total"] = sum(out.values())
     return out
 

@@ -249,6 +249,41 @@ class TorchTensorParallel(TPEngineBase):
         """Bytes of this rank's local shards (:func:`~..params.local_state_bytes`)."""
         return local_state_bytes(self.module.parameters(), optimizer)
 
+    def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
+                      dtype: str = "fp32") -> dict[str, float]:
+        """The explicit engine's formula, except that under SP the parameters
+        :func:`prepare_replicated_for_dtensor` routes through f (Qwen3's q/k norms, GPT-2's
+        positions) are summed in each micro-step's backward (``tp_bwd``) instead of once in
+        ``sp_grad``, and the row-parallel biases need no sum at all (:func:`row_bias_bytes`)."""
+        out = super().bytes_formula(micro_steps, sequences, seq_len, dtype)
+        if self.sp:
+            n = self.topo.size(AXIS)
+            moved = f_summed_bytes(self.module, n)
+            out["sp_grad"] -= moved + row_bias_bytes(self.module, n)
+            out["tp_bwd"] += micro_steps * moved
+        return out
+
+
+def row_bias_bytes(module: nn.Module, n: int) -> float:
+    """The SP sum the explicit engine spends on the row-parallel biases (``wo``, ``w2``) and
+    DTensor does not: ``RowwiseParallel`` adds the Replicate bias inside the partial sum,
+    before the reduce-scatter, so its gradient comes from the all-gathered output gradient,
+    complete on every rank (measured: ``Replicate`` and equal to one process's)."""
+    return sum(ring_bytes("all_reduce", _local(p).numel() * 4, n)
+               for name, p in module.named_parameters()
+               if name.endswith(("attention.wo.bias", "feed_forward.w2.bias")))
+
+
+def f_summed_bytes(module: nn.Module, n: int) -> float:
+    """Bytes one backward sends to sum the gradients of ``module``'s parameters that enter
+    through f (:class:`~.layers.TPSummedNorm`, a ``grad_sum`` :class:`~.layers.
+    TPPositionEmbedding`): one fp32 all-reduce each over ``n`` tp ranks."""
+    from .layers import TPPositionEmbedding, TPSummedNorm
+
+    return sum(ring_bytes("all_reduce", m.weight.numel() * 4, n) for m in module.modules()
+               if isinstance(m, TPSummedNorm)
+               or (isinstance(m, TPPositionEmbedding) and m.grad_sum))
+
 
 def parallelize_tensor_dtensor(model: Llama, topo, sp: bool = False, *,
                                book_collectives: bool = True) -> TorchTensorParallel:
