@@ -3,11 +3,11 @@
 For each family folder that the test wrote with transformers (``<out>/<family>``: GPT-2, Qwen2,
 Qwen3, Mistral), the model is imported the way ``shardwise train --init-from-hf`` imports it
 (config.json → overrides → plain model → ``load_hf_weights``, before ``parallelize``), then
-trained for 2 AdamW steps (global batch 8, micro-batch 2, clipping that binds) in each layout
-of :data:`LAYOUTS` (explicit
-engine, and the PyTorch one: FSDP2, DTensor TP). Each rank writes ``<out>/<family>_<layout>_rank<r>.pt``: loss, grad norm,
-every gradient and parameter it holds at full shape (a pipeline stage: its own), and the
-ledger's bytes by tag against :func:`shardwise.formulas.step_bytes_formula`, per step.
+trained for 2 AdamW steps (global batch 8, micro-batches of 2, clipping that binds) in each
+layout of :data:`LAYOUTS` (explicit engine, and the PyTorch one: FSDP2, DTensor TP, torch
+pipelining). Each rank writes ``<out>/<family>_<layout>_rank<r>.pt``: loss, grad norm, every
+gradient and parameter it holds at full shape (a pipeline stage: its own), and the ledger's
+bytes by tag against :func:`shardwise.formulas.step_bytes_formula`, per step.
 """
 
 import sys
