@@ -417,7 +417,7 @@ def hf_to_llama_config(hf: dict, source: str = "config.json"):
     for key in biased:
         if hf.get(key, False):
             raise ShardwiseConfigError(f"{source}: {key} = {hf[key]} but shardwise's {mt} has "
-                                       "no such biases: only checkpoints without it load")
+                                       "no biases there: only checkpoints without it load")
     if hf.get("use_sliding_window") and mt in ("qwen2", "qwen3"):
         raise ShardwiseConfigError(f"{source}: use_sliding_window = true: shardwise's attention "
                                    "is full causal attention: use a checkpoint without it")
