@@ -1,6 +1,6 @@
 """Make a tiny GPT-2 folder and an alpaca-style file to fine-tune it on, with nothing downloaded.
 
-    python examples/tiny_gpt2.py OUT_DIR [--records 400] [--vocab 512] [--seed 0]
+    python -m examples.tiny_gpt2 OUT_DIR [--records 400] [--vocab 512] [--seed 0]
 
 writes ``OUT_DIR/alpaca.jsonl`` (instruction/input/output records of four small tasks: add two
 numbers, reverse a word, upper-case a word, name a number's parity) and ``OUT_DIR/gpt2/``: a
@@ -9,7 +9,7 @@ transformers, ``save_pretrained``) with a byte-level BPE ``tokenizer.json`` trai
 records by the ``tokenizers`` library (``<|endoftext|>`` as EOS, GPT-2's). Then::
 
     shardwise train --task sft --init-from-hf OUT_DIR/gpt2 --data OUT_DIR/alpaca.jsonl \\
-        --dp 2 --steps 50
+        --dp 2 --steps 50 --seq-len 96
 
 The guide's command, on a model small enough for a CPU. Needs the ``hf`` extra (transformers).
 """

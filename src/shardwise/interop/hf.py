@@ -1,5 +1,7 @@
-"""Hugging Face ``LlamaForCausalLM`` and ``MixtralForCausalLM`` folders in and out of shardwise's
-Llama and its mixture of experts (:class:`~shardwise.models.MoELlama`).
+"""Hugging Face folders in and out of shardwise's decoder: ``LlamaForCausalLM``, the families
+that are the same decoder with a few config fields (``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM``, ``GPT2LMHeadModel``: below and :mod:`.gpt2`) and ``MixtralForCausalLM``
+for its mixture of experts (:class:`~shardwise.models.MoELlama`).
 
 Export (``shardwise export --checkpoint DIR --to hf OUT``, :func:`export_hf`) reads one of our
 checkpoints (``checkpoints/step_N/``: DCP files with full-shape tensors under ``model.<FQN>``, and
