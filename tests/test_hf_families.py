@@ -59,7 +59,8 @@ def hf_config(family: str, **kw):
     if family == "qwen2":
         return transformers.Qwen2Config(**llama_like, **kw)
     if family == "qwen3":
-        return transformers.Qwen3Config(**{"head_dim": 8, **llama_like, **kw})
+        # head_dim 16 ≠ hidden / heads = 8, as in the real Qwen3 models (128 ≠ 1024 / 16)
+        return transformers.Qwen3Config(**{"head_dim": 16, **llama_like, **kw})
     if family == "mistral":
         return transformers.MistralConfig(**{"sliding_window": None, **llama_like, **kw})
     raise ValueError(family)
@@ -195,11 +196,11 @@ def test_an_unsupported_architecture_names_the_supported_ones(tmp_path):
 
 @pytest.mark.parametrize("family", ["gpt2", "qwen3"])
 def test_weights_that_do_not_fit_config_json_are_refused_before_loading(tmp_path, family):
-    """config.json from one model, weights from another (wider): the header check names the
-    tensors, before any weight is read."""
+    """config.json from one model, weights from another (another MLP width, another head_dim):
+    the header check names the tensors, before any weight is read."""
     _, folder = hf_folder(tmp_path, family)
-    wide = {"gpt2": dict(n_inner=96), "qwen3": dict(head_dim=16)}[family]
-    _, other = hf_folder(tmp_path / "other", family, **wide)
+    other_shape = {"gpt2": dict(n_inner=96), "qwen3": dict(head_dim=8)}[family]
+    _, other = hf_folder(tmp_path / "other", family, **other_shape)
     (folder / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
     cfg = hf_to_llama_config(read_hf_config(folder))
     with pytest.raises(ShardwiseConfigError, match="the weights do not fit its config.json"):
@@ -214,3 +215,19 @@ def test_what_a_family_cannot_represent_is_refused_on_export(tmp_path):
                        r"config: qk_norm=True \(qwen2: False\)"):
         export_hf(run, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_folder_with_only_gpt2_slow_tokenizer_files_is_refused_not_retokenized(tmp_path):
+    """vocab.json + merges.txt without tokenizer.json: training a new BPE would silently give
+    the model's ids other meanings, so the run is refused with the conversion command."""
+    from shardwise.config import TrainConfig
+    from shardwise.train.workload import tokenizer_spec
+
+    _, folder = hf_folder(tmp_path, "gpt2")
+    (folder / "tokenizer.json").unlink()
+    (folder / "vocab.json").write_text("{}")
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    with pytest.raises(ShardwiseConfigError, match="vocab.json \\+ merges.txt but no "
+                       "tokenizer.json.*save_pretrained"):
+        tokenizer_spec(TrainConfig(init_from_hf=str(folder)))
+    assert tokenizer_spec(TrainConfig(init_from_hf=str(folder), tokenizer="bytes")) == "bytes"

@@ -93,6 +93,15 @@ def tokenizer_spec(cfg: TrainConfig) -> str:
     hf_tok = os.path.join(cfg.init_from_hf, "tokenizer.json") if cfg.init_from_hf else ""
     if cfg.tokenizer == "bpe" and hf_tok and os.path.isfile(hf_tok):
         return hf_tok
+    if cfg.tokenizer == "bpe" and hf_tok and all(  # GPT-2's slow-tokenizer files only
+            os.path.isfile(os.path.join(cfg.init_from_hf, f)) for f in ("vocab.json",
+                                                                        "merges.txt")):
+        raise ShardwiseConfigError(
+            f"--init-from-hf {cfg.init_from_hf}: the folder has vocab.json + merges.txt but no "
+            "tokenizer.json, and a new BPE would not mean the model's ids: write it with "
+            "python -c \"from transformers import AutoTokenizer as T; "
+            f"T.from_pretrained('{cfg.init_from_hf}').save_pretrained('{cfg.init_from_hf}')\", "
+            "or pass --tokenizer FILE.json")
     return cfg.tokenizer
 
 
