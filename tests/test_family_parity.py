@@ -1,6 +1,6 @@
-"""Import → training in dp=2, ZeRO-3, tp=2 (with and without SP) and pp=2 equals one process,
-on both engines (explicit; PyTorch: FSDP2, DTensor TP, torch.distributed.pipelining),
-for every model family beyond Llama (GPT-2: learned positions, LayerNorm biases, GELU, biased
+"""Import → training in dp=2, ZeRO-3, tp=2 (with and without SP, with activation
+checkpointing), pp=2 and cp=2 equals one process, on both engines (explicit; PyTorch: FSDP2,
+DTensor TP, torch.distributed.pipelining), for every model family beyond Llama (GPT-2: learned positions, LayerNorm biases, GELU, biased
 projections, fused-and-split q‖k‖v; Qwen2: qkv biases; Qwen3: per-head q/k RMSNorm, head_dim
 ≠ d/h; Mistral), in loss, gradient norm, every gradient and every parameter, by the project's
 parity rule (:mod:`shardwise.parity`). The HF folders are built by transformers from tiny

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from shardwise.config import TrainConfig
 from shardwise.formulas import step_bytes_formula
 from shardwise.interop.hf import hf_model_overrides, load_hf_weights
-from shardwise.models import Llama, LlamaConfig
+from shardwise.models import Llama, LlamaConfig, set_activation_checkpointing
 from shardwise.parallel.apply import Layout, parallelize
 from shardwise.topology import Topology, init_distributed
 from shardwise.train.optim import build_optimizer
@@ -27,16 +27,19 @@ from shardwise.train.workload import SyntheticLMWorkload
 
 FAMILIES = ("gpt2", "qwen2", "qwen3", "mistral")
 STEPS, GLOBAL_BATCH, MICRO, MAX_NORM, LR, SEQ, V = 2, 8, 2, 0.3, 3e-4, 16, 257
-# name → (Layout, topology degrees (pp, dp, tp), engine)
-LAYOUTS = {"dp2": (Layout(dp=2), (1, 2, 1), "explicit"),
-           "dp2_zero3": (Layout(dp=2, zero=3), (1, 2, 1), "explicit"),
-           "tp2": (Layout(tp=2), (1, 1, 2), "explicit"),
-           "tp2_sp": (Layout(tp=2, sp=True), (1, 1, 2), "explicit"),
-           "pp2": (Layout(pp=2, microbatches=4), (2, 1, 1), "explicit"),
-           "torch_dp2_zero3": (Layout(dp=2, zero=3), (1, 2, 1), "torch"),
-           "torch_tp2": (Layout(tp=2), (1, 1, 2), "torch"),
-           "torch_tp2_sp": (Layout(tp=2, sp=True), (1, 1, 2), "torch"),
-           "torch_pp2": (Layout(pp=2, microbatches=4), (2, 1, 1), "torch")}
+# name → (Layout, topology degrees (pp, dp, tp, cp), engine[, activation checkpointing])
+LAYOUTS = {"dp2": (Layout(dp=2), (1, 2, 1, 1), "explicit"),
+           "dp2_zero3": (Layout(dp=2, zero=3), (1, 2, 1, 1), "explicit"),
+           "tp2": (Layout(tp=2), (1, 1, 2, 1), "explicit"),
+           "tp2_sp": (Layout(tp=2, sp=True), (1, 1, 2, 1), "explicit"),
+           "pp2": (Layout(pp=2, microbatches=4), (2, 1, 1, 1), "explicit"),
+           "cp2": (Layout(cp=2), (1, 1, 1, 2), "explicit"),
+           "tp2_ac_full": (Layout(tp=2), (1, 1, 2, 1), "explicit", "full"),
+           "tp2_sp_ac_selective": (Layout(tp=2, sp=True), (1, 1, 2, 1), "explicit", "selective"),
+           "torch_dp2_zero3": (Layout(dp=2, zero=3), (1, 2, 1, 1), "torch"),
+           "torch_tp2": (Layout(tp=2), (1, 1, 2, 1), "torch"),
+           "torch_tp2_sp": (Layout(tp=2, sp=True), (1, 1, 2, 1), "torch"),
+           "torch_pp2": (Layout(pp=2, microbatches=4), (2, 1, 1, 1), "torch")}
 
 
 def workload():
@@ -51,9 +54,11 @@ def imported_model(folder: str) -> Llama:
     return model
 
 
-def run_case(topo, work, family, name, layout, engine_name, out, rank):
-    engine = parallelize(imported_model(f"{out}/{family}"), topo, layout, seed=0,
-                         engine=engine_name)
+def run_case(topo, work, family, name, layout, engine_name, out, rank, ac="none"):
+    model = imported_model(f"{out}/{family}")
+    # a recompute's TP collectives are booked outside the step, as in train/loop.py
+    set_activation_checkpointing(model, ac, lambda: topo.ledger.phase("recompute"))
+    engine = parallelize(model, topo, layout, seed=0, engine=engine_name)
     opt = build_optimizer(engine, TrainConfig(model="tiny", lr=LR, weight_decay=0.1))
     dp = topo.size("dp")
     sampler = work.sampler(GLOBAL_BATCH, dp, topo.index("dp"), seed=0)
@@ -83,13 +88,14 @@ def main(out: str) -> None:
     rank = dist.get_rank()
     work = workload()
     topos = {}
-    for _, degrees, _ in LAYOUTS.values():  # creation is collective: every rank, same order
+    for _, degrees, *_ in LAYOUTS.values():  # creation is collective: every rank, same order
         if degrees not in topos:
-            pp, dp, tp = degrees
-            topos[degrees] = Topology(pp=pp, dp=dp, tp=tp, ranks=range(2), timeout_s=120)
+            pp, dp, tp, cp = degrees
+            topos[degrees] = Topology(pp=pp, dp=dp, tp=tp, cp=cp, ranks=range(2),
+                                      timeout_s=120)
     for family in FAMILIES:
-        for name, (layout, degrees, engine) in LAYOUTS.items():
-            run_case(topos[degrees], work, family, name, layout, engine, out, rank)
+        for name, (layout, degrees, engine, *ac) in LAYOUTS.items():
+            run_case(topos[degrees], work, family, name, layout, engine, out, rank, *ac)
     dist.barrier()
     dist.destroy_process_group()
 
