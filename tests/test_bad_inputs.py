@@ -98,7 +98,9 @@ def f(tmp_path_factory):
     (d / "empty").mkdir()
     files["empty"] = d / "empty"
     files["hf_ok"] = _hf_dir(d, "hf_ok")
-    files["hf_gpt2"] = _hf_dir(d, "hf_gpt2", lambda c: c.update(model_type="gpt2"), weights=False)
+    files["hf_bert"] = _hf_dir(d, "hf_bert", lambda c: c.update(model_type="bert"), weights=False)
+    files["hf_gpt2_llama_weights"] = _hf_dir(d, "hf_gpt2_llama_weights", lambda c: c.update(
+        model_type="gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=64))
     files["hf_noweights"] = _hf_dir(d, "hf_noweights", weights=False)
     files["hf_rope"] = _hf_dir(d, "hf_rope", lambda c: c.update(
         rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}))
@@ -322,9 +324,12 @@ CASES = [
     ("hf-no-config", lambda f: [*Q, "--init-from-hf", f["empty"]], ["no config.json there"]),
     ("hf-config-not-json", lambda f: [*Q, "--init-from-hf", f["hf_badjson"]],
      ["config.json: not valid JSON"]),
-    ("hf-gpt2-refused", lambda f: [*Q, "--init-from-hf", f["hf_gpt2"]],
-     ["model_type 'gpt2' cannot be loaded", "learned absolute position embeddings",
-      "give a LlamaForCausalLM folder"]),
+    ("hf-architecture-refused", lambda f: [*Q, "--init-from-hf", f["hf_bert"]],
+     ["model_type 'bert' is not supported", "shardwise loads LlamaForCausalLM ('llama')",
+      "GPT2LMHeadModel ('gpt2')", "Qwen3ForCausalLM ('qwen3')"]),
+    ("hf-gpt2-config-llama-weights",
+     lambda f: [*Q, "--init-from-hf", f["hf_gpt2_llama_weights"]],
+     ["tensors with no place in shardwise's GPT-2", "is this a GPT2LMHeadModel folder?"]),
     ("hf-no-weights", lambda f: [*Q, "--init-from-hf", f["hf_noweights"]],
      ["no weights (model.safetensors"]),
     ("hf-rope-scaling", lambda f: [*Q, "--init-from-hf", f["hf_rope"]],
@@ -427,7 +432,7 @@ RANK_CASES = [
      ["missing field 'output'"]),
     ("hf-truncated-weights", lambda f: [*Q, "--init-from-hf", f["hf_trunc"]],
      ["corrupt or truncated"]),
-    ("hf-gpt2", lambda f: [*Q, "--init-from-hf", f["hf_gpt2"]], ["model_type 'gpt2'"]),
+    ("hf-architecture", lambda f: [*Q, "--init-from-hf", f["hf_bert"]], ["model_type 'bert'"]),
     ("eval-every-0", lambda f: [*Q, "--eval-every", "0"], ["--eval-every 0 must be ≥ 1"]),
     ("collectives-on-every-rank", lambda f: [*Q, "--collectives", "trees"],
      ["--collectives 'trees'"]),

@@ -96,16 +96,17 @@ def test_hf_llama_loads_into_ours_with_equal_logits_and_round_trips(tmp_path, ti
     assert all(torch.equal(again[k], v) for k, v in ours.state_dict().items())
 
 
-def test_a_real_gpt2_folder_is_refused_with_the_reason(tmp_path):
-    """GPT-2 cannot be expressed by our Llama family: the refusal names why, before anything
-    starts (config.validate reads config.json only)."""
+def test_a_gpt2_variant_we_cannot_express_is_refused_with_the_reason(tmp_path):
+    """GPT-2 folders load (tests/test_hf_families.py); a variant that scales attention by the
+    layer index computes other logits, so validate refuses it from config.json alone."""
     from shardwise.config import TrainConfig, validate
     from shardwise.errors import ShardwiseConfigError
 
-    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=300, n_positions=64)
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=300, n_positions=64,
+                                  scale_attn_by_inverse_layer_idx=True)
     transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
-    with pytest.raises(ShardwiseConfigError, match="model_type 'gpt2' cannot be loaded: GPT-2 "
-                       "uses learned absolute position embeddings"):
+    with pytest.raises(ShardwiseConfigError, match="scale_attn_by_inverse_layer_idx = True: "
+                       "shardwise's GPT-2 needs"):
         validate(TrainConfig(model="tiny", dp=1, tp=1, zero=0, seq_len=32,
                              init_from_hf=str(tmp_path / "gpt2")))
 

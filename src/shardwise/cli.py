@@ -107,9 +107,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="benchmarks/results")
     b.set_defaults(func=cmd_bench)
 
-    e = sub.add_parser("export", help="write a checkpoint as a Hugging Face LlamaForCausalLM "
-                       "(an MoE model: MixtralForCausalLM) folder (config.json, "
-                       "model.safetensors, tokenizer files)")
+    e = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder of its "
+                       "family (Llama, Mistral, Qwen2, Qwen3, GPT-2; an MoE model: Mixtral): "
+                       "config.json, model.safetensors, tokenizer files")
     e.add_argument("--checkpoint", required=True, metavar="DIR",
                    help="a run folder (its latest checkpoint), or a checkpoints/step_N folder")
     e.add_argument("--to", required=True, choices=("hf",), help="output format")

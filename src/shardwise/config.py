@@ -26,7 +26,7 @@ class TrainConfig:
     n_layers: int = 0  # override the preset's layer count (0 = the preset's)
     tie_embeddings: bool = True
     dropout: float = 0.0
-    init_from_hf: str = ""  # a local HF LlamaForCausalLM folder: its architecture and weights
+    init_from_hf: str = ""  # a local HF folder (Llama, Mistral, Qwen2/3, GPT-2, Mixtral)
     # mixture of experts (--model moe-tiny | moe-small; models/moe.py): 0 = the preset's
     n_experts: int = 0  # routed experts per MoE block
     top_k: int = 0  # experts per token

@@ -1,5 +1,7 @@
-"""Hugging Face ``LlamaForCausalLM`` and ``MixtralForCausalLM`` folders in and out of shardwise's
-Llama and its mixture of experts (:class:`~shardwise.models.MoELlama`).
+"""Hugging Face folders in and out of shardwise's decoder: ``LlamaForCausalLM``, the families
+that are the same decoder with a few config fields (``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM``, ``GPT2LMHeadModel``: below and :mod:`.gpt2`) and ``MixtralForCausalLM``
+for its mixture of experts (:class:`~shardwise.models.MoELlama`).
 
 Export (``shardwise export --checkpoint DIR --to hf OUT``, :func:`export_hf`) reads one of our
 checkpoints (``checkpoints/step_N/``: DCP files with full-shape tensors under ``model.<FQN>``, and
@@ -66,9 +68,21 @@ pools the batch and the layers and lets f sum to k, where ours is per sequence a
 Mixtral was trained without a z-loss). ``router_jitter_noise`` (training-time input noise in
 transformers) is not read.
 
-GPT-2 (``model_type = "gpt2"``) is refused: it has learned absolute position embeddings,
-LayerNorm with bias, a GELU MLP and biases on every projection; our Llama family (RoPE, RMSNorm,
-SwiGLU, no biases) cannot express it, so a conversion would not compute the same function.
+**The other dense families** are the same decoder with a few config fields
+(:mod:`shardwise.models.llama`; ``family`` names the architecture export writes):
+
+* **Mistral** (``model_type = "mistral"``, MistralForCausalLM): Llama's tensors and names under
+  its own config class; ``sliding_window`` must be null or ≥ ``max_position_embeddings`` (our
+  attention is full causal attention).
+* **Qwen2** (``"qwen2"``): Llama plus biases on q_proj, k_proj, v_proj (``qkv_bias``), names
+  ``self_attn.{q,k,v}_proj.bias``; ``use_sliding_window`` must be off.
+* **Qwen3** (``"qwen3"``): Llama plus an RMSNorm over each head's q and k before RoPE
+  (``qk_norm``; ``self_attn.q_norm.weight``, ``k_norm.weight`` [hd]), ``head_dim`` given in
+  config.json (our ``attn_head_dim``; it need not be hidden_size / heads), optional
+  ``attention_bias`` (q, k, v, o).
+* **GPT-2** (``"gpt2"``, GPT2LMHeadModel): learned positions, LayerNorm with bias, a GELU MLP,
+  biases everywhere, tied embeddings, and a fused q‖k‖v ``c_attn`` stored as a transposed
+  Conv1D, split at import and fused at export: :mod:`.gpt2`.
 
 Errors: every bad folder or checkpoint raises :class:`~shardwise.errors.ShardwiseConfigError`
 naming the file and the fix. Nothing here needs a process group.
@@ -98,6 +112,16 @@ _LAYER_MAP = [
     ("feed_forward.w1.weight", "mlp.gate_proj.weight"),
     ("feed_forward.w3.weight", "mlp.up_proj.weight"),
     ("feed_forward.w2.weight", "mlp.down_proj.weight"),
+    # Qwen2's qkv biases (and any Llama-family bias), Qwen3's per-head q/k RMSNorm
+    ("attention.wq.bias", "self_attn.q_proj.bias"),
+    ("attention.wk.bias", "self_attn.k_proj.bias"),
+    ("attention.wv.bias", "self_attn.v_proj.bias"),
+    ("attention.wo.bias", "self_attn.o_proj.bias"),
+    ("feed_forward.w1.bias", "mlp.gate_proj.bias"),
+    ("feed_forward.w3.bias", "mlp.up_proj.bias"),
+    ("feed_forward.w2.bias", "mlp.down_proj.bias"),
+    ("attention.q_norm.weight", "self_attn.q_norm.weight"),
+    ("attention.k_norm.weight", "self_attn.k_norm.weight"),
 ]
 _TOP_MAP = [("tok_embeddings.weight", "model.embed_tokens.weight"),
             ("norm.weight", "model.norm.weight"),
@@ -241,7 +265,7 @@ def check_hf_exportable(cfg) -> str:
     naming what it cannot: shared experts, ``moe_every`` > 1, a capacity factor, unnormalised
     top-k weights (each would make transformers compute other logits)."""
     if not _is_moe(cfg):
-        return "LlamaForCausalLM"
+        return _dense_architecture(cfg)
     why = []
     if cfg.n_shared_experts:
         why.append(f"n_shared_experts={cfg.n_shared_experts} (Mixtral has no shared experts)")
@@ -261,6 +285,32 @@ def check_hf_exportable(cfg) -> str:
     return "MixtralForCausalLM"
 
 
+def _dense_architecture(cfg) -> str:
+    """The HF architecture of dense config ``cfg`` (its ``family``), or ShardwiseConfigError
+    naming the fields that family cannot represent."""
+    family = getattr(cfg, "family", "llama")
+    if family == "gpt2":
+        from .gpt2 import gpt2_mismatch
+
+        bad = gpt2_mismatch(cfg)
+    elif family in _FAMILY_FIELDS:
+        need = {**_LLAMA_LIKE, **_FAMILY_FIELDS[family]}
+        if family in ("llama", "mistral"):
+            need |= {"qkv_bias": False, "o_bias": False, "qk_norm": False}
+        elif family == "qwen2":
+            need |= {"qk_norm": False}
+        else:  # qwen3: q, k, v, o biased together (attention_bias) or not at all
+            need |= {"o_bias": cfg.qkv_bias}
+        bad = [f"{k}={getattr(cfg, k)!r} ({family}: {v!r})" for k, v in need.items()
+               if getattr(cfg, k) != v]
+    else:
+        bad = [f"family={family!r} (choose from gpt2, {', '.join(_FAMILY_FIELDS)})"]
+    if bad:
+        raise ShardwiseConfigError(f"export: a {family} model cannot represent this config: "
+                                   + "; ".join(bad) + ": set the fields its family fixes")
+    return SUPPORTED_MODEL_TYPES[family]
+
+
 def llama_to_hf_config(cfg, eos_id: int | None = None) -> dict:
     """Our :class:`~shardwise.models.LlamaConfig` → a ``config.json`` dict for LlamaForCausalLM
     (a :class:`~shardwise.models.MoEConfig`: :func:`mixtral_to_hf_config`).
@@ -269,9 +319,24 @@ def llama_to_hf_config(cfg, eos_id: int | None = None) -> dict:
     (5.x), so either version reads it."""
     if _is_moe(cfg):
         return mixtral_to_hf_config(cfg, eos_id)
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            **_decoder_config(cfg, cfg.d_ff, eos_id), "attention_bias": False,
-            "mlp_bias": False, "pretraining_tp": 1}
+    arch, family = _dense_architecture(cfg), getattr(cfg, "family", "llama")
+    if family == "gpt2":
+        from .gpt2 import gpt2_hf_config
+
+        return gpt2_hf_config(cfg, eos_id)
+    out = {"architectures": [arch], "model_type": family,
+           **_decoder_config(cfg, cfg.d_ff, eos_id)}
+    if family == "llama":
+        out |= {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
+    elif family == "mistral":
+        out |= {"sliding_window": None}
+    else:  # qwen2, qwen3: full attention in every layer
+        out |= {"use_sliding_window": False, "sliding_window": None,
+                "max_window_layers": cfg.n_layers,
+                "layer_types": ["full_attention"] * cfg.n_layers}
+        if family == "qwen3":
+            out["attention_bias"] = bool(cfg.qkv_bias)
+    return out
 
 
 def _decoder_config(cfg, intermediate: int, eos_id: int | None) -> dict:
@@ -342,20 +407,22 @@ def hf_to_llama_config(hf: dict, source: str = "config.json"):
 
     mt = hf.get("model_type")
     if mt == "gpt2":
+        from .gpt2 import gpt2_config
+
+        return gpt2_config(hf, source)
+    if mt not in SUPPORTED_MODEL_TYPES:
         raise ShardwiseConfigError(
-            f"{source}: model_type 'gpt2' cannot be loaded: GPT-2 uses learned absolute position "
-            "embeddings, LayerNorm with bias, a GELU MLP and biased projections, which "
-            "shardwise's Llama family (RoPE, RMSNorm, SwiGLU, no biases) cannot express: "
-            "give a LlamaForCausalLM folder (model_type 'llama') or a MixtralForCausalLM one "
-            "('mixtral')")
-    if mt not in ("llama", "mixtral"):
-        raise ShardwiseConfigError(f"{source}: model_type {mt!r} is not supported: give a "
-                                   "LlamaForCausalLM folder (model_type 'llama') or a "
-                                   "MixtralForCausalLM one ('mixtral')")
-    for key, ok in (("attention_bias", False), ("mlp_bias", False)):
-        if hf.get(key, ok) != ok:
-            raise ShardwiseConfigError(f"{source}: {key} = {hf[key]} but shardwise's Llama has "
-                                       "no biases: only bias-free Llama checkpoints load")
+            f"{source}: model_type {mt!r} is not supported: shardwise loads "
+            + ", ".join(f"{a} ('{t}')" for t, a in SUPPORTED_MODEL_TYPES.items())
+            + " folders")
+    biased = ("mlp_bias",) if mt == "qwen3" else ("attention_bias", "mlp_bias")
+    for key in biased:
+        if hf.get(key, False):
+            raise ShardwiseConfigError(f"{source}: {key} = {hf[key]} but shardwise's {mt} has "
+                                       "no biases there: only checkpoints without it load")
+    if hf.get("use_sliding_window") and mt in ("qwen2", "qwen3"):
+        raise ShardwiseConfigError(f"{source}: use_sliding_window = true: shardwise's attention "
+                                   "is full causal attention: use a checkpoint without it")
     if hf.get("hidden_act", "silu") != "silu":
         raise ShardwiseConfigError(f"{source}: hidden_act {hf['hidden_act']!r}: shardwise's "
                                    "SwiGLU uses silu; only silu Llama checkpoints load")
@@ -368,7 +435,9 @@ def hf_to_llama_config(hf: dict, source: str = "config.json"):
             "plain rotate-half of RoFormer): use a checkpoint without rope_scaling")
     # transformers' defaults where a field is absent: LlamaConfig's, or MixtralConfig's
     mixtral = mt == "mixtral"
-    theta0, eps0, pos0 = (1e6, 1e-5, 4096 * 32) if mixtral else (10000.0, 1e-6, 2048)
+    theta0, eps0, pos0 = {"mixtral": (1e6, 1e-5, 4096 * 32), "mistral": (1e4, 1e-6, 4096 * 32),
+                          "qwen2": (1e4, 1e-6, 32768), "qwen3": (1e4, 1e-6, 32768)
+                          }.get(mt, (10000.0, 1e-6, 2048))
     try:
         d, h = int(hf["hidden_size"]), int(hf["num_attention_heads"])
         kw = dict(
@@ -380,21 +449,30 @@ def hf_to_llama_config(hf: dict, source: str = "config.json"):
             rope_theta=float(hf.get("rope_theta") or (rope or {}).get("rope_theta") or theta0),
             norm_eps=float(hf.get("rms_norm_eps", eps0)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            init_std=float(hf.get("initializer_range", 0.02)))
+            init_std=float(hf.get("initializer_range", 0.02)), family=mt)
+        if mt == "qwen2":
+            kw["qkv_bias"] = True
+        if mt == "qwen3":
+            bias = bool(hf.get("attention_bias", False))
+            kw.update(qk_norm=True, qkv_bias=bias, o_bias=bias,
+                      attn_head_dim=int(hf.get("head_dim") or 128))
+        elif hf.get("head_dim") not in (None, d // h):
+            kw["attn_head_dim"] = int(hf["head_dim"])
+        window = hf.get("sliding_window")
+        window = None if window is None else int(window)
         if mixtral:
+            kw["family"] = "llama"  # a MoEConfig: its family is decided by the MoE fields
             kw.update(n_experts=int(hf.get("num_local_experts", 8)),
                       top_k=int(hf.get("num_experts_per_tok", 2)), d_expert=kw["d_ff"],
                       moe_every=1, n_shared_experts=0, capacity_factor=None, norm_topk=True,
                       aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
                       z_loss_coef=float(hf.get("router_z_loss_coef", 0.0)))
-            window = hf.get("sliding_window")
-            window = None if window is None else int(window)
     except KeyError as e:
         raise ShardwiseConfigError(f"{source}: missing field {e.args[0]!r}: re-save the model "
                                    "with save_pretrained") from None
     except (TypeError, ValueError) as e:  # a field that is not a number
         raise ShardwiseConfigError(f"{source}: {e}") from None
-    if mixtral and window is not None and window < kw["max_seq_len"]:
+    if (mixtral or mt == "mistral") and window is not None and window < kw["max_seq_len"]:
         raise ShardwiseConfigError(
             f"{source}: sliding_window = {window} < max_position_embeddings = "
             f"{kw['max_seq_len']}: shardwise's attention is full causal attention, so sequences "
@@ -404,15 +482,27 @@ def hf_to_llama_config(hf: dict, source: str = "config.json"):
         cfg = MoEConfig(**kw) if mixtral else LlamaConfig(**kw)
     except ValueError as e:  # our configs' own checks: heads divide d_model, top_k ≤ E, …
         raise ShardwiseConfigError(f"{source}: {e}") from None
-    if hf.get("head_dim") not in (None, cfg.head_dim):
+    if mixtral and hf.get("head_dim") not in (None, cfg.head_dim):
         raise ShardwiseConfigError(
             f"{source}: head_dim {hf['head_dim']} ≠ hidden_size / num_attention_heads = "
-            f"{cfg.head_dim}: shardwise derives head_dim; such checkpoints do not load")
+            f"{cfg.head_dim}: shardwise derives head_dim for Mixtral; such checkpoints do not "
+            "load")
     return cfg
 
 
+# model_type → the architecture; the dense families are our Llama with other config fields
+SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                         "gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM"}
+# what each Llama-like family fixes (besides the shape): checked on export
+_FAMILY_FIELDS = {"llama": {}, "mistral": {}, "qwen2": {"qkv_bias": True, "o_bias": False},
+                  "qwen3": {"qk_norm": True}}
+_LLAMA_LIKE = dict(norm="rms", mlp="swiglu", pos="rope", mlp_bias=False)
+
+
 ARCH_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len",
-               "rope_theta", "norm_eps", "tie_embeddings")
+               "rope_theta", "norm_eps", "tie_embeddings", "family", "norm", "mlp", "pos",
+               "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "attn_head_dim")
 # the MoEConfig fields a Mixtral folder also decides (the loss coefficients stay the run's)
 MOE_ARCH_FIELDS = ("n_experts", "top_k", "d_expert", "moe_every", "n_shared_experts",
                    "capacity_factor", "norm_topk")
@@ -513,8 +603,8 @@ def check_weight_files(folder: str | os.PathLike, cfg=None) -> None:
         return
     # the names and shapes as the weights would load: meta tensors through the same renaming
     # (and Mixtral's expert stacking) that load_hf_weights applies
-    got = {k: tuple(v.shape) for k, v in from_hf_state_dict(
-        {k: torch.empty(v, device="meta") for k, v in shapes.items()}, cfg.tie_embeddings,
+    got = {k: tuple(v.shape) for k, v in hf_to_ours(
+        {k: torch.empty(v, device="meta") for k, v in shapes.items()}, cfg,
         source=str(folder)).items()}
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in model_for(cfg).state_dict().items()}
@@ -551,8 +641,32 @@ def load_hf_weights(model, folder: str | os.PathLike) -> None:
             f"--init-from-hf {folder}: its config.json is a {arch} but the model built is "
             f"{have}: build {need} model from the folder's overrides (hf_model_kind, "
             "hf_model_overrides)")
-    ours = from_hf_state_dict(read_hf_weights(folder), cfg.tie_embeddings, source=str(folder))
+    if getattr(model, "config", cfg).family != cfg.family:
+        raise ShardwiseConfigError(
+            f"--init-from-hf {folder}: its config.json is a {cfg.family} model but the model "
+            f"built is a {model.config.family} one: build the model from the folder's "
+            "overrides (hf_model_overrides)")
+    ours = hf_to_ours(read_hf_weights(folder), cfg, source=str(folder))
     _copy_into(model, ours, str(folder))
+
+
+def hf_to_ours(hf: dict[str, torch.Tensor], cfg, source: str = "HF") -> dict[str, torch.Tensor]:
+    """HF tensors → our FQNs for model config ``cfg``: GPT-2's own map (:mod:`.gpt2`) or the
+    Llama-family one (:func:`from_hf_state_dict`)."""
+    if getattr(cfg, "family", "llama") == "gpt2":
+        from .gpt2 import gpt2_from_hf_state_dict
+
+        return gpt2_from_hf_state_dict(hf, cfg, source)
+    return from_hf_state_dict(hf, cfg.tie_embeddings, source=source)
+
+
+def ours_to_hf(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """Our full-shape tensors → HF names for ``cfg`` (the inverse of :func:`hf_to_ours`)."""
+    if getattr(cfg, "family", "llama") == "gpt2":
+        from .gpt2 import gpt2_to_hf_state_dict
+
+        return gpt2_to_hf_state_dict(state)
+    return to_hf_state_dict(state, cfg.tie_embeddings)
 
 
 def _copy_into(model, state: dict[str, torch.Tensor], source: str) -> None:
@@ -849,7 +963,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike,
     except OSError as e:
         raise ShardwiseConfigError(f"export: cannot create {tmp} ({e.strerror}): choose a "
                                    "writable output folder") from None
-    hf = {k: v.contiguous() for k, v in to_hf_state_dict(state, cfg.tie_embeddings).items()}
+    hf = {k: v.contiguous() for k, v in ours_to_hf(state, cfg).items()}
     save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(llama_to_hf_config(cfg, tok.eos_id), indent=2))
     (tmp / "generation_config.json").write_text(json.dumps(

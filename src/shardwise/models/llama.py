@@ -5,6 +5,15 @@ RMSNorm (Zhang & Sennrich 2019), rotary position embeddings (Su et al. 2021, RoP
 (Shazeer 2020), grouped-query attention (Ainslie et al. 2023) through
 ``scaled_dot_product_attention``, optional tied input/output embeddings (Press & Wolf 2017).
 
+The same decoder expresses the other families people fine-tune (:mod:`.families`; Hugging Face
+folders: :mod:`shardwise.interop.hf`) through a few config fields, so the parallel plans, which
+name the modules, see the same tree: ``norm`` ("rms" | "layer": LayerNorm with bias),
+``mlp`` ("swiglu" | "gelu" | "gelu_tanh": a two-matmul GELU MLP w2(gelu(w1 x)), no w3), ``pos``
+("rope" | "learned": a ``pos_embeddings`` table added to the token embedding, GPT-2), biases
+(``qkv_bias``: Qwen2; ``o_bias``, ``mlp_bias``: GPT-2), ``qk_norm`` (an RMSNorm over each
+head's q and k before RoPE: Qwen3), ``attn_head_dim`` (a head size other than d/h, Qwen3) and
+``family`` (the Hugging Face architecture it exports to).
+
 Shapes: ``b`` batch, ``s`` sequence, ``d`` d_model, ``h`` heads, ``k`` kv heads, ``hd`` head dim,
 ``f`` d_ff, ``V`` vocab. Module names follow Meta's Llama (``tok_embeddings``, ``layers.{i}.
 attention.wq``, ``feed_forward.w1`` …) so parallel plans can name them.
@@ -39,25 +48,46 @@ class LlamaConfig:
     tie_embeddings: bool = True
     dropout: float = 0.0
     init_std: float = 0.02
+    # model families (module docstring; models/families.py): the defaults are Llama
+    family: str = "llama"  # llama | mistral | qwen2 | qwen3 | gpt2: the HF architecture
+    norm: str = "rms"  # rms (RMSNorm) | layer (LayerNorm with bias)
+    mlp: str = "swiglu"  # swiglu | gelu | gelu_tanh (two-matmul GELU MLP, no w3)
+    pos: str = "rope"  # rope | learned (pos_embeddings [max_seq_len, d])
+    qkv_bias: bool = False  # biases on wq, wk, wv
+    o_bias: bool = False  # bias on wo
+    mlp_bias: bool = False  # biases on w1 (w3), w2
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k, before RoPE
+    attn_head_dim: int = 0  # 0: d_model / n_heads
 
     def __post_init__(self):
-        if self.d_model % self.n_heads:
+        if not self.attn_head_dim and self.d_model % self.n_heads:
             raise ValueError(f"n_heads={self.n_heads} must divide d_model={self.d_model}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
-        if (self.d_model // self.n_heads) % 2:
+        if self.pos == "rope" and self.head_dim % 2:
             raise ValueError("head_dim = d_model / n_heads must be even for RoPE")
+        for name, allowed in (("norm", NORMS), ("mlp", MLPS), ("pos", POSITIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}: choose from {allowed}")
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.attn_head_dim or self.d_model // self.n_heads
 
     def num_params(self) -> int:
         """Parameter count Ψ (tied embeddings counted once)."""
         d, f, V, L = self.d_model, self.d_ff, self.vocab_size, self.n_layers
-        kv = self.n_kv_heads * self.head_dim
-        block = 2 * d * d + 2 * d * kv + 3 * d * f + 2 * d
-        return V * d * (1 if self.tie_embeddings else 2) + L * block + d
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        norm = 2 * d if self.norm == "layer" else d
+        mats = 3 if self.mlp == "swiglu" else 2
+        block = 2 * d * q + 2 * d * kv + mats * d * f + 2 * norm
+        block += (q + 2 * kv) * self.qkv_bias + d * self.o_bias
+        block += ((mats - 1) * f + d) * self.mlp_bias + 2 * self.head_dim * self.qk_norm
+        pos = self.max_seq_len * d if self.pos == "learned" else 0
+        return V * d * (1 if self.tie_embeddings else 2) + L * block + norm + pos
+
+
+NORMS, MLPS, POSITIONS = ("rms", "layer"), ("swiglu", "gelu", "gelu_tanh"), ("rope", "learned")
 
 
 # Named presets. `tiny` is for tests (fast on one CPU thread); `small` is the embedded default
@@ -85,9 +115,36 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:class:`RMSNorm`'s function, with the weight given (TP passes it through a collective)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """y = (x − mean) / sqrt(var + eps) · weight + bias over the last dim, in fp32 (Ba et al.
+    2016; GPT-2's ``ln_1``/``ln_2``/``ln_f``). x: [..., d] → [..., d]."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), self.bias.float(),
+                         self.eps)
+        return y.to(x.dtype)
+
+
+def make_norm(cfg: LlamaConfig, dim: int | None = None) -> nn.Module:
+    """The block/final norm of ``cfg`` (``cfg.norm``) over ``dim`` (default d_model)."""
+    dim = cfg.d_model if dim is None else dim
+    return LayerNorm(dim, cfg.norm_eps) if cfg.norm == "layer" else RMSNorm(dim, cfg.norm_eps)
 
 
 def rope_cache(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,19 +180,26 @@ class CoreAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
 
 
-def causal_attention(x: torch.Tensor, wq, wk, wv, head_dim: int, cos: torch.Tensor,
-                     sin: torch.Tensor, dropout_p: float = 0.0, core=None) -> torch.Tensor:
+def causal_attention(x: torch.Tensor, wq, wk, wv, head_dim: int, cos: torch.Tensor | None,
+                     sin: torch.Tensor | None, dropout_p: float = 0.0, core=None,
+                     q_norm=None, k_norm=None) -> torch.Tensor:
     """Causal GQA attention up to the output projection: x [b, s, d] → [b, s, h·hd].
 
     ``wq``/``wk``/``wv``: the projections (d → h·hd, d → k·hd, d → k·hd). Head counts come from
     their outputs, so a head-sharded (TP) copy runs this on its local heads unchanged. ``cos``,
-    ``sin``: RoPE tables [s, hd] (or [b, 1, s, hd] for explicit positions); ``core``: the
-    :class:`CoreAttention` (or a replacement) that attends q to k, v after RoPE."""
+    ``sin``: RoPE tables [s, hd] (or [b, 1, s, hd] for explicit positions), None for no RoPE
+    (learned positions); ``core``: the :class:`CoreAttention` (or a replacement) that attends q
+    to k, v after RoPE; ``q_norm``/``k_norm``: callables over [b, s, heads, hd] applied before
+    RoPE (Qwen3's per-head RMSNorm), or None."""
     b, s, _ = x.shape
-    q = wq(x).view(b, s, -1, head_dim).transpose(1, 2)  # [b, h, s, hd]
-    k = wk(x).view(b, s, -1, head_dim).transpose(1, 2)  # [b, k, s, hd]
+    q = wq(x).view(b, s, -1, head_dim)  # [b, s, h, hd]
+    k = wk(x).view(b, s, -1, head_dim)  # [b, s, k, hd]
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)  # [b, h, s, hd], [b, k, s, hd]
     v = wv(x).view(b, s, -1, head_dim).transpose(1, 2)  # [b, k, s, hd]
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if cos is not None:
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     y = (core or CoreAttention())(q, k, v, dropout_p)  # [b, h, s, hd]
     return y.transpose(1, 2).reshape(b, s, -1)  # [b, s, h·hd]
 
@@ -157,35 +221,55 @@ def rope_tables(cos: torch.Tensor, sin: torch.Tensor, s: int,
 
 
 class Attention(nn.Module):
-    """Causal GQA self-attention. wq: d → h·hd, wk/wv: d → k·hd, wo: h·hd → d (no biases)."""
+    """Causal GQA self-attention. wq: d → h·hd, wk/wv: d → k·hd, wo: h·hd → d (biases with
+    ``qkv_bias`` / ``o_bias``); ``q_norm``/``k_norm``: RMSNorm over hd with ``qk_norm``, else
+    None. ``rope``: whether RoPE rotates q and k (``pos == "rope"``)."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.core = CoreAttention()
         self.dropout = cfg.dropout
+        self.rope = cfg.pos == "rope"
 
     def forward(self, x, cos, sin):
+        if not self.rope:
+            cos = sin = None
         y = causal_attention(x, self.wq, self.wk, self.wv, self.head_dim, cos, sin,
-                             self.dropout if self.training else 0.0, self.core)  # [b, s, h·hd]
+                             self.dropout if self.training else 0.0, self.core,
+                             self.q_norm, self.k_norm)  # [b, s, h·hd]
         return self.wo(y)  # [b, s, d]
 
 
+def mlp_hidden(kind: str, w1, w3, x: torch.Tensor) -> torch.Tensor:
+    """The MLP's hidden activation [..., f] of x [..., d]: SwiGLU silu(w1 x) · w3 x, or
+    gelu(w1 x) (``"gelu_tanh"``: the tanh approximation, GPT-2's ``gelu_new``; Hendrycks &
+    Gimpel 2016 §2). Column-sharded w1/w3 give the local f/n units (element-wise)."""
+    if kind == "swiglu":
+        return F.silu(w1(x)) * w3(x)
+    return F.gelu(w1(x), approximate="tanh" if kind == "gelu_tanh" else "none")
+
+
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) · w3 x). w1, w3: d → f; w2: f → d."""
+    """SwiGLU: w2(silu(w1 x) · w3 x), w1, w3: d → f; w2: f → d. With ``mlp`` "gelu" /
+    "gelu_tanh": w2(gelu(w1 x)) and ``w3`` None. Biases with ``mlp_bias``."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.kind = cfg.mlp
+        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
+        self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias) \
+            if cfg.mlp == "swiglu" else None
+        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(mlp_hidden(self.kind, self.w1, self.w3, x))
 
 
 class TransformerBlock(CheckpointedBlock, nn.Module):
@@ -196,9 +280,9 @@ class TransformerBlock(CheckpointedBlock, nn.Module):
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attention_norm = make_norm(cfg)
         self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn_norm = make_norm(cfg)
         self.feed_forward = FeedForward(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
@@ -219,8 +303,11 @@ class Llama(nn.Module):
         super().__init__()
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        # learned absolute positions (GPT-2), added to the token embedding; None with RoPE
+        self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.d_model) \
+            if cfg.pos == "learned" else None
         self.layers = nn.ModuleList(self.make_block(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = make_norm(cfg)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -236,10 +323,12 @@ class Llama(nn.Module):
     @torch.no_grad()
     def reset_parameters(self):
         """N(0, init_std) for matrices; output projections (wo, w2) scaled by 1/sqrt(2·layers)
-        (GPT-2, Radford et al. 2019 §2.3); norms to one."""
+        (GPT-2, Radford et al. 2019 §2.3); norm weights to one, biases to zero."""
         std = self.config.init_std
         for name, p in self.named_parameters():
-            if p.dim() == 1:
+            if name.endswith(".bias"):
+                nn.init.zeros_(p)
+            elif p.dim() == 1:
                 nn.init.ones_(p)
             elif name.endswith(("wo.weight", "w2.weight")):
                 nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.config.n_layers))
@@ -252,10 +341,23 @@ class Llama(nn.Module):
         if s > self.config.max_seq_len:
             raise ValueError(f"sequence length {s} > max_seq_len {self.config.max_seq_len}")
         cos, sin = rope_tables(self.rope_cos, self.rope_sin, s, positions)
-        x = self.tok_embeddings(tokens)  # [b, s, d]
+        x = embed(self.tok_embeddings, self.pos_embeddings, tokens, positions)  # [b, s, d]
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.output(self.norm(x))  # [b, s, V]
+
+
+def embed(tok_embeddings, pos_embeddings, tokens: torch.Tensor,
+          positions: torch.Tensor | None) -> torch.Tensor:
+    """tokens [b, s] → tok_embeddings(tokens) [b, s, d], plus ``pos_embeddings`` of the
+    positions (default 0..s-1, [1, s]) when the model learns them (None: RoPE, nothing added).
+    Under TP with SP both modules return this tp rank's sequence shard [b, s/n, d]."""
+    x = tok_embeddings(tokens)
+    if pos_embeddings is None:
+        return x
+    if positions is None:
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+    return x + pos_embeddings(positions)
 
 
 IGNORE_INDEX = -100

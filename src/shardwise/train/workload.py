@@ -46,14 +46,19 @@ class LMWorkload:
         return [{"input_ids": c[:, :-1].contiguous(), "labels": c[:, 1:].contiguous()}
                 for c in rows.split(micro_batch)]
 
-    def sample_text(self, model, cfg: TrainConfig, prompt: str = "def ") -> str:
-        """A short continuation of ``prompt`` sampled from ``model`` (seeded, so reproducible)."""
+    def sample_text(self, model, cfg: TrainConfig, prompt: str = "def ",
+                    stop_at_eos: bool = False) -> str:
+        """A short continuation of ``prompt`` sampled from ``model`` (seeded, so reproducible);
+        with ``stop_at_eos`` cut at the first EOS it samples (an SFT response ends there)."""
         tok = self.data.tokenizer
         ids = torch.tensor([tok.encode(prompt)], dtype=torch.long,
                            device=next(model.parameters()).device)
         g = torch.Generator(device=ids.device).manual_seed(cfg.seed)
-        out = generate(model, ids, cfg.sample_tokens, generator=g)
-        return tok.decode(out[0].tolist())
+        out = generate(model, ids, cfg.sample_tokens, generator=g)[0].tolist()
+        new = out[ids.shape[1]:]
+        if stop_at_eos and tok.eos_id in new:
+            out = out[:ids.shape[1] + new.index(tok.eos_id)]
+        return tok.decode(out)
 
 
 class RegressionWorkload:
@@ -93,6 +98,15 @@ def tokenizer_spec(cfg: TrainConfig) -> str:
     hf_tok = os.path.join(cfg.init_from_hf, "tokenizer.json") if cfg.init_from_hf else ""
     if cfg.tokenizer == "bpe" and hf_tok and os.path.isfile(hf_tok):
         return hf_tok
+    if cfg.tokenizer == "bpe" and hf_tok and all(  # GPT-2's slow-tokenizer files only
+            os.path.isfile(os.path.join(cfg.init_from_hf, f)) for f in ("vocab.json",
+                                                                        "merges.txt")):
+        raise ShardwiseConfigError(
+            f"--init-from-hf {cfg.init_from_hf}: the folder has vocab.json + merges.txt but no "
+            "tokenizer.json, and a new BPE would not mean the model's ids: write it with "
+            "python -c \"from transformers import AutoTokenizer as T; "
+            f"T.from_pretrained('{cfg.init_from_hf}').save_pretrained('{cfg.init_from_hf}')\", "
+            "or pass --tokenizer FILE.json")
     return cfg.tokenizer
 
 
@@ -147,8 +161,9 @@ class SFTWorkload(LMWorkload):
                 for r, lb in zip(rows.split(micro_batch), labels.split(micro_batch))]
 
     def sample_text(self, model, cfg: TrainConfig, prompt: str | None = None) -> str:
-        """The model's response to the first validation prompt (seeded)."""
-        return super().sample_text(model, cfg, prompt=prompt or self.data.prompts[0])
+        """The model's response to the first validation prompt (seeded), up to its EOS."""
+        return super().sample_text(model, cfg, prompt=prompt or self.data.prompts[0],
+                                   stop_at_eos=True)
 
 
 class PairSampler(DistributedSampler):

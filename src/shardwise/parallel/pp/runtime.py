@@ -53,6 +53,7 @@ from ..engine import Engine
 from ..layout import Layout
 from ..params import counted_grads, ep_sharded, local as _local, tp_sharded
 from ..tp import apply_tp, tp_activation_bytes, vocab_parallel_cross_entropy
+from ..tp.dtensor import f_summed_bytes
 from ..zero.flat import (FlatShards, gather_named, gather_optimizer_state, load_optimizer_state,
                          sharded_optimizer)
 from .comms import copy_stages_from_first, p2p_bytes_formula, swap_tied_grads
@@ -242,9 +243,11 @@ class PipelineParallel(Engine):
                                        blocks=sum(len(c.layers) for c in self.chunks),
                                        has_embedding=stage.holds_embedding,
                                        has_head=stage.holds_head, dtype=dtype, moe_blocks=moe)
+            f_summed = f_summed_bytes(stage, n)  # the families' q/k norms, positions
+            out["tp_bwd"] += micro_steps * f_summed
             if self.sp:
                 rep = sum(_local(p).numel() * elem for p in params if not tp_sharded(p))
-                out["sp_grad"] = ring_bytes("all_reduce", rep, n)
+                out["sp_grad"] = ring_bytes("all_reduce", rep, n) - f_summed
         return out
 
     def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from torch import nn
 from ...errors import ShardwiseConfigError
 from ...models import lm_loss, mse_loss
 from ...models.dpo import dpo_loss_sum_and_count, is_dpo
-from ...models.llama import rope_tables
+from ...models.llama import embed, rope_tables
 from .schedules import check_schedule
 
 
@@ -120,8 +120,8 @@ def stage_parameter_names(plain: nn.Module, pp_index: int, pp: int, v: int = 1,
         top, _, rest = name.partition(".")
         if top == "layers":
             keep = rest.split(".", 1)[0] in blocks
-        else:  # tok_embeddings on the first stage; norm, output on the last
-            keep = first if top == "tok_embeddings" else last
+        else:  # tok_embeddings (pos_embeddings) on the first stage; norm, output on the last
+            keep = first if top in ("tok_embeddings", "pos_embeddings") else last
         if keep:
             names.append(name)
     return names
@@ -137,11 +137,12 @@ class Chunk(nn.Module):
     rank's sequence shard [b, s/tp, d]; the last stage returns local logits [b, s, V_pad/tp]."""
 
     def __init__(self, index: int, n_stages: int, layers: list[nn.Module], is_llama: bool,
-                 tok_embeddings=None, norm=None, output=None, rope=None):
+                 tok_embeddings=None, norm=None, output=None, rope=None, pos_embeddings=None):
         super().__init__()
         self.index, self.n_stages, self.is_llama = index, n_stages, is_llama
         self.is_first, self.is_last = index == 0, index == n_stages - 1
         self.tok_embeddings = tok_embeddings
+        self.pos_embeddings = pos_embeddings  # learned positions (GPT-2), first stage only
         self.layers = nn.ModuleList(layers)
         self.norm, self.output = norm, output
         # sequence parallelism inside the stage (tp > 1 with SP): the hidden state between
@@ -155,8 +156,8 @@ class Chunk(nn.Module):
         """``positions``: token positions [b, s] (context parallelism's chunks), default
         0..s-1."""
         s = x.shape[1] * (1 if self.tok_embeddings is not None else self.sp_degree)
-        if self.tok_embeddings is not None:
-            x = self.tok_embeddings(x)  # [b, s] → [b, s, d] (SP: [b, s/tp, d])
+        if self.tok_embeddings is not None:  # [b, s] → [b, s, d] (SP: [b, s/tp, d])
+            x = embed(self.tok_embeddings, self.pos_embeddings, x, positions)
         if self.is_llama:
             cos, sin = rope_tables(self.rope_cos, self.rope_sin, s, positions)
             for layer in self.layers:
@@ -195,6 +196,8 @@ class StageModule(nn.Module):
         first, last = 0 in mine, n_stages - 1 in mine
         if self.is_llama and first:
             self.tok_embeddings = plain.tok_embeddings
+            if getattr(plain, "pos_embeddings", None) is not None:
+                self.pos_embeddings = plain.pos_embeddings
         if self.is_llama and last:
             self.norm = plain.norm
             if self.tied and not first:
@@ -213,6 +216,7 @@ class StageModule(nn.Module):
             chunks.append(Chunk(
                 s, n_stages, [plain.layers[i] for i in ranges[s]], self.is_llama,
                 tok_embeddings=getattr(self, "tok_embeddings", None) if s == 0 else None,
+                pos_embeddings=getattr(self, "pos_embeddings", None) if s == 0 else None,
                 norm=getattr(self, "norm", None) if s == n_stages - 1 else None,
                 output=getattr(self, "output", None) if s == n_stages - 1 else None,
                 rope=rope))

@@ -32,7 +32,8 @@ from ...models.llama import IGNORE_INDEX
 from ..engine import autocast
 from ..params import is_dtensor as _is_dtensor, local as _local, local_state_bytes
 from ..tp.dtensor import (BookFunctionalCollectives, booked_as, dtensor_tp_plan,
-                          reduce_partial_grads)
+                          prepare_replicated_for_dtensor, reduce_partial_grads,
+                          row_bias_bytes)
 from .runtime import PipelineParallel
 from .split import first_stage_input, loss_sum
 
@@ -78,6 +79,7 @@ class TorchPipelineParallel(PipelineParallel):
         cfg = stage.config
         # the whole model's plan (it only counts the layers), restricted to this stage's modules
         plan = dtensor_tp_plan(types.SimpleNamespace(layers=[None] * cfg.n_layers), self.sp)
+        prepare_replicated_for_dtensor(stage, self.topo, self.sp)
         mine = dict(stage.named_modules())
         plan = {k: v for k, v in plan.items() if k in mine}
         if "output" in plan:  # plain local logits [b, s, V/tp] out of the pipeline stage
@@ -254,7 +256,10 @@ class TorchPipelineParallel(PipelineParallel):
         """As :meth:`.runtime.PipelineParallel.bytes_formula`, with ``pp_fwd``/``pp_bwd`` = 0:
         PyTorch's own point-to-point traffic does not go through the ledger; ZeRO-1: the
         gradient all-reduce (2(n−1)/n·Ψ_s) and no ``param`` (ZeroRedundancyOptimizer's
-        broadcasts are not booked)."""
+        broadcasts are not booked); with SP, less the sum of the row-parallel biases, which
+        DTensor completes without one (:func:`..tp.dtensor.row_bias_bytes`)."""
         out = super().bytes_formula(micro_steps, sequences, seq_len, dtype)
         out["pp_fwd"] = out["pp_bwd"] = 0.0
+        if self.sp and self.tp > 1:
+            out["sp_grad"] -= row_bias_bytes(self.module, self.tp)
         return out

@@ -22,7 +22,8 @@ from ...models.moe import MoEFeedForward
 from ..params import tp_sharded
 from .comms import AXIS
 from .layers import (TPRNG, TensorParallelAttention, TensorParallelSwiGLU, TPDropout,
-                     VocabParallelEmbedding, VocabParallelHead, padded_vocab_size)
+                     TPPositionEmbedding, VocabParallelEmbedding, VocabParallelHead,
+                     padded_vocab_size)
 
 
 # -- validation (no collectives: called by config.validate and before any conversion) -------------
@@ -83,6 +84,8 @@ def tp_plan(model: nn.Module) -> list[tuple[str, type, type]]:
     a Llama, or a pipeline stage of one (its blocks under their global ``layers.{i}`` names)."""
     plan = [("tok_embeddings", nn.Embedding, VocabParallelEmbedding)] \
         if _held(model, "tok_embeddings") else []
+    if _held(model, "pos_embeddings"):  # learned positions (GPT-2): replicated table
+        plan.append(("pos_embeddings", nn.Embedding, TPPositionEmbedding))
     for i, layer in model.layers.named_children():
         plan += [(f"layers.{i}.attention", Attention, TensorParallelAttention),
                  (f"layers.{i}.dropout", nn.Dropout, TPDropout)]
@@ -189,6 +192,9 @@ def apply_tp(model: nn.Module, topo, sp: bool = False, *, seed: int = 0) -> TPRN
     if has_emb:
         emb = VocabParallelEmbedding(model.tok_embeddings, topo, sp)
         _set_submodule(model, "tok_embeddings", emb)
+    if _held(model, "pos_embeddings"):
+        _set_submodule(model, "pos_embeddings", TPPositionEmbedding(model.pos_embeddings,
+                                                                    topo, sp))
     for layer in model.layers.children():
         layer.attention = TensorParallelAttention(layer.attention, topo, sp, rng)
         if not isinstance(layer.feed_forward, MoEFeedForward):
@@ -200,6 +206,8 @@ def apply_tp(model: nn.Module, topo, sp: bool = False, *, seed: int = 0) -> TPRN
     for c in getattr(model, "chunks", ()):  # a stage's chunks run the modules it holds
         if c.tok_embeddings is not None:
             c.tok_embeddings = model.tok_embeddings
+        if getattr(c, "pos_embeddings", None) is not None:
+            c.pos_embeddings = model.pos_embeddings
         if c.output is not None:
             c.output = model.output
         c.sp_degree = n if sp else 1
@@ -208,8 +216,24 @@ def apply_tp(model: nn.Module, topo, sp: bool = False, *, seed: int = 0) -> TPRN
 
 
 # -- the formula ----------------------------------------------------------------------------------
+def tp_replicated_numel(cfg) -> int:
+    """Elements of the parameters TP leaves whole on every tp rank (explicit engine), from the
+    model config: the norms ((2L + 1)·d, twice with LayerNorm's bias), the row-parallel biases
+    (wo, w2: d each per layer), Qwen3's q/k norms (2·hd per layer) and GPT-2's position table
+    (P·d). Column-parallel biases are sharded with their weight."""
+    d, L = cfg.d_model, cfg.n_layers
+    norm = getattr(cfg, "norm", "rms")
+    out = (2 * L + 1) * d * (2 if norm == "layer" else 1)
+    out += L * d * (int(getattr(cfg, "o_bias", False)) + int(getattr(cfg, "mlp_bias", False)))
+    out += 2 * L * cfg.head_dim * int(getattr(cfg, "qk_norm", False))
+    if getattr(cfg, "pos", "rope") == "learned":
+        out += cfg.max_seq_len * d
+    return out
+
+
 def tp_step_bytes_formula(model_config, sequences: int, seq_len: int, tp: int, sp: bool = False,
-                          dp: int = 1, dtype: str = "fp32") -> dict[str, float]:
+                          dp: int = 1, dtype: str = "fp32", micro_steps: int = 1
+                          ) -> dict[str, float]:
     """Bytes one rank sends per optimizer step with explicit TP, by ledger tag, plus ``"total"``.
 
     ``sequences``: sequences this rank processes in the step (all micro-batches: every byte
@@ -221,7 +245,11 @@ def tp_step_bytes_formula(model_config, sequences: int, seq_len: int, tp: int, s
       (SP: (2 + 4L) collectives of (n−1)/n·A); by direction, and ``dtype="bf16"`` (the 2L
       row-parallel outputs under autocast carry 2 bytes): :func:`tp_activation_bytes`.
     * ``ce`` — the vocab-parallel cross-entropy: r·(N + 2N)·4 (MAX of [N], SUM of [2, N], fp32).
-    * ``sp_grad`` — SP only: r·(2L + 1)·d·4, the norm weights' gradients (fp32).
+    * ``sp_grad`` — SP only: r·R·4, the gradients of the R tp-replicated elements
+      (:func:`tp_replicated_numel`: (2L + 1)·d norm weights for a Llama; the families' biases,
+      positions and q/k norms too).
+    * ``tp_bwd`` also holds, without SP, Qwen3's q/k-norm gradients summed by f in each
+      micro-step's backward: ``micro_steps``·r·2L·hd·4 (the one term not linear in the batch).
     * ``grad_norm`` — r·8: the squared gradient norm (fp64 scalar) over tp.
     * ``loss`` — 2·(2(dp−1)/dp)·8: token count and loss sum over dp (0 at dp = 1).
 
@@ -232,8 +260,10 @@ def tp_step_bytes_formula(model_config, sequences: int, seq_len: int, tp: int, s
     moe = getattr(model_config, "n_moe_layers", 0)  # MoE blocks: attention only is tp-split
     out = tp_activation_bytes(sequences * seq_len, d, n, sp, blocks=L, dtype=dtype,
                               moe_blocks=moe)
-    out |= {"sp_grad": r * (2 * L + 1) * d * 4 if sp else 0.0, "grad_norm": r * 8,
-            "loss": 2 * (2 * (dp - 1) / dp * 8)}
+    out |= {"sp_grad": r * tp_replicated_numel(model_config) * 4 if sp else 0.0,
+            "grad_norm": r * 8, "loss": 2 * (2 * (dp - 1) / dp * 8)}
+    if getattr(model_config, "qk_norm", False) and not sp:
+        out["tp_bwd"] += micro_steps * r * 2 * L * model_config.head_dim * 4
     out["total"] = sum(out.values())
     return out
 

@@ -166,6 +166,29 @@ def dtensor_tp_plan(model: Llama, sp: bool) -> dict:
     return plan
 
 
+def prepare_replicated_for_dtensor(model: nn.Module, topo, sp: bool) -> None:
+    """The model families' tp-replicated parameters that act *inside* a TP region or on a
+    sequence shard, made exact under DTensor TP before :func:`dtensor_tp_plan` applies (in
+    place; a Llama is left alone). The plan leaves them plain tensors, so DTensor would neither
+    complete nor reduce their gradients: Qwen3's per-head q/k norm (each rank's heads give a
+    partial gradient) becomes :class:`~.layers.TPSummedNorm`, GPT-2's learned positions
+    :class:`~.layers.TPPositionEmbedding` (with SP: this rank's sequence shard, its gradient
+    summed over tp by f). Both sum through :mod:`shardwise.comm` (tag ``tp_bwd``)."""
+    from .layers import TPPositionEmbedding, TPSummedNorm
+
+    if getattr(model, "pos_embeddings", None) is not None:
+        model.pos_embeddings = TPPositionEmbedding(model.pos_embeddings, topo, sp, grad_sum=sp)
+        for c in getattr(model, "chunks", ()):
+            if c.pos_embeddings is not None:
+                c.pos_embeddings = model.pos_embeddings
+    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    for layer in layers:
+        att = layer.attention
+        if getattr(att, "q_norm", None) is not None:
+            att.q_norm, att.k_norm = TPSummedNorm(att.q_norm, topo), TPSummedNorm(att.k_norm,
+                                                                                   topo)
+
+
 def reduce_partial_grads(params, topo, tag: str = "sp_grad") -> None:
     """SP under DTensor: the norm weights' gradients are left ``Partial(sum)`` (each tp rank
     summed over its sequence shard), which DTensor would reduce lazily wherever next used. Reduce
@@ -226,6 +249,41 @@ class TorchTensorParallel(TPEngineBase):
         """Bytes of this rank's local shards (:func:`~..params.local_state_bytes`)."""
         return local_state_bytes(self.module.parameters(), optimizer)
 
+    def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
+                      dtype: str = "fp32") -> dict[str, float]:
+        """The explicit engine's formula, except that under SP the parameters
+        :func:`prepare_replicated_for_dtensor` routes through f (Qwen3's q/k norms, GPT-2's
+        positions) are summed in each micro-step's backward (``tp_bwd``) instead of once in
+        ``sp_grad``, and the row-parallel biases need no sum at all (:func:`row_bias_bytes`)."""
+        out = super().bytes_formula(micro_steps, sequences, seq_len, dtype)
+        if self.sp:
+            n = self.topo.size(AXIS)
+            moved = f_summed_bytes(self.module, n)
+            out["sp_grad"] -= moved + row_bias_bytes(self.module, n)
+            out["tp_bwd"] += micro_steps * moved
+        return out
+
+
+def row_bias_bytes(module: nn.Module, n: int) -> float:
+    """The SP sum the explicit engine spends on the row-parallel biases (``wo``, ``w2``) and
+    DTensor does not: ``RowwiseParallel`` adds the Replicate bias inside the partial sum,
+    before the reduce-scatter, so its gradient comes from the all-gathered output gradient,
+    complete on every rank (measured: ``Replicate`` and equal to one process's)."""
+    return sum(ring_bytes("all_reduce", _local(p).numel() * 4, n)
+               for name, p in module.named_parameters()
+               if name.endswith(("attention.wo.bias", "feed_forward.w2.bias")))
+
+
+def f_summed_bytes(module: nn.Module, n: int) -> float:
+    """Bytes one backward sends to sum the gradients of ``module``'s parameters that enter
+    through f (:class:`~.layers.TPSummedNorm`, a ``grad_sum`` :class:`~.layers.
+    TPPositionEmbedding`): one fp32 all-reduce each over ``n`` tp ranks."""
+    from .layers import TPPositionEmbedding, TPSummedNorm
+
+    return sum(ring_bytes("all_reduce", m.weight.numel() * 4, n) for m in module.modules()
+               if isinstance(m, TPSummedNorm)
+               or (isinstance(m, TPPositionEmbedding) and m.grad_sum))
+
 
 def parallelize_tensor_dtensor(model: Llama, topo, sp: bool = False, *,
                                book_collectives: bool = True) -> TorchTensorParallel:
@@ -237,12 +295,17 @@ def parallelize_tensor_dtensor(model: Llama, topo, sp: bool = False, *,
 
     validate_tp(getattr(model, "config", None), topo.size(AXIS), sp)
     check_plan_covers(model)
+    from .layers import TPPositionEmbedding
+
     tied = model.config.tie_embeddings
-    parallelize_module(model, topo.mesh[AXIS], dtensor_tp_plan(model, sp))
+    prepare_replicated_for_dtensor(model, topo, sp)
+    mine = dict(model.named_modules())  # a GELU MLP has no w3
+    plan = {k: v for k, v in dtensor_tp_plan(model, sp).items() if k in mine}
+    parallelize_module(model, topo.mesh[AXIS], plan)
     if tied:  # one Parameter again: both are Shard(0) over the same mesh
         model.output.weight = model.tok_embeddings.weight
     plain = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))
-             and not _is_dtensor(m.weight)]
+             and not isinstance(m, TPPositionEmbedding) and not _is_dtensor(m.weight)]
     if plain:
         raise RuntimeError(f"DTensor TP conversion incomplete: {', '.join(plain)} not sharded")
     return TorchTensorParallel(model, topo, sp, book_collectives)

@@ -37,9 +37,12 @@ class TPEngineBase(Engine):
                       dtype: str = "fp32") -> dict[str, float]:
         """:func:`~.apply.tp_step_bytes_formula` on ``topo``'s tp and dp sizes without ``loss``
         and ``total`` (:func:`shardwise.formulas.step_bytes_formula` adds them); micro_steps do
-        not matter (every byte is linear in the batch). DTensor moves the same bytes, same tags."""
+        matter only for Qwen3's q/k norms without SP (every other byte is linear in the batch).
+        DTensor moves the same bytes, same tags (see :meth:`.dtensor.TorchTensorParallel.
+        bytes_formula` for the families' replicated parameters under SP)."""
         t = tp_step_bytes_formula(self.module.config, sequences, seq_len, self.topo.size(AXIS),
-                                  self.sp, dp=self.topo.size("dp"), dtype=dtype)
+                                  self.sp, dp=self.topo.size("dp"), dtype=dtype,
+                                  micro_steps=micro_steps)
         return {k: v for k, v in t.items() if k not in ("total", "loss")}
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import ShardwiseConfigError
-from ...models.llama import Attention, FeedForward, causal_attention
+from ...models.llama import Attention, FeedForward, causal_attention, mlp_hidden, rms_norm
 from ..params import mark_tp_shard, shard_of
 from .comms import AXIS, CopyToTP, GatherFromSP, ReduceFromTP, ReduceScatterToSP, along
 
@@ -89,42 +89,48 @@ def exit_tp_region(x: torch.Tensor, topo, sp: bool) -> torch.Tensor:
 
 # -- layers ---------------------------------------------------------------------------------------
 class ColumnParallelLinear(nn.Module):
-    """Y = X A with A split by output columns. ``weight``: [out/n, in] (nn.Linear layout: rows of
-    Aᵀ), sharded on dim 0 over tp; rank i holds output features [i·out/n, (i+1)·out/n).
-    forward: X [..., in], replicated over tp → Y_i [..., out/n], **no collective**: the caller
-    enters the TP region once (:func:`enter_tp_region`) for all column layers sharing an input."""
+    """Y = X A + b with A split by output columns. ``weight``: [out/n, in] (nn.Linear layout:
+    rows of Aᵀ), sharded on dim 0 over tp; rank i holds output features [i·out/n, (i+1)·out/n),
+    and ``bias`` (None when the plain layer has none) the same features [out/n] (Megatron §3:
+    the bias is split with the output dim). forward: X [..., in], replicated over tp → Y_i
+    [..., out/n], **no collective**: the caller enters the TP region once
+    (:func:`enter_tp_region`) for all column layers sharing an input."""
 
     def __init__(self, plain: nn.Linear, topo, padded_out: int | None = None,
                  weight: nn.Parameter | None = None):
         super().__init__()
-        if plain.bias is not None:
-            raise ShardwiseConfigError("ColumnParallelLinear: biases are not supported (the "
-                                       "Llama models have none)")
         if weight is None:
             weight = nn.Parameter(shard_of(plain.weight, 0, topo, padded_out))
         self.weight = mark_tp_shard(weight, 0, plain.out_features)
+        self.bias = None
+        if plain.bias is not None:
+            self.bias = mark_tp_shard(nn.Parameter(shard_of(plain.bias, 0, topo, padded_out)),
+                                      0, plain.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)  # [..., out/n]
+        return F.linear(x, self.weight, self.bias)  # [..., out/n]
 
 
 class RowParallelLinear(nn.Module):
-    """Y = Σ_i X_i A_i with A split by input rows. ``weight``: [out, in/n], sharded on dim 1 over
-    tp; rank i holds input features [i·in/n, (i+1)·in/n). forward: X_i [b, s, in/n] (the column
-    layers' output) → local partial product → exit the TP region: all-reduce (g) → Y [b, s, out]
-    replicated, or with SP reduce-scatter → [b, s/n, out]."""
+    """Y = Σ_i X_i A_i + b with A split by input rows. ``weight``: [out, in/n], sharded on dim 1
+    over tp; rank i holds input features [i·in/n, (i+1)·in/n). ``bias`` [out] (None when the
+    plain layer has none) is replicated and added once, after the sum (adding it on every rank
+    before the reduce would count it n times; Megatron §3). forward: X_i [b, s, in/n] (the
+    column layers' output) → local partial product → exit the TP region: all-reduce (g) → Y
+    [b, s, out] replicated, or with SP reduce-scatter → [b, s/n, out] → + b. Under SP the bias
+    sees only this rank's s/n positions, so its gradient is a partial sum over tp, completed
+    with the norm weights' (``sp_grad``: every tp-replicated parameter)."""
 
     def __init__(self, plain: nn.Linear, topo, sp: bool):
         super().__init__()
-        if plain.bias is not None:
-            raise ShardwiseConfigError("RowParallelLinear: biases are not supported (the Llama "
-                                       "models have none)")
         self.topo, self.sp = topo, sp
         self.weight = mark_tp_shard(nn.Parameter(shard_of(plain.weight, 1, topo)), 1,
                                     plain.in_features)
+        self.bias = None if plain.bias is None else nn.Parameter(plain.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return exit_tp_region(F.linear(x, self.weight), self.topo, self.sp)
+        y = exit_tp_region(F.linear(x, self.weight), self.topo, self.sp)
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -180,6 +186,50 @@ class VocabParallelHead(ColumnParallelLinear):
         return full[..., : self.vocab_size]  # [b, s, V]
 
 
+class TPPositionEmbedding(nn.Embedding):
+    """Learned absolute positions (GPT-2's ``wpe``) under TP: the table [P, d] is replicated
+    (it is small, and the sum with the token embedding happens where the activation is
+    replicated or sequence-sharded); an ``nn.Embedding``, so that AdamW's no-decay group for
+    embeddings finds it. forward: positions [b or 1, s] int64 → [.., s, d], or
+    with SP this tp rank's sequence shard [.., s/n, d] (the same rows
+    :class:`VocabParallelEmbedding`'s reduce-scatter hands it). No collective; under SP the
+    table's gradient covers only this rank's positions: summed over tp with the other
+    replicated parameters (``sp_grad``), or, with ``grad_sum`` (the DTensor engine, whose SP
+    finisher sums only DTensor ``Partial`` gradients), by f on the weight (:class:`.comms.
+    CopyToTP`: all-reduce of its gradient in backward, tag ``tp_bwd``)."""
+
+    def __init__(self, plain: nn.Embedding, topo, sp: bool, grad_sum: bool = False):
+        super().__init__(*plain.weight.shape, _weight=plain.weight.detach())
+        self.weight = plain.weight  # the same Parameter (replicated: nothing to cut)
+        self.topo, self.sp, self.grad_sum = topo, sp, grad_sum
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        if self.sp:
+            n, i = self.topo.size(AXIS), self.topo.index(AXIS)
+            s = positions.shape[1]
+            if s % n:
+                raise ValueError(f"sequence parallelism: tp={n} does not divide the sequence "
+                                 f"length {s}")
+            positions = positions[:, i * s // n:(i + 1) * s // n]
+        w = CopyToTP.apply(self.weight, self.topo, AXIS) if self.grad_sum else self.weight
+        return F.embedding(positions, w)
+
+
+class TPSummedNorm(nn.Module):
+    """Qwen3's per-head q/k RMSNorm on this rank's heads, without SP: the weight [hd] is
+    replicated but each tp rank's heads reach only their share of its gradient, so the weight
+    enters through f (:class:`.comms.CopyToTP`: identity forward, all-reduce of its gradient
+    backward, tag ``tp_bwd``). With SP the block already holds the whole sequence here, and the
+    partial gradient is summed with the other replicated parameters (``sp_grad``) instead."""
+
+    def __init__(self, plain, topo):
+        super().__init__()
+        self.weight, self.eps, self.topo = plain.weight, plain.eps, topo
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, CopyToTP.apply(self.weight, self.topo, AXIS), self.eps)
+
+
 class TPDropout(nn.Module):
     """Dropout on the residual branch, drawn from the RNG region that matches the layout:
     ``"replicated"`` without SP (same mask on every tp rank), ``"sharded"`` with SP (each rank
@@ -213,29 +263,37 @@ class TensorParallelAttention(nn.Module):
         self.wv = ColumnParallelLinear(plain.wv, topo)
         self.wo = RowParallelLinear(plain.wo, topo, sp)
         self.core = plain.core  # plain, or context parallelism's (on the local heads)
+        self.rope = plain.rope
+        self.q_norm, self.k_norm = plain.q_norm, plain.k_norm  # replicated [hd] (Qwen3)
+        if plain.q_norm is not None and not sp:
+            self.q_norm, self.k_norm = (TPSummedNorm(plain.q_norm, topo),
+                                        TPSummedNorm(plain.k_norm, topo))
 
     def forward(self, x, cos, sin):
         x = enter_tp_region(x, self.topo, self.sp)  # [b, s, d], replicated over tp
         p = self.dropout if self.training else 0.0
+        if not self.rope:
+            cos = sin = None
         with self.rng.fork("sharded") if p > 0 else contextlib.nullcontext():
             y = causal_attention(x, self.wq, self.wk, self.wv, self.head_dim, cos, sin, p,
-                                 self.core)
+                                 self.core, self.q_norm, self.k_norm)
         return self.wo(y)  # [b, s, h/n·hd] → [b, s, d] or [b, s/n, d]
 
 
 class TensorParallelSwiGLU(nn.Module):
     """SwiGLU w2(silu(w1 x) · w3 x) with w1, w3 column-parallel [f/n, d] and w2 row-parallel
     [d, f/n]: the gate product is element-wise on the local f/n hidden units, so no collective
-    runs between them. forward: x [b, s, d] (SP: [b, s/n, d]) → enter → [b, s, f/n] → w2
-    (exit) → [b, s, d] (SP: [b, s/n, d])."""
+    runs between them. A GELU MLP (GPT-2: w2(gelu(w1 x)), no w3) is split the same way (the
+    GELU is element-wise too). forward: x [b, s, d] (SP: [b, s/n, d]) → enter → [b, s, f/n] →
+    w2 (exit) → [b, s, d] (SP: [b, s/n, d])."""
 
     def __init__(self, plain: FeedForward, topo, sp: bool):
         super().__init__()
-        self.topo, self.sp = topo, sp
+        self.topo, self.sp, self.kind = topo, sp, plain.kind
         self.w1 = ColumnParallelLinear(plain.w1, topo)
-        self.w3 = ColumnParallelLinear(plain.w3, topo)
+        self.w3 = None if plain.w3 is None else ColumnParallelLinear(plain.w3, topo)
         self.w2 = RowParallelLinear(plain.w2, topo, sp)
 
     def forward(self, x):
         x = enter_tp_region(x, self.topo, self.sp)  # [b, s, d]
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # [b, s, f/n] → exit
+        return self.w2(mlp_hidden(self.kind, self.w1, self.w3, x))  # [b, s, f/n] → exit
