@@ -54,7 +54,8 @@ SwiGLU, w2         w1's output [b, t, f] (silu's input); silu(·) and w3's  e·t
 residuals          the adds and dropout (p = 0) save nothing               0
 =================  ======================================================  ==================
 
-So per layer (K/V term: 2d for cp = 1, whose SDPA saves the repeated copies; 2k·hd for ring):
+So per layer (K/V term: 2k·hd for ring and for cp = 1 with SDPA's native GQA; 2d for cp = 1
+on a torch without ``enable_gqa``, whose SDPA saves the repeated copies, as written below):
 
     cp = 1:     e·t·(10d + 4f + 2) + 4·t·h
     ring:       e·t·(8d + 2k·hd + 4f + 2) + 4·t·h
@@ -130,9 +131,11 @@ def formula_bytes(cfg, batch: int, seq: int, cp: int, method: str = "ring",
     t = batch * seq // cp
     e = elem
     lse = 4 * t * h
-    if cp == 1:
+    from shardwise.models.sdpa import SDPA_GQA  # native GQA: SDPA saves K/V at k heads
+
+    if cp == 1 and not SDPA_GQA:
         layer = e * t * (10 * d + 4 * f + 2) + lse
-    elif method == "ring":
+    elif cp == 1 or method == "ring":
         layer = e * t * (8 * d + 2 * kvd + 4 * f + 2) + lse
     else:
         layer = e * t * (8 * d + 4 * f + 2) + lse + 2 * e * batch * seq * kvd
