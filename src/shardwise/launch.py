@@ -335,7 +335,7 @@ def _diagnose(store, failed: dict, exits: _Exits | None = None,
     if store is None:
         return None, failed, None
     try:  # a lazy import: the launcher needs the checks' reading only after a failure
-        from .comm.fingerprint import diagnose_store, store_positions
+        from .comm.diagnosis import diagnose_store, store_positions
 
         client = store.client()
         first = None

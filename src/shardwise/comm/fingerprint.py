@@ -8,7 +8,8 @@ float32[4096])``. A group is one line of an axis (its axis name and its global r
 point sends and receives are not compared at the check (a send and its receive differ by
 design) but counted per channel ``"src>dst:tag"`` (:meth:`CollectiveChecks.issue_p2p`) and
 waited for like collectives: a receive that waits past ``--hang-after`` names the message it
-waits for, and the diagnosis compares it with the sender's count (:func:`p2p_findings`).
+waits for, and the diagnosis compares it with the sender's count
+(:func:`~shardwise.comm.diagnosis.p2p_findings`).
 
 On a host-blocking backend (gloo) every rank also publishes its *position* (``pos/{r}``: its
 last fingerprint, step, point-to-point counts, whether it waits in it) before each collective or
@@ -16,7 +17,7 @@ message is launched, and again when its wait returns: a store ``set`` each, not 
 few µs). A rank that dies inside a collective (gloo aborts a receiver of more bytes than it
 expects, SIGABRT; a SIGKILL) leaves it behind, and the local launcher, which serves the store
 (``SHARDWISE_DIAG_STORE``), prints one line from every rank's position after the failure
-(:func:`diagnose_store`).
+(:func:`~shardwise.comm.diagnosis.diagnose_store`).
 
 ``--check-collectives`` (:data:`MODES`) says when ranks compare them:
 
@@ -82,18 +83,16 @@ import zlib
 import torch.distributed as dist
 
 from ..errors import CollectiveHang, CollectiveMismatch, CollectiveTimeout
+from .diagnosis import (DESYNC_FIX, TOPOLOGIES_KEY, diagnose_positions, diagnose_reports,
+                        diagnose_when_torchrun_stops, divergence_message, hang_message)
 
 MODES = ("off", "step", "every")
 SLICE_S = 0.5  # seconds a rank waits (in a collective or at the check) before it reports
 HISTORY = 64  # fingerprints kept per rank for reports (the last K)
 
-_FIX = ("every rank of a group must issue the same collectives, with the same shapes, in the "
-        "same order: look for a collective under a rank-conditional branch (a save, a log line "
-        "or an evaluation on one rank only) or a shape that depends on the rank's data")
 
 
 # the launcher's store (``SHARDWISE_DIAG_STORE`` = "host:port"), connected once per process
-TOPOLOGIES_KEY = "shardwise/topologies"  # the checks' prefixes, one a line, oldest first
 _DIAG: dict = {}
 
 
@@ -127,11 +126,6 @@ def fingerprint(op: str, axis: str, tag: str, tensor_like=None, reduce: str | No
     if src is not None:
         parts.append(f"src={src}")
     return f"{op}({', '.join(parts)})"
-
-
-def _ranks_text(ranks) -> str:
-    ranks = sorted(ranks)
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
 
 
 class CollectiveChecks:
@@ -200,7 +194,7 @@ class CollectiveChecks:
                 base.append(TOPOLOGIES_KEY, self._prefix + "\n")
             if self._rank == 0 and "TORCHELASTIC_RUN_ID" in os.environ and \
                     not os.environ.get("SHARDWISE_DIAG_STORE"):  # torchrun, not our launcher
-                _diagnose_when_torchrun_stops()
+                diagnose_when_torchrun_stops()
         return self._store
 
     # -- hooks called by comm.ops ---------------------------------------------------------------
@@ -416,9 +410,9 @@ class CollectiveChecks:
             self._poll(lambda: s.check(full), t0, "published its collectives",
                        lambda: self._while_waiting(label=label, t0=t0,
                                                    what=f"at the check {label}"))
-            self._raise(self._diagnose(self._reports()) or
+            self._raise(diagnose_reports(self._reports()) or
                         f"the ranks issued different collectives since the check "
-                        f"{summaries[self._rank]['label']}: {_FIX}")
+                        f"{summaries[self._rank]['label']}: {DESYNC_FIX}")
         if e >= 2:  # every peer has read epoch e-2's keys (it passed epoch e-1's check)
             for k in ("b", "f"):
                 s.delete_key(f"{k}/{e - 2}/{self._rank}")
@@ -453,7 +447,7 @@ class CollectiveChecks:
                 raise CollectiveTimeout(
                     f"not every rank of {self.topo.describe()} {what} within the process "
                     f"group's timeout of {self.timeout_s:g} s: a rank is stuck (in compute, or "
-                    f"in a collective its peers never issued) or died; {_FIX}")
+                    f"in a collective its peers never issued) or died; {DESYNC_FIX}")
             if now - last >= SLICE_S:
                 on_slice()
                 last = now
@@ -496,7 +490,7 @@ class CollectiveChecks:
         reports = self._reports()
         if self.hang_after_s and waited >= self.hang_after_s:
             self._raise(self._hang_message(reports, what, waited), kind="hang")
-        msg = self._diagnose(reports)
+        msg = diagnose_reports(reports)
         if msg and len(reports) < self.topo.world_size and self._found != self.epoch:
             self._found = self.epoch  # proven, but wait one slice more for every rank's report
             return
@@ -511,36 +505,13 @@ class CollectiveChecks:
         self._raise_known(cause)
 
     def _hang_message(self, reports: dict, what: str, waited: float) -> str:
-        """Every rank's position from ``reports`` (and, for a rank that published no report,
-        its last position): a receive whose message its sender never sent first, then where
-        each rank waits, and who reported nothing."""
+        """:func:`~shardwise.comm.diagnosis.hang_message` for this rank's wait."""
         try:
             positions = self._positions()
         except Exception:  # noqa: BLE001 - the reports alone still name the positions
             positions = {}
-        states = {r: {**positions.get(r, {}), **rep} for r, rep in reports.items()}
-        silent = [r for r in self.topo.ranks if r not in reports]
-        states.update({r: positions[r] for r in silent if r in positions})
-        where: dict[str, list[int]] = collections.defaultdict(list)
-        for r, rep in sorted(reports.items()):
-            where[f"at the check {rep['label']}" if rep["label"] else rep["waiting"]].append(r)
-        findings = p2p_findings(states, silent)
-        named = set().union(*(rs for _, rs in findings)) if findings else set()
-        parts = [text for text, _ in findings]
-        for r in silent:
-            if r in named:
-                continue
-            last = (states.get(r) or {}).get("last")
-            since = f"it issued {last[1]} #{last[4]} in step {last[3]}" if last else \
-                f"the check before step {self.step}"
-            parts.append(f"rank {r} reported nothing since {since} (stuck in compute, in code "
-                         f"outside shardwise.comm, or dead)")
-        parts += [f"{_ranks_text(rs)} {'waits' if len(rs) == 1 else 'wait'} {w}"
-                  for w, rs in ((w, [r for r in rs if r not in named]) for w, rs in where.items())
-                  if rs]
-        return (f"{'; '.join(parts)}: rank {self._rank} waited {waited:.1f} s (--hang-after "
-                f"{self.hang_after_s:g}); see where a silent rank is with py-spy dump --pid PID"
-                + (f"; flight records in {self.flight_dir}" if self.flight_dir else ""))
+        return hang_message(reports, positions, self.topo.ranks, self._rank, self.step, what,
+                            waited, self.hang_after_s, self.flight_dir)
 
     def _flight_record(self, what: str | None = None, waited: float | None = None,
                        diagnosis: str | None = None) -> None:
@@ -569,54 +540,6 @@ class CollectiveChecks:
             json.dump(rec, f, indent=1)
         os.replace(path + ".tmp", path)
 
-    def _diagnose(self, reports: dict) -> str | None:
-        """The first proven divergence in ``reports`` (rank → full report), as one line, or None.
-        Proof: at sequence number k of a group, two members issued different fingerprints, or
-        one issued one where a member that reached the check (a final report) issued none."""
-        groups = sorted({g for rep in reports.values() for g in rep["member_of"]})
-        found = []
-        for g in groups:
-            members = next(rep["member_of"][g] for rep in reports.values()
-                           if g in rep["member_of"])
-            have = {r: reports[r]["groups"].get(g, {"ops": []})["ops"] for r in members
-                    if r in reports}
-            if len(have) < 2:
-                continue
-            final = {r for r in have if reports[r]["label"]}
-            base = next((reports[r]["groups"][g]["base"] for r in have
-                         if g in reports[r]["groups"]), 0)
-            for i in range(max(len(v) for v in have.values())):
-                at = {r: v[i] for r, v in have.items() if i < len(v)}
-                none = {r for r in final if i >= len(have[r])}
-                if len({e[0] for e in at.values()}) > 1 or (at and none):
-                    found.append((base + i + 1, g, at, none, reports))
-                    break
-        if not found:
-            return None
-        seq, g, at, none, reports = min(found, key=lambda f: (f[0], f[1]))
-        return self._message(seq, g, at, none, reports)
-
-    @staticmethod
-    def _message(seq: int, g: str, at: dict, none: set, reports: dict) -> str:
-        by_fp: dict[str, list[int]] = collections.defaultdict(list)
-        for r, e in sorted(at.items()):
-            by_fp[e[0]].append(r)
-        variants = [(ranks, f"called {fp}") for fp, ranks in by_fp.items()]
-        if none:
-            labels = sorted({reports[r]["label"] for r in none})
-            variants.append((sorted(none), f"issued no collective (reached the check "
-                                           f"{' / '.join(labels)})"))
-        # the reference (named last): the variant with the most ranks, then the ranks that
-        # issued nothing, then the one with the lowest rank
-        variants.sort(key=lambda v: (len(v[0]), v[1].startswith("issued"), -min(v[0])))
-        *odd, ref = variants
-        odd_text = ", ".join(f"{_ranks_text(rs)} {what}" for rs, what in odd)
-        e = next(iter(at.values()))
-        where = f"in step {e[2]}" if e[1] == "step" else f"in phase {e[1]!r} after step {e[2]}"
-        axis, ranks = g.split(":")
-        return (f"{odd_text} where {_ranks_text(ref[0])} {ref[1]}, at collective #{seq} on "
-                f"{axis} (ranks {ranks}) {where}: {_FIX}")
-
     def _check_one(self, g: str, n: int, fp: str) -> None:
         """``every``: publish this rank's fingerprint #n on group ``g`` and compare it with
         every member's before the collective is launched."""
@@ -631,230 +554,10 @@ class CollectiveChecks:
         if len(set(fps.values())) > 1:
             entry = self.pending[g][-1]
             at = {r: [fp_r, *entry[1:]] for r, fp_r in fps.items()}
-            self._raise(self._message(n, g, at, set(), {}))
+            self._raise(divergence_message(n, g, at, set(), {}))
         if n > 2:  # every member has read #n-2 (it published #n-1 after reading it)
             s.delete_key(f"e/{g}/{n - 2}/{self._rank}")
 
-
-# A message with the key's tag is sent only in answer to one with the value's tag: a pipeline
-# stage sends the gradient of a microbatch (pp_bwd) only after it received its activation
-# (pp_fwd). In a mutual wait this names which of the two skipped its send.
-ANSWERS = {"pp_bwd": "pp_fwd"}
-
-_P2P_FIX = ("every send must meet its receive: look for a send under a stage-conditional "
-            "branch, or pipeline schedules that differ between the ranks")
-
-
-def _where(state: dict) -> str:
-    """Where a rank is, from its report or position: "waits at the check before step 3"."""
-    if state.get("label"):
-        return f"waits at the check {state['label']}"
-    w = state.get("waiting") or state.get("where")
-    if w:
-        return f"waits {w}"
-    last = state.get("last")
-    return f"last issued {last[1]} #{last[4]} in step {last[3]}" if last else "issued nothing"
-
-
-def p2p_findings(states: dict, silent=()) -> list[tuple[str, set]]:
-    """The point-to-point diagnosis from the ranks' ``states`` (rank → its report or position,
-    as published in the store): for each rank waiting in a receive for message k of a channel
-    whose sender sent fewer than k, one sentence naming the receive, the sender and what it
-    does instead, with the ranks it names (``silent``: ranks that published no report since
-    the last check: stuck in compute, or dead). In a mutual wait (each waits for a message the
-    other never sent), the rank that waits for the answer (:data:`ANSWERS`) to a message it
-    never sent is named as the one that skipped its send."""
-    waits = {r: st["wait_p2p"] for r, st in states.items()
-             if r not in silent and (st.get("wait_p2p") or {}).get("op") == "recv"}
-    out = []
-    for r, w in sorted(waits.items()):
-        src, n, chan, tag = w["peer"], w["n"], w["chan"], w["tag"]
-        st = states.get(src)
-        if st is None:
-            out.append((f"rank {r} waits in {w['fp']} for message #{n} of {chan}; rank {src} "
-                        f"published nothing (dead before its first collective?)", {r, src}))
-            continue
-        sent = st.get("sent", {}).get(chan, 0)
-        if sent >= n:  # sent: in flight, or received by a receive that was sized differently
-            continue
-        head = (f"rank {r} waits in {w['fp']} for message #{n} of {chan} (step "
-                f"{w.get('step', '?')}), which rank {src} never sent (it sent {sent})")
-        skipped = f"rank {src} skipped a {tag} send to rank {r}; {_P2P_FIX}"
-        other = waits.get(src)
-        if src in silent:
-            last = st.get("last")
-            out.append((head + (f"; rank {src} has issued nothing since {last[1]} #{last[4]} "
-                                f"in step {last[3]}" if last else
-                                f"; rank {src} reported nothing")
-                        + " (stuck in compute, or dead)", {r, src}))
-        elif other and other["peer"] == r and \
-                states[r].get("sent", {}).get(other["chan"], 0) < other["n"]:  # a mutual wait
-            if ANSWERS.get(other["tag"]) == tag:
-                out.append((f"{head}; rank {src} waits in {other['fp']} for message "
-                            f"#{other['n']}, the answer to it: {skipped}", {r, src}))
-            elif ANSWERS.get(tag) != other["tag"] and r < src:
-                out.append((f"{head}, while rank {src} waits in {other['fp']} for message "
-                            f"#{other['n']}, which rank {r} never sent: the two wait for each "
-                            f"other (one of them skipped a send); {_P2P_FIX}", {r, src}))
-        else:
-            out.append((f"{head}; rank {src} moved on (it {_where(st)}): {skipped}", {r, src}))
-    return out
-
-
-def diagnose_positions(states: dict) -> str | None:
-    """A divergence proven by the ranks' last issued collectives (``states``: rank → its
-    position or report, each with ``last`` = [group, fingerprint, phase, step, seq]): two
-    ranks whose last collective has the same sequence number of one group and different
-    fingerprints. The one line of :class:`CollectiveMismatch`, or None. Used when a rank died
-    inside the collective (gloo aborts a receiver of more bytes than it expects)."""
-    at: dict = collections.defaultdict(dict)
-    for r, st in states.items():
-        last = st.get("last")
-        if last and ">" not in last[0]:  # a collective's group, not a channel
-            at[(last[4], last[0])][r] = last[1:]
-    for (seq, g), entries in sorted(at.items()):
-        if len({e[0] for e in entries.values()}) > 1:
-            return CollectiveChecks._message(seq, g, entries, set(), {})
-    return None
-
-
-def _signal_text(code: int) -> str:
-    import signal
-
-    n = -code if code < 0 else code - 128 if code > 128 else 0
-    try:
-        return f"killed by {signal.Signals(n).name}" if n else f"exit code {code}"
-    except ValueError:
-        return f"exit code {code}"
-
-
-def diagnose_store(store, failed: dict) -> tuple[str | None, dict]:
-    """The launcher's diagnosis after ranks failed: ``store`` the launcher's own store (every
-    rank's checks published there, :func:`_diag_store`), ``failed`` global rank → exit code
-    (negative: killed by that signal; 128 + N likewise) of the ranks that failed. Returns
-    (one line or None when nothing was published, the record: the diagnosis, the failures,
-    every rank's position and report, for ``RUN/flight/diagnosis.json`` and ``shardwise
-    doctor``). The line is the diagnosis a rank published if any (a mismatch, a hang), else a
-    divergence the positions prove, else who died and where every rank stands."""
-    latest = _latest_topology(store, failed)
-    if latest is None:
-        return None, {}
-    prefix, ps, ranks, states = latest
-    abort = ps.get("abort").decode() if ps.check(["abort"]) else ""
-    kind, _, msg = abort.partition("|")
-    died = {r: c for r, c in failed.items()
-            if "connection broke" not in ((states.get(r) or {}).get("where") or "")
-            and (c < 0 or c > 128)}
-    proven = diagnose_positions(states)
-    if not msg:
-        kind = "mismatch" if proven else "died"
-        msg = proven
-    # the positions prove it, published by a survivor that was not stopped before (the proof
-    # of _peer_broke) or by nobody: "…, at collective #2 on dp (…) in step 1 (rank 0 was
-    # killed by SIGABRT inside it): every rank …"
-    if proven and msg == proven and died:
-        msg = proven[:-len(_FIX) - 2] + " (" + ", ".join(
-            f"rank {r} was {_signal_text(c)}" for r, c in sorted(died.items())) + \
-            f" inside it): {_FIX}"
-    if not msg and died:
-        parts = []
-        for r, c in sorted(died.items()):
-            last = (states.get(r) or {}).get("last")
-            parts.append(f"rank {r} died ({_signal_text(c)}) and has issued nothing since "
-                         + (f"{last[1]} #{last[4]} in step {last[3]}" if last
-                            else "the start"))
-        others: dict = collections.defaultdict(list)
-        for r in ranks:
-            if r not in died and r in states:
-                w = (states[r].get("where") or "").replace(" when a peer's connection broke",
-                                                           "")
-                others[f"wait {w}" if w else _where(states[r]).replace("waits", "wait")
-                       ].append(r)
-        parts += [f"{_ranks_text(rs)} {w}" for w, rs in others.items()]
-        msg = "; ".join(parts) + (": the survivors were stopped; find why it died (the kernel's "
-                                  "OOM killer: dmesg; a kill by the scheduler; its last lines)")
-    record = {"diagnosis": msg or None, "kind": kind or None, "failed": failed,
-              "ranks": ranks, "positions": states, "prefix": prefix}
-    return msg or None, record
-
-
-def _latest_topology(store, failed=()):
-    """(prefix, prefixed store, ranks, rank → position) of the latest topology whose checks
-    published in ``store``; its ranks as it registered them, else those in ``failed``. None
-    when no topology published."""
-    if not store.check([TOPOLOGIES_KEY]):
-        return None
-    prefixes = [p for p in store.get(TOPOLOGIES_KEY).decode().splitlines() if p]
-    ps = dist.PrefixStore(prefixes[-1], store)  # the latest topology
-    ranks = json.loads(ps.get("ranks")) if ps.check(["ranks"]) else sorted(failed)
-    states = {r: json.loads(ps.get(f"pos/{r}")) for r in ranks if ps.check([f"pos/{r}"])}
-    return prefixes[-1], ps, ranks, states
-
-
-def store_positions(store) -> dict:
-    """Global rank → its last published position (:meth:`CollectiveChecks._position`: its last
-    op, where it is, its pid, …) for the latest topology in ``store``; {} when none published."""
-    latest = _latest_topology(store)
-    return latest[3] if latest else {}
-
-
-def diagnose_stopped(store) -> str | None:
-    """The diagnosis rank 0 prints when torchrun stops the job (it SIGTERMs every survivor as
-    soon as one rank fails, so no survivor's own wait can speak): from every rank's position in
-    ``store`` (the c10d store the checks publish in), a divergence the positions prove or a
-    message a rank published (:func:`diagnose_store`), else the ranks behind on the group of
-    their last collective — they stopped issuing (failed, or stuck in compute) — and where the
-    others wait. None when no rank is behind."""
-    line, record = diagnose_store(store, {})
-    if line:
-        return line
-    states = record.get("positions") or {}
-    ranks = record.get("ranks") or sorted(states)
-    last = {r: st["last"] for r, st in states.items() if st.get("last")}
-    top: dict = {}
-    for entry in last.values():  # [group, fingerprint, phase, step, seq]
-        top[entry[0]] = max(top.get(entry[0], 0), entry[4])
-    behind = [r for r in ranks if r not in last or last[r][4] < top.get(last[r][0], 0)]
-    if not behind:
-        return None
-    parts = [f"rank {r} has issued nothing since "
-             + (f"{last[r][1]} #{last[r][4]} in step {last[r][3]}" if r in last else "the start")
-             for r in behind]
-    others: dict = collections.defaultdict(list)
-    for r in ranks:
-        if r not in behind and r in states:
-            where = _where(states[r]).replace(" when a peer's connection broke", "")
-            others[where.replace("waits", "wait")].append(r)
-    parts += [f"{_ranks_text(rs)} {w}" for w, rs in others.items()]
-    return ("; ".join(parts) + ": torchrun stopped the job after a rank failed (its summary "
-            "gives the exit code); find why the rank behind stopped issuing")
-
-
-_TORCHRUN_HANDLER: list = []
-
-
-def _diagnose_when_torchrun_stops() -> None:
-    """On rank 0 under torchrun (main thread, once per process): a SIGTERM handler that prints
-    ``[shardwise] diagnosis (rank 0, stopped by torchrun): …`` (:func:`diagnose_stopped`) to
-    stderr and exits with 128 + the signal, as the default action's status would read."""
-    import signal
-    import sys
-    import threading
-
-    if _TORCHRUN_HANDLER or threading.current_thread() is not threading.main_thread():
-        return
-
-    def stopped(signum, frame):
-        try:
-            line = diagnose_stopped(dist.distributed_c10d._get_default_store())
-        except Exception:  # noqa: BLE001 - a diagnosis aid: never delay the stop with ours
-            line = None
-        if line:
-            sys.stderr.write(f"[shardwise] diagnosis (rank 0, stopped by torchrun): {line}\n")
-            sys.stderr.flush()
-        os._exit(128 + signum)
-
-    _TORCHRUN_HANDLER.append(signal.signal(signal.SIGTERM, stopped))
 
 
 def check(topo, step: int | None = None, label: str | None = None) -> None:
@@ -868,5 +571,4 @@ def check(topo, step: int | None = None, label: str | None = None) -> None:
         checks.check(step, label)
 
 
-__all__ = ["MODES", "CollectiveChecks", "check", "diagnose_positions", "diagnose_stopped",
-           "diagnose_store", "fingerprint", "p2p_findings", "store_positions"]
+__all__ = ["HISTORY", "MODES", "SLICE_S", "CollectiveChecks", "check", "fingerprint"]
