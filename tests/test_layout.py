@@ -17,7 +17,7 @@ from shardwise.models import build_model, preset_config
 from shardwise.parallel.apply import Layout as ApplyLayout
 from shardwise.parallel.layout import Layout, parse_layout
 from shardwise.parallel.pp.schedules import check_schedule
-from shardwise.plan.cost import PlanLayout
+from shardwise.plan.layout import PlanLayout
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "shardwise"
 

@@ -4,7 +4,7 @@ published large runs.
 * Our runs: one spawned 4-rank gloo world (this file is its worker, see ``__main__`` below) trains
   one step of every layout in ``LAYOUTS`` and dumps, per rank, the ledger's bytes per tag and
   ``engine.model_state_bytes(optimizer)``; the tests compare them with
-  :func:`shardwise.plan.cost.dp_step_bytes` and :func:`shardwise.plan.cost.model_state_bytes`
+  :func:`shardwise.plan.comm.dp_step_bytes` and :func:`shardwise.plan.memory.model_state_bytes`
   exactly. Today ``parallelize`` builds data parallelism only; when the ZeRO, TP and PP engines
   land, add their layouts to ``LAYOUTS`` (e.g. ``(2, 1, 1, 1)`` for dp=2 zero=1) and extend
   ``_predicted_bytes`` with the tp/pp collectives of :func:`shardwise.plan.cost.estimate`.
@@ -26,8 +26,12 @@ from pathlib import Path
 import pytest
 
 from shardwise.errors import ShardwiseConfigError
-from shardwise.plan import cost
-from shardwise.plan.cost import Assumptions, PlanLayout, Precision, estimate
+from shardwise.plan import comm as plan_comm
+from shardwise.plan import compute as plan_compute
+from shardwise.plan import layout as plan_layout
+from shardwise.plan import memory as plan_memory
+from shardwise.plan.cost import estimate
+from shardwise.plan.layout import Assumptions, PlanLayout, Precision
 from shardwise.plan.hardware import get_cluster, load_cluster
 from shardwise.plan.models import from_llama_config, get_model
 
@@ -73,8 +77,8 @@ def test_predicted_comm_bytes_equal_the_ledger(own_runs, dp, tp, pp, zero):
     2(n−1)/n·4Ψ of fp32 gradients and two fp64 scalars (token count, loss)."""
     spec, _ = _tiny_spec()
     m = GLOBAL_BATCH // (dp * MICRO)
-    predicted = cost.dp_step_bytes(spec, PlanLayout(dp=dp, tp=tp, pp=pp, zero=zero,
-                                                    precision="fp32"), m=m)
+    predicted = plan_comm.dp_step_bytes(spec, PlanLayout(dp=dp, tp=tp, pp=pp, zero=zero,
+                                                         precision="fp32"), m=m)
     # the formula by hand too, so a wrong cost model cannot agree with itself
     n, psi = dp, spec.num_params()
     assert predicted["grad"] == pytest.approx(2 * (n - 1) / n * 4 * psi, rel=0, abs=1e-6)
@@ -95,8 +99,8 @@ def test_predicted_zero_comm_bytes_equal_the_ledger(own_runs, dp, tp, pp, zero):
     m = GLOBAL_BATCH // (dp * MICRO)
     psi = spec.num_params()
     root = psi - spec.n_layers * spec.layer_params()
-    predicted = cost.dp_step_bytes(spec, PlanLayout(dp=dp, zero=zero, precision="fp32"), m=m,
-                                   regathered=psi - root if zero == 3 else None)
+    predicted = plan_comm.dp_step_bytes(spec, PlanLayout(dp=dp, zero=zero, precision="fp32"), m=m,
+                                        regathered=psi - root if zero == 3 else None)
     n = dp
     f = (n - 1) / n
     assert predicted["grad"] == pytest.approx(f * 4 * psi)
@@ -112,9 +116,9 @@ def test_predicted_zero_comm_bytes_equal_the_ledger(own_runs, dp, tp, pp, zero):
 def test_predicted_model_state_equals_measured(own_runs, dp, tp, pp, zero):
     """params 4Ψ + grads 4Ψ + AdamW 8Ψ + a 4-byte step counter per tensor, exactly."""
     spec, _ = _tiny_spec()
-    prec = cost.PRECISIONS["fp32"]
-    params = cost.stage_params(spec, spec.n_layers, tp=tp, first=True, last=True, pp=pp)
-    predicted = cost.model_state_bytes(params, spec.num_tensors(), zero, dp, prec)
+    prec = plan_layout.PRECISIONS["fp32"]
+    params = plan_memory.stage_params(spec, spec.n_layers, tp=tp, first=True, last=True, pp=pp)
+    predicted = plan_memory.model_state_bytes(params, spec.num_tensors(), zero, dp, prec)
     psi = spec.num_params()
     assert predicted == {"params": 4 * psi, "grads": 4 * psi,
                          "optimizer": 8 * psi + 4 * spec.num_tensors()}
@@ -194,9 +198,9 @@ def test_eager_activation_formula_equals_saved_tensors_of_a_real_forward():
         loss_sum_and_count(model, batch)
     measured = sum(n for _, n in seen.values())
     tokens = b * SEQ
-    predicted = (spec.n_layers * cost.layer_activation_bytes(spec, tokens, act_bytes=4)
-                 + cost.head_activation_bytes(spec, tokens, act_bytes=4)
-                 + cost.embedding_activation_bytes(spec, tokens) + 4)
+    predicted = (spec.n_layers * plan_memory.layer_activation_bytes(spec, tokens, act_bytes=4)
+                 + plan_memory.head_activation_bytes(spec, tokens, act_bytes=4)
+                 + plan_memory.embedding_activation_bytes(spec, tokens) + 4)
     assert measured == predicted
 
 
@@ -210,16 +214,16 @@ def test_gpt_layer_activations_reproduce_korthikanti_equations_1_2_4():
     m = get_model("gpt3-175b")
     s, h, a, b = m.seq_len, m.d_model, m.n_heads, 1
     sbh = s * b * h
-    assert cost.layer_activation_bytes(m, s * b) == sbh * (34 + 5 * a * s / h)
+    assert plan_memory.layer_activation_bytes(m, s * b) == sbh * (34 + 5 * a * s / h)
     for t in (2, 4, 8):
-        assert cost.layer_activation_bytes(m, s * b, tp=t) == pytest.approx(
+        assert plan_memory.layer_activation_bytes(m, s * b, tp=t) == pytest.approx(
             sbh * (10 + 24 / t + 5 * a * s / (h * t)), rel=1e-12)
-        assert cost.layer_activation_bytes(m, s * b, tp=t, sp=True) == pytest.approx(
+        assert plan_memory.layer_activation_bytes(m, s * b, tp=t, sp=True) == pytest.approx(
             sbh / t * (34 + 5 * a * s / h), rel=1e-12)
         # selective: norm inputs 4, Q K V 6, attention output 2, GeLU input 8, masks 2 → 22
-        assert cost.layer_activation_bytes(m, s * b, tp=t, sp=True, ckpt="selective") == \
+        assert plan_memory.layer_activation_bytes(m, s * b, tp=t, sp=True, ckpt="selective") == \
             pytest.approx(22 * sbh / t, rel=1e-12)
-        assert cost.layer_activation_bytes(m, s * b, tp=t, sp=True, ckpt="full") == \
+        assert plan_memory.layer_activation_bytes(m, s * b, tp=t, sp=True, ckpt="full") == \
             pytest.approx(2 * sbh / t, rel=1e-12)
 
 
@@ -229,7 +233,7 @@ def test_zero_memory_reproduces_the_zero_paper_figure_1():
     prec = Precision("zero-paper", 2, 2, 12, 2, 2, "bf16", 0, 0)
     expected = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
     for zero, gb in expected.items():
-        st = cost.model_state_bytes(7.5e9, 0, zero, 64, prec)
+        st = plan_memory.model_state_bytes(7.5e9, 0, zero, 64, prec)
         assert sum(st.values()) / 1e9 == pytest.approx(gb, abs=0.06), zero
 
 
@@ -244,7 +248,7 @@ def test_zero3_gradient_reduction_once_or_per_micro_batch():
         e = estimate(spec, get_cluster("h100"), lay, n * m)
         by[red] = (e.memory["first"]["grads"],
                    next(c for c in e.comm if c.tag == "grad").count,
-                   cost.dp_step_bytes(spec, lay, m=m)["grad"])
+                   plan_comm.dp_step_bytes(spec, lay, m=m)["grad"])
     assert by["step"][:2] == (4 * psi + 4 * psi / n, 1)
     assert by["micro"][:2] == (4 * psi / n, m)
     assert by["micro"][2] == pytest.approx(m * by["step"][2])
@@ -266,16 +270,16 @@ def test_parameter_counts_of_the_presets():
 
 def test_collective_time_and_placement_by_hand():
     c = get_cluster("h100-sxm")
-    wire, sec = cost.collective_seconds("all_reduce", 1e9, 8, 450e9, 1e-6, 0.8)
+    wire, sec = plan_comm.collective_seconds("all_reduce", 1e9, 8, 450e9, 1e-6, 0.8)
     assert wire == 2 * 7 / 8 * 1e9
     assert sec == pytest.approx(14 * 1e-6 + 1.75e9 / (450e9 * 0.8))
     # tp=8 fills a node: every dp peer is on another node, one per node → one NIC each
-    assert cost.axis_link(c, PlanLayout(dp=64, tp=8), "dp")[:2] == (50e9, 5e-6)
-    assert cost.axis_link(c, PlanLayout(dp=64, tp=8), "tp")[:2] == (450e9, 1e-6)
+    assert plan_comm.axis_link(c, PlanLayout(dp=64, tp=8), "dp")[:2] == (50e9, 5e-6)
+    assert plan_comm.axis_link(c, PlanLayout(dp=64, tp=8), "tp")[:2] == (450e9, 1e-6)
     # tp=1, dp=16: 8 dp ranks per node → 8 rings side by side, 8 × 50 GB/s < NVLink
-    assert cost.axis_link(c, PlanLayout(dp=16), "dp")[0] == 400e9
+    assert plan_comm.axis_link(c, PlanLayout(dp=16), "dp")[0] == 400e9
     # tp=2, dp=4 stays in one node
-    assert cost.axis_link(c, PlanLayout(dp=4, tp=2), "dp")[2] == "intra-node"
+    assert plan_comm.axis_link(c, PlanLayout(dp=4, tp=2), "dp")[2] == "intra-node"
 
 
 def test_bf16_model_state_of_llama3_405b_on_the_llama3_layout():
@@ -292,7 +296,7 @@ def test_bf16_model_state_of_llama3_405b_on_the_llama3_layout():
     first = e.memory["first"]
     assert first["params"] == pytest.approx(2 * psi)
     assert first["grads"] == pytest.approx(4 * psi)
-    assert first["optimizer"] == pytest.approx(12 * psi / 64 + 4 * cost.stage_tensors(
+    assert first["optimizer"] == pytest.approx(12 * psi / 64 + 4 * plan_memory.stage_tensors(
         m, stages[0], first=True, last=False, pp=16))
 
 
@@ -349,8 +353,9 @@ def test_bubble_and_in_flight_equal_the_simulated_schedule(schedule, p, m):
     t_f, t_b = 1.0, 2.0
     t_mb = t_f + t_b
     makespan, held = _simulate(schedule, p, m, t_f, t_b)
-    assert makespan - m * t_mb == pytest.approx(cost.bubble_time(schedule, p, t_mb, 1, m))
-    assert held == cost.in_flight(schedule, p, m)
+    assert makespan - m * t_mb == pytest.approx(
+        plan_compute.bubble_time(schedule, p, t_mb, 1, m))
+    assert held == plan_memory.in_flight(schedule, p, m)
 
 
 @pytest.mark.parametrize("name,p,m,v", [("1f1b", 4, 8, 1), ("gpipe", 4, 8, 1),
@@ -368,13 +373,14 @@ def test_bubble_equals_the_pipeline_simulator(name, p, m, v):
 
     result = sim.simulate(build_schedule(name, p, m, v if v > 1 else None), sim.Costs(1, 1, 1))
     t_mb = 3.0
-    assert result.makespan - m * t_mb == pytest.approx(cost.bubble_time(name, p, t_mb, v, m))
+    assert result.makespan - m * t_mb == pytest.approx(
+        plan_compute.bubble_time(name, p, t_mb, v, m))
 
 
 def test_interleaving_memory_factor_of_korthikanti():
     """§4.2.3: the first stage of an interleaved schedule holds (1 + (p−1)/(p·v)) × L layers."""
-    assert cost.in_flight("interleaved-1f1b", 4, 8, 2) == 4 * (1 + 3 / 8)
-    assert cost.in_flight("zb-h1", 4, 8) == cost.in_flight("1f1b", 4, 8)
+    assert plan_memory.in_flight("interleaved-1f1b", 4, 8, 2) == 4 * (1 + 3 / 8)
+    assert plan_memory.in_flight("zb-h1", 4, 8) == plan_memory.in_flight("1f1b", 4, 8)
 
 
 # --------------------------------------------------------------------------------------------
@@ -469,7 +475,7 @@ def test_cp_bytes_equal_the_core_formula_the_ledger_checks():
         parallelize_context(model, Topo(), method)
         core = cp_bytes_formula(model, Topo(), 3, SEQ, "fp32")
         lay = PlanLayout(cp=4, cp_method=method, micro_batch=3, precision="fp32")
-        per_layer = cost.cp_layer_bytes(spec, lay)
+        per_layer = plan_comm.cp_layer_bytes(spec, lay)
         assert {k: spec.n_layers * v for k, v in per_layer.items()} == core
 
 
@@ -505,11 +511,11 @@ def test_cp_links_follow_the_mesh_order():
     tp 2 × cp 8 spans two nodes with 4 cp ranks on each: 4 NICs, min(450, 4·50) GB/s; tp 8 ×
     cp 16: one cp rank per node, one NIC. dp × cp: dp=2, cp=4, tp=1 stays in the node."""
     c = get_cluster("h100-sxm")
-    assert cost.axis_link(c, PlanLayout(tp=2, cp=4), "cp") == (450e9, 1e-6, "intra-node")
-    assert cost.axis_link(c, PlanLayout(tp=2, cp=8), "cp")[:2] == (200e9, 5e-6)
-    assert cost.axis_link(c, PlanLayout(tp=8, cp=16, dp=8), "cp")[:2] == (50e9, 5e-6)
-    assert cost.axis_link(c, PlanLayout(dp=2, cp=4), "dp_cp")[2] == "intra-node"
-    assert cost.axis_link(c, PlanLayout(dp=2, cp=4, tp=2), "dp")[:2] == (50e9, 5e-6)
+    assert plan_comm.axis_link(c, PlanLayout(tp=2, cp=4), "cp") == (450e9, 1e-6, "intra-node")
+    assert plan_comm.axis_link(c, PlanLayout(tp=2, cp=8), "cp")[:2] == (200e9, 5e-6)
+    assert plan_comm.axis_link(c, PlanLayout(tp=8, cp=16, dp=8), "cp")[:2] == (50e9, 5e-6)
+    assert plan_comm.axis_link(c, PlanLayout(dp=2, cp=4), "dp_cp")[2] == "intra-node"
+    assert plan_comm.axis_link(c, PlanLayout(dp=2, cp=4, tp=2), "dp")[:2] == (50e9, 5e-6)
 
 
 def test_cp_overlap_ring_hides_under_attention_allgather_exposed():
@@ -754,9 +760,9 @@ def _worker(out: str) -> None:
             ledger[r.tag] = ledger.get(r.tag, 0.0) + r.wire_bytes
         spec = from_llama_config(model.config, seq_len=SEQ)
         tokens = MICRO * SEQ
-        formula = (spec.n_layers * cost.layer_activation_bytes(spec, tokens, act_bytes=4)
-                   + cost.head_activation_bytes(spec, tokens, act_bytes=4)
-                   + cost.embedding_activation_bytes(spec, tokens) + 4)
+        formula = (spec.n_layers * plan_memory.layer_activation_bytes(spec, tokens, act_bytes=4)
+                   + plan_memory.head_activation_bytes(spec, tokens, act_bytes=4)
+                   + plan_memory.embedding_activation_bytes(spec, tokens) + 4)
         rec = {"ledger": ledger, "state": engine.model_state_bytes(opt),
                "buckets": sum(b.buffer.numel() * 4 for b in getattr(engine, "buckets", [])),
                "activations": sum(n for _, n in seen.values()) / len(batches),

@@ -16,8 +16,11 @@ import json
 import pytest
 
 from shardwise.errors import ShardwiseConfigError
+from shardwise.plan import comm as plan_comm
 from shardwise.plan import cost
-from shardwise.plan.cost import Collective, PlanLayout, estimate, hsdp_comparison
+from shardwise.plan.comm import Collective
+from shardwise.plan.cost import estimate, hsdp_comparison
+from shardwise.plan.layout import PlanLayout
 from shardwise.plan.hardware import get_cluster
 from shardwise.plan.models import get_model
 from shardwise.plan.search import Fixed, candidates, family
@@ -92,7 +95,7 @@ def test_bytes_per_axis_by_hand(zero, reduce):
     m_spec = get_model("tiny")
     psi, S, R, m = m_spec.num_params(), 4, 2, 2
     lay = PlanLayout(dp=8, dp_replicate=R, zero=zero, precision="fp32", grad_reduce=reduce)
-    got = cost.dp_step_bytes(m_spec, lay, m=m, by_axis=True)
+    got = plan_comm.dp_step_bytes(m_spec, lay, m=m, by_axis=True)
     f = (S - 1) / S
     rs = (m if zero >= 2 and reduce == "micro" else 1) * f * 4 * psi
     ag = (2 * m if zero == 3 else 1) * f * 4 * psi
@@ -101,12 +104,12 @@ def test_bytes_per_axis_by_hand(zero, reduce):
         "dp_replicate": pytest.approx({"grad_replicate": 2 * (R - 1) / R * 4 * psi / S},
                                       rel=REL),
         "dp": pytest.approx({"loss": 2 * 2 * 7 / 8 * 8}, rel=REL)}
-    by_tag = cost.dp_step_bytes(m_spec, lay, m=m)
+    by_tag = plan_comm.dp_step_bytes(m_spec, lay, m=m)
     assert by_tag["grad"] == pytest.approx(rs, rel=REL)
     assert by_tag["grad_replicate"] == pytest.approx(2 * (R - 1) / R * 4 * psi / S, rel=REL)
     # R = 1 is ZeRO over all of dp, on the one "dp" axis as before
-    flat = cost.dp_step_bytes(m_spec, PlanLayout(dp=8, zero=zero, precision="fp32",
-                                                 grad_reduce=reduce), m=m, by_axis=True)
+    flat = plan_comm.dp_step_bytes(m_spec, PlanLayout(dp=8, zero=zero, precision="fp32",
+                                                      grad_reduce=reduce), m=m, by_axis=True)
     assert set(flat) == {"dp"}
     assert flat["dp"]["grad"] == pytest.approx(rs / f * 7 / 8, rel=REL)
 
@@ -125,8 +128,8 @@ def test_bytes_per_axis_equal_the_engines_hsdp_formula(zero):
         pytest.skip("the engines' HSDP formula (hsdp_replicate_bytes) is not in this tree")
     spec = get_model("tiny")
     psi, S, R, m = spec.num_params(), 4, 2, 2
-    got = cost.dp_step_bytes(spec, PlanLayout(dp=8, dp_replicate=R, zero=zero,
-                                              precision="fp32"), m=m, by_axis=True)
+    got = plan_comm.dp_step_bytes(spec, PlanLayout(dp=8, dp_replicate=R, zero=zero,
+                                                   precision="fp32"), m=m, by_axis=True)
     engine = zero_step_bytes_formula(zero, psi, S, 4, micro_steps=m)
     assert got["dp_shard"] == pytest.approx({k: engine[k] for k in ("grad", "param",
                                                                      "grad_norm")}, rel=REL)
@@ -139,7 +142,7 @@ def test_bytes_with_cp_span_the_shard_group_times_cp():
     ranks ("dp_shard_cp"), the replicas R = 2, the loss over all dp·cp = 8."""
     m = get_model("llama3-8b")
     psi = m.num_params()
-    got = cost.dp_step_bytes(m, PlanLayout(dp=4, dp_replicate=2, cp=2, zero=1), by_axis=True)
+    got = plan_comm.dp_step_bytes(m, PlanLayout(dp=4, dp_replicate=2, cp=2, zero=1), by_axis=True)
     assert got["dp_shard_cp"]["grad"] == pytest.approx(3 / 4 * 4 * psi, rel=REL)
     assert got["dp_shard_cp"]["param"] == pytest.approx(3 / 4 * 2 * psi, rel=REL)
     assert got["dp_replicate"]["grad_replicate"] == pytest.approx(2 * 1 / 2 * 4 * psi / 4,
@@ -155,7 +158,7 @@ def test_expert_bytes_shard_inside_the_group_and_all_reduce_over_the_replicas():
     mx = get_model("mixtral-8x7b")
     X = mx.num_expert_params()
     D = mx.num_params() - X
-    got = cost.dp_step_bytes(mx, PlanLayout(dp=16, dp_replicate=2, ep=4, zero=1), by_axis=True)
+    got = plan_comm.dp_step_bytes(mx, PlanLayout(dp=16, dp_replicate=2, ep=4, zero=1), by_axis=True)
     assert got["dp_shard"]["grad"] == pytest.approx(7 / 8 * 4 * D, rel=REL)
     assert got["edp"]["grad"] == pytest.approx(1 / 2 * 4 * X / 4, rel=REL)
     assert got["edp"]["param"] == pytest.approx(1 / 2 * 2 * X / 4, rel=REL)
@@ -169,17 +172,17 @@ def test_links_of_the_shard_group_and_the_replicas():
     the shard group spans 16 GPUs, 4 per node (4 NICs: 200 GB/s)."""
     c = H100
     one = PlanLayout(dp=16, dp_replicate=2, zero=3)
-    assert cost.axis_link(c, one, "dp_shard") == (450e9, 1e-6, "intra-node")
-    assert cost.axis_link(c, one, "dp_replicate") == (50e9, 5e-6, "inter-node (1/node)")
-    assert cost.members_per_node(c, one, "dp_shard") == 0
-    assert cost.members_per_node(c, one, "dp_replicate") == 1
-    assert cost.members_per_node(c, one, "dp") == 8
+    assert plan_comm.axis_link(c, one, "dp_shard") == (450e9, 1e-6, "intra-node")
+    assert plan_comm.axis_link(c, one, "dp_replicate") == (50e9, 5e-6, "inter-node (1/node)")
+    assert plan_comm.members_per_node(c, one, "dp_shard") == 0
+    assert plan_comm.members_per_node(c, one, "dp_replicate") == 1
+    assert plan_comm.members_per_node(c, one, "dp") == 8
     wide = PlanLayout(dp=16, dp_replicate=2, tp=2, zero=3)
-    assert cost.axis_link(c, wide, "dp_shard")[:2] == (200e9, 5e-6)
+    assert plan_comm.axis_link(c, wide, "dp_shard")[:2] == (200e9, 5e-6)
     # cp 2 × tp 2 × S 2 fills a node; the replicas are 8 GPUs apart
     cp = PlanLayout(dp=8, dp_replicate=4, cp=2, tp=2, zero=3)
-    assert cost.axis_link(c, cp, "dp_shard_cp")[2] == "intra-node"
-    assert cost.axis_link(c, cp, "dp_replicate")[:2] == (50e9, 5e-6)
+    assert plan_comm.axis_link(c, cp, "dp_shard_cp")[2] == "intra-node"
+    assert plan_comm.axis_link(c, cp, "dp_replicate")[:2] == (50e9, 5e-6)
 
 
 def test_gradient_overlap_charges_the_once_per_step_all_reduce_to_the_last_backward():
@@ -268,7 +271,7 @@ def test_search_enumerates_R_only_where_the_shard_group_fills_a_node():
     for x in hs:
         assert x.zero >= 1 and x.dp_shard * x.cp * x.tp == 8 and x.dp_replicate >= 2
         ax = "dp_shard" if x.cp == 1 else "dp_shard_cp"
-        assert cost.axis_link(H100, x, ax)[2] == "intra-node"
+        assert plan_comm.axis_link(H100, x, ax)[2] == "intra-node"
     assert not any(x.tp == 8 and x.cp == 1 for x in hs)
     combos = {(x.dp, x.cp, x.tp) for x in cands if x.zero}
     want = {(dp, cp, tp) for dp, cp, tp in combos if 8 % (cp * tp) == 0

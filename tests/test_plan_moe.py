@@ -12,8 +12,10 @@ import json
 import pytest
 
 from shardwise.errors import ShardwiseConfigError
-from shardwise.plan import cost
-from shardwise.plan.cost import PRECISIONS, Assumptions, PlanLayout, estimate
+from shardwise.plan import comm as plan_comm
+from shardwise.plan import memory as plan_memory
+from shardwise.plan.cost import estimate
+from shardwise.plan.layout import PRECISIONS, Assumptions, PlanLayout
 from shardwise.plan.hardware import get_cluster
 from shardwise.plan.models import ModelSpec, from_llama_config, get_model
 
@@ -133,11 +135,11 @@ def test_moe_layer_activations_by_hand():
     copies (gathered over tp) → 1,616; TP 2 without SP: the MoE feed-forward is whole on every
     tp rank, only attention ÷ 2 → 2,776."""
     m = _spec()
-    assert cost.layer_activation_bytes(m, 1, moe=True) == 2976
-    assert cost.layer_activation_bytes(m, 1, tp=2, sp=True, moe=True) == 1616
-    assert cost.layer_activation_bytes(m, 1, tp=2, sp=False, moe=True) == 2776
-    assert cost.layer_activation_bytes(m, 10, moe=True) == 10 * 2976
-    assert cost.layer_activation_bytes(m, 10, ckpt="full", moe=True) == 10 * 2 * 64
+    assert plan_memory.layer_activation_bytes(m, 1, moe=True) == 2976
+    assert plan_memory.layer_activation_bytes(m, 1, tp=2, sp=True, moe=True) == 1616
+    assert plan_memory.layer_activation_bytes(m, 1, tp=2, sp=False, moe=True) == 2776
+    assert plan_memory.layer_activation_bytes(m, 10, moe=True) == 10 * 2976
+    assert plan_memory.layer_activation_bytes(m, 10, ckpt="full", moe=True) == 10 * 2 * 64
 
 
 def test_all_to_all_bytes_by_hand():
@@ -153,8 +155,8 @@ def test_all_to_all_bytes_by_hand():
     assert one == 24576
     assert _wire(e, "ep_dispatch") == _wire(e, "ep_combine") == 2 * 2 * 2 * one
     assert _wire(e, "ep_counts") == 2 * 2 * 24
-    assert cost.ep_layer_bytes(m, e.layout) == {"ep_dispatch": 2 * one, "ep_combine": 2 * one,
-                                                "ep_counts": 24}
+    assert plan_comm.ep_layer_bytes(m, e.layout) == {"ep_dispatch": 2 * one, "ep_combine": 2 * one,
+                                                     "ep_counts": 24}
     # full recomputation runs the forward's dispatch, combine and counts once more
     full = estimate(m, H100, PlanLayout(dp=4, ep=4, micro_batch=2, ckpt="full"), 16)
     assert _wire(full, "ep_dispatch") == 2 * 2 * 3 * one
@@ -202,7 +204,7 @@ def test_all_to_all_bytes_equal_the_engines_formula_under_uniform_routing():
     engine = ep_bytes_formula(model, Topo())
     spec = from_llama_config(cfg, seq_len=s)
     lay = PlanLayout(dp=ep, ep=ep, micro_batch=b, precision="fp32")
-    per_layer = cost.ep_layer_bytes(spec, lay)
+    per_layer = plan_comm.ep_layer_bytes(spec, lay)
     assert {k: spec.n_moe_layers * m * v for k, v in per_layer.items()} == \
         pytest.approx(engine, rel=1e-12)
     est = estimate(spec, H100, lay, ep * b * m)
@@ -240,11 +242,11 @@ def test_ep_and_edp_links_follow_the_data_line():
     on 8-GPU nodes: tp 1 × ep 8 is one node; tp 2 × ep 8 spans two nodes with 4 ep ranks on
     each: min(450, 4·50) GB/s; tp 1, ep 4: edp ranks 4 apart, 2 per node: 100 GB/s."""
     c = H100
-    assert cost.axis_link(c, PlanLayout(dp=16, ep=8), "ep") == (450e9, 1e-6, "intra-node")
-    assert cost.axis_link(c, PlanLayout(dp=16, tp=2, ep=8), "ep")[:2] == (200e9, 5e-6)
-    assert cost.axis_link(c, PlanLayout(dp=16, ep=8), "edp")[:2] == (50e9, 5e-6)
-    assert cost.axis_link(c, PlanLayout(dp=16, ep=4), "edp")[:2] == (100e9, 5e-6)
-    assert cost.axis_link(c, PlanLayout(dp=4, cp=2, ep=8), "ep")[2] == "intra-node"
+    assert plan_comm.axis_link(c, PlanLayout(dp=16, ep=8), "ep") == (450e9, 1e-6, "intra-node")
+    assert plan_comm.axis_link(c, PlanLayout(dp=16, tp=2, ep=8), "ep")[:2] == (200e9, 5e-6)
+    assert plan_comm.axis_link(c, PlanLayout(dp=16, ep=8), "edp")[:2] == (50e9, 5e-6)
+    assert plan_comm.axis_link(c, PlanLayout(dp=16, ep=4), "edp")[:2] == (100e9, 5e-6)
+    assert plan_comm.axis_link(c, PlanLayout(dp=4, cp=2, ep=8), "ep")[2] == "intra-node"
 
 
 def test_expert_parallelism_is_what_lets_the_published_mixtral_layout_fit():
@@ -373,6 +375,6 @@ def test_precision_bytes_of_the_dispatched_rows():
     """The dispatched rows travel at the activation dtype: bf16 rows are half fp32's."""
     m = _spec()
     lay = dict(dp=4, ep=4, micro_batch=2)
-    b16 = cost.ep_layer_bytes(m, PlanLayout(precision="bf16", **lay))["ep_dispatch"]
-    f32 = cost.ep_layer_bytes(m, PlanLayout(precision="fp32", **lay))["ep_dispatch"]
+    b16 = plan_comm.ep_layer_bytes(m, PlanLayout(precision="bf16", **lay))["ep_dispatch"]
+    f32 = plan_comm.ep_layer_bytes(m, PlanLayout(precision="fp32", **lay))["ep_dispatch"]
     assert PRECISIONS["fp32"].act == 2 * PRECISIONS["bf16"].act and f32 == 2 * b16

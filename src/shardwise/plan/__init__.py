@@ -12,7 +12,8 @@ The cost model's entry point is :func:`shardwise.plan.cost.estimate` (not re-exp
 name would clash with the :mod:`shardwise.plan.estimate` module).
 """
 
-from .cost import Assumptions, Estimate, PlanLayout
+from .cost import Estimate
+from .layout import Assumptions, PlanLayout
 from .hardware import GPU, Cluster, get_cluster, load_cluster
 from .models import ModelSpec, from_llama_config, get_model
 

@@ -112,7 +112,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _assumptions(args):
-    from .cost import Assumptions
+    from .layout import Assumptions
 
     kw = {}
     for key, name in (("gemm_efficiency", "--gemm-efficiency"),
@@ -317,7 +317,8 @@ def format_table(results, model, cluster, gpus, tokens, top=10) -> str:
 
 def explain(e) -> str:
     """The formulas of one estimate with its numbers plugged in (units in the text)."""
-    from .cost import PRECISIONS, in_flight, layer_activation_bytes
+    from .layout import PRECISIONS
+    from .memory import in_flight, layer_activation_bytes
 
     M, C, lay, A, d = e.model, e.cluster, e.layout, e.assumptions, e.details
     prec = PRECISIONS[lay.precision]
@@ -423,7 +424,7 @@ def explain(e) -> str:
         out.append(f"  CP {lay.cp_method} over {cp} ranks: attention core of one layer "
                    f"t_core = {d['t_core_layer'] * 1e3:,.3f} ms per micro-batch; {how}")
     if lay.ep > 1:
-        from .cost import ep_tokens
+        from .comm import ep_tokens
 
         eb = d["ep_bytes_layer"]
         out.append(f"  EP over {lay.ep} ranks (uniform routing): T = b·(s/cp)/etp = "
@@ -466,7 +467,9 @@ def explain(e) -> str:
 def _explain_hsdp(e) -> list[str]:
     """The HSDP part of :func:`explain`: its per-axis byte formulas with this layout's numbers,
     and its inter-node bytes against ZeRO-3 over all of dp (:func:`cost.hsdp_comparison`)."""
-    from .cost import PRECISIONS, axis_link, hsdp_comparison
+    from .comm import axis_link
+    from .cost import hsdp_comparison
+    from .layout import PRECISIONS
 
     C, lay, d = e.cluster, e.layout, e.details
     prec = PRECISIONS[lay.precision]

@@ -154,8 +154,10 @@ def analytical(spec, world_size: int, *, seq_len: int | None = None, micro_batch
     (the estimator measures it)."""
     import dataclasses
 
-    from .cost import (PRECISIONS, PlanLayout, dp_step_bytes, embedding_activation_bytes,
-                       head_activation_bytes, layer_activation_bytes, model_state_bytes)
+    from .comm import dp_step_bytes
+    from .layout import PRECISIONS, PlanLayout
+    from .memory import (embedding_activation_bytes, head_activation_bytes,
+                         layer_activation_bytes, model_state_bytes)
 
     spec = dataclasses.replace(spec, kernels="eager", seq_len=seq_len or spec.seq_len)
     prec = PRECISIONS["fp32" if dtype == "fp32" else "amp"]

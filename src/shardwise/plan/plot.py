@@ -9,7 +9,7 @@ stops fitting in memory.
 
 from __future__ import annotations
 
-from .cost import Assumptions
+from .layout import Assumptions
 from .hardware import Cluster
 from .models import ModelSpec
 from .search import FAMILIES, Fixed, best_by_family, search

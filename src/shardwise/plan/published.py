@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .cost import Assumptions
+from .layout import Assumptions
 from .hardware import get_cluster
 from .models import get_model
 from .search import Fixed, search
@@ -148,7 +148,9 @@ def derive_gemm_efficiency(layer_seconds_measured: float = 19.6e-3) -> float:
     recomputation, no sequence parallelism) takes 19.6 ms forward + backward. Subtract the four
     TP all-reduces, the attention core and the element-wise traffic as this model charges them;
     the dense matmuls' FLOPs over the remaining time, over the peak, is the efficiency."""
-    from .cost import PlanLayout, _coll, layer_seconds
+    from .comm import _coll
+    from .compute import layer_seconds
+    from .layout import PlanLayout
 
     model, cluster = get_model("megatron-22b"), get_cluster("a100-sxm-80gb")
     lay = PlanLayout(dp=1, tp=8, pp=1, micro_batch=4, ckpt="none", sp=False)

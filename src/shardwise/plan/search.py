@@ -3,8 +3,8 @@
 A layout fixes dp × cp × tp × pp = the number of GPUs, expert parallelism ep over dp × cp (MoE
 models), the ZeRO stage over dp, sequence parallelism,
 the pipeline schedule and its virtual stages, the micro-batch size and activation checkpointing
-(:class:`~shardwise.plan.cost.PlanLayout`). :func:`search` evaluates every one that is valid
-(:func:`~shardwise.plan.cost.check_layout`) with :func:`~shardwise.plan.cost.estimate`; the ones
+(:class:`~shardwise.plan.layout.PlanLayout`). :func:`search` evaluates every one that is valid
+(:func:`~shardwise.plan.layout.check_layout`) with :func:`~shardwise.plan.cost.estimate`; the ones
 that fit come first, best MFU first (ties: less memory), then the ones that do not fit, best MFU
 first. Any dimension can be fixed (``fixed``), which is how the CLI's layout flags work.
 
@@ -18,7 +18,7 @@ What is enumerated, and why not more:
   (dp, cp) split is tried with every such ep). Dense models: ep = 1; a fixed ``--ep`` is kept so
   that the estimate refuses it with its reason.
 * cp: powers of two dividing GPUs / (tp · pp) with the sequence divisible by 2·cp, Llama-style
-  models only (:func:`~shardwise.plan.cost.check_cp`), while each rank keeps at least
+  models only (:func:`~shardwise.plan.layout.check_cp`), while each rank keeps at least
   :data:`MIN_CP_TOKENS` tokens of a sequence; for cp > 1 both methods, ring and all-gather.
   dp is what is left: GPUs / (tp · pp · cp). The bound: the cost model runs every attention
   block at the flash kernel's long-sequence utilisation, and the ring hides each transfer under
@@ -52,7 +52,8 @@ import math
 
 from ..errors import ShardwiseConfigError
 from ..parallel.cp import CP_METHODS
-from .cost import CKPT, SCHEDULES, Assumptions, Estimate, PlanLayout, estimate, llama_style
+from .cost import Estimate, estimate
+from .layout import CKPT, SCHEDULES, Assumptions, PlanLayout, llama_style
 from .hardware import Cluster
 from .models import ModelSpec
 

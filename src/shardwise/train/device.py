@@ -60,13 +60,13 @@ def memory_record(device: torch.device, topo) -> dict:
 def activation_estimate(model_cfg, *, micro_batch: int, seq_len: int, ac: str, dtype: str,
                         tp: int = 1, sp: bool = False, compiled: bool = False) -> float | None:
     """The planner's bytes of activations one micro-batch keeps for backward on one rank
-    (:func:`shardwise.plan.cost.layer_activation_bytes` × layers + the head and embedding
+    (:func:`shardwise.plan.memory.layer_activation_bytes` × layers + the head and embedding
     terms), for ``model_cfg`` (a dense :class:`~shardwise.models.LlamaConfig`; None for other
     models) with ``micro_batch`` sequences of ``seq_len`` tokens, ``ac`` (none | selective |
     full), compute ``dtype`` (bf16: 2-byte activations, else 4). Kernels: "eager" (our PyTorch
     Llama, exact in fp32) or, ``compiled``, "fused" (what inductor's fusions approach)."""
     from ..models import LlamaConfig
-    from ..plan import cost
+    from ..plan import memory as plan_memory
     from ..plan.models import from_llama_config
 
     if type(model_cfg) is not LlamaConfig:
@@ -74,10 +74,10 @@ def activation_estimate(model_cfg, *, micro_batch: int, seq_len: int, ac: str, d
     spec = from_llama_config(model_cfg, seq_len=seq_len,
                              kernels="fused" if compiled else "eager")
     a, tokens = (2 if dtype == "bf16" else 4), micro_batch * seq_len
-    return (model_cfg.n_layers * cost.layer_activation_bytes(spec, tokens, tp=tp, sp=sp,
-                                                             ckpt=ac, act_bytes=a)
-            + cost.head_activation_bytes(spec, tokens, tp=tp, sp=sp, act_bytes=a)
-            + cost.embedding_activation_bytes(spec, tokens))
+    return (model_cfg.n_layers * plan_memory.layer_activation_bytes(spec, tokens, tp=tp, sp=sp,
+                                                                    ckpt=ac, act_bytes=a)
+            + plan_memory.head_activation_bytes(spec, tokens, tp=tp, sp=sp, act_bytes=a)
+            + plan_memory.embedding_activation_bytes(spec, tokens))
 
 
 def attention_line(model_cfg, *, device: torch.device, dtype: str, micro_batch: int,

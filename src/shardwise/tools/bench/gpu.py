@@ -195,7 +195,8 @@ def run_tests_without_pytest(out: Path, device: str) -> dict:
 def planner_prediction(model_cfg, seq_len: int, micro_batch: int, ac: str, dtype: str,
                        compiled: bool) -> dict:
     """The planner's estimate of this one-GPU run on an H200 (module docstring, item 4)."""
-    from ...plan.cost import Assumptions, PlanLayout, estimate
+    from ...plan.cost import estimate
+    from ...plan.layout import Assumptions, PlanLayout
     from ...plan.hardware import get_cluster
     from ...plan.models import from_llama_config
 
