@@ -17,6 +17,7 @@ import tomllib
 import typing
 
 from .errors import ShardwiseConfigError
+from .readers import read_toml
 
 
 @dataclasses.dataclass
@@ -372,13 +373,7 @@ def _toml_keys(path: str | None) -> set[str]:
 
 def apply_toml(cfg: TrainConfig, path: str) -> TrainConfig:
     """Override ``cfg`` with the keys of TOML file ``path`` (dashes or underscores)."""
-    if not os.path.isfile(path):
-        raise ShardwiseConfigError(f"--config {path}: no such file")
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise ShardwiseConfigError(f"--config {path}: not valid TOML ({e})") from None
+    data = read_toml(path, "--config")
     hints = typing.get_type_hints(TrainConfig)
     updates = {}
     for key, value in data.items():

@@ -33,3 +33,10 @@ class CollectiveHang(CollectiveTimeout):
     :mod:`shardwise.comm` or at the collective check). The message gives every rank's position
     (which collective or check it waits in; which ranks reported nothing: stuck in compute, or
     dead) and where the flight records are (``RUN/flight/rank{r}.json``)."""
+
+
+class ShardwiseFileError(ShardwiseConfigError):
+    """A file the user named (``--config``, ``--model``, ``--cluster``, ``--data``) or a run wrote
+    is missing or not valid JSON, JSON lines or TOML (:mod:`shardwise.readers`). The message
+    names the flag or the file's role, the path, what is wrong (with the parser's line and
+    column) and, where one is given, the fix."""

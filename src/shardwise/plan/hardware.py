@@ -53,10 +53,9 @@ A custom GPU or cluster comes from a TOML file (:func:`load_cluster`)::
 from __future__ import annotations
 
 import dataclasses
-import os
-import tomllib
 
 from ..errors import ShardwiseConfigError
+from ..readers import read_toml
 
 GiB = 2**30
 
@@ -146,13 +145,7 @@ def get_cluster(name: str, gpus_per_node: int | None = None) -> Cluster:
 def load_cluster(path: str) -> Cluster:
     """A cluster from a TOML file (format in the module docstring). Raises ShardwiseConfigError
     on a missing file, bad TOML, unknown keys or non-positive numbers."""
-    if not os.path.isfile(path):
-        raise ShardwiseConfigError(f"--cluster {path}: no such file")
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise ShardwiseConfigError(f"--cluster {path}: not valid TOML ({e})") from None
+    data = read_toml(path, "--cluster")
     unknown = set(data) - {"gpu", "cluster"}
     if unknown:
         raise ShardwiseConfigError(f"--cluster {path}: unknown keys {sorted(unknown)}; use a "

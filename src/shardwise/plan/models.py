@@ -59,9 +59,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
 
 from ..errors import ShardwiseConfigError
+from ..readers import read_toml
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,13 +399,7 @@ def get_model(name: str) -> ModelSpec:
 
 def load_model(path: str) -> ModelSpec:
     """A :class:`ModelSpec` from TOML (keys = field names, e.g. ``n_layers = 32``)."""
-    if not os.path.isfile(path):
-        raise ShardwiseConfigError(f"--model {path}: no such file")
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise ShardwiseConfigError(f"--model {path}: not valid TOML ({e})") from None
+    data = read_toml(path, "--model")
     fields = {f.name for f in dataclasses.fields(ModelSpec)}
     bad = set(data) - fields
     if bad:
