@@ -80,7 +80,7 @@ def _is_example(cmd: str) -> bool:
     """A command with something to run: ``shardwise <sub>`` with at least one argument,
     ``python -m <module>`` / ``python -c`` with one, torchrun of shardwise. A
     bare name in running text (``shardwise train``, ``torchrun --max-restarts N``,
-    ``python -m shardwise.plan.cli …``) is a mention."""
+    ``python -m shardwise.tools.plan …``) is a mention."""
     words = [w for w in cmd.split() if w != "…"]
     if re.match(rf"shardwise ({'|'.join(SUBCOMMANDS)})\b", cmd):
         return len(words) >= 3
@@ -236,7 +236,7 @@ def test_a_template_names_only_real_flags(page, cmd):
     argv = shlex.split(cmd.replace("[", " ").replace("]", " ").replace("|", " "))
     if "torchrun" in argv:  # torchrun [its flags] -m shardwise <sub> [ours]
         argv = argv[argv.index("-m") + 1:]
-    if argv[:3] == ["python", "-m", "shardwise.plan.cli"]:
+    if argv[:3] == ["python", "-m", "shardwise.tools.plan"]:
         argv = ["shardwise", "plan", *argv[3:]]
     assert argv[0] == "shardwise" and argv[1] in SUBCOMMANDS, cmd
     sub = argv[1]

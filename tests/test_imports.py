@@ -95,3 +95,56 @@ def test_the_package_has_no_import_cycle():
     found = cycles(graph)
     detail = [f"{m} → {sorted(graph[m] & set(c))}" for c in found for m in c]
     assert not found, "import cycles:\n" + "\n".join(detail)
+
+
+# The layers, top first (docs/architecture.md): a module may import its own layer or one below,
+# never one above; a layer is the first name under ``shardwise`` (a folder or a top-level module).
+LAYERS = [
+    {"cli", "__main__"},
+    {"tools"},
+    {"train"},
+    {"config"},
+    {"report", "plan", "viz", "interop", "learn", "parity", "formulas", "flops"},
+    {"parallel"},
+    {"models", "data", "launch"},
+    {"comm", "topology"},
+    {"errors", "readers"},
+]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``"a → b"`` for every edge from a module to a module of a higher layer (:data:`LAYERS`);
+    the package's own ``__init__`` is above every layer. A module in no layer is reported too
+    (``"a: in no layer"``), so a new folder has to be placed."""
+    rank = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+
+    def layer(m):
+        parts = m.split(".")
+        return -1 if len(parts) == 1 else rank.get(parts[1])
+
+    out = [f"{m}: in no layer" for m in sorted(graph) if layer(m) is None]
+    for m in sorted(graph):
+        for t in sorted(graph[m]):
+            if None not in (layer(m), layer(t)) and layer(t) < layer(m):
+                out.append(f"{m} → {t}")
+    return out
+
+
+def test_the_checker_finds_a_planted_upward_import(tmp_path):
+    pkg = tmp_path / "shardwise"
+    for sub in ("plan", "train", "comm"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train" / "loop.py").write_text("from ..plan import cost\nfrom ..comm import ops\n")
+    (pkg / "plan" / "cost.py").write_text("from ..comm import ops\n")
+    (pkg / "comm" / "ops.py").write_text("def f():\n    from ..plan.cost import g\n")  # lazy
+    assert upward_imports(import_graph(pkg)) == ["shardwise.comm.ops → shardwise.plan.cost"]
+
+
+def test_no_import_runs_up_the_layers():
+    graph = import_graph(SRC)
+    assert len(graph) > 50  # it read the package
+    found = upward_imports(graph)
+    assert not found, "imports that run up the layers (docs/architecture.md):\n" + \
+        "\n".join(found)

@@ -135,7 +135,7 @@ def test_predicted_model_state_equals_measured(own_runs, dp, tp, pp, zero):
 
 def _estimate(*args):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "shardwise.plan.estimate", *map(str, args)],
+    p = subprocess.run([sys.executable, "-m", "shardwise.tools.estimate", *map(str, args)],
                        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=240)
     assert p.returncode == 0, p.stdout
@@ -615,7 +615,7 @@ def test_llama3_405b_long_context_row(published):
 def _plan(*argv):
     import argparse
 
-    from shardwise.plan.cli import add_plan_parser
+    from shardwise.tools.plan import add_plan_parser
 
     parser = argparse.ArgumentParser()
     add_plan_parser(parser.add_subparsers(dest="command"))
@@ -669,7 +669,7 @@ def test_bad_input_names_the_constraint(capsys):
         _plan("--model", "llama3-8b", "--gpus", 8, "--global-batch-tokens", 1000)
     with pytest.raises(ShardwiseConfigError, match="not a preset"):
         _plan("--model", "llama3-8b", "--gpus", 8, "--gpu", "v100")
-    from shardwise.plan.cli import main
+    from shardwise.tools.plan import main
 
     assert main(["--gpus", "8", "--model", "nope"]) == 2  # printed, exit status 2
     assert main(["--gpus", "8", "--model", "llama3-8b", "--pp", "7"]) == 2

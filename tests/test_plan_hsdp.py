@@ -33,7 +33,7 @@ REL = 1e-12
 def _plan(*argv):
     import argparse
 
-    from shardwise.plan.cli import add_plan_parser
+    from shardwise.tools.plan import add_plan_parser
 
     parser = argparse.ArgumentParser()
     add_plan_parser(parser.add_subparsers(dest="command"))
@@ -318,7 +318,7 @@ def test_bad_hsdp_input_names_the_constraint(capsys):
         _plan("--model", "llama3-8b", "--gpus", 8, "--tp", 1, "--pp", 1, "--dp-replicate", 3)
     with pytest.raises(ShardwiseConfigError, match="plain DP"):
         _plan("--model", "llama3-8b", "--gpus", 8, "--zero", 0, "--dp-replicate", 2)
-    from shardwise.plan.cli import main
+    from shardwise.tools.plan import main
 
     assert main(["--gpus", "8", "--model", "llama3-8b", "--zero", "0",
                  "--dp-replicate", "2"]) == 2

@@ -315,7 +315,7 @@ def test_mixtral_8x7b_published_run():
 def _plan(*argv):
     import argparse
 
-    from shardwise.plan.cli import add_plan_parser
+    from shardwise.tools.plan import add_plan_parser
 
     parser = argparse.ArgumentParser()
     add_plan_parser(parser.add_subparsers(dest="command"))
@@ -352,11 +352,11 @@ def test_bad_moe_input_names_the_constraint(capsys):
         _spec(n_experts=0)
     with pytest.raises(ShardwiseConfigError, match="biases"):
         _spec(bias=True)
-    from shardwise.plan.estimate import to_llama_config
+    from shardwise.tools.estimate import to_llama_config
 
     with pytest.raises(ShardwiseConfigError, match="estimator runs dense Llama models only"):
         to_llama_config(get_model("mixtral-8x7b"))
-    from shardwise.plan.cli import main
+    from shardwise.tools.plan import main
 
     assert main(["--gpus", "8", "--model", "llama3-8b", "--ep", "2"]) == 2
     assert "needs a mixture-of-experts model" in capsys.readouterr().err

@@ -10,7 +10,7 @@ from html.parser import HTMLParser
 import pytest
 
 from shardwise.report import data as rd
-from shardwise.report.cli import build, train_with_report
+from shardwise.tools.report import build, train_with_report
 from shardwise.report.html import COMPARE_SECTIONS, RUN_SECTIONS
 
 from conftest import ROOT
@@ -218,7 +218,7 @@ def test_a_crashing_run_writes_its_report_and_keeps_its_error(tmp_path, monkeypa
         raise Boom("the original error")
 
     monkeypatch.setattr(loop, "train", crash_unwritable)
-    monkeypatch.setattr("shardwise.report.cli.build", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr("shardwise.tools.report.build", lambda *a, **k: 1 / 0)
     (tmp_path / "run2").mkdir()
     record._started.add(str((tmp_path / "run2").resolve()))
     with pytest.raises(Boom, match="the original error"):

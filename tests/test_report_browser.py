@@ -128,7 +128,7 @@ def test_run_report_in_chromium(browser, real_run, tmp_path):
 
 
 def test_comparison_marks_the_perturbed_step_in_chromium(browser, real_run, tmp_path):
-    from shardwise.report.cli import build
+    from shardwise.tools.report import build
 
     bent = tmp_path / "bent"
     shutil.copytree(real_run, bent, ignore=shutil.ignore_patterns("checkpoints", "tb"))

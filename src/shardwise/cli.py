@@ -59,8 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     add_config_flags(tr)
     tr.set_defaults(func=cmd_trace)
 
-    from .plan.cli import add_plan_parser
-    from .report.cli import add_report_parser
+    from .tools.plan import add_plan_parser
+    from .tools.report import add_report_parser
 
     add_plan_parser(sub)
     add_report_parser(sub)
@@ -157,7 +157,7 @@ def _as_worker(work) -> int:
 
 
 def cmd_train(args, argv) -> int:
-    from .report.cli import recorded_since, train_with_report, write_run_report
+    from .tools.report import recorded_since, train_with_report, write_run_report
     from .train.loop import default_out_dir
 
     cfg = from_args(args)

@@ -9,7 +9,7 @@
 * :mod:`.cli` — the ``plan`` subcommand.
 
 The cost model's entry point is :func:`shardwise.plan.cost.estimate` (not re-exported here: the
-name would clash with the :mod:`shardwise.plan.estimate` module).
+name would clash with the :mod:`shardwise.tools.estimate` module).
 """
 
 from .cost import Estimate

@@ -30,7 +30,7 @@ def layer_activation_bytes(model: ModelSpec, tokens: int, *, tp: int = 1, sp: bo
     keeps 3·f (its fused input [w1x, w3x] and output), GeLU 2·f (fc1 out, GeLU out); a flash
     kernel adds its fp32 log-sum-exp (4·h bytes per token). ``kernels="eager"`` (our Llama in
     PyTorch eager mode, exact in fp32 — checked under FakeTensorMode by
-    :mod:`shardwise.plan.estimate`): RMSNorm keeps x, x·rstd and the output (3·d) plus rstd
+    :mod:`shardwise.tools.estimate`): RMSNorm keeps x, x·rstd and the output (3·d) plus rstd
     (4 bytes); K and V are ``kvd`` wide where SDPA attends them natively (``enable_gqa``,
     torch ≥ 2.5, :mod:`shardwise.models.sdpa`), else repeated to all h heads (d each); SwiGLU
     keeps w1x, silu(w1x), w3x and their product (4·f).

@@ -12,7 +12,7 @@ writes):
   rank's ledger bytes, formula bytes and model-state bytes (one ``all_gather`` over the whole
   layout, phase ``"report"``, outside the step's bytes).
 * :meth:`RunRecorder.timeline` — under a pipeline, after the second step (warm): every pp
-  rank's action timestamps (:func:`shardwise.tools.trace.gather_timeline`, a collective over
+  rank's action timestamps (:func:`shardwise.report.timeline.gather_timeline`, a collective over
   pp, phase ``"trace"``) and the measured bubble next to (p − 1)/(m + p − 1).
 
 :func:`axis_bytes` adds ``comm_<axis>_bytes`` (this rank's ledger bytes of the step per mesh
@@ -231,10 +231,10 @@ class RunRecorder:
 
     def timeline(self, engine, topo, cfg) -> None:
         """Under a pipeline (no-op otherwise, and for engines without action timestamps):
-        collective over pp on every rank (:func:`~shardwise.tools.trace.gather_timeline`)."""
+        collective over pp on every rank (:func:`~shardwise.report.timeline.gather_timeline`)."""
         if topo.size("pp") < 2 or not getattr(engine, "timeline", None):
             return
-        from ..tools.trace import gather_timeline
+        from .timeline import gather_timeline
 
         events = gather_timeline(engine, topo)
         self._rank0("the pipeline timeline", lambda: self._timeline(events, engine, topo, cfg))

@@ -15,7 +15,7 @@ micro-batch, and the number of sends against (n − 1)·L·m and n·L·m; or, fo
 allgather``, each layer's all-gather and reduce-scatter.
 
 :func:`trace_pipeline` gathers one step's action timestamps from every pp rank
-(:func:`gather_timeline`, a collective over "pp") and draws
+(:func:`~shardwise.report.timeline.gather_timeline`, a collective over "pp") and draws
 them with :mod:`shardwise.viz.timeline`: ``<name>.png`` (ranks × time, one colour per action
 kind) and ``<name>.trace.json`` (Chrome trace, opens in ui.perfetto.dev). ``shardwise trace
 --pp 4 --schedule 1f1b --microbatches 8`` calls it after its step; so does ``shardwise bench
@@ -35,10 +35,10 @@ from ..formulas import memory_formula, step_bytes_formula
 from ..parallel.apply import Layout, parallelize
 from ..parallel.cp import ContextParallelAttention, chunk_ids
 from ..parallel.cp.attention import _pairs
-from ..parallel.pp import KINDS, Event
 from ..topology import Topology
 from ..train.step import train_step
 from ..train.workload import SyntheticLMWorkload
+from ..report.timeline import gather_timeline
 from ..viz.timeline import bubble_of, draw_timeline, write_chrome_trace
 from .verify import build_case, verify_workload
 
@@ -277,42 +277,6 @@ def _cp_lines(cfg, mcfg, engine, topo, recs, first: int, n_micro: int) -> list[s
                                  (kv * elem, text.format(e=elem)))
     return ring_section(mine, numbers, topo, layers, n_micro, (kv * elem, text.format(e=elem)),
                         (kv * 4, text.format(e=4)))
-
-
-def gather_timeline(engine, topo) -> list:
-    """Every pp rank's action timestamps of ``engine``'s last step, on every rank of the pp
-    line, as :class:`~shardwise.parallel.pp.Event` s with times in seconds from the earliest start.
-
-    Collective over "pp" (call it on every rank of the line): one all_reduce(max) of the row
-    count and one all_gather of [rows, 6] fp64 (kind, microbatch, chunk, peer, start, end),
-    booked in phase "trace". Timestamps are ``time.time()``: one host's clock is shared by its
-    processes; across hosts they are only as aligned as the hosts' clocks."""
-    kinds = KINDS + ("STEP",)
-    rows = torch.tensor([[kinds.index(k), mb, c, peer, t0, t1]
-                         for k, mb, c, peer, t0, t1 in engine.timeline],
-                        dtype=torch.float64).reshape(-1, 6)
-    device = next(engine.module.parameters()).device
-    n = torch.tensor([float(len(rows))], dtype=torch.float64, device=device)
-    p = topo.size("pp")
-    with topo.ledger.phase("trace"):
-        comm.all_reduce(n, topo, "pp", op="max", tag="trace")
-        n = int(n.item())
-        mine = torch.full((n, 6), -1.0, dtype=torch.float64)
-        mine[: len(rows)] = rows
-        mine = mine.to(device)
-        everyone = torch.empty((p * n, 6), dtype=torch.float64, device=device)
-        comm.all_gather(everyone, mine, topo, "pp", tag="trace")
-    everyone = everyone.cpu()
-    valid = everyone[:, 0] >= 0
-    t_min = float(everyone[valid, 4].min()) if valid.any() else 0.0
-    events = []
-    for i, (k, mb, c, peer, t0, t1) in enumerate(everyone.tolist()):
-        if k < 0:
-            continue
-        events.append(Event(rank=i // n, kind=kinds[int(k)], microbatch=int(mb), chunk=int(c),
-                            start=t0 - t_min, end=t1 - t_min,
-                            peer=None if peer < 0 else int(peer)))
-    return events
 
 
 # ---------------------------------------------------------------- cp: the ring, block by block

@@ -3,7 +3,7 @@
 Input: events with the attributes ``rank``, ``kind``, ``microbatch``, ``chunk``, ``start``,
 ``end`` (and optionally ``peer``) — e.g. :class:`shardwise.parallel.pp.Event` from the
 simulator (abstract time units) or from a real run's timestamps
-(:func:`shardwise.tools.trace.gather_timeline`, seconds; gathered and drawn by
+(:func:`shardwise.report.timeline.gather_timeline`, seconds; gathered and drawn by
 :func:`shardwise.tools.trace.trace_pipeline`). Nothing here runs a collective.
 
 The Chrome trace is the JSON "trace event" format (``{"traceEvents": [...]}``, complete events

@@ -38,10 +38,11 @@ from ...parallel.apply import Layout, parallelize
 from ...parallel.dp import dp_grad_bytes_formula
 from ...parallel.pp import SCHEDULES, bubble_formula, validate_pp
 from ...parallel.tp import tp_step_bytes_formula, validate_tp
+from ...report.timeline import gather_timeline
 from ...topology import Topology, init_distributed
 from ...train.workload import SyntheticLMWorkload
 from ...viz.timeline import bubble_of
-from ..trace import gather_timeline, trace_pipeline
+from ..trace import trace_pipeline
 from .checks import bench_checks
 from .collectives import bench_collectives, bench_zero_collectives
 from .harness import alternate, make_run, make_workload, timed_step, write_report

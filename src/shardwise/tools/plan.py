@@ -16,12 +16,12 @@
 
 Wiring (in ``shardwise/cli.py``)::
 
-    from .plan.cli import add_plan_parser
+    from .tools.plan import add_plan_parser
     add_plan_parser(sub)
 
-``add_plan_parser`` registers ``plan`` with ``set_defaults(func=cmd_plan)``; ``cmd_plan(args, argv)``
-returns an exit status and raises :class:`~shardwise.errors.ShardwiseConfigError` on bad input
-(the caller prints it and exits 2). ``python -m shardwise.plan.cli …`` runs it on its own.
+``add_plan_parser`` registers ``plan`` with ``set_defaults(func=cmd_plan)``;
+``cmd_plan(args, argv)`` returns an exit status and raises :class:`~shardwise.errors.ShardwiseConfigError` on bad input
+(the caller prints it and exits 2). ``python -m shardwise.tools.plan …`` runs it on its own.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _assumptions(args):
-    from .layout import Assumptions
+    from ..plan.layout import Assumptions
 
     kw = {}
     for key, name in (("gemm_efficiency", "--gemm-efficiency"),
@@ -132,9 +132,9 @@ def _assumptions(args):
 def _setup(args):
     import dataclasses
 
-    from .hardware import get_cluster, load_cluster
-    from .models import get_model
-    from .search import global_batch_sequences, parse_tokens
+    from ..plan.hardware import get_cluster, load_cluster
+    from ..plan.models import get_model
+    from ..plan.search import global_batch_sequences, parse_tokens
 
     model = get_model(args.model)
     if args.seq_len is not None:
@@ -154,7 +154,7 @@ def _setup(args):
 
 
 def _fixed(args):
-    from .search import Fixed
+    from ..plan.search import Fixed
 
     return Fixed(dp=args.dp, dp_replicate=args.dp_replicate, cp=args.cp,
                  cp_method=args.cp_method, ep=args.ep, tp=args.tp,
@@ -174,7 +174,7 @@ def cmd_plan(args, argv=None) -> int:
     if args.top < 0:
         raise ShardwiseConfigError(f"--top {args.top} must be ≥ 0 (0 = all)")
     if args.plot:
-        from .plot import plot_mfu_vs_gpus
+        from ..plan.plot import plot_mfu_vs_gpus
 
         counts = _parse_counts(args.plot_gpus) if args.gpus is None else sorted(
             set(_parse_counts(args.plot_gpus)) | {args.gpus})
@@ -186,7 +186,7 @@ def cmd_plan(args, argv=None) -> int:
             return 0
     if args.gpus is None:
         raise ShardwiseConfigError("--gpus N is required (the number of GPUs to plan for)")
-    from .search import search
+    from ..plan.search import search
 
     results = search(model, cluster, args.gpus, batch, _fixed(args), args.precision, assume)
     shown = results if args.top == 0 else results[:args.top]
@@ -217,7 +217,7 @@ def _parse_counts(text: str) -> list[int]:
 
 
 def _validate(args) -> int:
-    from .published import validation_rows
+    from ..plan.published import validation_rows
 
     rows = validation_rows(_assumptions(args))
     if args.json:
@@ -317,8 +317,8 @@ def format_table(results, model, cluster, gpus, tokens, top=10) -> str:
 
 def explain(e) -> str:
     """The formulas of one estimate with its numbers plugged in (units in the text)."""
-    from .layout import PRECISIONS
-    from .memory import in_flight, layer_activation_bytes
+    from ..plan.layout import PRECISIONS
+    from ..plan.memory import in_flight, layer_activation_bytes
 
     M, C, lay, A, d = e.model, e.cluster, e.layout, e.assumptions, e.details
     prec = PRECISIONS[lay.precision]
@@ -424,7 +424,7 @@ def explain(e) -> str:
         out.append(f"  CP {lay.cp_method} over {cp} ranks: attention core of one layer "
                    f"t_core = {d['t_core_layer'] * 1e3:,.3f} ms per micro-batch; {how}")
     if lay.ep > 1:
-        from .comm import ep_tokens
+        from ..plan.comm import ep_tokens
 
         eb = d["ep_bytes_layer"]
         out.append(f"  EP over {lay.ep} ranks (uniform routing): T = b·(s/cp)/etp = "
@@ -467,9 +467,9 @@ def explain(e) -> str:
 def _explain_hsdp(e) -> list[str]:
     """The HSDP part of :func:`explain`: its per-axis byte formulas with this layout's numbers,
     and its inter-node bytes against ZeRO-3 over all of dp (:func:`cost.hsdp_comparison`)."""
-    from .comm import axis_link
-    from .cost import hsdp_comparison
-    from .layout import PRECISIONS
+    from ..plan.comm import axis_link
+    from ..plan.cost import hsdp_comparison
+    from ..plan.layout import PRECISIONS
 
     C, lay, d = e.cluster, e.layout, e.details
     prec = PRECISIONS[lay.precision]
@@ -544,7 +544,7 @@ def _stages(stages) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m shardwise.plan.cli …``: the plan command on its own (exit 2 on bad input)."""
+    """``python -m shardwise.tools.plan …``: the plan command on its own (exit 2 on bad input)."""
     parser = argparse.ArgumentParser(prog="shardwise")
     sub = parser.add_subparsers(dest="command", required=True)
     add_plan_parser(sub)

@@ -27,7 +27,7 @@ formulas until their engines land (then ``parallelize`` builds them here unchang
 
 Run it on its own (it needs its own process group, so tests use a subprocess)::
 
-    python -m shardwise.plan.estimate --model llama3-8b --world-size 64 --seq-len 8192
+    python -m shardwise.tools.estimate --model llama3-8b --world-size 64 --seq-len 8192
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def estimate_memory(spec, world_size: int, *, seq_len: int | None = None, micro_
                                    "tensors do not have)")
     if dist.is_initialized():
         raise ShardwiseConfigError("estimate_memory needs a process without a process group "
-                                   "(run `python -m shardwise.plan.estimate`)")
+                                   "(run `python -m shardwise.tools.estimate`)")
     seq_len = seq_len or spec.seq_len
     cfg = to_llama_config(spec, max_seq_len=seq_len)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
@@ -154,10 +154,10 @@ def analytical(spec, world_size: int, *, seq_len: int | None = None, micro_batch
     (the estimator measures it)."""
     import dataclasses
 
-    from .comm import dp_step_bytes
-    from .layout import PRECISIONS, PlanLayout
-    from .memory import (embedding_activation_bytes, head_activation_bytes,
-                         layer_activation_bytes, model_state_bytes)
+    from ..plan.comm import dp_step_bytes
+    from ..plan.layout import PRECISIONS, PlanLayout
+    from ..plan.memory import (embedding_activation_bytes, head_activation_bytes,
+                               layer_activation_bytes, model_state_bytes)
 
     spec = dataclasses.replace(spec, kernels="eager", seq_len=seq_len or spec.seq_len)
     prec = PRECISIONS["fp32" if dtype == "fp32" else "amp"]
@@ -186,9 +186,9 @@ def compare(spec, world_size: int, **kw) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .models import get_model
+    from ..plan.models import get_model
 
-    p = argparse.ArgumentParser(prog="python -m shardwise.plan.estimate",
+    p = argparse.ArgumentParser(prog="python -m shardwise.tools.estimate",
                                 description="bytes per rank of one DP step of the real model "
                                 "under FakeTensorMode and a fake process group")
     p.add_argument("--model", default="llama3-8b")

@@ -34,8 +34,8 @@ def add_report_parser(sub) -> None:
 def build(paths: list[str], out: str | None = None, threshold: float | None = None) -> Path:
     """Write the page for ``paths`` and return its path. Raises ShardwiseConfigError for a
     path that is neither a folder nor a readable verify JSON."""
-    from . import data as rd
-    from .html import compare_page, run_page
+    from ..report import data as rd
+    from ..report.html import compare_page, run_page
 
     runs, verify = [], []
     for p in paths:
@@ -62,7 +62,7 @@ def build(paths: list[str], out: str | None = None, threshold: float | None = No
     elif runs:
         html = run_page(runs[0], verify)
     else:
-        from .html import page, verify_section
+        from ..report.html import page, verify_section
 
         html = page("shardwise verify", ", ".join(v["source"] for v in verify),
                     [verify_section(v, sid=f"verify{'' if i == 0 else i}")
@@ -84,7 +84,7 @@ def main(paths: list[str], out: str | None, threshold: float | None) -> int:
 def recorded_since(run, t0: float) -> bool:
     """Whether the run folder's ``report_data.json`` was written at or after ``t0`` (epoch
     seconds): the launcher's test that its workers got as far as recording this run."""
-    from .record import FILE
+    from ..report.record import FILE
 
     try:
         return (Path(run) / FILE).stat().st_mtime >= t0
@@ -119,11 +119,11 @@ def train_with_report(cfg) -> dict:
     if not cfg.out:  # the folder the report goes to must be known before train() runs
         cfg = dataclasses.replace(cfg, out=default_out_dir())
     if cfg.wandb:  # every rank: the same clear error before any collective
-        from .wandb_log import require_wandb
+        from ..report.wandb_log import require_wandb
 
         require_wandb()
     main_rank = int(os.environ.get("RANK", "0")) == 0
-    from .record import started_here
+    from ..report.record import started_here
 
     try:
         summary = train(cfg)
