@@ -113,7 +113,7 @@ def f(tmp_path_factory):
     (d / "hf_badjson" / "config.json").write_text("{nope")
     files["hf_badjson"] = d / "hf_badjson"
 
-    # checkpoints written the way train/checkpoint.py writes them (DCP "model" dict + meta.json)
+    # checkpoints written the way checkpoint/ writes them (DCP "model" dict + meta.json)
     def ckpt(name, model="tiny"):
         torch.manual_seed(0)
         m = build_model("tiny", vocab_size=257)
@@ -140,7 +140,7 @@ def f(tmp_path_factory):
     m["config"]["n_layers"] = 3
     meta.write_text(json.dumps(m))
     ckpt("ck_mlp", model="mlp")
-    # with the completion marker train/checkpoint.py writes (COMPLETE: every file's size and
+    # with the completion marker checkpoint/ writes (COMPLETE: every file's size and
     # SHA-256), so --resume gets past "incomplete" to the check under test
     _mark(ckpt("ck_marked"))
     distcp = next(_mark(ckpt("ck_marked_trunc")).glob("*.distcp"))
@@ -438,7 +438,7 @@ RANK_CASES = [
      ["--collectives 'trees'"]),
     ("cp-seq-on-every-rank", lambda f: [*Q, "--dp", "1", "--cp", "2", "--seq-len", "30"],
      ["--seq-len 30 is not divisible by 4"]),
-    # checkpoints given to --resume (train/checkpoint.py's checks, on every rank)
+    # checkpoints given to --resume (checkpoint/'s checks, on every rank)
     ("resume-incomplete-checkpoint", lambda f: [*Q, "--resume",
                                                 f["ck_ok"] / "checkpoints" / "step_2"],
      ["has no completion marker", "resume from an earlier checkpoint"]),

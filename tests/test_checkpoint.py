@@ -43,7 +43,7 @@ def final_params(run):
     """The final checkpoint's weights and AdamW state, read here in one process."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from shardwise.train.checkpoint import _dcp_load, load_full_optimizer_state
+    from shardwise.checkpoint.load import _dcp_load, load_full_optimizer_state
 
     step = Path(run) / "checkpoints" / "step_6"
     md = FileSystemReader(str(step)).read_metadata()
@@ -207,7 +207,7 @@ def _copy_run(straight, tmp_path):
 
 
 def test_truncated_and_corrupt_checkpoints_are_named_and_skipped(straight, tmp_path):
-    from shardwise.train.checkpoint import CheckpointError, find_resume_checkpoint
+    from shardwise.checkpoint import CheckpointError, find_resume_checkpoint
 
     run = _copy_run(straight, tmp_path)
     ck = run / "checkpoints"
@@ -261,7 +261,7 @@ def test_cli_errors_name_the_file_the_keys_and_the_folder(straight, tmp_path, ca
 
 def test_model_mismatch_lists_shapes(straight):
     from shardwise.models import build_model
-    from shardwise.train.checkpoint import CheckpointError, check_model_compatible
+    from shardwise.checkpoint import CheckpointError, check_model_compatible
 
     step = straight / "run" / "checkpoints" / "step_2"
     with torch.device("meta"):
@@ -274,7 +274,7 @@ def test_model_mismatch_lists_shapes(straight):
 def test_disk_space_and_out_checks(tmp_path):
     from shardwise.config import TrainConfig, validate
     from shardwise.errors import ShardwiseConfigError
-    from shardwise.train.checkpoint import check_disk_space, checkpoint_bytes_estimate
+    from shardwise.checkpoint import check_disk_space, checkpoint_bytes_estimate
 
     with pytest.raises(ShardwiseConfigError, match="MiB free on its file system"):
         check_disk_space(str(tmp_path / "x"), 1 << 62)

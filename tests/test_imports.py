@@ -104,7 +104,7 @@ LAYERS = [
     {"tools"},
     {"train"},
     {"config"},
-    {"report", "plan", "viz", "interop", "learn", "parity", "formulas", "flops"},
+    {"checkpoint", "report", "plan", "viz", "interop", "learn", "parity", "formulas", "flops"},
     {"parallel"},
     {"models", "data", "launch"},
     {"comm", "topology"},

@@ -51,7 +51,7 @@ def state_of(step_folder):
     """Every tensor of a checkpoint (model and optimizer), read back here in one process."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from shardwise.train.checkpoint import _dcp_load
+    from shardwise.checkpoint.load import _dcp_load
 
     md = FileSystemReader(str(step_folder)).read_metadata()
     state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
@@ -64,7 +64,7 @@ def state_of(step_folder):
 
 @pytest.mark.timeout(240)
 def test_divergence_keeps_the_last_finite_checkpoint_and_names_it(tmp_path, cache_dir):
-    from shardwise.train.checkpoint import complete_checkpoints, find_resume_checkpoint
+    from shardwise.checkpoint import complete_checkpoints, find_resume_checkpoint
 
     out = tmp_path / "run"
     r = run_cli([*ONE, "--steps", "4", "--lr", "1e6", "--grad-clip", "0", "--warmup-steps", "0",
@@ -84,7 +84,7 @@ def test_divergence_keeps_the_last_finite_checkpoint_and_names_it(tmp_path, cach
 
 @pytest.mark.timeout(180)
 def test_a_non_finite_state_on_one_rank_is_never_checkpointed(tmp_path):
-    from shardwise.train.checkpoint import complete_checkpoints
+    from shardwise.checkpoint import complete_checkpoints
 
     run_world(ROOT / "tests" / "workers" / "run_safety_cases.py", tmp_path, nproc=2)
     good = tmp_path / "checkpoints" / "step_1"
@@ -98,7 +98,7 @@ def test_a_non_finite_state_on_one_rank_is_never_checkpointed(tmp_path):
 
 
 def test_keep_rotation_never_deletes_the_newest_finite_checkpoint(tmp_path):
-    from shardwise.train.checkpoint import MARKER, prune
+    from shardwise.checkpoint import MARKER, prune
 
     root = tmp_path / "checkpoints"
     for step, finite in ((1, True), (2, False)):  # step_2 as a non-finite one would be marked

@@ -694,7 +694,7 @@ def _validate_dpo(cfg: TrainConfig) -> None:
 def _validate_checkpointing(cfg: TrainConfig) -> None:
     """``--save-every``, ``--keep``, ``--resume`` and ``--out`` (writable), before anything starts.
     The checkpoint itself is checked on every rank before any collective
-    (:func:`shardwise.train.checkpoint.find_resume_checkpoint`)."""
+    (:func:`shardwise.checkpoint.find_resume_checkpoint`)."""
     if cfg.save_every < 0:
         raise ShardwiseConfigError(f"--save-every {cfg.save_every} must be ≥ 0 (0 = only the "
                                    "final checkpoint)")

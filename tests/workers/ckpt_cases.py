@@ -1,7 +1,7 @@
 """Worker for tests/test_checkpoint.py: the resharding matrix in one spawned world.
 
 For every FROM layout: train K steps (sub-topology over ranks 0..w-1), save a checkpoint with
-:class:`shardwise.train.checkpoint.Checkpointer`. For every (FROM, TO) pair: build the model from a
+:class:`shardwise.checkpoint.Checkpointer`. For every (FROM, TO) pair: build the model from a
 *different* seed (so the weights can only come from the checkpoint), load the checkpoint into the
 plain model, parallelize for TO, restore optimizer/scheduler/sampler/RNG, train to step N. Each
 rank dumps ``<out>/matrix_rank<r>.pt``: {(from, to): {"losses": [...], "error": str | None}}, and
@@ -23,7 +23,7 @@ from shardwise.models import build_model
 from shardwise.parallel.apply import parallelize
 from shardwise.parallel.layout import parse_layout
 from shardwise.topology import Topology, init_distributed
-from shardwise.train.checkpoint import Checkpointer, load_model, restore_training_state
+from shardwise.checkpoint import Checkpointer, load_model, restore_training_state
 from shardwise.train.optim import build_optimizer, build_scheduler
 from shardwise.train.step import train_step
 from shardwise.train.workload import SyntheticLMWorkload

@@ -2,7 +2,7 @@
 
 Train one step and save it (finite: committed), then poison AdamW's ``exp_avg`` of one parameter
 on rank 1 only and save again: the all-reduced flag must make *both* ranks refuse, with the same
-:class:`~shardwise.train.checkpoint.DivergedError`, and write nothing. Each rank dumps
+:class:`~shardwise.checkpoint.DivergedError`, and write nothing. Each rank dumps
 ``<out>/nonfinite_rank<r>.json``: {"error_type", "message"}; the pytest process reads the folder.
 """
 
@@ -17,7 +17,7 @@ from shardwise.config import TrainConfig
 from shardwise.models import build_model
 from shardwise.parallel.apply import Layout, parallelize
 from shardwise.topology import Topology, init_distributed
-from shardwise.train.checkpoint import Checkpointer
+from shardwise.checkpoint import Checkpointer
 from shardwise.train.optim import build_optimizer, build_scheduler
 from shardwise.train.step import train_step
 from shardwise.train.workload import SyntheticLMWorkload

@@ -21,6 +21,11 @@ import torch
 
 from .. import comm
 from ..comm import fingerprint as collective_checks
+from ..checkpoint import (Checkpointer, DivergedError, RunFolderBusyError,
+                           check_checkpoints_writable, check_disk_space, check_same_data,
+                           checkpoint_bytes_estimate, data_fingerprint, diverged_message,
+                           find_resume_checkpoint, load_model, lock_run_folder,
+                           restore_training_state)
 from ..config import TrainConfig, batching_note, validate
 from ..errors import ShardwiseConfigError
 from ..flops import mfu, peak_devices, peak_flops, step_flops
@@ -31,11 +36,6 @@ from ..parallel.cp import plain_attention, shard_sequence
 from ..topology import Topology, init_distributed
 from . import faults
 from .device import device_lines, device_memory_keys, memory_record, reset_peak
-from .checkpoint import (Checkpointer, DivergedError, RunFolderBusyError,
-                         check_checkpoints_writable, check_disk_space, check_same_data,
-                         checkpoint_bytes_estimate, data_fingerprint, diverged_message,
-                         find_resume_checkpoint, load_model, lock_run_folder,
-                         restore_training_state)
 from .metrics import MetricsLogger, plot_loss
 from .optim import build_optimizer, build_scheduler
 from .report import describe_groups, describe_traffic, write_ledger_json
@@ -428,7 +428,7 @@ def _meta(cfg: TrainConfig, tokens_seen: int, val_losses: list, model_cfg) -> di
 def _find_resume(cfg: TrainConfig, work, rank: int, fingerprint: dict) -> Path | None:
     """``--resume auto|PATH`` → a verified checkpoint folder (None: start fresh), checked against
     this model's parameter names and shapes (built on the meta device) and this run's data
-    (``fingerprint``, :func:`~shardwise.train.checkpoint.check_same_data`), and the disk space
+    (``fingerprint``, :func:`~shardwise.checkpoint.check_same_data`), and the disk space
     and the writable ``checkpoints/`` folder the run needs. Reads files only, so a bad
     checkpoint fails before any collective; every rank decides the same from the same files."""
     warned = []
@@ -451,7 +451,7 @@ def _find_resume(cfg: TrainConfig, work, rank: int, fingerprint: dict) -> Path |
                 f"{cfg.steps}: pass --steps greater than {_checkpoint_step(folder)} to train on "
                 "(the LR schedule follows --steps)")
     if folder is not None or cfg.out:
-        from .checkpoint import check_model_compatible
+        from ..checkpoint import check_model_compatible
 
         with torch.device("meta"):
             shape = build_model(cfg.model, vocab_size=work.vocab_size,
