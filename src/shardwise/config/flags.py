@@ -1,0 +1,135 @@
+"""The configuration from the command line and TOML: :func:`add_config_flags` (one flag per
+field), :func:`from_args` (dataclass defaults < ``--config FILE.toml`` < explicit flags) and
+:func:`apply_toml`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import tomllib
+import typing
+
+from ..errors import ShardwiseConfigError
+from ..readers import read_toml
+from .fields import CHOICES, DERIVABLE, NOT_FLAGS, TrainConfig
+from .notes import derive_batching
+
+
+def _field_type(f: dataclasses.Field):
+    return typing.get_type_hints(TrainConfig)[f.name]
+
+
+def add_config_flags(parser: argparse.ArgumentParser, fields: list[str] | None = None) -> None:
+    """Add ``--config`` and one flag per field (all defaulting to "not given")."""
+    parser.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file")
+    for f in dataclasses.fields(TrainConfig):
+        if (fields is not None and f.name not in fields) or f.name in NOT_FLAGS:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        typ = _field_type(f)
+        if typ is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=f"(default: {f.default})")
+        else:
+            parser.add_argument(flag, type=typ, default=argparse.SUPPRESS,
+                                choices=CHOICES.get(f.name), metavar=None if f.name in CHOICES
+                                else f.name.upper(), help=f"(default: {f.default!r})")
+
+
+def from_args(args: argparse.Namespace, **defaults) -> TrainConfig:
+    """Build a config: dataclass defaults, then ``defaults``, then ``--config``, then flags;
+    then the micro-batch and pipeline microbatches the user did not give (by flag or in the
+    TOML file; ``defaults`` are not the user's) are derived from the layout
+    (:func:`derive_batching`). A pure function of the arguments: every rank, parsing the same
+    command line, gets the same config before any collective."""
+    cfg = dataclasses.replace(TrainConfig(), **defaults)
+    path = getattr(args, "config", None)
+    if path:
+        base = cfg
+        cfg = apply_toml(cfg, path)
+        # values a saved run derived are derived again (for this run's layout), not reused
+        cfg = dataclasses.replace(cfg, **{k: getattr(base, k) for k in _toml_derived(path)})
+    names = {f.name for f in dataclasses.fields(TrainConfig)} - set(NOT_FLAGS)
+    given = {k: v for k, v in vars(args).items() if k in names}
+    by_user = set(given) | _toml_keys(path)
+    chosen = by_user | set(defaults)
+    if "dp_shard" in given and "dp" not in chosen:  # HSDP: dp = dp_replicate × dp_shard
+        given["dp"] = given["dp_shard"] * given.get("dp_replicate", cfg.dp_replicate)
+        chosen = chosen | {"dp"}
+    if chosen & {"dp", "cp", "tp", "pp"}:  # a layout was chosen: the default one does not apply
+        for k in ("dp", "cp", "tp", "pp"):  # e.g. --tp 2 alone is tp=2 × dp=1, not × dp=2
+            if k not in chosen:
+                given[k] = 1
+        if "zero" not in chosen:
+            given["zero"] = 0
+    cfg = dataclasses.replace(cfg, **given)
+    if cfg.init_from_hf and "model" not in by_user and os.path.isdir(cfg.init_from_hf):
+        from ..interop.hf import hf_model_kind  # the folder decides: dense Llama or Mixtral
+
+        try:
+            kind = hf_model_kind(cfg.init_from_hf)
+        except ShardwiseConfigError:  # validate() reports it, with the other checks
+            kind = "llama"
+        if kind == "moe":
+            cfg = dataclasses.replace(cfg, model="moe-small")
+    # a capacity factor given as a flag must be > 0 (NaN and infinity: validate's finite check;
+    # a saved config.toml's 0.0 is the default, dropless)
+    if "capacity_factor" in given and math.isfinite(cfg.capacity_factor) \
+            and not cfg.capacity_factor > 0:
+        raise ShardwiseConfigError(
+            f"--capacity-factor {cfg.capacity_factor} must be > 0 (each expert takes at most "
+            "ceil(c·k·s/E) token copies of a sequence): give e.g. 1.25, or omit it for dropless "
+            "routing")
+    if not chosen & {"dp", "cp", "tp", "pp"} and cfg.tp > 1:
+        from ..models import MLP_PRESETS
+
+        if cfg.model in MLP_PRESETS:  # TP splits attention heads: the MLP's default is dp only
+            cfg = dataclasses.replace(cfg, tp=1)
+    return derive_batching(cfg, set(DERIVABLE) - by_user)
+
+
+def _toml_derived(path: str | None) -> set[str]:
+    """The fields a ``--config`` file says were derived (its ``derived = "..."``)."""
+    if not path or not os.path.isfile(path):
+        return set()
+    try:
+        with open(path, "rb") as f:
+            value = tomllib.load(f).get("derived", "")
+    except tomllib.TOMLDecodeError:
+        return set()
+    return {k for k in str(value).split(",") if k in DERIVABLE}
+
+
+def _toml_keys(path: str | None) -> set[str]:
+    """Field names a ``--config`` file sets, less those it says were derived (empty without
+    one; errors are apply_toml's)."""
+    if not path or not os.path.isfile(path):
+        return set()
+    try:
+        with open(path, "rb") as f:
+            return {k.replace("-", "_") for k in tomllib.load(f)} - _toml_derived(path)
+    except tomllib.TOMLDecodeError:
+        return set()
+
+
+def apply_toml(cfg: TrainConfig, path: str) -> TrainConfig:
+    """Override ``cfg`` with the keys of TOML file ``path`` (dashes or underscores)."""
+    data = read_toml(path, "--config")
+    hints = typing.get_type_hints(TrainConfig)
+    updates = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in hints:
+            raise ShardwiseConfigError(f"--config {path}: unknown key {key!r}; valid keys: "
+                                       f"{', '.join(sorted(hints))}")
+        want = hints[name]
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            raise ShardwiseConfigError(f"--config {path}: {key} = {value!r} should be a "
+                                       f"{want.__name__}")
+        updates[name] = value
+    return dataclasses.replace(cfg, **updates)
