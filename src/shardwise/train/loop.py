@@ -1,9 +1,12 @@
 """The training loop: read it top to bottom.
 
-Every rank runs :func:`train`. Rank 0 also writes the run folder (metrics.jsonl, config.toml,
-ledger.json, tb/, loss.png, sample.txt); every rank writes its shard of the checkpoint. What the
-loop reports about groups and traffic is in :mod:`.report`; the test-only fault hooks it calls
-(``SHARDWISE_TEST_*``) are in :mod:`.faults`.
+Every rank runs :func:`train`: :func:`setup` (checks, run folder, topology, model in its layout,
+optimizer, loggers) → the step loop (the step, the log, the eval, the save) → :func:`finish` (the
+last checkpoint, the sample, the summary); the state they share is one :class:`Run`. Rank 0
+also writes the run folder (metrics.jsonl, config.toml, ledger.json, tb/, loss.png, sample.txt);
+every rank writes its shard of the checkpoint. What the loop reports about groups and traffic
+is in :mod:`.report`; the test-only fault hooks it calls (``SHARDWISE_TEST_*``) are in
+:mod:`.faults`.
 """
 
 from __future__ import annotations
@@ -148,9 +151,84 @@ def moe_metrics(engine, topo, tokens: int, model_cfg) -> dict:
             "moe_dropped": int(round(float(vec[2])))}
 
 
+@dataclasses.dataclass
+class Run:
+    """What :func:`setup` builds for the step loop and :func:`finish`: the configuration (with its
+    run folder filled in), the topology, the data, the parallel engine with its optimizer, LR
+    schedule and sampler, the loggers and the checkpointer, the MFU terms (``flops_step``: model
+    FLOPs of one step; ``peak`` FLOP/s of one of ``n_peak`` devices), and the loop's state:
+    ``start`` (the last step done: 0, or the resumed checkpoint's), ``tokens_seen``,
+    ``val_losses`` [(step, loss)], ``times`` (seconds per step run)."""
+    cfg: object
+    t_start: object
+    topo: object
+    work: object
+    out: object
+    is_main: object
+    run_lock: object
+    resume_from: object
+    fingerprint: object
+    engine: object
+    optimizer: object
+    scheduler: object
+    sampler: object
+    micro_batch: object
+    n_micro: object
+    model_cfg: object
+    n_params: object
+    epoch: object
+    flops_step: object
+    peak: object
+    n_peak: object
+    gpu_mem: object
+    metrics: object
+    bar: object
+    checkpointer: object
+    recorder: object
+    start: object
+    tokens_seen: object
+    val_losses: object
+    times: object
+
+
 def train(cfg: TrainConfig) -> dict:
     """Train with ``cfg`` on this rank (one of ``WORLD_SIZE`` ranks, or alone). Returns a summary
     dict (rank 0: first/last validation loss, wall time, tokens/s)."""
+    run = setup(cfg)
+    cfg = run.cfg  # with its run folder
+    for step in range(run.start + 1, cfg.steps + 1):
+        batch = _next_batch(run, step)
+        t0 = time.perf_counter()
+        if cfg.task == "dpo":  # the frozen reference's log-probs, one forward per micro-batch
+            batch = run.work.reference.with_reference(batch)  # (inside the step's time)
+        res = train_step(run.engine, batch, run.optimizer, run.topo, max_norm=cfg.grad_clip,
+                         scheduler=run.scheduler, dtype=cfg.dtype, measure_memory=True,
+                         step=step)
+        dt = time.perf_counter() - t0
+        run.times.append(dt)
+        run.tokens_seen += res.tokens
+        _stop_if_diverged(run, step, res)  # every rank together: the loss and norm are global
+        rec = _record(run, step, res, batch, dt)
+        _first_steps(run, step, res)  # ledger.json, traffic lines, the report's first step
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            rec["val_loss"] = evaluate(run.engine, run.work, run.topo, cfg)
+            run.val_losses.append((step, rec["val_loss"]))
+        run.metrics.log(rec)
+        _log_step(run, step, res, rec, dt)
+        if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
+            run.checkpointer.save(step, run.engine, run.optimizer, scheduler=run.scheduler,
+                                  sampler=run.sampler,
+                                  extra_meta=_meta(cfg, run.tokens_seen, run.val_losses,
+                                                   run.model_cfg))
+        faults.kill_at_step(step, run.checkpointer)
+        faults.rank_only_collective(step, run.topo)  # SHARDWISE_TEST_RANK0_GATHER: a desync
+    return finish(run)
+
+
+def setup(cfg: TrainConfig) -> Run:
+    """Everything before the first step: checks (before any collective), the run folder and its
+    lock, the topology, the model (resumed or from HF weights) in its layout, the optimizer, the
+    loggers, and the step-0 validation loss or the resumed state."""
     t_start = time.perf_counter()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -200,7 +278,7 @@ def train(cfg: TrainConfig) -> dict:
 
         load_hf_weights(model, cfg.init_from_hf)
     if cfg.task == "dpo":  # DPO's frozen reference: the initial policy, before any --resume
-        from .dpo import DPOReference, build_reference, log_suffix, reference_copy
+        from .dpo import DPOReference, build_reference, reference_copy
 
         ref_model = reference_copy(model)
     if resume_from is not None:  # layout-free weights into the plain model, before parallelize
@@ -290,79 +368,112 @@ def train(cfg: TrainConfig) -> dict:
                    n_params=n_params, group_lines=describe_groups(topo))
     if bar is not None:
         bar.update(start)
-    for step in range(start + 1, cfg.steps + 1):
-        local = sampler.next_local_batch()
-        faults.log_samples(step, local, topo)  # SHARDWISE_TEST_* hooks: no-ops unless set
-        batch = work.batches(local, micro_batch)
-        reset_peak(topo.device)  # device memory: this step's peak (train/device.py)
-        t0 = time.perf_counter()
-        if cfg.task == "dpo":  # the frozen reference's log-probs, one forward per micro-batch
-            batch = work.reference.with_reference(batch)  # (inside the step's time)
-        res = train_step(engine, batch, optimizer, topo, max_norm=cfg.grad_clip,
-                         scheduler=scheduler, dtype=cfg.dtype, measure_memory=True, step=step)
-        dt = time.perf_counter() - t0
-        times.append(dt)
-        tokens_seen += res.tokens
-        if not (math.isfinite(res.loss) and math.isfinite(res.grad_norm)):
-            # both are global values, the same on every rank: every rank stops here together
-            metrics.log({"step": step, "loss": res.loss, "grad_norm": res.grad_norm,
-                         "lr": scheduler.get_last_lr()[0]})  # the step that diverged, on record
-            checkpointer.wait(barrier=True)  # a pending async save (of a finite state) lands
-            raise DivergedError(diverged_message(
-                step, f"the loss ({res.loss}) or the gradient norm ({res.grad_norm})",
-                checkpointer.last_good()))
-        rec = {"step": step, "loss": res.loss, "lr": scheduler.get_last_lr()[0],
-               "grad_norm": res.grad_norm, "tokens": tokens_seen,
-               "tokens_per_s": res.tokens / dt, "step_time_s": dt,
-               # achieved model TFLOP/s of all ranks together, and MFU (flops.py)
-               "tflops": flops_step / dt / 1e12,
-               "mfu": mfu(flops_step, dt, peak, n_peak),
-               "comm_bytes": topo.ledger.step_bytes(), **axis_bytes(topo),
-               # model state this rank holds (bytes): parameters + gradients + optimizer state
-               "mem_bytes": res.state_bytes["total"],
-               **{f"mem_{k}_bytes": v for k, v in res.state_bytes.items() if k != "total"}}
-        rec.update(moe_metrics(engine, topo, res.tokens, model_cfg))  # {}: a dense model
-        if cfg.task == "dpo":  # reward margin, accuracy, log-probs (from the step's forward)
-            rec.update(work.reference.step_metrics(batch))
-        if gpu_mem:  # per-rank peak/reserved bytes, beside the formula and the planner's
-            rec.update(memory_record(topo.device, topo), **gpu_mem)
-        if "loss_balance" in rec:
-            rec["loss_ce"] = rec["loss"] - rec["loss_balance"] - rec["loss_z"]
-        if step == 1 and is_main:
-            write_ledger_json(out / "ledger.json", topo, engine, cfg)
-        if step == start + 1:  # the first step this run takes (step 1 unless resumed)
-            for line in describe_traffic(topo, engine, cfg):
-                log.info(line)
-            recorder.first_step(topo, engine, cfg, res)  # collective: every rank
-        if step == min(start + 2, cfg.steps):  # pp: a warm step's timeline (collective)
-            recorder.timeline(engine, topo, cfg)
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            rec["val_loss"] = evaluate(engine, work, topo, cfg)
-            val_losses.append((step, rec["val_loss"]))
-        metrics.log(rec)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{res.loss:.3f}", tok_s=f"{res.tokens / dt:,.0f}",
-                            step_s=f"{dt:.3f}")
-        if step % cfg.log_every == 0 or step == cfg.steps or "val_loss" in rec:
-            msg = (f"step {step}/{cfg.steps}: loss {res.loss:.4f}, lr {rec['lr']:.2e}, "
-                   f"grad norm {res.grad_norm:.3f}, {rec['tokens_per_s']:,.0f} tok/s, "
-                   f"{dt * 1e3:.0f} ms/step, {rec['tflops']:.3f} TFLOP/s, MFU {rec['mfu']:.1%}")
-            if "moe_imbalance" in rec:
-                msg += (f" (ce {rec['loss_ce']:.4f} + balance {rec['loss_balance']:.4f} + z "
-                        f"{rec['loss_z']:.4f}; expert load max/mean {rec['moe_imbalance']:.2f}"
-                        + (f", {rec['moe_dropped']} dropped" if rec["moe_dropped"] else "")
-                        + ")")
-            if cfg.task == "dpo":
-                msg += log_suffix(rec)
-            if "val_loss" in rec:
-                msg += f", validation loss {rec['val_loss']:.4f}"
-            (bar.write(msg) if bar is not None else log.info(msg))
-        if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
-            checkpointer.save(step, engine, optimizer, scheduler=scheduler, sampler=sampler,
-                              extra_meta=_meta(cfg, tokens_seen, val_losses, model_cfg))
-        faults.kill_at_step(step, checkpointer)
-        faults.rank_only_collective(step, topo)  # SHARDWISE_TEST_RANK0_GATHER: a desync
+    return Run(cfg=cfg, t_start=t_start, topo=topo, work=work, out=out, is_main=is_main,
+               run_lock=run_lock, resume_from=resume_from, fingerprint=fingerprint, engine=engine,
+               optimizer=optimizer, scheduler=scheduler, sampler=sampler, micro_batch=micro_batch,
+               n_micro=n_micro, model_cfg=model_cfg, n_params=n_params, epoch=epoch,
+               flops_step=flops_step, peak=peak, n_peak=n_peak, gpu_mem=gpu_mem, metrics=metrics,
+               bar=bar, checkpointer=checkpointer, recorder=recorder, start=start,
+               tokens_seen=tokens_seen, val_losses=val_losses, times=times)
+
+
+def _next_batch(run: Run, step: int):
+    """This rank's micro-batches of ``step`` (the sampler's next global batch, this dp rank's
+    slice); the device's peak-memory counter starts over for it."""
+    local = run.sampler.next_local_batch()
+    faults.log_samples(step, local, run.topo)  # SHARDWISE_TEST_* hooks: no-ops unless set
+    batch = run.work.batches(local, run.micro_batch)
+    reset_peak(run.topo.device)  # device memory: this step's peak (train/device.py)
+    return batch
+
+
+def _stop_if_diverged(run: Run, step: int, res) -> None:
+    """Raise :class:`DivergedError` (after logging the step and letting a pending save land)
+    when the step's loss or gradient norm is not finite."""
+    if not (math.isfinite(res.loss) and math.isfinite(res.grad_norm)):
+        # both are global values, the same on every rank: every rank stops here together
+        run.metrics.log({"step": step, "loss": res.loss, "grad_norm": res.grad_norm,
+                         "lr": run.scheduler.get_last_lr()[0]})  # the step that diverged
+        run.checkpointer.wait(barrier=True)  # a pending async save (of a finite state) lands
+        raise DivergedError(diverged_message(
+            step, f"the loss ({res.loss}) or the gradient norm ({res.grad_norm})",
+            run.checkpointer.last_good()))
+
+
+def _record(run: Run, step: int, res, batch, dt: float) -> dict:
+    """The step's metrics.jsonl record (README: the run folder's contract)."""
+    topo, flops_step = run.topo, run.flops_step
+    rec = {"step": step, "loss": res.loss, "lr": run.scheduler.get_last_lr()[0],
+           "grad_norm": res.grad_norm, "tokens": run.tokens_seen,
+           "tokens_per_s": res.tokens / dt, "step_time_s": dt,
+           # achieved model TFLOP/s of all ranks together, and MFU (flops.py)
+           "tflops": flops_step / dt / 1e12,
+           "mfu": mfu(flops_step, dt, run.peak, run.n_peak),
+           "comm_bytes": topo.ledger.step_bytes(), **axis_bytes(topo),
+           # model state this rank holds (bytes): parameters + gradients + optimizer state
+           "mem_bytes": res.state_bytes["total"],
+           **{f"mem_{k}_bytes": v for k, v in res.state_bytes.items() if k != "total"}}
+    rec.update(moe_metrics(run.engine, topo, res.tokens, run.model_cfg))  # {}: a dense model
+    if run.cfg.task == "dpo":  # reward margin, accuracy, log-probs (from the step's forward)
+        rec.update(run.work.reference.step_metrics(batch))
+    if run.gpu_mem:  # per-rank peak/reserved bytes, beside the formula and the planner's
+        rec.update(memory_record(topo.device, topo), **run.gpu_mem)
+    if "loss_balance" in rec:
+        rec["loss_ce"] = rec["loss"] - rec["loss_balance"] - rec["loss_z"]
+    return rec
+
+
+def _first_steps(run: Run, step: int, res) -> None:
+    """Step 1: rank 0 writes ledger.json; the first step this run takes (step 1 unless resumed):
+    the traffic lines and the report's first step (collective: every rank); a warm step under a
+    pipeline: its timeline (collective)."""
+    topo, engine, cfg = run.topo, run.engine, run.cfg
+    if step == 1 and run.is_main:
+        write_ledger_json(run.out / "ledger.json", topo, engine, cfg)
+    if step == run.start + 1:  # the first step this run takes (step 1 unless resumed)
+        for line in describe_traffic(topo, engine, cfg):
+            log.info(line)
+        run.recorder.first_step(topo, engine, cfg, res)  # collective: every rank
+    if step == min(run.start + 2, cfg.steps):  # pp: a warm step's timeline (collective)
+        run.recorder.timeline(engine, topo, cfg)
+
+
+def _log_step(run: Run, step: int, res, rec: dict, dt: float) -> None:
+    """The progress bar, and every ``--log-every`` steps (and at an evaluation) the step line."""
+    cfg, bar = run.cfg, run.bar
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{res.loss:.3f}", tok_s=f"{res.tokens / dt:,.0f}",
+                        step_s=f"{dt:.3f}")
+    if step % cfg.log_every == 0 or step == cfg.steps or "val_loss" in rec:
+        msg = (f"step {step}/{cfg.steps}: loss {res.loss:.4f}, lr {rec['lr']:.2e}, "
+               f"grad norm {res.grad_norm:.3f}, {rec['tokens_per_s']:,.0f} tok/s, "
+               f"{dt * 1e3:.0f} ms/step, {rec['tflops']:.3f} TFLOP/s, MFU {rec['mfu']:.1%}")
+        if "moe_imbalance" in rec:
+            msg += (f" (ce {rec['loss_ce']:.4f} + balance {rec['loss_balance']:.4f} + z "
+                    f"{rec['loss_z']:.4f}; expert load max/mean {rec['moe_imbalance']:.2f}"
+                    + (f", {rec['moe_dropped']} dropped" if rec["moe_dropped"] else "")
+                    + ")")
+        if cfg.task == "dpo":
+            from .dpo import log_suffix
+
+            msg += log_suffix(rec)
+        if "val_loss" in rec:
+            msg += f", validation loss {rec['val_loss']:.4f}"
+        (bar.write(msg) if bar is not None else log.info(msg))
+
+
+def finish(run: Run) -> dict:
+    """After the last step: the final checkpoint (every rank), the end-of-run collective check, a
+    sample from the model, the summary (returned; rank 0 writes summary.json, loss.png,
+    sample.txt), and the run folder's lock released."""
+    (cfg, topo, work, engine, out, is_main, times, t_start, val_losses, n_params, epoch, start,
+     resume_from, checkpointer, metrics, bar, run_lock, flops_step, peak, n_peak) = (
+        run.cfg, run.topo, run.work, run.engine, run.out, run.is_main, run.times, run.t_start,
+        run.val_losses, run.n_params, run.epoch, run.start, run.resume_from, run.checkpointer,
+        run.metrics, run.bar, run.run_lock, run.flops_step, run.peak, run.n_peak)
+    optimizer, scheduler, sampler, tokens_seen, model_cfg = (
+        run.optimizer, run.scheduler, run.sampler, run.tokens_seen, run.model_cfg)
     if bar is not None:
         bar.close()
     metrics.close()
@@ -414,6 +525,8 @@ def train(cfg: TrainConfig) -> dict:
     if run_lock is not None:  # the run folder is free for the next run
         run_lock.close()
     return summary
+
+
 
 
 def _meta(cfg: TrainConfig, tokens_seen: int, val_losses: list, model_cfg) -> dict:
