@@ -30,6 +30,7 @@ D, F, L = 16, 32, 4  # d_model, d_ff, blocks: mlp-tiny
 B, STEPS, LR = 8, 6, 1e-2  # rows per global batch, optimizer steps, AdamW's learning rate
 NAMES = ("w_in", "b_in", "w_out", "b_out")
 LEDGER: list[dict] = []  # every collective this rank booked: {op, tag, shape, bytes}
+HISTORY: list[dict] = []  # per optimizer step: {"grads", "params"} by data_ptr (for the tests)
 
 
 def setup(argv: list[str] | None) -> tuple[int, int, torch.device, str | None]:
@@ -43,6 +44,7 @@ def setup(argv: list[str] | None) -> tuple[int, int, torch.device, str | None]:
     need("WORLD_SIZE" in os.environ, "not in a world of ranks: start with shardwise learn "
          "NAME --nproc N, or torchrun --nproc-per-node N -m shardwise.learn.NAME")
     LEDGER.clear()
+    HISTORY.clear()
     device = torch.device(args.device)
     if device.type != "cpu":
         getattr(torch, device.type).set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -81,11 +83,18 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def adamw(tensors: list[torch.Tensor]) -> torch.optim.AdamW:
     """AdamW as docs/parity.md's reference runs it: weight decay 0.1 on matrices (dim ≥ 2),
-    none on biases, betas (0.9, 0.95), eps 1e-8. A shard keeps its parameter's dimension."""
-    return torch.optim.AdamW([{"params": [t for t in tensors if t.dim() >= 2]},
-                              {"params": [t for t in tensors if t.dim() < 2],
-                               "weight_decay": 0.0}],
-                             lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    none on biases, betas (0.9, 0.95), eps 1e-8. A shard keeps its parameter's dimension.
+    Each step's gradients (what the step used) and parameters after it go to :data:`HISTORY`,
+    which :func:`finish` saves for the tests."""
+    opt = torch.optim.AdamW([{"params": [t for t in tensors if t.dim() >= 2]},
+                             {"params": [t for t in tensors if t.dim() < 2],
+                              "weight_decay": 0.0}],
+                            lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt.register_step_pre_hook(lambda *_: HISTORY.append(
+        {"grads": {t.data_ptr(): t.grad.detach().clone() for t in tensors}}))
+    opt.register_step_post_hook(lambda *_: HISTORY[-1].update(
+        params={t.data_ptr(): t.detach().clone() for t in tensors}))
+    return opt
 
 
 def textbook_bytes(op: str, nbytes: int, n: int) -> float:
@@ -113,11 +122,15 @@ def book(op: str, full: torch.Tensor, n: int, tag: str, what: str, show: bool) -
 def finish(rank: int, losses: list[float], params: dict[str, torch.Tensor], name: str,
            out: str | None) -> None:
     """Rank 0 prints the losses and the bytes it sent; with ``out`` (the tests) every rank
-    saves {losses, params (its local values), ledger} to ``out/<name>_rank<r>.pt``."""
-    if rank == 0:
+    saves {losses, ledger, grads and params per step by name (its local values)} to
+    ``out/<name>_rank<r>.pt``."""
+    if rank == 0 and losses:
         print(f"{name}: loss " + " → ".join(f"{x:.5f}" for x in losses)
               + f"; rank 0 sent {sum(r['bytes'] for r in LEDGER):,.1f} B in {len(LEDGER)} "
               "collectives", flush=True)
     if out:
-        torch.save({"losses": losses, "params": params, "ledger": list(LEDGER)},
+        named = [{k: {n: h[k][t.data_ptr()] for n, t in params.items()} for k in h}
+                 for h in HISTORY]
+        torch.save({"losses": losses, "ledger": list(LEDGER),
+                    "grads": [h["grads"] for h in named], "params": [h["params"] for h in named]},
                    os.path.join(out, f"{name}_rank{rank}.pt"))

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardwise.learn._common import book, need, setup
+from shardwise.learn._common import book, finish, need, setup
 
 
 def ring_step(send: torch.Tensor, recv: torch.Tensor, rank: int, n: int, what: str,
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"all-reduce by hand = dist.all_reduce on every rank; rank 0 sent {sent:.0f} B "
               f"= 2(n−1)/n · S = 2·{n - 1}/{n}·{S}; a naive 'send all to rank 0' would cost "
               f"rank 0 {(n - 1) * S} B of receives")
-    dist.barrier()
+    finish(rank, [], {}, "collectives", out)
 
 
 if __name__ == "__main__":

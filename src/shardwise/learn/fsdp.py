@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         saved = []  # (block input, block output) per block, for the backward
         for i in range(len(shards)):
             gather(full[i], shards[i], n, show)
-            h = x.detach().requires_grad_()
+            h = x.detach().requires_grad_(i > 0)  # block 0's ∂In: nobody needs it
             x = block(h, full[i])  # In[B_X, D] · W_in[D, F] … → Out[B_X, D]
             saved.append((h, x))
             free(full[i])

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         saved = []
         for i, p in enumerate(full):
             gather(p, shards[i], nx, dp_group)
-            h = x.detach().requires_grad_()
+            h = x.detach().requires_grad_(i > 0)  # block 0's ∂In: nobody needs it
             tmp = F_.gelu(F_op.apply(h) @ p["w_in"] + p["b_in"])  # Tmp[B_X, F_Y]
             x = h + G_op.apply(tmp @ p["w_out"]) + p["b_out"]  # Out[B_X, D]
             saved.append((h, x))
