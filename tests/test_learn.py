@@ -227,3 +227,20 @@ def test_scripts_import_only_torch_and_the_helper():
                 assert name in allowed or name.split(".")[0] in allowed - {"shardwise"}, \
                     f"{f.name} imports {name}"
         assert len(f.read_text().splitlines()) <= 150, f"{f.name} is over 150 lines"
+
+
+def test_the_docs_quote_the_scripts_as_they_are():
+    """Each strategy page quotes its script's key lines (a ```python block opening with
+    ``# src/shardwise/learn/NAME.py``): every quoted line is a line of that script, so the
+    quotes cannot go stale."""
+    import re
+
+    quoted = 0
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        for block in re.finditer(r"```python\n# (src/shardwise/learn/\w+\.py)\n(.*?)```",
+                                 page.read_text(), re.S):
+            lines = {ln.strip() for ln in (ROOT / block.group(1)).read_text().splitlines()}
+            for line in block.group(2).splitlines():
+                assert line.strip() in lines, f"{page.name} quotes {block.group(1)}: {line!r}"
+                quoted += 1
+    assert quoted >= 30, quoted
