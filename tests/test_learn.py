@@ -244,3 +244,41 @@ def test_the_docs_quote_the_scripts_as_they_are():
                 assert line.strip() in lines, f"{page.name} quotes {block.group(1)}: {line!r}"
                 quoted += 1
     assert quoted >= 30, quoted
+
+
+def test_the_readme_trace_output_is_current(cache_dir):
+    """The README's sample of ``shardwise trace --dp 2`` is what the command prints now, all
+    but the ``ms`` column (wall time). On a mismatch the message holds the fresh output."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"Real output \(tests/test_learn\.py.*?```\n(.*?)```", text, re.S).group(1)
+    p = run_cli(["trace", "--dp", "2"], cache_dir)
+    assert p.returncode == 0, p.stdout
+    fresh = [ln for ln in p.stdout.splitlines() if ln.startswith("[rank 0]")]
+
+    def strip_ms(lines):  # a record row ends with its ms; the other rows stay whole
+        return [re.sub(r"^(\[rank 0\]\s+\d+ .*?)\s+[\d.]+$", r"\1", ln) for ln in lines]
+
+    assert strip_ms(block.splitlines()) == strip_ms(fresh), "\n".join(fresh)
+
+
+def test_trace_rank_flag_and_issue_order(cache_dir):
+    """``trace --rank all`` under 1F1B: each rank's rows in the order it issued them (rank 0
+    sends F0 and F1 before it posts B0's receive: p − 1 = 1 warm-up forward, then F1 B0 …),
+    and the bubble beside its formula; a rank outside the world is one line, exit 2."""
+    p = run_cli(["trace", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4", "--model",
+                 "mlp-tiny", "--n-layers", "4", "--rank", "all", "--out", "runs/trace"],
+                cache_dir)
+    assert p.returncode == 0, p.stdout
+    assert "rank 0's collectives, in the order it issued them" in p.stdout, p.stdout
+    assert "rank 1's collectives, in the order it issued them" in p.stdout, p.stdout
+    rank0 = p.stdout.split("rank 1's collectives")[0]
+    rows = [ln.split() for ln in rank0.splitlines()]  # [rank 0] # op axis n tag …
+    pp_rows = [f"{w[3]} {w[6]}" for w in rows if len(w) > 6 and w[6] in ("pp_fwd", "pp_bwd")]
+    assert pp_rows == [
+        "send pp_fwd", "send pp_fwd", "recv pp_bwd", "send pp_fwd", "recv pp_bwd",
+        "send pp_fwd", "recv pp_bwd", "recv pp_bwd"], pp_rows
+    assert "formula (p−1)/(m+p−1) = (2−1)/(4+2−1) = 0.200" in p.stdout, p.stdout
+    bad = run_cli(["trace", "--dp", "2", "--rank", "2"], cache_dir)
+    assert bad.returncode == 2 and "--rank 2: this layout has ranks 0 … 1" in bad.stdout

@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("trace", help="one step of a layout: every collective vs the formula")
     add_config_flags(tr)
+    tr.add_argument("--rank", default="0", metavar="R|all",
+                    help="the rank whose collectives are shown, or all (each in turn); default 0")
     tr.set_defaults(func=cmd_trace)
 
     le = sub.add_parser("learn", help="the learner's track: one short script per strategy on "
@@ -219,7 +221,11 @@ def cmd_trace(args, argv) -> int:
             global_batch=(cfg.global_batch if "global_batch" in vars(args)
                           else max(cfg.global_batch, cfg.dp * (cfg.microbatches or cfg.pp))))
     validate(cfg)
-    return _run_or_spawn(args, argv, cfg.world_size(), lambda: trace_worker(cfg), cfg.device)
+    world = cfg.world_size()
+    if args.rank != "all" and not (args.rank.isdigit() and int(args.rank) < world):
+        raise ShardwiseConfigError(f"--rank {args.rank}: this layout has ranks 0 … {world - 1}; "
+                                   f"give one of them, or all")
+    return _run_or_spawn(args, argv, world, lambda: trace_worker(cfg, args.rank), cfg.device)
 
 
 def cmd_learn(args, argv) -> int:
