@@ -206,7 +206,8 @@ def test_shardwise_learn_command(cache_dir):
 def test_bad_nproc_is_one_line_and_exit_2(cache_dir):
     p = run_cli(["learn", "tp", "--nproc", "3"], cache_dir)
     assert p.returncode == 2, p.stdout
-    assert "tp=3 must divide the hidden size F=32" in p.stdout, p.stdout
+    assert p.stdout.strip() == ("shardwise learn: error: tp=3 must divide the hidden size F=32: "
+                                "use --nproc 2, 4 or 8"), p.stdout
 
 
 def test_scripts_import_only_torch_and_the_helper():
@@ -227,6 +228,13 @@ def test_scripts_import_only_torch_and_the_helper():
                 assert name in allowed or name.split(".")[0] in allowed - {"shardwise"}, \
                     f"{f.name} imports {name}"
         assert len(f.read_text().splitlines()) <= 150, f"{f.name} is over 150 lines"
+    import re  # the README's Learn table gives each script's length: keep it true
+
+    shown = re.findall(r"\]\(src/shardwise/learn/(\w+\.py)\) \((\d+)\)",
+                       (ROOT / "README.md").read_text())
+    assert len(shown) == 6, shown
+    for name, lines in shown:
+        assert len((LEARN / name).read_text().splitlines()) == int(lines), name
 
 
 def test_the_docs_quote_the_scripts_as_they_are():

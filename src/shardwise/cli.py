@@ -236,6 +236,8 @@ def cmd_learn(args, argv) -> int:
     if nproc < 2:
         raise ShardwiseConfigError(f"--nproc {nproc}: a strategy needs at least 2 ranks")
     script = importlib.import_module(f"shardwise.learn.{args.name}")
+    if not is_worker():
+        script.check(nproc)  # a bad --nproc: one line, exit 2, before anything is spawned
     return _run_or_spawn(args, [*argv, "--nproc", str(nproc)], nproc, lambda: script.main(
         ["--device", args.device, "--schedule", args.schedule]), args.device)
 

@@ -66,9 +66,14 @@ def all_gather(mine: torch.Tensor, rank: int, n: int, show: bool) -> torch.Tenso
     return torch.cat(chunks)
 
 
+def check(n: int) -> None:
+    """A bad rank count: one line, exit 2, before any collective (also run by the CLI)."""
+    need(n >= 2, f"a collective needs at least 2 ranks (got {n}): use --nproc 2 or more")
+
+
 def main(argv: list[str] | None = None) -> None:
     rank, n, device, out = setup(argv)
-    need(n >= 2, f"a collective needs at least 2 ranks (got {n}): use --nproc 2 or more")
+    check(n)
     x = torch.arange(4.0 * n, device=device) * (rank + 1)  # A[I] {U_X}: my part of a sum, [4n]
     S = x.numel() * x.element_size()
     if rank == 0:

@@ -29,9 +29,14 @@ from shardwise.learn._common import (B, D, NAMES, STEPS, adamw, batch, block, bo
                                      init_params, need, setup)
 
 
+def check(n: int) -> None:
+    """A bad rank count: one line, exit 2, before any collective (also run by the CLI)."""
+    need(B % n == 0, f"dp={n} must divide the batch B={B}: use --nproc 2, 4 or 8")
+
+
 def main(argv: list[str] | None = None) -> None:
     rank, n, device, out = setup(argv)
-    need(B % n == 0, f"dp={n} must divide the batch B={B}: use --nproc 1, 2, 4 or 8")
+    check(n)
     # the whole model on every rank: W_in[D, F], b_in[F], W_out[F, D], b_out[D] per block
     blocks = [{k: t.to(device).requires_grad_() for k, t in b.items()} for b in init_params()]
     params = [b[k] for b in blocks for k in NAMES]

@@ -52,9 +52,14 @@ def free(full: dict) -> None:
         t.untyped_storage().resize_(0)
 
 
+def check(n: int) -> None:
+    """A bad rank count: one line, exit 2, before any collective (also run by the CLI)."""
+    need(B % n == 0 and D % n == 0, f"fsdp={n} must divide B={B} and D={D}: use --nproc 2 or 4")
+
+
 def main(argv: list[str] | None = None) -> None:
     rank, n, device, out = setup(argv)
-    need(B % n == 0 and D % n == 0, f"fsdp={n} must divide B={B} and D={D}: use --nproc 2 or 4")
+    check(n)
     # my slice of each tensor: rows rank·m … (rank+1)·m − 1 of dim 0
     shards = [{k: t.chunk(n)[rank].clone().to(device).requires_grad_() for k, t in b.items()}
               for b in init_params()]

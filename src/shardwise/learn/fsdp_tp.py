@@ -76,11 +76,17 @@ def gather(full: dict, shard: dict, nx: int, group) -> None:
         book("all_gather", t, nx, "param", f"{k}: my TP shard, its X slices", SHOW[0])
 
 
-def main(argv: list[str] | None = None) -> None:
-    rank, n, device, out = setup(argv)
+def check(n: int) -> None:
+    """A bad rank count: one line, exit 2, before any collective (also run by the CLI)."""
     nx = n // TP
     need(n % TP == 0 and nx > 0 and B % nx == 0 and D % nx == 0,
          f"fsdp_tp runs X × Y={TP} ranks: use --nproc 4 (X = 2) or 8 (X = 4)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    rank, n, device, out = setup(argv)
+    check(n)
+    nx = n // TP
     x_idx, y_idx = divmod(rank, TP)
     dp_group = tp_group = None  # every rank creates every group, in the same order
     for i in range(nx):

@@ -50,12 +50,17 @@ def schedule(kind: str, p: int, r: int, m: int) -> list[tuple[str, int]]:
     return out + [("B", i) for i in range(m - warm, m)]
 
 
+def check(p: int) -> None:
+    """A bad rank count: one line, exit 2, before any collective (also run by the CLI)."""
+    need(L % p == 0 and B % M == 0, f"pp={p} must divide the L={L} blocks: use --nproc 2 or 4")
+
+
 def main(argv: list[str] | None = None) -> None:
     rank, p, device, out = setup(argv)
     ap = argparse.ArgumentParser()
     ap.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
     kind = ap.parse_known_args(argv)[0].schedule
-    need(L % p == 0 and B % M == 0, f"pp={p} must divide the L={L} blocks: use --nproc 2 or 4")
+    check(p)
     first, last = rank == 0, rank == p - 1
     mine = range(rank * L // p, (rank + 1) * L // p)  # my blocks
     blocks = [{k: t.to(device).requires_grad_() for k, t in init_params()[i].items()}

@@ -70,9 +70,14 @@ def tp_block(x: torch.Tensor, p: dict) -> torch.Tensor:
     return x + out + p["b_out"]  # the bias once, after the sum
 
 
+def check(n: int) -> None:
+    """A bad rank count: one line, exit 2, before any collective (also run by the CLI)."""
+    need(F % n == 0, f"tp={n} must divide the hidden size F={F}: use --nproc 2, 4 or 8")
+
+
 def main(argv: list[str] | None = None) -> None:
     rank, n, device, out = setup(argv)
-    need(F % n == 0, f"tp={n} must divide the hidden size F={F}: use --nproc 2, 4 or 8")
+    check(n)
     cols = slice(rank * F // n, (rank + 1) * F // n)  # my hidden units
     blocks = [{"w_in": b["w_in"][:, cols], "b_in": b["b_in"][cols],
                "w_out": b["w_out"][cols, :], "b_out": b["b_out"]} for b in init_params()]
