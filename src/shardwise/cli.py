@@ -63,7 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=cmd_trace)
 
     le = sub.add_parser("learn", help="the learner's track: one short script per strategy on "
-                        "the stacked MLP, every collective a torch.distributed call (README, Learn)")
+                        "the stacked MLP, every collective a torch.distributed call (README: "
+                        "Learn)")
     le.add_argument("name", choices=LEARN, help="the script: src/shardwise/learn/NAME.py")
     le.add_argument("--nproc", type=int, default=0, help="ranks (default 2; fsdp_tp: 4)")
     le.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="pp only")

@@ -112,10 +112,10 @@ def book(op: str, full: torch.Tensor, n: int, tag: str, what: str, show: bool) -
     LEDGER.append({"op": op, "tag": tag, "shape": tuple(full.shape), "bytes": sent})
     if show:
         if len(LEDGER) == 1 or not any(r.get("shown") for r in LEDGER[:-1]):
-            print(f"  {'op':<15} {'tag':<8} {'tensor (scaling-book sharding)':<40} "
+            print(f"  {'op':<15} {'tag':<8} {'tensor (scaling-book sharding)':<46} "
                   f"{'shape':<10} {'S = full bytes':>14} {'sent (textbook)':>16}")
         LEDGER[-1]["shown"] = True
-        print(f"  {op:<15} {tag:<8} {what:<40} {str(list(full.shape)):<10} {nbytes:>12,} B"
+        print(f"  {op:<15} {tag:<8} {what:<46} {str(list(full.shape)):<10} {nbytes:>12,} B"
               f" {sent:>14,.1f} B", flush=True)
 
 

@@ -35,7 +35,7 @@ NOTATION = {"w_in": ("W_in[D_X, F]", "W_in[D, F]"), "b_in": ("b_in[F_X]", "b_in[
             "w_out": ("W_out[F_X, D]", "W_out[F, D]"), "b_out": ("b_out[D_X]", "b_out[D]")}
 
 
-def gather(full: dict, shard: dict, n: int, show: bool) -> None:
+def gather(full: dict, shard: dict, n: int, show: bool, where: str) -> None:
     """Refill ``full``'s storage with the all-gather of every rank's ``shard`` (dim 0)."""
     for k in NAMES:
         t = full[k]
@@ -43,7 +43,7 @@ def gather(full: dict, shard: dict, n: int, show: bool) -> None:
         # W_in[D_X, F] → W_in[D, F]: rank r's slice lands in chunk r; sends (n−1)/n · S.
         # (.data: the same memory; refilling it is no change autograd should track)
         dist.all_gather(list(t.data.chunk(n)), shard[k].detach())
-        book("all_gather", t, n, "param", f"{NOTATION[k][0]} → {NOTATION[k][1]}", show)
+        book("all_gather", t, n, "param", f"{where}: {NOTATION[k][0]} → {NOTATION[k][1]}", show)
 
 
 def free(full: dict) -> None:
@@ -60,7 +60,7 @@ def check(n: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     rank, n, device, out = setup(argv)
     check(n)
-    # my slice of each tensor: rows rank·m … (rank+1)·m − 1 of dim 0
+    # my slice of each tensor: the rank-th of n equal pieces of dim 0 (W_in: D/n rows of D)
     shards = [{k: t.chunk(n)[rank].clone().to(device).requires_grad_() for k, t in b.items()}
               for b in init_params()]
     full = [{k: torch.empty(s.shape[0] * n, *s.shape[1:], device=device, requires_grad=True)
@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
         x, y = x.chunk(n)[rank].to(device), y.chunk(n)[rank].to(device)  # In[B_X, D]
         saved = []  # (block input, block output) per block, for the backward
         for i in range(len(shards)):
-            gather(full[i], shards[i], n, show)
+            gather(full[i], shards[i], n, show, f"block {i} forward")
+            # cut autograd's graph between blocks, to run backward one block at a time below
             h = x.detach().requires_grad_(i > 0)  # block 0's ∂In: nobody needs it
             x = block(h, full[i])  # In[B_X, D] · W_in[D, F] … → Out[B_X, D]
             saved.append((h, x))
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         loss.backward()
         dy = last.grad  # ∂Out[B_X, D]
         for i in reversed(range(len(shards))):
-            gather(full[i], shards[i], n, show)  # the weights again, for the block's backward
+            gather(full[i], shards[i], n, show, f"block {i} backward")  # the weights again
             h, o = saved[i]
             o.backward(dy)  # ∂W_in[D, F] {U_X} … into full[i][k].grad; ∂In[B_X, D] into h.grad
             dy = h.grad
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
                 g = full[i][k].grad  # ∂W_in[D, F] {U_X} → ∂W_in[D_X, F]: sends (n−1)/n · S
                 shards[i][k].grad = torch.empty_like(shards[i][k])
                 dist.reduce_scatter(shards[i][k].grad, list(g.chunk(n)))
-                book("reduce_scatter", g, n, "grad", f"∂{NOTATION[k][1]} {{U_X}} → "
+                book("reduce_scatter", g, n, "grad", f"block {i}: ∂{NOTATION[k][1]} {{U_X}} → "
                      f"∂{NOTATION[k][0]}", show)
                 full[i][k].grad = None
             free(full[i])

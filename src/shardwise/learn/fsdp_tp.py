@@ -66,14 +66,14 @@ class G_op(torch.autograd.Function):
         return grad
 
 
-def gather(full: dict, shard: dict, nx: int, group) -> None:
+def gather(full: dict, shard: dict, nx: int, group, where: str) -> None:
     """Refill ``full`` with the all-gather over X of ``shard`` (dim 0), e.g. W_in[D_X, F_Y] →
     W_in[D, F_Y]; sends (X−1)/X · S each. (.data: see fsdp.py)"""
     for k in NAMES:
         t = full[k]
         t.untyped_storage().resize_(t.numel() * t.element_size())
         dist.all_gather(list(t.data.chunk(nx)), shard[k].detach(), group=group)
-        book("all_gather", t, nx, "param", f"{k}: my TP shard, its X slices", SHOW[0])
+        book("all_gather", t, nx, "param", f"{where}: {k} (my TP shard) over X", SHOW[0])
 
 
 def check(n: int) -> None:
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         x, y = x.chunk(nx)[x_idx].to(device), y.chunk(nx)[x_idx].to(device)  # In[B_X, D]
         saved = []
         for i, p in enumerate(full):
-            gather(p, shards[i], nx, dp_group)
+            gather(p, shards[i], nx, dp_group, f"block {i} forward")
             h = x.detach().requires_grad_(i > 0)  # block 0's ∂In: nobody needs it
             tmp = F_.gelu(F_op.apply(h) @ p["w_in"] + p["b_in"])  # Tmp[B_X, F_Y]
             x = h + G_op.apply(tmp @ p["w_out"]) + p["b_out"]  # Out[B_X, D]
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         loss.backward()
         dy = last.grad
         for i in reversed(range(len(full))):
-            gather(full[i], shards[i], nx, dp_group)
+            gather(full[i], shards[i], nx, dp_group, f"block {i} backward")
             h, o = saved[i]
             o.backward(dy)
             dy = h.grad
@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
                 g = full[i][k].grad
                 shards[i][k].grad = torch.empty_like(shards[i][k])
                 dist.reduce_scatter(shards[i][k].grad, list(g.chunk(nx)), group=dp_group)
-                book("reduce_scatter", g, nx, "grad", f"∂{k} {{U_X}} → my X slice", SHOW[0])
+                book("reduce_scatter", g, nx, "grad", f"block {i}: ∂{k} {{U_X}} → my X slice",
+                     SHOW[0])
                 full[i][k].grad = None
                 full[i][k].untyped_storage().resize_(0)
         opt.step()
