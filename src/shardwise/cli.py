@@ -18,6 +18,7 @@ from .errors import ShardwiseConfigError
 from .launch import is_worker, spawn, watch_launcher
 
 
+LEARN = ("collectives", "dp", "fsdp", "tp", "fsdp_tp", "pp")
 COLLECTIVES_HELP = ("how comm/ops.py runs the collectives: native (the backend's own), ring, "
                     "tree, or auto (by the α-β model); default native")
 
@@ -57,7 +58,18 @@ def _parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("trace", help="one step of a layout: every collective vs the formula")
     add_config_flags(tr)
+    tr.add_argument("--rank", default="0", metavar="R|all",
+                    help="the rank whose collectives are shown, or all (each in turn); default 0")
     tr.set_defaults(func=cmd_trace)
+
+    le = sub.add_parser("learn", help="the learner's track: one short script per strategy on "
+                        "the stacked MLP, every collective a torch.distributed call (README: "
+                        "Learn)")
+    le.add_argument("name", choices=LEARN, help="the script: src/shardwise/learn/NAME.py")
+    le.add_argument("--nproc", type=int, default=0, help="ranks (default 2; fsdp_tp: 4)")
+    le.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="pp only")
+    le.add_argument("--device", default="cpu", help="cpu (gloo) or an accelerator (cpu)")
+    le.set_defaults(func=cmd_learn)
 
     from .plan.cli import add_plan_parser
     from .report.cli import add_report_parser
@@ -210,7 +222,25 @@ def cmd_trace(args, argv) -> int:
             global_batch=(cfg.global_batch if "global_batch" in vars(args)
                           else max(cfg.global_batch, cfg.dp * (cfg.microbatches or cfg.pp))))
     validate(cfg)
-    return _run_or_spawn(args, argv, cfg.world_size(), lambda: trace_worker(cfg), cfg.device)
+    world = cfg.world_size()
+    if args.rank != "all" and not (args.rank.isdigit() and int(args.rank) < world):
+        raise ShardwiseConfigError(f"--rank {args.rank}: this layout has ranks 0 … {world - 1}; "
+                                   f"give one of them, or all")
+    return _run_or_spawn(args, argv, world, lambda: trace_worker(cfg, args.rank), cfg.device)
+
+
+def cmd_learn(args, argv) -> int:
+    """``shardwise learn NAME``: run ``shardwise.learn.NAME.main`` on --nproc ranks."""
+    import importlib
+
+    nproc = args.nproc or (4 if args.name == "fsdp_tp" else 2)
+    if nproc < 2:
+        raise ShardwiseConfigError(f"--nproc {nproc}: a strategy needs at least 2 ranks")
+    script = importlib.import_module(f"shardwise.learn.{args.name}")
+    if not is_worker():
+        script.check(nproc)  # a bad --nproc: one line, exit 2, before anything is spawned
+    return _run_or_spawn(args, [*argv, "--nproc", str(nproc)], nproc, lambda: script.main(
+        ["--device", args.device, "--schedule", args.schedule]), args.device)
 
 
 def cmd_export(args, argv) -> int:

@@ -229,9 +229,13 @@ def train(cfg: TrainConfig) -> dict:
     optimizer = build_optimizer(engine, cfg)
     scheduler = build_scheduler(optimizer, cfg)
     sampler = work.sampler(cfg.global_batch, topo.size("dp"), topo.index("dp"), cfg.seed)
-    log.info(f"shardwise train: {cfg.model} ({n_params / 1e6:.2f} M parameters), layout "
+    # the model's own units: an MLP regresses rows of d_model numbers, not token sequences
+    size = f"{n_params / 1e6:.2f} M" if n_params >= 100_000 else f"{n_params:,}"
+    rows = (f"{cfg.global_batch} sequences × {cfg.seq_len} tokens" if work.kind == "lm" else
+            f"{cfg.global_batch} rows × d_model {model_cfg.d_model} ({work.kind})")
+    log.info(f"shardwise train: {cfg.model} ({size} parameters), layout "
              f"{topo.describe()}, engine={cfg.engine}, data={work.description}")
-    log.info(f"  {cfg.steps} steps × {cfg.global_batch} sequences × {cfg.seq_len} tokens; "
+    log.info(f"  {cfg.steps} steps × {rows}; "
              f"{n_micro} micro-batches of {micro_batch} per rank per step; output → {out}")
     if batching_note(cfg):  # values the user did not give, derived from the layout
         log.info(f"  {batching_note(cfg)}")
