@@ -1,0 +1,75 @@
+"""Issue 36's smaller items, each where a test can see it: MoE counts of 0 refused, an empty
+report folder refused, Hub names answered with the fetch recipe, the default layout following
+torchrun's WORLD_SIZE, and the launcher's diagnosis naming the ranks it stopped as stopped."""
+
+import pytest
+
+from conftest import run_cli
+from shardwise.cli import _parser
+from shardwise.config import from_args, validate
+from shardwise.errors import ShardwiseConfigError
+
+
+def _cfg(*argv):
+    args, _ = _parser().parse_known_args(["train", *argv])
+    return from_args(args)
+
+
+@pytest.mark.parametrize("flag", ["--n-experts", "--top-k", "--moe-every"])
+def test_moe_count_zero_is_refused_not_read_as_not_given(flag):
+    with pytest.raises(ShardwiseConfigError, match=rf"^{flag} 0 must be at least 1: .*omit"):
+        _cfg("--model", "moe-tiny", flag, "0")
+
+
+def test_report_of_an_empty_or_unrelated_folder_exits_2_in_one_line(tmp_path, cache_dir):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    p = run_cli(["report", empty], cache_dir, timeout=120)
+    lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stdout
+    assert "is empty" in lines[0] and "shardwise train wrote" in lines[0]
+    assert not (empty / "report.html").exists()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    p = run_cli(["report", other], cache_dir, timeout=120)
+    assert p.returncode == 2 and "holds no run files" in p.stdout
+
+
+def test_hub_names_get_the_fetch_recipe(tmp_path):
+    with pytest.raises(ShardwiseConfigError) as e:
+        validate(_cfg("--init-from-hf", "openai-community/gpt2", "--dp", "1"))
+    assert "snapshot_download('openai-community/gpt2', local_dir='models/gpt2')" in str(e.value)
+    assert "--init-from-hf models/gpt2" in str(e.value)
+    with pytest.raises(ShardwiseConfigError) as e:
+        validate(_cfg("--data", "tatsu-lab/alpaca", "--task", "sft", "--dp", "1"))
+    assert "load_dataset('tatsu-lab/alpaca', split='train').to_json('alpaca.jsonl')" \
+        in str(e.value)
+    # a real (missing) path keeps the plain message
+    with pytest.raises(ShardwiseConfigError, match="no such file or folder"):
+        validate(_cfg("--data", str(tmp_path / "x.txt"), "--dp", "1"))
+
+
+@pytest.mark.parametrize("world,want", [("1", (1, 1)), ("2", (2, 1)), ("4", (2, 2)),
+                                        ("8", (4, 2)), ("6", (3, 2))])
+def test_default_layout_follows_torchrun_world_size(monkeypatch, world, want):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    c = _cfg("--global-batch", "24")
+    assert (c.dp, c.tp) == want and c.world_size() == int(world)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert (_cfg("--dp", "2").dp, _cfg("--dp", "2").tp) == (2, 1)  # chosen: not adapted
+    assert _cfg("--model", "mlp").dp == 8  # the MLP has no heads to split
+
+
+def test_diagnosis_names_the_rank_the_launcher_stopped_as_stopped():
+    import torch.distributed as dist
+
+    from shardwise.comm.fingerprint import diagnose_store
+
+    store = dist.HashStore()
+    store.set("shardwise/topologies", "t0\n")
+    ps = dist.PrefixStore("t0", store)
+    ps.set("ranks", "[0, 1]")
+    line, _ = diagnose_store(store, {0: -9, 1: -15}, first=0)
+    assert "rank 0 died (killed by SIGKILL)" in line
+    assert "rank 1 was stopped by the launcher (killed by SIGTERM)" in line
