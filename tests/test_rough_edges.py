@@ -73,3 +73,42 @@ def test_diagnosis_names_the_rank_the_launcher_stopped_as_stopped():
     line, _ = diagnose_store(store, {0: -9, 1: -15}, first=0)
     assert "rank 0 died (killed by SIGKILL)" in line
     assert "rank 1 was stopped by the launcher (killed by SIGTERM)" in line
+
+
+def test_torchrun_shows_the_raising_rank_as_root_cause_and_default_layout_follows_world(
+        tmp_path, cache_dir):
+    """Under torchrun with no layout flag (the default adapts to WORLD_SIZE = 2: dp = 2), rank 1
+    raises after step 1: its error file holds the message, the rank and the traceback, and
+    torchrun's failure summary prints it as the root cause (not ``error_file: <N/A>``)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SHARDWISE_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1",
+           "SHARDWISE_TEST_KILL_AT_STEP": "1", "SHARDWISE_TEST_KILL_RANK": "1",
+           "SHARDWISE_TEST_KILL_MODE": "raise"}
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "--log-dir", str(tmp_path / "logs"), "-m", "shardwise", "train", "--model",
+           "tiny", "--steps", "3", "--seq-len", "32", "--global-batch", "8", "--tokenizer",
+           "bytes", "--eval-every", "100", "--eval-sequences", "8", "--sample-tokens", "0",
+           "--timeout", "60", "--out", str(tmp_path / "run")]
+    r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=300)
+    out = r.stdout
+    assert r.returncode != 0, out[-3000:]
+    assert "dp=2 × tp=1 (2 ranks)" in out, out[-3000:]  # the default followed the world
+    root = out[out.index("Root Cause"):]
+    assert "rank      : 1" in root and "<N/A>" not in root, root
+    # torchrun prints the error file's traceback as the root cause
+    assert "RuntimeError: SHARDWISE_TEST_KILL_AT_STEP=1: test fault raised on rank 1" in root
+    assert "kill_at_step" in root, root
+    import json
+    import re
+
+    path = re.search(r"error_file: (\S+)", root).group(1)
+    err = json.loads(open(path).read())["message"]
+    assert err["message"] == ("RuntimeError on rank 1: SHARDWISE_TEST_KILL_AT_STEP=1: test "
+                              "fault raised on rank 1")
+    assert "faults.py" in err["extraInfo"]["py_callstack"]

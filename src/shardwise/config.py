@@ -281,6 +281,11 @@ def from_args(args: argparse.Namespace, **defaults) -> TrainConfig:
             kind = "llama"
         if kind == "moe":
             cfg = dataclasses.replace(cfg, model="moe-small")
+    if cfg.init_from_hf and os.path.isdir(cfg.init_from_hf):
+        # the folder's router coefficients (Mixtral's router_aux_loss_coef / router_z_loss_coef)
+        # unless a flag or the TOML file gives them: an export → import round trip keeps them
+        coefs = _hf_router_coefs(cfg.init_from_hf)
+        cfg = dataclasses.replace(cfg, **{k: v for k, v in coefs.items() if k not in by_user})
     # a capacity factor given as a flag must be > 0 (NaN and infinity: validate's finite check;
     # a saved config.toml's 0.0 is the default, dropless)
     if "capacity_factor" in given and math.isfinite(cfg.capacity_factor) \
@@ -296,6 +301,19 @@ def from_args(args: argparse.Namespace, **defaults) -> TrainConfig:
             cfg = dataclasses.replace(cfg, tp=1)
     cfg = _follow_world(cfg, chosen)
     return derive_batching(cfg, set(DERIVABLE) - by_user)
+
+
+def _hf_router_coefs(folder: str) -> dict:
+    """``aux_loss_coef`` and ``z_loss_coef`` of a Mixtral folder as imported
+    (:func:`~.interop.hf.hf_to_llama_config`: absent keys take transformers' default α = 0.001
+    and β = 0); {} for a dense folder or one that does not load (validate reports that)."""
+    from .interop.hf import hf_to_llama_config, read_hf_config
+
+    try:
+        m = hf_to_llama_config(read_hf_config(folder))
+    except ShardwiseConfigError:
+        return {}
+    return {k: getattr(m, k) for k in ("aux_loss_coef", "z_loss_coef") if hasattr(m, k)}
 
 
 def _follow_world(cfg: TrainConfig, chosen: set[str]) -> TrainConfig:
@@ -477,6 +495,10 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     _validate_task_and_init(cfg)
     if cfg.task == "dpo":
         _validate_dpo(cfg)
+    if cfg.pack:
+        from .data.pack import check_pack
+
+        check_pack(cfg.task, cfg.cp, cfg.engine)
     _validate_ranges(cfg)
     _validate_layout(cfg)
     per_step = cfg.dp * cfg.micro_batch
@@ -676,12 +698,14 @@ def _validate_task_and_init(cfg: TrainConfig) -> None:
                                        "is the MLP: choose --model tiny, small or base")
         if not cfg.data:
             raise ShardwiseConfigError("--task sft needs --data FILE.jsonl with one "
-                                       '{"instruction", "input", "output"} record per line '
-                                       "(see examples/sft_sample.jsonl)")
+                                       '{"instruction", "input", "output"} or {"messages": [...]}'
+                                       " record per line (see examples/sft_sample.jsonl, "
+                                       "examples/chat_sample.jsonl)")
         if not cfg.data.endswith(".jsonl"):
             raise ShardwiseConfigError(f"--task sft --data {cfg.data}: expected a .jsonl file of "
-                                       '{"instruction", "input", "output"} records (see '
-                                       "examples/sft_sample.jsonl)")
+                                       '{"instruction", "input", "output"} or {"messages": '
+                                       '[...]} records (see examples/sft_sample.jsonl, '
+                                       "examples/chat_sample.jsonl)")
     if cfg.init_from_hf:
         if cfg.model in MLP_PRESETS:
             raise ShardwiseConfigError(f"--init-from-hf loads a Llama; --model {cfg.model} is the "

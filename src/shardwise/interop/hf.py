@@ -521,7 +521,8 @@ ARCH_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_
                "rope_theta", "norm_eps", "tie_embeddings", "family", "norm", "mlp", "pos",
                "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "attn_head_dim", "rope_scaling",
                "sliding_window")
-# the MoEConfig fields a Mixtral folder also decides (the loss coefficients stay the run's)
+# the MoEConfig fields a Mixtral folder also decides (its loss coefficients reach the run's
+# --aux-loss-coef / --z-loss-coef unless flags give them: config.from_args)
 MOE_ARCH_FIELDS = ("n_experts", "top_k", "d_expert", "moe_every", "n_shared_experts",
                    "capacity_factor", "norm_topk")
 
@@ -540,6 +541,35 @@ def hf_model_overrides(folder: str | os.PathLike) -> dict:
     cfg = hf_to_llama_config(read_hf_config(folder), source=f"{folder}/config.json")
     fields = (*ARCH_FIELDS, "vocab_size", *(MOE_ARCH_FIELDS if _is_moe(cfg) else ()))
     return {k: getattr(cfg, k) for k in fields}
+
+
+def describe_source(run_cfg) -> str:
+    """What the start-up line calls the model of a run (``run_cfg``: the TrainConfig): the
+    preset name, or for ``--init-from-hf DIR`` the architecture and where its values came from
+    (the folder's config.json; flags for ``--n-layers`` and MoE coefficients that differ from
+    the folder's)."""
+    if not run_cfg.init_from_hf:
+        return run_cfg.model
+    folder = run_cfg.init_from_hf
+    hf = read_hf_config(folder)
+    cfg = hf_to_llama_config(hf, source=f"{folder}/config.json")
+    arch = SUPPORTED_MODEL_TYPES.get(hf.get("model_type"), "?")
+    extras = []
+    if getattr(cfg, "rope_scaling", None):
+        extras.append(f"rope {cfg.rope_scaling['rope_type']} ×{cfg.rope_scaling['factor']:g}")
+    if getattr(cfg, "sliding_window", 0):
+        extras.append(f"sliding window {cfg.sliding_window}")
+    parts = [f"shape{', ' + ', '.join(extras) if extras else ''} from {folder}/config.json"]
+    if run_cfg.n_layers and run_cfg.n_layers != cfg.n_layers:
+        parts.append(f"n_layers {run_cfg.n_layers} from --n-layers")
+    if _is_moe(cfg):
+        for name, key in (("aux_loss_coef", "router_aux_loss_coef"),
+                          ("z_loss_coef", "router_z_loss_coef")):
+            mine, theirs = getattr(run_cfg, name), getattr(cfg, name)
+            where = (f"config.json's {key}" if key in hf else "transformers' default, absent "
+                     "from config.json") if mine == theirs else f"--{name.replace('_', '-')}"
+            parts.append(f"{name} {mine:g} from {where}")
+    return f"{arch} ({'; '.join(parts)})"
 
 
 # ---------------------------------------------------------------------------------- weights
