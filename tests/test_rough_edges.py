@@ -112,3 +112,31 @@ def test_torchrun_shows_the_raising_rank_as_root_cause_and_default_layout_follow
     assert err["message"] == ("RuntimeError on rank 1: SHARDWISE_TEST_KILL_AT_STEP=1: test "
                               "fault raised on rank 1")
     assert "faults.py" in err["extraInfo"]["py_callstack"]
+
+
+def test_mixtral_folder_router_coefficients_are_the_runs_unless_a_flag_gives_them(tmp_path):
+    """A run trained at α = 0.05, β = 0.002 exports them (router_aux_loss_coef,
+    router_z_loss_coef) and --init-from-hf on that folder trains at 0.05 / 0.002 again; a flag
+    overrides; the start-up line says where each came from."""
+    transformers = pytest.importorskip("transformers")
+    import dataclasses
+
+    from shardwise.interop.hf import describe_source, llama_to_hf_config
+    from shardwise.models import preset_config
+
+    cfg = preset_config("moe-tiny", 257, aux_loss_coef=0.05, z_loss_coef=0.002,
+                        capacity_factor=None)
+    hf = llama_to_hf_config(cfg)
+    assert (hf["router_aux_loss_coef"], hf["router_z_loss_coef"]) == (0.05, 0.002)
+    hf_cfg = transformers.MixtralConfig(**{k: v for k, v in hf.items()
+                                           if k not in ("architectures", "model_type")})
+    transformers.MixtralForCausalLM(hf_cfg).save_pretrained(tmp_path / "mx")
+    folder = str(tmp_path / "mx")
+    c = _cfg("--init-from-hf", folder, "--dp", "1")
+    assert (c.model, c.aux_loss_coef, c.z_loss_coef) == ("moe-small", 0.05, 0.002)
+    line = describe_source(c)
+    assert "aux_loss_coef 0.05 from config.json's router_aux_loss_coef" in line, line
+    c = _cfg("--init-from-hf", folder, "--dp", "1", "--aux-loss-coef", "0.02")
+    assert (c.aux_loss_coef, c.z_loss_coef) == (0.02, 0.002)
+    assert "aux_loss_coef 0.02 from --aux-loss-coef" in describe_source(c)
+    assert dataclasses.asdict(c)["z_loss_coef"] == 0.002
