@@ -10,7 +10,10 @@ STAMP   := $(VENV)/.installed
 # sums in other orders, as another machine's CPU would; docs/parity.md). CI runs the default.
 PARITY_TESTS := tests/test_parity_rule.py tests/test_dp_parity.py tests/test_zero.py \
 	tests/test_tensor_parallel.py tests/test_pipeline_parity.py tests/test_compose_2d.py \
-	tests/test_compose_torch.py tests/test_pipeline_compose.py \
+	tests/test_compose_torch.py tests/test_pipeline_compose.py tests/test_pipeline_unequal.py \
+	tests/test_unit_order.py tests/test_context_parallel.py tests/test_expert_parallel.py \
+	tests/test_ep_zero.py tests/test_ep_pp.py tests/test_hsdp.py tests/test_family_parity.py \
+	tests/test_dpo_parity.py \
 	tests/test_checkpoint.py::test_resharding_matrix \
 	tests/test_cli.py::test_train_end_to_end_in_each_layout_gives_the_dp_run_validation_losses \
 	tests/test_verify_n4.py tests/test_verify_n8.py

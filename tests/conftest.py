@@ -82,3 +82,24 @@ def min_routing_gap(model, batch: dict) -> float:
         for h in hooks:
             h.remove()
     return min(gaps)
+
+
+# The wall time of each test file in its worker (setup, calls and teardown of its tests: a
+# module-scoped world's start-up included), summed on the controller from the tests' reports and
+# printed last, so that the next slow file is visible in every `make test` (issue: suite ≤ 12 min).
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter):
+    if not _FILE_SECONDS:
+        return
+    slow = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:10]
+    terminalreporter.section("slowest files (seconds in their worker: setup + tests + teardown)")
+    for path, seconds in slow:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {path}")

@@ -39,7 +39,7 @@ from conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SUBCOMMANDS = ("train", "verify", "trace", "bench", "plan", "export", "doctor")
+SUBCOMMANDS = ("train", "verify", "trace", "bench", "plan", "export", "doctor", "learn")
 TEMPLATE = re.compile(r"\[|…|\bFILE\b|FILE\.toml|\bRUN\b|\bOUT\b|\bDIR\b|\bLAYOUT\b|\bN\b|\|")
 # run exactly by another test: the command and the test that runs it
 RUN_ELSEWHERE = {"shardwise verify --nproc 8 --bounded": "tests/test_verify_n8.py"}
@@ -236,6 +236,8 @@ def test_a_template_names_only_real_flags(page, cmd):
     argv = shlex.split(cmd.replace("[", " ").replace("]", " ").replace("|", " "))
     if "torchrun" in argv:  # torchrun [its flags] -m shardwise <sub> [ours]
         argv = argv[argv.index("-m") + 1:]
+    if argv[0].startswith("shardwise.learn."):  # torchrun … -m shardwise.learn.NAME [flags]
+        argv = ["shardwise", "learn", argv[0].rsplit(".", 1)[1], *argv[1:]]
     if argv[:3] == ["python", "-m", "shardwise.tools.plan"]:
         argv = ["shardwise", "plan", *argv[3:]]
     assert argv[0] == "shardwise" and argv[1] in SUBCOMMANDS, cmd

@@ -2,13 +2,14 @@
 in float64, gradients perturbed on purpose), it is tight where it matters, and compare() fails a
 run whose gradients or optimizer are wrong."""
 
+import copy
 import math
 
 import pytest
 import torch
 
-from shardwise.parity import (ATOL, RTOL, adamw_param_bound, adamw_state_bound, compare,
-                              reference_run)
+from shardwise.parity import (ATOL, DRIFT_TERMS, RTOL, adamw_param_bound, adamw_state_bound,
+                              compare, drift_bound, reference_run)
 
 
 def _adamw(grads, lrs, betas=(0.9, 0.95), eps=1e-8, wd=0.1, state=False):
@@ -128,3 +129,63 @@ def test_later_steps_are_compared_at_the_runs_own_parameters():
     assert rep.failures and all(" param " in f for f in rep.failures), rep.failures
     with pytest.raises(ValueError, match="parameters after each step"):
         compare({**_mine_from(run), "params": run["params"][-1]}, ref)
+
+
+def _biased_run(scale: float, steps: int) -> tuple[dict, dict]:
+    """(the reference, a run of the same model and batches whose loss is multiplied by
+    ``scale`` — a systematic bias such as a normaliser off by one part in a million): plain
+    PyTorch, AdamW with the reference's groups and hyperparameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    g = torch.Generator().manual_seed(3)
+    batches = [{"inputs": torch.randn(16, 4, generator=g), "targets": torch.randn(16, 4, generator=g)}
+               for _ in range(steps)]
+    biased = copy.deepcopy(model)
+    ref = reference_run(model, batches, lrs=[1e-2] * steps)
+    decay = [p for p in biased.parameters() if p.dim() >= 2]
+    rest = [p for p in biased.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": rest, "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.95))
+    mine = {"loss": [], "grad_norm": [], "grads": [], "params": []}
+    for b in batches:
+        loss = torch.nn.functional.mse_loss(biased(b["inputs"]), b["targets"]) * scale
+        loss.backward()
+        mine["loss"].append(float(loss.detach()))
+        mine["grad_norm"].append(float(torch.cat([p.grad.reshape(-1) for p in
+                                                  biased.parameters()]).norm()))
+        mine["grads"].append({n: p.grad.clone() for n, p in biased.named_parameters()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mine["params"].append({n: p.detach().clone() for n, p in biased.named_parameters()})
+    return ref, mine
+
+
+def test_drift_check_fails_a_planted_bias_that_every_pointwise_check_passes():
+    """A loss scaled by 1 + 1e-6 over 8 steps: every step's loss, norm and gradient is within
+    ATOL + RTOL·|ref| (the bias is 1e-6 relative, RTOL 1e-5), yet all on one side. The drift
+    bound over T = 8 steps is 3·mean(τ)/(2·√(84·8)) ≈ 0.058·τ ≈ 0.64e-6 at a loss near 1, while the
+    mean signed difference is 1e-6·loss: it fails. The unbiased run (scale 1) passes, and so
+    does a run whose differences of the same size alternate in sign (round-off's signature)."""
+    ref, mine = _biased_run(1 + 1e-6, 8)
+    rep = compare(mine, ref)
+    assert [f for f in rep.failures if "drift" not in f] == []  # every pointwise check passes
+    assert any("loss drift" in f for f in rep.failures), rep.failures
+    assert rep.drift_ratio > 1
+    mean_bias = sum(m - r for m, r in zip(mine["loss"], ref["loss"])) / 8
+    assert mean_bias == pytest.approx(1e-6 * sum(ref["loss"]) / 8, rel=0.05)
+    assert abs(mean_bias) > drift_bound(ref["loss"])
+    ref0, same = _biased_run(1.0, 8)
+    assert compare(same, ref0).ok
+    alternating = _mine_from(ref0, loss=[x * (1 + (-1) ** t * 1e-6)
+                                         for t, x in enumerate(ref0["loss"])])
+    rep = compare(alternating, ref0)
+    assert rep.ok and rep.drift_ratio < 0.5, (rep.failures, rep.drift_ratio)
+
+
+def test_drift_bound_is_the_stated_formula():
+    """λ·mean(ATOL + RTOL·|ref|)/(2·√(n·T)) with n = RTOL/(2u) ≈ 83.9 and λ = 3: hand-worked for
+    losses 4 and 6 over T = 2: τ̄ = 1e-6 + 1e-5·5 = 5.1e-5, √(83.886·2) = 12.953."""
+    assert DRIFT_TERMS == pytest.approx(83.886, abs=1e-3)
+    assert drift_bound([4.0, 6.0]) == pytest.approx(3 * 5.1e-5 / (2 * 12.9527), rel=1e-4)
+    with pytest.raises(ValueError):
+        drift_bound([])

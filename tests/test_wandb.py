@@ -35,7 +35,7 @@ def test_wandb_flag_without_the_package_names_the_extra(monkeypatch):
         require_wandb()
 
 
-def test_metrics_logger_mirrors_records_to_an_offline_wandb_run(tmp_path, monkeypatch):
+def test_metrics_logger_mirrors_records_to_an_offline_wandb_run(tmp_path, monkeypatch, capsys):
     import wandb  # in the dev extra: `make test` runs this test for real
     from shardwise.train.metrics import MetricsLogger, read_metrics
 
@@ -70,3 +70,7 @@ def test_metrics_logger_mirrors_records_to_an_offline_wandb_run(tmp_path, monkey
     offline = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(offline) == 1 and list(offline[0].glob("*.wandb")), "no offline run file"
     assert wandb.run is None  # finished
+    # where the offline run went, and how to upload it, printed (at the start and the end)
+    said = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("wandb:")]
+    assert said and all(f"offline run in {offline[0]}" in ln and f"wandb sync {offline[0]}"
+                        in ln for ln in said), said

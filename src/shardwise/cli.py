@@ -18,8 +18,13 @@ from .errors import ShardwiseConfigError
 from .launch import is_worker, spawn, watch_launcher
 
 
+LEARN = ("collectives", "dp", "fsdp", "tp", "fsdp_tp", "pp")
 COLLECTIVES_HELP = ("how comm/ops.py runs the collectives: native (the backend's own), ring, "
                     "tree, or auto (by the α-β model); default native")
+
+
+# trace's own defaults (a tiny model and batch: one step to look at, not a training run)
+TRACE_DEFAULTS = dict(model="tiny", global_batch=8, micro_batch=2, seq_len=16)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,16 +41,19 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--nproc", type=int, default=4, help="ranks to spawn (default 4)")
     v.add_argument("--layouts", nargs="+", metavar="LAYOUT",
                    help="layouts such as dp=2 (default: every layout that fits --nproc)")
-    v.add_argument("--engine", choices=("explicit", "torch", "both"), default="both")
+    v.add_argument("--engine", choices=("explicit", "torch", "both"), default="both",
+                   help="engines to compare with one process (default both)")
     v.add_argument("--bounded", action="store_true",
                    help="only the compositions of exactly --nproc ranks, a bounded subset "
                         "(for --nproc 8)")
     v.add_argument("--models", default="tiny,mlp-tiny",
                    help="comma-separated test models (default tiny,mlp-tiny)")
-    v.add_argument("--steps", type=int, default=3)
-    v.add_argument("--micro-batch", type=int, default=2)
-    v.add_argument("--seed", type=int, default=0)
-    v.add_argument("--timeout", type=float, default=120.0)
+    v.add_argument("--steps", type=int, default=3, help="training steps per case (default 3)")
+    v.add_argument("--micro-batch", type=int, default=2,
+                   help="sequences per micro-batch (default 2)")
+    v.add_argument("--seed", type=int, default=0, help="seed of the model and data (default 0)")
+    v.add_argument("--timeout", type=float, default=120.0,
+                   help="process-group timeout, seconds (default 120)")
     v.add_argument("--collectives", default="native", metavar="native|ring|tree|auto",
                    help=COLLECTIVES_HELP)
     v.add_argument("--check-collectives", choices=("off", "step", "every"), default="step",
@@ -56,8 +64,19 @@ def _parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_verify)
 
     tr = sub.add_parser("trace", help="one step of a layout: every collective vs the formula")
-    add_config_flags(tr)
+    add_config_flags(tr, defaults=TRACE_DEFAULTS)
+    tr.add_argument("--rank", default="0", metavar="R|all",
+                    help="the rank whose collectives are shown, or all (each in turn); default 0")
     tr.set_defaults(func=cmd_trace)
+
+    le = sub.add_parser("learn", help="the learner's track: one short script per strategy on "
+                        "the stacked MLP, every collective a torch.distributed call (README: "
+                        "Learn)")
+    le.add_argument("name", choices=LEARN, help="the script: src/shardwise/learn/NAME.py")
+    le.add_argument("--nproc", type=int, default=0, help="ranks (default 2; fsdp_tp: 4)")
+    le.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="pp only")
+    le.add_argument("--device", default="cpu", help="cpu (gloo) or an accelerator (cpu)")
+    le.set_defaults(func=cmd_learn)
 
     from .tools.plan import add_plan_parser
     from .tools.report import add_report_parser
@@ -72,16 +91,19 @@ def _parser() -> argparse.ArgumentParser:
                        "--collectives ring vs native), checks (--check-collectives off/step/"
                        "every)")
     b.add_argument("--suite", choices=("dp", "zero", "tp", "pp", "collectives",
-                                       "zero-collectives", "checks"), default="dp")
+                                       "zero-collectives", "checks"), default="dp",
+                   help="what to bench (default dp; see above)")
     b.add_argument("--max-mb", type=float, default=64.0, help="collectives suite: the largest "
                    "message, MiB (sizes 1 KiB × 4^k up to it)")
     b.add_argument("--nproc", type=int, default=0, help="ranks (default 2; pp: 4)")
-    b.add_argument("--model", default="small")
+    b.add_argument("--model", default="small", help="model preset (default small)")
     b.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
     b.add_argument("--rounds", type=int, default=3, help="A B A B … rounds")
-    b.add_argument("--seq-len", type=int, default=128)
-    b.add_argument("--micro-batch", type=int, default=8)
-    b.add_argument("--bucket-mb", type=float, default=1.0)
+    b.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    b.add_argument("--micro-batch", type=int, default=8,
+                   help="sequences per micro-batch (default 8)")
+    b.add_argument("--bucket-mb", type=float, default=1.0,
+                   help="DP gradient bucket size, MiB (default 1)")
     b.add_argument("--schedule", default="1f1b", help="pp suite: schedule(s), comma-separated "
                    "or 'all'")
     b.add_argument("--microbatches", type=int, default=8, help="pp suite: m")
@@ -104,7 +126,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--timeout", type=float, default=300.0, help="process-group timeout (s)")
     b.add_argument("--collectives", default="native", metavar="native|ring|tree|auto",
                    help=COLLECTIVES_HELP)
-    b.add_argument("--out", default="benchmarks/results")
+    b.add_argument("--out", default="benchmarks/results",
+                   help="folder for the results (default benchmarks/results)")
     b.set_defaults(func=cmd_bench)
 
     e = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder of its "
@@ -143,10 +166,12 @@ def _as_worker(work) -> int:
         code = work() or 0
     except ShardwiseConfigError as e:
         print(f"shardwise: error: {e}", file=sys.stderr, flush=True)
+        record_for_torchelastic(e)
         code = 2
-    except Exception:
+    except Exception as e:
         traceback.print_exc()
         sys.stderr.flush()
+        record_for_torchelastic(e)
         code = 1
     if dist.is_initialized():
         if code == 0:
@@ -154,6 +179,28 @@ def _as_worker(work) -> int:
         else:  # do not wait on peers that may be gone: exit now, the launcher stops the rest
             os._exit(code)
     return code
+
+
+def record_for_torchelastic(e: BaseException) -> None:
+    """Write ``e`` to the error file torchelastic gave this rank (``TORCHELASTIC_ERROR_FILE``,
+    set by torchrun and by our own launcher), in the format of torch's ``ErrorHandler`` (which
+    ``@record`` uses) with the rank in the message, so that torchrun's failure summary shows
+    it as the root cause with its traceback instead of ``error_file: <N/A>``. Call it inside
+    the ``except`` block (the traceback is the one being handled). No-op outside torchelastic."""
+    import json
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    rank = os.environ.get("RANK", "?")
+    data = {"message": {"message": f"{type(e).__name__} on rank {rank}: {e}",
+                        "extraInfo": {"py_callstack": traceback.format_exc(),
+                                      "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:  # never hide the failure itself behind ours
+        pass
 
 
 def cmd_train(args, argv) -> int:
@@ -199,7 +246,7 @@ def cmd_verify(args, argv) -> int:
 def cmd_trace(args, argv) -> int:
     from .tools.trace import trace_worker
 
-    cfg = from_args(args, model="tiny", global_batch=8, micro_batch=2, seq_len=16)
+    cfg = from_args(args, **TRACE_DEFAULTS)
     if cfg.pp > 1:  # enough layers for every stage (and chunk), and batch for the microbatches
         import dataclasses
 
@@ -210,7 +257,25 @@ def cmd_trace(args, argv) -> int:
             global_batch=(cfg.global_batch if "global_batch" in vars(args)
                           else max(cfg.global_batch, cfg.dp * (cfg.microbatches or cfg.pp))))
     validate(cfg)
-    return _run_or_spawn(args, argv, cfg.world_size(), lambda: trace_worker(cfg), cfg.device)
+    world = cfg.world_size()
+    if args.rank != "all" and not (args.rank.isdigit() and int(args.rank) < world):
+        raise ShardwiseConfigError(f"--rank {args.rank}: this layout has ranks 0 … {world - 1}; "
+                                   f"give one of them, or all")
+    return _run_or_spawn(args, argv, world, lambda: trace_worker(cfg, args.rank), cfg.device)
+
+
+def cmd_learn(args, argv) -> int:
+    """``shardwise learn NAME``: run ``shardwise.learn.NAME.main`` on --nproc ranks."""
+    import importlib
+
+    nproc = args.nproc or (4 if args.name == "fsdp_tp" else 2)
+    if nproc < 2:
+        raise ShardwiseConfigError(f"--nproc {nproc}: a strategy needs at least 2 ranks")
+    script = importlib.import_module(f"shardwise.learn.{args.name}")
+    if not is_worker():
+        script.check(nproc)  # a bad --nproc: one line, exit 2, before anything is spawned
+    return _run_or_spawn(args, [*argv, "--nproc", str(nproc)], nproc, lambda: script.main(
+        ["--device", args.device, "--schedule", args.schedule]), args.device)
 
 
 def cmd_export(args, argv) -> int:
@@ -259,6 +324,18 @@ def cmd_bench(args, argv) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The entry point. Under torchelastic (torchrun, or our launcher: ``TORCHELASTIC_ERROR_FILE``
+    set) wrapped in its ``@record``, so an exception escaping it lands in the error file too
+    (those inside a worker are written by :func:`record_for_torchelastic`); elsewhere torch's
+    elastic package is not even imported."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        return record(_main)(argv)
+    return _main(argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
     watch_launcher()  # a worker of our launcher dies with it (no-op elsewhere)
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()

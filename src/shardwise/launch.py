@@ -342,7 +342,7 @@ def _diagnose(store, failed: dict, exits: _Exits | None = None,
         if exits is not None:
             failed, first = _failed_first(failed, reported_pid, exits.died,
                                           store_positions(client))
-        line, record = diagnose_store(client, failed)
+        line, record = diagnose_store(client, failed, first)
     except Exception as e:  # noqa: BLE001 - never hide the failure itself behind ours
         return f"(no diagnosis: reading the ranks' positions failed: {e})", failed, None
     dirs = {p.get("flight_dir") for p in record.get("positions", {}).values()} - {None}

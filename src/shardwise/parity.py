@@ -55,6 +55,14 @@ matrices, none on vectors and embeddings). A parallel run must reproduce it.
 An optimizer that is wrong (a missed bias correction, a wrong shard of the state, a skipped
 weight decay) moves parameters by O(lr) where B_t is tiny, and fails; a gradient that is wrong
 fails the gradient check first.
+
+**Drift** (:func:`drift_bound`): the pointwise bound is a worst case, so a small *systematic*
+bias (a loss scaled by 1 + 1e-6, a token counted twice in a thousand) can pass every step. Round-off
+has random sign; a bias does not. So the mean signed loss difference over a run's T steps must
+also stay within the bound's *expected* round-off: RTOL = 2·n·u covers n = RTOL/(2u) ≈ 84 terms in
+the worst case, whose expected error is √n·u (Higham & Mary 2019), i.e. τ/(2√n) of the pointwise
+bound τ; the mean of T independent steps shrinks it by √T; λ = 3 standard deviations:
+``|mean_t(Δloss_t)| ≤ λ·mean_t(τ_t)/(2·√(n·T))`` (docs/parity.md §2).
 """
 
 from __future__ import annotations
@@ -69,6 +77,9 @@ from torch import nn
 from .models.moe import moe_aux_loss
 
 RTOL, ATOL = 1e-5, 1e-6
+UNIT_ROUNDOFF = 2.0 ** -24  # fp32's u
+DRIFT_TERMS = RTOL / (2 * UNIT_ROUNDOFF)  # n whose worst case 2·n·u the pointwise RTOL is (≈ 84)
+DRIFT_LAMBDA = 3.0  # standard deviations of the mean of random-sign round-off
 IGNORE_INDEX = -100
 
 
@@ -246,6 +257,16 @@ def adamw_state_bound(ref_grads: list[torch.Tensor], grad_errors: list[torch.Ten
     return tm, tv
 
 
+def drift_bound(ref_losses: list[float]) -> float:
+    """The largest |mean_t(mine_t − ref_t)| that round-off explains over the T = len(ref_losses)
+    steps of a run: λ·mean_t(ATOL + RTOL·|ref_t|)/(2·√(n·T)), n = RTOL/(2u) (module docstring,
+    docs/parity.md §2). Units: those of the loss. Raises ValueError on an empty list."""
+    if not ref_losses:
+        raise ValueError("drift_bound: no steps")
+    tau = sum(ATOL + RTOL * abs(float(x)) for x in ref_losses) / len(ref_losses)
+    return DRIFT_LAMBDA * tau / (2 * math.sqrt(DRIFT_TERMS * len(ref_losses)))
+
+
 # -- the comparison ------------------------------------------------------------------------------
 @dataclasses.dataclass
 class ParityReport:
@@ -257,6 +278,7 @@ class ParityReport:
     |Δp| / (ATOL + RTOL·|p| + AdamW bound), and of AdamW's moments against theirs, ≤ 1 when they
     pass; ``max_param_bound``: the largest AdamW term Σ lr·B used, and ``worst_param``: where it
     was (name, index, its gradient errors and reference gradients, for verify's footnote);
+    ``drift_ratio``: |mean signed loss difference| / :func:`drift_bound` (≤ 1 when it passes);
     ``failures``: one line per failed check (empty when the run matches)."""
     max_loss_diff: float = 0.0
     max_norm_diff: float = 0.0
@@ -266,6 +288,7 @@ class ParityReport:
     param_bound_ratio: float = 0.0
     max_param_bound: float = 0.0
     worst_param: str = ""
+    drift_ratio: float = 0.0
     failures: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -324,10 +347,13 @@ def compare(mine: dict, ref: dict, *, where: str = "", all_names: bool = True) -
     if steps > 1 and forcing is None:
         raise ValueError("compare: a run of several steps needs its parameters after each step "
                          "(mine['params'] as a list, or mine['params_full'])")
+    signed, ref_losses = [], []
     for t in range(steps):
         # step 0 starts from the shared initialisation; later steps from the run's own params
         at = ({k: ref[k][t] for k in ("loss", "grad_norm", "grads")} if t == 0
               else reference_at(ref, forcing[t - 1], t))
+        signed.append(float(mine["loss"][t]) - float(at["loss"]))
+        ref_losses.append(float(at["loss"]))
         d, r = _check(rep, f"{pre}step {t} loss", mine["loss"][t], at["loss"])
         rep.max_loss_diff, rep.tol_ratio = max(rep.max_loss_diff, d), max(rep.tol_ratio, r)
         if mine.get("grad_norm") is not None:
@@ -350,6 +376,8 @@ def compare(mine: dict, ref: dict, *, where: str = "", all_names: bool = True) -
                            _flat([grads[n] for n in names]), want, ATOL + RTOL * want.abs(),
                            f"ATOL {ATOL:g} + RTOL {RTOL:g}·|ref|")
         rep.max_grad_diff, rep.tol_ratio = max(rep.max_grad_diff, d), max(rep.tol_ratio, r)
+    if steps:
+        _check_drift(rep, pre, signed, ref_losses)
     if params is None:
         return rep
     checks = list(enumerate(params)) if per_step else [(steps - 1, params)]
@@ -405,6 +433,19 @@ def compare(mine: dict, ref: dict, *, where: str = "", all_names: bool = True) -
                                    "RTOL·Σw|g| + bound from the gradient errors")
             rep.param_bound_ratio = max(rep.param_bound_ratio, ratio)
     return rep
+
+
+def _check_drift(rep, pre, signed: list[float], ref_losses: list[float]) -> None:
+    """Books a failure when the mean signed loss difference over the steps exceeds
+    :func:`drift_bound` (NaN fails); sets ``rep.drift_ratio``."""
+    mean, bound = sum(signed) / len(signed), drift_bound(ref_losses)
+    ratio = abs(mean) / bound
+    rep.drift_ratio = max(rep.drift_ratio, ratio if not math.isnan(ratio) else math.inf)
+    if not ratio <= 1:
+        rep.failures.append(
+            f"{pre}loss drift: mean signed difference over {len(signed)} step(s) {mean:.3g} "
+            f"exceeds the expected round-off {bound:.3g} (a systematic bias: every step within "
+            "the pointwise bound, all on one side)")
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -471,5 +512,7 @@ def assert_parity(mine: dict, ref: dict, *, where: str = "", all_names: bool = T
 
 
 RULE = (f"loss, grad norm, gradients: |Δ| ≤ {ATOL:g} + {RTOL:g}·|ref| at every step; "
+        f"loss drift: |mean_t Δloss_t| ≤ {DRIFT_LAMBDA:g}·mean_t(ATOL + RTOL·|ref_t|)/(2√(nT)), "
+        f"n = RTOL/2u; "
         f"parameters: |Δp_t| ≤ {ATOL:g} + {RTOL:g}·|p_t| + Σ_s≤t lr_s·(|δm̂_s| + |û_s|·|δ√v̂_s|)"
         "/(max(√v̂_s − |δ√v̂_s|, 0) + ε), from the measured gradient errors (shardwise.parity)")

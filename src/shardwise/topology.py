@@ -286,4 +286,4 @@ class Topology:
         ep = f", ep={self.ep}" if self.ep > 1 else ""
         dp = (f"(dp_replicate={self.dp_replicate} × dp_shard={self.size('dp_shard')})"
               if self.dp_replicate > 1 else f"{d['dp']}")
-        return f"pp={d['pp']} × dp={dp}{cp} × tp={d['tp']}{ep} ({self.world_size} ranks)"
+        return f"pp={d['pp']} × dp={dp}{cp} × tp={d['tp']}{ep} ({self.world_size} rank{'' if self.world_size == 1 else 's'})"

@@ -209,14 +209,17 @@ def _signal_text(code: int) -> str:
         return f"exit code {code}"
 
 
-def diagnose_store(store, failed: dict) -> tuple[str | None, dict]:
+def diagnose_store(store, failed: dict, first: int | None = None) -> tuple[str | None, dict]:
     """The launcher's diagnosis after ranks failed: ``store`` the launcher's own store (every
     rank's checks published there, :func:`_diag_store`), ``failed`` global rank → exit code
     (negative: killed by that signal; 128 + N likewise) of the ranks that failed. Returns
     (one line or None when nothing was published, the record: the diagnosis, the failures,
     every rank's position and report, for ``RUN/flight/diagnosis.json`` and ``shardwise
     doctor``). The line is the diagnosis a rank published if any (a mismatch, a hang), else a
-    divergence the positions prove, else who died and where every rank stands."""
+    divergence the positions prove, else who died and where every rank stands. ``first``: the
+    rank known to have failed first (the launcher's :func:`~shardwise.launch._failed_first`);
+    a signalled rank other than it was stopped by the launcher after that failure, and is
+    named so rather than as one that died."""
     latest = _latest_topology(store, failed)
     if latest is None:
         return None, {}
@@ -241,7 +244,8 @@ def diagnose_store(store, failed: dict) -> tuple[str | None, dict]:
         parts = []
         for r, c in sorted(died.items()):
             last = (states.get(r) or {}).get("last")
-            parts.append(f"rank {r} died ({_signal_text(c)}) and has issued nothing since "
+            verb = "died" if first is None or r == first else "was stopped by the launcher"
+            parts.append(f"rank {r} {verb} ({_signal_text(c)}) and has issued nothing since "
                          + (f"{last[1]} #{last[4]} in step {last[3]}" if last
                             else "the start"))
         others: dict = collections.defaultdict(list)

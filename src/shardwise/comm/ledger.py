@@ -73,7 +73,10 @@ class CommRecord:
     the collective ran over point-to-point sends (``--collectives ring|tree|auto``, and
     send/recv), None when the backend's own collective ran (its wire is not visible from here;
     ``shardwise bench --suite collectives`` measures it on the loopback interface). ``sends``:
-    those sends, one ``(step, peer index on the axis, bytes)`` per algorithm step and peer."""
+    those sends, one ``(step, peer index on the axis, bytes)`` per algorithm step and peer.
+    ``issued``: ``time.perf_counter()`` when this rank launched it (records are booked when
+    they complete, so an async receive posted first can be booked after later sends; sorting
+    by ``issued`` gives the order this rank issued them); None where the booker did not say."""
 
     op: str
     axis: str
@@ -88,6 +91,7 @@ class CommRecord:
     impl: str  # the torch call that carried it out, e.g. "all_gather_single", or our algorithm
     sent_bytes: float | None = None
     sends: tuple = ()
+    issued: float | None = None
 
 
 class Ledger:

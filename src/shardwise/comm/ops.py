@@ -126,6 +126,7 @@ def _book(topo, op, axis, tensor_like, size_bytes, t0, impl, tag, sent=None, sen
         shape=tuple(tensor_like.shape), size_bytes=int(size_bytes),
         wire_bytes=ring_bytes(op, size_bytes, n), seconds=time.perf_counter() - t0,
         phase=topo.ledger.current_phase, tag=tag, impl=impl, sent_bytes=sent, sends=sends,
+        issued=t0,
     ))
 
 

@@ -59,6 +59,10 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     _validate_task_and_init(cfg)
     if cfg.task == "dpo":
         _validate_dpo(cfg)
+    if cfg.pack:
+        from ..data.pack import check_pack
+
+        check_pack(cfg.task, cfg.cp, cfg.engine)
     _validate_ranges(cfg)
     _validate_layout(cfg)
     per_step = cfg.dp * cfg.micro_batch
@@ -248,18 +252,24 @@ def _validate_task_and_init(cfg: TrainConfig) -> None:
     context fits ``--seq-len``. Reads files only: runs before any collective."""
     from ..models import MLP_PRESETS
 
+    from ..interop.hub import data_recipe, looks_like_hub_name
+
+    if cfg.data and looks_like_hub_name(cfg.data):
+        raise ShardwiseConfigError(f"--data {cfg.data}: no such file; " + data_recipe(cfg.data))
     if cfg.task == "sft":
         if cfg.model in MLP_PRESETS:
             raise ShardwiseConfigError(f"--task sft trains a language model; --model {cfg.model} "
                                        "is the MLP: choose --model tiny, small or base")
         if not cfg.data:
             raise ShardwiseConfigError("--task sft needs --data FILE.jsonl with one "
-                                       '{"instruction", "input", "output"} record per line '
-                                       "(see examples/sft_sample.jsonl)")
+                                       '{"instruction", "input", "output"} or {"messages": [...]}'
+                                       " record per line (see examples/sft_sample.jsonl, "
+                                       "examples/chat_sample.jsonl)")
         if not cfg.data.endswith(".jsonl"):
             raise ShardwiseConfigError(f"--task sft --data {cfg.data}: expected a .jsonl file of "
-                                       '{"instruction", "input", "output"} records (see '
-                                       "examples/sft_sample.jsonl)")
+                                       '{"instruction", "input", "output"} or {"messages": '
+                                       '[...]} records (see examples/sft_sample.jsonl, '
+                                       "examples/chat_sample.jsonl)")
     if cfg.init_from_hf:
         if cfg.model in MLP_PRESETS:
             raise ShardwiseConfigError(f"--init-from-hf loads a Llama; --model {cfg.model} is the "
@@ -275,6 +285,12 @@ def _validate_task_and_init(cfg: TrainConfig) -> None:
             raise ShardwiseConfigError(
                 f"--seq-len {cfg.seq_len} exceeds the HF model's max_position_embeddings "
                 f"{over['max_seq_len']}: choose --seq-len ≤ {over['max_seq_len']}")
+        window = over.get("sliding_window") or 0
+        if window and cfg.seq_len > window:
+            raise ShardwiseConfigError(
+                f"--seq-len {cfg.seq_len} exceeds the HF model's sliding_window {window}: "
+                "shardwise's attention is full causal attention, equal to the windowed one only "
+                f"while a sequence fits the window: choose --seq-len ≤ {window}")
 
 
 def _validate_dpo(cfg: TrainConfig) -> None:

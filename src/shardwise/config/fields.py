@@ -56,6 +56,7 @@ class TrainConfig:
     reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after each forward
     # data
     data: str = ""  # "" = the embedded default corpus (the stdlib's .py sources)
+    pack: bool = False  # sft: several examples per row, block-diagonal attention (data/pack.py)
     task: str = "lm"  # lm (packed text) | sft (alpaca-style .jsonl, prompt tokens masked) |
     # dpo (prompt/chosen/rejected .jsonl beside a frozen reference: train/dpo.py)
     dpo_beta: float = 0.1  # --task dpo: β of the sigmoid DPO loss (Rafailov et al. 2023, eq. 7)

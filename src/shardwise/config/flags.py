@@ -22,21 +22,38 @@ def _field_type(f: dataclasses.Field):
     return typing.get_type_hints(TrainConfig)[f.name]
 
 
-def add_config_flags(parser: argparse.ArgumentParser, fields: list[str] | None = None) -> None:
-    """Add ``--config`` and one flag per field (all defaulting to "not given")."""
-    parser.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file")
+def add_config_flags(parser: argparse.ArgumentParser, fields: list[str] | None = None,
+                     defaults: dict | None = None) -> None:
+    """Add ``--config`` and one flag per field (all defaulting to "not given"), each with its
+    line of :data:`~shardwise.flag_help.FLAG_HELP`, its choices, and the default in effect for
+    this subcommand (``defaults`` over the dataclass's: e.g. trace's tiny model)."""
+    from ..flag_help import FLAG_HELP
+
+    parser.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file "
+                        "(flags override it; a run's config.toml works)")
+    defaults = defaults or {}
     for f in dataclasses.fields(TrainConfig):
         if (fields is not None and f.name not in fields) or f.name in NOT_FLAGS:
             continue
         flag = "--" + f.name.replace("_", "-")
         typ = _field_type(f)
+        default = defaults.get(f.name, f.default)
+        shown = (f"derived from the layout, at most {default}" if f.name == "micro_batch"
+                 and f.name not in defaults else "derived" if f.name in DERIVABLE
+                 and f.name not in defaults
+                 else "on" if default is True else "off" if default is False
+                 else repr(default) if default == "" else default)
+        text = FLAG_HELP.get(f.name, "")
+        choices = CHOICES.get(f.name)
+        extra = f"; choices: {', '.join(map(str, choices))}" if choices else ""
+        text = f"{text} (default: {shown}{extra})".replace("%", "%%")  # argparse formats it
         if typ is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=f"(default: {f.default})")
+                                default=argparse.SUPPRESS, help=text)
         else:
             parser.add_argument(flag, type=typ, default=argparse.SUPPRESS,
-                                choices=CHOICES.get(f.name), metavar=None if f.name in CHOICES
-                                else f.name.upper(), help=f"(default: {f.default!r})")
+                                choices=choices, metavar=None if choices
+                                else f.name.upper(), help=text)
 
 
 def from_args(args: argparse.Namespace, **defaults) -> TrainConfig:
@@ -65,6 +82,11 @@ def from_args(args: argparse.Namespace, **defaults) -> TrainConfig:
                 given[k] = 1
         if "zero" not in chosen:
             given["zero"] = 0
+    for k in ("n_experts", "top_k", "moe_every"):  # 0 in the config means "the preset's"
+        if given.get(k) == 0:
+            raise ShardwiseConfigError(
+                f"--{k.replace('_', '-')} 0 must be at least 1: give a positive count, or omit "
+                "the flag for the MoE preset's own value")
     cfg = dataclasses.replace(cfg, **given)
     if cfg.init_from_hf and "model" not in by_user and os.path.isdir(cfg.init_from_hf):
         from ..interop.hf import hf_model_kind  # the folder decides: dense Llama or Mixtral
@@ -75,6 +97,11 @@ def from_args(args: argparse.Namespace, **defaults) -> TrainConfig:
             kind = "llama"
         if kind == "moe":
             cfg = dataclasses.replace(cfg, model="moe-small")
+    if cfg.init_from_hf and os.path.isdir(cfg.init_from_hf):
+        # the folder's router coefficients (Mixtral's router_aux_loss_coef / router_z_loss_coef)
+        # unless a flag or the TOML file gives them: an export → import round trip keeps them
+        coefs = _hf_router_coefs(cfg.init_from_hf)
+        cfg = dataclasses.replace(cfg, **{k: v for k, v in coefs.items() if k not in by_user})
     # a capacity factor given as a flag must be > 0 (NaN and infinity: validate's finite check;
     # a saved config.toml's 0.0 is the default, dropless)
     if "capacity_factor" in given and math.isfinite(cfg.capacity_factor) \
@@ -88,7 +115,35 @@ def from_args(args: argparse.Namespace, **defaults) -> TrainConfig:
 
         if cfg.model in MLP_PRESETS:  # TP splits attention heads: the MLP's default is dp only
             cfg = dataclasses.replace(cfg, tp=1)
+    cfg = _follow_world(cfg, chosen)
     return derive_batching(cfg, set(DERIVABLE) - by_user)
+
+
+def _hf_router_coefs(folder: str) -> dict:
+    """``aux_loss_coef`` and ``z_loss_coef`` of a Mixtral folder as imported
+    (:func:`~.interop.hf.hf_to_llama_config`: absent keys take transformers' default α = 0.001
+    and β = 0); {} for a dense folder or one that does not load (validate reports that)."""
+    from ..interop.hf import hf_to_llama_config, read_hf_config
+
+    try:
+        m = hf_to_llama_config(read_hf_config(folder))
+    except ShardwiseConfigError:
+        return {}
+    return {k: getattr(m, k) for k in ("aux_loss_coef", "z_loss_coef") if hasattr(m, k)}
+
+
+def _follow_world(cfg: TrainConfig, chosen: set[str]) -> TrainConfig:
+    """Under torchrun (``WORLD_SIZE`` = W set by the launcher) with no degree chosen, the default
+    layout follows W as it follows the flags: tp = 2 (the default's) when W is even and ≥ 4
+    (and the model has heads to split), dp = W / tp; else dp = W, tp = 1. A W equal to the
+    default's world changes nothing (our own launcher always starts exactly that world)."""
+    world = os.environ.get("WORLD_SIZE", "")
+    if chosen & {"dp", "cp", "tp", "pp"} or not world.isdigit() or int(world) < 1 \
+            or int(world) == cfg.world_size():
+        return cfg
+    w = int(world)
+    tp = 2 if cfg.tp == 2 and w % 2 == 0 and w >= 4 else 1
+    return dataclasses.replace(cfg, dp=w // tp, tp=tp, dp_replicate=1, dp_shard=0)
 
 
 def _toml_derived(path: str | None) -> set[str]:

@@ -1,7 +1,8 @@
 """Supervised fine-tuning data: alpaca-style records, prompt tokens masked out of the loss.
 
 Input: a ``.jsonl`` file, one JSON object per line with string fields ``instruction``,
-``output`` and optionally ``input`` (blank lines are skipped). Each record becomes the text
+``output`` and optionally ``input`` (blank lines are skipped); or chat records
+``{"messages": [...]}``, one format per file (:mod:`.chat`: the loss on assistant turns only). Each record becomes the text
 ``PROMPT + output + EOS`` with the prompt template of Stanford Alpaca (Taori et al. 2023)::
 
     Below is an instruction that describes a task[, paired with an input that provides further
@@ -26,8 +27,8 @@ Packing: **one example per row, right-padded** to ``seq_len + 1`` tokens (paddin
 label −100). With causal attention a real token only attends to earlier positions, i.e. to its
 own example, never to padding or to another example — no attention mask and no model change are
 needed. The cost is the padding: the run description reports the fraction of padded positions
-(compute spent on them is wasted). Greedy packing with block-diagonal attention would recover
-it but needs a varlen/document mask in the model. An example longer than the row is cut on the
+(compute spent on them is wasted). ``--pack`` recovers it (:mod:`.pack`: several examples per
+row, a block-diagonal document mask). An example longer than the row is cut on the
 right (its response truncated); one whose prompt alone fills the row is dropped (it has no
 response token to learn), and both are counted in ``stats``.
 
@@ -95,7 +96,18 @@ def load_sft_records(path: str | os.PathLike) -> list[dict]:
                                        "write one JSON object per line") from None
         if not isinstance(rec, dict):
             raise ShardwiseConfigError(f"{where}: expected a JSON object with \"instruction\" and "
-                                       f"\"output\", got {type(rec).__name__}")
+                                       f"\"output\" (or \"messages\"), got {type(rec).__name__}")
+        kind = "chat" if "messages" in rec else "alpaca"
+        if records and kind != ("chat" if "messages" in records[0] else "alpaca"):
+            raise ShardwiseConfigError(f"{where}: a {kind} record in a file whose first record is "
+                                       "not: keep one format per file (messages, or instruction/"
+                                       "output)")
+        if kind == "chat":
+            from shardwise.data.chat import check_chat_record
+
+            check_chat_record(rec, where)
+            records.append(rec)
+            continue
         for key in ("instruction", "output"):
             if key not in rec:
                 raise ShardwiseConfigError(f"{where}: missing field {key!r}: every record needs "
@@ -147,12 +159,36 @@ class SFTData:
     vocab_size: int
     prompts: list[str] = field(default_factory=list)  # validation prompts (for sampling)
     stats: dict = field(default_factory=dict)
+    # input positions each example uses in its row (the rest is padding): what --pack packs
+    train_lengths: list[int] = field(default_factory=list)
+    val_lengths: list[int] = field(default_factory=list)
+
+
+def record_segments(record: dict, eos_id: int, renderer=None, where: str = ""):
+    """The (text or ids, is-target) segments of one record: an alpaca record's prompt (masked)
+    then its output and EOS (targets); a chat record's turns through ``renderer`` (a
+    :class:`~.chat.TemplateRenderer`) or the built-in template (:mod:`.chat`)."""
+    if "messages" in record:
+        from shardwise.data.chat import builtin_segments
+
+        if renderer is not None:
+            return renderer.segments(record["messages"], where)
+        return builtin_segments(record["messages"], eos_id)
+    return [(format_prompt(record), False), (record["output"], True), ([eos_id], True)]
+
+
+def record_text(record: dict) -> str:
+    """A record's text, for training a BPE on it."""
+    if "messages" in record:
+        return "\n".join(m["content"] for m in record["messages"])
+    return format_prompt(record) + record["output"]
 
 
 def prepare_sft_data(path: str | os.PathLike, tokenizer: str = "bpe", vocab_size: int = 4096,
-                     seq_len: int = 128, val_every: int = 20, cache_dir: Path | None = None
-                     ) -> SFTData:
-    """Records of ``path`` → padded token rows and masked labels (see module doc).
+                     seq_len: int = 128, val_every: int = 20, cache_dir: Path | None = None,
+                     template_dir: str | os.PathLike | None = None) -> SFTData:
+    """Records of ``path`` → padded token rows and masked labels (see module doc; chat records:
+    :mod:`.chat`, rendered with ``template_dir``'s chat template when it has one).
 
     ``tokenizer``: ``"bytes"``, a tokenizer ``.json``, or ``"bpe"`` (trained on the training
     records' prompt + response text, cached like the LM tokenizer).
@@ -161,39 +197,75 @@ def prepare_sft_data(path: str | os.PathLike, tokenizer: str = "bpe", vocab_size
         ShardwiseConfigError: as :func:`load_sft_records`; or every example of a split is dropped
             because its prompt is longer than ``seq_len`` tokens.
     """
+    from shardwise.data.chat import TemplateRenderer, encode_segments, has_chat_template
     from shardwise.data.corpus import default_cache_dir
 
     records = load_sft_records(path)
     is_val = [i % val_every == val_every - 1 for i in range(len(records))]
     if not any(is_val):
         is_val[-1] = True
-    train_recs = [r for r, v in zip(records, is_val) if not v]
-    val_recs = [r for r, v in zip(records, is_val) if v]
-    docs = [format_prompt(r) + r["output"] for r in train_recs]
-    tok = load_tokenizer(tokenizer, docs, vocab_size,
+    chat = "messages" in records[0]
+    renderer = TemplateRenderer(template_dir) if chat and has_chat_template(template_dir) \
+        else None
+    lines = _record_lines(path)
+    train_recs = [(r, n) for r, n, v in zip(records, lines, is_val) if not v]
+    val_recs = [(r, n) for r, n, v in zip(records, lines, is_val) if v]
+    tok = load_tokenizer(tokenizer, [record_text(r) for r, _ in train_recs], vocab_size,
                          Path(cache_dir) if cache_dir is not None else default_cache_dir())
-    stats = {"records": len(records)}
-    out = []
+    stats = {"records": len(records), "format": "chat" if chat else "alpaca",
+             "template": (renderer.source if renderer else "built-in") if chat else "alpaca"}
+    out, lengths, prompts = [], {}, []
     for name, recs in (("train", train_recs), ("val", val_recs)):
-        rows = [encode_example(tok, r, seq_len) for r in recs]
+        rows = [encode_segments(tok, record_segments(r, tok.eos_id, renderer,
+                                                     f"--data {path}:{n}"), seq_len)
+                for r, n in recs]
         kept = [x for x in rows if x is not None]
         if not kept:
-            longest = min(len(tok.encode(format_prompt(r))) for r in recs)
+            shortest = min(_prompt_tokens(tok, record_segments(r, tok.eos_id, renderer))
+                           for r, _ in recs)
             raise ShardwiseConfigError(
                 f"--task sft: every {name} prompt is longer than --seq-len {seq_len} tokens "
-                f"(shortest: {longest}), so no response token fits: raise --seq-len (≥ "
-                f"{longest + 16}) or shorten the instructions")
+                f"(shortest: {shortest}), so no response token fits: raise --seq-len (≥ "
+                f"{shortest + 16}) or shorten the instructions")
         stats[f"{name}_examples"] = len(kept)
         stats[f"{name}_dropped"] = len(rows) - len(kept)
-        stats[f"{name}_response_tokens"] = int(sum(k for _, _, k in kept))
-        out.append((torch.stack([t for t, _, _ in kept]), torch.stack([lb for _, lb, _ in kept])))
+        stats[f"{name}_response_tokens"] = int(sum(x[2] for x in kept))
+        lengths[name] = [x[3] for x in kept]
+        out.append((torch.stack([x[0] for x in kept]), torch.stack([x[1] for x in kept])))
         if name == "train":
-            n_real = sum(min(len(tok.encode(format_prompt(r))) + len(tok.encode(r["output"])) + 1,
-                             seq_len + 1) - 1 for r, x in zip(recs, rows) if x is not None)
-            stats["padding_fraction"] = 1 - n_real / (len(kept) * seq_len)
-            stats["truncated"] = sum(1 for r, x in zip(recs, rows) if x is not None and
-                                     x[2] < len(tok.encode(r["output"])) + 1)
+            stats["padding_fraction"] = 1 - sum(lengths[name]) / (len(kept) * seq_len)
+            stats["truncated"] = sum(1 for x in kept if x[4])
+        else:
+            prompts = [_prompt_of(r, renderer) for (r, _), x in zip(recs, rows) if x is not None]
     (train, train_labels), (val, val_labels) = out
     return SFTData(train=train, train_labels=train_labels, val=val, val_labels=val_labels,
-                   tokenizer=tok, vocab_size=tok.vocab_size,
-                   prompts=[format_prompt(r) for r in val_recs], stats=stats)
+                   tokenizer=tok, vocab_size=tok.vocab_size, prompts=prompts, stats=stats,
+                   train_lengths=lengths["train"], val_lengths=lengths["val"])
+
+
+def _prompt_of(record: dict, renderer) -> str:
+    """The text a sample continues: the alpaca prompt, or the conversation up to its last
+    assistant turn with the generation prompt."""
+    if "messages" not in record:
+        return format_prompt(record)
+    msgs = record["messages"]
+    last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+    if renderer is not None:
+        return renderer.render(msgs[:last], generation_prompt=True)
+    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in msgs[:last]) + "<|assistant|>\n"
+
+
+def _prompt_tokens(tok, segments) -> int:
+    """Tokens before the first target segment."""
+    n = 0
+    for text, is_target in segments:
+        if is_target:
+            break
+        n += len(text) if isinstance(text, list) else len(tok.encode(text))
+    return n
+
+
+def _record_lines(path) -> list[int]:
+    """The 1-based line number of each record of ``path`` (blank lines skipped)."""
+    text = Path(path).read_text(encoding="utf-8").splitlines()
+    return [i for i, line in enumerate(text, 1) if line.strip()]

@@ -72,8 +72,12 @@ transformers) is not read.
 (:mod:`shardwise.models.llama`; ``family`` names the architecture export writes):
 
 * **Mistral** (``model_type = "mistral"``, MistralForCausalLM): Llama's tensors and names under
-  its own config class; ``sliding_window`` must be null or ≥ ``max_position_embeddings`` (our
-  attention is full causal attention).
+  its own config class. ``sliding_window`` W (also Mixtral's): our attention is full causal
+  attention, which is exactly the windowed one while a sequence has at most W tokens, so the
+  window is kept in the config (and exported) and ``--seq-len`` > W is refused with that fix.
+* **Llama 3.x** (``rope_scaling`` / ``rope_parameters`` of type ``llama3``): the scaled RoPE
+  frequencies of :mod:`shardwise.models.rope`, kept in the config and written back on export;
+  Llama 3.2's tied embeddings are ``tie_word_embeddings``.
 * **Qwen2** (``"qwen2"``): Llama plus biases on q_proj, k_proj, v_proj (``qkv_bias``), names
   ``self_attn.{q,k,v}_proj.bias``; ``use_sliding_window`` must be off.
 * **Qwen3** (``"qwen3"``): Llama plus an RMSNorm over each head's q and k before RoPE
@@ -100,6 +104,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ShardwiseConfigError
+from ..models.rope import LLAMA3_KEYS, ROPE_TYPES
 
 # (our FQN pattern, HF name pattern) for the per-layer tensors; {i} is the layer index.
 _LAYER_MAP = [
@@ -329,7 +334,7 @@ def llama_to_hf_config(cfg, eos_id: int | None = None) -> dict:
     if family == "llama":
         out |= {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
     elif family == "mistral":
-        out |= {"sliding_window": None}
+        out |= {"sliding_window": cfg.sliding_window or None}
     else:  # qwen2, qwen3: full attention in every layer
         out |= {"use_sliding_window": False, "sliding_window": None,
                 "max_window_layers": cfg.n_layers,
@@ -355,7 +360,9 @@ def _decoder_config(cfg, intermediate: int, eos_id: int | None) -> dict:
         "initializer_range": cfg.init_std,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                            **(getattr(cfg, "rope_scaling", None) or {})},
+        **({"rope_scaling": cfg.rope_scaling} if getattr(cfg, "rope_scaling", None) else {}),
         "attention_dropout": 0.0,
         "tie_word_embeddings": bool(cfg.tie_embeddings),
         "bos_token_id": eos_id,
@@ -372,7 +379,8 @@ def mixtral_to_hf_config(cfg, eos_id: int | None = None) -> dict:
     :func:`check_hf_exportable`."""
     check_hf_exportable(cfg)
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-            **_decoder_config(cfg, cfg.d_expert, eos_id), "sliding_window": None,
+            **_decoder_config(cfg, cfg.d_expert, eos_id),
+            "sliding_window": cfg.sliding_window or None,
             "num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k,
             "output_router_logits": False, "router_aux_loss_coef": cfg.aux_loss_coef,
             "router_z_loss_coef": cfg.z_loss_coef, "router_jitter_noise": 0.0}
@@ -383,6 +391,11 @@ def read_hf_config(folder: str | os.PathLike) -> dict:
     is missing or is not JSON."""
     folder = Path(folder)
     if not folder.is_dir():
+        from .hub import looks_like_hub_name, model_recipe
+
+        if looks_like_hub_name(str(folder)):
+            raise ShardwiseConfigError(f"--init-from-hf {folder}: no such folder; "
+                                       + model_recipe(str(folder)))
         raise ShardwiseConfigError(f"--init-from-hf {folder}: no such folder: give a local "
                                    "Hugging Face model folder (config.json + model.safetensors)")
     path = folder / "config.json"
@@ -429,10 +442,18 @@ def hf_to_llama_config(hf: dict, source: str = "config.json"):
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) \
         else "default"
-    if rope_type != "default":
+    if rope_type not in ROPE_TYPES:
         raise ShardwiseConfigError(
-            f"{source}: RoPE scaling {rope_type!r} is not implemented (shardwise's RoPE is the "
-            "plain rotate-half of RoFormer): use a checkpoint without rope_scaling")
+            f"{source}: RoPE scaling {rope_type!r} is not implemented (shardwise has plain RoPE "
+            "and Llama 3's 'llama3' scaling: models/rope.py): use a checkpoint without that "
+            "rope_scaling")
+    scaling = None
+    if rope_type == "llama3":
+        missing = [k for k in LLAMA3_KEYS if k not in rope]
+        if missing:
+            raise ShardwiseConfigError(f"{source}: rope_scaling of type 'llama3' lacks {missing}: "
+                                       "re-save the model with save_pretrained")
+        scaling = {"rope_type": "llama3", **{k: rope[k] for k in LLAMA3_KEYS}}
     # transformers' defaults where a field is absent: LlamaConfig's, or MixtralConfig's
     mixtral = mt == "mixtral"
     theta0, eps0, pos0 = {"mixtral": (1e6, 1e-5, 4096 * 32), "mistral": (1e4, 1e-6, 4096 * 32),
@@ -449,7 +470,7 @@ def hf_to_llama_config(hf: dict, source: str = "config.json"):
             rope_theta=float(hf.get("rope_theta") or (rope or {}).get("rope_theta") or theta0),
             norm_eps=float(hf.get("rms_norm_eps", eps0)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            init_std=float(hf.get("initializer_range", 0.02)), family=mt)
+            init_std=float(hf.get("initializer_range", 0.02)), family=mt, rope_scaling=scaling)
         if mt == "qwen2":
             kw["qkv_bias"] = True
         if mt == "qwen3":
@@ -473,11 +494,7 @@ def hf_to_llama_config(hf: dict, source: str = "config.json"):
     except (TypeError, ValueError) as e:  # a field that is not a number
         raise ShardwiseConfigError(f"{source}: {e}") from None
     if (mixtral or mt == "mistral") and window is not None and window < kw["max_seq_len"]:
-        raise ShardwiseConfigError(
-            f"{source}: sliding_window = {window} < max_position_embeddings = "
-            f"{kw['max_seq_len']}: shardwise's attention is full causal attention, so sequences "
-            "longer than the window would attend differently: use a checkpoint with "
-            "sliding_window null")
+        kw["sliding_window"] = window  # exact up to --seq-len ≤ window; longer: refused
     try:
         cfg = MoEConfig(**kw) if mixtral else LlamaConfig(**kw)
     except ValueError as e:  # our configs' own checks: heads divide d_model, top_k ≤ E, …
@@ -502,8 +519,10 @@ _LLAMA_LIKE = dict(norm="rms", mlp="swiglu", pos="rope", mlp_bias=False)
 
 ARCH_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len",
                "rope_theta", "norm_eps", "tie_embeddings", "family", "norm", "mlp", "pos",
-               "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "attn_head_dim")
-# the MoEConfig fields a Mixtral folder also decides (the loss coefficients stay the run's)
+               "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "attn_head_dim", "rope_scaling",
+               "sliding_window")
+# the MoEConfig fields a Mixtral folder also decides (its loss coefficients reach the run's
+# --aux-loss-coef / --z-loss-coef unless flags give them: config.from_args)
 MOE_ARCH_FIELDS = ("n_experts", "top_k", "d_expert", "moe_every", "n_shared_experts",
                    "capacity_factor", "norm_topk")
 
@@ -522,6 +541,35 @@ def hf_model_overrides(folder: str | os.PathLike) -> dict:
     cfg = hf_to_llama_config(read_hf_config(folder), source=f"{folder}/config.json")
     fields = (*ARCH_FIELDS, "vocab_size", *(MOE_ARCH_FIELDS if _is_moe(cfg) else ()))
     return {k: getattr(cfg, k) for k in fields}
+
+
+def describe_source(run_cfg) -> str:
+    """What the start-up line calls the model of a run (``run_cfg``: the TrainConfig): the
+    preset name, or for ``--init-from-hf DIR`` the architecture and where its values came from
+    (the folder's config.json; flags for ``--n-layers`` and MoE coefficients that differ from
+    the folder's)."""
+    if not run_cfg.init_from_hf:
+        return run_cfg.model
+    folder = run_cfg.init_from_hf
+    hf = read_hf_config(folder)
+    cfg = hf_to_llama_config(hf, source=f"{folder}/config.json")
+    arch = SUPPORTED_MODEL_TYPES.get(hf.get("model_type"), "?")
+    extras = []
+    if getattr(cfg, "rope_scaling", None):
+        extras.append(f"rope {cfg.rope_scaling['rope_type']} ×{cfg.rope_scaling['factor']:g}")
+    if getattr(cfg, "sliding_window", 0):
+        extras.append(f"sliding window {cfg.sliding_window}")
+    parts = [f"shape{', ' + ', '.join(extras) if extras else ''} from {folder}/config.json"]
+    if run_cfg.n_layers and run_cfg.n_layers != cfg.n_layers:
+        parts.append(f"n_layers {run_cfg.n_layers} from --n-layers")
+    if _is_moe(cfg):
+        for name, key in (("aux_loss_coef", "router_aux_loss_coef"),
+                          ("z_loss_coef", "router_z_loss_coef")):
+            mine, theirs = getattr(run_cfg, name), getattr(cfg, name)
+            where = (f"config.json's {key}" if key in hf else "transformers' default, absent "
+                     "from config.json") if mine == theirs else f"--{name.replace('_', '-')}"
+            parts.append(f"{name} {mine:g} from {where}")
+    return f"{arch} ({'; '.join(parts)})"
 
 
 # ---------------------------------------------------------------------------------- weights

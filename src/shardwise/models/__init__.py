@@ -81,9 +81,15 @@ def loss_sum_and_count(model: nn.Module, batch: dict, aux: bool = True
 
 
 def positions_kw(batch: dict) -> dict:
-    """``{"positions": batch["position_ids"]}`` when the batch carries token positions (a
-    context-parallel rank's chunks, :func:`shardwise.parallel.cp.shard_sequence`), else {}."""
-    return {"positions": batch["position_ids"]} if "position_ids" in batch else {}
+    """The model's keyword arguments for the token positions a batch carries: ``positions`` =
+    ``batch["position_ids"]`` [b, s] (a context-parallel rank's chunks,
+    :func:`shardwise.parallel.cp.shard_sequence`; a packed batch's per-example positions) and
+    ``documents`` = ``batch["document_ids"]`` [b, s] (a packed batch: attention stays inside
+    each document, :func:`.llama.document_mask`); {} for a plain batch."""
+    kw = {"positions": batch["position_ids"]} if "position_ids" in batch else {}
+    if "document_ids" in batch:
+        kw["documents"] = batch["document_ids"]
+    return kw
 
 
 def count_items(batch: dict) -> int:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ac import CheckpointedBlock
+from .rope import check_rope_scaling, inv_frequencies
 from .sdpa import SDPA_GQA
 
 
@@ -58,6 +59,13 @@ class LlamaConfig:
     mlp_bias: bool = False  # biases on w1 (w3), w2
     qk_norm: bool = False  # RMSNorm over head_dim on q and k, before RoPE
     attn_head_dim: int = 0  # 0: d_model / n_heads
+    # Llama 3 RoPE scaling ({"rope_type": "llama3", "factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"}: models/rope.py), None = plain
+    rope_scaling: dict | None = None
+    # Mistral's sliding attention window (tokens; 0 = none). Our attention is full causal, which
+    # equals the windowed one exactly while a sequence is at most this long: longer ones are
+    # refused (config.validate before the run; Llama.forward here), never silently changed
+    sliding_window: int = 0
 
     def __post_init__(self):
         if not self.attn_head_dim and self.d_model % self.n_heads:
@@ -66,6 +74,7 @@ class LlamaConfig:
             raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
         if self.pos == "rope" and self.head_dim % 2:
             raise ValueError("head_dim = d_model / n_heads must be even for RoPE")
+        check_rope_scaling(self.rope_scaling)
         for name, allowed in (("norm", NORMS), ("mlp", MLPS), ("pos", POSITIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}: choose from {allowed}")
@@ -147,9 +156,11 @@ def make_norm(cfg: LlamaConfig, dim: int | None = None) -> nn.Module:
     return LayerNorm(dim, cfg.norm_eps) if cfg.norm == "layer" else RMSNorm(dim, cfg.norm_eps)
 
 
-def rope_cache(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables [seq_len, head_dim] for rotate-half RoPE (Su et al. 2021, eq. 34)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+def rope_cache(seq_len: int, head_dim: int, theta: float, scaling: dict | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [seq_len, head_dim] for rotate-half RoPE (Su et al. 2021, eq. 34);
+    ``scaling``: Llama 3's frequency scaling (:mod:`.rope`), None for plain RoPE."""
+    inv_freq = inv_frequencies(head_dim, theta, scaling)  # [hd/2]
     freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)  # [s, hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [s, hd]
     return emb.cos(), emb.sin()
@@ -170,19 +181,35 @@ class CoreAttention(nn.Module):
     attention", the part a sequence-parallel transform replaces (context parallelism: ring
     attention over cp)."""
 
-    def forward(self, q, k, v, dropout_p: float = 0.0):
+    def forward(self, q, k, v, dropout_p: float = 0.0, mask: torch.Tensor | None = None):
+        """``mask``: a boolean [b, 1, s, s] (True = may attend, :func:`document_mask`) in place
+        of the plain causal mask (packed sequences), or None."""
+        causal = dict(is_causal=True) if mask is None else dict(attn_mask=mask)
         if k.shape[1] != q.shape[1]:  # GQA: each kv head serves h/k query heads
             if SDPA_GQA:  # in the kernel: no repeated K/V [b, h, s, hd] (models/sdpa.py)
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                return F.scaled_dot_product_attention(q, k, v, **causal,
                                                       dropout_p=dropout_p, enable_gqa=True)
             rep = q.shape[1] // k.shape[1]  # torch < 2.5: repeat K/V to h heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, **causal, dropout_p=dropout_p)
+
+
+def document_mask(documents: torch.Tensor | None) -> torch.Tensor | None:
+    """The block-diagonal causal mask of a packed row: ``documents`` [b, s] (int64, the example
+    each token belongs to) → bool [b, 1, s, s], True where query t may attend key u: u ≤ t and
+    both in the same document. Each example then sees exactly what it would see alone (with
+    its positions restarting at 0: the packed loss equals the unpacked one). None → None."""
+    if documents is None:
+        return None
+    s = documents.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=documents.device).tril()  # [s, s]
+    same = documents.unsqueeze(2) == documents.unsqueeze(1)  # [b, s, s]
+    return (same & causal).unsqueeze(1)  # [b, 1, s, s]
 
 
 def causal_attention(x: torch.Tensor, wq, wk, wv, head_dim: int, cos: torch.Tensor | None,
                      sin: torch.Tensor | None, dropout_p: float = 0.0, core=None,
-                     q_norm=None, k_norm=None) -> torch.Tensor:
+                     q_norm=None, k_norm=None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention up to the output projection: x [b, s, d] → [b, s, h·hd].
 
     ``wq``/``wk``/``wv``: the projections (d → h·hd, d → k·hd, d → k·hd). Head counts come from
@@ -190,7 +217,8 @@ def causal_attention(x: torch.Tensor, wq, wk, wv, head_dim: int, cos: torch.Tens
     ``sin``: RoPE tables [s, hd] (or [b, 1, s, hd] for explicit positions), None for no RoPE
     (learned positions); ``core``: the :class:`CoreAttention` (or a replacement) that attends q
     to k, v after RoPE; ``q_norm``/``k_norm``: callables over [b, s, heads, hd] applied before
-    RoPE (Qwen3's per-head RMSNorm), or None."""
+    RoPE (Qwen3's per-head RMSNorm), or None; ``mask``: a packed row's document mask
+    (:func:`document_mask`), None for plain causal attention."""
     b, s, _ = x.shape
     q = wq(x).view(b, s, -1, head_dim)  # [b, s, h, hd]
     k = wk(x).view(b, s, -1, head_dim)  # [b, s, k, hd]
@@ -200,7 +228,9 @@ def causal_attention(x: torch.Tensor, wq, wk, wv, head_dim: int, cos: torch.Tens
     v = wv(x).view(b, s, -1, head_dim).transpose(1, 2)  # [b, k, s, hd]
     if cos is not None:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    y = (core or CoreAttention())(q, k, v, dropout_p)  # [b, h, s, hd]
+    core = core or CoreAttention()
+    y = core(q, k, v, dropout_p) if mask is None else core(q, k, v, dropout_p, mask=mask)
+    # y: [b, h, s, hd]
     return y.transpose(1, 2).reshape(b, s, -1)  # [b, s, h·hd]
 
 
@@ -238,12 +268,12 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
         self.rope = cfg.pos == "rope"
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, mask=None):
         if not self.rope:
             cos = sin = None
         y = causal_attention(x, self.wq, self.wk, self.wv, self.head_dim, cos, sin,
                              self.dropout if self.training else 0.0, self.core,
-                             self.q_norm, self.k_norm)  # [b, s, h·hd]
+                             self.q_norm, self.k_norm, mask)  # [b, s, h·hd]
         return self.wo(y)  # [b, s, d]
 
 
@@ -286,17 +316,22 @@ class TransformerBlock(CheckpointedBlock, nn.Module):
         self.feed_forward = FeedForward(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, cos, sin):
-        return self.run(self._body, x, cos, sin)
+    def forward(self, x, cos, sin, mask=None):
+        """``mask``: a packed row's document mask (:func:`document_mask`), or None."""
+        if mask is None:
+            return self.run(self._body, x, cos, sin)
+        return self.run(self._body, x, cos, sin, mask)
 
-    def _body(self, x, cos, sin):
-        x = x + self.dropout(self.attention(self.attention_norm(x), cos, sin))
+    def _body(self, x, cos, sin, mask=None):
+        attn = self.attention(self.attention_norm(x), cos, sin) if mask is None \
+            else self.attention(self.attention_norm(x), cos, sin, mask)
+        x = x + self.dropout(attn)
         return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
 
 
 class Llama(nn.Module):
     """tokens [b, s] int64 (and optional ``positions`` [b, s] int64, default 0..s-1, as Hugging
-    Face's ``position_ids``) → logits [b, s, V]. Loss is computed outside (see
+    Face's ``position_ids``; optional ``documents`` [b, s] for packed rows) → logits [b, s, V]. Loss is computed outside (see
     :func:`lm_loss`)."""
 
     def __init__(self, cfg: LlamaConfig):
@@ -311,7 +346,7 @@ class Llama(nn.Module):
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_cache(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_cache(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
@@ -335,15 +370,21 @@ class Llama(nn.Module):
             else:
                 nn.init.normal_(p, 0.0, std)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """``documents`` [b, s] int64: a packed row's example of each token (attention stays
+        inside it: :func:`document_mask`; give the restarting ``positions`` with it)."""
         s = tokens.shape[1]
         if s > self.config.max_seq_len:
             raise ValueError(f"sequence length {s} > max_seq_len {self.config.max_seq_len}")
+        if self.config.sliding_window and s > self.config.sliding_window:
+            raise ValueError(f"sequence length {s} > sliding_window {self.config.sliding_window}"
+                             ": full causal attention would differ from the windowed one")
         cos, sin = rope_tables(self.rope_cos, self.rope_sin, s, positions)
         x = embed(self.tok_embeddings, self.pos_embeddings, tokens, positions)  # [b, s, d]
+        mask = document_mask(documents)  # None: plain causal attention
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin) if mask is None else layer(x, cos, sin, mask)
         return self.output(self.norm(x))  # [b, s, V]
 
 

@@ -39,13 +39,14 @@ _NAMES = {0: "math", 1: "flash", 2: "memory-efficient", 3: "cudnn", 4: "override
 
 def sdpa_backend(n_heads: int, n_kv_heads: int, head_dim: int, seq_len: int, *,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 batch: int = 1, dropout_p: float = 0.0) -> str:
+                 batch: int = 1, dropout_p: float = 0.0, masked: bool = False) -> str:
     """The SDPA kernel the dispatcher picks for causal attention of q ``[batch, n_heads, seq_len,
     head_dim]`` to k, v ``[batch, n_kv_heads, seq_len, head_dim]`` in ``dtype`` on ``device``,
     as :class:`~.llama.CoreAttention` calls it (native GQA where :data:`SDPA_GQA`, else K/V
     repeated to ``n_heads``): "flash" | "memory-efficient" | "cudnn" | "math" | "overrideable",
     or "unknown (…)" when this torch has no ``torch._fused_sdp_choice``. Allocates the three
-    inputs (``batch`` · (h + 2k) · s · hd elements) on ``device`` once."""
+    inputs (``batch`` · (h + 2k) · s · hd elements) on ``device`` once. ``masked``: with a
+    boolean [batch, 1, s, s] mask instead (a packed row's document mask)."""
     choose = getattr(torch, "_fused_sdp_choice", None)
     if choose is None:
         return "unknown (this torch has no torch._fused_sdp_choice)"
@@ -55,7 +56,9 @@ def sdpa_backend(n_heads: int, n_kv_heads: int, head_dim: int, seq_len: int, *,
     kv = torch.empty(batch, kv_heads, seq_len, head_dim, device=device, dtype=dtype)
     kw = {"enable_gqa": True} if gqa else {}
     try:
-        idx = int(choose(q, kv, kv, None, dropout_p, True, **kw))
+        mask = torch.ones(batch, 1, seq_len, seq_len, dtype=torch.bool, device=device) \
+            if masked else None
+        idx = int(choose(q, kv, kv, mask, dropout_p, not masked, **kw))
     except (TypeError, RuntimeError) as e:  # an older signature, or no kernel fits
         return f"unknown ({type(e).__name__}: {e})"
     return _NAMES.get(idx, f"backend {idx}")

@@ -55,6 +55,7 @@ class WandbSink:
         self.run = wandb.init(project=project, name=Path(out).name,
                               dir=os.environ.get("WANDB_DIR") or str(out), config=config or {},
                               mode=self.mode, reinit=True)
+        print(self.where(), flush=True)  # at the start too: a crashed run's records are there
 
     def log(self, record: dict) -> None:
         fields = {k: v for k, v in record.items() if k != "step"
@@ -62,5 +63,16 @@ class WandbSink:
         if fields:
             self.run.log(fields, step=int(record["step"]))
 
+    def where(self) -> str:
+        """One line saying where the run went: the offline folder and the command that uploads
+        it, or the online run's page."""
+        if self.mode == "offline":
+            folder = Path(self.run.dir).parent  # RUN/wandb/offline-run-…/files → its run folder
+            return (f"wandb: offline run in {folder} (upload it with: wandb sync {folder}; "
+                    "WANDB_MODE=online to log live)")
+        return f"wandb: run at {getattr(self.run, 'url', None) or self.run.dir}"
+
     def close(self) -> None:
+        line = self.where()
         self.run.finish()
+        print(line, flush=True)

@@ -63,7 +63,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                    help="bf16: bf16 weights, fp32 gradients and Adam (18 B/param); amp: fp32 "
                    "weights, bf16 compute (16 B/param); fp32 (default bf16)")
     g = p.add_argument_group("layout (fix a dimension; unset = searched)")
-    g.add_argument("--dp", type=int)
+    g.add_argument("--dp", type=int, help="fix the data-parallel degree (default: searched)")
     g.add_argument("--dp-replicate", type=int, metavar="R",
                    help="HSDP: dp = R × S, ZeRO shards over the S ranks (× cp) of a shard "
                    "group and the R groups replicate it (needs --zero ≥ 1; 1 = ZeRO over all "
@@ -74,12 +74,14 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                    help="cp > 1: K/V around a ring under attention, or all-gathered (Llama 3)")
     g.add_argument("--ep", type=int, help="expert parallelism (MoE models): ranks of the data "
                    "axes (dp × cp) that share out the experts; divides dp·cp and n_experts")
-    g.add_argument("--tp", type=int)
-    g.add_argument("--pp", type=int)
-    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
+    g.add_argument("--tp", type=int, help="fix the tensor-parallel degree (default: searched)")
+    g.add_argument("--pp", type=int, help="fix the pipeline degree (default: searched)")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3),
+                   help="fix the ZeRO stage (default: searched)")
     g.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
                    help="sequence parallelism (default: on when tp > 1)")
-    g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"))
+    g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"),
+                   help="fix the pipeline schedule (default: searched)")
     g.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank "
                    "(interleaved-1f1b)")
     g.add_argument("--microbatches", type=int, help="micro-batches per step and replica (m)")

@@ -74,7 +74,26 @@ def build(paths: list[str], out: str | None = None, threshold: float | None = No
     return target
 
 
+# what a run folder holds (any one will do: a crashed run may have written only some)
+RUN_FILES = ("metrics.jsonl", "config.toml", "summary.json", "ledger.json", "checkpoints",
+             "flight", "report_data.json")
+
+
+def check_run_folders(paths: list[str]) -> None:
+    """Raise ShardwiseConfigError (exit 2, before anything is written) for a folder argument
+    that holds none of :data:`RUN_FILES`: an empty or unrelated folder would give a report of
+    nothing."""
+    for p in paths:
+        path = Path(p)
+        if path.is_dir() and not any((path / f).exists() for f in RUN_FILES):
+            what = "is empty" if not any(path.iterdir()) else "holds no run files"
+            raise ShardwiseConfigError(
+                f"{p} {what} (none of {', '.join(RUN_FILES)}): give a folder that shardwise "
+                "train wrote (its --out, e.g. runs/<timestamp>)")
+
+
 def main(paths: list[str], out: str | None, threshold: float | None) -> int:
+    check_run_folders(paths)
     target = build(paths, out, threshold)
     print(f"shardwise report: {target} ({target.stat().st_size / 1024:,.0f} KiB, "
           "self-contained; open it in a browser)")

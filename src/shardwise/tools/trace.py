@@ -24,6 +24,7 @@ kind) and ``<name>.trace.json`` (Chrome trace, opens in ui.perfetto.dev). ``shar
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -81,9 +82,10 @@ def _expand(rec, topo) -> list[str]:
     return out
 
 
-def trace_worker(cfg: TrainConfig) -> int:
-    """One training step of ``cfg``'s layout on synthetic data; rank 0 prints every collective
-    of the step and, per tag, the ledger's bytes next to the formula."""
+def trace_worker(cfg: TrainConfig, show_ranks: str = "0") -> int:
+    """One training step of ``cfg``'s layout on synthetic data; rank ``show_ranks`` (a rank, or
+    "all": each in turn) prints every collective of its step in the order it issued them and,
+    per tag, the ledger's bytes next to the formula."""
     import os
 
     import torch.distributed as dist
@@ -138,68 +140,121 @@ def trace_worker(cfg: TrainConfig) -> int:
     with topo.ledger.phase("verify"):
         comm.all_gather(gathered, totals, topo, "world")
     split = ep_split_matrices(engine, topo) if layout.ep > 1 else None
-    if dist.get_rank() == 0:
-        from ..models import LlamaConfig, preset_config
+    # issue order: records are booked when they complete (an irecv posted first can be booked
+    # after later sends); each says when it was launched
+    if all(r.issued is not None for r in recs):
+        recs = sorted(recs, key=lambda r: r.issued)
+        order = "in the order it issued them"
+    else:
+        order = "in the order they completed (this engine's records carry no launch time)"
+    shown = range(topo.world_size) if show_ranks == "all" else [int(show_ranks)]
+    text = ""
+    if dist.get_rank() in shown:  # each shown rank writes its part; rank 0 prints them in order
+        import contextlib
+        import io
 
-        mcfg = preset_config(cfg.model, work.vocab_size or 4096, **cfg.model_overrides())
-        if isinstance(mcfg, LlamaConfig):
-            mcfg.tie_embeddings = cfg.tie_embeddings
-        print(f"trace: one step of {cfg.model} ({mcfg.num_params():,} parameters in the model), "
-              f"{layout.name()} = {topo.describe()}, engine={cfg.engine}; rank 0's collectives:")
-        print(f"{'#':>3} {'op':<15} {'axis':<5} {'n':>2} {'tag':<9} {'dtype':<8} {'shape':<16} "
-              f"{'S bytes':>12} {'booked bytes':>13} {'sent bytes':>12} {'impl':<17} "
-              f"{'ms':>8}")
-        for i, r in enumerate(recs):
-            print(f"{i:>3} {r.op:<15} {r.axis:<5} {r.group_size:>2} {r.tag:<9} {r.dtype:<8} "
-                  f"{str(list(r.shape)):<16} {r.size_bytes:>12,} {r.wire_bytes:>13,.1f} "
-                  f"{_sent(r.sent_bytes):>12} {r.impl:<17} {r.seconds * 1e3:>8.2f}")
-            for line in _expand(r, topo):
-                print(line)
-        print(f"{'tag':<20} {'ledger bytes':>16} {'formula bytes':>16} {'ratio':>8} "
-              f"{'sent bytes':>14} {'sent/formula':>12}")
-        for tag in sorted(set(measured) | {k for k in formula if k != "total"}):
-            m, f = measured.get(tag, 0.0), formula.get(tag, 0.0)
-            if m or f:  # tags this layout does not use (0 = 0) are left out
-                sent = sent_total([r for r in recs if r.tag == tag])
-                print(f"{tag:<20} {m:>16,.1f} {f:>16,.1f} {_ratio(m, f):>8} "
-                      f"{_sent(sent):>14} {_ratio(sent, f) if sent is not None else '—':>12}")
-        total, sent = sum(measured.values()), sent_total(recs)
-        print(f"{'total (rank 0)':<20} {total:>16,.1f} {formula['total']:>16,.1f} "
-              f"{_ratio(total, formula['total']):>8} {_sent(sent):>14} "
-              f"{_ratio(sent, formula['total']) if sent is not None else '—':>12}")
-        for line in axis_lines(recs, formula):
-            print(line)
-        print("(booked: the ring formula's bytes, what the ledger compares with the layout's "
-              "formula; sent: the bytes handed to send, measured under --collectives "
-              f"ring|tree|auto, — for the backend's own; this run: --collectives "
-              f"{cfg.collectives})")
-        g = gathered.view(-1, 2)
-        worst = max((abs(a / b - 1) if b else abs(a)) for a, b in g.tolist())
-        print(f"all {topo.world_size} ranks: ledger / formula within {worst:.2e} of 1")
-        print(f"{'model state (rank 0)':<20} {'measured bytes':>16} {'formula bytes':>16} "
-              f"{'ratio':>8}")
-        for key in ("params", "grads", "optimizer", "total"):
-            f = mem_formula.get(key) if mem_formula else None
-            shown = f"{f:,.1f}" if f is not None else "—"
-            print(f"{key:<20} {mem[key]:>16,} {shown:>16} {_ratio(mem[key], f):>8}")
-        if mem_formula:
-            print("(optimizer: the formula's 8Ψ leaves out AdamW's fp32 step counter per tensor)")
-        else:
-            print(f"(no closed form wired for {type(engine).__name__}'s memory: measured only)")
-        if "gathered_params_peak" in mem:
-            print(f"ZeRO-3 gathered-parameter peak: {mem['gathered_params_peak']:,} bytes")
-        if pictures:
-            print(f"pipeline timeline of this run: {pictures['png']} (Perfetto: "
-                  f"{pictures['trace']}); measured bubble {pictures['bubble']:.3f}")
-        if layout.cp > 1:
-            print()
-            for line in _cp_lines(cfg, mcfg, engine, topo, recs, first, n_micro):
-                print(line)
-        if split is not None:
-            print()
-            for line in ep_section(split, mcfg.d_model):
-                print(line)
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            _print_rank(cfg, work, layout, topo, engine, recs, order, measured, formula,
+                        gathered, mem, mem_formula, pictures, split, first, n_micro)
+        text = buf.getvalue()
+    texts = [None] * topo.world_size
+    dist.all_gather_object(texts, text)  # outside the ledger: not part of the step
+    if dist.get_rank() == 0:
+        print("\n".join(t.rstrip("\n") for t in texts if t), flush=True)
     return 0
+
+
+def _print_rank(cfg, work, layout, topo, engine, recs, order, measured, formula, gathered,
+                mem, mem_formula, pictures, split, first, n_micro) -> None:
+    """What ``trace`` prints for this rank: its collectives, per tag and axis against the
+    formula, the model state, the pipeline's bubble, the cp and ep sections."""
+    import torch.distributed as dist
+
+    from ..models import LlamaConfig, preset_config
+
+    mcfg = preset_config(cfg.model, work.vocab_size or 4096, **cfg.model_overrides())
+    if isinstance(mcfg, LlamaConfig):
+        mcfg.tie_embeddings = cfg.tie_embeddings
+    me = dist.get_rank()
+    print(f"trace: one step of {cfg.model} ({mcfg.num_params():,} parameters in the model), "
+          f"{layout.name()} = {topo.describe()}, engine={cfg.engine}; rank {me}'s "
+          f"collectives, {order}:")
+    print(f"{'#':>3} {'op':<15} {'axis':<5} {'n':>2} {'tag':<9} {'dtype':<8} {'shape':<16} "
+          f"{'S bytes':>12} {'booked bytes':>13} {'sent bytes':>12} {'impl':<17} "
+          f"{'ms':>8}")
+    for i, r in enumerate(recs):
+        print(f"{i:>3} {r.op:<15} {r.axis:<5} {r.group_size:>2} {r.tag:<9} {r.dtype:<8} "
+              f"{str(list(r.shape)):<16} {r.size_bytes:>12,} {r.wire_bytes:>13,.1f} "
+              f"{_sent(r.sent_bytes):>12} {r.impl:<17} {r.seconds * 1e3:>8.2f}")
+        for line in _expand(r, topo):
+            print(line)
+    print(f"{'tag':<20} {'ledger bytes':>16} {'formula bytes':>16} {'ratio':>8} "
+          f"{'sent bytes':>14} {'sent/formula':>12}")
+    for tag in sorted(set(measured) | {k for k in formula if k != "total"}):
+        m, f = measured.get(tag, 0.0), formula.get(tag, 0.0)
+        if m or f:  # tags this layout does not use (0 = 0) are left out
+            sent = sent_total([r for r in recs if r.tag == tag])
+            print(f"{tag:<20} {m:>16,.1f} {f:>16,.1f} {_ratio(m, f):>8} "
+                  f"{_sent(sent):>14} {_ratio(sent, f) if sent is not None else '—':>12}")
+    total, sent = sum(measured.values()), sent_total(recs)
+    print(f"{f'total (rank {me})':<20} {total:>16,.1f} {formula['total']:>16,.1f} "
+          f"{_ratio(total, formula['total']):>8} {_sent(sent):>14} "
+          f"{_ratio(sent, formula['total']) if sent is not None else '—':>12}")
+    for line in axis_lines(recs, formula):
+        print(line)
+    print("(booked: the ring formula's bytes, what the ledger compares with the layout's "
+          "formula; sent: the bytes handed to send, measured under --collectives "
+          f"ring|tree|auto, — for the backend's own; this run: --collectives "
+          f"{cfg.collectives})")
+    g = gathered.view(-1, 2)
+    worst = max((abs(a / b - 1) if b else abs(a)) for a, b in g.tolist())
+    print(f"all {topo.world_size} ranks: ledger / formula within {worst:.2e} of 1")
+    print(f"{f'model state (rank {me})':<20} {'measured bytes':>16} {'formula bytes':>16} "
+          f"{'ratio':>8}")
+    for key in ("params", "grads", "optimizer", "total"):
+        f = mem_formula.get(key) if mem_formula else None
+        shown = f"{f:,.1f}" if f is not None else "—"
+        print(f"{key:<20} {mem[key]:>16,} {shown:>16} {_ratio(mem[key], f):>8}")
+    if mem_formula:
+        print("(optimizer: the formula's 8Ψ leaves out AdamW's fp32 step counter per tensor)")
+    else:
+        print(f"(no closed form wired for {type(engine).__name__}'s memory: measured only)")
+    if "gathered_params_peak" in mem:
+        print(f"ZeRO-3 gathered-parameter peak: {mem['gathered_params_peak']:,} bytes")
+    if pictures:
+        print(f"pipeline timeline of this run: {pictures['png']} (Perfetto: "
+              f"{pictures['trace']})")
+        print(bubble_line(pictures["bubble"], cfg.schedule, layout.pp, n_micro,
+                          getattr(engine, "v", 1), topo.world_size))
+    if layout.cp > 1:
+        print()
+        for line in _cp_lines(cfg, mcfg, engine, topo, recs, first, n_micro):
+            print(line)
+    if split is not None:
+        print()
+        for line in ep_section(split, mcfg.d_model):
+            print(line)
+
+
+def bubble_line(measured: float, schedule: str, p: int, m: int, v: int, world: int) -> str:
+    """The measured bubble next to its closed form (:func:`~shardwise.parallel.pp.simulate.
+    bubble_formula`: (p−1)/(m+p−1) for GPipe and 1F1B, (p−1)/(v·m+p−1) interleaved), and why
+    they differ on a small CPU machine."""
+    import os
+
+    from ..parallel.pp.simulate import bubble_formula
+
+    text = {"gpipe": f"(p−1)/(m+p−1) = ({p}−1)/({m}+{p}−1)",
+            "1f1b": f"(p−1)/(m+p−1) = ({p}−1)/({m}+{p}−1)",
+            "interleaved-1f1b": f"(p−1)/(v·m+p−1) = ({p}−1)/({v}·{m}+{p}−1)"}.get(
+                schedule, f"{schedule}'s formula (F, B, W of equal cost)")
+    f = bubble_formula(schedule, p, m, v)
+    return (f"bubble: measured {measured:.3f}, formula {text} = {f:.3f}. The formula assumes "
+            f"equal stages and free messages; here a stage's work is a few small matmuls, so "
+            f"each send/recv's latency and the per-action Python overhead, with {world} ranks "
+            f"on {os.cpu_count()} CPU cores, weigh as much as the compute (`shardwise bench "
+            f"--suite pp` measures it on a bigger model)")
 
 
 def axis_lines(recs, formula: dict) -> list[str]:

@@ -435,7 +435,7 @@ def verify_worker(args) -> int:
                     continue
                 t0 = time.perf_counter()
                 name, error = f"{lay.name()} {eng} {model_name}", ""
-                vec = torch.zeros(9, dtype=torch.float64)
+                vec = torch.zeros(10, dtype=torch.float64)
                 traffic: dict = {}
                 if topo.member:
                     try:
@@ -457,7 +457,7 @@ def verify_worker(args) -> int:
                         vec = torch.tensor([r.max_loss_diff, r.max_grad_diff,
                                             r.max_param_diff, float(not r.ok), bytes_dev,
                                             r.param_bound_ratio, r.max_norm_diff,
-                                            r.max_param_bound, r.tol_ratio],
+                                            r.max_param_bound, r.tol_ratio, r.drift_ratio],
                                            dtype=torch.float64)
                 n_case += 1
                 traffic = _collect_traffic(store, f"verify/case{n_case}/traffic", traffic,
@@ -484,7 +484,7 @@ def verify_worker(args) -> int:
                                  "max_loss_diff": nan, "max_grad_diff": nan,
                                  "max_grad_norm_diff": nan, "diff_over_tolerance": nan,
                                  "max_param_diff": nan, "param_diff_over_bound": nan,
-                                 "max_adamw_bound": nan,
+                                 "max_adamw_bound": nan, "loss_drift_over_bound": nan,
                                  "ledger_vs_formula_max_deviation": nan,
                                  "seconds": time.perf_counter() - t0, "pass": False,
                                  "error": errors[0]})
@@ -499,6 +499,7 @@ def verify_worker(args) -> int:
                              "max_param_diff": float(vec[2]),
                              "param_diff_over_bound": float(vec[5]),
                              "max_adamw_bound": float(vec[7]),
+                             "loss_drift_over_bound": float(vec[9]),
                              "ledger_vs_formula_max_deviation": ratio_dev,
                              "seconds": time.perf_counter() - t0,
                              "pass": bool(vec[3] == 0) and ratio_dev < 1e-9,

@@ -81,7 +81,7 @@ def activation_estimate(model_cfg, *, micro_batch: int, seq_len: int, ac: str, d
 
 
 def attention_line(model_cfg, *, device: torch.device, dtype: str, micro_batch: int,
-                   seq_len: int, tp: int = 1) -> str | None:
+                   seq_len: int, tp: int = 1, packed: bool = False) -> str | None:
     """The start-up line naming the SDPA kernel the blocks run (:func:`~shardwise.models.sdpa.
     sdpa_backend` for this rank's heads, micro-batch, sequence and compute dtype) and whether
     GQA is native; None for a model without attention (the MLP)."""
@@ -93,11 +93,12 @@ def attention_line(model_cfg, *, device: torch.device, dtype: str, micro_batch: 
     h, k = max(1, heads // tp), max(1, kv // tp)
     name = sdpa_backend(h, k, model_cfg.head_dim, seq_len, device=device,
                         dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
-                        batch=micro_batch)
+                        batch=micro_batch, masked=packed)
     gqa = ("MHA" if h == k else "native GQA (enable_gqa)" if SDPA_GQA
            else "GQA by repeating K/V (this torch's SDPA has no enable_gqa)")
     return (f"  attention: scaled_dot_product_attention, {name} kernel on {device.type} "
-            f"({h} q / {k} kv heads per rank, {gqa})")
+            f"({h} q / {k} kv heads per rank, {gqa}"
+            + (", block-diagonal document mask (--pack)" if packed else "") + ")")
 
 
 def device_memory_keys(engine, topo, cfg, model_cfg, n_params: int) -> dict:
@@ -131,7 +132,7 @@ def device_lines(model_cfg, topo, cfg, module) -> list[str]:
     lines = []
     att = attention_line(model_cfg, device=topo.device, dtype=cfg.dtype,
                          micro_batch=cfg.microbatching()[0], seq_len=cfg.seq_len // cfg.cp,
-                         tp=cfg.tp)
+                         tp=cfg.tp, packed=cfg.pack)
     if att:
         lines.append(att)
     lines.append(f"  optimizer: AdamW, {adamw_impl_of(module)} implementation "

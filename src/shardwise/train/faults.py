@@ -28,7 +28,8 @@ def log_samples(step: int, local: torch.Tensor, topo) -> None:
 
 def kill_at_step(step: int, checkpointer) -> None:
     """``SHARDWISE_TEST_KILL_AT_STEP=K`` (tests only): after step K (and its checkpoint, waited
-    for), SIGKILL this worker, or only rank ``SHARDWISE_TEST_KILL_RANK`` if set; only in the first
+    for), SIGKILL this worker (``SHARDWISE_TEST_KILL_MODE=raise``: raise RuntimeError instead),
+    or only rank ``SHARDWISE_TEST_KILL_RANK`` if set; only in the first
     attempt of a torchrun job (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so a restart runs on."""
     at = os.environ.get("SHARDWISE_TEST_KILL_AT_STEP")
     if not at or int(at) != step or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
@@ -37,6 +38,10 @@ def kill_at_step(step: int, checkpointer) -> None:
     who = os.environ.get("SHARDWISE_TEST_KILL_RANK")
     if who is None or int(who) == checkpointer.topo.index("world"):
         import signal
+
+        if os.environ.get("SHARDWISE_TEST_KILL_MODE") == "raise":  # an exception, not a signal
+            raise RuntimeError(f"SHARDWISE_TEST_KILL_AT_STEP={step}: test fault raised on rank "
+                               f"{checkpointer.topo.index('world')}")
 
         print(f"[test] SHARDWISE_TEST_KILL_AT_STEP={step}: SIGKILL rank "
               f"{checkpointer.topo.index('world')}", flush=True)

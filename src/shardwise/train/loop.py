@@ -46,6 +46,11 @@ from ..report.record import RunRecorder, axis_bytes
 from .step import train_step
 from .workload import load_workload
 
+
+def plural(n: int, word: str) -> str:
+    """``"1 step"``, ``"2 steps"``, ``"4 micro-batches"``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith('ch') else 's'}"
+
 log = logging.getLogger("shardwise")
 
 
@@ -158,6 +163,7 @@ class Run:
     schedule and sampler, the loggers and the checkpointer, the MFU terms (``flops_step``: model
     FLOPs of one step; ``peak`` FLOP/s of one of ``n_peak`` devices), and the loop's state:
     ``start`` (the last step done: 0, or the resumed checkpoint's), ``tokens_seen``,
+    ``counted`` (loss tokens of this invocation's steps),
     ``val_losses`` [(step, loss)], ``times`` (seconds per step run)."""
     cfg: object
     t_start: object
@@ -189,6 +195,7 @@ class Run:
     tokens_seen: object
     val_losses: object
     times: object
+    counted: int = 0
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -207,6 +214,7 @@ def train(cfg: TrainConfig) -> dict:
         dt = time.perf_counter() - t0
         run.times.append(dt)
         run.tokens_seen += res.tokens
+        run.counted += res.tokens
         _stop_if_diverged(run, step, res)  # every rank together: the loss and norm are global
         rec = _record(run, step, res, batch, dt)
         _first_steps(run, step, res)  # ledger.json, traffic lines, the report's first step
@@ -307,10 +315,17 @@ def setup(cfg: TrainConfig) -> Run:
     optimizer = build_optimizer(engine, cfg)
     scheduler = build_scheduler(optimizer, cfg)
     sampler = work.sampler(cfg.global_batch, topo.size("dp"), topo.index("dp"), cfg.seed)
-    log.info(f"shardwise train: {cfg.model} ({n_params / 1e6:.2f} M parameters), layout "
+    from ..interop.hf import describe_source
+
+    # the model's own units: an MLP regresses rows of d_model numbers, not token sequences
+    size = f"{n_params / 1e6:.2f} M" if n_params >= 100_000 else f"{n_params:,}"
+    rows = (f"{plural(cfg.global_batch, 'sequence')} × {plural(cfg.seq_len, 'token')}"
+            if work.kind == "lm" else
+            f"{plural(cfg.global_batch, 'row')} × d_model {model_cfg.d_model} ({work.kind})")
+    log.info(f"shardwise train: {describe_source(cfg)} ({size} parameters), layout "
              f"{topo.describe()}, engine={cfg.engine}, data={work.description}")
-    log.info(f"  {cfg.steps} steps × {cfg.global_batch} sequences × {cfg.seq_len} tokens; "
-             f"{n_micro} micro-batches of {micro_batch} per rank per step; output → {out}")
+    log.info(f"  {plural(cfg.steps, 'step')} × {rows}; {plural(n_micro, 'micro-batch')} of "
+             f"{micro_batch} per rank per step; output → {out}")
     if batching_note(cfg):  # values the user did not give, derived from the layout
         log.info(f"  {batching_note(cfg)}")
     epoch = sampler.epoch_counts()  # the tail shorter than a global batch is dropped
@@ -405,7 +420,10 @@ def _record(run: Run, step: int, res, batch, dt: float) -> dict:
     topo, flops_step = run.topo, run.flops_step
     rec = {"step": step, "loss": res.loss, "lr": run.scheduler.get_last_lr()[0],
            "grad_norm": res.grad_norm, "tokens": run.tokens_seen,
-           "tokens_per_s": res.tokens / dt, "step_time_s": dt,
+           # tokens/s: every position the step computed (global batch × seq-len, padding
+           # included; the summary's too); target_tokens_per_s: those in the loss
+           "tokens_per_s": run.cfg.global_batch * run.cfg.seq_len / dt,
+           "target_tokens_per_s": res.tokens / dt, "step_time_s": dt,
            # achieved model TFLOP/s of all ranks together, and MFU (flops.py)
            "tflops": flops_step / dt / 1e12,
            "mfu": mfu(flops_step, dt, run.peak, run.n_peak),
@@ -443,11 +461,13 @@ def _log_step(run: Run, step: int, res, rec: dict, dt: float) -> None:
     cfg, bar = run.cfg, run.bar
     if bar is not None:
         bar.update(1)
-        bar.set_postfix(loss=f"{res.loss:.3f}", tok_s=f"{res.tokens / dt:,.0f}",
+        bar.set_postfix(loss=f"{res.loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}",
                         step_s=f"{dt:.3f}")
     if step % cfg.log_every == 0 or step == cfg.steps or "val_loss" in rec:
         msg = (f"step {step}/{cfg.steps}: loss {res.loss:.4f}, lr {rec['lr']:.2e}, "
-               f"grad norm {res.grad_norm:.3f}, {rec['tokens_per_s']:,.0f} tok/s, "
+               f"grad norm {res.grad_norm:.3f}, {rec['tokens_per_s']:,.0f} tok/s"
+               + (f" ({rec['target_tokens_per_s']:,.0f} in the loss)" if cfg.task != "lm"
+                  else "") + ", "
                f"{dt * 1e3:.0f} ms/step, {rec['tflops']:.3f} TFLOP/s, MFU {rec['mfu']:.1%}")
         if "moe_imbalance" in rec:
             msg += (f" (ce {rec['loss_ce']:.4f} + balance {rec['loss_balance']:.4f} + z "
@@ -502,6 +522,7 @@ def finish(run: Run) -> dict:
     med = sorted(times)[len(times) // 2] if times else None
     summary["median_step_s"] = med
     summary["tokens_per_s"] = cfg.global_batch * cfg.seq_len / med if med else None
+    summary["target_tokens_per_s"] = run.counted / sum(times) if times else None
     summary["tflops"] = flops_step / med / 1e12 if med else None
     summary["mfu"] = mfu(flops_step, med, peak, n_peak) if med else None
     summary["peak_tflops"] = peak * n_peak / 1e12  # of all devices (CPU: cores) together
@@ -519,8 +540,10 @@ def finish(run: Run) -> dict:
         else:
             log.info(f"done in {summary['wall_s']:.0f} s: validation loss "
                      f"{summary['val_loss_start']:.3f} → {summary['val_loss_end']:.3f}, "
-                     f"{summary['tokens_per_s']:,.0f} tokens/s (median step "
-                     f"{med * 1e3:.0f} ms, {summary['tflops']:.3f} TFLOP/s, "
+                     f"{summary['tokens_per_s']:,.0f} tokens/s computed (global batch × seq-len"
+                     + (f"; {summary['target_tokens_per_s']:,.0f}/s in the loss" if cfg.task
+                        != "lm" else "") + f") at the median step "
+                     f"({med * 1e3:.0f} ms, {summary['tflops']:.3f} TFLOP/s, "
                      f"MFU {summary['mfu']:.1%}); outputs in {out}")
     if run_lock is not None:  # the run folder is free for the next run
         run_lock.close()

@@ -127,33 +127,66 @@ def model_vocab(cfg: TrainConfig, tokenizer_vocab: int) -> int:
 
 
 class SFTWorkload(LMWorkload):
-    """Alpaca-style records, one example per padded row, prompt targets masked (see
-    :mod:`shardwise.data.sft`): ``input_ids`` [b, seq_len], ``labels`` [b, seq_len] with
+    """Alpaca or chat records, prompt targets masked (see :mod:`shardwise.data.sft`,
+    :mod:`shardwise.data.chat`): ``input_ids`` [b, seq_len], ``labels`` [b, seq_len] with
     ``IGNORE_INDEX`` on prompt and padding positions, so the loss is the mean over response
-    tokens of the global batch."""
+    tokens of the global batch. One example per padded row, or with ``--pack`` several per row
+    (:mod:`shardwise.data.pack`: the batches also carry ``position_ids`` and ``document_ids``,
+    and a sequence of ``--global-batch`` is a packed row)."""
 
     kind = "lm"
 
     def __init__(self, cfg: TrainConfig):
         from ..data.sft import prepare_sft_data
 
-        self.data = prepare_sft_data(cfg.data, tokenizer_spec(cfg), cfg.vocab_size, cfg.seq_len)
+        self.data = prepare_sft_data(cfg.data, tokenizer_spec(cfg), cfg.vocab_size, cfg.seq_len,
+                                     template_dir=cfg.init_from_hf or None)
         self.vocab_size = model_vocab(cfg, self.data.vocab_size)
-        self.num_train, self.num_val = len(self.data.train), len(self.data.val)
-        if self.num_train < cfg.global_batch:
-            raise ShardwiseConfigError(
-                f"--global-batch {cfg.global_batch} needs {cfg.global_batch} training examples but "
-                f"--data {cfg.data} gives {self.num_train} (one example per sequence): lower "
-                "--global-batch or add records")
+        self.packed = None
         st = self.data.stats
+        if cfg.pack:
+            from ..data.pack import pack_examples, unpadded
+
+            d = self.data
+            self.packed = {
+                split: pack_examples(*unpadded(tok, lab, n), cfg.seq_len, d.tokenizer.eos_id)
+                for split, tok, lab, n in (("train", d.train, d.train_labels, d.train_lengths),
+                                           ("val", d.val, d.val_labels, d.val_lengths))}
+            self.num_train, self.num_val = len(self.packed["train"]), len(self.packed["val"])
+            rows = (f"{st['train_examples']:,} train examples packed into {self.num_train:,} rows "
+                    f"({self.packed['train'].padding_fraction:.0%} padding, was "
+                    f"{st['padding_fraction']:.0%} one per row)")
+        else:
+            self.num_train, self.num_val = len(self.data.train), len(self.data.val)
+            rows = (f"{self.num_train:,} train / {self.num_val:,} val examples, one per padded "
+                    f"sequence: {st['padding_fraction']:.0%} padding")
+        if self.num_train < cfg.global_batch:
+            what = "packed rows" if cfg.pack else "training examples"
+            raise ShardwiseConfigError(
+                f"--global-batch {cfg.global_batch} needs {cfg.global_batch} {what} but "
+                f"--data {cfg.data} gives {self.num_train}: lower --global-batch or add records")
+        fmt = st.get("format", "alpaca")
         self.description = (
-            f"SFT {cfg.data} ({self.num_train:,} train / {self.num_val:,} val examples, one per "
-            f"padded sequence: {st['padding_fraction']:.0%} padding; {st['train_dropped']} dropped "
-            f"(prompt > seq-len), {st['truncated']} truncated; tokenizer {tokenizer_spec(cfg)}, "
-            f"vocab {self.data.vocab_size})")
+            f"SFT {cfg.data} ({fmt}" + (f", {st['template']} template" if fmt == "chat" else "")
+            + f"; {rows}; {st['train_dropped']} dropped (prompt > seq-len), {st['truncated']} "
+            f"truncated; tokenizer {tokenizer_spec(cfg)}, vocab {self.data.vocab_size})")
+
+    def padding_fraction(self) -> float:
+        """Share of the training rows' positions that are padding (compute spent on nothing)."""
+        if self.packed is not None:
+            return self.packed["train"].padding_fraction
+        return self.data.stats["padding_fraction"]
 
     def batches(self, indices: torch.Tensor, micro_batch: int, split: str = "train") -> list[dict]:
-        """Rows ``indices`` of ``split``: ``{"input_ids", "labels"}`` micro-batches."""
+        """Rows ``indices`` of ``split``: ``{"input_ids", "labels"}`` micro-batches (packed:
+        also ``position_ids`` and ``document_ids``)."""
+        if self.packed is not None:
+            p = self.packed[split]
+            cols = {"input_ids": p.input_ids, "labels": p.labels, "position_ids": p.position_ids,
+                    "document_ids": p.document_ids}
+            rows = {k: v.index_select(0, indices) for k, v in cols.items()}
+            return [dict(zip(rows, parts)) for parts in zip(*(v.split(micro_batch)
+                                                               for v in rows.values()))]
         rows = (self.data.train if split == "train" else self.data.val).index_select(0, indices)
         labels = (self.data.train_labels if split == "train"
                   else self.data.val_labels).index_select(0, indices)

@@ -25,6 +25,7 @@ import torch
 
 from ... import comm
 from ...errors import ShardwiseConfigError
+from ...models import positions_kw
 from ...models.moe import moe_layers, set_aux_grad_scale
 from ..engine import autocast
 from .comms import GradTraffic
@@ -131,7 +132,7 @@ class ScheduleRunner:
                 if self.zb is not None:
                     self.zb.active = []
                 with autocast(dtype, device):
-                    y = chunk(x, mbs[a.microbatch].get("position_ids"))
+                    y = chunk(x, **positions_kw(mbs[a.microbatch]))
                     for m in self.moe[a.chunk]:  # this forward's aux sums, for the log line
                         loss += m.aux.detach().double()
                     if chunk.is_last:

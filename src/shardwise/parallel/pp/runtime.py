@@ -46,7 +46,7 @@ from torch import nn
 
 from ... import comm
 from ...comm import ring_bytes
-from ...models import count_items, moe_layers
+from ...models import count_items, moe_layers, positions_kw
 from ...models.dpo import token_loss_sum
 from ..dp.data_parallel import GradSync, broadcast_replicas
 from ..engine import Engine
@@ -268,7 +268,7 @@ class PipelineParallel(Engine):
                 else:
                     x = torch.empty(shape, dtype=act_dtype, device=device)
                     comm.recv(x, self.topo, "pp", (s - 1) % self.p, tag="eval")
-                y = chunk(x, mb.get("position_ids"))
+                y = chunk(x, **positions_kw(mb))
                 if chunk.is_last:
                     loss += self._loss_sum(y, mb).double()
                 else:

@@ -18,7 +18,7 @@ from torch import nn
 from ...errors import ShardwiseConfigError
 from ...models import lm_loss, mse_loss
 from ...models.dpo import dpo_loss_sum_and_count, is_dpo
-from ...models.llama import embed, rope_tables
+from ...models.llama import document_mask, embed, rope_tables
 from .schedules import check_schedule
 
 
@@ -152,16 +152,19 @@ class Chunk(nn.Module):
             self.register_buffer("rope_cos", rope[0], persistent=False)
             self.register_buffer("rope_sin", rope[1], persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """``positions``: token positions [b, s] (context parallelism's chunks), default
-        0..s-1."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: token positions [b, s] (context parallelism's chunks, or a packed
+        row's), default 0..s-1; ``documents``: a packed row's example ids [b, s] (the
+        document mask), default None (plain causal)."""
         s = x.shape[1] * (1 if self.tok_embeddings is not None else self.sp_degree)
         if self.tok_embeddings is not None:  # [b, s] → [b, s, d] (SP: [b, s/tp, d])
             x = embed(self.tok_embeddings, self.pos_embeddings, x, positions)
         if self.is_llama:
             cos, sin = rope_tables(self.rope_cos, self.rope_sin, s, positions)
+            mask = document_mask(documents)
             for layer in self.layers:
-                x = layer(x, cos, sin)  # [b, s, d]
+                x = layer(x, cos, sin) if mask is None else layer(x, cos, sin, mask)  # [b, s, d]
         else:
             for layer in self.layers:
                 x = layer(x)  # [b, D]

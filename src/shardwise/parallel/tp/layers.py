@@ -269,14 +269,14 @@ class TensorParallelAttention(nn.Module):
             self.q_norm, self.k_norm = (TPSummedNorm(plain.q_norm, topo),
                                         TPSummedNorm(plain.k_norm, topo))
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, mask=None):  # mask: a packed row's document mask
         x = enter_tp_region(x, self.topo, self.sp)  # [b, s, d], replicated over tp
         p = self.dropout if self.training else 0.0
         if not self.rope:
             cos = sin = None
         with self.rng.fork("sharded") if p > 0 else contextlib.nullcontext():
             y = causal_attention(x, self.wq, self.wk, self.wv, self.head_dim, cos, sin, p,
-                                 self.core, self.q_norm, self.k_norm)
+                                 self.core, self.q_norm, self.k_norm, mask)
         return self.wo(y)  # [b, s, h/n·hd] → [b, s, d] or [b, s/n, d]
 
 
