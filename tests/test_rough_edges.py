@@ -64,7 +64,7 @@ def test_default_layout_follows_torchrun_world_size(monkeypatch, world, want):
 def test_diagnosis_names_the_rank_the_launcher_stopped_as_stopped():
     import torch.distributed as dist
 
-    from shardwise.comm.fingerprint import diagnose_store
+    from shardwise.comm.diagnosis import diagnose_store
 
     store = dist.HashStore()
     store.set("shardwise/topologies", "t0\n")

@@ -25,9 +25,9 @@ def _field_type(f: dataclasses.Field):
 def add_config_flags(parser: argparse.ArgumentParser, fields: list[str] | None = None,
                      defaults: dict | None = None) -> None:
     """Add ``--config`` and one flag per field (all defaulting to "not given"), each with its
-    line of :data:`~shardwise.flag_help.FLAG_HELP`, its choices, and the default in effect for
+    line of :data:`~shardwise.config.flag_help.FLAG_HELP`, its choices, and the default in effect for
     this subcommand (``defaults`` over the dataclass's: e.g. trace's tiny model)."""
-    from ..flag_help import FLAG_HELP
+    from .flag_help import FLAG_HELP
 
     parser.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file "
                         "(flags override it; a run's config.toml works)")
