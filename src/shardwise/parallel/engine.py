@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from ..models import loss_sum_and_count
-from .params import (counted_grads, grad_norm_, grads_or_zeros, local, local_state_bytes,
+from .params import (Held, grad_norm_, held_of, grads_or_zeros, local, local_state_bytes,
                      sum_coalesced_, to_full, to_local, tp_sharded)
 
 
@@ -57,11 +57,20 @@ def autocast(dtype: str, device: torch.device):
 
 
 class Engine(nn.Module):
-    """Base class: a replicated model whose micro-batches run one after another on this rank."""
+    """Base class: a replicated model whose micro-batches run one after another on this rank.
+    ``step_context``: None, or local sequence length → the context every step's micro-batches
+    and every evaluation run in (torch's ``context_parallel``: :func:`.cp.torch_cp.step_context`)."""
+
+    step_context = None
 
     def __init__(self, module: nn.Module):
         super().__init__()
         self.module = module
+
+    def _step_context(self, batch: dict):
+        if self.step_context is None:
+            return contextlib.nullcontext()
+        return self.step_context(batch["input_ids"].shape[1])
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -94,7 +103,7 @@ class Engine(nn.Module):
         device = next(self.module.parameters()).device
         loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
         self.begin_forward_backward()
-        with self.booking():
+        with self._step_context(microbatches[0]), self.booking():
             for i, mb in enumerate(microbatches):
                 mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
                 with self.sync_gradients(i == len(microbatches) - 1):
@@ -161,18 +170,13 @@ class Engine(nn.Module):
         """The global gradient L2 norm, every element of the model counted once, clipping to
         ``max_norm`` if > 0 (:func:`.params.grad_norm_` over :meth:`held_grads` and
         :meth:`norm_axes`). Returns the norm before clipping, fp32 []."""
-        return grad_norm_(self.held_grads(), getattr(self, "topo", None), self.norm_axes(),
-                          max_norm)
+        return grad_norm_(self.held_grads(), getattr(self, "topo", None), None, max_norm)
 
-    def held_grads(self) -> list[tuple[torch.Tensor, bool]]:
-        """(gradient tensor this rank holds, counted here) pairs (:func:`.params.counted_grads`
-        of the module's parameters; ZeRO: its slices)."""
-        return counted_grads(self.module.parameters(), getattr(self, "topo", None))
-
-    def norm_axes(self) -> tuple[str, ...]:
-        """Mesh axes over which the counted gradient elements differ between ranks (replicated
-        DP: none; TP: tp; ZeRO: dp; …): the norm's squared sum is all-reduced over each."""
-        return ()
+    def held_grads(self) -> Held:
+        """The gradient pieces this rank holds, each with whether it counts here
+        (:func:`.params.held_of` the module's parameters; ZeRO: its slices); the norm's axes
+        are derived from them (:meth:`.params.Held.norm_axes`), never declared per engine."""
+        return held_of(self.module.parameters(), getattr(self, "topo", None))
 
     def make_optimizer(self, param_groups: list[dict], **adamw) -> torch.optim.Optimizer:
         """AdamW over ``param_groups`` (parameters of ``self.module``) with ``adamw`` kwargs
@@ -183,7 +187,8 @@ class Engine(nn.Module):
     def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss sum, counted items) of ``batch`` — for evaluation (call under no_grad): the
         language-model loss, without a mixture of experts' aux losses."""
-        return loss_sum_and_count(self, batch, aux=False)
+        with self._step_context(batch):
+            return loss_sum_and_count(self, batch, aux=False)
 
     @contextlib.contextmanager
     def full_model(self):

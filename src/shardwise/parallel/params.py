@@ -12,6 +12,7 @@ that every layout needs then read that record instead of being rewritten per eng
 * :func:`to_full` / :func:`to_local` — a tensor shaped like a parameter's tp shard ⇄ the full
   (unpadded) shape, for parity checks and layout-free checkpoints.
 * :func:`local` / :func:`is_dtensor` / :func:`tp_sharded` — what this rank holds of a tensor.
+* :func:`reduce_torch_dtype` / :func:`reduce_bytes` — the reduce dtype table, once.
 
 Sources: Megatron-LM's ``tensor_model_parallel`` attribute and nanotron's ``NanotronParameter``
 (metadata on the parameter); torchtitan's one ``clip_grad_norm_`` for every layout (it reads
@@ -26,20 +27,50 @@ import torch
 from torch import nn
 
 from .. import comm
+from ..comm.ledger import ring_bytes
+from ..errors import ShardwiseConfigError
 from .dtensor_full import full_tensors
+
+
+# -- the dtype gradients are reduced in: the one table --------------------------------------------
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def reduce_torch_dtype(reduce_dtype: str) -> torch.dtype:
+    """The torch dtype gradients are reduced in over dp: "fp32" (exact sums of fp32 gradients)
+    or "bf16" (each rank rounds its local gradient to bf16, the sum is formed in bf16 and cast
+    back to fp32: half the bytes for 8 mantissa bits instead of 24 — PyTorch FSDP's
+    ``MixedPrecision(reduce_dtype=torch.bfloat16)``, Megatron-LM's ``--grad-reduce-in-bf16``).
+    Raises :class:`ShardwiseConfigError` otherwise."""
+    if reduce_dtype not in REDUCE_DTYPES:
+        # the one place this rule is written (Layout.check and the engines call it)
+        raise ShardwiseConfigError(f"--reduce-dtype {reduce_dtype!r}: choose fp32 or bf16 (the "
+                                   "dtype gradients are reduced in over dp)")
+    return REDUCE_DTYPES[reduce_dtype]
+
+
+def reduce_bytes(reduce_dtype: str) -> int:
+    """Bytes per gradient element on the wire when reduced in ``reduce_dtype`` (fp32 4, bf16 2):
+    the b_r of every dp, ZeRO, FSDP2 and pipeline formula."""
+    return torch.finfo(reduce_torch_dtype(reduce_dtype)).bits // 8
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """How a parameter is split over tp and ep. ``tp_dim``: this rank holds a contiguous 1/tp
-    chunk of the full tensor along this dim (None: replicated over tp); ``tp_full``: the full
-    tensor's size along ``tp_dim`` without padding (the vocabulary is padded to a multiple of
-    tp). ``ep_full``: an expert weight stacked on dim 0 of which this rank holds a contiguous
-    1/ep (``ep_full`` experts in all; None: not split over ep)."""
+    """How a parameter is split over tp and ep, and where its gradient is summed. ``tp_dim``:
+    this rank holds a contiguous 1/tp chunk of the full tensor along this dim (None: replicated
+    over tp); ``tp_full``: the full tensor's size along ``tp_dim`` without padding (the
+    vocabulary is padded to a multiple of tp). ``ep_full``: an expert weight stacked on dim 0 of
+    which this rank holds a contiguous 1/ep (``ep_full`` experts in all; None: not split over
+    ep). ``grad_axis``: the mesh axis its gradient is summed over (None: the topology's data
+    axis; expert shards: "edp", the ranks holding the same experts); ``replicate_axis``: an axis
+    over which a sharded gradient is then all-reduced (HSDP: "dp_replicate"; None: none)."""
 
     tp_dim: int | None = None
     tp_full: int | None = None
     ep_full: int | None = None
+    grad_axis: str | None = None
+    replicate_axis: str | None = None
 
 
 REPLICATED = Placement()
@@ -52,10 +83,11 @@ def mark_tp_shard(p: nn.Parameter, dim: int, full_size: int) -> nn.Parameter:
     return p
 
 
-def mark_ep_shard(p: nn.Parameter, n_experts: int) -> nn.Parameter:
+def mark_ep_shard(p: nn.Parameter, n_experts: int, grad_axis: str = "edp") -> nn.Parameter:
     """Record on ``p`` that it holds this ep rank's contiguous 1/ep of ``n_experts`` stacked
-    experts (dim 0); returns ``p``."""
-    p.placement = dataclasses.replace(placement(p), ep_full=n_experts)
+    experts (dim 0), its gradient summed over ``grad_axis`` (the expert-data-parallel ranks,
+    which hold the same experts); returns ``p``."""
+    p.placement = dataclasses.replace(placement(p), ep_full=n_experts, grad_axis=grad_axis)
     return p
 
 
@@ -94,7 +126,82 @@ def tp_sharded(t) -> bool:
     return placement(t).tp_dim is not None
 
 
+# -- where gradients are reduced: groups read from the placements --------------------------------
+@dataclasses.dataclass
+class ReduceGroup:
+    """Parameters whose gradients are summed over the same mesh ``axis`` (and then, sharded,
+    all-reduced over ``replicate_axis``, HSDP); ``items``: the parameters (or (name, parameter)
+    pairs) as given to :func:`reduce_groups`, in their order."""
+
+    axis: str
+    replicate_axis: str | None
+    items: list
+
+
+def reduce_groups(items, topo, *, shard: bool = False) -> list[ReduceGroup]:
+    """``items`` (parameters, or (name, parameter) pairs) grouped by where their gradient is
+    reduced, read from each parameter's :class:`Placement`: ``grad_axis`` if a transform set
+    one (experts: "edp"), else the data axis — for a sharding sync (``shard``: ZeRO) the
+    topology's shard axis with HSDP's "dp_replicate" as ``replicate_axis``. The data-axis group
+    first, then the others in order of first appearance; empty groups are left out. No
+    collective (nanotron's ``ShardedInfo``, Megatron's ``allreduce`` attribute)."""
+    default = topo.shard_axis if shard else topo.data_axis
+    rep = "dp_replicate" if shard and getattr(topo, "dp_replicate", 1) > 1 else None
+    groups: dict[tuple, ReduceGroup] = {}
+    for it in items:
+        pl = placement(it[1] if isinstance(it, tuple) else it)
+        key = (pl.grad_axis or default, pl.replicate_axis or (None if pl.grad_axis else rep))
+        groups.setdefault(key, ReduceGroup(key[0], key[1], [])).items.append(it)
+    return sorted(groups.values(), key=lambda g: g.axis != default)
+
+
+@torch.no_grad()
+def broadcast_replicas(params, topo, tag: str = "init") -> None:
+    """Make the replicas of ``params`` identical: per :func:`reduce_groups` group, one coalesced
+    broadcast from index 0 of its axis (expert shards over "edp": each ep rank holds other
+    experts). DTensor parameters (the torch pipeline's TP stages): their local shards."""
+    for g in reduce_groups(list(params), topo):
+        comm.broadcast_coalesced([local(p.data) for p in g.items], topo, g.axis, tag=tag)
+
+
 # -- the global gradient norm ---------------------------------------------------------------------
+NORM_AXES_ORDER = ("tp", "cp", "dp_shard", "dp_replicate", "dp", "dp_cp", "edp", "ep", "pp")
+
+
+@dataclasses.dataclass
+class Held:
+    """The gradient pieces this rank holds for the norm: ``pieces`` (tensor, counted here)
+    pairs (:func:`counted_grads`, or a sharding sync's slices), and ``sliced``: the axes over
+    which each piece is a slice of its gradient (ZeRO / FSDP2: the shard axis; expert slices:
+    "edp"; none for whole gradients)."""
+
+    pieces: list
+    sliced: tuple[str, ...] = ()
+
+    def norm_axes(self, topo) -> tuple[str, ...]:
+        """The mesh axes over which the counted elements differ between ranks, *derived* (no
+        engine declares them), in :data:`NORM_AXES_ORDER`: tp (tp shards differ; a replicated
+        gradient counts on tp index 0 only), every ``sliced`` axis, ep (expert shards differ;
+        dense gradients count on ep index 0 only) unless the data axis is sliced (its ranks are
+        ep × edp: the expert slices are each summed once there, as is "edp"), pp (stages hold
+        different parameters). Axes of size 1 cost nothing (:func:`grad_norm_` skips them)."""
+        if topo is None:
+            return ()
+        axes = {"tp"} | set(self.sliced)
+        if topo.size("ep") > 1:
+            axes.add("ep")
+        if topo.data_axis in axes:  # the data axis spans ep × edp
+            axes -= {"ep", "edp"}
+        if topo.size("pp") > 1:
+            axes.add("pp")
+        return tuple(a for a in NORM_AXES_ORDER if a in axes)
+
+
+def norm_bytes(axes, topo) -> float:
+    """Bytes one rank sends for the norm: one fp64 [1] ring all-reduce per axis of size > 1."""
+    return sum(ring_bytes("all_reduce", 8, topo.size(a)) for a in axes if topo.size(a) > 1)
+
+
 def counted_grads(params, topo, *, skip=()) -> list[tuple[torch.Tensor, bool]]:
     """(this rank's gradient tensor, whether this rank counts it in the norm) for every
     parameter of ``params`` with a gradient, each parameter once. A tp shard counts on every tp
@@ -116,19 +223,38 @@ def counted_grads(params, topo, *, skip=()) -> list[tuple[torch.Tensor, bool]]:
     return out
 
 
+def held_of(params, topo, *, skip=()) -> Held:
+    """:class:`Held` of whole (or DTensor-sharded) gradients: :func:`counted_grads`, and as
+    ``sliced`` every mesh axis but tp on which a DTensor gradient is sharded (FSDP2's dp shards;
+    ``_StridedShard`` is a shard too: any placement neither Replicate nor Partial)."""
+    params = list(dict.fromkeys(params))
+    sliced = []
+    for p in params:
+        g = p.grad
+        if g is not None and is_dtensor(g):
+            for name, pl in zip(g.device_mesh.mesh_dim_names or (), g.placements):
+                if name != "tp" and not (pl.is_replicate() or pl.is_partial()):
+                    sliced.append(name)
+    return Held(counted_grads(params, topo, skip=skip), tuple(dict.fromkeys(sliced)))
+
+
 @torch.no_grad()
-def grad_norm_(held: list[tuple[torch.Tensor, bool]], topo, axes, max_norm: float
+def grad_norm_(held: Held | list[tuple[torch.Tensor, bool]], topo, axes, max_norm: float
                ) -> torch.Tensor:
     """The global L2 norm of the gradient whose pieces this rank holds, clipping in place.
 
-    ``held``: (tensor, counted) pairs (:func:`counted_grads`, or an engine's own slices); every
-    held tensor is scaled, only the counted ones are summed. ``axes``: the mesh axes over which
-    the counted elements differ (e.g. ``("tp", "dp")`` for ZeRO slices of tp shards); one fp64
+    ``held``: a :class:`Held` or its (tensor, counted) pairs (:func:`counted_grads`, or an
+    engine's own slices); every held tensor is scaled, only the counted ones are summed.
+    ``axes``: the mesh axes over which the counted elements differ (None: derived,
+    :meth:`Held.norm_axes`; e.g. ``("tp", "dp")`` for ZeRO slices of tp shards); one fp64
     [1] all-reduce per axis of size > 1, tag ``grad_norm``, in that order. Because each element
     is counted on exactly one rank of those axes, the sum is the whole model's Σ g².
 
     Clipping is ``torch.nn.utils.clip_grad_norm_``'s rule: scale by min(1, max_norm / (norm +
     1e-6)) when ``max_norm`` > 0. Returns the norm before clipping, fp32 []."""
+    if isinstance(held, Held):
+        axes = held.norm_axes(topo) if axes is None else axes
+        held = held.pieces
     tensors = [t for t, _ in held]
     device = tensors[0].device if tensors else (topo.device if topo is not None else "cpu")
     sq = torch.zeros(1, dtype=torch.float64, device=device)
