@@ -7,7 +7,9 @@
   fails on any other edge, and on a pending edge that is gone (so the list only shrinks);
 * no class declares the norm's axes (``def norm_axes`` only in ``params.py``, where
   :meth:`~shardwise.parallel.params.Held.norm_axes` derives them from the held gradients);
-* the reduce dtype table ``REDUCE_DTYPES`` is assigned in exactly one module.
+* the reduce dtype table ``REDUCE_DTYPES`` is assigned in exactly one module;
+* no class registry: no ``__new__`` / ``__init_subclass__`` in ``parallel/`` (ZeRO-3 is built
+  by a call the reader can follow, :func:`shardwise.parallel.zero.zero_data_parallel`).
 
 Each checker is also run on a planted violation (a fake package in ``tmp_path``) and must fail.
 """
@@ -58,13 +60,18 @@ def strategy_edges(pkg_root: Path) -> dict[tuple[str, str], list[str]]:
     return edges
 
 
-def norm_axes_declarations(pkg_root: Path) -> list[str]:
-    """Every ``def norm_axes`` in ``parallel/`` outside ``params.py``."""
+def definitions(pkg_root: Path, names, *, outside: str = "") -> list[str]:
+    """Every ``def`` of one of ``names`` in ``parallel/`` (except in the file ``outside``)."""
     par = pkg_root / "parallel"
     return [f"{f.relative_to(par)}:{n.lineno}" for f in sorted(par.rglob("*.py"))
-            if f.name != "params.py" or f.parent != par
+            if str(f.relative_to(par)) != outside
             for n in ast.walk(ast.parse(f.read_text()))
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == "norm_axes"]
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in names]
+
+
+def norm_axes_declarations(pkg_root: Path) -> list[str]:
+    """Every ``def norm_axes`` in ``parallel/`` outside ``params.py``."""
+    return definitions(pkg_root, ("norm_axes",), outside="params.py")
 
 
 def assignments(pkg_root: Path, name: str) -> list[str]:
@@ -91,6 +98,10 @@ def test_no_class_declares_the_norm_axes():
     assert norm_axes_declarations(SRC) == []
 
 
+def test_no_class_registry():
+    assert definitions(SRC, ("__new__", "__init_subclass__")) == []
+
+
 def test_the_reduce_dtype_table_is_written_once():
     assert assignments(SRC, "REDUCE_DTYPES") == ["parallel/params.py"]
 
@@ -108,7 +119,9 @@ def test_planted_violations_fail(tmp_path):
         "def f():\n    from ..dp import GradBuckets\n"  # lazy, still an edge
         "import shardwise.parallel.tp.dtensor\nfrom ..params import Held\n")
     (pkg / "parallel" / "tp" / "b.py").write_text(
-        "REDUCE_DTYPES = {}\nclass E:\n    def norm_axes(self):\n        return ('tp',)\n")
+        "REDUCE_DTYPES = {}\nclass E:\n    def norm_axes(self):\n        return ('tp',)\n"
+        "    def __new__(cls):\n        return super().__new__(cls)\n")
     assert set(strategy_edges(pkg)) == {("zero", "dp"), ("zero", "tp")}
     assert norm_axes_declarations(pkg) == ["tp/b.py:3"]
+    assert definitions(pkg, ("__new__", "__init_subclass__")) == ["tp/b.py:5"]
     assert assignments(pkg, "REDUCE_DTYPES") == ["parallel/params.py", "parallel/tp/b.py"]

@@ -119,9 +119,9 @@ def dp_sync(model: nn.Module, topo, layout: Layout, engine: str, *, bucket_mb: f
 
     Options as :func:`parallelize`. No checks here: :meth:`Layout.check` ran before."""
     if engine == "explicit" and layout.zero:
-        from .zero import ZeroDataParallel
+        from .zero import zero_data_parallel
 
-        return ZeroDataParallel(model, topo, layout.zero, prefetch=prefetch,
+        return zero_data_parallel(model, topo, layout.zero, prefetch=prefetch,
                                 reshard_after_forward=reshard_after_forward, overlap=overlap,
                                 reduce_dtype=reduce_dtype)
     if engine == "explicit":

@@ -68,12 +68,10 @@ def split_experts(named_units, topo) -> list[tuple[str, nn.Module, list, str]]:
             for name, mod, named in named_units for g in reduce_groups(named, topo, shard=True)]
 
 # -- the engine -----------------------------------------------------------------------------------
-_BY_STAGE: dict[int, type] = {}  # stage → subclass (ZeRO-3: .zero3, registered on import)
-
-
 class ZeroDataParallel(Engine):
-    """ZeRO ``stage`` ∈ {1, 2} over ``topo``'s "dp" axis (module docstring); ``stage=3`` builds
-    :class:`.zero3.Zero3DataParallel`, which overrides the hooks below.
+    """ZeRO ``stage`` ∈ {1, 2} over ``topo``'s "dp" axis (module docstring); ZeRO-3 is the
+    subclass :class:`.zero3.Zero3DataParallel`, which overrides the hooks below
+    (:func:`~shardwise.parallel.zero.zero_data_parallel` picks the class by stage).
 
     ``module``: the plain model (each unit's flat buffer, a :class:`.flat.FlatShards`, is
     broadcast from dp index 0: ledger phase ``init``). ``units``: FQNs of the unit submodules
@@ -93,17 +91,6 @@ class ZeroDataParallel(Engine):
     """
 
     keeps_full_params = True  # ``u.full`` always holds the whole parameters (not ZeRO-3)
-
-    def __init_subclass__(cls, stage: int | None = None, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if stage is not None:
-            _BY_STAGE[stage] = cls
-
-    def __new__(cls, *args, **kwargs):  # ZeroDataParallel(module, topo, 3) → the ZeRO-3 class
-        stage = kwargs.get("stage", args[2] if len(args) > 2 else None)
-        if cls is ZeroDataParallel and stage in _BY_STAGE:
-            cls = _BY_STAGE[stage]
-        return super().__new__(cls)
 
     def __init__(self, module: nn.Module, topo, stage: int, *, units: list[str] | None = None,
                  prefetch: bool = True, reshard_after_forward: bool = True, overlap: bool = True,
