@@ -89,7 +89,7 @@ class FSDP2Sync(Engine):
 
     def named_params(self):
         """Resharded first (:meth:`_reshard`): the DTensor shards, which the base engine's
-        full-shape views gather over the (dp, tp) mesh (:func:`.params.to_full`)."""
+        full-shape views gather over the (dp, tp) mesh (:func:`.views.to_full`)."""
         self._reshard()
         return super().named_params()
 

@@ -33,7 +33,7 @@ A strategy changes the shared rules only through small hooks: ``loss_sum`` / ``b
 ``backward_context`` / ``begin_forward_backward`` (the micro-batch loop), ``held_grads`` /
 ``norm_axes`` (what the norm counts and over which axes it sums), and ``named_params`` /
 ``dp_parameters`` / ``dp_gradients`` / ``dp_optimizer_state`` / ``dp_load_optimizer_state`` (the
-dp part of a full-shape view; the tp part is :func:`.params.to_full` / :func:`.params.to_local`,
+dp part of a full-shape view; the tp part is :func:`.views.to_full` / :func:`.views.to_local`,
 which read each parameter's placement: "dp first, then tp", once).
 """
 
@@ -46,7 +46,8 @@ from torch import nn
 
 from ..models import loss_sum_and_count
 from .params import (Held, grad_norm_, held_of, grads_or_zeros, local, local_state_bytes,
-                     sum_coalesced_, to_full, to_local, tp_sharded)
+                     sum_coalesced_, tp_sharded)
+from .views import to_full, to_local
 
 
 def autocast(dtype: str, device: torch.device):
@@ -247,14 +248,14 @@ class Engine(nn.Module):
                                        getattr(self, "topo", None), self._views_cache())))
 
     def _views_cache(self) -> dict:
-        """Element positions of DTensor layouts for :func:`.params.to_full`, kept per engine."""
+        """Element positions of DTensor layouts for :func:`.views.to_full`, kept per engine."""
         if "_full_cache" not in self.__dict__:
             self.__dict__["_full_cache"] = {}
         return self.__dict__["_full_cache"]
 
     def named_full_parameters(self) -> dict[str, torch.Tensor]:
         """{FQN of the plain model: full-shape parameter} for the parameters this rank holds:
-        :meth:`dp_parameters` (whole over dp), then :func:`.params.to_full` over tp. Collective
+        :meth:`dp_parameters` (whole over dp), then :func:`.views.to_full` over tp. Collective
         wherever the parameters are sharded (every rank of those axes calls it)."""
         return self._full_named(self.dp_parameters())
 
@@ -265,7 +266,7 @@ class Engine(nn.Module):
     def full_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
         """{FQN of the plain model: {state key: tensor}} for the parameters this rank holds:
         AdamW's ``exp_avg``/``exp_avg_sq`` in the parameter's *full* shape (dp part by
-        :meth:`dp_optimizer_state`, tp part by :func:`.params.to_full`, as the parameters) and
+        :meth:`dp_optimizer_state`, tp part by :func:`.views.to_full`, as the parameters) and
         its ``step``. Parameters with no state yet are absent. Collective wherever
         :meth:`named_full_parameters` is."""
         local = self.dp_optimizer_state(optimizer)
@@ -287,7 +288,7 @@ class Engine(nn.Module):
     def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
         """Set ``optimizer``'s state from :meth:`full_optimizer_state`'s form (possibly saved
         under another layout): each tensor is cut to this rank's tp shard
-        (:func:`.params.to_local`), then to its dp slice (:meth:`dp_load_optimizer_state`). No
+        (:func:`.views.to_local`), then to its dp slice (:meth:`dp_load_optimizer_state`). No
         collective. Raises ``KeyError`` naming the FQNs this rank's parameters need but
         ``state`` lacks, ``ValueError`` for a tensor whose shape is not its parameter's."""
         named = self.named_params()

@@ -9,8 +9,8 @@ that every layout needs then read that record instead of being rewritten per eng
   something (tag ``grad_norm``; the engine names the axes).
 * :func:`sum_coalesced_` — one flat all-reduce of a list of tensors, in place: the SP sum of the
   norm weights' partial gradients over tp (whole, or the pieces of a ZeRO slice).
-* :func:`to_full` / :func:`to_local` — a tensor shaped like a parameter's tp shard ⇄ the full
-  (unpadded) shape, for parity checks and layout-free checkpoints.
+* the full-shape views that read the same record live in :mod:`.views` (``to_full`` /
+  ``to_local``).
 * :func:`local` / :func:`is_dtensor` / :func:`tp_sharded` — what this rank holds of a tensor.
 * :func:`reduce_torch_dtype` / :func:`reduce_bytes` — the reduce dtype table, once.
 
@@ -29,7 +29,6 @@ from torch import nn
 from .. import comm
 from ..comm.ledger import ring_bytes
 from ..errors import ShardwiseConfigError
-from .dtensor_full import full_tensors
 
 
 # -- the dtype gradients are reduced in: the one table --------------------------------------------
@@ -298,119 +297,6 @@ def grads_or_zeros(params) -> list[torch.Tensor]:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     return [local(p.grad) for p in params]
-
-
-# -- full shape ⇄ this rank's tp shard ------------------------------------------------------------
-def shard_of(full: torch.Tensor, dim: int, topo, padded: int | None = None) -> torch.Tensor:
-    """This tp rank's contiguous chunk of a full tensor along ``dim`` (zero-padded to
-    ``padded`` first), a copy: how TP cuts a plain weight into the shard it keeps. No
-    collective."""
-    n, i = topo.size("tp"), topo.index("tp")
-    full = full.detach()
-    if padded is not None and padded > full.shape[dim]:
-        pad_shape = list(full.shape)
-        pad_shape[dim] = padded - full.shape[dim]
-        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
-    k = full.shape[dim] // n
-    return full.narrow(dim, i * k, k).clone()
-
-
-def full_shape(p) -> tuple[int, ...]:
-    """The full (unpadded) shape of the tensor whose tp shard ``p`` is (a DTensor knows it)."""
-    if is_dtensor(p):
-        return tuple(p.shape)
-    shape, pl = list(p.shape), placement(p)
-    if pl.tp_dim is not None:
-        shape[pl.tp_dim] = pl.tp_full
-    if pl.ep_full is not None:
-        shape[0] = pl.ep_full
-    return tuple(shape)
-
-
-def to_local(full: torch.Tensor, p: nn.Parameter, topo) -> torch.Tensor:
-    """The inverse of :func:`to_full`: this rank's part of a full-shape tensor shaped like
-    parameter ``p`` (its tp shard, zero padding where ``p`` is padded; a DTensor cut like ``p``
-    with ``distribute_tensor(..., src_data_rank=None)``, local slicing), on ``p``'s device and
-    dtype. No collective. Raises ``ValueError`` when ``full`` is not ``p``'s full shape."""
-    if tuple(full.shape) != full_shape(p):
-        raise ValueError(f"a tensor of shape {tuple(full.shape)} for a parameter of full shape "
-                         f"{full_shape(p)}: saved from another model?")
-    full = full.detach().to(p.device, p.dtype)
-    if is_dtensor(p):
-        from torch.distributed.tensor import distribute_tensor
-
-        return distribute_tensor(full.clone(), p.device_mesh, p.placements, src_data_rank=None)
-    pl = placement(p)
-    if pl.ep_full is not None:  # this ep rank's experts (never tp-split)
-        per = pl.ep_full // topo.size("ep")
-        return full.narrow(0, topo.index("ep") * per, per).clone()
-    if pl.tp_dim is None:
-        return full.clone()
-    return shard_of(full, pl.tp_dim, topo, padded=p.shape[pl.tp_dim] * topo.size("tp"))
-
-
-def to_full(pairs: list[tuple[torch.Tensor, nn.Parameter]], topo,
-            cache: dict | None = None) -> list[torch.Tensor]:
-    """Full-shape copies of tensors ``t`` shaped like their parameter ``p``'s tp shard: a shard
-    ``[.., V_pad/n, ..]`` (split on ``placement(p).tp_dim``) becomes ``[.., V, ..]`` with the
-    padding cut; a tensor of a replicated parameter is copied; DTensors (the PyTorch engines)
-    are gathered over their mesh by :func:`.dtensor_full.full_tensors` (``cache``: its element
-    positions per layout, kept by the caller).
-
-    One all_gather over tp per dtype for the whole list (phase ``"gather"``, tag ``"gather"``,
-    outside the step's bytes): each rank concatenates its shards, each moved to put the sharded
-    dim first and flattened, into ``[Σ numel]``; the gather gives ``[n, Σ numel]``, and a
-    tensor's columns of every rank's row, stacked in rank order on the sharded dim, are the full
-    tensor. Collective over tp when any tensor is sharded: every tp rank passes the same
-    parameters in the same order. Expert shards (``placement(p).ep_full``) are gathered the same
-    way over "ep" (one all_gather for all, phase ``"gather"``): rank order on dim 0."""
-    n = topo.size("tp") if topo is not None else 1
-    out: list = [None] * len(pairs)
-    experts = [i for i, (t, p) in enumerate(pairs) if not is_dtensor(t) and ep_sharded(p)]
-    if experts and topo.size("ep") > 1:
-        for i, t in zip(experts, _gather_dim0([pairs[i][0] for i in experts], topo, "ep")):
-            out[i] = t
-    dtensors = [i for i, (t, _) in enumerate(pairs) if is_dtensor(t)]
-    if dtensors:
-        for i, t in zip(dtensors, full_tensors([pairs[i][0] for i in dtensors], topo, cache)):
-            out[i] = t
-    by_dtype: dict = {}
-    for i, (t, p) in enumerate(pairs):
-        if out[i] is not None:
-            continue
-        if n > 1 and placement(p).tp_dim is not None:
-            by_dtype.setdefault(t.dtype, []).append(i)
-        else:
-            out[i] = t.detach().clone()
-    for idx in by_dtype.values():
-        shards = [pairs[i][0].detach().movedim(placement(pairs[i][1]).tp_dim, 0).contiguous()
-                  for i in idx]
-        flat = torch.cat([s.reshape(-1) for s in shards])  # [Σ numel]
-        rows = flat.new_empty(n * flat.numel())
-        with topo.ledger.phase("gather"):
-            comm.all_gather(rows, flat, topo, "tp", tag="gather")
-        rows, start = rows.view(n, -1), 0  # [n, Σ numel]
-        for i, s in zip(idx, shards):
-            pl = placement(pairs[i][1])
-            whole = rows[:, start:start + s.numel()].reshape(n * s.shape[0], *s.shape[1:])
-            out[i] = whole[: pl.tp_full].movedim(0, pl.tp_dim).contiguous()
-            start += s.numel()
-    return out
-
-
-def _gather_dim0(tensors: list[torch.Tensor], topo, axis: str) -> list[torch.Tensor]:
-    """Each tensor [k, ...] gathered over ``axis`` into [n·k, ...] in rank order: one all_gather
-    of their concatenation (one dtype; phase ``"gather"``, tag ``"gather"``)."""
-    n = topo.size(axis)
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    rows = flat.new_empty(n * flat.numel())
-    with topo.ledger.phase("gather"):
-        comm.all_gather(rows, flat, topo, axis, tag="gather")
-    rows, start, out = rows.view(n, -1), 0, []
-    for t in tensors:
-        out.append(rows[:, start:start + t.numel()].reshape(n * t.shape[0], *t.shape[1:]))
-        start += t.numel()
-    return out
 
 
 def local_state_bytes(params, optimizer=None) -> dict[str, int]:

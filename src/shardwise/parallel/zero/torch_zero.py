@@ -236,7 +236,7 @@ class TorchZero(Engine):
         """{FQN: {"step", "exp_avg", "exp_avg_sq"}} whole over dp, on every dp rank.
 
         FSDP2: the AdamW state is DTensors sharded like the parameters, left as they are (the
-        base engine's full-shape view gathers them, :func:`..params.to_full`). Stage 1: ZeroRedundancyOptimizer keeps a
+        base engine's full-shape view gathers them, :func:`..views.to_full`). Stage 1: ZeroRedundancyOptimizer keeps a
         parameter's state only on its owner rank, so the owner broadcasts it over dp
         (``comm.broadcast``, phase ``checkpoint``, tag ``optim_state``: one packed fp32 tensor
         [1 + 1 + 2·numel] = (has-state flag, step, exp_avg, exp_avg_sq) per parameter).
