@@ -32,7 +32,7 @@ from shardwise.models.llama import Llama
 from shardwise.models.mlp import MLPConfig, StackedMLP
 from shardwise.parallel.apply import Layout, parallelize
 from shardwise.parallel.zero import TorchZero
-from shardwise.parallel.zero import ZeroDataParallel
+from shardwise.parallel.zero import Zero3DataParallel
 from shardwise.topology import Topology, init_distributed
 from shardwise.train.optim import build_optimizer
 from shardwise.train.step import train_step
@@ -107,7 +107,7 @@ def rank_dependent_2d(out, topo, rank, engine):
 
 
 def _wrap(model, topo, engine):
-    return ZeroDataParallel(model, topo, 3) if engine == "explicit" else TorchZero(model, topo, 3)
+    return Zero3DataParallel(model, topo, 3) if engine == "explicit" else TorchZero(model, topo, 3)
 
 
 def _batches(work, sampler, dp):

@@ -18,7 +18,7 @@ from shardwise.config import TrainConfig
 from shardwise.errors import ShardwiseConfigError
 from shardwise.models import build_model
 from shardwise.parallel.zero import TorchZero
-from shardwise.parallel.zero import ZeroDataParallel
+from shardwise.parallel.zero import ZeroDataParallel, zero_data_parallel
 from shardwise.topology import Topology, init_distributed
 from shardwise.train.optim import build_optimizer
 from shardwise.train.step import train_step
@@ -76,8 +76,8 @@ def run_case(out, topo, rank, model, stage, dp, engine, accum, prefetch, reshard
     work = workload(model)
     plain = make_model(model)
     if engine == "explicit":
-        wrapped = ZeroDataParallel(plain, topo, stage, prefetch=prefetch,
-                                   reshard_after_forward=reshard, overlap=overlap)
+        wrapped = zero_data_parallel(plain, topo, stage, prefetch=prefetch,
+                                     reshard_after_forward=reshard, overlap=overlap)
     else:
         wrapped = TorchZero(plain, topo, stage)
     opt = build_optimizer(wrapped, TrainConfig(lr=LR, weight_decay=0.1))
@@ -142,9 +142,9 @@ def error_cases(out, rank):
         msgs["explicit_dp1"] = _catch(lambda: ZeroDataParallel(make_model("tiny"), one, 2))
         msgs["torch_dp1"] = _catch(lambda: TorchZero(make_model("tiny"), one, 3))
     if two.member:
-        msgs["split_tied"] = _catch(lambda: ZeroDataParallel(
+        msgs["split_tied"] = _catch(lambda: zero_data_parallel(
             make_model("tiny"), two, 3, units=["tok_embeddings", "output"]))
-        msgs["bad_unit"] = _catch(lambda: ZeroDataParallel(make_model("tiny"), two, 3,
+        msgs["bad_unit"] = _catch(lambda: zero_data_parallel(make_model("tiny"), two, 3,
                                                            units=["layers.9"]))
         msgs["nested"] = _catch(lambda: ZeroDataParallel(make_model("tiny"), two, 1,
                                                          units=["layers", "layers.0"]))

@@ -119,9 +119,9 @@ def dp_sync(model: nn.Module, topo, layout: Layout, engine: str, *, bucket_mb: f
 
     Options as :func:`parallelize`. No checks here: :meth:`Layout.check` ran before."""
     if engine == "explicit" and layout.zero:
-        from .zero import ZeroDataParallel
+        from .zero import zero_data_parallel
 
-        return ZeroDataParallel(model, topo, layout.zero, prefetch=prefetch,
+        return zero_data_parallel(model, topo, layout.zero, prefetch=prefetch,
                                 reshard_after_forward=reshard_after_forward, overlap=overlap,
                                 reduce_dtype=reduce_dtype)
     if engine == "explicit":
@@ -130,9 +130,12 @@ def dp_sync(model: nn.Module, topo, layout: Layout, engine: str, *, bucket_mb: f
         return DataParallel(model, topo, bucket_mb=bucket_mb, overlap=overlap,
                             reduce_dtype=reduce_dtype)
     if layout.cp > 1:  # torch's context_parallel with DDP over dp × cp (CUDA only)
-        from .cp.torch_cp import TorchContextParallel
+        from .cp.torch_cp import step_context
+        from .dp import TorchDataParallel
 
-        return TorchContextParallel(model, topo, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
+        dp = TorchDataParallel(model, topo, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
+        dp.step_context = step_context(topo)  # each step inside torch's context_parallel
+        return dp
     if layout.tp > 1:
         from .compose_torch import fsdp2_over_tp
 

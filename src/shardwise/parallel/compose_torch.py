@@ -29,11 +29,8 @@ from torch import nn
 from ..comm.ledger import ring_bytes
 from ..models.llama import Llama, TransformerBlock
 from .engine import Engine
-from .params import is_dtensor as _is_dtensor, local as _local
+from .params import is_dtensor as _is_dtensor, local as _local, reduce_bytes
 from .zero.torch_zero import apply_fsdp
-
-REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
 
 class FSDP2Sync(Engine):
     """The dp part of dp × tp on the torch engine: PyTorch's FSDP2 (``fully_shard``, zero ≥ 1)
@@ -90,14 +87,9 @@ class FSDP2Sync(Engine):
                     pl.is_partial() for pl in p.grad.placements):
                 raise RuntimeError(f"gradient of {n} still Partial {p.grad.placements}")
 
-    def norm_axes(self) -> tuple[str, ...]:
-        """FSDP2 (zero ≥ 1): every gradient is a dp shard (HSDP: a dp_shard shard, equal on
-        the replicas); ``replicate``: whole over dp."""
-        return (self.topo.shard_axis,) if self.zero else ()
-
     def named_params(self):
         """Resharded first (:meth:`_reshard`): the DTensor shards, which the base engine's
-        full-shape views gather over the (dp, tp) mesh (:func:`.params.to_full`)."""
+        full-shape views gather over the (dp, tp) mesh (:func:`.views.to_full`)."""
         self._reshard()
         return super().named_params()
 
@@ -147,7 +139,7 @@ class FSDP2Sync(Engine):
         vocabulary (each rank's own shard sizes are used)."""
         n = self.topo.size(self.topo.shard_axis)  # HSDP: the shard group
         f = (n - 1) / n
-        b_r = torch.finfo(REDUCE_DTYPES[self.reduce_dtype]).bits // 8
+        b_r = reduce_bytes(self.reduce_dtype)
         names = [nm for nm, _ in self.module.named_parameters()]
         psi = self._padded_local_numel(names)
         if self.zero == 0:

@@ -33,7 +33,7 @@ A strategy changes the shared rules only through small hooks: ``loss_sum`` / ``b
 ``backward_context`` / ``begin_forward_backward`` (the micro-batch loop), ``held_grads`` /
 ``norm_axes`` (what the norm counts and over which axes it sums), and ``named_params`` /
 ``dp_parameters`` / ``dp_gradients`` / ``dp_optimizer_state`` / ``dp_load_optimizer_state`` (the
-dp part of a full-shape view; the tp part is :func:`.params.to_full` / :func:`.params.to_local`,
+dp part of a full-shape view; the tp part is :func:`.views.to_full` / :func:`.views.to_local`,
 which read each parameter's placement: "dp first, then tp", once).
 """
 
@@ -45,8 +45,9 @@ import torch
 from torch import nn
 
 from ..models import loss_sum_and_count
-from .params import (counted_grads, grad_norm_, grads_or_zeros, local, local_state_bytes,
-                     sum_coalesced_, to_full, to_local, tp_sharded)
+from .params import (Held, grad_norm_, held_of, grads_or_zeros, local, local_state_bytes,
+                     sum_coalesced_, tp_sharded)
+from .views import to_full, to_local
 
 
 def autocast(dtype: str, device: torch.device):
@@ -57,11 +58,20 @@ def autocast(dtype: str, device: torch.device):
 
 
 class Engine(nn.Module):
-    """Base class: a replicated model whose micro-batches run one after another on this rank."""
+    """Base class: a replicated model whose micro-batches run one after another on this rank.
+    ``step_context``: None, or local sequence length → the context every step's micro-batches
+    and every evaluation run in (torch's ``context_parallel``: :func:`.cp.torch_cp.step_context`)."""
+
+    step_context = None
 
     def __init__(self, module: nn.Module):
         super().__init__()
         self.module = module
+
+    def _step_context(self, batch: dict):
+        if self.step_context is None:
+            return contextlib.nullcontext()
+        return self.step_context(batch["input_ids"].shape[1])
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -94,7 +104,7 @@ class Engine(nn.Module):
         device = next(self.module.parameters()).device
         loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
         self.begin_forward_backward()
-        with self.booking():
+        with self._step_context(microbatches[0]), self.booking():
             for i, mb in enumerate(microbatches):
                 mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
                 with self.sync_gradients(i == len(microbatches) - 1):
@@ -161,18 +171,13 @@ class Engine(nn.Module):
         """The global gradient L2 norm, every element of the model counted once, clipping to
         ``max_norm`` if > 0 (:func:`.params.grad_norm_` over :meth:`held_grads` and
         :meth:`norm_axes`). Returns the norm before clipping, fp32 []."""
-        return grad_norm_(self.held_grads(), getattr(self, "topo", None), self.norm_axes(),
-                          max_norm)
+        return grad_norm_(self.held_grads(), getattr(self, "topo", None), None, max_norm)
 
-    def held_grads(self) -> list[tuple[torch.Tensor, bool]]:
-        """(gradient tensor this rank holds, counted here) pairs (:func:`.params.counted_grads`
-        of the module's parameters; ZeRO: its slices)."""
-        return counted_grads(self.module.parameters(), getattr(self, "topo", None))
-
-    def norm_axes(self) -> tuple[str, ...]:
-        """Mesh axes over which the counted gradient elements differ between ranks (replicated
-        DP: none; TP: tp; ZeRO: dp; …): the norm's squared sum is all-reduced over each."""
-        return ()
+    def held_grads(self) -> Held:
+        """The gradient pieces this rank holds, each with whether it counts here
+        (:func:`.params.held_of` the module's parameters; ZeRO: its slices); the norm's axes
+        are derived from them (:meth:`.params.Held.norm_axes`), never declared per engine."""
+        return held_of(self.module.parameters(), getattr(self, "topo", None))
 
     def make_optimizer(self, param_groups: list[dict], **adamw) -> torch.optim.Optimizer:
         """AdamW over ``param_groups`` (parameters of ``self.module``) with ``adamw`` kwargs
@@ -183,7 +188,8 @@ class Engine(nn.Module):
     def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss sum, counted items) of ``batch`` — for evaluation (call under no_grad): the
         language-model loss, without a mixture of experts' aux losses."""
-        return loss_sum_and_count(self, batch, aux=False)
+        with self._step_context(batch):
+            return loss_sum_and_count(self, batch, aux=False)
 
     @contextlib.contextmanager
     def full_model(self):
@@ -242,14 +248,14 @@ class Engine(nn.Module):
                                        getattr(self, "topo", None), self._views_cache())))
 
     def _views_cache(self) -> dict:
-        """Element positions of DTensor layouts for :func:`.params.to_full`, kept per engine."""
+        """Element positions of DTensor layouts for :func:`.views.to_full`, kept per engine."""
         if "_full_cache" not in self.__dict__:
             self.__dict__["_full_cache"] = {}
         return self.__dict__["_full_cache"]
 
     def named_full_parameters(self) -> dict[str, torch.Tensor]:
         """{FQN of the plain model: full-shape parameter} for the parameters this rank holds:
-        :meth:`dp_parameters` (whole over dp), then :func:`.params.to_full` over tp. Collective
+        :meth:`dp_parameters` (whole over dp), then :func:`.views.to_full` over tp. Collective
         wherever the parameters are sharded (every rank of those axes calls it)."""
         return self._full_named(self.dp_parameters())
 
@@ -260,7 +266,7 @@ class Engine(nn.Module):
     def full_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
         """{FQN of the plain model: {state key: tensor}} for the parameters this rank holds:
         AdamW's ``exp_avg``/``exp_avg_sq`` in the parameter's *full* shape (dp part by
-        :meth:`dp_optimizer_state`, tp part by :func:`.params.to_full`, as the parameters) and
+        :meth:`dp_optimizer_state`, tp part by :func:`.views.to_full`, as the parameters) and
         its ``step``. Parameters with no state yet are absent. Collective wherever
         :meth:`named_full_parameters` is."""
         local = self.dp_optimizer_state(optimizer)
@@ -282,7 +288,7 @@ class Engine(nn.Module):
     def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
         """Set ``optimizer``'s state from :meth:`full_optimizer_state`'s form (possibly saved
         under another layout): each tensor is cut to this rank's tp shard
-        (:func:`.params.to_local`), then to its dp slice (:meth:`dp_load_optimizer_state`). No
+        (:func:`.views.to_local`), then to its dp slice (:meth:`dp_load_optimizer_state`). No
         collective. Raises ``KeyError`` naming the FQNs this rank's parameters need but
         ``state`` lacks, ``ValueError`` for a tensor whose shape is not its parameter's."""
         named = self.named_params()

@@ -132,7 +132,7 @@ class Layout:
            cp > 1: a known method, and not the torch engine on CPU (:func:`~.cp.validate_cp`);
            the torch engine's cp is dp × cp only (DDP inside torch's ``context_parallel``).
         2. the topology's degrees;
-        3. the reduce dtype: fp32 or bf16 (:func:`~.dp.reduce_torch_dtype`);
+        3. the reduce dtype: fp32 or bf16 (:func:`~.params.reduce_torch_dtype`);
         4. the model: cp > 1 needs a Llama-style model without dropout and ``seq_len``
            divisible by 2·cp (:func:`~.cp.validate_cp`); tp > 1 needs a Llama-style model whose
            heads, kv heads, d_ff (and, with SP, ``seq_len``/cp) tp divides
@@ -141,7 +141,7 @@ class Layout:
            (:func:`~.pp.split.validate_pp`); an MoE model in a pipeline needs the explicit
            engine (:func:`~.pp.split.validate_pp_moe`)."""
         from .cp import validate_cp
-        from .dp import reduce_torch_dtype
+        from .params import reduce_torch_dtype
         from .ep import validate_ep
         from .tp import validate_tp
         from .zero import validate_zero

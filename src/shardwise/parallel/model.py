@@ -72,13 +72,10 @@ class ParallelModel(Engine):
         if self.sp:
             self.dp.sum_replicated_grads()
 
-    def held_grads(self) -> list[tuple[torch.Tensor, bool]]:
+    def held_grads(self):
+        """dp's pieces (ZeRO slices, FSDP2 shards, whole gradients); tp, which splits them, is
+        among the derived norm axes (:meth:`.params.Held.norm_axes`)."""
         return self.dp.held_grads()
-
-    def norm_axes(self) -> tuple[str, ...]:
-        """dp's axes (ZeRO slices: tp then dp; FSDP2 shards: dp) and tp, which splits the shards."""
-        axes = self.dp.norm_axes()
-        return axes if "tp" in axes else axes + ("tp",)
 
     def make_optimizer(self, param_groups: list[dict], **adamw) -> torch.optim.Optimizer:
         return self.dp.make_optimizer(param_groups, **adamw)

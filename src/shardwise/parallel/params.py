@@ -9,9 +9,10 @@ that every layout needs then read that record instead of being rewritten per eng
   something (tag ``grad_norm``; the engine names the axes).
 * :func:`sum_coalesced_` — one flat all-reduce of a list of tensors, in place: the SP sum of the
   norm weights' partial gradients over tp (whole, or the pieces of a ZeRO slice).
-* :func:`to_full` / :func:`to_local` — a tensor shaped like a parameter's tp shard ⇄ the full
-  (unpadded) shape, for parity checks and layout-free checkpoints.
+* the full-shape views that read the same record live in :mod:`.views` (``to_full`` /
+  ``to_local``).
 * :func:`local` / :func:`is_dtensor` / :func:`tp_sharded` — what this rank holds of a tensor.
+* :func:`reduce_torch_dtype` / :func:`reduce_bytes` — the reduce dtype table, once.
 
 Sources: Megatron-LM's ``tensor_model_parallel`` attribute and nanotron's ``NanotronParameter``
 (metadata on the parameter); torchtitan's one ``clip_grad_norm_`` for every layout (it reads
@@ -26,20 +27,49 @@ import torch
 from torch import nn
 
 from .. import comm
-from .dtensor_full import full_tensors
+from ..comm.ledger import ring_bytes
+from ..errors import ShardwiseConfigError
+
+
+# -- the dtype gradients are reduced in: the one table --------------------------------------------
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def reduce_torch_dtype(reduce_dtype: str) -> torch.dtype:
+    """The torch dtype gradients are reduced in over dp: "fp32" (exact sums of fp32 gradients)
+    or "bf16" (each rank rounds its local gradient to bf16, the sum is formed in bf16 and cast
+    back to fp32: half the bytes for 8 mantissa bits instead of 24 — PyTorch FSDP's
+    ``MixedPrecision(reduce_dtype=torch.bfloat16)``, Megatron-LM's ``--grad-reduce-in-bf16``).
+    Raises :class:`ShardwiseConfigError` otherwise."""
+    if reduce_dtype not in REDUCE_DTYPES:
+        # the one place this rule is written (Layout.check and the engines call it)
+        raise ShardwiseConfigError(f"--reduce-dtype {reduce_dtype!r}: choose fp32 or bf16 (the "
+                                   "dtype gradients are reduced in over dp)")
+    return REDUCE_DTYPES[reduce_dtype]
+
+
+def reduce_bytes(reduce_dtype: str) -> int:
+    """Bytes per gradient element on the wire when reduced in ``reduce_dtype`` (fp32 4, bf16 2):
+    the b_r of every dp, ZeRO, FSDP2 and pipeline formula."""
+    return torch.finfo(reduce_torch_dtype(reduce_dtype)).bits // 8
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """How a parameter is split over tp and ep. ``tp_dim``: this rank holds a contiguous 1/tp
-    chunk of the full tensor along this dim (None: replicated over tp); ``tp_full``: the full
-    tensor's size along ``tp_dim`` without padding (the vocabulary is padded to a multiple of
-    tp). ``ep_full``: an expert weight stacked on dim 0 of which this rank holds a contiguous
-    1/ep (``ep_full`` experts in all; None: not split over ep)."""
+    """How a parameter is split over tp and ep, and where its gradient is summed. ``tp_dim``:
+    this rank holds a contiguous 1/tp chunk of the full tensor along this dim (None: replicated
+    over tp); ``tp_full``: the full tensor's size along ``tp_dim`` without padding (the
+    vocabulary is padded to a multiple of tp). ``ep_full``: an expert weight stacked on dim 0 of
+    which this rank holds a contiguous 1/ep (``ep_full`` experts in all; None: not split over
+    ep). ``grad_axis``: the mesh axis its gradient is summed over (None: the topology's data
+    axis; expert shards: "edp", the ranks holding the same experts); ``replicate_axis``: an axis
+    over which a sharded gradient is then all-reduced (HSDP: "dp_replicate"; None: none)."""
 
     tp_dim: int | None = None
     tp_full: int | None = None
     ep_full: int | None = None
+    grad_axis: str | None = None
+    replicate_axis: str | None = None
 
 
 REPLICATED = Placement()
@@ -52,10 +82,11 @@ def mark_tp_shard(p: nn.Parameter, dim: int, full_size: int) -> nn.Parameter:
     return p
 
 
-def mark_ep_shard(p: nn.Parameter, n_experts: int) -> nn.Parameter:
+def mark_ep_shard(p: nn.Parameter, n_experts: int, grad_axis: str = "edp") -> nn.Parameter:
     """Record on ``p`` that it holds this ep rank's contiguous 1/ep of ``n_experts`` stacked
-    experts (dim 0); returns ``p``."""
-    p.placement = dataclasses.replace(placement(p), ep_full=n_experts)
+    experts (dim 0), its gradient summed over ``grad_axis`` (the expert-data-parallel ranks,
+    which hold the same experts); returns ``p``."""
+    p.placement = dataclasses.replace(placement(p), ep_full=n_experts, grad_axis=grad_axis)
     return p
 
 
@@ -94,7 +125,82 @@ def tp_sharded(t) -> bool:
     return placement(t).tp_dim is not None
 
 
+# -- where gradients are reduced: groups read from the placements --------------------------------
+@dataclasses.dataclass
+class ReduceGroup:
+    """Parameters whose gradients are summed over the same mesh ``axis`` (and then, sharded,
+    all-reduced over ``replicate_axis``, HSDP); ``items``: the parameters (or (name, parameter)
+    pairs) as given to :func:`reduce_groups`, in their order."""
+
+    axis: str
+    replicate_axis: str | None
+    items: list
+
+
+def reduce_groups(items, topo, *, shard: bool = False) -> list[ReduceGroup]:
+    """``items`` (parameters, or (name, parameter) pairs) grouped by where their gradient is
+    reduced, read from each parameter's :class:`Placement`: ``grad_axis`` if a transform set
+    one (experts: "edp"), else the data axis — for a sharding sync (``shard``: ZeRO) the
+    topology's shard axis with HSDP's "dp_replicate" as ``replicate_axis``. The data-axis group
+    first, then the others in order of first appearance; empty groups are left out. No
+    collective (nanotron's ``ShardedInfo``, Megatron's ``allreduce`` attribute)."""
+    default = topo.shard_axis if shard else topo.data_axis
+    rep = "dp_replicate" if shard and getattr(topo, "dp_replicate", 1) > 1 else None
+    groups: dict[tuple, ReduceGroup] = {}
+    for it in items:
+        pl = placement(it[1] if isinstance(it, tuple) else it)
+        key = (pl.grad_axis or default, pl.replicate_axis or (None if pl.grad_axis else rep))
+        groups.setdefault(key, ReduceGroup(key[0], key[1], [])).items.append(it)
+    return sorted(groups.values(), key=lambda g: g.axis != default)
+
+
+@torch.no_grad()
+def broadcast_replicas(params, topo, tag: str = "init") -> None:
+    """Make the replicas of ``params`` identical: per :func:`reduce_groups` group, one coalesced
+    broadcast from index 0 of its axis (expert shards over "edp": each ep rank holds other
+    experts). DTensor parameters (the torch pipeline's TP stages): their local shards."""
+    for g in reduce_groups(list(params), topo):
+        comm.broadcast_coalesced([local(p.data) for p in g.items], topo, g.axis, tag=tag)
+
+
 # -- the global gradient norm ---------------------------------------------------------------------
+NORM_AXES_ORDER = ("tp", "cp", "dp_shard", "dp_replicate", "dp", "dp_cp", "edp", "ep", "pp")
+
+
+@dataclasses.dataclass
+class Held:
+    """The gradient pieces this rank holds for the norm: ``pieces`` (tensor, counted here)
+    pairs (:func:`counted_grads`, or a sharding sync's slices), and ``sliced``: the axes over
+    which each piece is a slice of its gradient (ZeRO / FSDP2: the shard axis; expert slices:
+    "edp"; none for whole gradients)."""
+
+    pieces: list
+    sliced: tuple[str, ...] = ()
+
+    def norm_axes(self, topo) -> tuple[str, ...]:
+        """The mesh axes over which the counted elements differ between ranks, *derived* (no
+        engine declares them), in :data:`NORM_AXES_ORDER`: tp (tp shards differ; a replicated
+        gradient counts on tp index 0 only), every ``sliced`` axis, ep (expert shards differ;
+        dense gradients count on ep index 0 only) unless the data axis is sliced (its ranks are
+        ep × edp: the expert slices are each summed once there, as is "edp"), pp (stages hold
+        different parameters). Axes of size 1 cost nothing (:func:`grad_norm_` skips them)."""
+        if topo is None:
+            return ()
+        axes = {"tp"} | set(self.sliced)
+        if topo.size("ep") > 1:
+            axes.add("ep")
+        if topo.data_axis in axes:  # the data axis spans ep × edp
+            axes -= {"ep", "edp"}
+        if topo.size("pp") > 1:
+            axes.add("pp")
+        return tuple(a for a in NORM_AXES_ORDER if a in axes)
+
+
+def norm_bytes(axes, topo) -> float:
+    """Bytes one rank sends for the norm: one fp64 [1] ring all-reduce per axis of size > 1."""
+    return sum(ring_bytes("all_reduce", 8, topo.size(a)) for a in axes if topo.size(a) > 1)
+
+
 def counted_grads(params, topo, *, skip=()) -> list[tuple[torch.Tensor, bool]]:
     """(this rank's gradient tensor, whether this rank counts it in the norm) for every
     parameter of ``params`` with a gradient, each parameter once. A tp shard counts on every tp
@@ -116,19 +222,38 @@ def counted_grads(params, topo, *, skip=()) -> list[tuple[torch.Tensor, bool]]:
     return out
 
 
+def held_of(params, topo, *, skip=()) -> Held:
+    """:class:`Held` of whole (or DTensor-sharded) gradients: :func:`counted_grads`, and as
+    ``sliced`` every mesh axis but tp on which a DTensor gradient is sharded (FSDP2's dp shards;
+    ``_StridedShard`` is a shard too: any placement neither Replicate nor Partial)."""
+    params = list(dict.fromkeys(params))
+    sliced = []
+    for p in params:
+        g = p.grad
+        if g is not None and is_dtensor(g):
+            for name, pl in zip(g.device_mesh.mesh_dim_names or (), g.placements):
+                if name != "tp" and not (pl.is_replicate() or pl.is_partial()):
+                    sliced.append(name)
+    return Held(counted_grads(params, topo, skip=skip), tuple(dict.fromkeys(sliced)))
+
+
 @torch.no_grad()
-def grad_norm_(held: list[tuple[torch.Tensor, bool]], topo, axes, max_norm: float
+def grad_norm_(held: Held | list[tuple[torch.Tensor, bool]], topo, axes, max_norm: float
                ) -> torch.Tensor:
     """The global L2 norm of the gradient whose pieces this rank holds, clipping in place.
 
-    ``held``: (tensor, counted) pairs (:func:`counted_grads`, or an engine's own slices); every
-    held tensor is scaled, only the counted ones are summed. ``axes``: the mesh axes over which
-    the counted elements differ (e.g. ``("tp", "dp")`` for ZeRO slices of tp shards); one fp64
+    ``held``: a :class:`Held` or its (tensor, counted) pairs (:func:`counted_grads`, or an
+    engine's own slices); every held tensor is scaled, only the counted ones are summed.
+    ``axes``: the mesh axes over which the counted elements differ (None: derived,
+    :meth:`Held.norm_axes`; e.g. ``("tp", "dp")`` for ZeRO slices of tp shards); one fp64
     [1] all-reduce per axis of size > 1, tag ``grad_norm``, in that order. Because each element
     is counted on exactly one rank of those axes, the sum is the whole model's Σ g².
 
     Clipping is ``torch.nn.utils.clip_grad_norm_``'s rule: scale by min(1, max_norm / (norm +
     1e-6)) when ``max_norm`` > 0. Returns the norm before clipping, fp32 []."""
+    if isinstance(held, Held):
+        axes = held.norm_axes(topo) if axes is None else axes
+        held = held.pieces
     tensors = [t for t, _ in held]
     device = tensors[0].device if tensors else (topo.device if topo is not None else "cpu")
     sq = torch.zeros(1, dtype=torch.float64, device=device)
@@ -172,119 +297,6 @@ def grads_or_zeros(params) -> list[torch.Tensor]:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     return [local(p.grad) for p in params]
-
-
-# -- full shape ⇄ this rank's tp shard ------------------------------------------------------------
-def shard_of(full: torch.Tensor, dim: int, topo, padded: int | None = None) -> torch.Tensor:
-    """This tp rank's contiguous chunk of a full tensor along ``dim`` (zero-padded to
-    ``padded`` first), a copy: how TP cuts a plain weight into the shard it keeps. No
-    collective."""
-    n, i = topo.size("tp"), topo.index("tp")
-    full = full.detach()
-    if padded is not None and padded > full.shape[dim]:
-        pad_shape = list(full.shape)
-        pad_shape[dim] = padded - full.shape[dim]
-        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
-    k = full.shape[dim] // n
-    return full.narrow(dim, i * k, k).clone()
-
-
-def full_shape(p) -> tuple[int, ...]:
-    """The full (unpadded) shape of the tensor whose tp shard ``p`` is (a DTensor knows it)."""
-    if is_dtensor(p):
-        return tuple(p.shape)
-    shape, pl = list(p.shape), placement(p)
-    if pl.tp_dim is not None:
-        shape[pl.tp_dim] = pl.tp_full
-    if pl.ep_full is not None:
-        shape[0] = pl.ep_full
-    return tuple(shape)
-
-
-def to_local(full: torch.Tensor, p: nn.Parameter, topo) -> torch.Tensor:
-    """The inverse of :func:`to_full`: this rank's part of a full-shape tensor shaped like
-    parameter ``p`` (its tp shard, zero padding where ``p`` is padded; a DTensor cut like ``p``
-    with ``distribute_tensor(..., src_data_rank=None)``, local slicing), on ``p``'s device and
-    dtype. No collective. Raises ``ValueError`` when ``full`` is not ``p``'s full shape."""
-    if tuple(full.shape) != full_shape(p):
-        raise ValueError(f"a tensor of shape {tuple(full.shape)} for a parameter of full shape "
-                         f"{full_shape(p)}: saved from another model?")
-    full = full.detach().to(p.device, p.dtype)
-    if is_dtensor(p):
-        from torch.distributed.tensor import distribute_tensor
-
-        return distribute_tensor(full.clone(), p.device_mesh, p.placements, src_data_rank=None)
-    pl = placement(p)
-    if pl.ep_full is not None:  # this ep rank's experts (never tp-split)
-        per = pl.ep_full // topo.size("ep")
-        return full.narrow(0, topo.index("ep") * per, per).clone()
-    if pl.tp_dim is None:
-        return full.clone()
-    return shard_of(full, pl.tp_dim, topo, padded=p.shape[pl.tp_dim] * topo.size("tp"))
-
-
-def to_full(pairs: list[tuple[torch.Tensor, nn.Parameter]], topo,
-            cache: dict | None = None) -> list[torch.Tensor]:
-    """Full-shape copies of tensors ``t`` shaped like their parameter ``p``'s tp shard: a shard
-    ``[.., V_pad/n, ..]`` (split on ``placement(p).tp_dim``) becomes ``[.., V, ..]`` with the
-    padding cut; a tensor of a replicated parameter is copied; DTensors (the PyTorch engines)
-    are gathered over their mesh by :func:`.dtensor_full.full_tensors` (``cache``: its element
-    positions per layout, kept by the caller).
-
-    One all_gather over tp per dtype for the whole list (phase ``"gather"``, tag ``"gather"``,
-    outside the step's bytes): each rank concatenates its shards, each moved to put the sharded
-    dim first and flattened, into ``[Σ numel]``; the gather gives ``[n, Σ numel]``, and a
-    tensor's columns of every rank's row, stacked in rank order on the sharded dim, are the full
-    tensor. Collective over tp when any tensor is sharded: every tp rank passes the same
-    parameters in the same order. Expert shards (``placement(p).ep_full``) are gathered the same
-    way over "ep" (one all_gather for all, phase ``"gather"``): rank order on dim 0."""
-    n = topo.size("tp") if topo is not None else 1
-    out: list = [None] * len(pairs)
-    experts = [i for i, (t, p) in enumerate(pairs) if not is_dtensor(t) and ep_sharded(p)]
-    if experts and topo.size("ep") > 1:
-        for i, t in zip(experts, _gather_dim0([pairs[i][0] for i in experts], topo, "ep")):
-            out[i] = t
-    dtensors = [i for i, (t, _) in enumerate(pairs) if is_dtensor(t)]
-    if dtensors:
-        for i, t in zip(dtensors, full_tensors([pairs[i][0] for i in dtensors], topo, cache)):
-            out[i] = t
-    by_dtype: dict = {}
-    for i, (t, p) in enumerate(pairs):
-        if out[i] is not None:
-            continue
-        if n > 1 and placement(p).tp_dim is not None:
-            by_dtype.setdefault(t.dtype, []).append(i)
-        else:
-            out[i] = t.detach().clone()
-    for idx in by_dtype.values():
-        shards = [pairs[i][0].detach().movedim(placement(pairs[i][1]).tp_dim, 0).contiguous()
-                  for i in idx]
-        flat = torch.cat([s.reshape(-1) for s in shards])  # [Σ numel]
-        rows = flat.new_empty(n * flat.numel())
-        with topo.ledger.phase("gather"):
-            comm.all_gather(rows, flat, topo, "tp", tag="gather")
-        rows, start = rows.view(n, -1), 0  # [n, Σ numel]
-        for i, s in zip(idx, shards):
-            pl = placement(pairs[i][1])
-            whole = rows[:, start:start + s.numel()].reshape(n * s.shape[0], *s.shape[1:])
-            out[i] = whole[: pl.tp_full].movedim(0, pl.tp_dim).contiguous()
-            start += s.numel()
-    return out
-
-
-def _gather_dim0(tensors: list[torch.Tensor], topo, axis: str) -> list[torch.Tensor]:
-    """Each tensor [k, ...] gathered over ``axis`` into [n·k, ...] in rank order: one all_gather
-    of their concatenation (one dtype; phase ``"gather"``, tag ``"gather"``)."""
-    n = topo.size(axis)
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    rows = flat.new_empty(n * flat.numel())
-    with topo.ledger.phase("gather"):
-        comm.all_gather(rows, flat, topo, axis, tag="gather")
-    rows, start, out = rows.view(n, -1), 0, []
-    for t in tensors:
-        out.append(rows[:, start:start + t.numel()].reshape(n * t.shape[0], *t.shape[1:]))
-        start += t.numel()
-    return out
 
 
 def local_state_bytes(params, optimizer=None) -> dict[str, int]:

@@ -21,7 +21,6 @@ import contextlib
 
 import torch
 
-from ..dp.ddp import TorchDataParallel
 from .split import zigzag_positions
 
 
@@ -44,18 +43,10 @@ def torch_context_parallel(topo, seq_len: int):
         yield
 
 
-class TorchContextParallel(TorchDataParallel):
-    """dp × cp on the torch engine: DDP over the data axis ("dp_cp"), each step's micro-batches
-    (already this rank's chunks [b, s/cp]) forward and backward inside
-    :func:`torch_context_parallel`. Bytes: DDP's gradient all-reduce; the ring's own traffic is
-    torch's (not booked in the ledger: it bypasses :mod:`shardwise.comm`)."""
-
-    def forward_backward(self, microbatches: list[dict], denom: float,
-                         dtype: str = "fp32") -> torch.Tensor:
-        seq_len = microbatches[0]["input_ids"].shape[1] * self.topo.size("cp")
-        with torch_context_parallel(self.topo, seq_len):
-            return super().forward_backward(microbatches, denom, dtype)
-
-    def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch_context_parallel(self.topo, batch["input_ids"].shape[1] * self.topo.size("cp")):
-            return super().loss_sum_and_count(batch)
+def step_context(topo):
+    """The context the torch engine's dp × cp step and evaluation run in: given the local
+    sequence length of this rank's chunks (s/cp), :func:`torch_context_parallel` over the whole
+    sequence (s). Composed with DDP over the data axis ("dp_cp") by
+    :func:`~shardwise.parallel.apply.parallelize`. Bytes: DDP's gradient all-reduce; the ring's
+    own traffic is torch's (not booked in the ledger: it bypasses :mod:`shardwise.comm`)."""
+    return lambda local_len: torch_context_parallel(topo, local_len * topo.size("cp"))

@@ -4,9 +4,11 @@ overlapped all-reduce, and :class:`DataParallel`), then its PyTorch twin :mod:`.
 ledger-booked comm hook). The math and the measurements: docs/data-parallel.md.
 """
 
-from .data_parallel import (REDUCE_DTYPES, DataParallel, GradBuckets, dp_grad_bytes_formula,
-                            dp_memory_formula, reduce_torch_dtype)
-from .ddp import TorchDataParallel, ddp_comm_hook
+from ...comm.torch_booking import ddp_comm_hook
+from ..params import REDUCE_DTYPES, reduce_torch_dtype
+from .data_parallel import (DataParallel, GradBuckets, dp_grad_bytes_formula,
+                            dp_memory_formula)
+from .ddp import TorchDataParallel
 
 __all__ = ["REDUCE_DTYPES", "DataParallel", "GradBuckets", "TorchDataParallel",
            "ddp_comm_hook", "dp_grad_bytes_formula", "dp_memory_formula", "reduce_torch_dtype"]

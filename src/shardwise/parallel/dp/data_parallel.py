@@ -30,25 +30,8 @@ from torch import nn
 
 from ... import comm
 from ...comm.ledger import ring_bytes
-from ...errors import ShardwiseConfigError
 from ..engine import Engine
-from ..params import ep_sharded, local
-
-REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def reduce_torch_dtype(reduce_dtype: str) -> torch.dtype:
-    """The torch dtype gradients are reduced in over dp: "fp32" (exact sums of fp32 gradients)
-    or "bf16" (each rank rounds its local gradient to bf16, the sum is formed in bf16 and cast
-    back to fp32: half the bytes for 8 mantissa bits instead of 24 — PyTorch FSDP's
-    ``MixedPrecision(reduce_dtype=torch.bfloat16)``, Megatron-LM's ``--grad-reduce-in-bf16``).
-    Raises :class:`ShardwiseConfigError` otherwise."""
-    if reduce_dtype not in REDUCE_DTYPES:
-        # the one place this rule is written (Layout.check and the engines call it)
-        raise ShardwiseConfigError(f"--reduce-dtype {reduce_dtype!r}: choose fp32 or bf16 (the "
-                                   "dtype gradients are reduced in over dp)")
-    return REDUCE_DTYPES[reduce_dtype]
-
+from ..params import broadcast_replicas, local, reduce_groups, reduce_torch_dtype
 
 class _Bucket:
     """Consecutive parameters (in backward order) whose gradients travel in one flat buffer
@@ -166,17 +149,13 @@ class GradBuckets:
 
 
 class GradSync:
-    """The gradient sums of a model over the data axis, by :class:`GradBuckets`; with expert
-    parallelism, two of them: expert shards (:func:`~..params.ep_sharded`) over the
-    expert-data-parallel ranks "edp" (the ranks that hold the same experts), every other
-    parameter over the data axis. Same interface as one :class:`GradBuckets`."""
+    """The gradient sums of a model, one :class:`GradBuckets` per reduction group
+    (:func:`~..params.reduce_groups`: the axis each parameter's placement names — the data
+    axis, or "edp" for expert shards). Same interface as one :class:`GradBuckets`."""
 
     def __init__(self, params: list[nn.Parameter], topo, **kw):
-        experts = [p for p in params if ep_sharded(p)]
-        dense = [p for p in params if not ep_sharded(p)]
-        self.parts = [GradBuckets(dense, topo, **kw)] if dense else []
-        if experts:
-            self.parts.append(GradBuckets(experts, topo, axis="edp", **kw))
+        self.parts = [GradBuckets(g.items, topo, axis=g.axis, **kw)
+                      for g in reduce_groups(params, topo)]
 
     @property
     def buckets(self) -> list[_Bucket]:
@@ -199,17 +178,6 @@ class GradSync:
     def bytes_formula(self) -> float:
         """Σ over the parts of 2(n−1)/n · their gradient bytes (n: each part's group)."""
         return sum(part.bytes_formula() for part in self.parts)
-
-
-def broadcast_replicas(params: list[nn.Parameter], topo, tag: str = "init") -> None:
-    """Make the replicas of ``params`` identical: a coalesced broadcast from index 0 of the
-    data axis, expert shards over "edp" (each ep rank holds other experts). DTensor parameters
-    (the torch pipeline's TP stages): their local shards."""
-    dense = [local(p.data) for p in params if not ep_sharded(p)]
-    experts = [local(p.data) for p in params if ep_sharded(p)]
-    comm.broadcast_coalesced(dense, topo, topo.data_axis, tag=tag)
-    if experts:
-        comm.broadcast_coalesced(experts, topo, "edp", tag=tag)
 
 
 class DataParallel(Engine):
@@ -252,10 +220,6 @@ class DataParallel(Engine):
         if self.topo.size("ep") > 1:  # the norm's Σ g² over the ep ranks' expert shards
             out["grad_norm"] = ring_bytes("all_reduce", 8, self.topo.size("ep"))
         return out
-
-    def norm_axes(self) -> tuple[str, ...]:
-        """Replicas: none; with expert parallelism "ep" (expert shards differ over it)."""
-        return ("ep",) if self.topo.size("ep") > 1 else ()
 
     def memory_formula(self) -> dict[str, float]:
         """:func:`dp_memory_formula` of this replica."""

@@ -3,7 +3,8 @@
 DP → ``torch.nn.parallel.DistributedDataParallel`` over the topology's data axis (dp, or dp × cp
 with context parallelism: :mod:`..cp.torch_cp`). DDP
 buckets and overlaps exactly as :class:`shardwise.parallel.dp.DataParallel` does; we give it a
-documented communication hook (``register_comm_hook``) that all-reduces each bucket through
+documented communication hook (``register_comm_hook``,
+:func:`shardwise.comm.torch_booking.ddp_comm_hook`) that all-reduces each bucket through
 :mod:`shardwise.comm`, so the ledger sees DDP's traffic too, and that **sums** instead of
 averaging, because shardwise already divides each rank's loss by the global token count (see the
 math in :mod:`shardwise.parallel.dp`). Everything else — bucketing, hooks, ``no_sync`` — is DDP's.
@@ -16,37 +17,10 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ... import comm
+from ...comm.torch_booking import ddp_comm_hook
 from ..engine import Engine
-from .data_parallel import dp_grad_bytes_formula, dp_memory_formula, reduce_torch_dtype
-
-
-def _ledger_sum_hook(topo, bucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: SUM-all-reduce the bucket's flat gradient buffer over dp, booked in the
-    ledger. Returns the future DDP waits on."""
-    return comm.all_reduce_future(bucket.buffer(), topo, topo.data_axis, tag="grad")
-
-
-def _ledger_sum_hook_bf16(topo, bucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook with bf16 compression (what ``torch.distributed.algorithms.ddp_comm_hooks
-    .default_hooks.bf16_compress_hook`` does), all-reduced through :mod:`shardwise.comm`: cast
-    the bucket to bf16, SUM-all-reduce it over dp (booked: half the bytes), cast the sum back
-    into the fp32 bucket."""
-    buf = bucket.buffer()
-    low = buf.to(torch.bfloat16)
-
-    def decompress(fut):
-        buf.copy_(fut.value())
-        return buf
-
-    return comm.all_reduce_future(low, topo, topo.data_axis, tag="grad").then(decompress)
-
-
-def ddp_comm_hook(reduce_dtype: str = "fp32"):
-    """The ledger-booked SUM comm hook for gradients reduced in ``reduce_dtype`` ("fp32" |
-    "bf16"); raises :class:`~shardwise.errors.ShardwiseConfigError` for another dtype."""
-    reduce_torch_dtype(reduce_dtype)  # raises for another dtype
-    return {"fp32": _ledger_sum_hook, "bf16": _ledger_sum_hook_bf16}[reduce_dtype]
+from ..params import reduce_bytes, reduce_torch_dtype
+from .data_parallel import dp_grad_bytes_formula, dp_memory_formula
 
 
 class TorchDataParallel(Engine):
@@ -55,7 +29,8 @@ class TorchDataParallel(Engine):
 
     def __init__(self, module: nn.Module, topo, bucket_mb: float = 25.0,
                  reduce_dtype: str = "fp32"):
-        hook = ddp_comm_hook(reduce_dtype)  # checked before any collective
+        reduce_torch_dtype(reduce_dtype)  # checked before any collective
+        hook = ddp_comm_hook(reduce_dtype)
         super().__init__(module)
         self.topo, self.reduce_dtype = topo, reduce_dtype
         # DDP broadcasts rank 0's parameters at construction (its own call, not in the ledger).
@@ -80,7 +55,7 @@ class TorchDataParallel(Engine):
                       dtype: str = "fp32") -> dict[str, float]:
         """{"grad": 2(n−1)/n · Ψ · b_r} (:func:`.data_parallel.dp_grad_bytes_formula`): one SUM
         all-reduce of every gradient per step, b_r = 4 (fp32) or 2 (bf16 compression)."""
-        b = 2 if self.reduce_dtype == "bf16" else 4
+        b = reduce_bytes(self.reduce_dtype)
         psi = sum(p.numel() for p in self.module.parameters())
         return {"grad": dp_grad_bytes_formula(psi * b, self.topo.size(self.topo.data_axis))}
 

@@ -48,10 +48,11 @@ from ... import comm
 from ...comm import ring_bytes
 from ...models import count_items, moe_layers, positions_kw
 from ...models.dpo import token_loss_sum
-from ..dp.data_parallel import GradSync, broadcast_replicas
+from ..dp.data_parallel import GradSync
 from ..engine import Engine
 from ..layout import Layout
-from ..params import counted_grads, ep_sharded, local as _local, tp_sharded
+from ..params import (Held, broadcast_replicas, held_of, local as _local,
+                      norm_bytes, reduce_groups, tp_sharded)
 from ..tp import apply_tp, tp_activation_bytes, vocab_parallel_cross_entropy
 from ..tp.dtensor import f_summed_bytes
 from ..zero.flat import (FlatShards, gather_named, gather_optimizer_state, load_optimizer_state,
@@ -137,35 +138,27 @@ class PipelineParallel(Engine):
         ranks holding the same experts; :mod:`..zero.zero`)."""
         named = [(n, p) for n, p in self.named_params() if p.requires_grad]
         red = torch.bfloat16 if self.reduce_dtype == "bf16" else None
-        dense = [(n, p) for n, p in named if not ep_sharded(p)]
-        experts = [(n, p) for n, p in named if ep_sharded(p)]
-        out = [FlatShards(dense, self.topo, keep_full_grad=True, reduce_dtype=red)]
-        if experts:
-            out.append(FlatShards(experts, self.topo, keep_full_grad=True, reduce_dtype=red,
-                                  name="experts", axis="edp"))
-        return out
+        return [FlatShards(g.items, self.topo, keep_full_grad=True, reduce_dtype=red,
+                           **({} if g.axis == self.topo.data_axis
+                              else {"name": "experts", "axis": g.axis}))
+                for g in reduce_groups(named, self.topo)]
 
     def _params(self) -> list[nn.Parameter]:
         """This stage's trainable parameters, each once, in module order."""
         return [p for p in dict.fromkeys(self.module.parameters()) if p.requires_grad]
 
-    def held_grads(self) -> list[tuple[torch.Tensor, bool]]:
-        """(gradient, counted) pairs for the global norm (:func:`..params.counted_grads`), the
-        tied copy not counted (the first stage counts it); ZeRO-1: the pieces of this rank's dp
-        slice."""
+    def held_grads(self) -> Held:
+        """The pieces for the global norm (:func:`..params.held_of`), the tied copy not counted
+        (the first stage counts it); ZeRO-1: the pieces of this rank's slices, sliced over each
+        flat buffer's axis. The axes (tp, the data axis for slices, else ep, then pp) are
+        derived: :meth:`..params.Held.norm_axes`."""
         tied = [self.module.tied_output] if self.module.tied_output is not None else []
         if self.zero1 is None:
-            return counted_grads(self._params(), self.topo, skip=tied)
-        return [h for f in self.zero1 for h in f.held_grads(skip=tied)]
+            return held_of(self._params(), self.topo, skip=tied)
+        return Held([h for f in self.zero1 for h in f.held_grads(skip=tied)], self._sliced())
 
-    def norm_axes(self) -> tuple[str, ...]:
-        """Axes the squared-norm scalar is summed over: tp (shards), dp (ZeRO-1 slices: dense
-        over the data axis, experts over edp — each element on one rank of the data axis, which
-        is exactly the ep × edp ranks), else ep (expert shards; :func:`..params.counted_grads`
-        counts the dense gradients on ep index 0 only), pp."""
-        dp = (self.topo.data_axis,) if self.zero1 else ()
-        ep = ("ep",) if self.topo.size("ep") > 1 and not self.zero1 else ()
-        return (("tp",) if self.tp > 1 else ()) + dp + ep + ("pp",)
+    def _sliced(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(f.axis for f in self.zero1 or ()))
 
     def schedule(self, m: int):
         """The (cached) :class:`~.schedules.Schedule` for ``m`` microbatches."""
@@ -225,8 +218,7 @@ class PipelineParallel(Engine):
         tied = stage.tied and self.p > 1 and (self.is_first or self.is_last)
         w = (stage.tok_embeddings.weight if self.is_first else stage.tied_output) if tied else None
         out["tied"] = float(_local(w).numel() * elem) if tied else 0.0
-        out["grad_norm"] = sum(ring_bytes("all_reduce", 8, self.topo.size(a))
-                               for a in self.norm_axes())
+        out["grad_norm"] = norm_bytes(Held([], self._sliced()).norm_axes(self.topo), self.topo)
         red = 2 if self.reduce_dtype == "bf16" else elem
         if self.zero1 is not None:  # each flat buffer over its own axis
             out["grad"] = sum(ring_bytes("reduce_scatter", f.padded * red, f.n)

@@ -7,7 +7,8 @@ Schedule mapping: gpipe → ``ScheduleGPipe``, 1f1b → ``Schedule1F1B``, interl
 ZB-H1's: rank r delays them by r microbatches).
 
 What moves: over tp, DTensor's collectives, booked by
-:class:`~..tp.dtensor.BookFunctionalCollectives` (``tp_fwd``/``tp_bwd``/``ce``); over pp,
+:class:`~shardwise.comm.torch_booking.BookFunctionalCollectives` (``tp_fwd``/``tp_bwd``/``ce``);
+over pp,
 PyTorch's own ``batch_isend_irecv`` on the pp group, **not** in the ledger; after the schedule,
 the explicit engine's tied swap, SP sum, dp reduction and norm on the local shards, with ZeRO-1
 as ``ZeroRedundancyOptimizer`` (its parameter broadcasts are not in the ledger either).
@@ -27,12 +28,12 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
 
+from ...comm.torch_booking import BookFunctionalCollectives, booked_as
 from ...errors import ShardwiseConfigError
 from ...models.llama import IGNORE_INDEX
 from ..engine import autocast
 from ..params import is_dtensor as _is_dtensor, local as _local, local_state_bytes
-from ..tp.dtensor import (BookFunctionalCollectives, booked_as, dtensor_tp_plan,
-                          prepare_replicated_for_dtensor, reduce_partial_grads,
+from ..tp.dtensor import (dtensor_tp_plan, prepare_replicated_for_dtensor, reduce_partial_grads,
                           row_bias_bytes)
 from .runtime import PipelineParallel
 from .split import first_stage_input, loss_sum

@@ -16,8 +16,9 @@ and derivation: docs/tensor-parallel.md §2. Sources: Shoeybi et al. 2019, "Mega
 from .apply import (apply_tp, check_plan_covers, tp_activation_bytes, tp_plan,
                     tp_step_bytes_formula, valid_tp_degrees, validate_tp)
 from .comms import AXIS, CopyToTP, GatherFromSP, ReduceFromTP, ReduceScatterToSP
-from .dtensor import (BookFunctionalCollectives, TorchTensorParallel, booked_as,
-                      dtensor_tp_plan, parallelize_tensor_dtensor, reduce_partial_grads)
+from ...comm.torch_booking import BookFunctionalCollectives, booked_as
+from .dtensor import (TorchTensorParallel, dtensor_tp_plan, parallelize_tensor_dtensor,
+                      reduce_partial_grads)
 from .engine import TensorParallel, parallelize_tensor
 from .layers import (TPRNG, ColumnParallelLinear, RowParallelLinear, TensorParallelAttention,
                      TensorParallelSwiGLU, TPDropout, VocabParallelEmbedding, VocabParallelHead,

@@ -30,9 +30,6 @@ class TPEngineBase(Engine):
         super().__init__(module)
         self.topo, self.sp = topo, sp
 
-    def norm_axes(self) -> tuple[str, ...]:
-        return (AXIS,)
-
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
                       dtype: str = "fp32") -> dict[str, float]:
         """:func:`~.apply.tp_step_bytes_formula` on ``topo``'s tp and dp sizes without ``loss``

@@ -18,7 +18,8 @@ from torch import nn
 
 from ...errors import ShardwiseConfigError
 from ...models.llama import Attention, FeedForward, causal_attention, mlp_hidden, rms_norm
-from ..params import mark_tp_shard, shard_of
+from ..params import mark_tp_shard
+from ..views import shard_of
 from .comms import AXIS, CopyToTP, GatherFromSP, ReduceFromTP, ReduceScatterToSP, along
 
 

@@ -12,7 +12,14 @@ from .units import UnitOrderCheck, assign_units, default_unit_names
 from .formulas import (validate_zero, zero_ep_memory_formula, zero_ep_step_bytes_formula,
                        zero_memory_formula, zero_step_bytes_formula)
 from .zero import ZeroDataParallel
-from .zero3 import Zero3DataParallel  # registers stage 3 with ZeroDataParallel
+from .zero3 import Zero3DataParallel
+
+
+def zero_data_parallel(module, topo, stage: int, **kw) -> ZeroDataParallel:
+    """The explicit ZeRO engine for ``stage``: :class:`ZeroDataParallel` (1, 2) or
+    :class:`Zero3DataParallel` (3), with ``kw`` as their constructor's (a plain call, no
+    registry)."""
+    return (Zero3DataParallel if stage == 3 else ZeroDataParallel)(module, topo, stage, **kw)
 
 
 def __getattr__(name: str):
@@ -25,5 +32,5 @@ def __getattr__(name: str):
 
 __all__ = ["FlatShards", "TorchZero", "UnitOrderCheck", "Zero3DataParallel", "ZeroDataParallel",
            "apply_fsdp", "assign_units", "default_unit_names", "validate_zero",
-           "zero_ep_memory_formula", "zero_ep_step_bytes_formula", "zero_memory_formula",
-           "zero_step_bytes_formula"]
+           "zero_ep_memory_formula", "zero_ep_step_bytes_formula", "zero_data_parallel",
+           "zero_memory_formula", "zero_step_bytes_formula"]

@@ -37,8 +37,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ... import comm
-from ..dp import ddp_comm_hook  # DDP comm hook: SUM all_reduce through the ledger
+from ...comm.torch_booking import BookFunctionalCollectives, ddp_comm_hook
 from ..engine import Engine
+from ..params import reduce_bytes, reduce_torch_dtype
 from .flat import storage_state_bytes
 from .units import UnitOrderCheck, assign_units
 from .formulas import (hsdp_replicate_bytes, validate_zero, zero_memory_formula,
@@ -153,7 +154,8 @@ class TorchZero(Engine):
     def __init__(self, module: nn.Module, topo, stage: int, *, units: list[str] | None = None,
                  bucket_mb: float = 25.0, reduce_dtype: str = "fp32"):
         validate_zero(stage, topo.size(topo.shard_axis), engine="torch")
-        hook = ddp_comm_hook(reduce_dtype)  # validates reduce_dtype
+        reduce_torch_dtype(reduce_dtype)  # checked before any collective
+        hook = ddp_comm_hook(reduce_dtype)
         self.reduce_dtype = reduce_dtype
         named_units = assign_units(module, units)  # same checks (tied weights) as explicit ZeRO
         super().__init__(module)
@@ -187,11 +189,10 @@ class TorchZero(Engine):
     def booking(self, **options):
         """HSDP: FSDP2 all-reduces the gradient shards over dp_replicate with
         ``torch.distributed.all_reduce`` itself (no hook into :mod:`shardwise.comm`): booked by
-        :class:`..tp.dtensor.BookFunctionalCollectives` as tag ``grad_replicate``."""
+        :class:`~shardwise.comm.torch_booking.BookFunctionalCollectives` as tag
+        ``grad_replicate``."""
         if not self.hsdp:
             return contextlib.nullcontext()
-        from ..tp.dtensor import BookFunctionalCollectives
-
         return BookFunctionalCollectives(self.topo, c10d_tag="grad_replicate")
 
     @contextlib.contextmanager
@@ -218,11 +219,6 @@ class TorchZero(Engine):
                 m.reshard()
         return out
 
-    def norm_axes(self) -> tuple[str, ...]:
-        """Stage 1: replicated gradients (none); FSDP2: each rank holds its dp shard (dp; HSDP:
-        dp_shard, the replicas hold the same shards)."""
-        return () if self._ddp else (self.topo.shard_axis,)
-
     def make_optimizer(self, param_groups: list[dict], optimizer_class=torch.optim.AdamW,
                        **kwargs) -> torch.optim.Optimizer:
         """FSDP2: the plain optimizer over the DTensor parameters (its state is sharded like
@@ -240,7 +236,7 @@ class TorchZero(Engine):
         """{FQN: {"step", "exp_avg", "exp_avg_sq"}} whole over dp, on every dp rank.
 
         FSDP2: the AdamW state is DTensors sharded like the parameters, left as they are (the
-        base engine's full-shape view gathers them, :func:`..params.to_full`). Stage 1: ZeroRedundancyOptimizer keeps a
+        base engine's full-shape view gathers them, :func:`..views.to_full`). Stage 1: ZeroRedundancyOptimizer keeps a
         parameter's state only on its owner rank, so the owner broadcasts it over dp
         (``comm.broadcast``, phase ``checkpoint``, tag ``optim_state``: one packed fp32 tensor
         [1 + 1 + 2·numel] = (has-state flag, step, exp_avg, exp_avg_sq) per parameter).
@@ -320,7 +316,7 @@ class TorchZero(Engine):
         are not booked (``unbooked_param_broadcast``). FSDP2: :func:`zero_step_bytes_formula`
         with FSDP2's per-parameter padding; the root is gathered once per micro-step, blocks
         twice with reshard-after-forward (stage 3), once without (stage 2)."""
-        b_r = 2 if self.reduce_dtype == "bf16" else 4  # gradients travel in the reduce dtype
+        b_r = reduce_bytes(self.reduce_dtype)  # gradients travel in the reduce dtype
         if self._ddp:
             out = zero_step_bytes_formula(0, self._numel, self.n, 4, grad_bytes_per_elem=b_r)
             out["unbooked_param_broadcast"] = (self.n - 1) / self.n * 4 * self._numel

@@ -47,9 +47,8 @@ from torch import nn
 
 from ... import comm
 from ...comm.ledger import ring_bytes
-from ..dp import reduce_torch_dtype
 from ..engine import Engine
-from ..params import ep_sharded, sum_coalesced_, tp_sharded
+from ..params import Held, reduce_groups, reduce_torch_dtype, sum_coalesced_, tp_sharded
 from .flat import (FlatShards, gather_named, gather_optimizer_state, load_optimizer_state,
                    sharded_optimizer, storage_state_bytes)
 from .formulas import (hsdp_replicate_bytes, validate_zero, zero_ep_memory_formula,
@@ -59,34 +58,26 @@ from .units import assign_units
 EXPERTS = ":experts"  # suffix of the unit name of a unit's expert shards (sharded over "edp")
 
 
-def split_experts(named_units, axis: str) -> list[tuple[str, nn.Module, list, str]]:
+def split_experts(named_units, topo) -> list[tuple[str, nn.Module, list, str]]:
     """``[(name, module, [(fqn, param)])]`` (:func:`.units.assign_units`) → ``[(name, module,
-    named, axis)]``: each unit's non-expert parameters over ``axis`` (the data axis), then, if
-    it has any, its expert shards (:func:`..params.ep_sharded`) as unit ``name + ":experts"``
-    over "edp", same module. Without expert parallelism: the units unchanged, over ``axis``."""
-    out = []
-    for name, mod, named in named_units:
-        dense = [(f, p) for f, p in named if not ep_sharded(p)]
-        experts = [(f, p) for f, p in named if ep_sharded(p)]
-        if dense:
-            out.append((name, mod, dense, axis))
-        if experts:
-            out.append((name + EXPERTS, mod, experts, "edp"))
-    return out
+    named, axis)]``: each unit split by :func:`..params.reduce_groups` (``shard=True``): its
+    parameters over the shard axis (the data axis, or HSDP's dp_shard), then, if it has any,
+    those of another group (expert shards, over "edp") as unit ``name + ":experts"``, same
+    module. Without expert parallelism: the units unchanged."""
+    return [(name if g.axis == topo.shard_axis else name + EXPERTS, mod, g.items, g.axis)
+            for name, mod, named in named_units for g in reduce_groups(named, topo, shard=True)]
 
 # -- the engine -----------------------------------------------------------------------------------
-_BY_STAGE: dict[int, type] = {}  # stage → subclass (ZeRO-3: .zero3, registered on import)
-
-
 class ZeroDataParallel(Engine):
-    """ZeRO ``stage`` ∈ {1, 2} over ``topo``'s "dp" axis (module docstring); ``stage=3`` builds
-    :class:`.zero3.Zero3DataParallel`, which overrides the hooks below.
+    """ZeRO ``stage`` ∈ {1, 2} over ``topo``'s "dp" axis (module docstring); ZeRO-3 is the
+    subclass :class:`.zero3.Zero3DataParallel`, which overrides the hooks below
+    (:func:`~shardwise.parallel.zero.zero_data_parallel` picks the class by stage).
 
     ``module``: the plain model (each unit's flat buffer, a :class:`.flat.FlatShards`, is
     broadcast from dp index 0: ledger phase ``init``). ``units``: FQNs of the unit submodules
     (default :func:`.units.default_unit_names`); the rest is the root unit. ``overlap``: launch
     each unit's reduce_scatter from the backward hooks (True) or all after backward (False).
-    ``reduce_dtype``: "fp32" | "bf16" (:func:`..dp.reduce_torch_dtype`). ``prefetch`` /
+    ``reduce_dtype``: "fp32" | "bf16" (:func:`..params.reduce_torch_dtype`). ``prefetch`` /
     ``reshard_after_forward``: ZeRO-3 only.
 
     Inside dp × tp the module holds this tp rank's shards; only their placements
@@ -100,17 +91,6 @@ class ZeroDataParallel(Engine):
     """
 
     keeps_full_params = True  # ``u.full`` always holds the whole parameters (not ZeRO-3)
-
-    def __init_subclass__(cls, stage: int | None = None, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if stage is not None:
-            _BY_STAGE[stage] = cls
-
-    def __new__(cls, *args, **kwargs):  # ZeroDataParallel(module, topo, 3) → the ZeRO-3 class
-        stage = kwargs.get("stage", args[2] if len(args) > 2 else None)
-        if cls is ZeroDataParallel and stage in _BY_STAGE:
-            cls = _BY_STAGE[stage]
-        return super().__new__(cls)
 
     def __init__(self, module: nn.Module, topo, stage: int, *, units: list[str] | None = None,
                  prefetch: bool = True, reshard_after_forward: bool = True, overlap: bool = True,
@@ -130,7 +110,7 @@ class ZeroDataParallel(Engine):
         self.units = [FlatShards(named, topo, keep_full_grad=stage == 1, reduce_dtype=rdtype,
                                  name=name, module=mod, axis=axis,
                                  replicate_axis=self.replicate if axis == "dp_shard" else None)
-                      for name, mod, named, axis in split_experts(named_units, topo.shard_axis)]
+                      for name, mod, named, axis in split_experts(named_units, topo)]
         with topo.ledger.phase("init"):
             for u in self.units:  # replicas start identical (expert shards: over edp; HSDP's
                 # shard groups: over the whole data axis, every replica too)
@@ -223,21 +203,15 @@ class ZeroDataParallel(Engine):
         self._ready.clear()
         self._next_reduce = 0
 
-    def held_grads(self) -> list[tuple[torch.Tensor, bool]]:
+    def held_grads(self) -> Held:
         """The gradient this rank holds is its slices (padding is 0), each piece counted as
-        :meth:`.flat.FlatShards.held_grads` says (tp-replicated pieces on tp index 0 only).
-        Expert slices over "edp" count on every rank too: each is held by one (ep, edp) pair
-        of data ranks only (when edp has one rank: this rank's whole experts, which no other
-        ep rank holds)."""
-        return [h for u in self.units for h in u.held_grads()]
-
-    def norm_axes(self) -> tuple[str, ...]:
-        """tp shards differ over tp (dp × tp), slices over dp: the base ``clip_grad_norm_``
-        (:func:`..params.grad_norm_`) all-reduces the fp64 Σ g² over tp, then over dp, so every
-        rank gets the norm of the *whole* gradient and scales its slices by the same factor.
-        With expert parallelism the data axis spans ep × edp, so the same all-reduce sums the
-        expert slices, each once (module docstring): no all-reduce over "ep"."""
-        return ("tp", self.topo.shard_axis)  # HSDP: the replicas hold the same slices
+        :meth:`.flat.FlatShards.held_grads` says (tp-replicated pieces on tp index 0 only),
+        sliced over each unit's axis: the norm is summed over tp, then the shard axis
+        (:meth:`..params.Held.norm_axes`; HSDP's replicas hold the same slices). Expert slices
+        over "edp" count on every rank too: each is held by one (ep, edp) pair of data ranks,
+        so the data axis's one all-reduce sums them once (no all-reduce over "ep")."""
+        return Held([h for u in self.units for h in u.held_grads()],
+                    tuple(dict.fromkeys(u.axis for u in self.units)))
 
     def make_optimizer(self, param_groups: list[dict], optimizer_class=torch.optim.AdamW,
                        **kwargs) -> torch.optim.Optimizer:

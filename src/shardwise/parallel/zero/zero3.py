@@ -60,9 +60,10 @@ def _wrap_outputs(out, hook):
     return out
 
 
-class Zero3DataParallel(ZeroDataParallel, stage=3):
+class Zero3DataParallel(ZeroDataParallel):
     """ZeRO-3: :class:`.zero.ZeroDataParallel`'s gradient sync (ZeRO-2's: slices only) with the
-    parameters sharded too; built by ``ZeroDataParallel(module, topo, 3, ...)``.
+    parameters sharded too; built by ``Zero3DataParallel(module, topo, 3, ...)`` (or :func:`~shardwise.parallel.zero.
+    zero_data_parallel`, which picks the class by stage).
 
     A forward pre-hook on each block gathers it (or waits for its prefetch) and, with
     ``prefetch=True``, launches the next block's all_gather (FSDP paper, Zhao et al. 2023,

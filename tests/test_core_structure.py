@@ -1,0 +1,127 @@
+"""The structure rules of ``parallel/`` (issue 33, design/one-engine.md), checked statically.
+
+* strategy folders (dp, zero, tp, pp, cp, ep) never import each other — what two strategies
+  share lives in ``params``, ``layout`` or ``comm``. The pipeline's edges into dp, tp and zero
+  are the last ones left (``pp/runtime.py`` and ``pp/torch_pipelining.py`` compose the stage
+  themselves until the pipeline becomes a runner): listed in :data:`PENDING`, and the test
+  fails on any other edge, and on a pending edge that is gone (so the list only shrinks);
+* no class declares the norm's axes (``def norm_axes`` only in ``params.py``, where
+  :meth:`~shardwise.parallel.params.Held.norm_axes` derives them from the held gradients);
+* the reduce dtype table ``REDUCE_DTYPES`` is assigned in exactly one module;
+* no class registry: no ``__new__`` / ``__init_subclass__`` in ``parallel/`` (ZeRO-3 is built
+  by a call the reader can follow, :func:`shardwise.parallel.zero.zero_data_parallel`).
+
+Each checker is also run on a planted violation (a fake package in ``tmp_path``) and must fail.
+"""
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "shardwise"
+STRATEGIES = ("dp", "zero", "tp", "pp", "cp", "ep")
+# (importing folder, imported folder) edges still there, to be removed by the pipeline runner
+PENDING = {("pp", "dp"), ("pp", "tp"), ("pp", "zero")}
+
+
+def _imported_modules(f: Path, pkg_root: Path) -> list[tuple[str, int]]:
+    """Dotted modules (from the package's root name) that ``f`` imports anywhere, with lines."""
+    parts = list(f.relative_to(pkg_root.parent).with_suffix("").parts)
+    here = parts[:-1]  # the package the file is in (an __init__ is in its own package)
+    out = []
+    for node in ast.walk(ast.parse(f.read_text(), str(f))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[:len(here) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out += [(f"{target}.{a.name}", node.lineno) for a in node.names]
+    return out
+
+
+def strategy_edges(pkg_root: Path) -> dict[tuple[str, str], list[str]]:
+    """{(folder, other folder): ["file:line", ...]} for every import between strategy folders
+    of ``pkg_root``/parallel (relative or absolute, at any depth of the file)."""
+    par = pkg_root / "parallel"
+    prefix = f"{pkg_root.name}.parallel."
+    edges: dict = {}
+    for f in sorted(par.rglob("*.py")):
+        rel = f.relative_to(par).parts
+        if len(rel) < 2 or rel[0] not in STRATEGIES:
+            continue
+        for mod, line in _imported_modules(f, pkg_root):
+            if not mod.startswith(prefix):
+                continue
+            other = mod[len(prefix):].split(".")[0]
+            if other in STRATEGIES and other != rel[0]:
+                edges.setdefault((rel[0], other), []).append(f"{f.relative_to(par)}:{line}")
+    return edges
+
+
+def definitions(pkg_root: Path, names, *, outside: str = "") -> list[str]:
+    """Every ``def`` of one of ``names`` in ``parallel/`` (except in the file ``outside``)."""
+    par = pkg_root / "parallel"
+    return [f"{f.relative_to(par)}:{n.lineno}" for f in sorted(par.rglob("*.py"))
+            if str(f.relative_to(par)) != outside
+            for n in ast.walk(ast.parse(f.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in names]
+
+
+def norm_axes_declarations(pkg_root: Path) -> list[str]:
+    """Every ``def norm_axes`` in ``parallel/`` outside ``params.py``."""
+    return definitions(pkg_root, ("norm_axes",), outside="params.py")
+
+
+def assignments(pkg_root: Path, name: str) -> list[str]:
+    """Modules of ``pkg_root`` that assign ``name`` at module level."""
+    out = []
+    for f in sorted(pkg_root.rglob("*.py")):
+        for n in ast.parse(f.read_text()).body:
+            targets = (n.targets if isinstance(n, ast.Assign)
+                       else [n.target] if isinstance(n, ast.AnnAssign) else [])
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                out.append(str(f.relative_to(pkg_root)))
+    return out
+
+
+def test_strategy_folders_do_not_import_each_other():
+    edges = strategy_edges(SRC)
+    new = {e: w for e, w in edges.items() if e not in PENDING}
+    assert not new, f"imports between strategy folders: {new}"
+    gone = PENDING - set(edges)
+    assert not gone, f"{sorted(gone)} no longer imported: remove them from PENDING"
+
+
+def test_no_class_declares_the_norm_axes():
+    assert norm_axes_declarations(SRC) == []
+
+
+def test_no_class_registry():
+    assert definitions(SRC, ("__new__", "__init_subclass__")) == []
+
+
+def test_the_reduce_dtype_table_is_written_once():
+    assert assignments(SRC, "REDUCE_DTYPES") == ["parallel/params.py"]
+
+
+def test_planted_violations_fail(tmp_path):
+    pkg = tmp_path / "shardwise"
+    for d in ("parallel/zero", "parallel/dp", "parallel/tp"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "parallel" / "__init__.py").write_text("")
+    (pkg / "parallel" / "params.py").write_text(
+        "REDUCE_DTYPES = {}\nclass Held:\n    def norm_axes(self):\n        return ()\n")
+    (pkg / "parallel" / "zero" / "a.py").write_text(
+        "def f():\n    from ..dp import GradBuckets\n"  # lazy, still an edge
+        "import shardwise.parallel.tp.dtensor\nfrom ..params import Held\n")
+    (pkg / "parallel" / "tp" / "b.py").write_text(
+        "REDUCE_DTYPES = {}\nclass E:\n    def norm_axes(self):\n        return ('tp',)\n"
+        "    def __new__(cls):\n        return super().__new__(cls)\n")
+    assert set(strategy_edges(pkg)) == {("zero", "dp"), ("zero", "tp")}
+    assert norm_axes_declarations(pkg) == ["tp/b.py:3"]
+    assert definitions(pkg, ("__new__", "__init_subclass__")) == ["tp/b.py:5"]
+    assert assignments(pkg, "REDUCE_DTYPES") == ["parallel/params.py", "parallel/tp/b.py"]
