@@ -101,6 +101,9 @@ def _kind(cmd: str) -> str:
         return "elsewhere: the test suite itself"
     if "--device cuda" in cmd or "--nnodes" in cmd:
         return "elsewhere: needs GPUs or several nodes"
+    if "snapshot_download(" in cmd or "load_dataset(" in cmd:  # the Hub recipe (issue 36)
+        return "elsewhere: needs the network (the Hugging Face Hub); tests/test_rough_edges.py " \
+            "checks the errors that print it"
     if TEMPLATE.search(cmd) or cmd.startswith("torchrun "):
         return "template"
     argv = shlex.split(cmd)

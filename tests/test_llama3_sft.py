@@ -1,5 +1,5 @@
 """Issue 36's acceptance path on a tiny Llama 3.2-style folder (llama3 RoPE scaling, tied
-embeddings, a ChatML chat template) and a Mistral folder (sliding window 128):
+embeddings, a ChatML chat template) and a Mistral folder (sliding window 256):
 ``shardwise train --task sft --pack --init-from-hf DIR --data examples/chat_sample.jsonl`` in
 the dp, ZeRO-3, tp and pp layouts logs the one-process losses, then ``shardwise export`` gives a
 folder transformers loads with equal logits.
@@ -22,12 +22,13 @@ from shardwise.data import ByteTokenizer  # noqa: E402
 from shardwise.interop.hf import write_tokenizer_files  # noqa: E402
 from shardwise.parity import ATOL, RTOL  # noqa: E402
 
+pytestmark = pytest.mark.timeout(1200)  # the module's fixture runs six CLI trainings
 CHAT = Path(__file__).parents[1] / "examples" / "chat_sample.jsonl"
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 LAYOUTS = {"one": ["--dp", "1"], "dp2": ["--dp", "2"], "dp2_zero3": ["--dp", "2", "--zero", "3"],
            "tp2": ["--tp", "2"], "pp2": ["--pp", "2"]}
-SEQ, STEPS = 128, 3
+SEQ, STEPS = 256, 3
 
 
 def folder(root, family):
@@ -35,18 +36,18 @@ def folder(root, family):
                   num_attention_heads=4, num_key_value_heads=2, bos_token_id=256,
                   eos_token_id=256)
     if family == "llama32":
-        cfg = transformers.LlamaConfig(**common, max_position_embeddings=256,
+        cfg = transformers.LlamaConfig(**common, max_position_embeddings=512,
                                        tie_word_embeddings=True, rope_parameters={
                                            "rope_type": "llama3", "rope_theta": 10000.0,
                                            "factor": 8.0, "low_freq_factor": 1.0,
                                            "high_freq_factor": 4.0,
-                                           "original_max_position_embeddings": 32})
+                                           "original_max_position_embeddings": 64})
     else:
-        cfg = transformers.MistralConfig(**common, max_position_embeddings=256,
+        cfg = transformers.MistralConfig(**common, max_position_embeddings=512,
                                          sliding_window=SEQ, tie_word_embeddings=False)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(root / family)
-    write_tokenizer_files(ByteTokenizer(), root / family, 128)
+    write_tokenizer_files(ByteTokenizer(), root / family, 512)
     tc = json.loads((root / family / "tokenizer_config.json").read_text())
     (root / family / "tokenizer_config.json").write_text(json.dumps({**tc,
                                                                      "chat_template": CHATML}))
@@ -59,7 +60,8 @@ def runs(tmp_path_factory, cache_dir):
     out = {}
     for family in ("llama32", "mistral"):
         src = folder(root, family)
-        layouts = LAYOUTS if family == "llama32" else {k: LAYOUTS[k] for k in ("one", "pp2")}
+        # Mistral in every layout: tests/test_family_parity.py; here its window through SFT
+        layouts = LAYOUTS if family == "llama32" else {"one": LAYOUTS["one"]}
         for name, flags in layouts.items():
             run = out[family, name] = root / f"{family}_{name}"
             p = run_cli(["train", "--task", "sft", "--pack", "--init-from-hf", src, "--data",
@@ -75,8 +77,7 @@ def losses(run):
     return [json.loads(x).get("loss") for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("family,layout", [("llama32", k) for k in LAYOUTS if k != "one"]
-                         + [("mistral", "pp2")])
+@pytest.mark.parametrize("family,layout", [("llama32", k) for k in LAYOUTS if k != "one"])
 def test_layouts_log_the_one_process_losses(runs, family, layout):
     _, out = runs
     ref, got = losses(out[family, "one"]), losses(out[family, layout])
