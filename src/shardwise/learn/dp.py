@@ -16,6 +16,11 @@ Bytes per rank and step (ring all-reduce = reduce-scatter + all-gather, see coll
 2(n−1)/n · 8 for the loss that is printed. Memory: every rank holds all of Ψ, its gradients
 and AdamW's two moments (16Ψ bytes in fp32): what FSDP (fsdp.py) divides by n.
 
+The numbers it prints: Ψ = L·(D·F + F + F·D + D) = 4 · 1,072 = 4,288, so S = 4Ψ = 17,152 B.
+At n = 2, 2(n−1)/n = 1: "sent" equals S by coincidence (n = 4 sends 1.5 S). The table shows
+step 0 only; the last line sums all 6 steps: 6 · (17,152 + 8) = 102,960 B in 6 · 2 calls.
+Each step draws a new batch, so the loss can rise from one step to the next.
+
 Run:  shardwise learn dp --nproc 2     or     torchrun --nproc-per-node 2 -m shardwise.learn.dp
 Next: docs/data-parallel.md → src/shardwise/parallel/dp/ → shardwise trace --dp 2 --model mlp-tiny
 """
