@@ -99,6 +99,26 @@ def test_ledger_equals_the_formula_of_the_steps_routing(ranks, name):
     _check_ledger(ranks, name)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["dp4_ep2_top2", "dp4_ep4_top2", "dp2_tp2_ep2"])
+def test_nccl_expert_gradients_are_not_scaled_by_ep_and_keep_the_tp_reduction(ranks, name):
+    """NCCL hazard 6 (issue 38): Megatron's missing division by the ep size, torchtitan's
+    dropped TP reduction under the experts. Expert gradients are SUMs over "edp" of per-rank
+    losses already divided by the global token count (parallel/dp/data_parallel.py GradSync),
+    so no 1/ep factor belongs anywhere: each expert weight's gradient equals one process's, and
+    is not the reference × ep nor ÷ ep (told apart: the largest is > 100 × atol); with
+    tp = 2 the dense (tp-split) gradients equal one process's too."""
+    _check_parity(ranks, name)
+    ref = reference(name, ranks[0][name]["global_indices"])
+    experts = [n for n in ref["grads"] if "experts" in n]
+    assert experts, name
+    for n in experts:
+        g, ref_g = ranks[0][name]["grads"][n], ref["grads"][n]
+        assert ref_g.abs().max() > 100 * ATOL, (name, n)  # so a scale error would show
+        for wrong in (W.ALL[name][2], 1 / W.ALL[name][2]):  # × ep, ÷ ep
+            assert not torch.allclose(g, ref_g * wrong, rtol=RTOL, atol=ATOL), (name, n)
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", list(W.CASES_N8))
 def test_bounded_n8_set_equals_one_process_and_its_formula(ranks_n8, name):

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from .comm.algorithms import check_collectives as check_algorithms
 from .comm.fingerprint import CollectiveChecks
+from .comm.groups import claim_p2p, group_device, new_groups
 from .comm.ledger import Ledger
 from .errors import ShardwiseConfigError
 
@@ -85,20 +86,24 @@ def init_distributed(device: str = "cpu", timeout_s: float = 300.0) -> tuple[int
         return dist.get_rank(), dist.get_world_size()
     backend = backend_for(device)
     timeout = datetime.timedelta(seconds=timeout_s)
+    bind = {}
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        # eager NCCL init of the world communicator, and the device every sub-group binds to
+        bind["device_id"] = group_device(torch.device("cuda", torch.cuda.current_device()))
     if "WORLD_SIZE" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
+                                timeout=timeout, **bind)
     elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's shared store
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                               is_master=False, timeout=timeout)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(backend, timeout=timeout, rank=rank, world_size=world,
-                                store=dist.PrefixStore(f"shardwise/attempt_{attempt}/", store))
+                                store=dist.PrefixStore(f"shardwise/attempt_{attempt}/", store),
+                                **bind)
     else:
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **bind)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -184,11 +189,15 @@ class Topology:
             lines_of["dp_shard"] = [line[r:r + shard] for line in dp_lines
                                     for r in range(0, dp, shard)]
             lines_of["dp_replicate"] = [line[j::shard] for line in dp_lines for j in range(shard)]
-        for axis, lines in lines_of.items():
-            mine, _ = dist.new_subgroups_by_enumeration(lines, timeout=timeout)
-            for line in lines:
-                if self.rank in line:
-                    self._groups[axis], self._axis_ranks[axis] = mine, line
+        # PyTorch's pipelining (batch_isend_irecv) gets its own communicator of the pp ranks:
+        # never mixed with our single isend/irecv on "pp" (NCCL hazard 3, comm/groups.py)
+        if pp > 1:
+            lines_of["pp_batch"] = lines_of["pp"]
+        # every group, eagerly, in one recorded order; device_id bound on CUDA (hazards 1, 2)
+        self.group_record: list[tuple[str, tuple[int, ...]]] = []
+        for axis, (group, line) in new_groups(lines_of, self.rank, self.device, timeout,
+                                              self.group_record).items():
+            self._groups[axis], self._axis_ranks[axis] = group, line
         if cp == 1:  # one rank per cp line: this rank alone; dp_cp is dp
             self._axis_ranks["cp"] = [self.rank]
             if "dp" in self._groups:
@@ -201,7 +210,9 @@ class Topology:
         elif ep == dp * cp:  # every data rank holds other experts: nothing to sum over
             self._axis_ranks["edp"] = [self.rank]
         # the whole layout as one more axis, for run-level agreement (output folder, verify)
-        self._world_group = dist.new_group(ranks, timeout=timeout)
+        world_group = new_groups({"world": [ranks]}, self.rank, self.device, timeout,
+                                 self.group_record).get("world")
+        self._world_group = world_group[0] if world_group else None
         self._groups["world"], self._axis_ranks["world"] = self._world_group, ranks
         self.coords = {}
         self.mesh = None
@@ -259,6 +270,16 @@ class Topology:
         """The process group of this rank's line along ``axis`` ("dp_cp" is "dp"'s when cp = 1;
         KeyError for "cp" when cp = 1: nothing runs over a line of one rank)."""
         return self._groups[axis]
+
+    def p2p_group(self, axis: str, style: str) -> dist.ProcessGroup:
+        """The group of ``axis`` for point-to-point messages of ``style`` ("single": our
+        ``comm.ops.send``/``recv``; "batch": ``batch_isend_irecv``, e.g. PyTorch's pipelining
+        schedules, on a communicator of its own: "pp_batch" for "pp"). Claims the style
+        (:func:`~shardwise.comm.groups.claim_p2p`: raises ``NcclHazard`` on a mix)."""
+        group = self._groups[f"{axis}_batch" if style == "batch" and f"{axis}_batch" in
+                             self._groups else axis]
+        claim_p2p(group, style)
+        return group
 
     def global_rank(self, axis: str, index: int) -> int:
         """Global rank of the member with ``index`` on this rank's line along ``axis``."""

@@ -45,7 +45,9 @@ import torch.distributed as dist
 
 from ..errors import CollectiveTimeout
 from . import algorithms
+from .groups import NcclHazard, claim_p2p
 from .ledger import CommRecord, ring_bytes
+from .streams import StreamOrder
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -179,20 +181,30 @@ def _ours(topo, op, axis, tensor_like, size_bytes, algorithm, tag, async_op, out
                              topo.index(axis))
     flat, back = _flat(out)
     phase = topo.ledger.current_phase  # booked under the phase it was issued in
+    # the comm thread's own stream, ordered after the compute stream's writes and before its
+    # reads (NCCL hazard 5, comm/streams.py; no stream on CPU: the same calls do nothing)
+    checks = getattr(topo, "checks", None)
+    if checks is not None and checks.active:  # NCCL hazard 4 (see check_device)
+        check_device(topo, op, axis, tensor_like, tag)
+    order = StreamOrder.for_device(getattr(topo, "device", "cpu"))
+    ready = order.before()
+    claim_p2p(peers.group, "single")
+
     def run():  # grad mode is per thread: a collective never records autograd history
         with torch.no_grad():
-            return body(flat, peers)
+            return order.run(lambda: body(flat, peers), ready)
 
-    fut = _CommThread.submit(run)  # → the bytes handed to send
+    fut = _CommThread.submit(run)  # → (the bytes handed to send, the done event)
 
     def finish():
+        order.after(fut.result()[1])
         back()
         if after is not None:
             after()
         sends = tuple((step, to, b) for (step, to), b in sorted(peers.log.items()))
         with topo.ledger.phase(phase):
             _book(topo, op, axis, tensor_like, size_bytes, t0, algorithm, tag,
-                  float(fut.result()), sends)
+                  float(fut.result()[0]), sends)
 
     h = Handle(_FutureWork(fut), finish,
                lambda: _naming_timeouts(topo, op, axis, tensor_like, tag))
@@ -233,6 +245,8 @@ def _run(topo, op, axis, tensor_like, size_bytes, impl, tag, async_op, launch, a
     if topo.size(axis) == 1:  # a group of one: nothing moves; still booked (0 bytes)
         work = None
     else:
+        if checks is not None:  # NCCL hazard 4: a collective's tensors on the topology's device
+            check_device(topo, op, axis, tensor_like, tag)
         if checks is not None and peer is not None:
             p2p = checks.issue_p2p(op, axis, peer, tensor_like, tag)
             waiter = lambda w: checks.wait(w, axis, p2p=p2p)  # noqa: E731
@@ -252,6 +266,20 @@ def _run(topo, op, axis, tensor_like, size_bytes, impl, tag, async_op, launch, a
         h.wait()
         return None
     return h
+
+
+def check_device(topo, op: str, axis: str, tensor, tag: str = "") -> None:
+    """Raise :class:`~shardwise.comm.groups.NcclHazard` unless ``tensor`` lives on the
+    topology's device type (NCCL hazard 4: a CPU scalar handed to an NCCL collective fails or,
+    through a silent copy, syncs the stream). Run when collective checks are on
+    (``--check-collectives step|every``); objects without a device (a pickled payload) pass."""
+    want = getattr(topo, "device", None)
+    have = getattr(tensor, "device", None)
+    if want is None or have is None or have.type == "meta" or have.type == want.type:
+        return
+    raise NcclHazard(
+        f"{op} on axis {axis}{f' ({tag})' if tag else ''}: tensor on {have}, the topology's "
+        f"device is {want}; create it with device=topo.device (NCCL takes device tensors only)")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -523,6 +551,7 @@ def _skip_send_for_test(tag: str) -> bool:
 
 
 def _p2p(fn, tensor, peer, group, async_op):
+    claim_p2p(group, "single")  # never mixed with batch_isend_irecv here (NCCL hazard 3)
     work = fn(tensor, peer, group=group)
     if not async_op:
         work.wait()

@@ -202,7 +202,7 @@ class TorchPipelineParallel(PipelineParallel):
                                           requires_grad=True)
             stages.append(pl.PipelineStage(c, c.index, self.p * self.v, device,
                                            input_args=(example_in,), output_args=(example_out,),
-                                           group=self.topo.group("pp")))
+                                           group=self.topo.p2p_group("pp", "batch")))
         return stages
 
     def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
