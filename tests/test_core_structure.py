@@ -29,7 +29,7 @@ PENDING = {("pp", "dp"), ("pp", "tp"), ("pp", "zero")}
 ENGINES = {"model.py:ParallelModel", "engine.py:Local",
            "engine.py:NoSync", "dp/data_parallel.py:DataParallel", "dp/ddp.py:TorchDataParallel",
            "zero/zero.py:ZeroDataParallel", "zero/zero3.py:Zero3DataParallel",
-           "zero/torch_zero.py:TorchZero", "compose_torch.py:FSDP2Sync",
+           "zero/torch_zero.py:TorchZero", "zero/fsdp2.py:FSDP2Sync",
            "pp/runtime.py:PipelineParallel", "pp/torch_pipelining.py:TorchPipelineParallel"}
 
 

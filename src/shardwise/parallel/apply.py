@@ -21,7 +21,7 @@ or PyTorch's own (``engine="torch"``). It reads as the order of the transforms (
    converted model's loss function;
 4. the gradient sync over dp (:func:`dp_sync`): DP (:mod:`.dp`), ZeRO-1/2/3 (:mod:`.zero`),
    DDP, ``ZeroRedundancyOptimizer`` / FSDP2, or FSDP2 over DTensor TP
-   (:class:`~.compose_torch.FSDP2Sync`); with tp > 1 and dp × cp = 1, none
+   (:class:`~.zero.fsdp2.FSDP2Sync`); with tp > 1 and dp × cp = 1, none
    (:class:`~.engine.NoSync`);
 5. tp > 1: one :class:`~.model.ParallelModel` of the loss function, the sync and the
    finishers (the SP sum over tp on what the sync leaves on each rank).
@@ -149,7 +149,7 @@ def dp_sync(model: nn.Module, topo, layout: Layout, engine: str, *, bucket_mb: f
         dp.step_context = step_context(topo)  # each step inside torch's context_parallel
         return dp
     if layout.tp > 1:
-        from .compose_torch import fsdp2_over_tp
+        from .zero.fsdp2 import fsdp2_over_tp
 
         return fsdp2_over_tp(model, topo, layout, reshard_after_forward=reshard_after_forward,
                              reduce_dtype=reduce_dtype)
