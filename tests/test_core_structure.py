@@ -5,6 +5,10 @@
   are the last ones left (``pp/runtime.py`` and ``pp/torch_pipelining.py`` compose the stage
   themselves until the pipeline becomes a runner): listed in :data:`PENDING`, and the test
   fails on any other edge, and on a pending edge that is gone (so the list only shrinks);
+* the engines (subclasses of ``Engine``, at any depth) are the ones listed in :data:`ENGINES`:
+  the target is ``ParallelModel`` and ``Local``; the gradient syncs and the pipeline engines
+  still listed become plain objects / runners (the test fails on a new engine, and on a listed
+  one that is gone, so the list only shrinks);
 * no class declares the norm's axes (``def norm_axes`` only in ``params.py``, where
   :meth:`~shardwise.parallel.params.Held.norm_axes` derives them from the held gradients);
 * the reduce dtype table ``REDUCE_DTYPES`` is assigned in exactly one module;
@@ -21,6 +25,12 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "shardwise"
 STRATEGIES = ("dp", "zero", "tp", "pp", "cp", "ep")
 # (importing folder, imported folder) edges still there, to be removed by the pipeline runner
 PENDING = {("pp", "dp"), ("pp", "tp"), ("pp", "zero")}
+# engine classes: the two to keep, then those pending (gradient syncs, the pipeline engines)
+ENGINES = {"model.py:ParallelModel", "engine.py:Local",
+           "engine.py:NoSync", "dp/data_parallel.py:DataParallel", "dp/ddp.py:TorchDataParallel",
+           "zero/zero.py:ZeroDataParallel", "zero/zero3.py:Zero3DataParallel",
+           "zero/torch_zero.py:TorchZero", "zero/fsdp2.py:FSDP2Sync",
+           "pp/runtime.py:PipelineParallel", "pp/torch_pipelining.py:TorchPipelineParallel"}
 
 
 def _imported_modules(f: Path, pkg_root: Path) -> list[tuple[str, int]]:
@@ -69,6 +79,26 @@ def definitions(pkg_root: Path, names, *, outside: str = "") -> list[str]:
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in names]
 
 
+def engine_classes(pkg_root: Path) -> set[str]:
+    """{"file:Class"} of every class in ``parallel/`` that derives from ``Engine`` (directly or
+    through another class of ``parallel/``; bases matched by name)."""
+    par = pkg_root / "parallel"
+    bases = {}
+    for f in sorted(par.rglob("*.py")):
+        for n in ast.walk(ast.parse(f.read_text())):
+            if isinstance(n, ast.ClassDef):
+                names = [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "")
+                         for b in n.bases]
+                bases[n.name] = (names, str(f.relative_to(par)))
+    engines, grew = {"Engine"}, True
+    while grew:
+        new = {c for c, (names, _) in bases.items()
+               if c not in engines and any(b in engines for b in names)}
+        engines |= new
+        grew = bool(new)
+    return {f"{bases[c][1]}:{c}" for c in engines - {"Engine"}}
+
+
 def norm_axes_declarations(pkg_root: Path) -> list[str]:
     """Every ``def norm_axes`` in ``parallel/`` outside ``params.py``."""
     return definitions(pkg_root, ("norm_axes",), outside="params.py")
@@ -92,6 +122,12 @@ def test_strategy_folders_do_not_import_each_other():
     assert not new, f"imports between strategy folders: {new}"
     gone = PENDING - set(edges)
     assert not gone, f"{sorted(gone)} no longer imported: remove them from PENDING"
+
+
+def test_engine_classes_only_shrink():
+    found = engine_classes(SRC)
+    assert not found - ENGINES, f"new engine classes: {sorted(found - ENGINES)}"
+    assert not ENGINES - found, f"{sorted(ENGINES - found)} are gone: remove them from ENGINES"
 
 
 def test_no_class_declares_the_norm_axes():
@@ -120,8 +156,10 @@ def test_planted_violations_fail(tmp_path):
         "import shardwise.parallel.tp.dtensor\nfrom ..params import Held\n")
     (pkg / "parallel" / "tp" / "b.py").write_text(
         "REDUCE_DTYPES = {}\nclass E:\n    def norm_axes(self):\n        return ('tp',)\n"
-        "    def __new__(cls):\n        return super().__new__(cls)\n")
+        "    def __new__(cls):\n        return super().__new__(cls)\n"
+        "class T(Engine):\n    pass\nclass U(T):\n    pass\n")
     assert set(strategy_edges(pkg)) == {("zero", "dp"), ("zero", "tp")}
     assert norm_axes_declarations(pkg) == ["tp/b.py:3"]
     assert definitions(pkg, ("__new__", "__init_subclass__")) == ["tp/b.py:5"]
     assert assignments(pkg, "REDUCE_DTYPES") == ["parallel/params.py", "parallel/tp/b.py"]
+    assert engine_classes(pkg) == {"tp/b.py:T", "tp/b.py:U"}

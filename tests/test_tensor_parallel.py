@@ -20,6 +20,8 @@ from shardwise.errors import ShardwiseConfigError
 from shardwise.models import LlamaConfig, build_model
 from shardwise.parallel.tp import (apply as tp_apply, padded_vocab_size, parallelize_tensor,
                                    tp_step_bytes_formula, valid_tp_degrees, validate_tp)
+from shardwise.parallel.engine import NoSync
+from shardwise.parallel.model import ParallelModel
 from shardwise.parity import ATOL, RTOL, assert_parity, reference_run
 from shardwise.train.workload import SyntheticLMWorkload
 
@@ -252,17 +254,20 @@ def test_tp1_conversion_is_the_plain_model():
     torch.manual_seed(0)
     plain = build_model("tiny", vocab_size=67, **W.MODEL)
     torch.manual_seed(0)
-    engine = parallelize_tensor(build_model("tiny", vocab_size=67, **W.MODEL), _SoloTopo())
+    model = build_model("tiny", vocab_size=67, **W.MODEL)
+    topo = _SoloTopo()
+    loss_fn = parallelize_tensor(model, topo)
+    engine = ParallelModel(model, topo, loss_fn=loss_fn, grad_sync=NoSync(model, topo))
     s_ref = F.cross_entropy(plain(mb["input_ids"]).flatten(0, 1), mb["labels"].flatten(),
                             ignore_index=-100, reduction="sum")
     s_ref.backward()
-    s, _ = engine.loss_sum_and_count(mb)
+    s, _ = loss_fn.loss_sum_and_count(mb)  # with grad (the engine's evaluation is no_grad)
     s.backward()
     torch.testing.assert_close(s, s_ref, rtol=RTOL, atol=ATOL)
     grads = engine.named_full_gradients()
     for n, p in plain.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=RTOL, atol=ATOL)
-    with torch.no_grad(), engine.gathered_logits() as m:
+    with torch.no_grad(), engine.full_model() as m:
         torch.testing.assert_close(m(mb["input_ids"]), plain(mb["input_ids"]),
                                    rtol=RTOL, atol=ATOL)
 

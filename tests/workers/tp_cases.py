@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from shardwise.config import TrainConfig
 from shardwise.models import build_model
-from shardwise.parallel.tp import TPDropout, parallelize_tensor, parallelize_tensor_dtensor
+from shardwise.parallel.apply import Layout, parallelize
+from shardwise.parallel.tp import TPDropout
 from shardwise.topology import Topology, init_distributed
 from shardwise.train.optim import build_optimizer
 from shardwise.train.step import train_step
@@ -40,10 +41,7 @@ def case_name(tp, engine, sp, tied):
 def run_parity(topo, work, tp, engine, sp, tied, out, rank):
     torch.manual_seed(0)
     model = build_model("tiny", vocab_size=67, tie_embeddings=tied, **MODEL)
-    if engine == "explicit":
-        wrapped = parallelize_tensor(model, topo, sp=sp)
-    else:
-        wrapped = parallelize_tensor_dtensor(model, topo, sp=sp)
+    wrapped = parallelize(model, topo, Layout(tp=tp, sp=sp), engine=engine)
     opt = build_optimizer(wrapped, TrainConfig(model="tiny", lr=LR, weight_decay=0.1))
     sampler = work.sampler(GLOBAL_BATCH, 1, 0, seed=0)  # every tp rank: the whole batch
     rec = {"loss": [], "grad_norm": [], "grads": [], "params": [], "bytes": [],
@@ -74,7 +72,7 @@ def run_parity(topo, work, tp, engine, sp, tied, out, rank):
 def run_dropout(topo, work, sp, out, rank):
     torch.manual_seed(0)
     model = build_model("tiny", vocab_size=67, dropout=0.5, **MODEL)
-    engine = parallelize_tensor(model, topo, sp=sp, seed=0)
+    engine = parallelize(model, topo, Layout(tp=2, sp=sp), seed=0)
     masks, blocks = [], []
     for m in model.modules():
         if isinstance(m, TPDropout):  # nonzero input, zero output = dropped
@@ -84,11 +82,11 @@ def run_dropout(topo, work, sp, out, rank):
     (mb,) = work.batches(torch.arange(4), 4)
     torch.manual_seed(1234 + rank)  # the default RNG differs per rank: masks must not use it
     state = torch.get_rng_state()
-    engine.loss_sum_and_count(mb)[0].backward()
+    engine.loss_fn.loss_sum_and_count(mb)[0].backward()  # with grad (the engine's is no_grad)
     untouched = torch.equal(state, torch.get_rng_state())
-    with engine.rng.fork("replicated"):
+    with engine.loss_fn.rng.fork("replicated"):
         rep = torch.rand(8)
-    with engine.rng.fork("sharded"):
+    with engine.loss_fn.rng.fork("sharded"):
         shd = torch.rand(8)
     torch.save({"masks": masks, "blocks": blocks, "replicated_draw": rep, "sharded_draw": shd,
                 "default_rng_untouched": untouched, "tp_index": topo.index("tp")},
@@ -99,8 +97,7 @@ def run_bf16_bytes(topo, work, engine, sp, out, rank):
     """One forward/backward under bf16 autocast: the ledger's bytes per tag."""
     torch.manual_seed(0)
     model = build_model("tiny", vocab_size=67, **MODEL)
-    wrapped = (parallelize_tensor(model, topo, sp=sp) if engine == "explicit"
-               else parallelize_tensor_dtensor(model, topo, sp=sp))
+    wrapped = parallelize(model, topo, Layout(tp=2, sp=sp), engine=engine)
     topo.ledger.begin_step()
     wrapped.forward_backward(work.batches(torch.arange(8), MICRO_BATCH), 1.0, "bf16")
     wrapped.finish_gradient_sync()

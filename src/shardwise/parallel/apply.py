@@ -17,12 +17,14 @@ or PyTorch's own (``engine="torch"``). It reads as the order of the transforms (
    (:func:`~.pp.build_pipeline`: the same TP transform per stage, DP / ZeRO-1 over dp, the
    tied-embedding swap and the SP sum after the schedule);
 3. tp > 1: tensor parallelism on the model — Megatron f/g (:func:`~.tp.parallelize_tensor`) or
-   DTensor ``parallelize_module`` (:func:`~.tp.parallelize_tensor_dtensor`);
+   DTensor ``parallelize_module`` (:func:`~.tp.parallelize_tensor_dtensor`), which return the
+   converted model's loss function;
 4. the gradient sync over dp (:func:`dp_sync`): DP (:mod:`.dp`), ZeRO-1/2/3 (:mod:`.zero`),
    DDP, ``ZeroRedundancyOptimizer`` / FSDP2, or FSDP2 over DTensor TP
-   (:class:`~.compose_torch.FSDP2Sync`);
-5. tp and dp together: one :class:`~.model.ParallelModel`, which adds the SP sum over tp on what
-   dp leaves on each rank.
+   (:class:`~.zero.fsdp2.FSDP2Sync`); with tp > 1 and dp × cp = 1, none
+   (:class:`~.engine.NoSync`);
+5. tp > 1: one :class:`~.model.ParallelModel` of the loss function, the sync and the
+   finishers (the SP sum over tp on what the sync leaves on each rank).
 
 ``Layout``, ``parse_layout`` and ``check_supported`` live in :mod:`.layout` and are re-exported
 here.
@@ -76,30 +78,40 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
 
         return build_pipeline(model, topo, layout=layout, engine=engine,
                               layers_per_stage=layers_per_stage, seed=seed, **dp_kw)
-    # 3. tensor parallelism on the whole model
-    tp = None
-    if layout.tp > 1 and engine == "explicit":
-        from .tp import parallelize_tensor
+    # 3. tensor parallelism on the whole model: the converted model's loss function
+    if layout.tp == 1:
+        return dp_sync(model, topo, layout, engine, **dp_kw)
+    if engine == "explicit":
+        from .tp import TPTraffic, parallelize_tensor
 
-        tp = parallelize_tensor(model, topo, sp=layout.sp, seed=seed)
-    elif layout.tp > 1:
-        from .tp import parallelize_tensor_dtensor
+        loss_fn, traffic = parallelize_tensor(model, topo, sp=layout.sp, seed=seed), TPTraffic
+    else:
+        from .tp import TorchTPTraffic, parallelize_tensor_dtensor
 
         if layout.dp > 1:  # FSDP2 shards what it is given: the dp replicas must start equal
             with topo.ledger.phase("init"), torch.no_grad():
                 for p in model.parameters():
                     comm.broadcast(p.data, topo, "dp", src=0, tag="init")
-        tp = parallelize_tensor_dtensor(model, topo, sp=layout.sp)
-    if tp is not None and layout.dp * layout.cp == 1:
-        return tp
-    # 4. the gradient sync over dp (× cp: the data axis), on the TP shards when tp > 1
-    dp = dp_sync(model, topo, layout, engine, **dp_kw)
-    if tp is None:
-        return dp
-    # 5. dp × tp: one model of the two parts (the SP sum follows dp's reduction)
+        loss_fn, traffic = parallelize_tensor_dtensor(model, topo, sp=layout.sp), TorchTPTraffic
+    # 4. the gradient sync over dp (× cp: the data axis), on the TP shards
+    if layout.dp * layout.cp == 1:
+        from .engine import NoSync
+
+        sync = NoSync(model, topo)
+    else:
+        sync = dp_sync(model, topo, layout, engine, **dp_kw)
+    # 5. the finishers, in order after the sync: the SP sum over tp of what the sync leaves
+    # (FSDP2 over DTensor TP sums the SP partial gradients inside backward)
+    from .tp import SPSum, TorchSPSum
+
+    if engine == "explicit":
+        finishers = [SPSum(sync)] if layout.sp else []
+    else:
+        finishers = [TorchSPSum(model, topo)] if layout.dp * layout.cp == 1 else []
     from .model import ParallelModel
 
-    return ParallelModel(tp, dp, topo)
+    return ParallelModel(model, topo, loss_fn=loss_fn, grad_sync=sync, finishers=finishers,
+                         traffic=traffic(model, topo, layout.sp), sp=layout.sp)
 
 
 def dp_sync(model: nn.Module, topo, layout: Layout, engine: str, *, bucket_mb: float = 25.0,
@@ -137,7 +149,7 @@ def dp_sync(model: nn.Module, topo, layout: Layout, engine: str, *, bucket_mb: f
         dp.step_context = step_context(topo)  # each step inside torch's context_parallel
         return dp
     if layout.tp > 1:
-        from .compose_torch import fsdp2_over_tp
+        from .zero.fsdp2 import fsdp2_over_tp
 
         return fsdp2_over_tp(model, topo, layout, reshard_after_forward=reshard_after_forward,
                              reduce_dtype=reduce_dtype)

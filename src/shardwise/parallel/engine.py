@@ -161,7 +161,7 @@ class Engine(nn.Module):
     def full_model_for(self, composed):
         """The full-weights, full-logits model of ``composed`` (dp × tp) for sampling: this dp
         part's full weights (ZeRO-3: gathered) and the tp part's gathered logits."""
-        with self.full_model(), composed.tp.gathered_logits() as model:
+        with self.full_model(), composed.loss_fn.gathered_logits() as model:
             yield model
 
     def finish_gradient_sync(self) -> None:
@@ -301,6 +301,16 @@ class Engine(nn.Module):
                          else v.detach().clone() if torch.is_tensor(v) else v)
                      for k, v in state[n].items()} for n, p in named}
         self.dp_load_optimizer_state(optimizer, local)
+
+
+class NoSync(Engine):
+    """The gradient sync of a layout whose data axis has one rank (tp only): nothing to
+    reduce; the base engine's norm pieces, optimizer and full-shape views of ``module`` on
+    ``topo``."""
+
+    def __init__(self, module: nn.Module, topo):
+        super().__init__(module)
+        self.topo = topo
 
 
 class Local(Engine):

@@ -1,17 +1,21 @@
-"""The one composition of tensor parallelism with a data-parallel strategy: :class:`ParallelModel`.
+"""The engine of every layout without a pipeline, tp > 1: :class:`ParallelModel`.
 
-dp × tp on either engine is a TP strategy (``tp``: :class:`~.tp.TensorParallel` or
-:class:`~.tp.TorchTensorParallel`, which converted the plain model) and a gradient sync over dp
-(``dp``: :class:`~.dp.DataParallel`, :class:`~.zero.ZeroDataParallel`, or FSDP2 over DTensor
-TP, :class:`~.compose_torch.FSDP2Sync`) wrapping the same converted module. Each member of the
-engine interface is answered by the part that owns it, in one place:
+A :class:`ParallelModel` is put together by :func:`~.apply.parallelize` (the only composition
+site) from plain pieces over one converted module, each answering the members it owns:
 
 =================================  ==========================================================
-the loss, its backward context     tp (vocab-parallel cross-entropy / ``loss_parallel``)
-micro-step sync, finishing, the    dp (buckets / reduce-scatter / FSDP2), then the SP sum over
-optimizer, full-shape dp views     tp of what dp leaves on this rank (:meth:`finish_gradient_sync`)
-the global norm                    dp's held gradients over dp's axes and tp
-bytes formula                      tp's terms + dp's terms (``grad_norm`` summed)
+``loss_fn``                        the loss sum, its booking and backward context, the
+                                   gathered logits for sampling (:class:`~.tp.VocabParallelLoss`
+                                   / :class:`~.tp.LossParallel`)
+``grad_sync``                      micro-step sync, the reduction, the optimizer, the norm's
+                                   held gradients, full-shape dp views (:class:`~.dp.
+                                   DataParallel`, :mod:`.zero`, FSDP2 over DTensor TP, or
+                                   :class:`~.engine.NoSync` when dp × cp = 1)
+``finishers``                      run in order after the sync: the SP sum over tp of what the
+                                   sync leaves on this rank (:class:`~.tp.SPSum`, or DTensor's
+                                   :class:`~.tp.TorchSPSum`)
+``traffic``                        tp's byte terms (:class:`~.tp.TPTraffic`), added to the
+                                   sync's (``grad_norm`` summed)
 =================================  ==========================================================
 
 Why TP goes innermost and which tags cross which axis: docs/composition.md (Megatron-LM §5.1,
@@ -28,24 +32,24 @@ from .engine import Engine
 
 
 class ParallelModel(Engine):
-    """dp × tp: ``tp`` (a TP engine over the converted model) and ``dp`` (a dp strategy engine
-    over the same module), on ``topo`` (pp = 1). Every tp rank of a dp row holds the complete
-    loss sum of its row, so the token count and the loss are all-reduced over dp only."""
+    """``module`` (converted for TP) on ``topo`` (pp = 1) with its ``loss_fn``, ``grad_sync``,
+    ``finishers`` and ``traffic`` (module docstring); ``sp``: sequence parallelism (the
+    ``sp_grad`` term). Every tp rank of a dp row holds the complete loss sum of its row, so the
+    token count and the loss are all-reduced over the data axis only."""
 
-    def __init__(self, tp: Engine, dp: Engine, topo):
-        super().__init__(tp.module)
-        # the parts share ``module``: a tuple, which nn.Module does not register, so that
+    def __init__(self, module, topo, *, loss_fn, grad_sync: Engine, finishers=(),
+                 traffic=None, sp: bool = False):
+        super().__init__(module)
+        # the sync holds ``module`` too: a tuple, which nn.Module does not register, so that
         # state_dict()/parameters() see the model once
-        self.parts = (tp, dp)
-        self.topo, self.sp = topo, tp.sp
-
-    @property
-    def tp(self) -> Engine:
-        return self.parts[0]
+        self.parts = (grad_sync,)
+        self.topo, self.sp, self.loss_fn = topo, sp, loss_fn
+        self.finishers, self.traffic = list(finishers), traffic
 
     @property
     def dp(self) -> Engine:
-        return self.parts[1]
+        """The gradient sync."""
+        return self.parts[0]
 
     # -- the step: the loss is tp's, the gradient sync dp's ---------------------------------
     def sync_gradients(self, enabled: bool):
@@ -57,20 +61,21 @@ class ParallelModel(Engine):
     def loss_sum(self, batch: dict) -> torch.Tensor:
         """The vocab-parallel loss sum of this dp row's micro-batch [b, s] (local logits
         [b, s, V_pad/tp]), the same on every tp rank of the row."""
-        return self.tp.loss_sum(batch)
+        return self.loss_fn.loss_sum(batch)
 
     def booking(self):
-        return self.tp.booking(**self.dp.booking_options())
+        return self.loss_fn.booking(**self.dp.booking_options())
 
     def backward_context(self):
-        return self.tp.backward_context()
+        return self.loss_fn.backward_context()
 
     def finish_gradient_sync(self) -> None:
-        """Wait for the dp reduction, then, with SP, SUM over tp the norm weights' partial
-        gradients on what this rank holds after it (ZeRO: its slice only; tag ``sp_grad``)."""
+        """Wait for the dp reduction, then the finishers in order (with SP: SUM over tp the
+        norm weights' partial gradients on what this rank holds; ZeRO: its slice only; tag
+        ``sp_grad``)."""
         self.dp.finish_gradient_sync()
-        if self.sp:
-            self.dp.sum_replicated_grads()
+        for finish in self.finishers:
+            finish()
 
     def held_grads(self):
         """dp's pieces (ZeRO slices, FSDP2 shards, whole gradients); tp, which splits them, is
@@ -85,7 +90,7 @@ class ParallelModel(Engine):
     def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Evaluation under ``no_grad`` (ZeRO-3 frees what it gathers; FSDP2 reshards after):
         tp's loss sum of ``batch`` and its counted tokens."""
-        out = self.tp.loss_sum_and_count(batch)
+        out = self.loss_fn.loss_sum_and_count(batch)
         self.dp.after_evaluation()
         return out
 
@@ -131,7 +136,7 @@ class ParallelModel(Engine):
         terms for its dp slice of the batch (``sequences`` sequences of ``seq_len`` tokens,
         all micro-batches), plus dp's gradient and parameter traffic of Ψ_tp and its norm
         scalar; ``sp_grad`` is dp's share of the SP sum (ZeRO: the slice)."""
-        out = dict(self.tp.bytes_formula(micro_steps, sequences, seq_len, dtype))
+        out = dict(self.traffic.bytes_formula(micro_steps, sequences, seq_len, dtype))
         d = dict(self.dp.bytes_formula(micro_steps, sequences, seq_len, dtype))
         out["grad_norm"] = out.get("grad_norm", 0.0) + d.pop("grad_norm", 0.0)
         out.update(d)

@@ -1,8 +1,9 @@
 """Tensor parallelism (TP), with optional sequence parallelism (SP) and a vocab-parallel loss.
 
 Reading order (picotron's: the strategy beside its communications): :mod:`.comms`,
-:mod:`.layers`, :mod:`.loss`, :mod:`.apply` (:func:`apply_tp` for a model or a pipeline stage,
-its checks, :func:`tp_step_bytes_formula`), :mod:`.engine`, :mod:`.dtensor` (the DTensor twin).
+:mod:`.layers`, :mod:`.loss` (the vocab-parallel loss function), :mod:`.apply` (:func:`apply_tp`
+for a model or a pipeline stage, its checks, the SP finisher, :func:`tp_step_bytes_formula`),
+:mod:`.dtensor` (the DTensor twin).
 
 What crosses the tp axis per optimizer step (n = tp, L blocks, A = bytes of one [b, s, d]
 activation over the step's micro-batches): the embedding exit, each block's two region entries
@@ -13,22 +14,23 @@ and derivation: docs/tensor-parallel.md §2. Sources: Shoeybi et al. 2019, "Mega
 1909.08053, §3; Korthikanti et al. 2022, arXiv 2205.05198, §4.2.2 (SP); JAX scaling book ch. 5.
 """
 
-from .apply import (apply_tp, check_plan_covers, tp_activation_bytes, tp_plan,
-                    tp_step_bytes_formula, valid_tp_degrees, validate_tp)
+from .apply import (SPSum, TPTraffic, apply_tp, check_plan_covers, parallelize_tensor,
+                    tp_activation_bytes, tp_plan, tp_step_bytes_formula, valid_tp_degrees,
+                    validate_tp)
 from .comms import AXIS, CopyToTP, GatherFromSP, ReduceFromTP, ReduceScatterToSP
 from ...comm.torch_booking import BookFunctionalCollectives, booked_as
-from .dtensor import (TorchTensorParallel, dtensor_tp_plan, parallelize_tensor_dtensor,
-                      reduce_partial_grads)
-from .engine import TensorParallel, parallelize_tensor
+from .dtensor import (LossParallel, TorchSPSum, TorchTPTraffic, dtensor_tp_plan,
+                      parallelize_tensor_dtensor, reduce_partial_grads)
 from .layers import (TPRNG, ColumnParallelLinear, RowParallelLinear, TensorParallelAttention,
                      TensorParallelSwiGLU, TPDropout, VocabParallelEmbedding, VocabParallelHead,
                      enter_tp_region, exit_tp_region, padded_vocab_size)
-from .loss import vocab_parallel_cross_entropy
+from .loss import VocabParallelLoss, vocab_parallel_cross_entropy
 
 __all__ = ["AXIS", "BookFunctionalCollectives", "ColumnParallelLinear", "CopyToTP", "GatherFromSP",
-           "ReduceFromTP", "ReduceScatterToSP", "RowParallelLinear", "TPDropout", "TPRNG",
-           "TensorParallel", "TensorParallelAttention", "TensorParallelSwiGLU",
-           "TorchTensorParallel", "VocabParallelEmbedding", "VocabParallelHead", "apply_tp",
+           "LossParallel", "ReduceFromTP", "ReduceScatterToSP", "RowParallelLinear", "SPSum",
+           "TPDropout", "TPRNG", "TPTraffic", "TensorParallelAttention", "TensorParallelSwiGLU",
+           "TorchSPSum", "TorchTPTraffic", "VocabParallelEmbedding", "VocabParallelHead",
+           "VocabParallelLoss", "apply_tp",
            "booked_as", "check_plan_covers", "dtensor_tp_plan", "enter_tp_region", "exit_tp_region",
            "padded_vocab_size", "parallelize_tensor", "parallelize_tensor_dtensor",
            "reduce_partial_grads", "tp_activation_bytes", "tp_plan", "tp_step_bytes_formula",

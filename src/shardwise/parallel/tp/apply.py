@@ -215,6 +215,46 @@ def apply_tp(model: nn.Module, topo, sp: bool = False, *, seed: int = 0) -> TPRN
     return rng
 
 
+def parallelize_tensor(model: Llama, topo, sp: bool = False, *, seed: int = 0):
+    """Convert the plain Llama ``model`` in place (:func:`apply_tp`: checks, broadcast,
+    conversion, check) and return its loss function, :class:`~.loss.VocabParallelLoss` (which
+    holds the dropout RNG, seeded by ``seed``). :func:`~shardwise.parallel.apply.parallelize`
+    composes it with a gradient sync into the engine."""
+    from .loss import VocabParallelLoss
+
+    return VocabParallelLoss(model, topo, sp, apply_tp(model, topo, sp, seed=seed))
+
+
+class SPSum:
+    """The SP finisher: after the gradient sync, SUM over tp the gradients of the tp-replicated
+    parameters (the norm weights, whose gradient on one tp rank covers only its s/tp
+    positions) on what the sync ``sync`` leaves on this rank (whole gradients; ZeRO: its slice),
+    one flat all-reduce, tag ``sp_grad`` (``sync.sum_replicated_grads``)."""
+
+    def __init__(self, sync):
+        self.sync = sync
+
+    def __call__(self) -> None:
+        self.sync.sum_replicated_grads()
+
+
+class TPTraffic:
+    """TP's terms of a step's byte formula for ``module`` (a converted Llama) on ``topo``:
+    :func:`tp_step_bytes_formula` on the tp and dp sizes without ``loss`` and ``total``
+    (:func:`shardwise.formulas.step_bytes_formula` adds them); ``micro_steps`` matter only for
+    Qwen3's q/k norms without SP (every other byte is linear in the batch)."""
+
+    def __init__(self, module, topo, sp: bool):
+        self.module, self.topo, self.sp = module, topo, sp
+
+    def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
+                      dtype: str = "fp32") -> dict[str, float]:
+        t = tp_step_bytes_formula(self.module.config, sequences, seq_len, self.topo.size(AXIS),
+                                  self.sp, dp=self.topo.size("dp"), dtype=dtype,
+                                  micro_steps=micro_steps)
+        return {k: v for k, v in t.items() if k not in ("total", "loss")}
+
+
 # -- the formula ----------------------------------------------------------------------------------
 def tp_replicated_numel(cfg) -> int:
     """Elements of the parameters TP leaves whole on every tp rank (explicit engine), from the

@@ -20,10 +20,9 @@ from torch import nn
 from ...comm.ledger import ring_bytes
 from ...comm.torch_booking import BookFunctionalCollectives, booked_as
 from ...models.llama import IGNORE_INDEX, Llama
-from ..params import is_dtensor as _is_dtensor, local as _local, local_state_bytes, sum_coalesced_
-from .apply import check_plan_covers, validate_tp
+from ..params import is_dtensor as _is_dtensor, local as _local, sum_coalesced_
+from .apply import TPTraffic, check_plan_covers, validate_tp
 from .comms import AXIS
-from .engine import TPEngineBase
 
 def dtensor_tp_plan(model: Llama, sp: bool) -> dict:
     """The ``parallelize_module`` plan {FQN: ParallelStyle} for ``model``: our explicit layout
@@ -105,14 +104,16 @@ def reduce_partial_grads(params, topo, tag: str = "sp_grad") -> None:
         p.grad = DTensor.from_local(t, p.device_mesh, [Replicate()], run_check=False)
 
 
-class TorchTensorParallel(TPEngineBase):
-    """The DTensor TP engine, with the interface and loss bookkeeping of
-    :class:`~.engine.TensorParallel`. ``book_collectives``: book DTensor's collectives in the
-    ledger during ``forward_backward`` (a dispatch mode sees every op, which costs Python time
-    per op: turn it off to time)."""
+class LossParallel:
+    """The loss function of a model converted by :func:`parallelize_tensor_dtensor`
+    (``module`` on ``topo``, ``sp``): cross-entropy under ``loss_parallel`` of the logits
+    sharded over the vocabulary, a DTensor scalar Replicate over tp. ``book_collectives``: book
+    DTensor's collectives in the ledger during the step (a dispatch mode sees every op, which
+    costs Python time per op: turn it off to time). The same members as
+    :class:`~.loss.VocabParallelLoss`."""
 
     def __init__(self, module: Llama, topo, sp: bool, book_collectives: bool = True):
-        super().__init__(module, topo, sp)
+        self.module, self.topo, self.sp = module, topo, sp
         self.book_collectives = book_collectives
 
     def loss_sum(self, batch: dict) -> torch.Tensor:
@@ -131,8 +132,8 @@ class TorchTensorParallel(TPEngineBase):
 
     def booking(self, **options):
         """Book DTensor's collectives during the step if ``book_collectives``; ``options``
-        (:class:`BookFunctionalCollectives`'s ``c10d_tag``, ``sp_grad``) come from the dp part
-        inside dp × tp (FSDP2: its c10d all-reduce and SP sum are booked too)."""
+        (:class:`BookFunctionalCollectives`'s ``c10d_tag``, ``sp_grad``) come from the gradient
+        sync (FSDP2: its c10d all-reduce and SP sum are booked too)."""
         return (BookFunctionalCollectives(self.topo, **options) if self.book_collectives
                 else contextlib.nullcontext())
 
@@ -142,20 +143,32 @@ class TorchTensorParallel(TPEngineBase):
 
         return loss_parallel()
 
-    def finish_gradient_sync(self) -> None:
-        """With SP: :func:`reduce_partial_grads` (one flat all-reduce over tp, ``sp_grad``)."""
+    @contextlib.contextmanager
+    def gathered_logits(self):
+        """The model itself (its logits stay a DTensor sharded over the vocabulary)."""
+        yield self.module
+
+
+class TorchSPSum:
+    """The SP finisher of DTensor TP without FSDP2: :func:`reduce_partial_grads` of
+    ``module``'s parameters (one flat all-reduce over tp, ``sp_grad``; nothing when none is
+    ``Partial``)."""
+
+    def __init__(self, module: nn.Module, topo):
+        self.module, self.topo = module, topo
+
+    def __call__(self) -> None:
         reduce_partial_grads(self.module.parameters(), self.topo)
 
-    def model_state_bytes(self, optimizer=None) -> dict[str, int]:
-        """Bytes of this rank's local shards (:func:`~..params.local_state_bytes`)."""
-        return local_state_bytes(self.module.parameters(), optimizer)
+
+class TorchTPTraffic(TPTraffic):
+    """:class:`~.apply.TPTraffic`, except that under SP the parameters
+    :func:`prepare_replicated_for_dtensor` routes through f (Qwen3's q/k norms, GPT-2's
+    positions) are summed in each micro-step's backward (``tp_bwd``) instead of once in
+    ``sp_grad``, and the row-parallel biases need no sum at all (:func:`row_bias_bytes`)."""
 
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
                       dtype: str = "fp32") -> dict[str, float]:
-        """The explicit engine's formula, except that under SP the parameters
-        :func:`prepare_replicated_for_dtensor` routes through f (Qwen3's q/k norms, GPT-2's
-        positions) are summed in each micro-step's backward (``tp_bwd``) instead of once in
-        ``sp_grad``, and the row-parallel biases need no sum at all (:func:`row_bias_bytes`)."""
         out = super().bytes_formula(micro_steps, sequences, seq_len, dtype)
         if self.sp:
             n = self.topo.size(AXIS)
@@ -187,9 +200,9 @@ def f_summed_bytes(module: nn.Module, n: int) -> float:
 
 
 def parallelize_tensor_dtensor(model: Llama, topo, sp: bool = False, *,
-                               book_collectives: bool = True) -> TorchTensorParallel:
+                               book_collectives: bool = True) -> LossParallel:
     """Apply :func:`dtensor_tp_plan` to ``model`` in place on ``topo.mesh["tp"]`` and return its
-    engine. Validation (:func:`~.apply.validate_tp`, :func:`~.apply.check_plan_covers`) raises
+    loss function, :class:`LossParallel`. Validation (:func:`~.apply.validate_tp`, :func:`~.apply.check_plan_covers`) raises
     :class:`~shardwise.errors.ShardwiseConfigError` before any collective; afterwards every
     Linear/Embedding weight must be a DTensor (RuntimeError otherwise)."""
     from torch.distributed.tensor.parallel import parallelize_module
@@ -209,4 +222,4 @@ def parallelize_tensor_dtensor(model: Llama, topo, sp: bool = False, *,
              and not isinstance(m, TPPositionEmbedding) and not _is_dtensor(m.weight)]
     if plain:
         raise RuntimeError(f"DTensor TP conversion incomplete: {', '.join(plain)} not sharded")
-    return TorchTensorParallel(model, topo, sp, book_collectives)
+    return LossParallel(model, topo, sp, book_collectives)

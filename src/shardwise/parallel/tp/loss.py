@@ -15,9 +15,13 @@ before the max and the sum, so they get probability 0 and gradient 0.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ... import comm
+from ...models import count_items, moe_aux_loss, positions_kw
+from ...models.dpo import token_loss_sum
 from ...models.llama import IGNORE_INDEX
 from .comms import AXIS
 
@@ -68,3 +72,60 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, labels: torch.Tenso
     return _VocabParallelCrossEntropy.apply(local_logits.flatten(0, 1).float(), labels.flatten(),
                                             vocab_start, vocab_size, topo)
 
+
+
+class VocabParallelLoss:
+    """The loss function of a model converted by :func:`~.apply.apply_tp` (``module``, on
+    ``topo``'s tp axis, ``sp``, dropout RNG ``rng``): :func:`vocab_parallel_cross_entropy` of
+    the local logits, complete on every tp rank. What :class:`~shardwise.parallel.model.
+    ParallelModel` asks of a loss function: :meth:`loss_sum`, :meth:`loss_sum_and_count`,
+    :meth:`booking`, :meth:`backward_context`, :meth:`gathered_logits`."""
+
+    def __init__(self, module, topo, sp: bool, rng):
+        self.module, self.topo, self.sp, self.rng = module, topo, sp, rng
+
+    @property
+    def head(self):
+        """The :class:`~.layers.VocabParallelHead`."""
+        return self.module.output
+
+    def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token-loss sum fp32 scalar, counted tokens) of ``batch`` via the vocab-parallel loss;
+        the same on every tp rank. Usable for evaluation under ``torch.no_grad()``."""
+        local_logits = self.module(batch["input_ids"], **positions_kw(batch))  # [b, s, V_pad/n]
+        losses = vocab_parallel_cross_entropy(local_logits, batch["labels"],
+                                              self.head.vocab_start, self.head.vocab_size,
+                                              self.topo)
+        count = torch.tensor(count_items(batch), device=batch["labels"].device)  # DPO: pairs
+        return token_loss_sum(losses, batch), count
+
+    def loss_sum(self, batch: dict) -> torch.Tensor:
+        """The training objective's sum: the vocab-parallel loss, plus a mixture of experts'
+        aux losses (:func:`~shardwise.models.moe_aux_loss`; computed whole on every tp rank)."""
+        s = self.loss_sum_and_count(batch)[0]
+        aux = moe_aux_loss(self.module)
+        return s if aux is None else s + aux
+
+    def booking(self, **options):
+        """Nothing to book: every collective goes through :mod:`shardwise.comm`."""
+        return contextlib.nullcontext()
+
+    def backward_context(self):
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def gathered_logits(self):
+        """Inference helper: inside, the model returns full logits [b, s, V] (gathered over tp,
+        unpadded) and SP is switched off (any sequence length works), so plain-model code
+        (``generate``, ``loss_sum_and_count``) runs unchanged. Use under ``torch.no_grad()``."""
+        mods = [m for m in self.module.modules() if hasattr(m, "sp")]
+        saved = [m.sp for m in mods]
+        for m in mods:
+            m.sp = False
+        self.head.gather_output = True
+        try:
+            yield self.module
+        finally:
+            self.head.gather_output = False
+            for m, s in zip(mods, saved):
+                m.sp = s

@@ -1,7 +1,7 @@
 """ZeRO through PyTorch's own implementations (``--zero {1,2,3} --engine torch``), over dp.
 
 * stage 3: FSDP2, ``fully_shard(unit, mesh=topo.mesh["dp"])`` on every unit (as in :mod:`.zero`),
-  then on the root (:func:`apply_fsdp`, which the 2D engine :mod:`..compose_torch` calls too, on a
+  then on the root (:func:`apply_fsdp`, which the 2D engine :mod:`.fsdp2` calls too, on a
   DTensor-TP model). Each parameter is a DTensor sharded on dim 0 over dp (``torch.chunk`` rows,
   each padded to ⌈d₀/n⌉ for the collectives).
 * stage 2: the same with ``reshard_after_forward=False`` (FSDP1's SHARD_GRAD_OP): each unit

@@ -224,7 +224,7 @@ def activation_bytes(engine, batch: dict) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        engine.loss_sum_and_count(batch)
+        engine.loss_fn.loss_sum_and_count(batch)  # with grad (the engine's evaluation is no_grad)
     return sum(seen.values())
 
 
@@ -265,7 +265,7 @@ def bench_tp(args) -> int:
         r["ledger_bytes"] = topo.ledger.step_bytes()
         r["activation_bytes"] = activation_bytes(r["engine"], probe)
         if r["kind"] == "torch":
-            r["engine"].book_collectives = False
+            r["engine"].loss_fn.book_collectives = False
     alternate(runs, args.rounds, args.steps, one_step)  # A B C D A B C D …
     tokens = args.micro_batch * args.seq_len
     results = []

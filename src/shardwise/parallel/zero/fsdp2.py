@@ -1,14 +1,14 @@
 """``--engine torch`` for dp × tp (2D): the dp part, FSDP2 over DTensor tensor parallelism.
 
-torchtitan's 2D recipe on the mesh (pp, dp, tp), tp innermost (:func:`~.apply.parallelize`,
-steps 3–5): ``parallelize_module`` on the tp mesh (the plan of :mod:`.tp.dtensor`), then over
+torchtitan's 2D recipe on the mesh (pp, dp, tp), tp innermost (:func:`~..apply.parallelize`,
+steps 3–5): ``parallelize_module`` on the tp mesh (the plan of :mod:`..tp.dtensor`), then over
 the dp mesh FSDP2 on every block and the root
-(:func:`.zero.torch_zero.apply_fsdp`): zero 0 ``replicate`` (whole parameters, SUM all-reduce of
+(:func:`.torch_zero.apply_fsdp`): zero 0 ``replicate`` (whole parameters, SUM all-reduce of
 each unit's gradients, 2(n−1)/n·Ψ_local·b), zero 1 and 2 ``fully_shard`` without resharding after
 forward (ZeRO-2's traffic; PyTorch has no optimizer-state-only sharding that composes with DTensor
 parameters), zero 3 ``fully_shard`` with it (ZeRO paper §5.3, §7). Gradients are **summed** over
 dp (each rank's loss is already divided by the global token count). The tp part and this dp part
-(:class:`FSDP2Sync`) are composed by :class:`~.model.ParallelModel`.
+(:class:`FSDP2Sync`) are composed by :class:`~..model.ParallelModel`.
 
 Ledger tags: ``param`` (FSDP2's all-gathers, custom ledger collective), ``grad`` (its
 reduce-scatter, or ``replicate``'s c10d all-reduce booked by the dispatch mode), ``tp_fwd`` /
@@ -26,17 +26,17 @@ import math
 import torch
 from torch import nn
 
-from ..comm.ledger import ring_bytes
-from ..models.llama import Llama, TransformerBlock
-from .engine import Engine
-from .params import is_dtensor as _is_dtensor, local as _local, reduce_bytes
-from .zero.torch_zero import apply_fsdp
+from ...comm.ledger import ring_bytes
+from ...models.llama import Llama, TransformerBlock
+from ..engine import Engine
+from ..params import is_dtensor as _is_dtensor, local as _local, reduce_bytes
+from .torch_zero import apply_fsdp
 
 class FSDP2Sync(Engine):
     """The dp part of dp × tp on the torch engine: PyTorch's FSDP2 (``fully_shard``, zero ≥ 1)
     or ``replicate`` (zero 0) over the dp mesh, on a module whose parameters DTensor TP already
     converted (so they become DTensors on the (dp, tp) mesh). Composed with the tp part by
-    :class:`~.model.ParallelModel`. ``units``: the FSDP2-wrapped modules (blocks, then the
+    :class:`~..model.ParallelModel`. ``units``: the FSDP2-wrapped modules (blocks, then the
     root); ``local_shapes``: {FQN: this rank's tp-local shape} before dp (for the formulas)."""
 
     def __init__(self, module: Llama, topo, layout, units: list[nn.Module], *,
@@ -89,7 +89,7 @@ class FSDP2Sync(Engine):
 
     def named_params(self):
         """Resharded first (:meth:`_reshard`): the DTensor shards, which the base engine's
-        full-shape views gather over the (dp, tp) mesh (:func:`.views.to_full`)."""
+        full-shape views gather over the (dp, tp) mesh (:func:`..views.to_full`)."""
         self._reshard()
         return super().named_params()
 
@@ -106,7 +106,7 @@ class FSDP2Sync(Engine):
         element) over Ψ_t = this rank's tp-local elements: zero ≥ 1 (FSDP2 keeps parameters,
         gradients and state sharded over dp at rest, every stage) ZeRO-3's 16Ψ_t/n with
         FSDP2's padding; zero 0 (replicate) plain DP's 16Ψ_t."""
-        from .zero import zero_memory_formula
+        from .formulas import zero_memory_formula
 
         names = [nm for nm, _ in self.module.named_parameters()]
         return zero_memory_formula(3 if self.zero else 0, self._padded_local_numel(names),
@@ -149,7 +149,7 @@ class FSDP2Sync(Engine):
         out = {"param": micro_steps * f * (psi + again) * 4, "grad": f * psi * b_r,
                "grad_norm": ring_bytes("all_reduce", 8, n)}
         if getattr(self.topo, "dp_replicate", 1) > 1:  # HSDP: the shards over the replicas
-            from .zero.formulas import hsdp_replicate_bytes
+            from .formulas import hsdp_replicate_bytes
 
             out["grad_replicate"] = hsdp_replicate_bytes(psi, n, self.topo.size("dp_replicate"),
                                                          b_r)
@@ -158,9 +158,9 @@ class FSDP2Sync(Engine):
 
 def fsdp2_over_tp(model: Llama, topo, layout, *, reshard_after_forward: bool = True,
                   reduce_dtype: str = "fp32") -> FSDP2Sync:
-    """FSDP2 over dp (:func:`.zero.torch_zero.apply_fsdp`) on every block, then the root, of
+    """FSDP2 over dp (:func:`.torch_zero.apply_fsdp`) on every block, then the root, of
     ``model`` whose parameters DTensor TP already converted (the replicas already equal):
-    step 4 of :func:`~.apply.parallelize` for dp × tp on the torch engine (module docstring).
+    step 4 of :func:`~..apply.parallelize` for dp × tp on the torch engine (module docstring).
 
     ``reshard_after_forward`` (zero 3 only): False keeps blocks gathered until backward (then
     zero 3 runs as zero 2). ``reduce_dtype``: "fp32" | "bf16", the dtype gradients travel in over
