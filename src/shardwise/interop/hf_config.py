@@ -31,12 +31,12 @@ and the fix. Nothing here needs a process group.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from ..errors import ShardwiseConfigError
 from ..models.rope import LLAMA3_KEYS, ROPE_TYPES
+from ..readers import read_json
 
 def _is_moe(cfg) -> bool:
     from ..models import MoEConfig
@@ -183,11 +183,7 @@ def read_hf_config(folder: str | os.PathLike) -> dict:
     if not path.is_file():
         raise ShardwiseConfigError(f"--init-from-hf {folder}: no config.json there: give the "
                                    "folder that save_pretrained wrote")
-    try:
-        data = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ShardwiseConfigError(f"{path}: not valid JSON ({e}): re-save the model with "
-                                   "save_pretrained") from None
+    data = read_json(path, "--init-from-hf", "re-save the model with save_pretrained")
     if not isinstance(data, dict):
         raise ShardwiseConfigError(f"{path}: expected a JSON object of config fields")
     return data

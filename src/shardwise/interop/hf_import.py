@@ -10,13 +10,13 @@ and the fix. Nothing here needs a process group.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 
 from ..errors import ShardwiseConfigError
+from ..readers import read_json
 from .hf_config import _is_moe, hf_to_llama_config, read_hf_config
 from .hf_names import hf_to_ours
 
@@ -55,9 +55,10 @@ def weight_files(folder: str | os.PathLike) -> list[Path]:
     if single.is_file():
         files = [single]
     elif index.is_file():
+        data = read_json(index, "--init-from-hf", "re-save the model with save_pretrained")
         try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, AttributeError) as e:
+            shards = sorted(set(data["weight_map"].values()))
+        except (KeyError, AttributeError, TypeError) as e:
             raise ShardwiseConfigError(f"{index}: not a safetensors index ({e}): re-save the "
                                        "model with save_pretrained") from None
         files = [folder / s for s in shards]
