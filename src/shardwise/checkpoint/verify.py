@@ -12,9 +12,13 @@ from .format import (_STEP_RE, MARKER, CheckpointError, _sha256, complete_checkp
                      list_checkpoints)
 
 
-def verify_checkpoint(folder: Path) -> dict:
+def verify_checkpoint(folder: Path, fix: str | None = None) -> dict:
     """Check ``folder`` against its completion marker: every recorded file present, with its
     size and SHA-256. Returns the parsed ``meta.json``.
+
+    ``fix``: what each message tells the user to do instead (default: resume from an earlier
+    checkpoint, noting that ``--resume auto`` skips a corrupt one; ``shardwise export`` passes
+    its own).
 
     Raises:
         CheckpointError: no marker (an interrupted save), a missing, truncated or corrupted file
@@ -22,34 +26,32 @@ def verify_checkpoint(folder: Path) -> dict:
     """
     folder = Path(folder)
     marker = folder / MARKER
+    early = fix or "resume from an earlier checkpoint"
+    skip = fix or "resume from an earlier checkpoint (--resume auto skips this one)"
     if not marker.is_file():
         raise CheckpointError(f"checkpoint {folder} has no completion marker ({MARKER}): its save "
-                              "did not finish; resume from an earlier checkpoint")
+                              f"did not finish; {early}")
     try:
         files = json.loads(marker.read_text())["files"]
     except (ValueError, KeyError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{marker}: unreadable completion marker ({e}); resume from an "
-                              "earlier checkpoint") from None
+        raise CheckpointError(f"{marker}: unreadable completion marker ({e}); {early}") from None
     for rel, want in files.items():
         p = folder / rel
         if not p.is_file():
-            raise CheckpointError(f"checkpoint {folder} is corrupt: {p} is missing; resume from "
-                                  "an earlier checkpoint (--resume auto skips this one)")
+            raise CheckpointError(f"checkpoint {folder} is corrupt: {p} is missing; {skip}")
         size = p.stat().st_size
         if size != want["bytes"]:
             raise CheckpointError(
                 f"checkpoint {folder} is corrupt: {p} has {size} bytes but {want['bytes']} were "
-                f"written ({'truncated' if size < want['bytes'] else 'grown'}); resume from an "
-                "earlier checkpoint (--resume auto skips this one)")
+                f"written ({'truncated' if size < want['bytes'] else 'grown'}); {skip}")
         if _sha256(p) != want["sha256"]:
             raise CheckpointError(
                 f"checkpoint {folder} is corrupt: {p} does not match the SHA-256 recorded when it "
-                "was written; resume from an earlier checkpoint (--resume auto skips this one)")
+                f"was written; {skip}")
     try:
         return json.loads((folder / "meta.json").read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{folder / 'meta.json'}: unreadable ({e}); resume from an earlier "
-                              "checkpoint") from None
+        raise CheckpointError(f"{folder / 'meta.json'}: unreadable ({e}); {early}") from None
 
 
 def find_resume_checkpoint(spec: str, out: str, warn=None) -> Path | None:

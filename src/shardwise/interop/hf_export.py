@@ -1,0 +1,308 @@
+"""One of our checkpoints out to a Hugging Face folder.
+
+Export (``shardwise export --checkpoint DIR --to hf OUT``, :func:`export_hf`) reads one of our
+checkpoints (``checkpoints/step_N/``: DCP files with full-shape tensors under ``model.<FQN>``, and
+``meta.json`` with the run's config) on one process, renames the tensors, and writes::
+
+    OUT/config.json            LlamaConfig fields (architectures = ["LlamaForCausalLM"]; a MoE
+                               model: MixtralConfig fields, ["MixtralForCausalLM"])
+    OUT/model.safetensors      fp32 tensors under Hugging Face names
+    OUT/tokenizer.json         the run's tokenizer as a `tokenizers` file (when it can be found)
+    OUT/tokenizer_config.json  PreTrainedTokenizerFast, eos token, model_max_length
+    OUT/generation_config.json eos/bos ids
+
+The checkpoint is read through :mod:`shardwise.checkpoint` (:func:`read_checkpoint`: its
+``COMPLETE`` marker is checked by :func:`~shardwise.checkpoint.verify_checkpoint`, every file's
+size and SHA-256), then the DCP files are loaded on this one process. Names: :mod:`.hf_names`;
+config: :mod:`.hf_config`.
+
+Errors: a bad checkpoint raises :class:`~shardwise.checkpoint.CheckpointError`, any other bad
+input :class:`~shardwise.errors.ShardwiseConfigError` (its base class), naming the file and the
+fix. Nothing here needs a process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..errors import ShardwiseConfigError
+from ..checkpoint.format import MARKER, CheckpointError
+from ..checkpoint.verify import verify_checkpoint
+from .hf_config import check_hf_exportable, hf_model_overrides, llama_to_hf_config
+from .hf_import import model_for
+from .hf_names import ours_to_hf
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A run folder, its ``checkpoints/`` folder (→ the one ``latest`` names), or a
+    ``step_N`` folder → the ``step_N`` folder. Raises CheckpointError saying what is
+    there."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"--checkpoint {p}: no such folder: give a run folder, its "
+                              "checkpoints/ folder or a checkpoints/step_N folder")
+    for base in (p, p / "checkpoints"):
+        latest = base / "latest"
+        if latest.is_file():
+            name = latest.read_text().strip()
+            if not (base / name).is_dir():
+                raise CheckpointError(f"{latest} names {name!r}, which does not exist: "
+                                      "pass a complete checkpoints/step_N folder")
+            return base / name
+    if (p / "meta.json").exists() or (p / ".metadata").exists():
+        return p
+    raise CheckpointError(f"--checkpoint {p}: no checkpoint there (no meta.json/.metadata, "
+                          "no checkpoints/latest): pass a run folder or a checkpoints/step_N "
+                          "folder")
+
+
+_FIX = "use an earlier checkpoints/step_N"  # what every checkpoint error here tells the user
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict, Path]:
+    """The model tensors (our FQN → full-shape fp32 tensor), ``meta.json`` and the step folder
+    of a checkpoint, read on this one process (``dcp.load(no_dist=True)``; the optimizer state is
+    not read). Raises CheckpointError naming the file when something is missing or corrupt
+    (the ``COMPLETE`` check: :func:`~shardwise.checkpoint.verify_checkpoint`)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    step = resolve_checkpoint(path)
+    meta_path = step / "meta.json"
+    if not meta_path.is_file():
+        raise CheckpointError(f"{meta_path}: missing: the checkpoint is incomplete (its save did "
+                              f"not finish): {_FIX}")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{meta_path}: not valid JSON ({e}): the checkpoint is corrupt: "
+                              f"{_FIX}") from None
+    # the one COMPLETE check (sizes and SHA-256 of every file); a checkpoint written before the
+    # marker existed (meta "format" < 2, no COMPLETE) has none to check
+    if (step / MARKER).is_file() or meta.get("format", 1) >= 2:
+        verify_checkpoint(step, fix=_FIX)
+    try:
+        md = FileSystemReader(str(step)).read_metadata()
+    except Exception as e:  # missing or corrupt .metadata
+        raise CheckpointError(f"{step / '.metadata'}: cannot be read ({type(e).__name__}): "
+                              "the checkpoint is corrupt or incomplete: use an earlier "
+                              "checkpoints/step_N") from None
+    state = {}
+    for key, tmd in md.state_dict_metadata.items():
+        for prefix in ("model.", "model/"):
+            if key.startswith(prefix) and hasattr(tmd, "size"):
+                state[key] = torch.empty(tuple(tmd.size), dtype=tmd.properties.dtype)
+    if not state:
+        raise CheckpointError(f"{step}: no model tensors in the checkpoint (keys "
+                              f"{sorted(md.state_dict_metadata)[:4]}): not a shardwise "
+                              "checkpoint")
+    _check_storage_files(step, md)
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=str(step), no_dist=True)
+    except (Exception, CheckpointException) as e:  # corrupt .distcp: assorted errors, which
+        # DCP wraps in CheckpointException (a BaseException whose text holds a traceback)
+        inner = next(iter(getattr(e, "failures", {}).values()), e)
+        inner = getattr(inner, "exc", inner)
+        raise CheckpointError(f"{step}: the tensor files cannot be read "
+                              f"({type(inner).__name__}: {str(inner).splitlines()[0][:160]}):"
+                              " the checkpoint is corrupt: use an earlier "
+                              "checkpoints/step_N") from None
+    model = {k.split(".", 1)[1] if k.startswith("model.") else k.split("/", 1)[1]: v.float()
+             for k, v in state.items()}
+    return model, meta, step
+
+
+def _check_storage_files(step: Path, md) -> None:
+    """Every byte range the DCP metadata promises must exist: names a missing or truncated
+    ``.distcp`` file (a crash mid-copy, a full disk) instead of a deep unpickling error."""
+    need: dict[str, int] = {}
+    for info in getattr(md, "storage_data", {}).values():
+        path = getattr(info, "relative_path", None)
+        if path is not None:
+            need[path] = max(need.get(path, 0), info.offset + info.length)
+    for rel, size in sorted(need.items()):
+        f = step / rel
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing (listed in {step / '.metadata'}): the "
+                                  "checkpoint is incomplete: use an earlier "
+                                  "checkpoints/step_N")
+        if f.stat().st_size < size:
+            raise CheckpointError(f"{f}: truncated ({f.stat().st_size} of {size} bytes): the "
+                                  "checkpoint is corrupt: use an earlier checkpoints/step_N")
+
+
+def checkpoint_model_config(state: dict[str, torch.Tensor], meta: dict):
+    """The LlamaConfig (a MoEConfig for a mixture of experts) a checkpoint was trained with:
+    ``meta["model_config"]`` when the run recorded it, else the run config's preset +
+    ``n_layers`` + ``tie_embeddings`` (+ the ``--init-from-hf`` folder's architecture), with the
+    vocabulary read off the embedding. Raises ShardwiseConfigError for a model that is not
+    Llama-style, or when the tensors do not fit that config (listing them)."""
+    from ..models import MOE_PRESETS, PRESETS, LlamaConfig, MoEConfig, preset_config
+
+    run = meta.get("config", {})
+    if "model_config" in meta:
+        mc = meta["model_config"] or {}
+        try:
+            cfg = (MoEConfig if "n_experts" in mc else LlamaConfig)(**mc)
+        except TypeError as e:  # e.g. the regression MLP's config
+            raise ShardwiseConfigError(f"the checkpoint's model ({e}) is not a Llama-style "
+                                       "model: only the Llama and MoE models export to "
+                                       "HF") from None
+    else:
+        name = run.get("model", "")
+        if name not in PRESETS and name not in MOE_PRESETS:
+            raise ShardwiseConfigError(f"the checkpoint's model {name!r} is not a Llama preset: "
+                                       "only the Llama models (tiny/small/base) and the MoE "
+                                       "ones export to HF")
+        if "tok_embeddings.weight" not in state:
+            raise ShardwiseConfigError("the checkpoint has no tok_embeddings.weight (a pipeline "
+                                       "checkpoint missing a stage?): cannot export")
+        over = {"vocab_size": state["tok_embeddings.weight"].shape[0],
+                "tie_embeddings": run.get("tie_embeddings", True)}
+        if run.get("n_layers"):
+            over["n_layers"] = run["n_layers"]
+        if run.get("init_from_hf") and Path(run["init_from_hf"]).is_dir():
+            over.update({k: v for k, v in hf_model_overrides(run["init_from_hf"]).items()
+                         if k != "vocab_size"})
+        cfg = preset_config(name, **over)
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in model_for(cfg).named_parameters()}
+    got = {k: tuple(v.shape) for k, v in state.items()}
+    bad = [f"{k}: checkpoint {got.get(k, 'missing')} vs config {expected.get(k, 'absent')}"
+           for k in sorted(set(expected) | set(got)) if got.get(k) != expected.get(k)]
+    if bad:
+        raise ShardwiseConfigError(f"the checkpoint's tensors do not fit its model config "
+                                   f"({len(bad)} mismatched: {bad[:6]}): was it written by another "
+                                   "version or edited?")
+    return cfg
+
+
+# ------------------------------------------------------------------------------- tokenizers
+
+def byte_tokenizer_json():
+    """Our :class:`~shardwise.data.ByteTokenizer` (ids 0..255 = UTF-8 bytes, 256 = EOS) as a
+    ``tokenizers.Tokenizer``: a byte-level BPE with no merges whose vocabulary puts byte ``b``
+    at id ``b`` (GPT-2's byte→unicode alphabet), then ``<|endoftext|>`` at 256."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    # GPT-2's reversible byte → printable-unicode map (Radford et al. 2019, encoder.py)
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + n)
+            n += 1
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    return tok
+
+
+def _tokenizer_from_run(run: dict, step: Path):
+    """Our tokenizer of a run, or None: a ``tokenizer.json`` saved beside the checkpoint, else
+    rebuilt from the run config (bytes, a tokenizer file, or the cached BPE of its data)."""
+    from ..data.tokenizer import ByteTokenizer, load_tokenizer
+
+    for cand in (step / "tokenizer.json", step.parent.parent / "tokenizer.json"):
+        if cand.is_file():
+            return load_tokenizer(str(cand), None, 0, Path("."))
+    spec = run.get("tokenizer", "bpe")
+    hf_tok = Path(run.get("init_from_hf") or "") / "tokenizer.json"
+    if spec == "bpe" and run.get("init_from_hf") and hf_tok.is_file():
+        spec = str(hf_tok)  # what train/workload.py's tokenizer_spec resolved it to
+    if spec == "bytes":
+        return ByteTokenizer()
+    if spec.endswith(".json"):
+        return load_tokenizer(spec, None, 0, Path("."))
+    if run.get("task") == "sft":
+        from ..data.sft import prepare_sft_data
+
+        return prepare_sft_data(run["data"], spec, run.get("vocab_size", 4096),
+                                run.get("seq_len", 128)).tokenizer
+    from ..data import prepare_lm_data
+
+    return prepare_lm_data(run.get("data") or None, spec, run.get("vocab_size", 4096),
+                           run.get("seq_len", 128)).tokenizer
+
+
+def write_tokenizer_files(tok, out: Path, max_len: int) -> None:
+    """``tokenizer.json`` + ``tokenizer_config.json`` (PreTrainedTokenizerFast) for ``tok``."""
+    from ..data.tokenizer import ByteTokenizer
+
+    text = byte_tokenizer_json().to_str() if isinstance(tok, ByteTokenizer) else tok.to_str()
+    (out / "tokenizer.json").write_text(text)
+    eos = json.loads(text)
+    eos_tok = next((a["content"] for a in eos.get("added_tokens", [])
+                    if a.get("id") == tok.eos_id), "<|endoftext|>")
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_tok, "bos_token": eos_tok,
+        "model_max_length": max_len, "clean_up_tokenization_spaces": False}, indent=2))
+
+
+# ----------------------------------------------------------------------------------- export
+
+def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike,
+              tokenizer: str | None = None) -> Path:
+    """Write a LlamaForCausalLM folder ``out`` from one of our checkpoints (see module doc); a
+    MixtralForCausalLM folder when the checkpoint's model is a mixture of experts.
+
+    ``tokenizer``: a tokenizer ``.json`` to ship instead of the run's own. The folder is written
+    as ``out.tmp`` and renamed when complete. Returns ``out``. Raises ShardwiseConfigError for
+    an existing non-empty ``out``, a missing/corrupt checkpoint, or a non-Llama model."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ShardwiseConfigError(f"export: {out} already exists and is not empty: choose a "
+                                   "new output folder or remove it")
+    state, meta, step = read_checkpoint(checkpoint)
+    cfg = checkpoint_model_config(state, meta)
+    check_hf_exportable(cfg)  # before anything is written
+    run = meta.get("config", {})
+    try:
+        if tokenizer:
+            from ..data.tokenizer import load_tokenizer
+
+            tok = load_tokenizer(tokenizer, None, 0, Path("."))
+        else:
+            tok = _tokenizer_from_run(run, step)
+    except ShardwiseConfigError as e:
+        raise ShardwiseConfigError(f"export: could not rebuild the run's tokenizer ({e}): pass "
+                                   "--tokenizer FILE.json") from None
+    if tok.vocab_size > cfg.vocab_size:
+        raise ShardwiseConfigError(f"export: the tokenizer has {tok.vocab_size} ids but the model "
+                                   f"only {cfg.vocab_size} embeddings: pass the run's own "
+                                   "--tokenizer")
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise ShardwiseConfigError("export --to hf needs safetensors: pip install "
+                                   "'shardwise[hf]'") from None
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise ShardwiseConfigError(f"export: cannot create {tmp} ({e.strerror}): choose a "
+                                   "writable output folder") from None
+    hf = {k: v.contiguous() for k, v in ours_to_hf(state, cfg).items()}
+    save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(llama_to_hf_config(cfg, tok.eos_id), indent=2))
+    (tmp / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": tok.eos_id, "eos_token_id": tok.eos_id}, indent=2))
+    write_tokenizer_files(tok, tmp, cfg.max_seq_len)
+    if out.exists():
+        out.rmdir()  # empty (checked above)
+    os.replace(tmp, out)
+    return out
