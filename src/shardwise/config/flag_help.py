@@ -30,7 +30,8 @@ FLAG_HELP = {
     "dp_shard": "HSDP: ranks each replica shards over (0 = dp / dp_replicate)",
     "zero": "ZeRO stage over the dp axis: 0 plain DP, 1 optimizer, 2 + gradients, 3 + "
             "parameters (FSDP)",
-    "sp": "sequence parallelism (needs --tp > 1)",
+    "sp": "sequence parallelism: the norm regions' activations split along the sequence over "
+          "the tp ranks (with --tp 2 or more)",
     "schedule": "pipeline schedule (with --pp > 1)",
     "microbatches": "pipeline microbatches per step (0 = derived from the batch and layout)",
     "virtual_stages": "model chunks per pp rank (0 = 2 for interleaved-1f1b, else 1)",
