@@ -52,10 +52,10 @@ def test_mlp_flops_match_flop_counter():
     x = torch.randn(5, cfg.d_model)
     counts = _count(model, {"inputs": x, "targets": torch.randn(5, cfg.d_model)})
     # addmm counts only its matmul: the bias add is element-wise, outside the convention.
-    # 6N per sample = 6 · (2 layers · 2 · 16 · 32) = 12,288. The data input needs no gradient,
+    # 6N per sample = 6 · (4 layers · 2 · 16 · 32) = 24,576. The data input needs no gradient,
     # so the first W_in's input-gradient matmul (2·D·F = 1,024 per sample) never runs: the
     # convention overcounts by exactly that.
-    assert flops.flops_per_token(cfg, 1) == 6 * 2 * 2 * 16 * 32
+    assert flops.flops_per_token(cfg, 1) == 6 * 4 * 2 * 16 * 32
     assert sum(counts.values()) == flops.flops_per_token(cfg, 1) * 5 - 2 * 16 * 32 * 5
 
 

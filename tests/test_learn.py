@@ -276,7 +276,7 @@ def test_trace_rank_flag_and_issue_order(cache_dir):
     sends F0 and F1 before it posts B0's receive: p − 1 = 1 warm-up forward, then F1 B0 …),
     and the bubble beside its formula; a rank outside the world is one line, exit 2."""
     p = run_cli(["trace", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4", "--model",
-                 "mlp-tiny", "--n-layers", "4", "--rank", "all", "--out", "runs/trace"],
+                 "mlp-tiny", "--rank", "all", "--out", "runs/trace"],
                 cache_dir)
     assert p.returncode == 0, p.stdout
     assert "rank 0's collectives, in the order it issued them" in p.stdout, p.stdout

@@ -19,7 +19,7 @@ from .llama import IGNORE_INDEX, PRESETS, Llama, LlamaConfig, generate, lm_loss
 from .mlp import MLPConfig, StackedMLP, mse_loss, regression_data
 from .moe import MOE_PRESETS, MoEConfig, MoELlama, moe_aux_loss, moe_layers
 
-MLP_PRESETS = {"mlp": {}, "mlp-tiny": dict(d_model=16, d_ff=32, n_layers=2)}
+MLP_PRESETS = {"mlp": {}, "mlp-tiny": dict(d_model=16, d_ff=32, n_layers=4)}
 
 
 def model_names() -> list[str]:
