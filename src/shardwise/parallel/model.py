@@ -166,7 +166,8 @@ class ParallelModel(Engine):
         out = (dict(self.traffic.bytes_formula(micro_steps, sequences, seq_len, dtype))
                if self.traffic is not None else {})
         d = dict(self.dp.bytes_formula(micro_steps, sequences, seq_len, dtype))
-        out["grad_norm"] = out.get("grad_norm", 0.0) + d.pop("grad_norm", 0.0)
+        if "grad_norm" in out or "grad_norm" in d:  # absent when no piece sends a norm term
+            out["grad_norm"] = out.get("grad_norm", 0.0) + d.pop("grad_norm", 0.0)
         out.update(d)
         if self.sp:  # tp's term when not (0 with tp; absent without)
             out["sp_grad"] = self.dp.sp_grad_bytes(out.get("sp_grad", 0.0))
