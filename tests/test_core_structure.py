@@ -27,7 +27,7 @@ STRATEGIES = ("dp", "zero", "tp", "pp", "cp", "ep")
 PENDING = {("pp", "dp"), ("pp", "tp"), ("pp", "zero")}
 # engine classes: the two to keep, then those pending (gradient syncs, the pipeline engines)
 ENGINES = {"model.py:ParallelModel", "engine.py:Local",
-           "engine.py:NoSync", "dp/data_parallel.py:DataParallel", "dp/ddp.py:TorchDataParallel",
+           "dp/ddp.py:TorchDataParallel",
            "zero/zero.py:ZeroDataParallel", "zero/zero3.py:Zero3DataParallel",
            "zero/torch_zero.py:TorchZero", "zero/fsdp2.py:FSDP2Sync",
            "pp/runtime.py:PipelineParallel", "pp/torch_pipelining.py:TorchPipelineParallel"}

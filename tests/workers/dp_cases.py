@@ -41,7 +41,7 @@ def main(out: str) -> None:
                 micro = GLOBAL_BATCH // dp // accum
                 rec = {"indices": [], "loss": [], "grad_norm": [], "grads": [], "params": [],
                        "grad_bytes": [], "total_bytes": [],
-                       "n_buckets": len(getattr(wrapped, "buckets", []))}
+                       "n_buckets": len(getattr(getattr(wrapped, "dp", wrapped), "buckets", []))}
                 for _ in range(STEPS):
                     idx = sampler.next_local_batch()
                     res = train_step(wrapped, work.batches(idx, micro), opt, topo,
@@ -70,8 +70,9 @@ def main(out: str) -> None:
             (mb,) = work.batches(torch.arange(4) + 4 * topo.index("dp"), 4)
             with wrapped.sync_gradients(True):
                 loss_sum_and_count(wrapped, mb)[0].backward()
-            launched[overlap, unused] = (sum(b.handle is not None for b in wrapped.buckets),
-                                         len(wrapped.buckets))
+            buckets = wrapped.dp.buckets  # the engine's gradient sync
+            launched[overlap, unused] = (sum(b.handle is not None for b in buckets),
+                                         len(buckets))
             wrapped.finish_gradient_sync()
             grads[overlap, unused] = {n: p.grad.clone() for n, p in model.named_parameters()}
         torch.save({"launched": launched, "grads": grads}, f"{out}/overlap_rank{rank}.pt")

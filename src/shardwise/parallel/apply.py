@@ -78,9 +78,16 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
 
         return build_pipeline(model, topo, layout=layout, engine=engine,
                               layers_per_stage=layers_per_stage, seed=seed, **dp_kw)
+    from .model import ParallelModel
+
     # 3. tensor parallelism on the whole model: the converted model's loss function
     if layout.tp == 1:
-        return dp_sync(model, topo, layout, engine, **dp_kw)
+        sync = dp_sync(model, topo, layout, engine, **dp_kw)
+        if isinstance(sync, nn.Module):  # an engine of its own (until converted to a sync)
+            return sync
+        from .model import PlainLoss
+
+        return ParallelModel(model, topo, loss_fn=PlainLoss(model), grad_sync=sync)
     if engine == "explicit":
         from .tp import TPTraffic, parallelize_tensor
 
@@ -108,7 +115,6 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
         finishers = [SPSum(sync)] if layout.sp else []
     else:
         finishers = [TorchSPSum(model, topo)] if layout.dp * layout.cp == 1 else []
-    from .model import ParallelModel
 
     return ParallelModel(model, topo, loss_fn=loss_fn, grad_sync=sync, finishers=finishers,
                          traffic=traffic(model, topo, layout.sp), sp=layout.sp)

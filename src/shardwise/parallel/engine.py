@@ -57,7 +57,118 @@ def autocast(dtype: str, device: torch.device):
     return contextlib.nullcontext()
 
 
-class Engine(nn.Module):
+class Sync:
+    """The gradient-sync protocol with its defaults: a replicated ``module`` on ``topo`` whose
+    gradients need no reduction. A gradient sync is a plain object (:class:`~.dp.DataParallel`)
+    or, until they are converted, an :class:`Engine`; :class:`~.model.ParallelModel` asks it
+    for the micro-step sync, the finish, the optimizer, the norm's held gradients and the dp
+    part of the full-shape views. Used as is when dp × cp = 1 (:class:`NoSync`)."""
+
+    def __init__(self, module: nn.Module, topo):
+        self.module, self.topo = module, topo
+
+    def sync_gradients(self, enabled: bool):
+        """Context: inside ``sync_gradients(False)`` backward only accumulates locally."""
+        return contextlib.nullcontext()
+
+    def begin_forward_backward(self) -> None:
+        """Called before a step's first forward (ZeRO-3: every unit starts sharded)."""
+
+    def booking_options(self) -> dict:
+        """Options for the loss function's booking (FSDP2 over DTensor: which c10d calls to
+        book as dp traffic)."""
+        return {}
+
+    def finish_gradient_sync(self) -> None:
+        """Wait for / issue the remaining gradient collectives."""
+
+    def sum_replicated_grads(self) -> None:
+        """The SP finisher's sum (:class:`~.tp.SPSum`): SUM over tp the gradients this rank
+        holds of the tp-replicated parameters (the norm weights, whose gradient on one tp rank
+        covers only its s/tp positions) — one flat all-reduce, tag ``sp_grad``. Here: the whole
+        gradients of the module's replicated parameters; ZeRO sums its slice only; FSDP2 over
+        DTensor TP already reduced its ``Partial`` gradients in backward."""
+        rep = [p for p in dict.fromkeys(self.module.parameters()) if not tp_sharded(p)]
+        sum_coalesced_(grads_or_zeros(rep), self.topo, "tp", tag="sp_grad")
+
+    def sp_grad_bytes(self, whole: float) -> float:
+        """Bytes of :meth:`sum_replicated_grads` given ``whole``, TP's formula for the whole
+        replicated gradients (:func:`~.tp.tp_step_bytes_formula`'s ``sp_grad``)."""
+        return whole
+
+    def after_evaluation(self) -> None:
+        """Called after an evaluation forward (FSDP2: reshard what stayed gathered)."""
+
+    @contextlib.contextmanager
+    def full_model(self):
+        yield self.module
+
+    @contextlib.contextmanager
+    def full_model_for(self, composed):
+        """The full-weights, full-logits model of ``composed`` for sampling: this sync's full
+        weights (ZeRO-3: gathered) and the loss function's gathered logits."""
+        with self.full_model(), composed.loss_fn.gathered_logits() as model:
+            yield model
+
+    def held_grads(self) -> Held:
+        """The gradient pieces this rank holds, each with whether it counts here
+        (:func:`.params.held_of` the module's parameters; ZeRO: its slices); the norm's axes
+        are derived from them (:meth:`.params.Held.norm_axes`), never declared per engine."""
+        return held_of(self.module.parameters(), getattr(self, "topo", None))
+
+    def make_optimizer(self, param_groups: list[dict], **adamw) -> torch.optim.Optimizer:
+        """AdamW over ``param_groups`` (parameters of ``self.module``) with ``adamw`` kwargs
+        (lr, betas, eps). Sharded strategies override this to shard the optimizer state."""
+        return torch.optim.AdamW(param_groups, **adamw)
+
+    def model_state_bytes(self, optimizer=None) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state held by this rank
+        (:func:`.params.local_state_bytes`: each tensor once, DTensors by their local shards)."""
+        return local_state_bytes(self.module.parameters(), optimizer)
+
+    def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
+                      dtype: str = "fp32") -> dict[str, float]:
+        """{ledger tag: bytes} this rank sends in one step by the strategy's formula (``loss``
+        and ``total`` are added by :func:`shardwise.formulas.step_bytes_formula`). Nothing
+        here. ``sequences``: this rank's sequences per step (all micro-batches), ``seq_len``
+        tokens each; ``dtype``: the autocast dtype."""
+        return {}
+
+    def memory_formula(self) -> dict[str, float] | None:
+        """Model-state bytes by the papers' formula for this rank (None: no closed form)."""
+        return None
+
+    # -- full shape: the dp part (this sync), then the tp part (:func:`.views.to_full`) --------
+    def named_params(self) -> list[tuple[str, nn.Parameter]]:
+        """(FQN of the plain model, parameter) for every parameter this rank holds, each once
+        (a pipeline stage maps its own names to the plain model's)."""
+        return list(self.module.named_parameters())  # a tied parameter under its first name
+
+    def dp_parameters(self) -> dict[str, torch.Tensor]:
+        """{FQN: parameter in this rank's tp-local shape}: whole over dp (ZeRO-3 gathers its
+        shards over dp here; FSDP2's DTensors stay DTensors)."""
+        return {n: p.detach() for n, p in self.named_params()}
+
+    def dp_gradients(self) -> dict[str, torch.Tensor]:
+        """{FQN: summed gradient in this rank's tp-local shape} (ZeRO: its slices gathered over
+        dp)."""
+        return {n: p.grad for n, p in self.named_params() if p.grad is not None}
+
+    def dp_optimizer_state(self, optimizer) -> dict[str, dict]:
+        """{FQN: {state key: value}} with tensors in this rank's tp-local parameter shape (ZeRO:
+        its slices gathered over dp). Parameters without state (never stepped) are absent."""
+        names = {id(p): n for n, p in self.named_params()}
+        return {names[id(p)]: dict(optimizer.state[p]) for g in optimizer.param_groups
+                for p in g["params"] if optimizer.state.get(p)}
+
+    def dp_load_optimizer_state(self, optimizer, local: dict[str, dict]) -> None:
+        """The inverse of :meth:`dp_optimizer_state`: ``local`` in tp-local shape (ZeRO: cut to
+        this rank's slices). No collective."""
+        for n, p in self.named_params():
+            optimizer.state[p] = local[n]
+
+
+class Engine(nn.Module, Sync):
     """Base class: a replicated model whose micro-batches run one after another on this rank.
     ``step_context``: None, or local sequence length → the context every step's micro-batches
     and every evaluation run in (torch's ``context_parallel``: :func:`.cp.torch_cp.step_context`)."""
@@ -87,10 +198,6 @@ class Engine(nn.Module):
     def reduce_loss_axes(self) -> tuple[str, ...]:
         """Axes the step's loss sum is summed over for the log line: as :attr:`count_axes`."""
         return self.count_axes
-
-    def sync_gradients(self, enabled: bool):
-        """Context: inside ``sync_gradients(False)`` backward only accumulates locally."""
-        return contextlib.nullcontext()
 
     def forward_backward(self, microbatches: list[dict], denom: float,
                          dtype: str = "fp32") -> torch.Tensor:
@@ -129,117 +236,17 @@ class Engine(nn.Module):
         """Context each backward runs in (DTensor TP: ``loss_parallel``)."""
         return contextlib.nullcontext()
 
-    def begin_forward_backward(self) -> None:
-        """Called before a step's first forward (ZeRO-3: every unit starts sharded)."""
-
-    # -- what a dp strategy tells the composition with tp (:class:`.model.ParallelModel`) -------
-    def booking_options(self) -> dict:
-        """Options for the tp part's :meth:`booking` (FSDP2 over DTensor: which c10d calls to
-        book as dp traffic)."""
-        return {}
-
-    def sum_replicated_grads(self) -> None:
-        """The SP finisher, written once: SUM over tp the gradients this rank holds of the
-        tp-replicated parameters (the norm weights, whose gradient on one tp rank covers only
-        its s/tp positions) — one flat all-reduce, tag ``sp_grad``. TP and the pipeline's TP
-        stages call it after backward; inside dp × tp, :class:`.model.ParallelModel` calls the
-        dp part's after the dp reduction. Here: the whole gradients of the module's replicated
-        parameters; ZeRO sums its slice only; the DTensor engines reduce their ``Partial``
-        gradients (:func:`.tp.dtensor.reduce_partial_grads`)."""
-        rep = [p for p in dict.fromkeys(self.module.parameters()) if not tp_sharded(p)]
-        sum_coalesced_(grads_or_zeros(rep), self.topo, "tp", tag="sp_grad")
-
-    def sp_grad_bytes(self, whole: float) -> float:
-        """Bytes of :meth:`sum_replicated_grads` given ``whole``, TP's formula for the whole
-        replicated gradients (:func:`~.tp.tp_step_bytes_formula`'s ``sp_grad``)."""
-        return whole
-
-    def after_evaluation(self) -> None:
-        """Called after an evaluation forward (FSDP2: reshard what stayed gathered)."""
-
-    @contextlib.contextmanager
-    def full_model_for(self, composed):
-        """The full-weights, full-logits model of ``composed`` (dp × tp) for sampling: this dp
-        part's full weights (ZeRO-3: gathered) and the tp part's gathered logits."""
-        with self.full_model(), composed.loss_fn.gathered_logits() as model:
-            yield model
-
-    def finish_gradient_sync(self) -> None:
-        pass
-
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """The global gradient L2 norm, every element of the model counted once, clipping to
         ``max_norm`` if > 0 (:func:`.params.grad_norm_` over :meth:`held_grads` and
         :meth:`norm_axes`). Returns the norm before clipping, fp32 []."""
         return grad_norm_(self.held_grads(), getattr(self, "topo", None), None, max_norm)
 
-    def held_grads(self) -> Held:
-        """The gradient pieces this rank holds, each with whether it counts here
-        (:func:`.params.held_of` the module's parameters; ZeRO: its slices); the norm's axes
-        are derived from them (:meth:`.params.Held.norm_axes`), never declared per engine."""
-        return held_of(self.module.parameters(), getattr(self, "topo", None))
-
-    def make_optimizer(self, param_groups: list[dict], **adamw) -> torch.optim.Optimizer:
-        """AdamW over ``param_groups`` (parameters of ``self.module``) with ``adamw`` kwargs
-        (lr, betas, eps). Sharded strategies override this to shard the optimizer state."""
-        return torch.optim.AdamW(param_groups, **adamw)
-
-
     def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss sum, counted items) of ``batch`` — for evaluation (call under no_grad): the
         language-model loss, without a mixture of experts' aux losses."""
         with self._step_context(batch):
             return loss_sum_and_count(self, batch, aux=False)
-
-    @contextlib.contextmanager
-    def full_model(self):
-        yield self.module
-
-    def model_state_bytes(self, optimizer=None) -> dict[str, int]:
-        """Bytes of parameters, gradients and optimizer state held by this rank
-        (:func:`.params.local_state_bytes`: each tensor once, DTensors by their local shards)."""
-        return local_state_bytes(self.module.parameters(), optimizer)
-
-    def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
-                      dtype: str = "fp32") -> dict[str, float]:
-        """{ledger tag: bytes} this rank sends in one step by the strategy's formula (``loss``
-        and ``total`` are added by :func:`shardwise.formulas.step_bytes_formula`). The base
-        engine communicates nothing. ``sequences``: this rank's sequences per step (all
-        micro-batches), ``seq_len`` tokens each; ``dtype``: the autocast dtype."""
-        return {}
-
-    def memory_formula(self) -> dict[str, float] | None:
-        """Model-state bytes by the papers' formula for this rank (None: no closed form)."""
-        return None
-
-    # -- full shape: the dp part (this engine's gradient sync), then the tp part, written once --
-    def named_params(self) -> list[tuple[str, nn.Parameter]]:
-        """(FQN of the plain model, parameter) for every parameter this rank holds, each once
-        (a pipeline stage maps its own names to the plain model's)."""
-        return list(self.module.named_parameters())  # a tied parameter under its first name
-
-    def dp_parameters(self) -> dict[str, torch.Tensor]:
-        """{FQN: parameter in this rank's tp-local shape}: whole over dp (ZeRO-3 gathers its
-        shards over dp here; FSDP2's DTensors stay DTensors)."""
-        return {n: p.detach() for n, p in self.named_params()}
-
-    def dp_gradients(self) -> dict[str, torch.Tensor]:
-        """{FQN: summed gradient in this rank's tp-local shape} (ZeRO: its slices gathered over
-        dp)."""
-        return {n: p.grad for n, p in self.named_params() if p.grad is not None}
-
-    def dp_optimizer_state(self, optimizer) -> dict[str, dict]:
-        """{FQN: {state key: value}} with tensors in this rank's tp-local parameter shape (ZeRO:
-        its slices gathered over dp). Parameters without state (never stepped) are absent."""
-        names = {id(p): n for n, p in self.named_params()}
-        return {names[id(p)]: dict(optimizer.state[p]) for g in optimizer.param_groups
-                for p in g["params"] if optimizer.state.get(p)}
-
-    def dp_load_optimizer_state(self, optimizer, local: dict[str, dict]) -> None:
-        """The inverse of :meth:`dp_optimizer_state`: ``local`` in tp-local shape (ZeRO: cut to
-        this rank's slices). No collective."""
-        for n, p in self.named_params():
-            optimizer.state[p] = local[n]
 
     def _full_named(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         params = dict(self.named_params())
@@ -303,14 +310,9 @@ class Engine(nn.Module):
         self.dp_load_optimizer_state(optimizer, local)
 
 
-class NoSync(Engine):
+class NoSync(Sync):
     """The gradient sync of a layout whose data axis has one rank (tp only): nothing to
-    reduce; the base engine's norm pieces, optimizer and full-shape views of ``module`` on
-    ``topo``."""
-
-    def __init__(self, module: nn.Module, topo):
-        super().__init__(module)
-        self.topo = topo
+    reduce (:class:`Sync`'s defaults)."""
 
 
 class Local(Engine):

@@ -1,21 +1,22 @@
-"""The engine of every layout without a pipeline, tp > 1: :class:`ParallelModel`.
+"""The engine of the layouts without a pipeline (tp > 1, or explicit DP): :class:`ParallelModel`.
 
 A :class:`ParallelModel` is put together by :func:`~.apply.parallelize` (the only composition
 site) from plain pieces over one converted module, each answering the members it owns:
 
 =================================  ==========================================================
 ``loss_fn``                        the loss sum, its booking and backward context, the
-                                   gathered logits for sampling (:class:`~.tp.VocabParallelLoss`
-                                   / :class:`~.tp.LossParallel`)
+                                   gathered logits for sampling (:class:`PlainLoss`,
+                                   :class:`~.tp.VocabParallelLoss`, :class:`~.tp.LossParallel`)
 ``grad_sync``                      micro-step sync, the reduction, the optimizer, the norm's
                                    held gradients, full-shape dp views (:class:`~.dp.
                                    DataParallel`, :mod:`.zero`, FSDP2 over DTensor TP, or
-                                   :class:`~.engine.NoSync` when dp × cp = 1)
+                                   :class:`~.engine.NoSync` when dp × cp = 1): a plain
+                                   :class:`~.engine.Sync`, or an engine until converted
 ``finishers``                      run in order after the sync: the SP sum over tp of what the
                                    sync leaves on this rank (:class:`~.tp.SPSum`, or DTensor's
                                    :class:`~.tp.TorchSPSum`)
-``traffic``                        tp's byte terms (:class:`~.tp.TPTraffic`), added to the
-                                   sync's (``grad_norm`` summed)
+``traffic``                        tp's byte terms (:class:`~.tp.TPTraffic`; None without
+                                   tp), added to the sync's (``grad_norm`` summed)
 =================================  ==========================================================
 
 Why TP goes innermost and which tags cross which axis: docs/composition.md (Megatron-LM §5.1,
@@ -28,7 +29,33 @@ import contextlib
 
 import torch
 
+from ..models import loss_sum_and_count
 from .engine import Engine
+
+
+class PlainLoss:
+    """The loss function of a model whose logits are whole on this rank:
+    :func:`shardwise.models.loss_sum_and_count` (language model, DPO or regression) of
+    ``module``; the training sum adds a mixture of experts' aux losses, the evaluation does not."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def loss_sum(self, batch: dict) -> torch.Tensor:
+        return loss_sum_and_count(self.module, batch)[0]
+
+    def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return loss_sum_and_count(self.module, batch, aux=False)
+
+    def booking(self, **options):
+        return contextlib.nullcontext()
+
+    def backward_context(self):
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def gathered_logits(self):
+        yield self.module
 
 
 class ParallelModel(Engine):
@@ -37,7 +64,7 @@ class ParallelModel(Engine):
     ``sp_grad`` term). Every tp rank of a dp row holds the complete loss sum of its row, so the
     token count and the loss are all-reduced over the data axis only."""
 
-    def __init__(self, module, topo, *, loss_fn, grad_sync: Engine, finishers=(),
+    def __init__(self, module, topo, *, loss_fn, grad_sync, finishers=(),
                  traffic=None, sp: bool = False):
         super().__init__(module)
         # the sync holds ``module`` too: a tuple, which nn.Module does not register, so that
@@ -47,7 +74,7 @@ class ParallelModel(Engine):
         self.finishers, self.traffic = list(finishers), traffic
 
     @property
-    def dp(self) -> Engine:
+    def dp(self):
         """The gradient sync."""
         return self.parts[0]
 
@@ -136,9 +163,12 @@ class ParallelModel(Engine):
         terms for its dp slice of the batch (``sequences`` sequences of ``seq_len`` tokens,
         all micro-batches), plus dp's gradient and parameter traffic of Ψ_tp and its norm
         scalar; ``sp_grad`` is dp's share of the SP sum (ZeRO: the slice)."""
-        out = dict(self.traffic.bytes_formula(micro_steps, sequences, seq_len, dtype))
+        out = (dict(self.traffic.bytes_formula(micro_steps, sequences, seq_len, dtype))
+               if self.traffic is not None else {})
         d = dict(self.dp.bytes_formula(micro_steps, sequences, seq_len, dtype))
-        out["grad_norm"] = out.get("grad_norm", 0.0) + d.pop("grad_norm", 0.0)
+        if "grad_norm" in out or "grad_norm" in d:  # absent when no piece sends a norm term
+            out["grad_norm"] = out.get("grad_norm", 0.0) + d.pop("grad_norm", 0.0)
         out.update(d)
-        out["sp_grad"] = self.dp.sp_grad_bytes(out.get("sp_grad", 0.0)) if self.sp else 0.0
+        if self.sp:  # tp's term when not (0 with tp; absent without)
+            out["sp_grad"] = self.dp.sp_grad_bytes(out.get("sp_grad", 0.0))
         return out

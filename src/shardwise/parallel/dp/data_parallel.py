@@ -30,7 +30,7 @@ from torch import nn
 
 from ... import comm
 from ...comm.ledger import ring_bytes
-from ..engine import Engine
+from ..engine import Sync
 from ..params import broadcast_replicas, local, reduce_groups, reduce_torch_dtype
 
 class _Bucket:
@@ -180,21 +180,22 @@ class GradSync:
         return sum(part.bytes_formula() for part in self.parts)
 
 
-class DataParallel(Engine):
-    """Wrap a plain model for explicit DP over ``topo``'s data axis (expert shards: over
-    "edp", :class:`GradSync`).
+class DataParallel(Sync):
+    """Explicit DP over ``topo``'s data axis (expert shards: over "edp", :class:`GradSync`) of
+    ``module``'s gradients: a plain gradient sync, which :func:`~..apply.parallelize` puts into
+    a :class:`~..model.ParallelModel` (the forward is the plain model's).
 
-    Forward is the plain model's forward. Parameters are broadcast from dp index 0 at
-    construction (so replicas start identical even if the seeds differ). Gradients are summed
-    over dp by :class:`GradBuckets` (``bucket_mb``, ``overlap``, ``reduce_dtype``); call
-    :meth:`finish_gradient_sync` after the last backward of a step. Raises
-    :class:`ShardwiseConfigError` for another ``reduce_dtype`` (before any collective)."""
+    Parameters are broadcast from dp index 0 at construction (so replicas start identical even
+    if the seeds differ). Gradients are summed over dp by :class:`GradBuckets` (``bucket_mb``,
+    ``overlap``, ``reduce_dtype``); the engine calls :meth:`finish_gradient_sync` after the last
+    backward of a step. Raises :class:`ShardwiseConfigError` for another ``reduce_dtype``
+    (before any collective)."""
 
     def __init__(self, module: nn.Module, topo, bucket_mb: float = 25.0, overlap: bool = True,
                  reduce_dtype: str = "fp32"):
         reduce_torch_dtype(reduce_dtype)  # checked before any collective
-        super().__init__(module)
-        self.topo, self.overlap, self.reduce_dtype = topo, overlap, reduce_dtype
+        super().__init__(module, topo)
+        self.overlap, self.reduce_dtype = overlap, reduce_dtype
         params = [p for p in module.parameters() if p.requires_grad]
         with topo.ledger.phase("init"):  # replicas identical from the start
             broadcast_replicas(params, topo)
