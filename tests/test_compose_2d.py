@@ -155,7 +155,7 @@ def test_bf16_reduction_halves_dp_bytes(results, references, zero, sp, tied):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("zero", W.PLAIN_ZERO)
 def test_plain_dp_bf16_reduction(results, references, zero):
-    """Without TP: DataParallel's bf16 buckets / ZeroDataParallel's bf16 reduce_scatter book half
+    """Without TP: DataParallel's bf16 buckets / ZeroSync's bf16 reduce_scatter book half
     the gradient bytes, the formula follows, and the loss stays close to the reference's."""
     ref = references[True]
     for rank in RANKS:

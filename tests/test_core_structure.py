@@ -6,14 +6,14 @@
   themselves until the pipeline becomes a runner): listed in :data:`PENDING`, and the test
   fails on any other edge, and on a pending edge that is gone (so the list only shrinks);
 * the engines (subclasses of ``Engine``, at any depth) are the ones listed in :data:`ENGINES`:
-  the target is ``ParallelModel`` and ``Local``; the gradient syncs and the pipeline engines
-  still listed become plain objects / runners (the test fails on a new engine, and on a listed
-  one that is gone, so the list only shrinks);
+  the target is ``ParallelModel`` and ``Local`` (the gradient syncs are plain objects); the
+  pipeline engines still listed become runners (the test fails on a new engine, and on a
+  listed one that is gone, so the list only shrinks);
 * no class declares the norm's axes (``def norm_axes`` only in ``params.py``, where
   :meth:`~shardwise.parallel.params.Held.norm_axes` derives them from the held gradients);
 * the reduce dtype table ``REDUCE_DTYPES`` is assigned in exactly one module;
 * no class registry: no ``__new__`` / ``__init_subclass__`` in ``parallel/`` (ZeRO-3 is built
-  by a call the reader can follow, :func:`shardwise.parallel.zero.zero_data_parallel`).
+  by a call the reader can follow, :func:`shardwise.parallel.zero.zero_sync`).
 
 Each checker is also run on a planted violation (a fake package in ``tmp_path``) and must fail.
 """
@@ -27,9 +27,6 @@ STRATEGIES = ("dp", "zero", "tp", "pp", "cp", "ep")
 PENDING = {("pp", "dp"), ("pp", "tp"), ("pp", "zero")}
 # engine classes: the two to keep, then those pending (gradient syncs, the pipeline engines)
 ENGINES = {"model.py:ParallelModel", "engine.py:Local",
-           "dp/ddp.py:TorchDataParallel",
-           "zero/zero.py:ZeroDataParallel", "zero/zero3.py:Zero3DataParallel",
-           "zero/torch_zero.py:TorchZero", "zero/fsdp2.py:FSDP2Sync",
            "pp/runtime.py:PipelineParallel", "pp/torch_pipelining.py:TorchPipelineParallel"}
 
 

@@ -6,7 +6,7 @@ of its parts'). This module adds the bookkeeping every step does, so ``trace``, 
 the run folder's ``ledger.json`` compare the ledger with the same numbers:
 
 * DP: 2(n−1)/n · gradient bytes (``parallel/dp/data_parallel.py``: ZeRO paper §7.1, scaling book ch. 5)
-* ZeRO: ``ZeroDataParallel.step_bytes_formula`` (reduce-scatter, all-gathers, one norm scalar)
+* ZeRO: ``ZeroSync.step_bytes_formula`` (reduce-scatter, all-gathers, one norm scalar)
 * TP: ``tp_step_bytes_formula`` (Megatron f/g activations, vocab-parallel CE, norm; scaling
   book ch. 5; Korthikanti et al. 2022 for SP)
 * PP: the point-to-point activations/gradients, the tied-embedding gradient, the norm scalar

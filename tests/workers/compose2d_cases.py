@@ -108,7 +108,7 @@ def run_parity(topo, work, zero, sp, tied, reduce_dtype, out, rank):
 
 
 def run_plain_dp(topo, work, zero, reduce_dtype, out, rank):
-    """dp=4 without TP (DataParallel / ZeroDataParallel) with ``reduce_dtype``: 2 steps."""
+    """dp=4 without TP (DataParallel / ZeroSync) with ``reduce_dtype``: 2 steps."""
     engine = parallelize(make_model(), topo, Layout(dp=4, zero=zero), reduce_dtype=reduce_dtype)
     opt = _optimizer(engine)
     sampler = work.sampler(GLOBAL_BATCH, 4, topo.index("dp"), seed=0)

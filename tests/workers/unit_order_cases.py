@@ -31,8 +31,8 @@ from shardwise.models import preset_config
 from shardwise.models.llama import Llama
 from shardwise.models.mlp import MLPConfig, StackedMLP
 from shardwise.parallel.apply import Layout, parallelize
-from shardwise.parallel.zero import TorchZero
-from shardwise.parallel.zero import Zero3DataParallel
+from shardwise.parallel.model import ParallelModel, PlainLoss
+from shardwise.parallel.zero import Zero3Sync, ZeroRedundancySync
 from shardwise.topology import Topology, init_distributed
 from shardwise.train.optim import build_optimizer
 from shardwise.train.step import train_step
@@ -107,7 +107,8 @@ def rank_dependent_2d(out, topo, rank, engine):
 
 
 def _wrap(model, topo, engine):
-    return Zero3DataParallel(model, topo, 3) if engine == "explicit" else TorchZero(model, topo, 3)
+    sync = Zero3Sync(model, topo, 3) if engine == "explicit" else ZeroRedundancySync(model, topo, 3)
+    return ParallelModel(model, topo, loss_fn=PlainLoss(sync.forward_module), grad_sync=sync)
 
 
 def _batches(work, sampler, dp):

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from shardwise.config import TrainConfig
 from shardwise.errors import ShardwiseConfigError
 from shardwise.models import build_model
-from shardwise.parallel.zero import TorchZero
-from shardwise.parallel.zero import ZeroDataParallel, zero_data_parallel
+from shardwise.parallel.model import ParallelModel, PlainLoss
+from shardwise.parallel.zero import ZeroRedundancySync, ZeroSync, zero_sync
 from shardwise.topology import Topology, init_distributed
 from shardwise.train.optim import build_optimizer
 from shardwise.train.step import train_step
@@ -76,10 +76,12 @@ def run_case(out, topo, rank, model, stage, dp, engine, accum, prefetch, reshard
     work = workload(model)
     plain = make_model(model)
     if engine == "explicit":
-        wrapped = zero_data_parallel(plain, topo, stage, prefetch=prefetch,
-                                     reshard_after_forward=reshard, overlap=overlap)
+        sync = zero_sync(plain, topo, stage, prefetch=prefetch, reshard_after_forward=reshard,
+                         overlap=overlap)
     else:
-        wrapped = TorchZero(plain, topo, stage)
+        sync = ZeroRedundancySync(plain, topo, stage)
+    # the one engine around the gradient sync, as parallelize() builds it for dp-only layouts
+    wrapped = ParallelModel(plain, topo, loss_fn=PlainLoss(sync.forward_module), grad_sync=sync)
     opt = build_optimizer(wrapped, TrainConfig(lr=LR, weight_decay=0.1))
     sampler = work.sampler(GLOBAL_BATCH, dp, topo.index("dp"), 0)
     micro = GLOBAL_BATCH // dp // accum
@@ -93,14 +95,14 @@ def run_case(out, topo, rank, model, stage, dp, engine, accum, prefetch, reshard
                          max_norm=MODELS[model][2], zero_grad=False)
         rec["bytes"].append({t: topo.ledger.step_bytes(t)
                              for t in ("grad", "param", "grad_norm", "loss", None)})
-        rec["formula"].append(wrapped.step_bytes_formula(accum))
+        rec["formula"].append(sync.step_bytes_formula(accum))
         rec["loss"].append(res.loss)
         rec["grad_norm"].append(res.grad_norm)
         rec["grads"].append({n: g.clone() for n, g in wrapped.named_full_gradients().items()})
         rec["params"].append({n: p.detach().clone()
                               for n, p in wrapped.named_full_parameters().items()})
         if engine == "explicit":  # the padding of this rank's slices: must stay exactly zero
-            pads = [t[max(u.numel - u.lo, 0):] for u in wrapped.units
+            pads = [t[max(u.numel - u.lo, 0):] for u in sync.units
                     for t in (u.shard, u.shard_grad)]
             rec["pad"].append(max([float(p.abs().max()) for p in pads if p.numel()] + [0.0]))
     rec["state_bytes"] = wrapped.model_state_bytes(opt)
@@ -114,9 +116,9 @@ def run_case(out, topo, rank, model, stage, dp, engine, accum, prefetch, reshard
         rec["full_model_gathers"] = sum(r.op == "all_gather" for r in topo.ledger.records[first:])
         rec["params_bytes_after_full_model"] = wrapped.model_state_bytes(opt)["params"]
     rec["memory_formula"] = wrapped.memory_formula()
-    rec["numel"], rec["padded_numel"] = wrapped.numel, wrapped.padded_numel
+    rec["numel"], rec["padded_numel"] = sync.numel, sync.padded_numel
     if engine == "explicit":
-        rec["unit_sizes"] = wrapped.unit_sizes()
+        rec["unit_sizes"] = sync.unit_sizes()
         rec["n_pieces"] = sum(len(g["params"]) for g in opt.param_groups)
     name = case_name(model, stage, dp, engine, accum, prefetch, reshard, overlap)
     torch.save(rec, f"{out}/{name}_rank{rank}.pt")
@@ -139,16 +141,16 @@ def error_cases(out, rank):
     one = Topology(dp=1, ranks=[0], timeout_s=60)
     two = Topology(dp=2, ranks=range(2), timeout_s=60)
     if one.member:
-        msgs["explicit_dp1"] = _catch(lambda: ZeroDataParallel(make_model("tiny"), one, 2))
-        msgs["torch_dp1"] = _catch(lambda: TorchZero(make_model("tiny"), one, 3))
+        msgs["explicit_dp1"] = _catch(lambda: ZeroSync(make_model("tiny"), one, 2))
+        msgs["torch_dp1"] = _catch(lambda: ZeroRedundancySync(make_model("tiny"), one, 3))
     if two.member:
-        msgs["split_tied"] = _catch(lambda: zero_data_parallel(
+        msgs["split_tied"] = _catch(lambda: zero_sync(
             make_model("tiny"), two, 3, units=["tok_embeddings", "output"]))
-        msgs["bad_unit"] = _catch(lambda: zero_data_parallel(make_model("tiny"), two, 3,
-                                                           units=["layers.9"]))
-        msgs["nested"] = _catch(lambda: ZeroDataParallel(make_model("tiny"), two, 1,
-                                                         units=["layers", "layers.0"]))
-        good = ZeroDataParallel(make_model("tiny"), two, 2)
+        msgs["bad_unit"] = _catch(lambda: zero_sync(make_model("tiny"), two, 3,
+                                                    units=["layers.9"]))
+        msgs["nested"] = _catch(lambda: ZeroSync(make_model("tiny"), two, 1,
+                                                 units=["layers", "layers.0"]))
+        good = ZeroSync(make_model("tiny"), two, 2)
         msgs["optimizer"] = _catch(lambda: good.make_optimizer(
             [{"params": list(good.module.parameters())}], optimizer_class=torch.optim.Adafactor))
     torch.save(msgs, f"{out}/errors_rank{rank}.pt")

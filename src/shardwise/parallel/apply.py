@@ -23,8 +23,9 @@ or PyTorch's own (``engine="torch"``). It reads as the order of the transforms (
    DDP, ``ZeroRedundancyOptimizer`` / FSDP2, or FSDP2 over DTensor TP
    (:class:`~.zero.fsdp2.FSDP2Sync`); with tp > 1 and dp × cp = 1, none
    (:class:`~.engine.NoSync`);
-5. tp > 1: one :class:`~.model.ParallelModel` of the loss function, the sync and the
-   finishers (the SP sum over tp on what the sync leaves on each rank).
+5. one :class:`~.model.ParallelModel` of the loss function (tp = 1: the plain loss of the
+   sync's forward module), the sync and the finishers (the SP sum over tp on what the sync
+   leaves on each rank).
 
 ``Layout``, ``parse_layout`` and ``check_supported`` live in :mod:`.layout` and are re-exported
 here.
@@ -82,12 +83,10 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
 
     # 3. tensor parallelism on the whole model: the converted model's loss function
     if layout.tp == 1:
-        sync = dp_sync(model, topo, layout, engine, **dp_kw)
-        if isinstance(sync, nn.Module):  # an engine of its own (until converted to a sync)
-            return sync
         from .model import PlainLoss
 
-        return ParallelModel(model, topo, loss_fn=PlainLoss(model), grad_sync=sync)
+        sync = dp_sync(model, topo, layout, engine, **dp_kw)
+        return ParallelModel(model, topo, loss_fn=PlainLoss(sync.forward_module), grad_sync=sync)
     if engine == "explicit":
         from .tp import TPTraffic, parallelize_tensor
 
@@ -122,10 +121,11 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
 
 def dp_sync(model: nn.Module, topo, layout: Layout, engine: str, *, bucket_mb: float = 25.0,
             overlap: bool = True, prefetch: bool = True, reshard_after_forward: bool = True,
-            reduce_dtype: str = "fp32") -> nn.Module:
-    """The data-parallel strategy over ``topo``'s dp axis for ``layout.zero`` on ``engine``,
-    wrapping ``model`` (plain, or already converted for TP when ``layout.tp`` > 1: its
-    parameters are then this rank's tp shards, Ψ/tp each; DTensors on the torch engine).
+            reduce_dtype: str = "fp32"):
+    """The gradient sync (a plain :class:`~.engine.Sync`) over ``topo``'s dp axis for
+    ``layout.zero`` on ``engine``, of ``model`` (plain, or already converted for TP when
+    ``layout.tp`` > 1: its parameters are then this rank's tp shards, Ψ/tp each; DTensors on
+    the torch engine).
 
     ======  ==========================  =================================================
     zero    explicit                    torch (tp = 1; tp > 1)
@@ -137,11 +137,11 @@ def dp_sync(model: nn.Module, topo, layout: Layout, engine: str, *, bucket_mb: f
 
     Options as :func:`parallelize`. No checks here: :meth:`Layout.check` ran before."""
     if engine == "explicit" and layout.zero:
-        from .zero import zero_data_parallel
+        from .zero import zero_sync
 
-        return zero_data_parallel(model, topo, layout.zero, prefetch=prefetch,
-                                reshard_after_forward=reshard_after_forward, overlap=overlap,
-                                reduce_dtype=reduce_dtype)
+        return zero_sync(model, topo, layout.zero, prefetch=prefetch,
+                         reshard_after_forward=reshard_after_forward, overlap=overlap,
+                         reduce_dtype=reduce_dtype)
     if engine == "explicit":
         from .dp import DataParallel
 
@@ -149,20 +149,20 @@ def dp_sync(model: nn.Module, topo, layout: Layout, engine: str, *, bucket_mb: f
                             reduce_dtype=reduce_dtype)
     if layout.cp > 1:  # torch's context_parallel with DDP over dp × cp (CUDA only)
         from .cp.torch_cp import step_context
-        from .dp import TorchDataParallel
+        from .dp import DDPSync
 
-        dp = TorchDataParallel(model, topo, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
-        dp.step_context = step_context(topo)  # each step inside torch's context_parallel
-        return dp
+        return DDPSync(model, topo, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype,
+                       step_context=step_context(topo))  # each step inside context_parallel
     if layout.tp > 1:
         from .zero.fsdp2 import fsdp2_over_tp
 
         return fsdp2_over_tp(model, topo, layout, reshard_after_forward=reshard_after_forward,
                              reduce_dtype=reduce_dtype)
     if layout.zero:
-        from .zero.torch_zero import TorchZero
+        from .zero.torch_zero import ZeroRedundancySync
 
-        return TorchZero(model, topo, layout.zero, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
-    from .dp import TorchDataParallel
+        return ZeroRedundancySync(model, topo, layout.zero, bucket_mb=bucket_mb,
+                                  reduce_dtype=reduce_dtype)
+    from .dp import DDPSync
 
-    return TorchDataParallel(model, topo, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
+    return DDPSync(model, topo, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)

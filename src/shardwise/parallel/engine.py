@@ -59,13 +59,28 @@ def autocast(dtype: str, device: torch.device):
 
 class Sync:
     """The gradient-sync protocol with its defaults: a replicated ``module`` on ``topo`` whose
-    gradients need no reduction. A gradient sync is a plain object (:class:`~.dp.DataParallel`)
-    or, until they are converted, an :class:`Engine`; :class:`~.model.ParallelModel` asks it
+    gradients need no reduction. Every gradient sync is a plain object (:class:`~.dp.
+    DataParallel`, :class:`~.dp.DDPSync`, :mod:`.zero`'s); :class:`~.model.ParallelModel` asks it
     for the micro-step sync, the finish, the optimizer, the norm's held gradients and the dp
-    part of the full-shape views. Used as is when dp × cp = 1 (:class:`NoSync`)."""
+    part of the full-shape views. Used as is when dp × cp = 1 (:class:`NoSync`).
+    ``step_context``: None, or local sequence length → the context every step's micro-batches
+    and every evaluation run in (torch's ``context_parallel``: :func:`.cp.torch_cp.step_context`)."""
+
+    step_context = None
 
     def __init__(self, module: nn.Module, topo):
         self.module, self.topo = module, topo
+
+    @property
+    def forward_module(self) -> nn.Module:
+        """What the loss function runs forward: the module (DDP: its wrapper, whose forward
+        prepares the bucketed all-reduce of the backward)."""
+        return self.module
+
+    def booking(self):
+        """Context around a step's micro-batches, the sync's own (HSDP through FSDP2: book its
+        c10d all-reduce over the replicas)."""
+        return contextlib.nullcontext()
 
     def sync_gradients(self, enabled: bool):
         """Context: inside ``sync_gradients(False)`` backward only accumulates locally."""
@@ -169,11 +184,8 @@ class Sync:
 
 
 class Engine(nn.Module, Sync):
-    """Base class: a replicated model whose micro-batches run one after another on this rank.
-    ``step_context``: None, or local sequence length → the context every step's micro-batches
-    and every evaluation run in (torch's ``context_parallel``: :func:`.cp.torch_cp.step_context`)."""
-
-    step_context = None
+    """Base class: a replicated model whose micro-batches run one after another on this rank
+    (inside :attr:`step_context`, :class:`Sync`'s)."""
 
     def __init__(self, module: nn.Module):
         super().__init__()

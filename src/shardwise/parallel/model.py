@@ -1,4 +1,4 @@
-"""The engine of the layouts without a pipeline (tp > 1, or explicit DP): :class:`ParallelModel`.
+"""The engine of every layout without a pipeline: :class:`ParallelModel`.
 
 A :class:`ParallelModel` is put together by :func:`~.apply.parallelize` (the only composition
 site) from plain pieces over one converted module, each answering the members it owns:
@@ -8,10 +8,10 @@ site) from plain pieces over one converted module, each answering the members it
                                    gathered logits for sampling (:class:`PlainLoss`,
                                    :class:`~.tp.VocabParallelLoss`, :class:`~.tp.LossParallel`)
 ``grad_sync``                      micro-step sync, the reduction, the optimizer, the norm's
-                                   held gradients, full-shape dp views (:class:`~.dp.
-                                   DataParallel`, :mod:`.zero`, FSDP2 over DTensor TP, or
-                                   :class:`~.engine.NoSync` when dp × cp = 1): a plain
-                                   :class:`~.engine.Sync`, or an engine until converted
+                                   held gradients, full-shape dp views, the module the loss
+                                   runs forward (:class:`~.dp.DataParallel`, DDP, :mod:`.zero`,
+                                   FSDP2, or :class:`~.engine.NoSync` when dp × cp = 1): a
+                                   plain :class:`~.engine.Sync`
 ``finishers``                      run in order after the sync: the SP sum over tp of what the
                                    sync leaves on this rank (:class:`~.tp.SPSum`, or DTensor's
                                    :class:`~.tp.TorchSPSum`)
@@ -72,11 +72,23 @@ class ParallelModel(Engine):
         self.parts = (grad_sync,)
         self.topo, self.sp, self.loss_fn = topo, sp, loss_fn
         self.finishers, self.traffic = list(finishers), traffic
+        self.step_context = grad_sync.step_context  # torch's context_parallel (DDP over dp × cp)
 
     @property
     def dp(self):
         """The gradient sync."""
         return self.parts[0]
+
+    def forward(self, *args, **kwargs):
+        return self.dp.forward_module(*args, **kwargs)
+
+    def train(self, mode: bool = True):
+        """Train / eval mode, also of the sync's forward module (DDP's wrapper is not a
+        registered submodule: the model's parameters are seen once)."""
+        super().train(mode)
+        if self.dp.forward_module is not self.module:
+            self.dp.forward_module.train(mode)
+        return self
 
     # -- the step: the loss is tp's, the gradient sync dp's ---------------------------------
     def sync_gradients(self, enabled: bool):
@@ -90,8 +102,11 @@ class ParallelModel(Engine):
         [b, s, V_pad/tp]), the same on every tp rank of the row."""
         return self.loss_fn.loss_sum(batch)
 
+    @contextlib.contextmanager
     def booking(self):
-        return self.loss_fn.booking(**self.dp.booking_options())
+        """The sync's own booking, then the loss function's (with the sync's options)."""
+        with self.dp.booking(), self.loss_fn.booking(**self.dp.booking_options()):
+            yield
 
     def backward_context(self):
         return self.loss_fn.backward_context()
@@ -117,7 +132,8 @@ class ParallelModel(Engine):
     def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Evaluation under ``no_grad`` (ZeRO-3 frees what it gathers; FSDP2 reshards after):
         tp's loss sum of ``batch`` and its counted tokens."""
-        out = self.loss_fn.loss_sum_and_count(batch)
+        with self._step_context(batch):
+            out = self.loss_fn.loss_sum_and_count(batch)
         self.dp.after_evaluation()
         return out
 

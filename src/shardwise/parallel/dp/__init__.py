@@ -8,7 +8,7 @@ from ...comm.torch_booking import ddp_comm_hook
 from ..params import REDUCE_DTYPES, reduce_torch_dtype
 from .data_parallel import (DataParallel, GradBuckets, dp_grad_bytes_formula,
                             dp_memory_formula)
-from .ddp import TorchDataParallel
+from .ddp import DDPSync
 
-__all__ = ["REDUCE_DTYPES", "DataParallel", "GradBuckets", "TorchDataParallel",
+__all__ = ["REDUCE_DTYPES", "DataParallel", "GradBuckets", "DDPSync",
            "ddp_comm_hook", "dp_grad_bytes_formula", "dp_memory_formula", "reduce_torch_dtype"]

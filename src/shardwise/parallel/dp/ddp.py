@@ -18,21 +18,24 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ...comm.torch_booking import ddp_comm_hook
-from ..engine import Engine
+from ..engine import Sync
 from ..params import reduce_bytes, reduce_torch_dtype
 from .data_parallel import dp_grad_bytes_formula, dp_memory_formula
 
 
-class TorchDataParallel(Engine):
-    """DDP with the same interface as :class:`~shardwise.parallel.dp.DataParallel`.
-    ``reduce_dtype``: "fp32" | "bf16" (bf16 compression hook, booked in the ledger)."""
+class DDPSync(Sync):
+    """DDP over ``topo``'s data axis as a plain gradient sync, the twin of
+    :class:`~shardwise.parallel.dp.DataParallel` (the loss function runs :attr:`forward_module`,
+    DDP's wrapper). ``reduce_dtype``: "fp32" | "bf16" (bf16 compression hook, booked in the
+    ledger). ``step_context``: torch's ``context_parallel`` with cp > 1
+    (:func:`..cp.torch_cp.step_context`), else None."""
 
     def __init__(self, module: nn.Module, topo, bucket_mb: float = 25.0,
-                 reduce_dtype: str = "fp32"):
+                 reduce_dtype: str = "fp32", step_context=None):
         reduce_torch_dtype(reduce_dtype)  # checked before any collective
         hook = ddp_comm_hook(reduce_dtype)
-        super().__init__(module)
-        self.topo, self.reduce_dtype = topo, reduce_dtype
+        super().__init__(module, topo)
+        self.reduce_dtype, self.step_context = reduce_dtype, step_context
         # DDP broadcasts rank 0's parameters at construction (its own call, not in the ledger).
         # Buffers (RoPE tables) are deterministic: no need to sync them every forward.
         no_buffer_sync = ({"forward_sync_buffers": False}
@@ -42,8 +45,9 @@ class TorchDataParallel(Engine):
                        bucket_cap_mb=bucket_mb, **no_buffer_sync)
         self.ddp.register_comm_hook(topo, hook)
 
-    def forward(self, *args, **kwargs):
-        return self.ddp(*args, **kwargs)
+    @property
+    def forward_module(self) -> nn.Module:
+        return self.ddp
 
     def sync_gradients(self, enabled: bool):
         return contextlib.nullcontext() if enabled else self.ddp.no_sync()

@@ -3,34 +3,35 @@
 Reading order: :mod:`.flat` (the mechanism, also under the pipeline's ZeRO-1), :mod:`.zero`
 (ZeRO-1/2), :mod:`.zero3` (ZeRO-3), :mod:`.units` (units and their order check),
 :mod:`.formulas` (memory and bytes, :func:`validate_zero`), :mod:`.torch_zero` (the same through
-PyTorch, imported on first use of :class:`TorchZero`). ``docs/zero.md`` has the derivations, the
-measurements and the pitfalls.
+PyTorch, imported on first use of :class:`ZeroRedundancySync`). ``docs/zero.md`` has the
+derivations, the measurements and the pitfalls. Every class here is a plain gradient sync, put
+into :class:`~..model.ParallelModel` by :func:`~..apply.parallelize`.
 """
 
 from .flat import FlatShards
 from .units import UnitOrderCheck, assign_units, default_unit_names
 from .formulas import (validate_zero, zero_ep_memory_formula, zero_ep_step_bytes_formula,
                        zero_memory_formula, zero_step_bytes_formula)
-from .zero import ZeroDataParallel
-from .zero3 import Zero3DataParallel
+from .zero import ZeroSync
+from .zero3 import Zero3Sync
 
 
-def zero_data_parallel(module, topo, stage: int, **kw) -> ZeroDataParallel:
-    """The explicit ZeRO engine for ``stage``: :class:`ZeroDataParallel` (1, 2) or
-    :class:`Zero3DataParallel` (3), with ``kw`` as their constructor's (a plain call, no
+def zero_sync(module, topo, stage: int, **kw) -> ZeroSync:
+    """The explicit ZeRO gradient sync for ``stage``: :class:`ZeroSync` (1, 2) or
+    :class:`Zero3Sync` (3), with ``kw`` as their constructor's (a plain call, no
     registry)."""
-    return (Zero3DataParallel if stage == 3 else ZeroDataParallel)(module, topo, stage, **kw)
+    return (Zero3Sync if stage == 3 else ZeroSync)(module, topo, stage, **kw)
 
 
 def __getattr__(name: str):
-    if name in ("TorchZero", "apply_fsdp"):  # FSDP2 and DDP load only when asked for
+    if name in ("ZeroRedundancySync", "apply_fsdp"):  # FSDP2 and DDP load only when asked for
         from . import torch_zero
 
         return getattr(torch_zero, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["FlatShards", "TorchZero", "UnitOrderCheck", "Zero3DataParallel", "ZeroDataParallel",
+__all__ = ["FlatShards", "UnitOrderCheck", "Zero3Sync", "ZeroRedundancySync", "ZeroSync",
            "apply_fsdp", "assign_units", "default_unit_names", "validate_zero",
-           "zero_ep_memory_formula", "zero_ep_step_bytes_formula", "zero_data_parallel",
+           "zero_ep_memory_formula", "zero_ep_step_bytes_formula", "zero_sync",
            "zero_memory_formula", "zero_step_bytes_formula"]

@@ -28,11 +28,11 @@ from torch import nn
 
 from ...comm.ledger import ring_bytes
 from ...models.llama import Llama, TransformerBlock
-from ..engine import Engine
+from ..engine import Sync
 from ..params import is_dtensor as _is_dtensor, local as _local, reduce_bytes
 from .torch_zero import apply_fsdp
 
-class FSDP2Sync(Engine):
+class FSDP2Sync(Sync):
     """The dp part of dp × tp on the torch engine: PyTorch's FSDP2 (``fully_shard``, zero ≥ 1)
     or ``replicate`` (zero 0) over the dp mesh, on a module whose parameters DTensor TP already
     converted (so they become DTensors on the (dp, tp) mesh). Composed with the tp part by
@@ -41,8 +41,8 @@ class FSDP2Sync(Engine):
 
     def __init__(self, module: Llama, topo, layout, units: list[nn.Module], *,
                  reshard_after_forward: bool, reduce_dtype: str, local_shapes: dict):
-        super().__init__(module)
-        self.topo, self.sp, self.zero = topo, layout.sp, layout.zero
+        super().__init__(module, topo)
+        self.sp, self.zero = layout.sp, layout.zero
         self.units, self.reshard_after_forward = units, reshard_after_forward
         self.reduce_dtype, self.local_shapes = reduce_dtype, local_shapes
 

@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ... import comm
 from ...comm.torch_booking import BookFunctionalCollectives, ddp_comm_hook
-from ..engine import Engine
+from ..engine import Sync
 from ..params import reduce_bytes, reduce_torch_dtype
 from .flat import storage_state_bytes
 from .units import UnitOrderCheck, assign_units
@@ -139,8 +139,9 @@ def apply_fsdp(module: nn.Module, topo, stage: int, reduce_dtype: str = "fp32", 
     return FSDPUnits(wrapped, order, reshard)
 
 
-class TorchZero(Engine):
-    """ZeRO ``stage`` over ``topo``'s dp axis with PyTorch's implementations (module docstring).
+class ZeroRedundancySync(Sync):
+    """ZeRO ``stage`` over ``topo``'s dp axis with PyTorch's implementations (module docstring),
+    a plain gradient sync (stage 1: the loss function runs :attr:`forward_module`, DDP's wrapper).
 
     ``units``: submodule FQNs wrapped by ``fully_shard`` before the root (default: every
     transformer / MLP block); ignored for stage 1. ``bucket_mb``: DDP bucket size (stage 1).
@@ -158,7 +159,7 @@ class TorchZero(Engine):
         hook = ddp_comm_hook(reduce_dtype)
         self.reduce_dtype = reduce_dtype
         named_units = assign_units(module, units)  # same checks (tied weights) as explicit ZeRO
-        super().__init__(module)
+        super().__init__(module, topo)
         # HSDP: FSDP2 over the 2-D mesh (dp_replicate, dp_shard), ZeRO-1 as FSDP2's ZeRO-2
         # (ZeroRedundancyOptimizer has no hybrid mode); n is the shard group
         self.hsdp = getattr(topo, "dp_replicate", 1) > 1
@@ -183,10 +184,11 @@ class TorchZero(Engine):
         self.fsdp_modules = fsdp.modules
         self.reshard_after_forward = fsdp.reshard_after_forward
 
-    def forward(self, *args, **kwargs):
-        return self.ddp(*args, **kwargs) if self._ddp else self.module(*args, **kwargs)
+    @property
+    def forward_module(self) -> nn.Module:
+        return self.ddp if self._ddp else self.module
 
-    def booking(self, **options):
+    def booking(self):
         """HSDP: FSDP2 all-reduces the gradient shards over dp_replicate with
         ``torch.distributed.all_reduce`` itself (no hook into :mod:`shardwise.comm`): booked by
         :class:`~shardwise.comm.torch_booking.BookFunctionalCollectives` as tag
@@ -207,17 +209,14 @@ class TorchZero(Engine):
         finally:
             self.module.set_requires_gradient_sync(True)
 
-    @torch.no_grad()
-    def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Evaluation: (loss sum, counted items) of ``batch`` under ``no_grad``. FSDP2 keeps
-        units with ``reshard_after_forward=False`` (the root; every unit at stage 2) gathered
-        after a forward even without grad, so they are resharded here: otherwise the next
-        training step would skip their all-gather (the ledger would fall short of the formula)."""
-        out = super().loss_sum_and_count(batch)
+    def after_evaluation(self) -> None:
+        """After an evaluation forward: FSDP2 keeps units with ``reshard_after_forward=False``
+        (the root; every unit at stage 2) gathered after a forward even without grad, so they
+        are resharded here: otherwise the next training step would skip their all-gather (the
+        ledger would fall short of the formula)."""
         if not self._ddp:
             for m in self.fsdp_modules:
                 m.reshard()
-        return out
 
     def make_optimizer(self, param_groups: list[dict], optimizer_class=torch.optim.AdamW,
                        **kwargs) -> torch.optim.Optimizer:

@@ -47,7 +47,7 @@ from torch import nn
 
 from ... import comm
 from ...comm.ledger import ring_bytes
-from ..engine import Engine
+from ..engine import Sync
 from ..params import Held, reduce_groups, reduce_torch_dtype, sum_coalesced_, tp_sharded
 from .flat import (FlatShards, gather_named, gather_optimizer_state, load_optimizer_state,
                    sharded_optimizer, storage_state_bytes)
@@ -67,11 +67,12 @@ def split_experts(named_units, topo) -> list[tuple[str, nn.Module, list, str]]:
     return [(name if g.axis == topo.shard_axis else name + EXPERTS, mod, g.items, g.axis)
             for name, mod, named in named_units for g in reduce_groups(named, topo, shard=True)]
 
-# -- the engine -----------------------------------------------------------------------------------
-class ZeroDataParallel(Engine):
-    """ZeRO ``stage`` ∈ {1, 2} over ``topo``'s "dp" axis (module docstring); ZeRO-3 is the
-    subclass :class:`.zero3.Zero3DataParallel`, which overrides the hooks below
-    (:func:`~shardwise.parallel.zero.zero_data_parallel` picks the class by stage).
+# -- the gradient sync -----------------------------------------------------------------------------
+class ZeroSync(Sync):
+    """ZeRO ``stage`` ∈ {1, 2} over ``topo``'s "dp" axis (module docstring): a plain gradient
+    sync, which :func:`~..apply.parallelize` puts into a :class:`~..model.ParallelModel`; ZeRO-3
+    is the subclass :class:`.zero3.Zero3Sync`, which overrides the hooks below
+    (:func:`~shardwise.parallel.zero.zero_sync` picks the class by stage).
 
     ``module``: the plain model (each unit's flat buffer, a :class:`.flat.FlatShards`, is
     broadcast from dp index 0: ledger phase ``init``). ``units``: FQNs of the unit submodules
@@ -98,8 +99,8 @@ class ZeroDataParallel(Engine):
         validate_zero(stage, topo.size(topo.shard_axis))
         rdtype = reduce_torch_dtype(reduce_dtype)
         named_units = assign_units(module, units)  # all checks done before the first collective
-        super().__init__(module)
-        self.topo, self.stage = topo, stage
+        super().__init__(module, topo)
+        self.stage = stage
         # the shard group: the data axis, or HSDP's dp_shard (shards all-reduced over
         # dp_replicate after each reduce-scatter)
         self.n, self.rank = topo.size(topo.shard_axis), topo.index(topo.shard_axis)
@@ -160,12 +161,6 @@ class ZeroDataParallel(Engine):
             yield
         finally:
             self._sync = prev
-
-    @torch.no_grad()
-    def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Evaluation: (loss sum, counted items) of ``batch`` under ``no_grad`` (so ZeRO-3 frees
-        every unit after its forward: no backward will come to free the root)."""
-        return super().loss_sum_and_count(batch)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         """Once all of a unit's gradients arrived on the syncing micro-step, reduce-scatter it
@@ -314,7 +309,7 @@ class ZeroDataParallel(Engine):
         return None
 
     def step_bytes_formula(self, micro_steps: int = 1) -> dict[str, float]:
-        """:func:`zero_step_bytes_formula` with this engine's padded Ψ, the reduce dtype's bytes
+        """:func:`zero_step_bytes_formula` with this sync's padded Ψ, the reduce dtype's bytes
         for the gradient reduce_scatter, and what ZeRO-3 gathers a second time for backward;
         with expert parallelism one such term per axis, summed
         (:func:`.formulas.zero_ep_step_bytes_formula`). Inside dp × tp the tp scalar of the

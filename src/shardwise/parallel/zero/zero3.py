@@ -34,7 +34,7 @@ from torch import nn
 from ... import comm
 from .flat import FlatShards, gather_named, storage_bytes
 from .units import UnitOrderCheck
-from .zero import ZeroDataParallel
+from .zero import ZeroSync
 
 
 class _PreBackward(torch.autograd.Function):
@@ -60,10 +60,11 @@ def _wrap_outputs(out, hook):
     return out
 
 
-class Zero3DataParallel(ZeroDataParallel):
-    """ZeRO-3: :class:`.zero.ZeroDataParallel`'s gradient sync (ZeRO-2's: slices only) with the
-    parameters sharded too; built by ``Zero3DataParallel(module, topo, 3, ...)`` (or :func:`~shardwise.parallel.zero.
-    zero_data_parallel`, which picks the class by stage).
+class Zero3Sync(ZeroSync):
+    """ZeRO-3: :class:`.zero.ZeroSync`'s gradient sync (ZeRO-2's: slices only) with the
+    parameters sharded too; built by ``Zero3Sync(module, topo, 3, ...)`` (or
+    :func:`~shardwise.parallel.zero.zero_sync`, which picks the class by stage). A plain
+    gradient sync: it installs its hooks on the module's units and on the module itself.
 
     A forward pre-hook on each block gathers it (or waits for its prefetch) and, with
     ``prefetch=True``, launches the next block's all_gather (FSDP paper, Zhao et al. 2023,
@@ -249,7 +250,7 @@ class Zero3DataParallel(ZeroDataParallel):
         return gather_named(self.units, [u.shard for u in self.units])
 
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
-        """:meth:`.zero.ZeroDataParallel.model_state_bytes` plus ``gathered_params_peak``: the
+        """:meth:`.zero.ZeroSync.model_state_bytes` plus ``gathered_params_peak``: the
         most bytes of gathered parameters held at once during the last forward/backward."""
         out = super().model_state_bytes(optimizer)
         out["gathered_params_peak"] = self.gathered_peak_bytes

@@ -80,8 +80,8 @@ def _short(e: BaseException) -> str:
 def _disable_booking(engine) -> bool:
     """Stop dispatch-mode booking of PyTorch's collectives (DTensor) after the booked step."""
     found = False
-    parts = getattr(engine, "parts", ())  # dp × tp: the tp part is not a registered submodule
-    for m in [m for e in (engine, *parts) for m in e.modules()]:
+    loss_fn = getattr(engine, "loss_fn", None)  # dp × tp: the loss function books DTensor's
+    for m in [*engine.modules(), *([loss_fn] if loss_fn is not None else [])]:
         if hasattr(m, "book_collectives"):
             m.book_collectives = False
             found = True
