@@ -3,17 +3,16 @@ the bytes the framework's ledger books for the same layout.
 
 One world of 4 ranks (tests/workers/learn_cases.py) runs every script at n = 4 (fsdp_tp at
 X = 2 × Y = 2), three deliberately broken copies, and the framework's explicit engine on the
-same MLP (dp = 4, ZeRO-3 over 4, pp = 4 1F1B). Here:
+same MLP (dp = 4, ZeRO-3 over 4, pp = 4 1F1B, tp = 4, dp = 2 × tp = 2 ZeRO-3). Here:
 
 * parameters: every step's loss, gradients and parameters, assembled to full shape from the
   ranks' shards, against :func:`shardwise.parity.reference_run` on the framework's plain
   ``StackedMLP`` holding the scripts' initial weights (``nn.Linear`` stores W transposed), by
   docs/parity.md's rule (:func:`shardwise.parity.compare`);
 * bytes: per rank and tag, one step of a script = one step of the framework's ledger (dp, fsdp,
-  pp); for TP and FSDP+TP, which the framework does not yet run on the MLP (``--tp`` on
-  mlp-tiny is refused today), = the textbook formula written out here. The loss and norm
-  bookkeeping (tags ``loss``, ``grad_norm``) is left out: the framework all-reduces the counted
-  elements and the clipping norm, which the scripts skip;
+  pp, tp, fsdp_tp), and for TP and FSDP+TP also = the textbook formula written out here. The
+  loss and norm bookkeeping (tags ``loss``, ``grad_norm``) is left out: the framework
+  all-reduces the counted elements and the clipping norm, which the scripts skip;
 * broken copies (a missing gradient all-reduce in dp, a wrong shard in fsdp, a missing f in
   tp) fail the parity rule;
 * one script under ``torchrun``, one under ``shardwise learn``, and a bad ``--nproc``.
@@ -143,7 +142,7 @@ STRATEGY_TAGS = ("grad", "param", "pp_fwd", "pp_bwd", "tp_fwd", "tp_bwd")
 
 
 @pytest.mark.parametrize("name,case", [("dp", "dp"), ("fsdp", "zero3"), ("pp_1f1b", "pp"),
-                                       ("pp_gpipe", "pp")])
+                                       ("pp_gpipe", "pp"), ("tp", "tp"), ("fsdp_tp", "fsdp_tp")])
 def test_bytes_equal_the_framework_ledger(results, name, case):
     for r, mine in enumerate(_per_step(results, name)):
         fw = torch.load(results / f"fw_{case}_rank{r}.pt")
@@ -239,13 +238,14 @@ def test_scripts_import_only_torch_and_the_helper():
 
 def test_the_docs_quote_the_scripts_as_they_are():
     """Each strategy page quotes its script's key lines (a ```python block opening with
-    ``# src/shardwise/learn/NAME.py``): every quoted line is a line of that script, so the
-    quotes cannot go stale."""
+    ``# src/shardwise/learn/NAME.py``, or the framework's, ``# src/shardwise/parallel/DIR/
+    NAME.py``): every quoted line is a line of that file, so the quotes cannot go stale."""
     import re
 
     quoted = 0
     for page in sorted((ROOT / "docs").glob("*.md")):
-        for block in re.finditer(r"```python\n# (src/shardwise/learn/\w+\.py)\n(.*?)```",
+        for block in re.finditer(r"```python\n# (src/shardwise/(?:learn|parallel/\w+)/\w+\.py)"
+                                 r"\n(.*?)```",
                                  page.read_text(), re.S):
             lines = {ln.strip() for ln in (ROOT / block.group(1)).read_text().splitlines()}
             for line in block.group(2).splitlines():

@@ -207,9 +207,18 @@ def test_valid_configs_pass():
         validate_tp(tiny_config(), tp, sp, 16)
 
 
-def test_mlp_model_has_no_tp_plan():
+def test_mlp_tp_rules():
+    """The stacked MLP splits d_ff: tp must divide it; no SP (no sequence); no TP in stages."""
+    cfg = build_model("mlp-tiny").config  # d_ff 32
+    validate_tp(cfg, 4)
+    with pytest.raises(ShardwiseConfigError, match=r"d_ff=32.*\{1, 2, 4, 8, 16, 32\}"):
+        validate_tp(cfg, 3)
+    with pytest.raises(ShardwiseConfigError, match="no sequence dimension"):
+        validate_tp(cfg, 2, sp=True)
+    with pytest.raises(ShardwiseConfigError, match="not tensor-parallel"):
+        validate_tp(cfg, 2, pp=2)
     with pytest.raises(ShardwiseConfigError, match="Llama-style"):
-        validate_tp(build_model("mlp-tiny").config, 2)
+        validate_tp(None, 2)
 
 
 @pytest.mark.parametrize("tp,sp", [(3, False), (1, True)])

@@ -12,8 +12,8 @@ from conftest import run_cli
 @pytest.mark.timeout(600)
 def test_verify_passes_every_layout_that_fits_both_engines(cache_dir, tmp_path):
     """N = 4: every single strategy and every factorization of 4 over (pp, dp, tp) × ZeRO
-    stages × schedules × SP, both engines, both test models, and the cp layouts; ledger bytes =
-    formula for each."""
+    stages × schedules × SP, both engines, both test models (the MLP's TP without SP or pp), and
+    the cp layouts; ledger bytes = formula for each."""
     p = run_cli(["verify", "--nproc", "4", "--json", tmp_path / "verify.json"], cache_dir,
                 timeout=580)
     assert p.returncode == 0, p.stdout
@@ -34,6 +34,12 @@ def test_verify_passes_every_layout_that_fits_both_engines(cache_dir, tmp_path):
                 assert (f"dp=2,tp=2{zero}{sp}", engine, "tiny") in cases
         for sched in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"):  # PP×TP
             assert (f"tp=2,pp=2,sp,{sched},m=4", engine, "tiny") in cases
+        # the stacked MLP under TP (W_in column-, W_out row-parallel) and FSDP/DP × TP; no SP
+        # (no sequence dimension) and no TP inside pipeline stages of the MLP
+        for layout in ("tp=2", "tp=4", "dp=2,tp=2", "dp=2,tp=2,zero=1", "dp=2,tp=2,zero=3"):
+            assert (layout, engine, "mlp-tiny") in cases
+        for layout in ("tp=2,sp", "dp=2,tp=2,sp", "tp=2,pp=2,sp,1f1b,m=4"):
+            assert (layout, engine, "mlp-tiny") not in cases
     # context parallelism (explicit engine; the torch one has no CPU kernel): cp = 2 and 4 with
     # both methods, and cp = 2 with dp = 2 (ZeRO 0/1/3), tp = 2 (± SP) and pp = 2
     for layout in ("cp=2", "cp=2,allgather", "cp=4", "cp=4,allgather", "dp=2,cp=2",

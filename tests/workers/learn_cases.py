@@ -1,6 +1,7 @@
 """Worker for tests/test_learn.py: in one world of 4 ranks, run every learn script (and the
 deliberately broken copies the test wrote into ``out``), then the framework's explicit engine on
-the same model and layouts (dp = 4, dp = 4 ZeRO-3, pp = 4 1F1B, m = 4), saving each rank's ledger
+the same model and layouts (dp = 4, dp = 4 ZeRO-3, pp = 4 1F1B, m = 4, tp = 4, dp = 2 × tp = 2
+ZeRO-3), saving each rank's ledger
 bytes per tag of one step to ``<out>/fw_<case>_rank<r>.pt``."""
 
 import importlib.util
@@ -20,7 +21,8 @@ from shardwise.train.step import train_step
 SCRIPTS = (("collectives", []), ("dp", []), ("fsdp", []), ("tp", []), ("fsdp_tp", []),
            ("pp", ["--schedule", "gpipe"]), ("pp", ["--schedule", "1f1b"]))
 FRAMEWORK = {"dp": dict(dp=4), "zero3": dict(dp=4, zero=3),
-             "pp": dict(pp=4, schedule="1f1b", microbatches=4)}
+             "pp": dict(pp=4, schedule="1f1b", microbatches=4), "tp": dict(tp=4),
+             "fsdp_tp": dict(dp=2, tp=2, zero=3)}
 
 
 def framework(case: str, out: str) -> None:

@@ -76,7 +76,9 @@ class CommRecord:
     those sends, one ``(step, peer index on the axis, bytes)`` per algorithm step and peer.
     ``issued``: ``time.perf_counter()`` when this rank launched it (records are booked when
     they complete, so an async receive posted first can be booked after later sends; sorting
-    by ``issued`` gives the order this rank issued them); None where the booker did not say."""
+    by ``issued`` gives the order this rank issued them); None where the booker did not say.
+    ``note``: what the strategy said the collective is for when it launched it
+    (:meth:`Ledger.note`, e.g. ZeRO-3's ``"layers.2 fwd"``); "" where it said nothing."""
 
     op: str
     axis: str
@@ -92,6 +94,7 @@ class CommRecord:
     sent_bytes: float | None = None
     sends: tuple = ()
     issued: float | None = None
+    note: str = ""
 
 
 class Ledger:
@@ -100,6 +103,7 @@ class Ledger:
     def __init__(self) -> None:
         self.records: list[CommRecord] = []
         self._phase = "step"
+        self._note = ""
         self._step_start = 0
 
     # -- recording ---------------------------------------------------------------------------
@@ -111,6 +115,20 @@ class Ledger:
             yield
         finally:
             self._phase = prev
+
+    @contextlib.contextmanager
+    def note(self, text: str):
+        """Note ``text`` on every collective launched inside the block (``CommRecord.note``:
+        which unit or block, which direction; ``shardwise trace`` prints it)."""
+        prev, self._note = self._note, text
+        try:
+            yield
+        finally:
+            self._note = prev
+
+    @property
+    def current_note(self) -> str:
+        return self._note
 
     def add(self, rec: CommRecord) -> None:
         self.records.append(rec)

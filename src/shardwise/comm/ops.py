@@ -121,14 +121,17 @@ class Handle:
             self.done = True
 
 
-def _book(topo, op, axis, tensor_like, size_bytes, t0, impl, tag, sent=None, sends=()):
+def _book(topo, op, axis, tensor_like, size_bytes, t0, impl, tag, sent=None, sends=(),
+          note=None):
+    """Add the record of a completed collective; ``note``: the ledger's note when it was
+    launched (None: the current one, for a collective booked where it was launched)."""
     n = topo.size(axis)
     topo.ledger.add(CommRecord(
         op=op, axis=axis, group_size=n, dtype=str(tensor_like.dtype).replace("torch.", ""),
         shape=tuple(tensor_like.shape), size_bytes=int(size_bytes),
         wire_bytes=ring_bytes(op, size_bytes, n), seconds=time.perf_counter() - t0,
         phase=topo.ledger.current_phase, tag=tag, impl=impl, sent_bytes=sent, sends=sends,
-        issued=t0,
+        issued=t0, note=topo.ledger.current_note if note is None else note,
     ))
 
 
@@ -175,7 +178,7 @@ def _ours(topo, op, axis, tensor_like, size_bytes, algorithm, tag, async_op, out
     bytes it sent. Returns a :class:`Handle` if ``async_op`` (the algorithm runs while the
     caller computes, as a backend's async collective does), else waits. A peer that never sends
     raises :class:`CollectiveTimeout` after the group's timeout."""
-    t0 = time.perf_counter()
+    t0, note = time.perf_counter(), topo.ledger.current_note
     n = topo.size(axis)
     peers = algorithms.Peers(topo.group(axis), [topo.global_rank(axis, j) for j in range(n)],
                              topo.index(axis))
@@ -204,7 +207,7 @@ def _ours(topo, op, axis, tensor_like, size_bytes, algorithm, tag, async_op, out
         sends = tuple((step, to, b) for (step, to), b in sorted(peers.log.items()))
         with topo.ledger.phase(phase):
             _book(topo, op, axis, tensor_like, size_bytes, t0, algorithm, tag,
-                  float(fut.result()[0]), sends)
+                  float(fut.result()[0]), sends, note)
 
     h = Handle(_FutureWork(fut), finish,
                lambda: _naming_timeouts(topo, op, axis, tensor_like, tag))
@@ -234,7 +237,7 @@ def _run(topo, op, axis, tensor_like, size_bytes, impl, tag, async_op, launch, a
     rank's global rank) is counted per channel instead (:meth:`~.fingerprint.CollectiveChecks.
     issue_p2p`) and waited for the same way: a receive whose message never comes is named
     after ``--hang-after``."""
-    t0 = time.perf_counter()
+    t0, note = time.perf_counter(), topo.ledger.current_note
 
     def guard():
         return _naming_timeouts(topo, op, axis, tensor_like, tag)
@@ -259,7 +262,7 @@ def _run(topo, op, axis, tensor_like, size_bytes, impl, tag, async_op, launch, a
     def finish():
         if after is not None:
             after()
-        _book(topo, op, axis, tensor_like, size_bytes, t0, impl, tag, sent)
+        _book(topo, op, axis, tensor_like, size_bytes, t0, impl, tag, sent, note=note)
 
     h = Handle(work if async_op or checks is not None else None, finish, guard, waiter)
     if not async_op:
@@ -317,7 +320,7 @@ def all_reduce_future(tensor: torch.Tensor, topo, axis: str, *, tag: str = "") -
         fut = torch.futures.Future()
         fut.set_result(tensor)
         return fut
-    t0 = time.perf_counter()
+    t0, note = time.perf_counter(), topo.ledger.current_note
     if topo.size(axis) == 1:
         fut = torch.futures.Future()
         fut.set_result([tensor])
@@ -329,7 +332,8 @@ def all_reduce_future(tensor: torch.Tensor, topo, axis: str, *, tag: str = "") -
     def done(f):
         with _naming_timeouts(topo, "all_reduce", axis, tensor, tag):
             f.value()  # re-raises the collective's error, if it failed
-        _book(topo, "all_reduce", axis, tensor, _nbytes(tensor), t0, "all_reduce", tag)
+        _book(topo, "all_reduce", axis, tensor, _nbytes(tensor), t0, "all_reduce", tag,
+              note=note)
         return tensor
 
     return fut.then(done)

@@ -20,7 +20,7 @@ over Y: each axis carries what it is good at (Megatron-LM 2021 §3; scaling book
 Run:  shardwise learn fsdp_tp --nproc 4
       torchrun --nproc-per-node 4 -m shardwise.learn.fsdp_tp
 Next: docs/composition.md → src/shardwise/parallel/ (apply.py) →
-      shardwise trace --dp 2 --tp 2 --zero 3 --model tiny
+      shardwise trace --dp 2 --tp 2 --zero 3 --model mlp-tiny
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ weights: TP's traffic grows with the batch, DP's with the model). The loss needs
 every rank computes the same one.
 
 Run:  shardwise learn tp --nproc 2      or     torchrun --nproc-per-node 2 -m shardwise.learn.tp
-Next: docs/tensor-parallel.md → src/shardwise/parallel/tp/ → shardwise trace --tp 2 --model tiny
+Next: docs/tensor-parallel.md → src/shardwise/parallel/tp/mlp.py →
+      shardwise trace --tp 2 --model mlp-tiny
 """
 
 from __future__ import annotations

@@ -135,8 +135,8 @@ class Layout:
         3. the reduce dtype: fp32 or bf16 (:func:`~.params.reduce_torch_dtype`);
         4. the model: cp > 1 needs a Llama-style model without dropout and ``seq_len``
            divisible by 2·cp (:func:`~.cp.validate_cp`); tp > 1 needs a Llama-style model whose
-           heads, kv heads, d_ff (and, with SP, ``seq_len``/cp) tp divides
-           (:func:`~.tp.validate_tp`); pp > 1 needs at least pp
+           heads, kv heads, d_ff (and, with SP, ``seq_len``/cp) tp divides, or the stacked
+           MLP with tp | d_ff, no SP and pp = 1 (:func:`~.tp.validate_tp`); pp > 1 needs at least pp
            microbatches that divide the batch and a layer split that fits
            (:func:`~.pp.split.validate_pp`); an MoE model in a pipeline needs the explicit
            engine (:func:`~.pp.split.validate_pp_moe`)."""
@@ -201,7 +201,7 @@ class Layout:
                         device=device)
         local_seq = seq_len // self.cp if seq_len is not None else None
         if self.tp > 1:
-            validate_tp(cfg, self.tp, self.sp, local_seq)
+            validate_tp(cfg, self.tp, self.sp, local_seq, pp=self.pp)
         if self.pp > 1 and global_batch is not None and micro_batch is not None:
             from .pp.split import validate_pp
 

@@ -180,13 +180,15 @@ def _print_rank(cfg, work, layout, topo, engine, recs, order, measured, formula,
     print(f"trace: one step of {cfg.model} ({mcfg.num_params():,} parameters in the model), "
           f"{layout.name()} = {topo.describe()}, engine={cfg.engine}; rank {me}'s "
           f"collectives, {order}:")
+    notes = any(r.note for r in recs)  # what the strategy noted at launch (ZeRO-3: the unit)
     print(f"{'#':>3} {'op':<15} {'axis':<5} {'n':>2} {'tag':<9} {'dtype':<8} {'shape':<16} "
           f"{'S bytes':>12} {'booked bytes':>13} {'sent bytes':>12} {'impl':<17} "
-          f"{'ms':>8}")
+          f"{'ms':>8}" + ("  for (block/unit, direction)" if notes else ""))
     for i, r in enumerate(recs):
         print(f"{i:>3} {r.op:<15} {r.axis:<5} {r.group_size:>2} {r.tag:<9} {r.dtype:<8} "
               f"{str(list(r.shape)):<16} {r.size_bytes:>12,} {r.wire_bytes:>13,.1f} "
-              f"{_sent(r.sent_bytes):>12} {r.impl:<17} {r.seconds * 1e3:>8.2f}")
+              f"{_sent(r.sent_bytes):>12} {r.impl:<17} {r.seconds * 1e3:>8.2f}"
+              + (f"  {r.note}" if notes else ""))
         for line in _expand(r, topo):
             print(line)
     print(f"{'tag':<20} {'ledger bytes':>16} {'formula bytes':>16} {'ratio':>8} "

@@ -175,6 +175,18 @@ def _compositions(n: int) -> list[Layout]:
 # 8 layers and d_ff 33 (flat shards need padding); `moe-tiny` as `tiny` with 8 experts (ep ≤ 8).
 MODEL_OVERRIDES = {"tiny": dict(n_heads=8, n_kv_heads=4), "mlp-tiny": dict(d_ff=33),
                    "moe-tiny": dict(n_heads=8, n_kv_heads=4, n_experts=8)}
+# tp > 1 splits the MLP's hidden units: d_ff 36 (tp ∈ {2, 4} divide it; a tp shard's 610 or 313
+# elements per block still need padding over dp)
+MLP_TP_OVERRIDES = {"d_ff": 36}
+
+
+def overrides_for(model: str, layout: Layout) -> dict:
+    """The model overrides of a verify case: :data:`MODEL_OVERRIDES`, the MLP's TP width
+    (:data:`MLP_TP_OVERRIDES`) when tp > 1, and :func:`layers_for` the layout."""
+    ov = dict(MODEL_OVERRIDES.get(model, {}))
+    if model.startswith("mlp") and layout.tp > 1:
+        ov |= MLP_TP_OVERRIDES
+    return ov | {"n_layers": layers_for(layout)}
 MIN_LAYERS = 4
 
 
@@ -201,7 +213,9 @@ def applies(layout: Layout, model: str, engine: str = "explicit") -> bool:
         return False
     if moe and engine != "explicit" and (layout.tp > 1 or layout.pp > 1):
         return False
-    return not ((layout.tp > 1 or layout.cp > 1) and model.startswith("mlp"))
+    # the MLP: TP on whole models without SP (validate_tp); no sequence for CP
+    return not (model.startswith("mlp") and (layout.cp > 1 or layout.tp > 1 and
+                                             (layout.sp or layout.pp > 1)))
 
 
 CP_SEQ_LEN = 64  # verify's sequences under cp: 2·cp chunks of ≥ 8 tokens for cp ≤ 4
@@ -409,16 +423,17 @@ def verify_worker(args) -> int:
     worst_bound = (0.0, "")
     topos: dict[tuple[int, int, int, int], Topology] = {}
     for model_name in args.models.split(","):
-        overrides = MODEL_OVERRIDES.get(model_name, {})
-        works = {1: verify_workload(model_name, cfg.seed, overrides)}
-        refs = {}
+        works, refs = {}, {}
         for lay in layouts:
             if not any(applies(lay, model_name, eng) for eng in engines):
                 continue
-            ov = {**overrides, "n_layers": layers_for(lay)}
-            if lay.cp > 1 and CP_SEQ_LEN not in works:
-                works[CP_SEQ_LEN] = verify_workload(model_name, cfg.seed, overrides, CP_SEQ_LEN)
-            work = works[CP_SEQ_LEN if lay.cp > 1 else 1]
+            ov = overrides_for(model_name, lay)
+            width = {k: v for k, v in ov.items() if k != "n_layers"}  # the data's model
+            wkey = (lay.cp > 1, tuple(sorted(width.items())))
+            if wkey not in works:
+                works[wkey] = verify_workload(model_name, cfg.seed, width,
+                                              *([CP_SEQ_LEN] if lay.cp > 1 else []))
+            work = works[wkey]
             shape = (lay.pp, lay.dp, lay.tp, lay.cp, lay.ep, lay.dp_replicate)
             if shape not in topos:  # process groups are created once per grid shape
                 topos[shape] = Topology(*shape[:3], cp=lay.cp, ep=lay.ep,
@@ -439,7 +454,7 @@ def verify_worker(args) -> int:
                 traffic: dict = {}
                 if topo.member:
                     try:
-                        key = (ov["n_layers"], global_batch, lay.cp > 1)
+                        key = (ov["n_layers"], global_batch, wkey)
                         if key not in refs:
                             refs[key] = reference_run(model_name, work, cfg, global_batch,
                                                       args.steps, ov)

@@ -1,9 +1,9 @@
 """Tensor parallelism (TP), with optional sequence parallelism (SP) and a vocab-parallel loss.
 
 Reading order (picotron's: the strategy beside its communications): :mod:`.comms`,
-:mod:`.layers`, :mod:`.loss` (the vocab-parallel loss function), :mod:`.apply` (:func:`apply_tp`
-for a model or a pipeline stage, its checks, the SP finisher, :func:`tp_step_bytes_formula`),
-:mod:`.dtensor` (the DTensor twin).
+:mod:`.layers`, :mod:`.mlp` (the stacked MLP, both engines), :mod:`.loss` (the vocab-parallel
+loss function), :mod:`.apply` (:func:`apply_tp` for a model or a pipeline stage, its checks,
+the SP finisher, :func:`tp_step_bytes_formula`), :mod:`.dtensor` (the DTensor twin).
 
 What crosses the tp axis per optimizer step (n = tp, L blocks, A = bytes of one [b, s, d]
 activation over the step's micro-batches): the embedding exit, each block's two region entries

@@ -21,6 +21,7 @@ from ...models.llama import Attention, FeedForward, Llama
 from ...models.moe import MoEFeedForward
 from ..params import tp_sharded
 from .comms import AXIS
+from .mlp import MLPLoss, apply_tp_mlp, is_mlp, mlp_tp_bytes, validate_mlp_tp
 from .layers import (TPRNG, TensorParallelAttention, TensorParallelSwiGLU, TPDropout,
                      TPPositionEmbedding, VocabParallelEmbedding, VocabParallelHead,
                      padded_vocab_size)
@@ -36,11 +37,13 @@ def valid_tp_degrees(model_config, sp: bool = False, seq_len: int | None = None)
     return [k for k in range(2 if sp else 1, g + 1) if g % k == 0]
 
 
-def validate_tp(model_config, tp: int, sp: bool = False, seq_len: int | None = None) -> None:
-    """Raise :class:`ShardwiseConfigError`, naming the valid tp values, unless ``model_config``
-    is Llama-style, tp ≥ 1, ``--sp`` comes with tp > 1, and tp divides n_heads, n_kv_heads (heads
-    are split whole, kv heads are not replicated), d_ff and, with SP, ``seq_len``. The vocabulary
-    is padded, so needs no constraint. Runs no collective."""
+def validate_tp(model_config, tp: int, sp: bool = False, seq_len: int | None = None,
+                pp: int = 1) -> None:
+    """Raise :class:`ShardwiseConfigError`, naming the valid tp values, unless tp ≥ 1, ``--sp``
+    comes with tp > 1, and ``model_config`` is Llama-style with tp dividing n_heads, n_kv_heads
+    (heads are split whole, kv heads are not replicated), d_ff and, with SP, ``seq_len`` (the
+    vocabulary is padded, so needs no constraint), or the stacked MLP
+    (:func:`~.mlp.validate_mlp_tp`: tp divides d_ff, no SP, ``pp`` = 1). Runs no collective."""
     if not isinstance(tp, int) or tp < 1:
         raise ShardwiseConfigError(f"--tp {tp} must be a positive integer")
     if tp == 1 and not sp:
@@ -53,13 +56,15 @@ def validate_tp(model_config, tp: int, sp: bool = False, seq_len: int | None = N
         raise ShardwiseConfigError(
             f"--sp (sequence parallelism) needs --tp > 1: it shards the activations between TP "
             f"regions over the tp ranks; {choose}, or drop --sp")
+    if not llama and model_config is not None and is_mlp(model_config):
+        return validate_mlp_tp(model_config, tp, sp, pp)
     if not llama:
         what = (f"this model's config ({type(model_config).__name__}) has no attention heads"
                 if model_config is not None else "this model has no config")
         raise ShardwiseConfigError(
             f"--tp {tp}{' --sp' if sp else ''}: tensor parallelism splits the Llama-style models "
-            f"(--model tiny, small or base); {what}, so there is no TP plan: choose --model "
-            "tiny, small or base, or --tp 1")
+            f"(--model tiny, small or base) and the stacked MLP (mlp, mlp-tiny); {what}, so "
+            "there is no TP plan: choose one of those models, or --tp 1")
     for name in ("n_heads", "n_kv_heads", "d_ff"):
         value = getattr(model_config, name)
         if value % tp:
@@ -218,9 +223,15 @@ def apply_tp(model: nn.Module, topo, sp: bool = False, *, seed: int = 0) -> TPRN
 def parallelize_tensor(model: Llama, topo, sp: bool = False, *, seed: int = 0):
     """Convert the plain Llama ``model`` in place (:func:`apply_tp`: checks, broadcast,
     conversion, check) and return its loss function, :class:`~.loss.VocabParallelLoss` (which
-    holds the dropout RNG, seeded by ``seed``). :func:`~shardwise.parallel.apply.parallelize`
-    composes it with a gradient sync into the engine."""
+    holds the dropout RNG, seeded by ``seed``); the stacked MLP: :func:`~.mlp.apply_tp_mlp` and
+    :class:`~.mlp.MLPLoss`. :func:`~shardwise.parallel.apply.parallelize` composes it with a
+    gradient sync into the engine."""
     from .loss import VocabParallelLoss
+
+    if is_mlp(model):
+        validate_tp(model.config, topo.size(AXIS), sp)
+        apply_tp_mlp(model, topo)
+        return MLPLoss(model, topo)
 
     return VocabParallelLoss(model, topo, sp, apply_tp(model, topo, sp, seed=seed))
 
@@ -249,6 +260,8 @@ class TPTraffic:
 
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
                       dtype: str = "fp32") -> dict[str, float]:
+        if is_mlp(self.module):  # rows, not sequences × tokens
+            return mlp_tp_bytes(self.module.config, sequences, self.topo.size(AXIS))
         t = tp_step_bytes_formula(self.module.config, sequences, seq_len, self.topo.size(AXIS),
                                   self.sp, dp=self.topo.size("dp"), dtype=dtype,
                                   micro_steps=micro_steps)

@@ -23,6 +23,7 @@ from ...models.llama import IGNORE_INDEX, Llama
 from ..params import is_dtensor as _is_dtensor, local as _local, sum_coalesced_
 from .apply import TPTraffic, check_plan_covers, validate_tp
 from .comms import AXIS
+from .mlp import MLPLoss, is_mlp, parallelize_mlp_dtensor
 
 def dtensor_tp_plan(model: Llama, sp: bool) -> dict:
     """The ``parallelize_module`` plan {FQN: ParallelStyle} for ``model``: our explicit layout
@@ -208,6 +209,9 @@ def parallelize_tensor_dtensor(model: Llama, topo, sp: bool = False, *,
     from torch.distributed.tensor.parallel import parallelize_module
 
     validate_tp(getattr(model, "config", None), topo.size(AXIS), sp)
+    if is_mlp(model):  # ColwiseParallel W_in, RowwiseParallel W_out per block
+        parallelize_mlp_dtensor(model, topo)
+        return MLPLoss(model, topo, book=book_collectives)
     check_plan_covers(model)
     from .layers import TPPositionEmbedding
 

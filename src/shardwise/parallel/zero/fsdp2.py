@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ...comm.ledger import ring_bytes
-from ...models.llama import Llama, TransformerBlock
+from ...models.llama import Llama
 from ..engine import Sync
 from ..params import is_dtensor as _is_dtensor, local as _local, reduce_bytes
 from .torch_zero import apply_fsdp
@@ -166,7 +166,7 @@ def fsdp2_over_tp(model: Llama, topo, layout, *, reshard_after_forward: bool = T
     zero 3 runs as zero 2). ``reduce_dtype``: "fp32" | "bf16", the dtype gradients travel in over
     dp (FSDP2 ``MixedPrecisionPolicy(reduce_dtype=...)``; the accumulated gradient stays fp32)."""
     local_shapes = {n: tuple(_local(p).shape) for n, p in model.named_parameters()}
-    blocks = [m for m in model.layers if isinstance(m, TransformerBlock)]
+    blocks = list(model.layers)  # a Llama's TransformerBlocks, the MLP's blocks
     fsdp = apply_fsdp(model, topo, layout.zero, reduce_dtype, units=blocks,
                       reshard_after_forward=reshard_after_forward,
                       what=f"FSDP2 (dp × tp, --zero {layout.zero} --engine torch)")
