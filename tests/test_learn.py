@@ -290,3 +290,21 @@ def test_trace_rank_flag_and_issue_order(cache_dir):
     assert "formula (p−1)/(m+p−1) = (2−1)/(4+2−1) = 0.200" in p.stdout, p.stdout
     bad = run_cli(["trace", "--dp", "2", "--rank", "2"], cache_dir)
     assert bad.returncode == 2 and "--rank 2: this layout has ranks 0 … 1" in bad.stdout
+
+
+def test_trace_says_which_unit_and_direction_each_zero3_collective_serves(cache_dir):
+    """``trace --dp 2 --zero 3`` on mlp-tiny (4 blocks, no root parameters): in issue order,
+    the param all-gathers are blocks 0 … 3 for forward, then 3 … 0 for backward (each gathered
+    again: reshard after forward), and the grad reduce-scatters blocks 3 … 0, each row noting
+    its unit and pass (the ``for`` column, from the ledger's notes at launch)."""
+    p = run_cli(["trace", "--dp", "2", "--zero", "3", "--model", "mlp-tiny", "--micro-batch",
+                 "4", "--out", "runs/trace"], cache_dir)
+    assert p.returncode == 0, p.stdout
+    assert "for (block/unit, direction)" in p.stdout, p.stdout
+    rows = [ln.split() for ln in p.stdout.splitlines()]  # [rank 0] # op axis n tag … ms for
+    gathers = [" ".join(w[14:16]) for w in rows if len(w) > 15 and w[3] == "all_gather"
+               and w[6] == "param"]
+    scatters = [" ".join(w[14:16]) for w in rows if len(w) > 15 and w[3] == "reduce_scatter"]
+    assert gathers == [f"layers.{i} fwd" for i in range(4)] + \
+        [f"layers.{i} bwd" for i in (3, 2, 1, 0)], gathers
+    assert scatters == [f"layers.{i} grads" for i in (3, 2, 1, 0)], scatters

@@ -181,9 +181,11 @@ class FlatShards:
 def all_gather_params(flats: list[FlatShards]) -> None:
     """After the optimizer step: every rank's updated slice into ``full`` (one all_gather per
     group over its axis, tag ``param``, launched together)."""
-    handles = [comm.all_gather(f.full, f.shard.clone(), f.topo, f.axis, tag="param",
-                               async_op=True)
-               for f in flats]
+    handles = []
+    for f in flats:
+        with f.topo.ledger.note(f"{f.name} after step"):
+            handles.append(comm.all_gather(f.full, f.shard.clone(), f.topo, f.axis, tag="param",
+                                           async_op=True))
     for h in handles:
         h.wait()
 

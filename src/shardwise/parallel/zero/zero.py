@@ -184,7 +184,8 @@ class ZeroSync(Sync):
         """Every gradient of ``u`` arrived this backward (ZeRO-3: free its parameters)."""
 
     def _launch_reduce(self, u: FlatShards) -> None:
-        u.launch_reduce_scatter()
+        with self.topo.ledger.note(f"{u.name} grads"):
+            u.launch_reduce_scatter()
         self._next_reduce += 1
 
     @torch.no_grad()

@@ -87,6 +87,7 @@ class Zero3Sync(ZeroSync):
         self._pinned = False  # inside summon_full_params: nothing is freed
         self._gathered: set[FlatShards] = set(self.units)
         self._inflight: dict[FlatShards, object] = {}  # unit → Handle of its async all_gather
+        self._direction = "fwd"  # the pass the hooks serve now: the gathers' ledger note
         for u in self.units:
             if u.n == 1:  # owned whole (expert shards, ep = dp·cp): `shard` stays `full`
                 continue
@@ -115,8 +116,10 @@ class Zero3Sync(ZeroSync):
         self.gathered_peak_bytes = max(self.gathered_peak_bytes,
                                        storage_bytes(v.full for v in self.units))
         # [k] from every rank → [P_u]; rank j's slice lands at [j·k, (j+1)·k)
-        self._inflight[u] = comm.all_gather(u.full, u.shard, self.topo, u.axis,
-                                            tag="param", async_op=async_op)
+        with self.topo.ledger.note(f"{u.name} {self._direction}"
+                                   + (" (prefetch)" if async_op else "")):
+            self._inflight[u] = comm.all_gather(u.full, u.shard, self.topo, u.axis,
+                                                tag="param", async_op=async_op)
 
     def _unshard(self, u: FlatShards | None) -> None:
         """Wait for ``u``'s prefetch, or gather it now."""
@@ -153,6 +156,7 @@ class Zero3Sync(ZeroSync):
     # -- the hooks ------------------------------------------------------------------------------
     def _model_pre_forward(self, module, args) -> None:
         super()._model_pre_forward(module, args)
+        self._direction = "fwd"
         for r in self.roots:
             self._unshard(r)
         self._prefetch(self._neighbour(None, +1))  # overlaps the embedding lookup
@@ -172,6 +176,7 @@ class Zero3Sync(ZeroSync):
 
         def hook(module, args):
             self._order.agree("forward", j)  # first forward: before any gather of this unit
+            self._direction = "fwd"
             self._unshard(u)
             self._prefetch(self._neighbour(u, +1))
         return hook
@@ -189,6 +194,7 @@ class Zero3Sync(ZeroSync):
     def _pre_backward(self, u: FlatShards | None) -> None:
         """Autograd is about to enter unit ``u`` (None: the model's output, whose backward
         needs the root units, still gathered from the forward)."""
+        self._direction = "bwd"
         if u is None:
             for r in self.roots:
                 self._unshard(r)
