@@ -1,13 +1,11 @@
 """The structure rules of ``parallel/`` (issue 33, design/one-engine.md), checked statically.
 
 * strategy folders (dp, zero, tp, pp, cp, ep) never import each other — what two strategies
-  share lives in ``params``, ``layout`` or ``comm``. The pipeline's edges into dp, tp and zero
-  are the last ones left (``pp/runtime.py`` and ``pp/torch_pipelining.py`` compose the stage
-  themselves until the pipeline becomes a runner): listed in :data:`PENDING`, and the test
-  fails on any other edge, and on a pending edge that is gone (so the list only shrinks);
+  share lives in ``params``, ``layout`` or ``comm``; :data:`PENDING` (edges still allowed) is
+  empty since the pipeline became a runner (``parallelize`` composes its stage);
 * the engines (subclasses of ``Engine``, at any depth) are the ones listed in :data:`ENGINES`:
-  the target is ``ParallelModel`` and ``Local``; the gradient syncs and the pipeline engines
-  still listed become plain objects / runners (the test fails on a new engine, and on a listed
+  the target is ``ParallelModel`` and ``Local``; the gradient syncs still listed become plain
+  objects (the test fails on a new engine, and on a listed
   one that is gone, so the list only shrinks);
 * no class declares the norm's axes (``def norm_axes`` only in ``params.py``, where
   :meth:`~shardwise.parallel.params.Held.norm_axes` derives them from the held gradients);
@@ -24,13 +22,12 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "shardwise"
 STRATEGIES = ("dp", "zero", "tp", "pp", "cp", "ep")
 # (importing folder, imported folder) edges still there, to be removed by the pipeline runner
-PENDING = {("pp", "dp"), ("pp", "tp"), ("pp", "zero")}
+PENDING: set = set()
 # engine classes: the two to keep, then those pending (gradient syncs, the pipeline engines)
 ENGINES = {"model.py:ParallelModel", "engine.py:Local",
            "dp/ddp.py:TorchDataParallel",
            "zero/zero.py:ZeroDataParallel", "zero/zero3.py:Zero3DataParallel",
-           "zero/torch_zero.py:TorchZero", "zero/fsdp2.py:FSDP2Sync",
-           "pp/runtime.py:PipelineParallel", "pp/torch_pipelining.py:TorchPipelineParallel"}
+           "zero/torch_zero.py:TorchZero", "zero/fsdp2.py:FSDP2Sync"}
 
 
 def _imported_modules(f: Path, pkg_root: Path) -> list[tuple[str, int]]:

@@ -223,3 +223,71 @@ def parallelize_tensor_dtensor(model: Llama, topo, sp: bool = False, *,
     if plain:
         raise RuntimeError(f"DTensor TP conversion incomplete: {', '.join(plain)} not sharded")
     return LossParallel(model, topo, sp, book_collectives)
+
+
+# -- a pipeline stage (the torch pipeline's TP, :mod:`shardwise.parallel.pp.torch_runner`) -------
+def parallelize_stage_dtensor(stage: nn.Module, topo, sp: bool) -> None:
+    """DTensor TP on a pipeline stage: :func:`dtensor_tp_plan` restricted to the stage's modules,
+    the head returning plain local logits [b, s, V/tp] (a stage's outputs are plain tensors);
+    between stages the plain local [b, s, d], with SP [b, s/tp, d]. Dropout uses the default
+    RNG."""
+    import types
+
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    cfg, n = stage.config, topo.size(AXIS)
+    # the whole model's plan (it only counts the layers), restricted to this stage's modules
+    plan = dtensor_tp_plan(types.SimpleNamespace(layers=[None] * cfg.n_layers), sp)
+    prepare_replicated_for_dtensor(stage, topo, sp)
+    mine = dict(stage.named_modules())
+    plan = {k: v for k, v in plan.items() if k in mine}
+    if "output" in plan:  # plain local logits [b, s, V/tp] out of the pipeline stage
+        act = Shard(1) if sp else None
+        plan["output"] = ColwiseParallel(**({"input_layouts": act} if act else {}),
+                                         output_layouts=Shard(-1), use_local_output=True)
+    parallelize_module(stage, topo.mesh[AXIS], plan)
+    for c in stage.chunks:
+        c.sp_degree = n if sp else 1
+
+
+@torch.no_grad()
+def match_grad_placements(module: nn.Module) -> None:
+    """Give every DTensor gradient its parameter's placements: DTensor leaves the
+    vocab-parallel embedding's gradient ``Replicate`` (full [V, d] on every tp rank) though the
+    weight is ``Shard(0)``; Replicate → Shard is a local slice, no collective (``Partial``
+    gradients are left to the SP sum)."""
+    for p in dict.fromkeys(module.parameters()):
+        g = p.grad
+        if p.requires_grad and _is_dtensor(g) and _is_dtensor(p) \
+                and tuple(g.placements) != tuple(p.placements) \
+                and not any(place.is_partial() for place in g.placements):
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+class DTensorStageLoss:
+    """The last stage's loss under DTensor TP: local logits ``y`` [b, s, V/tp] as a
+    vocab-sharded DTensor through ``F.cross_entropy`` (inside :meth:`context`, PyTorch's
+    ``loss_parallel()``; booked as ``ce``); the replicated fp32 token-loss sum. Called as
+    ``loss(y, mb)``."""
+
+    def __init__(self, stage: nn.Module, topo):
+        self.vocab, self.mesh = stage.config.vocab_size, topo.mesh[AXIS]
+
+    def __call__(self, y: torch.Tensor, mb: dict) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Shard
+
+        shape = (*y.shape[:-1], self.vocab)
+        stride = torch.empty(shape, device="meta").stride()
+        logits = DTensor.from_local(y, self.mesh, [Shard(-1)], run_check=False, shape=shape,
+                                    stride=stride)
+        with booked_as("ce"):
+            s = F.cross_entropy(logits.flatten(0, 1).float(), mb["labels"].flatten(),
+                                ignore_index=IGNORE_INDEX, reduction="sum")
+        return s.to_local()
+
+    def context(self):
+        """``loss_parallel()``: around the step (its backward too) and the evaluation."""
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
