@@ -255,43 +255,6 @@ class TPTraffic:
         return {k: v for k, v in t.items() if k not in ("total", "loss")}
 
 
-class StageTPTraffic:
-    """TP's terms of a pipeline stage's byte formula (``stage``: this rank's chunks converted by
-    :func:`apply_tp`, or by DTensor when ``dtensor``): :func:`tp_activation_bytes` of its blocks
-    (an MoE block's feed-forward stays whole per tp rank), embedding and head; the parameters
-    entering through f summed in each backward (``tp_bwd``); with SP, ``sp_grad``: 2(t−1)/t of
-    the tp-replicated gradients' bytes less those (DTensor: less the row-parallel biases too,
-    :func:`~.dtensor.row_bias_bytes`). Nothing for tp = 1."""
-
-    def __init__(self, stage, topo, sp: bool, *, dtensor: bool = False):
-        self.stage, self.topo, self.sp, self.dtensor = stage, topo, sp, dtensor
-
-    def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
-                      dtype: str = "fp32") -> dict[str, float]:
-        from ...models.moe import moe_layers
-        from ..params import local
-        from .dtensor import f_summed_bytes, row_bias_bytes
-
-        stage, n = self.stage, self.topo.size(AXIS)
-        if n == 1:
-            return {}
-        params = [p for p in dict.fromkeys(stage.parameters()) if p.requires_grad]
-        elem = local(params[0]).element_size()
-        moe = sum(len(moe_layers(c)) for c in stage.chunks)
-        out = dict(tp_activation_bytes(sequences * seq_len, stage.config.d_model, n, self.sp,
-                                       blocks=sum(len(c.layers) for c in stage.chunks),
-                                       has_embedding=stage.holds_embedding,
-                                       has_head=stage.holds_head, dtype=dtype, moe_blocks=moe))
-        f_summed = f_summed_bytes(stage, n)  # the families' q/k norms, positions
-        out["tp_bwd"] += micro_steps * f_summed
-        if self.sp:
-            rep = sum(local(p).numel() * elem for p in params if not tp_sharded(p))
-            out["sp_grad"] = comm.ring_bytes("all_reduce", rep, n) - f_summed
-            if self.dtensor:
-                out["sp_grad"] -= row_bias_bytes(stage, n)
-        return out
-
-
 # -- the formula ----------------------------------------------------------------------------------
 def tp_replicated_numel(cfg) -> int:
     """Elements of the parameters TP leaves whole on every tp rank (explicit engine), from the
