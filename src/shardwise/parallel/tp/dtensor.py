@@ -228,8 +228,9 @@ def parallelize_tensor_dtensor(model: Llama, topo, sp: bool = False, *,
 
 class StageTPTraffic:
     """TP's terms of a pipeline stage's byte formula (``stage``: this rank's chunks converted by
-    :func:`~.apply.apply_tp`, or by DTensor when ``dtensor``): :func:`~.apply.tp_activation_bytes` of its blocks
-    (an MoE block's feed-forward stays whole per tp rank), embedding and head; the parameters
+    :func:`~.apply.apply_tp`, or by DTensor when ``dtensor``): :func:`~.apply.
+    tp_activation_bytes` of its blocks (an MoE block's feed-forward stays whole per tp rank),
+    embedding and head; the parameters
     entering through f summed in each backward (``tp_bwd``); with SP, ``sp_grad``: 2(t−1)/t of
     the tp-replicated gradients' bytes less those (DTensor: less the row-parallel biases too,
     :func:`row_bias_bytes`). Nothing for tp = 1."""
