@@ -1,14 +1,11 @@
 """The structure rules of ``parallel/`` (issue 33, design/one-engine.md), checked statically.
 
 * strategy folders (dp, zero, tp, pp, cp, ep) never import each other — what two strategies
-  share lives in ``params``, ``layout`` or ``comm``. The pipeline's edges into dp, tp and zero
-  are the last ones left (``pp/runtime.py`` and ``pp/torch_pipelining.py`` compose the stage
-  themselves until the pipeline becomes a runner): listed in :data:`PENDING`, and the test
-  fails on any other edge, and on a pending edge that is gone (so the list only shrinks);
+  share lives in ``params``, ``layout`` or ``comm``; :data:`PENDING` (edges still allowed) is
+  empty since the pipeline became a runner (``parallelize`` composes its stage);
 * the engines (subclasses of ``Engine``, at any depth) are the ones listed in :data:`ENGINES`:
-  the target is ``ParallelModel`` and ``Local`` (the gradient syncs are plain objects); the
-  pipeline engines still listed become runners (the test fails on a new engine, and on a
-  listed one that is gone, so the list only shrinks);
+  exactly ``ParallelModel`` and ``Local`` (the gradient syncs are plain objects, the pipelines
+  runners; the test fails on a new engine);
 * no class declares the norm's axes (``def norm_axes`` only in ``params.py``, where
   :meth:`~shardwise.parallel.params.Held.norm_axes` derives them from the held gradients);
 * the reduce dtype table ``REDUCE_DTYPES`` is assigned in exactly one module;
@@ -24,10 +21,9 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "shardwise"
 STRATEGIES = ("dp", "zero", "tp", "pp", "cp", "ep")
 # (importing folder, imported folder) edges still there, to be removed by the pipeline runner
-PENDING = {("pp", "dp"), ("pp", "tp"), ("pp", "zero")}
+PENDING: set = set()
 # engine classes: the two to keep, then those pending (gradient syncs, the pipeline engines)
 ENGINES = {"model.py:ParallelModel", "engine.py:Local",
-           "pp/runtime.py:PipelineParallel", "pp/torch_pipelining.py:TorchPipelineParallel"}
 
 
 def _imported_modules(f: Path, pkg_root: Path) -> list[tuple[str, int]]:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from shardwise.tools.trace import trace_pipeline
 from shardwise.config import TrainConfig
 from shardwise.models import build_model
-from shardwise.parallel.pp import build_pipeline
+from shardwise.parallel.apply import Layout, parallelize
 from shardwise.topology import Topology, init_distributed
 from shardwise.train.optim import build_optimizer
 from shardwise.train.step import train_step
@@ -64,8 +64,8 @@ def run_case(work, topo, pp, dp, schedule, m, engine, overrides, lps, out, rank)
     else:
         model = build_model("tiny", vocab_size=67, n_layers=N_LAYERS,
                             **{"tie_embeddings": True, **overrides})
-    eng = build_pipeline(model, topo, engine=engine, schedule=schedule, microbatches=m,
-                         layers_per_stage=lps)
+    eng = parallelize(model, topo, Layout(pp=pp, dp=dp, schedule=schedule, microbatches=m),
+                      engine=engine, layers_per_stage=lps)
     opt = build_optimizer(eng, cfg)
     sampler = work.sampler(MICRO * m * dp, dp, topo.index("dp"), seed=0)
     rec = {"loss": [], "grad_norm": [], "grads": [], "params": [], "bytes": [], "peak_alive": []}
@@ -113,7 +113,7 @@ def main(out: str) -> None:
     topo = topos[4, 1]
     torch.manual_seed(0)
     model = build_model("tiny", vocab_size=67, n_layers=N_LAYERS)
-    eng = build_pipeline(model, topo, schedule="1f1b", microbatches=8)
+    eng = parallelize(model, topo, Layout(pp=4, schedule="1f1b", microbatches=8))
     opt = build_optimizer(eng, TrainConfig(model="tiny", lr=LR))
     sampler = work.sampler(MICRO * 8, 1, 0, seed=0)
     train_step(eng, work.batches(sampler.next_local_batch(), MICRO), opt, topo, max_norm=1.0)

@@ -77,7 +77,7 @@ def run_case(work, topo, case, out, rank):
         rec["grad_norm"].append(res.grad_norm)
         rec["grads"].append({n: g.clone() for n, g in eng.named_full_gradients().items()})
         rec["params"].append({n: t.clone() for n, t in eng.named_full_parameters().items()})
-    if not (engine == "torch" and zero):  # ZeroRedundancyOptimizer: refused (see pp/torch_pipelining.py)
+    if not (engine == "torch" and zero):  # ZeroRedundancyOptimizer: refused (zero/stage_zero1.py)
         state = eng.full_optimizer_state(opt)
         rec["opt_state"] = state
         eng.load_full_optimizer_state(opt, state)  # round trip through this rank's shards

@@ -13,9 +13,10 @@ or PyTorch's own (``engine="torch"``). It reads as the order of the transforms (
    ep > 1: every MoE layer keeps E/ep experts and dispatches tokens by all-to-all over ep
    (:func:`~.ep.parallelize_experts`; expert gradients are summed over the expert-data-parallel
    ranks, the rest over the data axis);
-2. pp > 1: split into this rank's pipeline stages, and compose the rest inside each stage
-   (:func:`~.pp.build_pipeline`: the same TP transform per stage, DP / ZeRO-1 over dp, the
-   tied-embedding swap and the SP sum after the schedule);
+2. pp > 1: split into this rank's pipeline stages, and compose the rest inside the stage
+   (:func:`_pipeline`: the same TP transform per stage, DP / ZeRO-1 over dp, the tied-embedding
+   swap and the SP sum after the schedule, a runner of the schedule) into one
+   :class:`~.model.ParallelModel`;
 3. tp > 1: tensor parallelism on the model — Megatron f/g (:func:`~.tp.parallelize_tensor`) or
    DTensor ``parallelize_module`` (:func:`~.tp.parallelize_tensor_dtensor`), which return the
    converted model's loss function;
@@ -75,10 +76,8 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
                  reshard_after_forward=reshard_after_forward, reduce_dtype=reduce_dtype)
     # 2. pipeline stages; TP, DP/ZeRO-1 and the finishers are composed inside each stage
     if layout.pp > 1:
-        from .pp import build_pipeline
-
-        return build_pipeline(model, topo, layout=layout, engine=engine,
-                              layers_per_stage=layers_per_stage, seed=seed, **dp_kw)
+        return _pipeline(model, topo, layout, engine, layers_per_stage=layers_per_stage,
+                         seed=seed, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
     from .model import ParallelModel
 
     # 3. tensor parallelism on the whole model: the converted model's loss function
@@ -86,7 +85,8 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
         from .model import PlainLoss
 
         sync = dp_sync(model, topo, layout, engine, **dp_kw)
-        return ParallelModel(model, topo, loss_fn=PlainLoss(sync.forward_module), grad_sync=sync)
+        return ParallelModel(model, topo, loss_fn=PlainLoss(sync.forward_module), grad_sync=sync,
+                             finishers=[sync.finish_gradient_sync])
     if engine == "explicit":
         from .tp import TPTraffic, parallelize_tensor
 
@@ -110,13 +110,101 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     # (FSDP2 over DTensor TP sums the SP partial gradients inside backward)
     from .tp import SPSum, TorchSPSum
 
+    finishers = [sync.finish_gradient_sync]
     if engine == "explicit":
-        finishers = [SPSum(sync)] if layout.sp else []
+        finishers += [SPSum(sync)] if layout.sp else []
     else:
-        finishers = [TorchSPSum(model, topo)] if layout.dp * layout.cp == 1 else []
+        finishers += [TorchSPSum(model, topo)] if layout.dp * layout.cp == 1 else []
 
     return ParallelModel(model, topo, loss_fn=loss_fn, grad_sync=sync, finishers=finishers,
                          traffic=traffic(model, topo, layout.sp), sp=layout.sp)
+
+
+def _pipeline(model: nn.Module, topo, layout: Layout, engine: str, *, layers_per_stage=None,
+              seed: int = 0, bucket_mb: float = 25.0, reduce_dtype: str = "fp32"):
+    """pp > 1: this rank's stage (:class:`~.pp.StageModule`, its v chunks; every pp rank's
+    stages start as pp index 0's plain model), the same TP transform as pp = 1 on the stage, the
+    stage's gradient sync over dp (whole gradients after the schedule: :class:`~.dp.
+    DataParallel` without overlap, zb-h1's W pass writing ``.grad`` by hand where
+    post-accumulate hooks do not fire; ZeRO-1 :class:`~.zero.stage_zero1.StageZero1`; none
+    when the data axis has one rank), the finishers in the pipeline's order (DTensor TP: the
+    gradients' placements; the tied swap; with SP the sum over tp on whole gradients; then the
+    sync) and the runner of the schedule (explicit :class:`~.pp.runner.ScheduleRunner`, torch
+    :class:`~.pp.torch_runner.TorchScheduleRunner`). Options as :func:`parallelize`."""
+    from .engine import NoSync
+    from .model import ParallelModel
+    from .params import mark_duplicate
+    from .pp import StageModule, check_schedule, copy_stages_from_first
+    from .pp.comms import TiedSwap
+    from .pp.split import loss_sum
+    from .tp import SPSum, StageTPTraffic
+
+    p, tp, sp = layout.pp, layout.tp, layout.sp
+    v = check_schedule(layout.schedule, p, layout.microbatches or p,
+                       layout.virtual_stages or None)
+    stage = StageModule(model, topo.index("pp"), p, v, layers_per_stage)
+    copy_stages_from_first(model, topo, v, layers_per_stage)  # before TP shards them
+    finishers, loss_context = [], None
+    if tp > 1 and engine == "explicit":  # Megatron TP inside the stage, as for a whole model
+        from .tp import apply_tp
+        from .tp.loss import StageLoss
+
+        apply_tp(stage, topo, sp, seed=seed)
+        stage_loss = StageLoss(stage.output, topo) if stage.holds_head else loss_sum
+    elif tp > 1:  # DTensor TP inside the stage; its gradients given their params' placements
+        from .tp.dtensor import (DTensorStageLoss, match_grad_placements,
+                                 parallelize_stage_dtensor)
+
+        parallelize_stage_dtensor(stage, topo, sp)
+        stage_loss = DTensorStageLoss(stage, topo)
+        loss_context = stage_loss.context
+        finishers.append(lambda: match_grad_placements(stage))
+    else:
+        stage_loss = loss_sum
+    if stage.tied_output is not None:
+        mark_duplicate(stage.tied_output)  # reduced over dp like the others, counted once
+    if topo.size(topo.data_axis) == 1:
+        sync = NoSync(stage, topo)
+    elif layout.zero == 1 and engine == "explicit":
+        from .zero.stage_zero1 import StageZero1
+
+        sync = StageZero1(stage, topo, reduce_dtype=reduce_dtype)
+    else:
+        from .dp import DataParallel
+
+        sync = DataParallel(stage, topo, bucket_mb=bucket_mb, overlap=False,
+                            reduce_dtype=reduce_dtype)
+    if engine == "torch" and layout.zero == 1:  # ZeroRedundancyOptimizer over the local shards
+        from .zero.stage_zero1 import TorchStageZero1
+
+        sync = TorchStageZero1(sync)
+    tied = TiedSwap(stage, topo)
+    tied.copy_initial()
+    finishers.append(tied)
+    if tp > 1 and sp:
+        if engine == "explicit":
+            finishers.append(SPSum(sync))
+        else:
+            from .tp import reduce_partial_grads
+
+            finishers.append(lambda: reduce_partial_grads(
+                [q for q in stage.parameters() if q.requires_grad], topo))
+    finishers.append(sync.finish_gradient_sync)
+    seq_shards = tp if sp else 1
+    if engine == "explicit":
+        from .pp.runner import ScheduleRunner
+
+        runner = ScheduleRunner(stage, topo, schedule=layout.schedule, v=v, loss_sum=stage_loss,
+                                seq_shards=seq_shards)
+    else:
+        from .pp.torch_runner import TorchScheduleRunner
+
+        runner = TorchScheduleRunner(stage, topo, schedule=layout.schedule, v=v,
+                                     loss_sum=stage_loss, seq_shards=seq_shards,
+                                     loss_context=loss_context, book=tp > 1)
+    return ParallelModel(stage, topo, loss_fn=stage_loss, grad_sync=sync, finishers=finishers,
+                         traffic=StageTPTraffic(stage, topo, sp, dtensor=engine == "torch")
+                         if tp > 1 else None, runner=runner)
 
 
 def dp_sync(model: nn.Module, topo, layout: Layout, engine: str, *, bucket_mb: float = 25.0,

@@ -68,6 +68,8 @@ class Sync:
 
     step_context = None
 
+    sliced: tuple[str, ...] = ()  # axes over which the held gradients are slices (ZeRO)
+
     def __init__(self, module: nn.Module, topo):
         self.module, self.topo = module, topo
 
@@ -156,8 +158,9 @@ class Sync:
     # -- full shape: the dp part (this sync), then the tp part (:func:`.views.to_full`) --------
     def named_params(self) -> list[tuple[str, nn.Parameter]]:
         """(FQN of the plain model, parameter) for every parameter this rank holds, each once
-        (a pipeline stage maps its own names to the plain model's)."""
-        return list(self.module.named_parameters())  # a tied parameter under its first name
+        (a pipeline stage maps its own names to the plain model's: its ``fqn``)."""
+        fqn = getattr(self.module, "fqn", None)  # a tied parameter under its first name
+        return [(fqn(n) if fqn else n, p) for n, p in self.module.named_parameters()]
 
     def dp_parameters(self) -> dict[str, torch.Tensor]:
         """{FQN: parameter in this rank's tp-local shape}: whole over dp (ZeRO-3 gathers its

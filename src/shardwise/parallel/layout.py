@@ -10,7 +10,6 @@ before any collective. Its callers:
 
 * ``config.validate`` (``shardwise train`` / ``trace``): with the model's config and the batch;
 * :func:`~.apply.parallelize`: with the model and the topology;
-* the pipeline engines when built directly (``PipelineParallel``);
 * :func:`parse_layout` (``verify`` / ``bench --layouts``): the layout alone.
 
 The planner's ``shardwise.plan.cost.PlanLayout`` subclasses :class:`Layout`, so verify, bench

@@ -1,4 +1,4 @@
-"""The engine of every layout without a pipeline: :class:`ParallelModel`.
+"""The engine of every layout (one process aside): :class:`ParallelModel`.
 
 A :class:`ParallelModel` is put together by :func:`~.apply.parallelize` (the only composition
 site) from plain pieces over one converted module, each answering the members it owns:
@@ -17,7 +17,15 @@ site) from plain pieces over one converted module, each answering the members it
                                    :class:`~.tp.TorchSPSum`)
 ``traffic``                        tp's byte terms (:class:`~.tp.TPTraffic`; None without
                                    tp), added to the sync's (``grad_norm`` summed)
+``runner``                         None: the micro-batch loop (pp = 1); a pipeline's schedule
+                                   (:class:`~.pp.runner.ScheduleRunner`,
+                                   :class:`~.pp.torch_runner.TorchScheduleRunner`) runs the step
+                                   and the evaluation on this rank's stage instead
 =================================  ==========================================================
+
+The finishers run in the order given, the sync's own finish among them
+(:func:`~.apply.parallelize` keeps each layout's order: pp = 1 the sync then the SP sum; a
+pipeline the tied swap, the SP sum on whole gradients, then the sync).
 
 Why TP goes innermost and which tags cross which axis: docs/composition.md (Megatron-LM §5.1,
 scaling book ch. 5 "Mixing FSDP and model parallelism", ZeRO paper §7).
@@ -31,6 +39,7 @@ import torch
 
 from ..models import loss_sum_and_count
 from .engine import Engine
+from .params import Held, norm_bytes
 
 
 class PlainLoss:
@@ -59,20 +68,53 @@ class PlainLoss:
 
 
 class ParallelModel(Engine):
-    """``module`` (converted for TP) on ``topo`` (pp = 1) with its ``loss_fn``, ``grad_sync``,
-    ``finishers`` and ``traffic`` (module docstring); ``sp``: sequence parallelism (the
-    ``sp_grad`` term). Every tp rank of a dp row holds the complete loss sum of its row, so the
+    """``module`` (converted for TP; with a pipeline ``runner``, this rank's stage) on ``topo``
+    with its ``loss_fn``, ``grad_sync``, ``finishers``, ``traffic`` and ``runner`` (module
+    docstring); ``sp``: sequence parallelism (the ``sp_grad`` term at pp = 1). Every tp rank of a dp row holds the complete loss sum of its row, so the
     token count and the loss are all-reduced over the data axis only."""
 
     def __init__(self, module, topo, *, loss_fn, grad_sync, finishers=(),
-                 traffic=None, sp: bool = False):
+                 traffic=None, sp: bool = False, runner=None):
         super().__init__(module)
         # the sync holds ``module`` too: a tuple, which nn.Module does not register, so that
         # state_dict()/parameters() see the model once
         self.parts = (grad_sync,)
-        self.topo, self.sp, self.loss_fn = topo, sp, loss_fn
+        self.topo, self.sp, self.loss_fn, self.runner = topo, sp, loss_fn, runner
         self.finishers, self.traffic = list(finishers), traffic
         self.step_context = grad_sync.step_context  # torch's context_parallel (DDP over dp × cp)
+
+    # -- a pipeline's schedule: what the step, the report and the trace read -----------------
+    @property
+    def reduce_loss_axes(self) -> tuple[str, ...]:
+        """The data axis, and with a pipeline "pp" first (only the last stage holds a loss)."""
+        return getattr(self.runner, "loss_axes", ()) + self.count_axes
+
+    @property
+    def timeline(self) -> list[tuple]:
+        """A pipeline's last step: (kind, mb, chunk, peer, t_start, t_end) per action ([] at
+        pp = 1)."""
+        return getattr(self.runner, "timeline", [])
+
+    @property
+    def peak_alive(self) -> int:
+        return self.runner.peak_alive
+
+    @property
+    def schedule_name(self) -> str:
+        return self.runner.schedule_name
+
+    @property
+    def v(self) -> int:
+        """Pipeline chunks per rank."""
+        return self.runner.v
+
+    def forward_backward(self, microbatches: list[dict], denom: float,
+                         dtype: str = "fp32") -> torch.Tensor:
+        """The micro-batch loop (:meth:`~.engine.Engine.forward_backward`), or the pipeline
+        runner's schedule over ``microbatches``; the loss sum of this rank, fp64 [1]."""
+        if self.runner is None:
+            return super().forward_backward(microbatches, denom, dtype)
+        return self.runner.forward_backward(microbatches, denom, dtype)
 
     @property
     def dp(self):
@@ -112,10 +154,9 @@ class ParallelModel(Engine):
         return self.loss_fn.backward_context()
 
     def finish_gradient_sync(self) -> None:
-        """Wait for the dp reduction, then the finishers in order (with SP: SUM over tp the
-        norm weights' partial gradients on what this rank holds; ZeRO: its slice only; tag
-        ``sp_grad``)."""
-        self.dp.finish_gradient_sync()
+        """The finishers in order, the sync's finish among them (module docstring; with SP:
+        SUM over tp the norm weights' partial gradients on what this rank holds, ZeRO at pp = 1
+        its slice only, tag ``sp_grad``)."""
         for finish in self.finishers:
             finish()
 
@@ -131,7 +172,10 @@ class ParallelModel(Engine):
     @torch.no_grad()
     def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Evaluation under ``no_grad`` (ZeRO-3 frees what it gathers; FSDP2 reshards after):
-        tp's loss sum of ``batch`` and its counted tokens."""
+        tp's loss sum of ``batch`` and its counted tokens (a pipeline: the runner's forward
+        through the stages, the loss summed over pp)."""
+        if self.runner is not None:
+            return self.runner.evaluate(batch)
         with self._step_context(batch):
             out = self.loss_fn.loss_sum_and_count(batch)
         self.dp.after_evaluation()
@@ -140,7 +184,11 @@ class ParallelModel(Engine):
     @contextlib.contextmanager
     def full_model(self):
         """Full weights and full logits for sampling (:meth:`~.engine.Engine.full_model_for`);
-        every rank of the layout enters it together."""
+        every rank of the layout enters it together. None for a pipeline (this rank holds only
+        its stage: no sampling from a pipeline)."""
+        if self.runner is not None:
+            yield None
+            return
         with self.dp.full_model_for(self) as model:
             yield model
 
@@ -170,15 +218,19 @@ class ParallelModel(Engine):
         return sum(p.numel() for p in self.module.parameters())
 
     def memory_formula(self) -> dict[str, float]:
-        """dp's formula over Ψ_tp, this rank's TP shard (ZeRO paper §5.1–5.3)."""
-        return self.dp.memory_formula()
+        """dp's formula over Ψ_tp, this rank's TP shard (ZeRO paper §5.1–5.3); None for a
+        pipeline stage (no closed form here)."""
+        return None if self.runner is not None else self.dp.memory_formula()
 
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
                       dtype: str = "fp32") -> dict[str, float]:
         """{tag: bytes} this rank sends in one step: tp's activation, cross-entropy and tp-norm
         terms for its dp slice of the batch (``sequences`` sequences of ``seq_len`` tokens,
         all micro-batches), plus dp's gradient and parameter traffic of Ψ_tp and its norm
-        scalar; ``sp_grad`` is dp's share of the SP sum (ZeRO: the slice)."""
+        scalar; ``sp_grad`` is dp's share of the SP sum (ZeRO: the slice). A pipeline:
+        :meth:`_pipeline_bytes`."""
+        if self.runner is not None:
+            return self._pipeline_bytes(micro_steps, sequences, seq_len, dtype)
         out = (dict(self.traffic.bytes_formula(micro_steps, sequences, seq_len, dtype))
                if self.traffic is not None else {})
         d = dict(self.dp.bytes_formula(micro_steps, sequences, seq_len, dtype))
@@ -187,4 +239,25 @@ class ParallelModel(Engine):
         out.update(d)
         if self.sp:  # tp's term when not (0 with tp; absent without)
             out["sp_grad"] = self.dp.sp_grad_bytes(out.get("sp_grad", 0.0))
+        return out
+
+    def _pipeline_bytes(self, micro_steps: int, sequences: int, seq_len: int,
+                        dtype: str) -> dict[str, float]:
+        """A pipeline stage's bytes by tag: the runner's ``pp_fwd``/``pp_bwd``, each finisher's
+        term (``tied``), the norm's fp64 scalar over the derived axes (tp, the sync's sliced
+        axes, ep, pp: :meth:`.params.Held.norm_axes`), the sync's ``grad`` (and ZeRO-1's
+        ``param``), tp's terms for the stage's blocks (``tp_fwd``/``tp_bwd``/``ce``,
+        ``sp_grad``). Derivation: docs/composition.md, "Pipelines composed"."""
+        args = (micro_steps, sequences, seq_len, dtype)
+        out = dict(self.runner.bytes_formula(*args))
+        for finish in self.finishers:
+            if hasattr(finish, "bytes_formula"):
+                out.update(finish.bytes_formula())
+        out["grad_norm"] = norm_bytes(Held([], self.dp.sliced).norm_axes(self.topo), self.topo)
+        d = dict(self.dp.bytes_formula(*args))
+        d.pop("grad_norm", None)  # counted above, over every derived axis at once
+        out["grad"] = 0.0
+        out.update(d)
+        if self.traffic is not None:
+            out.update(self.traffic.bytes_formula(*args))
         return out

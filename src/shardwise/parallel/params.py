@@ -63,13 +63,16 @@ class Placement:
     which this rank holds a contiguous 1/ep (``ep_full`` experts in all; None: not split over
     ep). ``grad_axis``: the mesh axis its gradient is summed over (None: the topology's data
     axis; expert shards: "edp", the ranks holding the same experts); ``replicate_axis``: an axis
-    over which a sharded gradient is then all-reduced (HSDP: "dp_replicate"; None: none)."""
+    over which a sharded gradient is then all-reduced (HSDP: "dp_replicate"; None: none).
+    ``duplicate``: a second copy of a parameter held elsewhere too (a pipeline's tied output on
+    the last stage): reduced like the others, never counted in the norm."""
 
     tp_dim: int | None = None
     tp_full: int | None = None
     ep_full: int | None = None
     grad_axis: str | None = None
     replicate_axis: str | None = None
+    duplicate: bool = False
 
 
 REPLICATED = Placement()
@@ -87,6 +90,13 @@ def mark_ep_shard(p: nn.Parameter, n_experts: int, grad_axis: str = "edp") -> nn
     experts (dim 0), its gradient summed over ``grad_axis`` (the expert-data-parallel ranks,
     which hold the same experts); returns ``p``."""
     p.placement = dataclasses.replace(placement(p), ep_full=n_experts, grad_axis=grad_axis)
+    return p
+
+
+def mark_duplicate(p: nn.Parameter) -> nn.Parameter:
+    """Record on ``p`` that it is a copy of a parameter another rank counts (the last pipeline
+    stage's tied output; :func:`counted_grads` skips it); returns ``p``."""
+    p.placement = dataclasses.replace(placement(p), duplicate=True)
     return p
 
 
@@ -206,7 +216,8 @@ def counted_grads(params, topo, *, skip=()) -> list[tuple[torch.Tensor, bool]]:
     parameter of ``params`` with a gradient, each parameter once. A tp shard counts on every tp
     rank, a tp-replicated gradient on tp index 0 only; with expert parallelism an expert shard
     counts on every ep rank, any other gradient on ep index 0 only (sum the norm over "ep");
-    parameters in ``skip`` (a pipeline's tied copy, counted on the first stage) never count.
+    parameters in ``skip`` or marked :func:`mark_duplicate` (a pipeline's tied copy, counted on
+    the first stage) never count.
     DTensor gradients are judged by their own placement and given as their local tensor."""
     tp0 = topo is None or topo.index("tp") == 0
     ep0 = topo is None or topo.size("ep") == 1 or topo.index("ep") == 0
@@ -217,7 +228,8 @@ def counted_grads(params, topo, *, skip=()) -> list[tuple[torch.Tensor, bool]]:
         if g is None:
             continue
         sharded = tp_sharded(g) if is_dtensor(g) else tp_sharded(p)
-        out.append((local(g), id(p) not in skipped and (sharded or tp0)
+        out.append((local(g), id(p) not in skipped and not placement(p).duplicate
+                    and (sharded or tp0)
                      and (ep0 or ep_sharded(p))))
     return out
 

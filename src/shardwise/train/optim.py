@@ -12,16 +12,22 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two AdamW groups: weight decay on matrices, none on norms, biases and embeddings
     (Loshchilov & Hutter 2019; the GPT-2/nanoGPT convention). A tied embedding is an embedding."""
     embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    # a pipeline's last stage holds its own copy of a tied embedding: an embedding too (last)
+    tied = getattr(model, "tied_output", None)
     decay, no_decay = [], []
     for p in model.parameters():
-        if not p.requires_grad:
+        if not p.requires_grad or p is tied:
             continue
         if p.dim() < 2 or id(p) in embedding_params:
             no_decay.append(p)
         else:
             decay.append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if tied is not None and tied.requires_grad:
+        no_decay.append(tied)
+        groups = [g for g in groups if g["params"]]  # a head-only stage: no matrices
+    return groups
 
 
 ADAMW_IMPLS = ("for-loop", "foreach", "fused")

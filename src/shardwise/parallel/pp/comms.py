@@ -100,3 +100,40 @@ def p2p_bytes_formula(pp_index: int, p: int, v: int, m: int, act_bytes: int) -> 
         return {"pp_fwd": 0, "pp_bwd": 0}
     return {"pp_fwd": m * act_bytes * (v - (pp_index == p - 1)),
             "pp_bwd": m * act_bytes * (v - (pp_index == 0))}
+
+
+class TiedSwap:
+    """The tied-embedding finisher of a pipeline (p > 1, a tied Llama): the first stage's
+    ``tok_embeddings.weight`` and the last stage's own copy (:attr:`.split.StageModule.
+    tied_output`) start equal (:meth:`copy_initial`, the first rank sends its shard, tag and
+    phase ``init``) and, after every backward, hold the sum of both gradients
+    (:func:`swap_tied_grads`, tag ``tied``). ``active``: whether this rank takes part (the first
+    or the last stage of a tied model); a finisher that does nothing elsewhere."""
+
+    def __init__(self, stage, topo):
+        self.topo, self.p = topo, topo.size("pp")
+        self.is_first = topo.index("pp") == 0
+        is_last = topo.index("pp") == self.p - 1
+        self.active = bool(stage.tied and self.p > 1 and (self.is_first or is_last))
+        self.weight = (stage.tok_embeddings.weight if self.is_first else stage.tied_output) \
+            if self.active else None
+        self.elem = local(next(iter(stage.parameters()))).element_size()
+
+    @torch.no_grad()
+    def copy_initial(self) -> None:
+        """The last stage's copy := the first stage's table shard (a send over pp)."""
+        if not self.active:
+            return
+        with self.topo.ledger.phase("init"):
+            if self.is_first:
+                comm.send(local(self.weight.data), self.topo, "pp", self.p - 1, tag="init")
+            else:
+                comm.recv(local(self.weight.data), self.topo, "pp", 0, tag="init")
+
+    def __call__(self) -> None:
+        if self.active:
+            swap_tied_grads(self.weight, self.topo, self.is_first, self.p)
+
+    def bytes_formula(self) -> dict[str, float]:
+        """``tied``: the table shard's gradient [V_pad/tp, d] once (0 on the other stages)."""
+        return {"tied": float(local(self.weight).numel() * self.elem) if self.active else 0.0}

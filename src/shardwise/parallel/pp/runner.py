@@ -25,11 +25,13 @@ import torch
 
 from ... import comm
 from ...errors import ShardwiseConfigError
-from ...models import positions_kw
+from ...models import count_items, positions_kw
 from ...models.moe import moe_layers, set_aux_grad_scale
 from ..engine import autocast
-from .comms import GradTraffic
-from .split import first_stage_input
+from ..params import local
+from .comms import GradTraffic, p2p_bytes_formula
+from .schedules import build_schedule
+from .split import activation_shape, first_stage_input
 
 KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
@@ -73,19 +75,101 @@ class ZeroBubbleCapture:
 
 
 class ScheduleRunner:
-    """Runs one pp rank's action list for a step. ``chunks``: this rank's model chunks in stage
-    order (:class:`.split.Chunk`); ``split_backward``: zb-h1 (I/W instead of B) over ``module``.
-    After :meth:`run`, ``timeline`` holds (kind, microbatch, chunk, peer, t_start, t_end) per
-    action (seconds, ``time.time()``) and ``peak_alive`` the most (microbatch, chunk) pairs that
-    held activations at once."""
+    """The runner of an explicit pipeline: this rank's ``stage`` (:class:`.split.StageModule`,
+    converted for TP by then) on ``topo``'s "pp" axis, ``schedule`` (gpipe | 1f1b |
+    interleaved-1f1b | zb-h1) with ``v`` chunks per rank; ``loss_sum(y, mb)``: the last stage's
+    token-loss sum of its output ``y`` (plain, or tp's vocab-parallel loss); ``seq_shards``: tp
+    under SP (the activations between stages are [b, s/tp, d]), else 1. zb-h1 splits backward
+    into I/W over ``stage``. :meth:`forward_backward` replaces the micro-batch loop of
+    :class:`~shardwise.parallel.model.ParallelModel`, :meth:`evaluate` its evaluation. After a
+    step, ``timeline`` holds (kind, microbatch, chunk, peer, t_start, t_end) per action
+    (seconds, ``time.time()``) and ``peak_alive`` the most (microbatch, chunk) pairs that held
+    activations at once."""
 
-    def __init__(self, chunks, topo, module: torch.nn.Module, *, split_backward: bool):
-        self.chunks, self.topo, self.module = chunks, topo, module
+    loss_axes = ("pp",)  # only the last stage holds a loss: the log line sums it over pp
+
+    def __init__(self, stage: torch.nn.Module, topo, *, schedule: str, v: int, loss_sum,
+                 seq_shards: int = 1):
+        self.module, self.chunks, self.topo = stage, stage.chunks, topo
+        self.schedule_name, self.v, self.loss_sum = schedule, v, loss_sum
+        self.seq_shards = seq_shards
+        self.p, self.pp_index = topo.size("pp"), topo.index("pp")
+        self.is_first, self.is_last = self.pp_index == 0, self.pp_index == self.p - 1
+        self._schedules = {}
         self.grad_topo = GradTraffic(topo)  # gradients: the other channel (.comms)
-        self.zb = ZeroBubbleCapture(module) if split_backward else None
-        self.moe = [moe_layers(c) for c in chunks]  # each chunk's MoE layers (maybe none)
+        self.zb = ZeroBubbleCapture(stage) if schedule == "zb-h1" else None
+        self.moe = [moe_layers(c) for c in self.chunks]  # each chunk's MoE layers (maybe none)
         self.timeline: list[tuple] = []
         self.peak_alive = 0
+
+    def schedule(self, m: int):
+        """The (cached) :class:`~.schedules.Schedule` for ``m`` microbatches (validated:
+        :class:`ShardwiseConfigError` for an invalid m)."""
+        if m not in self._schedules:
+            self._schedules[m] = build_schedule(self.schedule_name, self.p, m, self.v)
+        return self._schedules[m]
+
+    def act_shape(self, mb: dict) -> tuple[int, ...]:
+        """The tensor between stages: [b, s, d], with SP [b, s/tp, d]; MLP [b, D]."""
+        return activation_shape(mb, self.module.config, self.seq_shards)
+
+    def forward_backward(self, microbatches: list[dict], denom: float,
+                         dtype: str = "fp32") -> torch.Tensor:
+        """Run this rank's actions of the schedule for ``len(microbatches)`` microbatches.
+
+        ``microbatches``: the same list of dicts on every pp rank (``input_ids``/``labels`` or
+        ``inputs``/``targets``, [b, s] each); their row counts b may differ. ``denom``: the
+        global count of counted tokens. Returns this rank's loss sum, fp64 [1] (:meth:`run`)."""
+        sched = self.schedule(len(microbatches))
+        device = next(self.module.parameters()).device
+        mbs = [{k: t.to(device, non_blocking=True) for k, t in mb.items()} for mb in microbatches]
+        return self.run(sched[self.pp_index], mbs, denom, dtype, act_shape=self.act_shape,
+                        loss_sum=self.loss_sum)
+
+    def evaluate(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss sum fp64 [1], counted items) of ``batch`` (the same dict on every pp rank), for
+        evaluation: one forward through the stages in order (RECV_F, F, SEND_F per chunk), the
+        last stage's loss sum all-reduced over pp (tag "eval"). Collective over pp (and tp)."""
+        device = next(self.module.parameters()).device
+        mb = {k: t.to(device) for k, t in batch.items()}
+        shape = self.act_shape(mb)
+        act_dtype = next(self.module.parameters()).dtype
+        loss = torch.zeros(1, dtype=torch.float64, device=device)
+        sends = []
+        with torch.no_grad():
+            for chunk in self.chunks:  # local chunks are in stage order
+                s = chunk.index
+                if chunk.is_first:
+                    x = first_stage_input(mb)
+                else:
+                    x = torch.empty(shape, dtype=act_dtype, device=device)
+                    comm.recv(x, self.topo, "pp", (s - 1) % self.p, tag="eval")
+                y = chunk(x, **positions_kw(mb))
+                if chunk.is_last:
+                    loss += self.loss_sum(y, mb).double()
+                else:
+                    y = y.to(act_dtype).contiguous()
+                    sends.append((comm.send(y, self.topo, "pp", (s + 1) % self.p, tag="eval",
+                                            async_op=True), y))
+        for handle, _ in sends:
+            handle.wait()
+        comm.all_reduce(loss, self.topo, "pp", tag="eval")
+        return loss, torch.tensor(count_items(mb))
+
+    def bytes_formula(self, micro_steps: int, sequences: int, seq_len: int = 1,
+                      dtype: str = "fp32") -> dict[str, float]:
+        """``pp_fwd``/``pp_bwd`` bytes this rank sends in one step (:func:`.comms.
+        p2p_bytes_formula`): ``sequences`` this pipeline's sequences per step (Σ of the
+        microbatches' rows, equal or not), ``seq_len`` tokens each; the bytes do not depend on
+        ``micro_steps`` = m nor on ``dtype`` (activations travel in the parameters' dtype)."""
+        stage = self.module
+        elem = local(next(p for p in stage.parameters() if p.requires_grad)).element_size()
+        d = stage.config.d_model
+        # Σ_b A_b over the m microbatches = the bytes of all the step's rows (equal or not):
+        # p2p_bytes_formula's m·A with m = 1 and A = that sum
+        acts = sequences * ((seq_len // self.seq_shards) if stage.is_llama else 1) * d * elem
+        return {k: float(v) for k, v in
+                p2p_bytes_formula(self.pp_index, self.p, self.v, 1, acts).items()}
 
     def run(self, actions, microbatches: list[dict], denom: float, dtype: str, *,
             act_shape, loss_sum) -> torch.Tensor:

@@ -14,12 +14,13 @@ and derivation: docs/tensor-parallel.md §2. Sources: Shoeybi et al. 2019, "Mega
 1909.08053, §3; Korthikanti et al. 2022, arXiv 2205.05198, §4.2.2 (SP); JAX scaling book ch. 5.
 """
 
-from .apply import (SPSum, TPTraffic, apply_tp, check_plan_covers, parallelize_tensor,
+from .apply import (SPSum, TPTraffic, apply_tp, check_plan_covers,
+                    parallelize_tensor,
                     tp_activation_bytes, tp_plan, tp_step_bytes_formula, valid_tp_degrees,
                     validate_tp)
 from .comms import AXIS, CopyToTP, GatherFromSP, ReduceFromTP, ReduceScatterToSP
 from ...comm.torch_booking import BookFunctionalCollectives, booked_as
-from .dtensor import (LossParallel, TorchSPSum, TorchTPTraffic, dtensor_tp_plan,
+from .dtensor import (LossParallel, StageTPTraffic, TorchSPSum, TorchTPTraffic, dtensor_tp_plan,
                       parallelize_tensor_dtensor, reduce_partial_grads)
 from .layers import (TPRNG, ColumnParallelLinear, RowParallelLinear, TensorParallelAttention,
                      TensorParallelSwiGLU, TPDropout, VocabParallelEmbedding, VocabParallelHead,
@@ -28,6 +29,7 @@ from .loss import VocabParallelLoss, vocab_parallel_cross_entropy
 
 __all__ = ["AXIS", "BookFunctionalCollectives", "ColumnParallelLinear", "CopyToTP", "GatherFromSP",
            "LossParallel", "ReduceFromTP", "ReduceScatterToSP", "RowParallelLinear", "SPSum",
+           "StageTPTraffic",
            "TPDropout", "TPRNG", "TPTraffic", "TensorParallelAttention", "TensorParallelSwiGLU",
            "TorchSPSum", "TorchTPTraffic", "VocabParallelEmbedding", "VocabParallelHead",
            "VocabParallelLoss", "apply_tp",

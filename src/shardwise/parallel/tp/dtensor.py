@@ -20,8 +20,9 @@ from torch import nn
 from ...comm.ledger import ring_bytes
 from ...comm.torch_booking import BookFunctionalCollectives, booked_as
 from ...models.llama import IGNORE_INDEX, Llama
-from ..params import is_dtensor as _is_dtensor, local as _local, sum_coalesced_
-from .apply import TPTraffic, check_plan_covers, validate_tp
+from ..params import (is_dtensor as _is_dtensor, local as _local, sum_coalesced_,
+                      tp_sharded)
+from .apply import TPTraffic, check_plan_covers, tp_activation_bytes, validate_tp
 from .comms import AXIS
 from .mlp import MLPLoss, is_mlp, parallelize_mlp_dtensor
 
@@ -227,3 +228,107 @@ def parallelize_tensor_dtensor(model: Llama, topo, sp: bool = False, *,
     if plain:
         raise RuntimeError(f"DTensor TP conversion incomplete: {', '.join(plain)} not sharded")
     return LossParallel(model, topo, sp, book_collectives)
+
+
+class StageTPTraffic:
+    """TP's terms of a pipeline stage's byte formula (``stage``: this rank's chunks converted by
+    :func:`~.apply.apply_tp`, or by DTensor when ``dtensor``): :func:`~.apply.
+    tp_activation_bytes` of its blocks (an MoE block's feed-forward stays whole per tp rank),
+    embedding and head; the parameters
+    entering through f summed in each backward (``tp_bwd``); with SP, ``sp_grad``: 2(t−1)/t of
+    the tp-replicated gradients' bytes less those (DTensor: less the row-parallel biases too,
+    :func:`row_bias_bytes`). Nothing for tp = 1."""
+
+    def __init__(self, stage, topo, sp: bool, *, dtensor: bool = False):
+        self.stage, self.topo, self.sp, self.dtensor = stage, topo, sp, dtensor
+
+    def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
+                      dtype: str = "fp32") -> dict[str, float]:
+        from ...models.moe import moe_layers
+
+        stage, n = self.stage, self.topo.size(AXIS)
+        if n == 1:
+            return {}
+        params = [p for p in dict.fromkeys(stage.parameters()) if p.requires_grad]
+        elem = _local(params[0]).element_size()
+        moe = sum(len(moe_layers(c)) for c in stage.chunks)
+        out = dict(tp_activation_bytes(sequences * seq_len, stage.config.d_model, n, self.sp,
+                                       blocks=sum(len(c.layers) for c in stage.chunks),
+                                       has_embedding=stage.holds_embedding,
+                                       has_head=stage.holds_head, dtype=dtype, moe_blocks=moe))
+        f_summed = f_summed_bytes(stage, n)  # the families' q/k norms, positions
+        out["tp_bwd"] += micro_steps * f_summed
+        if self.sp:
+            rep = sum(_local(p).numel() * elem for p in params if not tp_sharded(p))
+            out["sp_grad"] = ring_bytes("all_reduce", rep, n) - f_summed
+            if self.dtensor:
+                out["sp_grad"] -= row_bias_bytes(stage, n)
+        return out
+
+
+# -- a pipeline stage (the torch pipeline's TP, :mod:`shardwise.parallel.pp.torch_runner`) -------
+def parallelize_stage_dtensor(stage: nn.Module, topo, sp: bool) -> None:
+    """DTensor TP on a pipeline stage: :func:`dtensor_tp_plan` restricted to the stage's modules,
+    the head returning plain local logits [b, s, V/tp] (a stage's outputs are plain tensors);
+    between stages the plain local [b, s, d], with SP [b, s/tp, d]. Dropout uses the default
+    RNG."""
+    import types
+
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    cfg, n = stage.config, topo.size(AXIS)
+    # the whole model's plan (it only counts the layers), restricted to this stage's modules
+    plan = dtensor_tp_plan(types.SimpleNamespace(layers=[None] * cfg.n_layers), sp)
+    prepare_replicated_for_dtensor(stage, topo, sp)
+    mine = dict(stage.named_modules())
+    plan = {k: v for k, v in plan.items() if k in mine}
+    if "output" in plan:  # plain local logits [b, s, V/tp] out of the pipeline stage
+        act = Shard(1) if sp else None
+        plan["output"] = ColwiseParallel(**({"input_layouts": act} if act else {}),
+                                         output_layouts=Shard(-1), use_local_output=True)
+    parallelize_module(stage, topo.mesh[AXIS], plan)
+    for c in stage.chunks:
+        c.sp_degree = n if sp else 1
+
+
+@torch.no_grad()
+def match_grad_placements(module: nn.Module) -> None:
+    """Give every DTensor gradient its parameter's placements: DTensor leaves the
+    vocab-parallel embedding's gradient ``Replicate`` (full [V, d] on every tp rank) though the
+    weight is ``Shard(0)``; Replicate → Shard is a local slice, no collective (``Partial``
+    gradients are left to the SP sum)."""
+    for p in dict.fromkeys(module.parameters()):
+        g = p.grad
+        if p.requires_grad and _is_dtensor(g) and _is_dtensor(p) \
+                and tuple(g.placements) != tuple(p.placements) \
+                and not any(place.is_partial() for place in g.placements):
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+class DTensorStageLoss:
+    """The last stage's loss under DTensor TP: local logits ``y`` [b, s, V/tp] as a
+    vocab-sharded DTensor through ``F.cross_entropy`` (inside :meth:`context`, PyTorch's
+    ``loss_parallel()``; booked as ``ce``); the replicated fp32 token-loss sum. Called as
+    ``loss(y, mb)``."""
+
+    def __init__(self, stage: nn.Module, topo):
+        self.vocab, self.mesh = stage.config.vocab_size, topo.mesh[AXIS]
+
+    def __call__(self, y: torch.Tensor, mb: dict) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Shard
+
+        shape = (*y.shape[:-1], self.vocab)
+        stride = torch.empty(shape, device="meta").stride()
+        logits = DTensor.from_local(y, self.mesh, [Shard(-1)], run_check=False, shape=shape,
+                                    stride=stride)
+        with booked_as("ce"):
+            s = F.cross_entropy(logits.flatten(0, 1).float(), mb["labels"].flatten(),
+                                ignore_index=IGNORE_INDEX, reduction="sum")
+        return s.to_local()
+
+    def context(self):
+        """``loss_parallel()``: around the step (its backward too) and the evaluation."""
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()

@@ -129,3 +129,17 @@ class VocabParallelLoss:
             self.head.gather_output = False
             for m, s in zip(mods, saved):
                 m.sp = s
+
+
+class StageLoss:
+    """The last pipeline stage's loss of its local logits ``y`` [b, s, V_pad/tp] (converted by
+    :func:`~.apply.apply_tp`; ``head`` its :class:`~.layers.VocabParallelHead`):
+    :func:`vocab_parallel_cross_entropy`, then the token (or DPO pair) sum, fp32 scalar,
+    complete on every tp rank. Called as ``loss(y, mb)`` by the pipeline runner."""
+
+    def __init__(self, head, topo):
+        self.head, self.topo = head, topo
+
+    def __call__(self, y: torch.Tensor, mb: dict) -> torch.Tensor:
+        return token_loss_sum(vocab_parallel_cross_entropy(  # DPO too (models/dpo.py)
+            y, mb["labels"], self.head.vocab_start, self.head.vocab_size, self.topo), mb)
