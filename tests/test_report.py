@@ -11,7 +11,8 @@ import pytest
 
 from shardwise.report import data as rd
 from shardwise.tools.report import build, train_with_report
-from shardwise.report.html import COMPARE_SECTIONS, RUN_SECTIONS
+from shardwise.report.compare import COMPARE_SECTIONS
+from shardwise.report.html import RUN_SECTIONS
 
 from conftest import ROOT
 

@@ -21,7 +21,8 @@ import shutil
 import pytest
 
 from conftest import run_cli
-from shardwise.report.html import COMPARE_SECTIONS, RUN_SECTIONS
+from shardwise.report.compare import COMPARE_SECTIONS
+from shardwise.report.html import RUN_SECTIONS
 
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 K = 3  # the step whose loss the perturbed copy bends

@@ -12,8 +12,10 @@ before any collective. Its callers:
 * :func:`~.apply.parallelize`: with the model and the topology;
 * :func:`parse_layout` (``verify`` / ``bench --layouts``): the layout alone.
 
-The planner's ``shardwise.plan.cost.PlanLayout`` subclasses :class:`Layout`, so verify, bench
-and plan share the field names and the :meth:`Layout.name` format.
+The planner's ``shardwise.plan.layout.PlanLayout`` subclasses :class:`Layout`, so verify, bench
+and plan share the field names and the :meth:`Layout.name` format, and its ``check_layout``
+calls :meth:`Layout.check_rules`, the part of :meth:`Layout.check` about the layout alone, so
+the rules the planner shares with the engine are written once, here.
 """
 
 from __future__ import annotations
@@ -120,16 +122,14 @@ class Layout:
 
         Checked in this order:
 
-        1. the layout alone: ``sp`` needs tp > 1 (TP's rule, :func:`~.tp.validate_tp`);
-           ZeRO needs dp ≥ 2, a stage in {0..3} and a known engine (:func:`~.zero.validate_zero`);
-           HSDP (``dp_replicate`` > 1) needs ZeRO, dp_shard ≥ 2 and no cp, ep or pp
-           (:meth:`_check_hsdp`);
-           ZeRO-2/3 with pp > 1 (or in a pipeline engine) is refused, as DeepSpeed refuses it
-           (m× the gradient / parameter traffic per step for memory ZeRO-1 mostly saves
-           already: docs/composition.md §5); ZeRO shards over dp × cp (the data axis), expert
-           shards over edp.
-           cp > 1: a known method, and not the torch engine on CPU (:func:`~.cp.validate_cp`);
-           the torch engine's cp is dp × cp only (DDP inside torch's ``context_parallel``).
+        1. the layout alone: :meth:`check_rules` (the rules the planner shares: positive
+           degrees, ep | dp × cp, the HSDP split, sp needs tp, the ZeRO stage over dp × cp ≥ 2,
+           the cp method and not the torch engine's cp on CPU, a known schedule whose virtual
+           stages fit it), then what the engines do not wire: HSDP with cp, ep or pp
+           (:meth:`_check_hsdp_wiring`); the torch engine's cp with tp, pp or ZeRO (its cp is
+           dp × cp only, DDP inside torch's ``context_parallel``); ZeRO-2/3 with pp > 1 (or in
+           a pipeline engine), refused as DeepSpeed refuses it (m× the gradient / parameter
+           traffic per step for memory ZeRO-1 mostly saves already: docs/composition.md §5).
         2. the topology's degrees;
         3. the reduce dtype: fp32 or bf16 (:func:`~.params.reduce_torch_dtype`);
         4. the model: cp > 1 needs a Llama-style model without dropout and ``seq_len``
@@ -143,21 +143,15 @@ class Layout:
         from .params import reduce_torch_dtype
         from .ep import validate_ep
         from .tp import validate_tp
-        from .zero import validate_zero
 
         known = model is not None or model_cfg is not None
         cfg = getattr(model, "config", None) if model is not None else model_cfg
         if device is None and getattr(topo, "device", None) is not None:
             device = topo.device.type
-        # 1. the layout alone
-        validate_ep(None, self.ep, self.dp, self.cp, engine=engine)
-        self._check_hsdp()
-        if self.sp and self.tp == 1:
-            validate_tp(cfg, self.tp, self.sp, seq_len)
-        if self.zero:
-            validate_zero(self.zero, self.dp * self.cp, engine=engine)
+        # 1. the layout alone: the rules the planner shares, then what the engines do not wire
+        self.check_rules(engine=engine, device=device, model_cfg=cfg, seq_len=seq_len)
+        self._check_hsdp_wiring()
         if self.cp > 1:
-            validate_cp(None, self.cp, self.cp_method, engine=engine, device=device)
             rest = " ".join(flag for flag, on in ((f"--tp {self.tp}", self.tp > 1),
                                                   (f"--pp {self.pp}", self.pp > 1),
                                                   (f"--zero {self.zero}", self.zero > 0)) if on)
@@ -217,31 +211,101 @@ class Layout:
                         layers_per_stage=layers_per_stage)
 
 
+    def check_rules(self, *, engine: str = "explicit", device: str | None = None,
+                    model_cfg=None, seq_len: int | None = None) -> None:
+        """Raise :class:`ShardwiseConfigError` unless this layout is well formed: the rules of
+        the layout alone that the engine (:meth:`check`) and the planner
+        (``shardwise.plan.layout.check_layout``) share, written once here. In this order:
+
+        1. dp, cp, tp, pp and ``dp_replicate`` are positive integers; ``microbatches`` and
+           ``virtual_stages`` are integers ≥ 0 (0: decided by the batch / the schedule);
+        2. ep ≥ 1 divides dp × cp (EP ⊆ dp × cp; :func:`~.ep.validate_ep` without a model,
+           which also refuses ep > 1 on the torch engine);
+        3. HSDP: ``dp_replicate`` divides dp, needs ZeRO ≥ 1, leaves a shard group of
+           dp_shard·cp ≥ 2 ranks, and holds the expert group inside it (:meth:`_check_hsdp`);
+        4. ``sp`` needs tp > 1 (TP's rule, :func:`~.tp.validate_tp`);
+        5. a ZeRO stage in {0..3}, and ZeRO ≥ 1 needs a data axis dp × cp ≥ 2
+           (:func:`~.zero.validate_zero`);
+        6. cp ≥ 1 and a known cp method (:func:`~.cp.validate_cp` without a model; with
+           ``engine`` "torch" and ``device`` "cpu" it also refuses cp > 1);
+        7. a known pipeline schedule (:data:`~.pp.schedules.SCHEDULES`), and with pp > 1 more
+           than one virtual stage only for interleaved-1f1b (the message of
+           :func:`~.pp.schedules.check_schedule`).
+
+        ``model_cfg`` and ``seq_len`` (optional) only name the tp values that would fit in the
+        message of rule 4. Engine-only refusals (what the engines do not wire: ZeRO-2/3 with a
+        pipeline, HSDP with cp, ep or pp, the torch engine's cp with tp, pp or ZeRO) stay in
+        :meth:`check`; the planner models those layouts as Megatron-Core and torchtitan run
+        them."""
+        from .cp import validate_cp
+        from .ep import validate_ep
+        from .pp.schedules import SCHEDULES
+        from .tp import validate_tp
+        from .zero import validate_zero
+
+        for flag, v in (("dp", self.dp), ("cp", self.cp), ("tp", self.tp), ("pp", self.pp),
+                        ("dp-replicate", self.dp_replicate)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ShardwiseConfigError(f"--{flag} {v!r} must be a positive integer")
+        for flag, v in (("microbatches", self.microbatches),
+                        ("virtual-stages", self.virtual_stages)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ShardwiseConfigError(f"--{flag} {v!r} must be a positive integer "
+                                           "(or 0: decided for you)")
+        validate_ep(None, self.ep, self.dp, self.cp, engine=engine)
+        self._check_hsdp()
+        if self.sp and self.tp == 1:
+            validate_tp(model_cfg, self.tp, self.sp, seq_len)
+        validate_zero(self.zero, self.dp * self.cp, engine=engine)
+        validate_cp(None, self.cp, self.cp_method, engine=engine, device=device)
+        if self.schedule not in SCHEDULES:
+            raise ShardwiseConfigError(f"--schedule {self.schedule!r} is unknown: choose one of "
+                                       f"{', '.join(SCHEDULES)}")
+        if self.pp > 1 and self.schedule != "interleaved-1f1b" and self.chunks != 1:
+            raise ShardwiseConfigError(
+                f"--schedule {self.schedule} runs one model chunk per rank, got {self.chunks} "
+                "virtual stages: use --schedule interleaved-1f1b or 1")
+
     def _check_hsdp(self) -> None:
-        """HSDP (dp_replicate R > 1): R divides dp with a shard group S = dp / R ≥ 2, under ZeRO
-        1-3 (HSDP shards the model state within S), without cp, ep or pp (not wired)."""
-        r = self.dp_replicate
+        """HSDP (dp_replicate R > 1), the layout's rules: R divides dp (dp = R × S), under ZeRO
+        1-3 (ZeRO-0 shards nothing: every rank already holds everything and all-reduces over
+        all of dp), with a shard group of S·cp ≥ 2 ranks that holds the expert group (ep divides
+        S·cp, as torchtitan carves ep out of ``dp_shard_cp``)."""
+        r, dp = self.dp_replicate, self.dp
         if r == 1:
             return
-        if not isinstance(r, int) or r < 1 or self.dp % r:
+        if dp % r:
             raise ShardwiseConfigError(
-                f"--dp-replicate {r} must divide dp = {self.dp}: HSDP splits dp into "
+                f"--dp-replicate {r} must divide dp = {dp}: HSDP splits dp into "
                 f"dp_replicate × dp_shard; choose from "
-                f"{[k for k in range(1, self.dp + 1) if self.dp % k == 0]}")
-        if self.dp // r < 2:
-            raise ShardwiseConfigError(
-                f"--dp-replicate {r} with dp = {self.dp} leaves dp_shard = {self.dp // r}: "
-                "nothing to shard within a replica; choose a smaller --dp-replicate (HSDP needs "
-                "dp_shard ≥ 2) or --zero 0 for plain data parallelism")
+                f"{[k for k in range(1, dp + 1) if dp % k == 0]}")
         if not self.zero:
             raise ShardwiseConfigError(
                 f"--dp-replicate {r} with --zero 0: HSDP shards the model state within "
-                "dp_shard and replicates it across dp_replicate; without ZeRO every rank "
-                "replicates it anyway: add --zero 1, 2 or 3, or drop --dp-replicate")
+                "dp_shard and replicates it across dp_replicate; without ZeRO every rank holds "
+                "the whole state and the gradient all-reduce already spans all of dp (plain "
+                "DP): add --zero 1, 2 or 3, or drop --dp-replicate")
+        shard = self.dp_shard * self.cp
+        if shard < 2:
+            raise ShardwiseConfigError(
+                f"--dp-replicate {r} with dp = {dp} leaves dp_shard = {self.dp_shard}, a shard "
+                f"group of dp_shard·cp = {self.dp_shard}·{self.cp} = 1 rank: nothing to shard "
+                "within a replica; choose a smaller --dp-replicate (the shard group needs ≥ 2 "
+                "ranks) or drop it")
+        if self.ep > 1 and shard % self.ep:
+            ok = [e for e in range(1, shard + 1) if shard % e == 0]
+            raise ShardwiseConfigError(
+                f"--ep {self.ep} with --dp-replicate {r}: the expert group must lie inside a "
+                f"shard group of dp_shard·cp = {self.dp_shard}·{self.cp} = {shard} ranks: "
+                f"choose --ep from {ok}, or another --dp-replicate")
+
+    def _check_hsdp_wiring(self) -> None:
+        """HSDP in the engines: with tp only; with cp, ep or pp it is not wired."""
+        r = self.dp_replicate
         other = [f for f, on in ((f"--cp {self.cp}", self.cp > 1), (f"--ep {self.ep}",
                                                                     self.ep > 1),
                                  (f"--pp {self.pp}", self.pp > 1)) if on]
-        if other:
+        if r > 1 and other:
             raise ShardwiseConfigError(
                 f"--dp-replicate {r} with {' '.join(other)}: HSDP composes with tp here; with "
                 "cp, ep or pp it is not wired: drop --dp-replicate (ZeRO over the whole data "

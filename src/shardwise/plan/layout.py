@@ -1,8 +1,11 @@
 """What the planner evaluates and the rules it checks first: :class:`PlanLayout` (the engine's
 :class:`~shardwise.parallel.layout.Layout` plus the planner's own knobs), the precisions
 (:data:`PRECISIONS`), the :class:`Assumptions` the model rests on, and the checks a layout must
-pass before it is estimated (:func:`check_layout`, with :func:`check_cp`, :func:`check_ep`,
-:func:`check_hsdp`). Formulas and sources: docs/planner.md, "The cost model's formulas".
+pass before it is estimated (:func:`check_layout`: the rules of the layout alone are the
+engine's, :meth:`~shardwise.parallel.layout.Layout.check_rules`, written once there; the
+planner's own are the model's (:func:`check_cp`, :func:`check_ep`, the heads tp splits, the
+layers pp splits), its knobs and the batch). Formulas and sources: docs/planner.md, "The cost
+model's formulas".
 """
 
 from __future__ import annotations
@@ -11,8 +14,8 @@ import dataclasses
 import math
 
 from ..errors import ShardwiseConfigError
-from ..parallel.cp import validate_cp
 from ..parallel.layout import Layout
+from ..parallel.pp.schedules import SCHEDULES
 from .hardware import Cluster
 from .models import ModelSpec
 
@@ -47,7 +50,6 @@ PRECISIONS = {
     # everything fp32 (the CPU tests): 4 + 4 + 8 = 16 bytes/parameter
     "fp32": Precision("fp32", 4, 4, 8, 4, 4, "fp32", 28, 16),
 }
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 CKPT = ("none", "selective", "full")
 STEP_COUNTER_BYTES = 4  # torch.optim.AdamW: one float32 `step` tensor per parameter tensor
 
@@ -80,7 +82,7 @@ class PlanLayout(Layout):
     ``dp_replicate`` R (HSDP, hybrid sharded data parallelism): dp = R × S, ZeRO shards over the
     shard group of S = :attr:`dp_shard` ranks (× cp) and the R shard groups replicate each other
     (module docstring, section "HSDP"); R = 1 is ZeRO over all of dp. R must divide dp and needs
-    ZeRO ≥ 1 (:func:`check_layout`)."""
+    ZeRO ≥ 1 (:meth:`~shardwise.parallel.layout.Layout.check_rules`)."""
 
     micro_batch: int = 1
     ckpt: str = "none"
@@ -122,11 +124,11 @@ def llama_style(model: ModelSpec) -> bool:
 
 
 def check_cp(model: ModelSpec, cp: int, method: str = "ring") -> None:
-    """Raise ShardwiseConfigError unless ``model`` can run context parallelism over ``cp`` ranks
-    with ``method``: the core's own checks (:func:`shardwise.parallel.cp.validate_cp`: cp ≥ 1, a
-    known method), a Llama-style model (:func:`llama_style`), and ``model.seq_len`` divisible
-    by 2·cp (the zig-zag split cuts every sequence into 2·cp chunks)."""
-    validate_cp(None, cp, method)
+    """Raise ShardwiseConfigError unless ``model`` can run context parallelism over ``cp`` ranks:
+    a Llama-style model (:func:`llama_style`), and ``model.seq_len`` divisible by 2·cp (the
+    zig-zag split cuts every sequence into 2·cp chunks). cp ≥ 1 and a known ``method`` are the
+    layout's rules (:meth:`~shardwise.parallel.layout.Layout.check_rules`, which
+    :func:`check_layout` runs first)."""
     if cp == 1:
         return
     if not llama_style(model):
@@ -145,14 +147,12 @@ def check_cp(model: ModelSpec, cp: int, method: str = "ring") -> None:
 
 def check_ep(model: ModelSpec, layout: PlanLayout) -> None:
     """Raise ShardwiseConfigError unless ``layout.ep`` expert-parallel ranks can run ``model``:
-    the core's own check (:func:`shardwise.parallel.ep.validate_ep` without a model: ep ≥ 1
-    dividing dp × cp, EP ⊆ dp × cp), then an MoE model whose n_experts ep divides. The engine's
-    refusal of MoE with SP or cp > 1 (a sequence split needs its routing counts summed for the
-    per-sequence balance loss, not wired there) is not the planner's: it models those layouts
-    as Megatron-Core runs them."""
-    from ..parallel.ep import validate_ep
-
-    validate_ep(None, layout.ep, layout.dp, layout.cp)
+    an MoE model whose n_experts ep divides. ep ≥ 1 dividing dp × cp (EP ⊆ dp × cp) and an
+    expert group inside an HSDP shard group are the layout's rules
+    (:meth:`~shardwise.parallel.layout.Layout.check_rules`, which :func:`check_layout` runs
+    first). The engine's refusal of MoE with SP or cp > 1 (a sequence split needs its routing
+    counts summed for the per-sequence balance loss, not wired there) is not the planner's: it
+    models those layouts as Megatron-Core runs them."""
     if layout.ep > 1 and not model.is_moe:
         raise ShardwiseConfigError(
             f"--ep {layout.ep} needs a mixture-of-experts model (there are no experts to split), "
@@ -166,52 +166,18 @@ def check_ep(model: ModelSpec, layout: PlanLayout) -> None:
             f"rank holds n_experts / ep experts; choose --ep from {ok}")
 
 
-def check_hsdp(layout: PlanLayout) -> None:
-    """Raise ShardwiseConfigError unless ``layout.dp_replicate`` R is a valid HSDP split of dp:
-    a positive integer dividing dp (dp = R × S) that leaves a shard group of S·cp ≥ 2 ranks,
-    with a ZeRO stage ≥ 1 when R > 1 (ZeRO-0
-    shards nothing, so every rank already holds everything and all-reduces over all of dp: an
-    R would change nothing but the name), and with ep > 1 an ep that divides S·cp (the expert
-    group lives inside a shard group, as torchtitan carves ep out of ``dp_shard_cp``)."""
-    R, dp = layout.dp_replicate, layout.dp
-    if not isinstance(R, int) or R < 1:
-        raise ShardwiseConfigError(f"--dp-replicate {R!r} must be a positive integer")
-    if dp % R:
-        ok = [r for r in range(1, dp + 1) if dp % r == 0]
-        raise ShardwiseConfigError(
-            f"--dp-replicate {R} must divide dp = {dp} (dp = dp_replicate × dp_shard): choose "
-            f"from {ok}")
-    if R > 1 and layout.zero == 0:
-        raise ShardwiseConfigError(
-            f"--dp-replicate {R} with --zero 0: without ZeRO every rank holds the whole model "
-            "state and the gradient all-reduce already spans all of dp (plain DP); HSDP shards "
-            "the state within a group and replicates it across groups: choose --zero 1, 2 or "
-            "3, or --dp-replicate 1")
-    shard = layout.dp_shard * layout.cp
-    if R > 1 and shard < 2:
-        raise ShardwiseConfigError(
-            f"--dp-replicate {R} with dp = {dp} leaves a shard group of dp_shard·cp = "
-            f"{layout.dp_shard}·{layout.cp} = 1 rank: nothing to shard within a replica; "
-            "choose a smaller --dp-replicate (the shard group needs ≥ 2 ranks)")
-    if R > 1 and layout.ep > 1 and shard % layout.ep:
-        ok = [e for e in range(1, shard + 1) if shard % e == 0]
-        raise ShardwiseConfigError(
-            f"--ep {layout.ep} with --dp-replicate {R}: the expert group must lie inside a "
-            f"shard group of dp_shard·cp = {layout.dp_shard}·{layout.cp} = {shard} ranks: "
-            f"choose --ep from {ok}, or another --dp-replicate")
-
-
 def check_layout(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batch: int) -> int:
     """Validate ``layout`` for ``model`` and a step of ``global_batch`` sequences; return m, the
     micro-batches per step and replica. Raises ShardwiseConfigError naming the constraint."""
     lay = layout
-    for name, v in (("dp", lay.dp), ("cp", lay.cp), ("tp", lay.tp), ("pp", lay.pp),
-                    ("micro-batch", lay.micro_batch), ("virtual stages", lay.virtual_stages or 1)):
-        if not isinstance(v, int) or v < 1:
-            raise ShardwiseConfigError(f"{name} = {v!r} must be a positive integer")
+    if not isinstance(lay.micro_batch, int) or lay.micro_batch < 1:
+        raise ShardwiseConfigError(f"micro-batch = {lay.micro_batch!r} must be a positive "
+                                   "integer")
+    # the layout alone: the engine's rules (degrees, ep | dp × cp, the HSDP split, sp needs tp,
+    # the ZeRO stage over dp × cp ≥ 2, the cp method, the schedule and its virtual stages)
+    lay.check_rules()
     if lay.cp > 1:
         check_cp(model, lay.cp, lay.cp_method)
-    check_hsdp(lay)
     if lay.ep != 1 or model.is_moe:
         check_ep(model, lay)
     if lay.precision not in PRECISIONS:
@@ -219,27 +185,16 @@ def check_layout(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_
                                    f"{sorted(PRECISIONS)}")
     if lay.ckpt not in CKPT:
         raise ShardwiseConfigError(f"--ckpt {lay.ckpt!r}: choose from {CKPT}")
-    if lay.zero not in (0, 1, 2, 3):
-        raise ShardwiseConfigError(f"--zero {lay.zero}: choose from 0, 1, 2, 3")
     if lay.grad_reduce not in ("step", "micro"):
         raise ShardwiseConfigError(f"grad_reduce {lay.grad_reduce!r}: choose step or micro")
-    if lay.schedule not in SCHEDULES:
-        raise ShardwiseConfigError(f"--schedule {lay.schedule!r}: choose from {SCHEDULES}")
     if model.n_heads % lay.tp or model.n_kv_heads % lay.tp:
         ok = [t for t in range(1, model.n_kv_heads + 1) if model.n_kv_heads % t == 0]
         raise ShardwiseConfigError(f"tp={lay.tp} must divide n_heads={model.n_heads} and "
                                    f"n_kv_heads={model.n_kv_heads} ({model.name}): choose tp in "
                                    f"{ok}")
-    if lay.sp and lay.tp == 1:  # the rule's one message is TP's
-        from ..parallel.tp import validate_tp
-
-        validate_tp(None, lay.tp, lay.sp)
     if lay.pp > model.n_layers:
         raise ShardwiseConfigError(f"pp={lay.pp} exceeds the model's {model.n_layers} layers: "
                                    f"choose pp ≤ {model.n_layers}")
-    if lay.pp > 1 and lay.schedule != "interleaved-1f1b" and lay.chunks != 1:
-        raise ShardwiseConfigError(f"virtual stages = {lay.chunks} need --schedule "
-                                   "interleaved-1f1b")
     if lay.pp > 1 and lay.schedule == "interleaved-1f1b":
         per_rank = math.ceil(model.n_layers / lay.pp)
         if lay.chunks > per_rank:

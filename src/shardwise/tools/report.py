@@ -35,7 +35,8 @@ def build(paths: list[str], out: str | None = None, threshold: float | None = No
     """Write the page for ``paths`` and return its path. Raises ShardwiseConfigError for a
     path that is neither a folder nor a readable verify JSON."""
     from ..report import data as rd
-    from ..report.html import compare_page, run_page
+    from ..report.compare import compare_page
+    from ..report.html import run_page
 
     runs, verify = [], []
     for p in paths:
@@ -62,7 +63,7 @@ def build(paths: list[str], out: str | None = None, threshold: float | None = No
     elif runs:
         html = run_page(runs[0], verify)
     else:
-        from ..report.html import page, verify_section
+        from ..report.page import page, verify_section
 
         html = page("shardwise verify", ", ".join(v["source"] for v in verify),
                     [verify_section(v, sid=f"verify{'' if i == 0 else i}")
