@@ -176,8 +176,8 @@ def _check(model, topo, layout, reduce_dtype):
 
 def test_bad_input_refused_before_any_collective():
     llama = build_model("tiny", vocab_size=67, **W.MODEL)
-    with pytest.raises(ShardwiseConfigError, match="Llama"):
-        _check(build_model("mlp-tiny"), _topo(2, 2), Layout(dp=2, tp=2), "fp32")
+    with pytest.raises(ShardwiseConfigError, match="no sequence dimension"):
+        _check(build_model("mlp-tiny"), _topo(2, 2), Layout(dp=2, tp=2, sp=True), "fp32")
     with pytest.raises(ShardwiseConfigError, match="does not divide"):
         _check(llama, _topo(2, 3), Layout(dp=2, tp=3), "fp32")
     with pytest.raises(ShardwiseConfigError, match="fp32 or bf16"):

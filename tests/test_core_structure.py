@@ -23,7 +23,7 @@ STRATEGIES = ("dp", "zero", "tp", "pp", "cp", "ep")
 # (importing folder, imported folder) edges still there, to be removed by the pipeline runner
 PENDING: set = set()
 # engine classes: the two to keep, then those pending (gradient syncs, the pipeline engines)
-ENGINES = {"model.py:ParallelModel", "engine.py:Local",
+ENGINES = {"model.py:ParallelModel", "engine.py:Local"}
 
 
 def _imported_modules(f: Path, pkg_root: Path) -> list[tuple[str, int]]:

@@ -85,8 +85,7 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
         from .model import PlainLoss
 
         sync = dp_sync(model, topo, layout, engine, **dp_kw)
-        return ParallelModel(model, topo, loss_fn=PlainLoss(sync.forward_module), grad_sync=sync,
-                             finishers=[sync.finish_gradient_sync])
+        return ParallelModel(model, topo, loss_fn=PlainLoss(sync.forward_module), grad_sync=sync)
     if engine == "explicit":
         from .tp import TPTraffic, parallelize_tensor
 

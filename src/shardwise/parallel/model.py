@@ -70,17 +70,20 @@ class PlainLoss:
 class ParallelModel(Engine):
     """``module`` (converted for TP; with a pipeline ``runner``, this rank's stage) on ``topo``
     with its ``loss_fn``, ``grad_sync``, ``finishers``, ``traffic`` and ``runner`` (module
-    docstring); ``sp``: sequence parallelism (the ``sp_grad`` term at pp = 1). Every tp rank of a dp row holds the complete loss sum of its row, so the
+    docstring); ``sp``: sequence parallelism (the ``sp_grad`` term at pp = 1). ``finishers``:
+    run in order after the last backward, the sync's ``finish_gradient_sync`` among them (None:
+    that one alone). Every tp rank of a dp row holds the complete loss sum of its row, so the
     token count and the loss are all-reduced over the data axis only."""
 
-    def __init__(self, module, topo, *, loss_fn, grad_sync, finishers=(),
+    def __init__(self, module, topo, *, loss_fn, grad_sync, finishers=None,
                  traffic=None, sp: bool = False, runner=None):
         super().__init__(module)
         # the sync holds ``module`` too: a tuple, which nn.Module does not register, so that
         # state_dict()/parameters() see the model once
         self.parts = (grad_sync,)
         self.topo, self.sp, self.loss_fn, self.runner = topo, sp, loss_fn, runner
-        self.finishers, self.traffic = list(finishers), traffic
+        self.finishers = [grad_sync.finish_gradient_sync] if finishers is None else list(finishers)
+        self.traffic = traffic
         self.step_context = grad_sync.step_context  # torch's context_parallel (DDP over dp × cp)
 
     # -- a pipeline's schedule: what the step, the report and the trace read -----------------
