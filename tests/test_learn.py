@@ -238,13 +238,13 @@ def test_scripts_import_only_torch_and_the_helper():
 
 def test_the_docs_quote_the_scripts_as_they_are():
     """Each strategy page quotes its script's key lines (a ```python block opening with
-    ``# src/shardwise/learn/NAME.py``, or the framework's, ``# src/shardwise/parallel/DIR/
+    ``# src/shardwise/learn/NAME.py``, or the framework's, ``# src/shardwise/parallel/[DIR/]
     NAME.py``): every quoted line is a line of that file, so the quotes cannot go stale."""
     import re
 
     quoted = 0
     for page in sorted((ROOT / "docs").glob("*.md")):
-        for block in re.finditer(r"```python\n# (src/shardwise/(?:learn|parallel/\w+)/\w+\.py)"
+        for block in re.finditer(r"```python\n# (src/shardwise/(?:learn|parallel(?:/\w+)?)/\w+\.py)"
                                  r"\n(.*?)```",
                                  page.read_text(), re.S):
             lines = {ln.strip() for ln in (ROOT / block.group(1)).read_text().splitlines()}
