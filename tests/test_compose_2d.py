@@ -244,7 +244,7 @@ def test_dropout_rng_per_dp_replica(results):
 
 @pytest.mark.timeout(300)
 def test_bad_input_raises_config_error(results):
-    expect = {"mlp": "Llama", "reduce_dtype": "fp32 or bf16", "tp_heads": "n_kv_heads",
+    expect = {"mlp": "no sequence dimension", "reduce_dtype": "fp32 or bf16", "tp_heads": "n_kv_heads",
               "wrong_topology": "Topology", "dp_reduce_dtype": "fp32 or bf16",
               "zero_reduce_dtype": "fp32 or bf16"}
     msgs = _load(results, "errors", 0)

@@ -204,7 +204,7 @@ def error_cases(topo22, topo4, out, rank):
     msgs = {}
     if topo22.member:
         msgs["mlp"] = _catch(lambda: parallelize(build_model("mlp-tiny"), topo22,
-                                                    Layout(dp=2, tp=2)))
+                                                    Layout(dp=2, tp=2, sp=True)))
         msgs["reduce_dtype"] = _catch(lambda: parallelize(make_model(), topo22,
                                                              Layout(dp=2, tp=2),
                                                              reduce_dtype="fp16"))
