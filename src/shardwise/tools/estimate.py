@@ -129,8 +129,8 @@ def estimate_memory(spec, world_size: int, *, seq_len: int | None = None, micro_
             for axis in wrapped.reduce_loss_axes:  # sync point 5
                 comm.all_reduce(loss, topo, axis, tag="loss")
             state = wrapped.model_state_bytes(opt)
-            buckets = sum(b.buffer.numel() * b.buffer.element_size()
-                          for b in getattr(wrapped, "buckets", []))
+            buckets = sum(b.buffer.numel() * b.buffer.element_size()  # explicit DP's sync
+                          for b in getattr(wrapped.dp, "buckets", []))
             ledger: dict[str, float] = {}
             for r in topo.ledger.step_records():
                 ledger[r.tag] = ledger.get(r.tag, 0.0) + r.wire_bytes
