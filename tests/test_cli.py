@@ -91,12 +91,13 @@ def test_trace_prints_every_collective_and_matches_formula(cache_dir):
 
 def test_trace_with_our_ring_expands_each_collective_into_its_sends(cache_dir):
     """ZeRO-3 over dp=2 with --collectives ring: each reduce-scatter and all-gather sends one
-    shard, (n−1)/n · S, to the other rank in one step; measured = booked for the whole step."""
+    shard, (n−1)/n · S, to the other rank in one step; measured = booked for the whole step
+    (a row may end with its unit and pass: the ``for`` column)."""
     p = run_cli(["trace", "--collectives", "ring", "--dp", "2", "--zero", "3"], cache_dir,
                 timeout=120)
     assert p.returncode == 0, p.stdout
     rows = re.findall(r"(reduce_scatter|all_gather)\s+dp\s+2 (?:grad|param)\s+float32\s+\[(\d+)\]"
-                      r"\s+([\d,]+)\s+([\d,.]+)\s+([\d,.]+) ring\s+[\d.]+\n.*step 0: → rank 1\s+"
+                      r"\s+([\d,]+)\s+([\d,.]+)\s+([\d,.]+) ring\s+[\d.]+[^\n]*\n.*step 0: → rank 1\s+"
                       r"([\d,]+) B", p.stdout)
     assert len(rows) >= 4, p.stdout
     for op, numel, S, booked, sent, step0 in rows:

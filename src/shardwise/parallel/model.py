@@ -6,7 +6,8 @@ site) from plain pieces over one converted module, each answering the members it
 =================================  ==========================================================
 ``loss_fn``                        the loss sum, its booking and backward context, the
                                    gathered logits for sampling (:class:`PlainLoss`,
-                                   :class:`~.tp.VocabParallelLoss`, :class:`~.tp.LossParallel`)
+                                   :class:`~.tp.VocabParallelLoss`, :class:`~.tp.LossParallel`,
+                                   the MLP's :class:`~.tp.mlp.MLPLoss`)
 ``grad_sync``                      micro-step sync, the reduction, the optimizer, the norm's
                                    held gradients, full-shape dp views, the module the loss
                                    runs forward (:class:`~.dp.DataParallel`, DDP, :mod:`.zero`,
