@@ -16,14 +16,13 @@ the data needs no gradient), ``grad_norm`` = r·8. Sources: Shoeybi et al. 2019 
 
 from __future__ import annotations
 
-import contextlib
-
 import torch.nn.functional as F
 from torch import nn
 
 from ... import comm
 from ...errors import ShardwiseConfigError
 from ...models.mlp import MLPBlock, StackedMLP
+from ..model import PlainLoss
 from ..params import tp_sharded
 from .comms import AXIS
 from .layers import ColumnParallelLinear, RowParallelLinear, enter_tp_region
@@ -148,33 +147,17 @@ def parallelize_mlp_dtensor(model: StackedMLP, topo) -> None:
         raise RuntimeError(f"DTensor TP conversion incomplete: {', '.join(plain)} not sharded")
 
 
-class MLPLoss:
-    """The MLP's loss function under TP: the sum of squared errors of the prediction, whole on
-    every tp rank (:func:`shardwise.models.loss_sum_and_count`). With ``book``: DTensor's
-    collectives are booked in the ledger during the step (the torch engine)."""
+class MLPLoss(PlainLoss):
+    """The MLP's loss function under TP: :class:`~..model.PlainLoss` (the prediction is whole on
+    every tp rank); with ``book``, DTensor's collectives are booked in the ledger during the
+    step (the torch engine)."""
 
     def __init__(self, module, topo, book: bool = False):
-        self.module, self.topo, self.book = module, topo, book
-
-    def loss_sum(self, batch: dict):
-        from ...models import loss_sum_and_count
-
-        return loss_sum_and_count(self.module, batch)[0]
-
-    def loss_sum_and_count(self, batch: dict):
-        from ...models import loss_sum_and_count
-
-        return loss_sum_and_count(self.module, batch, aux=False)
+        super().__init__(module)
+        self.topo, self.book = topo, book
 
     def booking(self, **options):
         from ...comm.torch_booking import BookFunctionalCollectives
 
         return BookFunctionalCollectives(self.topo, **options) if self.book \
-            else contextlib.nullcontext()
-
-    def backward_context(self):
-        return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def gathered_logits(self):
-        yield self.module
+            else super().booking()
