@@ -16,11 +16,20 @@
   (:func:`loss_definitions`: a loss function's class, or a module-level loss-sum function; the
   engines only delegate to their ``loss_fn``). 19 in 11 files at cc2136c (design/one-engine.md).
 
-Each checker is also run on a planted violation (a fake package in ``tmp_path``) and must fail.
+* a reader opens at most :data:`READ_BOUNDS` files of ``parallel/`` from ``parallelize()`` to
+  see PP 1F1B, ZeRO-3 or TP whole (the issue's targets; measured by running the layout:
+  tests/workers/reading_cases.py).
+
+Each static checker is also run on a planted violation (a fake package in ``tmp_path``) and must
+fail.
 """
 
 import ast
 from pathlib import Path
+
+import pytest
+
+from conftest import run_world
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "shardwise"
 STRATEGIES = ("dp", "zero", "tp", "pp", "cp", "ep")
@@ -30,6 +39,8 @@ PENDING: set = set()
 ENGINES = {"model.py:ParallelModel", "model.py:Local"}
 MAX_LOSSES, MAX_LOSS_FILES = 6, 4  # issue 33's targets
 LOSS_MEMBERS = ("loss_sum", "loss_sum_and_count", "loss")
+# files of parallel/ a reader opens from parallelize() to see the layout whole (issue 33)
+READ_BOUNDS = {"pp_1f1b": 8, "zero3": 9, "tp": 9}
 
 
 def _imported_modules(f: Path, pkg_root: Path) -> list[tuple[str, int]]:
@@ -196,3 +207,17 @@ def test_planted_violations_fail(tmp_path):
         "class StageLoss:\n    pass\nclass V:\n    def loss_sum_and_count(self):\n        pass\n"
         "def loss_sum(out, mb):\n    pass\n")
     assert loss_definitions(pkg) == ["tp/c.py:StageLoss", "tp/c.py:V", "tp/c.py:loss_sum"]
+
+
+@pytest.mark.timeout(300)
+def test_a_reader_opens_few_files_to_see_a_layout_whole(tmp_path):
+    """Each layout of :data:`READ_BOUNDS` built and stepped on 2 ranks: the ``parallel/`` files
+    whose functions ran from ``parallelize()`` or the engine (the layout's refusals aside),
+    over both ranks, are at most the bound."""
+    run_world(Path(__file__).parent / "workers" / "reading_cases.py", tmp_path, nproc=2)
+    for case, bound in READ_BOUNDS.items():
+        ranks = sorted(tmp_path.glob(f"{case}_rank*.txt"))
+        assert len(ranks) == 2, ranks
+        files = set().union(*(set(r.read_text().split()) for r in ranks))
+        assert "apply.py" in files and "model.py" in files, files  # the measure sees the path
+        assert len(files) <= bound, f"{case}: {len(files)} files > {bound}: {sorted(files)}"

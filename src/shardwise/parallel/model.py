@@ -43,7 +43,7 @@ from ..models import lm_loss, loss_sum_and_count, mse_loss
 from ..models.dpo import dpo_loss_sum_and_count, is_dpo
 from .params import Held, grad_norm_, local, norm_bytes
 from .sync import NoSync
-from .views import to_full, to_local
+from .views import full_named, full_state, local_state
 
 
 def autocast(dtype: str, device: torch.device):
@@ -103,28 +103,9 @@ class ParallelModel(nn.Module):
     that one alone). Every tp rank of a dp row holds the complete loss sum of its row, so the
     token count and the loss are all-reduced over the data axis only.
 
-    The training step (``train/step.py``) talks to a model only through these members:
-
-    ===========================  ============================================================
-    ``forward_backward``         the step's micro-batches forward and backward (the loop, or
-                                 the runner's schedule); this rank's loss sum, fp64 [1]
-    ``finish_gradient_sync``     the finishers, the sync's finish among them
-    ``clip_grad_norm_``          the *global* gradient L2 norm, clipping in place
-                                 (:func:`.params.grad_norm_` over the derived axes)
-    ``make_optimizer``           the sync's optimizer (ZeRO: sharded)
-    ``count_axes``               axes of the token-count and loss all-reduce (the data axis;
-    ``reduce_loss_axes``         with a pipeline, pp too for the loss)
-    ``loss_sum_and_count``       evaluation of one batch: (loss sum, counted items)
-    ``full_model``               context: the plain model with full weights and logits for
-                                 sampling (collective where sharded; None for a pipeline)
-    ``named_full_parameters``    {FQN: full-shape tensor}, dp part by the sync, then tp by
-    ``named_full_gradients``     :func:`.views.to_full` (parity checks); collective
-    ``full_optimizer_state``     AdamW state in full shape, and its inverse (checkpoints)
-    ``load_full_optimizer_state``
-    ``model_state_bytes``        bytes this rank holds: parameters, gradients, optimizer
-    ``bytes_formula``            {tag: bytes} one rank sends per step by the formulas
-    ``memory_formula``           model-state bytes by the papers' formula (None: none)
-    ===========================  ============================================================
+    The training step (``train/step.py``), ``verify``, ``trace`` and checkpoints use only the
+    members under the comments "the step", "evaluation, sampling", "full shape" and
+    "accounting" (docs/architecture.md, "The engine interface", lists them with their rules).
     """
 
     def __init__(self, module, topo, *, loss_fn, grad_sync, finishers=None,
@@ -138,6 +119,7 @@ class ParallelModel(nn.Module):
         self.finishers = [grad_sync.finish_gradient_sync] if finishers is None else list(finishers)
         self.traffic = traffic
         self.step_context = grad_sync.step_context  # torch's context_parallel (DDP over dp × cp)
+        self._views_cache: dict = {}  # DTensor layouts' element positions (:func:`.views.to_full`)
 
     @property
     def count_axes(self) -> tuple[str, ...]:
@@ -145,12 +127,12 @@ class ParallelModel(nn.Module):
         rank counts the tokens of its own chunks)."""
         return (self.topo.data_axis if self.topo is not None else "dp",)
 
-    # -- a pipeline's schedule: what the step, the report and the trace read -----------------
     @property
     def reduce_loss_axes(self) -> tuple[str, ...]:
         """The data axis, and with a pipeline "pp" first (only the last stage holds a loss)."""
         return getattr(self.runner, "loss_axes", ()) + self.count_axes
 
+    # -- a pipeline's schedule: what the step, the report and the trace read -----------------
     @property
     def timeline(self) -> list[tuple]:
         """A pipeline's last step: (kind, mb, chunk, peer, t_start, t_end) per action ([] at
@@ -170,6 +152,7 @@ class ParallelModel(nn.Module):
         """Pipeline chunks per rank."""
         return self.runner.v
 
+    # -- the step: the loss is tp's, the gradient sync dp's ---------------------------------
     def forward_backward(self, microbatches: list[dict], denom: float,
                          dtype: str = "fp32") -> torch.Tensor:
         """The micro-batch loop (:meth:`_micro_batch_loop`), or the pipeline runner's schedule
@@ -188,14 +171,16 @@ class ParallelModel(nn.Module):
         loss sum, fp64 [1]."""
         device = next(self.module.parameters()).device
         loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
-        self.begin_forward_backward()
-        with self._step_context(microbatches[0]), self.booking():
+        sync, loss_fn = self.dp, self.loss_fn
+        sync.begin_forward_backward()
+        with self._step_context(microbatches[0]), sync.booking(), \
+                loss_fn.booking(**sync.booking_options()):
             for i, mb in enumerate(microbatches):
                 mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
-                with self.sync_gradients(i == len(microbatches) - 1):
+                with sync.sync_gradients(i == len(microbatches) - 1):
                     with autocast(dtype, device):
-                        s = self.loss_sum(mb)
-                    with self.backward_context():
+                        s = loss_fn.loss_sum(mb)
+                    with loss_fn.backward_context():
                         (s / denom).backward()
                 loss_sum += local(s.detach()).double()
         return loss_sum
@@ -221,33 +206,18 @@ class ParallelModel(nn.Module):
             self.dp.forward_module.train(mode)
         return self
 
-    # -- the step: the loss is tp's, the gradient sync dp's ---------------------------------
-    def sync_gradients(self, enabled: bool):
-        return self.dp.sync_gradients(enabled)
-
-    def begin_forward_backward(self) -> None:
-        self.dp.begin_forward_backward()
-
-    def loss_sum(self, batch: dict) -> torch.Tensor:
-        """The vocab-parallel loss sum of this dp row's micro-batch [b, s] (local logits
-        [b, s, V_pad/tp]), the same on every tp rank of the row."""
-        return self.loss_fn.loss_sum(batch)
-
-    @contextlib.contextmanager
-    def booking(self):
-        """The sync's own booking, then the loss function's (with the sync's options)."""
-        with self.dp.booking(), self.loss_fn.booking(**self.dp.booking_options()):
-            yield
-
-    def backward_context(self):
-        return self.loss_fn.backward_context()
-
     def finish_gradient_sync(self) -> None:
         """The finishers in order, the sync's finish among them (module docstring; with SP:
         SUM over tp the norm weights' partial gradients on what this rank holds, ZeRO at pp = 1
         its slice only, tag ``sp_grad``)."""
         for finish in self.finishers:
             finish()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The global gradient L2 norm, every element of the model counted once, clipping to
+        ``max_norm`` if > 0 (:func:`.params.grad_norm_` over the sync's held gradients, axes
+        derived). Returns the norm before clipping, fp32 []."""
+        return grad_norm_(self.held_grads(), self.topo, None, max_norm)
 
     def held_grads(self):
         """dp's pieces (ZeRO slices, FSDP2 shards, whole gradients); tp, which splits them, is
@@ -281,7 +251,7 @@ class ParallelModel(nn.Module):
         with self.dp.full_model_for(self) as model:
             yield model
 
-    # -- full-shape views and accounting: the dp part is dp's ---------------------------------
+    # -- full-shape views and accounting: the dp part is the sync's --------------------------
     def named_params(self):
         return self.dp.named_params()
 
@@ -351,74 +321,33 @@ class ParallelModel(nn.Module):
             out.update(self.traffic.bytes_formula(*args))
         return out
 
-    # -- full shape: the dp part (the sync), then the tp part (:func:`.views.to_full`) -------
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """The global gradient L2 norm, every element of the model counted once, clipping to
-        ``max_norm`` if > 0 (:func:`.params.grad_norm_` over :meth:`held_grads` and
-        :meth:`norm_axes`). Returns the norm before clipping, fp32 []."""
-        return grad_norm_(self.held_grads(), self.topo, None, max_norm)
-
-    def _full_named(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        params = dict(self.named_params())
-        names = list(local)
-        return dict(zip(names, to_full([(local[n], params[n]) for n in names],
-                                       self.topo, self._views_cache())))
-
-    def _views_cache(self) -> dict:
-        """Element positions of DTensor layouts for :func:`.views.to_full`, kept per engine."""
-        if "_full_cache" not in self.__dict__:
-            self.__dict__["_full_cache"] = {}
-        return self.__dict__["_full_cache"]
+    # -- full shape: the dp part (the sync), then the tp part (:mod:`.views`) -----------------
+    def _full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return full_named(local, dict(self.named_params()), self.topo, self._views_cache)
 
     def named_full_parameters(self) -> dict[str, torch.Tensor]:
         """{FQN of the plain model: full-shape parameter} for the parameters this rank holds:
         :meth:`dp_parameters` (whole over dp), then :func:`.views.to_full` over tp. Collective
         wherever the parameters are sharded (every rank of those axes calls it)."""
-        return self._full_named(self.dp_parameters())
+        return self._full(self.dp_parameters())
 
     def named_full_gradients(self) -> dict[str, torch.Tensor]:
         """The same for gradients (after ``finish_gradient_sync``)."""
-        return self._full_named(self.dp_gradients())
+        return self._full(self.dp_gradients())
 
     def full_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
-        """{FQN of the plain model: {state key: tensor}} for the parameters this rank holds:
-        AdamW's ``exp_avg``/``exp_avg_sq`` in the parameter's *full* shape (dp part by
-        :meth:`dp_optimizer_state`, tp part by :func:`.views.to_full`, as the parameters) and
-        its ``step``. Parameters with no state yet are absent. Collective wherever
-        :meth:`named_full_parameters` is."""
-        local = self.dp_optimizer_state(optimizer)
-        params = dict(self.named_params())
-        out, where, pairs = {}, [], []
-        for n, st in local.items():
-            entry = out[n] = {}
-            for k, v in st.items():
-                if torch.is_tensor(v) and k != "step":
-                    where.append((entry, k))
-                    pairs.append((v, params[n]))
-                else:
-                    entry[k] = v.detach().clone() if torch.is_tensor(v) else v
-        full = to_full(pairs, self.topo, self._views_cache())
-        for (entry, k), t in zip(where, full):  # one gather for all
-            entry[k] = t
-        return out
+        """{FQN of the plain model: {state key: tensor}}: :meth:`dp_optimizer_state`, then
+        :func:`.views.full_state` (tensors in full shape, as the parameters). Collective
+        wherever :meth:`named_full_parameters` is."""
+        return full_state(self.dp_optimizer_state(optimizer), dict(self.named_params()),
+                          self.topo, self._views_cache)
 
     def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
         """Set ``optimizer``'s state from :meth:`full_optimizer_state`'s form (possibly saved
-        under another layout): each tensor is cut to this rank's tp shard
-        (:func:`.views.to_local`), then to its dp slice (:meth:`dp_load_optimizer_state`). No
-        collective. Raises ``KeyError`` naming the FQNs this rank's parameters need but
-        ``state`` lacks, ``ValueError`` for a tensor whose shape is not its parameter's."""
-        named = self.named_params()
-        missing = [n for n, _ in named if n not in state]
-        if missing:
-            raise KeyError(f"optimizer state lacks {len(missing)} parameters, e.g. "
-                           f"{missing[:3]}")
-        topo = self.topo
-        local = {n: {k: (to_local(v, p, topo) if torch.is_tensor(v) and k != "step"
-                         else v.detach().clone() if torch.is_tensor(v) else v)
-                     for k, v in state[n].items()} for n, p in named}
-        self.dp_load_optimizer_state(optimizer, local)
+        under another layout): :func:`.views.local_state` (tp), then
+        :meth:`dp_load_optimizer_state` (dp). No collective; raises as ``local_state``."""
+        self.dp_load_optimizer_state(optimizer,
+                                     local_state(state, self.named_params(), self.topo))
 
 
 class Local(ParallelModel):
