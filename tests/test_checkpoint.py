@@ -156,7 +156,7 @@ def matrix(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference():
     """Single process, the worker's model/data/optimizer: the losses of steps 1..N."""
-    from shardwise.parallel.engine import Local
+    from shardwise.parallel.model import Local
     from shardwise.train.optim import build_optimizer, build_scheduler
     from shardwise.train.step import train_step
 

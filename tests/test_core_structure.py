@@ -3,27 +3,44 @@
 * strategy folders (dp, zero, tp, pp, cp, ep) never import each other — what two strategies
   share lives in ``params``, ``layout`` or ``comm``; :data:`PENDING` (edges still allowed) is
   empty since the pipeline became a runner (``parallelize`` composes its stage);
-* the engines (subclasses of ``Engine``, at any depth) are the ones listed in :data:`ENGINES`:
-  exactly ``ParallelModel`` and ``Local`` (the gradient syncs are plain objects, the pipelines
-  runners; the test fails on a new engine);
+* the engines (``nn.Module`` classes that define the step's ``forward_backward``, and their
+  subclasses at any depth) are the ones listed in :data:`ENGINES`: exactly ``ParallelModel``
+  and ``Local`` (the gradient syncs are plain objects, the pipelines runners; the test fails
+  on a new engine);
 * no class declares the norm's axes (``def norm_axes`` only in ``params.py``, where
   :meth:`~shardwise.parallel.params.Held.norm_axes` derives them from the held gradients);
 * the reduce dtype table ``REDUCE_DTYPES`` is assigned in exactly one module;
 * no class registry: no ``__new__`` / ``__init_subclass__`` in ``parallel/`` (ZeRO-3 is built
-  by a call the reader can follow, :func:`shardwise.parallel.zero.zero_sync`).
+  by a call the reader can follow, :func:`shardwise.parallel.zero.zero_sync`);
+* the loss is defined at most :data:`MAX_LOSSES` times in at most :data:`MAX_LOSS_FILES` files
+  (:func:`loss_definitions`: a loss function's class, or a module-level loss-sum function; the
+  engines only delegate to their ``loss_fn``). 19 in 11 files at cc2136c (design/one-engine.md).
 
-Each checker is also run on a planted violation (a fake package in ``tmp_path``) and must fail.
+* a reader opens at most :data:`READ_BOUNDS` files of ``parallel/`` from ``parallelize()`` to
+  see PP 1F1B, ZeRO-3 or TP whole (the issue's targets; measured by running the layout:
+  tests/workers/reading_cases.py).
+
+Each static checker is also run on a planted violation (a fake package in ``tmp_path``) and must
+fail.
 """
 
 import ast
 from pathlib import Path
+
+import pytest
+
+from conftest import run_world
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "shardwise"
 STRATEGIES = ("dp", "zero", "tp", "pp", "cp", "ep")
 # (importing folder, imported folder) edges still there, to be removed by the pipeline runner
 PENDING: set = set()
 # engine classes: the two to keep, then those pending (gradient syncs, the pipeline engines)
-ENGINES = {"model.py:ParallelModel", "engine.py:Local"}
+ENGINES = {"model.py:ParallelModel", "model.py:Local"}
+MAX_LOSSES, MAX_LOSS_FILES = 6, 4  # issue 33's targets
+LOSS_MEMBERS = ("loss_sum", "loss_sum_and_count", "loss")
+# files of parallel/ a reader opens from parallelize() to see the layout whole (issue 33)
+READ_BOUNDS = {"pp_1f1b": 8, "zero3": 9, "tp": 9}
 
 
 def _imported_modules(f: Path, pkg_root: Path) -> list[tuple[str, int]]:
@@ -73,23 +90,46 @@ def definitions(pkg_root: Path, names, *, outside: str = "") -> list[str]:
 
 
 def engine_classes(pkg_root: Path) -> set[str]:
-    """{"file:Class"} of every class in ``parallel/`` that derives from ``Engine`` (directly or
-    through another class of ``parallel/``; bases matched by name)."""
+    """{"file:Class"} of every class in ``parallel/`` that is an engine: an ``nn.Module``
+    subclass defining ``forward_backward`` (the step's entry), or a class derived from one
+    through other classes of ``parallel/`` (bases matched by name)."""
     par = pkg_root / "parallel"
     bases = {}
+    engines = set()
     for f in sorted(par.rglob("*.py")):
         for n in ast.walk(ast.parse(f.read_text())):
             if isinstance(n, ast.ClassDef):
                 names = [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "")
                          for b in n.bases]
                 bases[n.name] = (names, str(f.relative_to(par)))
-    engines, grew = {"Engine"}, True
+                if "Module" in names and any(isinstance(m, ast.FunctionDef)
+                                             and m.name == "forward_backward" for m in n.body):
+                    engines.add(n.name)
+    grew = True
     while grew:
         new = {c for c, (names, _) in bases.items()
                if c not in engines and any(b in engines for b in names)}
         engines |= new
         grew = bool(new)
-    return {f"{bases[c][1]}:{c}" for c in engines - {"Engine"}}
+    return {f"{bases[c][1]}:{c}" for c in engines}
+
+
+def loss_definitions(pkg_root: Path) -> list[str]:
+    """"file:name" of every loss definition in ``parallel/``: a class that defines one of
+    :data:`LOSS_MEMBERS` or whose name ends in ``Loss`` (the engines excluded: they delegate to
+    their ``loss_fn``), and every module-level function whose name contains ``loss_sum``."""
+    par = pkg_root / "parallel"
+    engines = {e.split(":")[1] for e in engine_classes(pkg_root)}
+    out = []
+    for f in sorted(par.rglob("*.py")):
+        for n in ast.parse(f.read_text()).body:
+            if isinstance(n, ast.ClassDef) and n.name not in engines and (
+                    n.name.endswith("Loss") or any(isinstance(m, ast.FunctionDef)
+                                                   and m.name in LOSS_MEMBERS for m in n.body)):
+                out.append(f"{f.relative_to(par)}:{n.name}")
+            elif isinstance(n, ast.FunctionDef) and "loss_sum" in n.name:
+                out.append(f"{f.relative_to(par)}:{n.name}")
+    return out
 
 
 def norm_axes_declarations(pkg_root: Path) -> list[str]:
@@ -131,6 +171,12 @@ def test_no_class_registry():
     assert definitions(SRC, ("__new__", "__init_subclass__")) == []
 
 
+def test_the_loss_is_defined_in_few_places():
+    found = loss_definitions(SRC)
+    files = {d.split(":")[0] for d in found}
+    assert len(found) <= MAX_LOSSES and len(files) <= MAX_LOSS_FILES, found
+
+
 def test_the_reduce_dtype_table_is_written_once():
     assert assignments(SRC, "REDUCE_DTYPES") == ["parallel/params.py"]
 
@@ -150,9 +196,28 @@ def test_planted_violations_fail(tmp_path):
     (pkg / "parallel" / "tp" / "b.py").write_text(
         "REDUCE_DTYPES = {}\nclass E:\n    def norm_axes(self):\n        return ('tp',)\n"
         "    def __new__(cls):\n        return super().__new__(cls)\n"
-        "class T(Engine):\n    pass\nclass U(T):\n    pass\n")
+        "class T(nn.Module):\n    def forward_backward(self):\n        pass\n"
+        "class U(T):\n    pass\nclass R:\n    def forward_backward(self):\n        pass\n")
     assert set(strategy_edges(pkg)) == {("zero", "dp"), ("zero", "tp")}
     assert norm_axes_declarations(pkg) == ["tp/b.py:3"]
     assert definitions(pkg, ("__new__", "__init_subclass__")) == ["tp/b.py:5"]
     assert assignments(pkg, "REDUCE_DTYPES") == ["parallel/params.py", "parallel/tp/b.py"]
     assert engine_classes(pkg) == {"tp/b.py:T", "tp/b.py:U"}
+    (pkg / "parallel" / "tp" / "c.py").write_text(
+        "class StageLoss:\n    pass\nclass V:\n    def loss_sum_and_count(self):\n        pass\n"
+        "def loss_sum(out, mb):\n    pass\n")
+    assert loss_definitions(pkg) == ["tp/c.py:StageLoss", "tp/c.py:V", "tp/c.py:loss_sum"]
+
+
+@pytest.mark.timeout(300)
+def test_a_reader_opens_few_files_to_see_a_layout_whole(tmp_path):
+    """Each layout of :data:`READ_BOUNDS` built and stepped on 2 ranks: the ``parallel/`` files
+    whose functions ran from ``parallelize()`` or the engine (the layout's refusals aside),
+    over both ranks, are at most the bound."""
+    run_world(Path(__file__).parent / "workers" / "reading_cases.py", tmp_path, nproc=2)
+    for case, bound in READ_BOUNDS.items():
+        ranks = sorted(tmp_path.glob(f"{case}_rank*.txt"))
+        assert len(ranks) == 2, ranks
+        files = set().union(*(set(r.read_text().split()) for r in ranks))
+        assert "apply.py" in files and "model.py" in files, files  # the measure sees the path
+        assert len(files) <= bound, f"{case}: {len(files)} files > {bound}: {sorted(files)}"

@@ -16,7 +16,7 @@ import torch
 
 from shardwise.config import TrainConfig
 from shardwise.models import build_model, loss_sum_and_count
-from shardwise.parallel.engine import Local
+from shardwise.parallel.model import Local
 from shardwise.train.optim import build_optimizer
 from shardwise.train.step import train_step
 

@@ -20,7 +20,7 @@ from shardwise.errors import ShardwiseConfigError
 from shardwise.models import LlamaConfig, build_model
 from shardwise.parallel.tp import (apply as tp_apply, padded_vocab_size, parallelize_tensor,
                                    tp_step_bytes_formula, valid_tp_degrees, validate_tp)
-from shardwise.parallel.engine import NoSync
+from shardwise.parallel.sync import NoSync
 from shardwise.parallel.model import ParallelModel
 from shardwise.parity import ATOL, RTOL, assert_parity, reference_run
 from shardwise.train.workload import SyntheticLMWorkload

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from shardwise.config import TrainConfig
 from shardwise.models import build_model
 from shardwise.parallel.apply import Layout, parallelize
-from shardwise.parallel.engine import Local
+from shardwise.parallel.model import Local
 from shardwise.topology import Topology, init_distributed
 from shardwise.train.optim import build_optimizer
 from shardwise.train.step import train_step

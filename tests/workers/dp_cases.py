@@ -68,7 +68,7 @@ def main(out: str) -> None:
                 model.unused = torch.nn.Parameter(torch.ones(5))
             wrapped = parallelize(model, topo, engine="explicit", bucket_mb=0.01, overlap=overlap)
             (mb,) = work.batches(torch.arange(4) + 4 * topo.index("dp"), 4)
-            with wrapped.sync_gradients(True):
+            with wrapped.dp.sync_gradients(True):
                 loss_sum_and_count(wrapped, mb)[0].backward()
             buckets = wrapped.dp.buckets  # the engine's gradient sync
             launched[overlap, unused] = (sum(b.handle is not None for b in buckets),

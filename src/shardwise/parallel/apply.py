@@ -1,6 +1,6 @@
 """Choose and apply the strategy for a layout over a plain model: :func:`parallelize`.
 
-:func:`parallelize` turns a plain model into an :class:`~.engine.Engine` for a :class:`Layout` on
+:func:`parallelize` turns a plain model into an :class:`~.model.ParallelModel` for a :class:`Layout` on
 a :class:`~shardwise.topology.Topology`, with our explicit implementation (``engine="explicit"``)
 or PyTorch's own (``engine="torch"``). It reads as the order of the transforms (torchtitan's
 ``parallelize_llama``, picotron's order; mesh (pp, dp, cp, tp), tp innermost):
@@ -23,7 +23,7 @@ or PyTorch's own (``engine="torch"``). It reads as the order of the transforms (
 4. the gradient sync over dp (:func:`dp_sync`): DP (:mod:`.dp`), ZeRO-1/2/3 (:mod:`.zero`),
    DDP, ``ZeroRedundancyOptimizer`` / FSDP2, or FSDP2 over DTensor TP
    (:class:`~.zero.fsdp2.FSDP2Sync`); with tp > 1 and dp × cp = 1, none
-   (:class:`~.engine.NoSync`);
+   (:class:`~.sync.NoSync`);
 5. one :class:`~.model.ParallelModel` of the loss function (tp = 1: the plain loss of the
    sync's forward module), the sync and the finishers (the SP sum over tp on what the sync
    leaves on each rank).
@@ -100,7 +100,7 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
         loss_fn, traffic = parallelize_tensor_dtensor(model, topo, sp=layout.sp), TorchTPTraffic
     # 4. the gradient sync over dp (× cp: the data axis), on the TP shards
     if layout.dp * layout.cp == 1:
-        from .engine import NoSync
+        from .sync import NoSync
 
         sync = NoSync(model, topo)
     else:
@@ -130,12 +130,11 @@ def _pipeline(model: nn.Module, topo, layout: Layout, engine: str, *, layers_per
     gradients' placements; the tied swap; with SP the sum over tp on whole gradients; then the
     sync) and the runner of the schedule (explicit :class:`~.pp.runner.ScheduleRunner`, torch
     :class:`~.pp.torch_runner.TorchScheduleRunner`). Options as :func:`parallelize`."""
-    from .engine import NoSync
-    from .model import ParallelModel
+    from .sync import NoSync
+    from .model import ParallelModel, PlainLoss
     from .params import mark_duplicate
     from .pp import StageModule, check_schedule, copy_stages_from_first
     from .pp.comms import TiedSwap
-    from .pp.split import loss_sum
     from .tp import SPSum, StageTPTraffic
 
     p, tp, sp = layout.pp, layout.tp, layout.sp
@@ -145,21 +144,18 @@ def _pipeline(model: nn.Module, topo, layout: Layout, engine: str, *, layers_per
     copy_stages_from_first(model, topo, v, layers_per_stage)  # before TP shards them
     finishers, loss_context = [], None
     if tp > 1 and engine == "explicit":  # Megatron TP inside the stage, as for a whole model
-        from .tp import apply_tp
-        from .tp.loss import StageLoss
+        from .tp import VocabParallelLoss, apply_tp
 
-        apply_tp(stage, topo, sp, seed=seed)
-        stage_loss = StageLoss(stage.output, topo) if stage.holds_head else loss_sum
+        loss_fn = VocabParallelLoss(stage, topo, sp, apply_tp(stage, topo, sp, seed=seed))
     elif tp > 1:  # DTensor TP inside the stage; its gradients given their params' placements
-        from .tp.dtensor import (DTensorStageLoss, match_grad_placements,
-                                 parallelize_stage_dtensor)
+        from .tp.dtensor import LossParallel, match_grad_placements, parallelize_stage_dtensor
 
         parallelize_stage_dtensor(stage, topo, sp)
-        stage_loss = DTensorStageLoss(stage, topo)
-        loss_context = stage_loss.context
+        loss_fn = LossParallel(stage, topo, sp)
+        loss_context = loss_fn.backward_context
         finishers.append(lambda: match_grad_placements(stage))
     else:
-        stage_loss = loss_sum
+        loss_fn = PlainLoss(stage)
     if stage.tied_output is not None:
         mark_duplicate(stage.tied_output)  # reduced over dp like the others, counted once
     if topo.size(topo.data_axis) == 1:
@@ -193,15 +189,15 @@ def _pipeline(model: nn.Module, topo, layout: Layout, engine: str, *, layers_per
     if engine == "explicit":
         from .pp.runner import ScheduleRunner
 
-        runner = ScheduleRunner(stage, topo, schedule=layout.schedule, v=v, loss_sum=stage_loss,
+        runner = ScheduleRunner(stage, topo, schedule=layout.schedule, v=v, loss_sum=loss_fn.loss,
                                 seq_shards=seq_shards)
     else:
         from .pp.torch_runner import TorchScheduleRunner
 
         runner = TorchScheduleRunner(stage, topo, schedule=layout.schedule, v=v,
-                                     loss_sum=stage_loss, seq_shards=seq_shards,
+                                     loss_sum=loss_fn.loss, seq_shards=seq_shards,
                                      loss_context=loss_context, book=tp > 1)
-    return ParallelModel(stage, topo, loss_fn=stage_loss, grad_sync=sync, finishers=finishers,
+    return ParallelModel(stage, topo, loss_fn=loss_fn, grad_sync=sync, finishers=finishers,
                          traffic=StageTPTraffic(stage, topo, sp, dtensor=engine == "torch")
                          if tp > 1 else None, runner=runner)
 
@@ -209,7 +205,7 @@ def _pipeline(model: nn.Module, topo, layout: Layout, engine: str, *, layers_per
 def dp_sync(model: nn.Module, topo, layout: Layout, engine: str, *, bucket_mb: float = 25.0,
             overlap: bool = True, prefetch: bool = True, reshard_after_forward: bool = True,
             reduce_dtype: str = "fp32"):
-    """The gradient sync (a plain :class:`~.engine.Sync`) over ``topo``'s dp axis for
+    """The gradient sync (a plain :class:`~.sync.Sync`) over ``topo``'s dp axis for
     ``layout.zero`` on ``engine``, of ``model`` (plain, or already converted for TP when
     ``layout.tp`` > 1: its parameters are then this rank's tp shards, Ψ/tp each; DTensors on
     the torch engine).

@@ -11,8 +11,8 @@ site) from plain pieces over one converted module, each answering the members it
 ``grad_sync``                      micro-step sync, the reduction, the optimizer, the norm's
                                    held gradients, full-shape dp views, the module the loss
                                    runs forward (:class:`~.dp.DataParallel`, DDP, :mod:`.zero`,
-                                   FSDP2, or :class:`~.engine.NoSync` when dp × cp = 1): a
-                                   plain :class:`~.engine.Sync`
+                                   FSDP2, or :class:`~.sync.NoSync` when dp × cp = 1): a
+                                   plain :class:`~.sync.Sync`
 ``finishers``                      run in order after the sync: the SP sum over tp of what the
                                    sync leaves on this rank (:class:`~.tp.SPSum`, or DTensor's
                                    :class:`~.tp.TorchSPSum`)
@@ -37,16 +37,30 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch import nn
 
-from ..models import loss_sum_and_count
-from .engine import Engine
-from .params import Held, norm_bytes
+from ..models import lm_loss, loss_sum_and_count, mse_loss
+from ..models.dpo import dpo_loss_sum_and_count, is_dpo
+from .params import Held, grad_norm_, local, norm_bytes
+from .sync import NoSync
+from .views import full_named, full_state, local_state
+
+
+def autocast(dtype: str, device: torch.device):
+    """bf16 mixed precision: matmuls in bf16, master weights/grads/optimizer state stay fp32."""
+    if dtype == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 class PlainLoss:
-    """The loss function of a model whose logits are whole on this rank:
+    """The loss function of a model whose logits are whole on this rank, and the defaults of
+    every loss function's members (:class:`~.tp.VocabParallelLoss`, :class:`~.tp.LossParallel`,
+    the MLP's :class:`~.tp.mlp.MLPLoss` override what differs). ``loss_sum``:
     :func:`shardwise.models.loss_sum_and_count` (language model, DPO or regression) of
-    ``module``; the training sum adds a mixture of experts' aux losses, the evaluation does not."""
+    ``module`` with a mixture of experts' aux losses; ``loss_sum_and_count``: the evaluation's,
+    without them; ``loss(out, mb)``: the sum of a pipeline's last-stage output ``out`` for
+    micro-batch ``mb`` (the runners call it)."""
 
     def __init__(self, module):
         self.module = module
@@ -57,28 +71,47 @@ class PlainLoss:
     def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         return loss_sum_and_count(self.module, batch, aux=False)
 
+    def loss(self, out: torch.Tensor, mb: dict) -> torch.Tensor:
+        """Sum of per-token (per-element) losses of ``out``, fp32 scalar: DPO pairs, the
+        language model's tokens or the regression's elements."""
+        if is_dpo(mb):  # preference pairs: the DPO objective (models/dpo.py)
+            return dpo_loss_sum_and_count(out, mb)[0]
+        if "labels" in mb:
+            return lm_loss(out, mb["labels"])[0]
+        return mse_loss(out, mb["targets"])[0]
+
     def booking(self, **options):
+        """Context around the step: nothing to book (every collective goes through
+        :mod:`shardwise.comm`)."""
         return contextlib.nullcontext()
 
     def backward_context(self):
+        """Context each backward runs in: none."""
         return contextlib.nullcontext()
 
     @contextlib.contextmanager
     def gathered_logits(self):
+        """The model with full logits, for sampling: the module itself."""
         yield self.module
 
 
-class ParallelModel(Engine):
+class ParallelModel(nn.Module):
     """``module`` (converted for TP; with a pipeline ``runner``, this rank's stage) on ``topo``
     with its ``loss_fn``, ``grad_sync``, ``finishers``, ``traffic`` and ``runner`` (module
     docstring); ``sp``: sequence parallelism (the ``sp_grad`` term at pp = 1). ``finishers``:
     run in order after the last backward, the sync's ``finish_gradient_sync`` among them (None:
     that one alone). Every tp rank of a dp row holds the complete loss sum of its row, so the
-    token count and the loss are all-reduced over the data axis only."""
+    token count and the loss are all-reduced over the data axis only.
+
+    The training step (``train/step.py``), ``verify``, ``trace`` and checkpoints use only the
+    members under the comments "the step", "evaluation, sampling", "full shape" and
+    "accounting" (docs/architecture.md, "The engine interface", lists them with their rules).
+    """
 
     def __init__(self, module, topo, *, loss_fn, grad_sync, finishers=None,
                  traffic=None, sp: bool = False, runner=None):
-        super().__init__(module)
+        super().__init__()
+        self.module = module
         # the sync holds ``module`` too: a tuple, which nn.Module does not register, so that
         # state_dict()/parameters() see the model once
         self.parts = (grad_sync,)
@@ -86,13 +119,20 @@ class ParallelModel(Engine):
         self.finishers = [grad_sync.finish_gradient_sync] if finishers is None else list(finishers)
         self.traffic = traffic
         self.step_context = grad_sync.step_context  # torch's context_parallel (DDP over dp × cp)
+        self._views_cache: dict = {}  # DTensor layouts' element positions (:func:`.views.to_full`)
 
-    # -- a pipeline's schedule: what the step, the report and the trace read -----------------
+    @property
+    def count_axes(self) -> tuple[str, ...]:
+        """Axes the step's token count is summed over: the data axis, "dp" or "dp_cp" (each cp
+        rank counts the tokens of its own chunks)."""
+        return (self.topo.data_axis if self.topo is not None else "dp",)
+
     @property
     def reduce_loss_axes(self) -> tuple[str, ...]:
         """The data axis, and with a pipeline "pp" first (only the last stage holds a loss)."""
         return getattr(self.runner, "loss_axes", ()) + self.count_axes
 
+    # -- a pipeline's schedule: what the step, the report and the trace read -----------------
     @property
     def timeline(self) -> list[tuple]:
         """A pipeline's last step: (kind, mb, chunk, peer, t_start, t_end) per action ([] at
@@ -112,13 +152,43 @@ class ParallelModel(Engine):
         """Pipeline chunks per rank."""
         return self.runner.v
 
+    # -- the step: the loss is tp's, the gradient sync dp's ---------------------------------
     def forward_backward(self, microbatches: list[dict], denom: float,
                          dtype: str = "fp32") -> torch.Tensor:
-        """The micro-batch loop (:meth:`~.engine.Engine.forward_backward`), or the pipeline
-        runner's schedule over ``microbatches``; the loss sum of this rank, fp64 [1]."""
+        """The micro-batch loop (:meth:`_micro_batch_loop`), or the pipeline runner's schedule
+        over ``microbatches``; the loss sum of this rank, fp64 [1]."""
         if self.runner is None:
-            return super().forward_backward(microbatches, denom, dtype)
+            return self._micro_batch_loop(microbatches, denom, dtype)
         return self.runner.forward_backward(microbatches, denom, dtype)
+
+    def _micro_batch_loop(self, microbatches: list[dict], denom: float,
+                          dtype: str = "fp32") -> torch.Tensor:
+        """The one micro-batch loop: forward + backward each micro-batch; the loss
+        back-propagated is its token-loss sum (:meth:`loss_sum`) divided by ``denom`` (the global
+        token count), so gradients sum to ∇ of the global mean. Gradient sync is enabled on the
+        last micro-step only (nanoGPT's ``require_backward_grad_sync``). Inside: the loss
+        function's sum, booking and backward context, the sync's micro-step switch. Returns the
+        loss sum, fp64 [1]."""
+        device = next(self.module.parameters()).device
+        loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
+        sync, loss_fn = self.dp, self.loss_fn
+        sync.begin_forward_backward()
+        with self._step_context(microbatches[0]), sync.booking(), \
+                loss_fn.booking(**sync.booking_options()):
+            for i, mb in enumerate(microbatches):
+                mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+                with sync.sync_gradients(i == len(microbatches) - 1):
+                    with autocast(dtype, device):
+                        s = loss_fn.loss_sum(mb)
+                    with loss_fn.backward_context():
+                        (s / denom).backward()
+                loss_sum += local(s.detach()).double()
+        return loss_sum
+
+    def _step_context(self, batch: dict):
+        if self.step_context is None:
+            return contextlib.nullcontext()
+        return self.step_context(batch["input_ids"].shape[1])
 
     @property
     def dp(self):
@@ -136,33 +206,18 @@ class ParallelModel(Engine):
             self.dp.forward_module.train(mode)
         return self
 
-    # -- the step: the loss is tp's, the gradient sync dp's ---------------------------------
-    def sync_gradients(self, enabled: bool):
-        return self.dp.sync_gradients(enabled)
-
-    def begin_forward_backward(self) -> None:
-        self.dp.begin_forward_backward()
-
-    def loss_sum(self, batch: dict) -> torch.Tensor:
-        """The vocab-parallel loss sum of this dp row's micro-batch [b, s] (local logits
-        [b, s, V_pad/tp]), the same on every tp rank of the row."""
-        return self.loss_fn.loss_sum(batch)
-
-    @contextlib.contextmanager
-    def booking(self):
-        """The sync's own booking, then the loss function's (with the sync's options)."""
-        with self.dp.booking(), self.loss_fn.booking(**self.dp.booking_options()):
-            yield
-
-    def backward_context(self):
-        return self.loss_fn.backward_context()
-
     def finish_gradient_sync(self) -> None:
         """The finishers in order, the sync's finish among them (module docstring; with SP:
         SUM over tp the norm weights' partial gradients on what this rank holds, ZeRO at pp = 1
         its slice only, tag ``sp_grad``)."""
         for finish in self.finishers:
             finish()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The global gradient L2 norm, every element of the model counted once, clipping to
+        ``max_norm`` if > 0 (:func:`.params.grad_norm_` over the sync's held gradients, axes
+        derived). Returns the norm before clipping, fp32 []."""
+        return grad_norm_(self.held_grads(), self.topo, None, max_norm)
 
     def held_grads(self):
         """dp's pieces (ZeRO slices, FSDP2 shards, whole gradients); tp, which splits them, is
@@ -187,7 +242,7 @@ class ParallelModel(Engine):
 
     @contextlib.contextmanager
     def full_model(self):
-        """Full weights and full logits for sampling (:meth:`~.engine.Engine.full_model_for`);
+        """Full weights and full logits for sampling (:meth:`.sync.Sync.full_model_for`);
         every rank of the layout enters it together. None for a pipeline (this rank holds only
         its stage: no sampling from a pipeline)."""
         if self.runner is not None:
@@ -196,7 +251,7 @@ class ParallelModel(Engine):
         with self.dp.full_model_for(self) as model:
             yield model
 
-    # -- full-shape views and accounting: the dp part is dp's ---------------------------------
+    # -- full-shape views and accounting: the dp part is the sync's --------------------------
     def named_params(self):
         return self.dp.named_params()
 
@@ -265,3 +320,46 @@ class ParallelModel(Engine):
         if self.traffic is not None:
             out.update(self.traffic.bytes_formula(*args))
         return out
+
+    # -- full shape: the dp part (the sync), then the tp part (:mod:`.views`) -----------------
+    def _full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return full_named(local, dict(self.named_params()), self.topo, self._views_cache)
+
+    def named_full_parameters(self) -> dict[str, torch.Tensor]:
+        """{FQN of the plain model: full-shape parameter} for the parameters this rank holds:
+        :meth:`dp_parameters` (whole over dp), then :func:`.views.to_full` over tp. Collective
+        wherever the parameters are sharded (every rank of those axes calls it)."""
+        return self._full(self.dp_parameters())
+
+    def named_full_gradients(self) -> dict[str, torch.Tensor]:
+        """The same for gradients (after ``finish_gradient_sync``)."""
+        return self._full(self.dp_gradients())
+
+    def full_optimizer_state(self, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+        """{FQN of the plain model: {state key: tensor}}: :meth:`dp_optimizer_state`, then
+        :func:`.views.full_state` (tensors in full shape, as the parameters). Collective
+        wherever :meth:`named_full_parameters` is."""
+        return full_state(self.dp_optimizer_state(optimizer), dict(self.named_params()),
+                          self.topo, self._views_cache)
+
+    def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
+        """Set ``optimizer``'s state from :meth:`full_optimizer_state`'s form (possibly saved
+        under another layout): :func:`.views.local_state` (tp), then
+        :meth:`dp_load_optimizer_state` (dp). No collective; raises as ``local_state``."""
+        self.dp_load_optimizer_state(optimizer,
+                                     local_state(state, self.named_params(), self.topo))
+
+
+class Local(ParallelModel):
+    """The single-process reference: the plain ``module`` with :class:`PlainLoss` and
+    :class:`~.sync.NoSync`, no communication (no topology). Its norm is
+    ``torch.nn.utils.clip_grad_norm_`` itself, independent of :func:`.params.grad_norm_`."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__(module, None, loss_fn=PlainLoss(module), grad_sync=NoSync(module, None))
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if max_norm and max_norm > 0:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return torch.nn.utils.get_total_norm([p.grad for p in params])

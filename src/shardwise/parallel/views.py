@@ -253,3 +253,45 @@ def full_tensors(tensors: list, topo, cache: dict | None = None) -> list[torch.T
             # own storage (torch.save keeps all of a view's)
             out[i] = piece.view(tensors[i].shape).clone()
     return out
+
+
+# -- a whole model's views: {FQN: tensor} and AdamW's state --------------------------------------
+def full_named(local: dict[str, torch.Tensor], params: dict[str, nn.Parameter], topo,
+               cache: dict) -> dict[str, torch.Tensor]:
+    """{FQN: full-shape tensor} of ``local`` ({FQN: tensor in the tp-local shape of
+    ``params[FQN]``}): :func:`to_full`, one gather for all."""
+    names = list(local)
+    return dict(zip(names, to_full([(local[n], params[n]) for n in names], topo, cache)))
+
+
+def full_state(local: dict[str, dict], params: dict[str, nn.Parameter], topo,
+               cache: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """{FQN: {state key: tensor}}: AdamW's ``exp_avg``/``exp_avg_sq`` of ``local`` (tp-local
+    shape) in the parameter's *full* shape by :func:`to_full` (one gather for all), ``step``
+    and non-tensors copied. Parameters with no state yet are absent."""
+    out, where, pairs = {}, [], []
+    for n, st in local.items():
+        entry = out[n] = {}
+        for k, v in st.items():
+            if torch.is_tensor(v) and k != "step":
+                where.append((entry, k))
+                pairs.append((v, params[n]))
+            else:
+                entry[k] = v.detach().clone() if torch.is_tensor(v) else v
+    for (entry, k), t in zip(where, to_full(pairs, topo, cache)):
+        entry[k] = t
+    return out
+
+
+def local_state(state: dict[str, dict], named: list[tuple[str, nn.Parameter]],
+                topo) -> dict[str, dict]:
+    """The inverse of :func:`full_state` for the ``named`` parameters: each tensor cut to this
+    rank's tp shard (:func:`to_local`), tp-local shape. No collective. Raises ``KeyError``
+    naming the FQNs ``named`` needs but ``state`` lacks, ``ValueError`` for a tensor whose
+    shape is not its parameter's."""
+    missing = [n for n, _ in named if n not in state]
+    if missing:
+        raise KeyError(f"optimizer state lacks {len(missing)} parameters, e.g. {missing[:3]}")
+    return {n: {k: (to_local(v, p, topo) if torch.is_tensor(v) and k != "step"
+                    else v.detach().clone() if torch.is_tensor(v) else v)
+                for k, v in state[n].items()} for n, p in named}

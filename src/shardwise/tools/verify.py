@@ -34,7 +34,7 @@ from ..formulas import step_bytes_formula
 from ..models import build_model
 from ..parallel.apply import parallelize
 from ..parallel.layout import Layout, parse_layout
-from ..parallel.engine import Local
+from ..parallel.model import Local
 from ..topology import Topology
 from ..train.optim import build_optimizer, build_scheduler, lr_multiplier
 from ..train.step import train_step

@@ -48,7 +48,7 @@ import torch
 from .. import comm
 from ..config import TrainConfig
 from ..models.dpo import DPO_BETA, DPO_LOGPS, REF_LOGPS, sigmoid_dpo_loss
-from ..parallel.engine import autocast
+from ..parallel.model import autocast
 from .workload import DPOWorkload
 
 log = logging.getLogger("shardwise")

@@ -30,7 +30,7 @@ from torch import nn
 
 from ... import comm
 from ...comm.ledger import ring_bytes
-from ..engine import Sync
+from ..sync import Sync
 from ..params import broadcast_replicas, local, reduce_groups, reduce_torch_dtype
 
 class _Bucket:

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ...comm.torch_booking import ddp_comm_hook
-from ..engine import Sync
+from ..sync import Sync
 from ..params import reduce_bytes, reduce_torch_dtype
 from .data_parallel import dp_grad_bytes_formula, dp_memory_formula
 

@@ -27,7 +27,7 @@ from ... import comm
 from ...errors import ShardwiseConfigError
 from ...models import count_items, positions_kw
 from ...models.moe import moe_layers, set_aux_grad_scale
-from ..engine import autocast
+from ..model import autocast
 from ..params import local
 from .comms import GradTraffic, p2p_bytes_formula
 from .schedules import build_schedule

@@ -16,8 +16,6 @@ import torch
 from torch import nn
 
 from ...errors import ShardwiseConfigError
-from ...models import lm_loss, mse_loss
-from ...models.dpo import dpo_loss_sum_and_count, is_dpo
 from ...models.llama import document_mask, embed, rope_tables
 from .schedules import check_schedule
 
@@ -257,12 +255,3 @@ def activation_shape(mb: dict, config, seq_shards: int = 1) -> tuple[int, ...]:
     if "inputs" in mb or "targets" in mb:
         return tuple((mb["inputs"] if "inputs" in mb else mb["targets"]).shape)
     raise KeyError(f"a microbatch needs input_ids/labels or inputs/targets, got {sorted(mb)}")
-
-
-def loss_sum(out: torch.Tensor, mb: dict) -> torch.Tensor:
-    """Sum of per-token (per-element) losses of the last stage's output (fp32 scalar)."""
-    if is_dpo(mb):  # preference pairs: the DPO objective (models/dpo.py)
-        return dpo_loss_sum_and_count(out, mb)[0]
-    if "labels" in mb:
-        return lm_loss(out, mb["labels"])[0]
-    return mse_loss(out, mb["targets"])[0]

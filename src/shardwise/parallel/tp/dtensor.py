@@ -20,6 +20,7 @@ from torch import nn
 from ...comm.ledger import ring_bytes
 from ...comm.torch_booking import BookFunctionalCollectives, booked_as
 from ...models.llama import IGNORE_INDEX, Llama
+from ..model import PlainLoss
 from ..params import (is_dtensor as _is_dtensor, local as _local, sum_coalesced_,
                       tp_sharded)
 from .apply import TPTraffic, check_plan_covers, tp_activation_bytes, validate_tp
@@ -106,16 +107,17 @@ def reduce_partial_grads(params, topo, tag: str = "sp_grad") -> None:
         p.grad = DTensor.from_local(t, p.device_mesh, [Replicate()], run_check=False)
 
 
-class LossParallel:
-    """The loss function of a model converted by :func:`parallelize_tensor_dtensor`
-    (``module`` on ``topo``, ``sp``): cross-entropy under ``loss_parallel`` of the logits
-    sharded over the vocabulary, a DTensor scalar Replicate over tp. ``book_collectives``: book
-    DTensor's collectives in the ledger during the step (a dispatch mode sees every op, which
-    costs Python time per op: turn it off to time). The same members as
-    :class:`~.loss.VocabParallelLoss`."""
+class LossParallel(PlainLoss):
+    """The loss function of a model (or a pipeline stage) converted by
+    :func:`parallelize_tensor_dtensor` (``module`` on ``topo``, ``sp``): cross-entropy under
+    ``loss_parallel`` of the logits sharded over the vocabulary, a DTensor scalar Replicate over
+    tp. ``book_collectives``: book DTensor's collectives in the ledger during the step (a
+    dispatch mode sees every op, which costs Python time per op: turn it off to time). The
+    other members are :class:`~shardwise.parallel.model.PlainLoss`'s."""
 
-    def __init__(self, module: Llama, topo, sp: bool, book_collectives: bool = True):
-        self.module, self.topo, self.sp = module, topo, sp
+    def __init__(self, module: nn.Module, topo, sp: bool, book_collectives: bool = True):
+        super().__init__(module)
+        self.topo, self.sp = topo, sp
         self.book_collectives = book_collectives
 
     def loss_sum(self, batch: dict) -> torch.Tensor:
@@ -126,6 +128,22 @@ class LossParallel:
         with loss_parallel(), booked_as("ce"):
             return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(),
                                    ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def loss(self, y: torch.Tensor, mb: dict) -> torch.Tensor:
+        """A pipeline's last stage: its local logits ``y`` [b, s, V/tp] as a vocab-sharded
+        DTensor through ``F.cross_entropy`` (the runner calls it inside
+        :meth:`backward_context`, ``loss_parallel()``; booked as ``ce``); the replicated fp32
+        token-loss sum."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        shape = (*y.shape[:-1], self.module.config.vocab_size)
+        stride = torch.empty(shape, device="meta").stride()
+        logits = DTensor.from_local(y, self.topo.mesh[AXIS], [Shard(-1)], run_check=False,
+                                    shape=shape, stride=stride)
+        with booked_as("ce"):
+            s = F.cross_entropy(logits.flatten(0, 1).float(), mb["labels"].flatten(),
+                                ignore_index=IGNORE_INDEX, reduction="sum")
+        return s.to_local()
 
     def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(token-loss sum as a plain fp32 scalar, complete on every tp rank; counted tokens),
@@ -144,11 +162,6 @@ class LossParallel:
         from torch.distributed.tensor.parallel import loss_parallel
 
         return loss_parallel()
-
-    @contextlib.contextmanager
-    def gathered_logits(self):
-        """The model itself (its logits stay a DTensor sharded over the vocabulary)."""
-        yield self.module
 
 
 class TorchSPSum:
@@ -304,31 +317,3 @@ def match_grad_placements(module: nn.Module) -> None:
                 and tuple(g.placements) != tuple(p.placements) \
                 and not any(place.is_partial() for place in g.placements):
             p.grad = g.redistribute(p.device_mesh, p.placements)
-
-
-class DTensorStageLoss:
-    """The last stage's loss under DTensor TP: local logits ``y`` [b, s, V/tp] as a
-    vocab-sharded DTensor through ``F.cross_entropy`` (inside :meth:`context`, PyTorch's
-    ``loss_parallel()``; booked as ``ce``); the replicated fp32 token-loss sum. Called as
-    ``loss(y, mb)``."""
-
-    def __init__(self, stage: nn.Module, topo):
-        self.vocab, self.mesh = stage.config.vocab_size, topo.mesh[AXIS]
-
-    def __call__(self, y: torch.Tensor, mb: dict) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor, Shard
-
-        shape = (*y.shape[:-1], self.vocab)
-        stride = torch.empty(shape, device="meta").stride()
-        logits = DTensor.from_local(y, self.mesh, [Shard(-1)], run_check=False, shape=shape,
-                                    stride=stride)
-        with booked_as("ce"):
-            s = F.cross_entropy(logits.flatten(0, 1).float(), mb["labels"].flatten(),
-                                ignore_index=IGNORE_INDEX, reduction="sum")
-        return s.to_local()
-
-    def context(self):
-        """``loss_parallel()``: around the step (its backward too) and the evaluation."""
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        return loss_parallel()

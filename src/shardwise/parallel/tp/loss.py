@@ -23,6 +23,7 @@ from ... import comm
 from ...models import count_items, moe_aux_loss, positions_kw
 from ...models.dpo import token_loss_sum
 from ...models.llama import IGNORE_INDEX
+from ..model import PlainLoss
 from .comms import AXIS
 
 
@@ -74,30 +75,33 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, labels: torch.Tenso
 
 
 
-class VocabParallelLoss:
-    """The loss function of a model converted by :func:`~.apply.apply_tp` (``module``, on
-    ``topo``'s tp axis, ``sp``, dropout RNG ``rng``): :func:`vocab_parallel_cross_entropy` of
-    the local logits, complete on every tp rank. What :class:`~shardwise.parallel.model.
-    ParallelModel` asks of a loss function: :meth:`loss_sum`, :meth:`loss_sum_and_count`,
-    :meth:`booking`, :meth:`backward_context`, :meth:`gathered_logits`."""
+class VocabParallelLoss(PlainLoss):
+    """The loss function of a model (or a pipeline stage) converted by
+    :func:`~.apply.apply_tp` (``module``, on ``topo``'s tp axis, ``sp``, dropout RNG ``rng``):
+    :func:`vocab_parallel_cross_entropy` of the local logits, complete on every tp rank; the
+    other members are :class:`~shardwise.parallel.model.PlainLoss`'s."""
 
     def __init__(self, module, topo, sp: bool, rng):
-        self.module, self.topo, self.sp, self.rng = module, topo, sp, rng
+        super().__init__(module)
+        self.topo, self.sp, self.rng = topo, sp, rng
 
     @property
     def head(self):
         """The :class:`~.layers.VocabParallelHead`."""
         return self.module.output
 
+    def loss(self, y: torch.Tensor, mb: dict) -> torch.Tensor:
+        """The token (or DPO pair) loss sum of local logits ``y`` [b, s, V_pad/tp], fp32
+        scalar, complete on every tp rank (a pipeline's last stage: called by the runner)."""
+        return token_loss_sum(vocab_parallel_cross_entropy(  # DPO too (models/dpo.py)
+            y, mb["labels"], self.head.vocab_start, self.head.vocab_size, self.topo), mb)
+
     def loss_sum_and_count(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(token-loss sum fp32 scalar, counted tokens) of ``batch`` via the vocab-parallel loss;
         the same on every tp rank. Usable for evaluation under ``torch.no_grad()``."""
         local_logits = self.module(batch["input_ids"], **positions_kw(batch))  # [b, s, V_pad/n]
-        losses = vocab_parallel_cross_entropy(local_logits, batch["labels"],
-                                              self.head.vocab_start, self.head.vocab_size,
-                                              self.topo)
         count = torch.tensor(count_items(batch), device=batch["labels"].device)  # DPO: pairs
-        return token_loss_sum(losses, batch), count
+        return self.loss(local_logits, batch), count
 
     def loss_sum(self, batch: dict) -> torch.Tensor:
         """The training objective's sum: the vocab-parallel loss, plus a mixture of experts'
@@ -105,13 +109,6 @@ class VocabParallelLoss:
         s = self.loss_sum_and_count(batch)[0]
         aux = moe_aux_loss(self.module)
         return s if aux is None else s + aux
-
-    def booking(self, **options):
-        """Nothing to book: every collective goes through :mod:`shardwise.comm`."""
-        return contextlib.nullcontext()
-
-    def backward_context(self):
-        return contextlib.nullcontext()
 
     @contextlib.contextmanager
     def gathered_logits(self):
@@ -129,17 +126,3 @@ class VocabParallelLoss:
             self.head.gather_output = False
             for m, s in zip(mods, saved):
                 m.sp = s
-
-
-class StageLoss:
-    """The last pipeline stage's loss of its local logits ``y`` [b, s, V_pad/tp] (converted by
-    :func:`~.apply.apply_tp`; ``head`` its :class:`~.layers.VocabParallelHead`):
-    :func:`vocab_parallel_cross_entropy`, then the token (or DPO pair) sum, fp32 scalar,
-    complete on every tp rank. Called as ``loss(y, mb)`` by the pipeline runner."""
-
-    def __init__(self, head, topo):
-        self.head, self.topo = head, topo
-
-    def __call__(self, y: torch.Tensor, mb: dict) -> torch.Tensor:
-        return token_loss_sum(vocab_parallel_cross_entropy(  # DPO too (models/dpo.py)
-            y, mb["labels"], self.head.vocab_start, self.head.vocab_size, self.topo), mb)

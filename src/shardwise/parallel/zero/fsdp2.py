@@ -28,7 +28,7 @@ from torch import nn
 
 from ...comm.ledger import ring_bytes
 from ...models.llama import Llama
-from ..engine import Sync
+from ..sync import Sync
 from ..params import is_dtensor as _is_dtensor, local as _local, reduce_bytes
 from .torch_zero import apply_fsdp
 

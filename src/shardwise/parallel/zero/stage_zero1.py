@@ -20,7 +20,7 @@ from torch import nn
 
 from ...comm import ring_bytes
 from ...errors import ShardwiseConfigError
-from ..engine import Sync
+from ..sync import Sync
 from ..params import (Held, broadcast_replicas, local, local_state_bytes, placement,
                       reduce_bytes, reduce_groups, reduce_torch_dtype)
 from .flat import (FlatShards, gather_named, gather_optimizer_state, load_optimizer_state,

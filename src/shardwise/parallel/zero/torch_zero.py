@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ... import comm
 from ...comm.torch_booking import BookFunctionalCollectives, ddp_comm_hook
-from ..engine import Sync
+from ..sync import Sync
 from ..params import reduce_bytes, reduce_torch_dtype
 from .flat import storage_state_bytes
 from .units import UnitOrderCheck, assign_units

@@ -47,7 +47,7 @@ from torch import nn
 
 from ... import comm
 from ...comm.ledger import ring_bytes
-from ..engine import Sync
+from ..sync import Sync
 from ..params import Held, reduce_groups, reduce_torch_dtype, sum_coalesced_, tp_sharded
 from .flat import (FlatShards, gather_named, gather_optimizer_state, load_optimizer_state,
                    sharded_optimizer, storage_state_bytes)
