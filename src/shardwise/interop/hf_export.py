@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ShardwiseConfigError
-from ..checkpoint.format import MARKER, CheckpointError
+from ..checkpoint.format import MARKER, CheckpointError, read_meta
 from ..checkpoint.verify import verify_checkpoint
 from .hf_config import check_hf_exportable, hf_model_overrides, llama_to_hf_config
 from .hf_import import model_for
@@ -74,15 +74,9 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
     from torch.distributed.checkpoint.api import CheckpointException
 
     step = resolve_checkpoint(path)
-    meta_path = step / "meta.json"
-    if not meta_path.is_file():
-        raise CheckpointError(f"{meta_path}: missing: the checkpoint is incomplete (its save did "
-                              f"not finish): {_FIX}")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{meta_path}: not valid JSON ({e}): the checkpoint is corrupt: "
-                              f"{_FIX}") from None
+    corrupt = f"the checkpoint is corrupt: {_FIX}"
+    meta = read_meta(step, {"missing": f"the checkpoint is incomplete (its save did not finish): "
+                            f"{_FIX}", "unreadable": _FIX, "encoding": corrupt, "syntax": corrupt})
     # the one COMPLETE check (sizes and SHA-256 of every file); a checkpoint written before the
     # marker existed (meta "format" < 2, no COMPLETE) has none to check
     if (step / MARKER).is_file() or meta.get("format", 1) >= 2:
