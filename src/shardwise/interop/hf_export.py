@@ -35,7 +35,7 @@ from ..errors import ShardwiseConfigError
 from ..checkpoint.format import MARKER, CheckpointError, read_meta
 from ..checkpoint.verify import verify_checkpoint
 from .hf_config import check_hf_exportable, hf_model_overrides, llama_to_hf_config
-from .hf_import import model_for
+from .hf_import import check_shapes, model_for
 from .hf_names import ours_to_hf
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -169,13 +169,9 @@ def checkpoint_model_config(state: dict[str, torch.Tensor], meta: dict):
         cfg = preset_config(name, **over)
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in model_for(cfg).named_parameters()}
-    got = {k: tuple(v.shape) for k, v in state.items()}
-    bad = [f"{k}: checkpoint {got.get(k, 'missing')} vs config {expected.get(k, 'absent')}"
-           for k in sorted(set(expected) | set(got)) if got.get(k) != expected.get(k)]
-    if bad:
-        raise ShardwiseConfigError(f"the checkpoint's tensors do not fit its model config "
-                                   f"({len(bad)} mismatched: {bad[:6]}): was it written by another "
-                                   "version or edited?")
+    check_shapes({k: tuple(v.shape) for k, v in state.items()}, expected,
+                 ("checkpoint", "config"), "the checkpoint's tensors do not fit its model config",
+                 "was it written by another version or edited?")
     return cfg
 
 
