@@ -282,11 +282,11 @@ def cmd_export(args, argv) -> int:
     """One process, no process group: read the checkpoint, write the HF folder."""
     from .interop.hf import export_hf
 
-    import json
+    from .readers import read_json
 
     out = export_hf(args.checkpoint, args.out, tokenizer=args.tokenizer)
     files = ", ".join(sorted(f.name for f in out.iterdir()))  # every file export_hf wrote
-    arch = json.loads((out / "config.json").read_text())["architectures"][0]
+    arch = read_json(out / "config.json", "the exported config.json")["architectures"][0]
     print(f"shardwise export: {args.checkpoint} → {out} ({arch}: {files})")
     return 0
 

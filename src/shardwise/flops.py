@@ -50,7 +50,8 @@ import time
 
 import torch
 
-from .errors import ShardwiseConfigError
+from .errors import ShardwiseConfigError, ShardwiseFileError
+from .readers import read_json
 
 
 # -- FLOPs ---------------------------------------------------------------------------------------
@@ -184,8 +185,8 @@ def cpu_peak_flops(dtype: str = "fp32", seconds: float = 2.0) -> float:
         table = {}
         if path.exists():
             try:
-                table = json.loads(path.read_text())
-            except ValueError:
+                table = read_json(path, "peak FLOP/s cache")
+            except ShardwiseFileError:  # damaged: measure again
                 table = {}
         if key not in table:  # the best of three sizes (fp32 GEMM speed depends on shape)
             threads = torch.get_num_threads()

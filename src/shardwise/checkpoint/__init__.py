@@ -69,8 +69,8 @@ trains on CPU; sharded (DTensor) checkpoints would avoid it for models that do n
 """
 
 from .format import (FORMAT, MARKER, CheckpointError, DivergedError, complete_checkpoints,
-                     diverged_message, last_good_checkpoint, list_checkpoints, prune, rng_state,
-                     set_rng_state)
+                     diverged_message, last_good_checkpoint, list_checkpoints, prune, read_meta,
+                     rng_state, set_rng_state)
 from .save import Checkpointer, save_checkpoint
 from .verify import find_resume_checkpoint, verify_checkpoint
 from .load import (Resumed, check_model_compatible, load_full_optimizer_state, load_model,
@@ -83,5 +83,6 @@ __all__ = ["FORMAT", "LOCK_FILE", "MARKER", "Checkpointer", "CheckpointError", "
            "check_model_compatible", "check_same_data", "checkpoint_bytes_estimate",
            "complete_checkpoints", "data_fingerprint", "diverged_message", "find_resume_checkpoint",
            "last_good_checkpoint", "list_checkpoints", "load_full_optimizer_state", "load_model",
-           "lock_run_folder", "model_flags", "prune", "restore_training_state", "rng_state",
+           "lock_run_folder", "model_flags", "prune", "read_meta", "restore_training_state",
+           "rng_state",
            "save_checkpoint", "set_rng_state", "verify_checkpoint"]

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..errors import ShardwiseConfigError
+from ..readers import read_json
 
 
 MARKER = "COMPLETE"  # JSON: {"step", "files": {relative path: {"bytes", "sha256"}}}
@@ -56,10 +57,17 @@ def diverged_message(step: int, what: str, last_good: Path | None) -> str:
     return f"training diverged at step {step}: {what} is not finite; {where}"
 
 
+def read_meta(folder: Path, fix: str | dict = "") -> dict:
+    """The checkpoint's ``meta.json``, or :class:`CheckpointError` naming it (missing,
+    unreadable or not valid JSON) with ``fix`` (a string, or one per problem:
+    :mod:`shardwise.readers`)."""
+    return read_json(Path(folder) / "meta.json", "checkpoint", fix, error=CheckpointError)
+
+
 def _is_finite(folder: Path) -> bool:
     try:
-        return json.loads((Path(folder) / "meta.json").read_text()).get("finite", True) is True
-    except (OSError, ValueError):
+        return read_meta(folder).get("finite", True) is True
+    except CheckpointError:
         return False
 
 

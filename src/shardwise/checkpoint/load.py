@@ -7,14 +7,13 @@ into this rank's shards, so a checkpoint saved under one layout resumes under an
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import warnings
 from pathlib import Path
 
 import torch
 
-from .format import CheckpointError, set_rng_state
+from .format import CheckpointError, read_meta, set_rng_state
 
 log = logging.getLogger("shardwise")
 
@@ -111,7 +110,7 @@ def load_model(folder: Path, model: torch.nn.Module) -> dict:
             file DCP cannot read.
     """
     folder = Path(folder)
-    meta = json.loads((folder / "meta.json").read_text())
+    meta = read_meta(folder)
     check_model_compatible(folder, model, meta)
     with torch.no_grad():
         target = {k: p.detach() for k, p in model.named_parameters()}
@@ -170,7 +169,7 @@ def restore_training_state(folder: Path, engine, optimizer, *, scheduler=None, s
     way to continue after a divergence). No collective of its own (an engine's
     ``load_full_optimizer_state`` may have one)."""
     folder = Path(folder)
-    meta = json.loads((folder / "meta.json").read_text())
+    meta = read_meta(folder)
     optimizer_restored = False
     if meta.get("optimizer_saved"):
         state = load_full_optimizer_state(folder)

@@ -5,11 +5,11 @@ auto|PATH``: newest complete checkpoint first, an incomplete or corrupt one name
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from ..readers import read_json
 from .format import (_STEP_RE, MARKER, CheckpointError, _sha256, complete_checkpoints,
-                     list_checkpoints)
+                     list_checkpoints, read_meta)
 
 
 def verify_checkpoint(folder: Path, fix: str | None = None) -> dict:
@@ -31,10 +31,10 @@ def verify_checkpoint(folder: Path, fix: str | None = None) -> dict:
     if not marker.is_file():
         raise CheckpointError(f"checkpoint {folder} has no completion marker ({MARKER}): its save "
                               f"did not finish; {early}")
-    try:
-        files = json.loads(marker.read_text())["files"]
-    except (ValueError, KeyError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{marker}: unreadable completion marker ({e}); {early}") from None
+    record = read_json(marker, "completion marker", early, error=CheckpointError)
+    files = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(files, dict):
+        raise CheckpointError(f"completion marker {marker}: no \"files\" table: {early}")
     for rel, want in files.items():
         p = folder / rel
         if not p.is_file():
@@ -48,10 +48,7 @@ def verify_checkpoint(folder: Path, fix: str | None = None) -> dict:
             raise CheckpointError(
                 f"checkpoint {folder} is corrupt: {p} does not match the SHA-256 recorded when it "
                 f"was written; {skip}")
-    try:
-        return json.loads((folder / "meta.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{folder / 'meta.json'}: unreadable ({e}); {early}") from None
+    return read_meta(folder, early)
 
 
 def find_resume_checkpoint(spec: str, out: str, warn=None) -> Path | None:

@@ -65,21 +65,16 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
         check_pack(cfg.task, cfg.cp, cfg.engine)
     _validate_ranges(cfg)
     _validate_layout(cfg)
-    per_step = cfg.dp * cfg.micro_batch
-    if cfg.pp > 1 and cfg.microbatches:
-        per_step = cfg.dp * cfg.microbatches
-        if cfg.global_batch % per_step:
-            lo = max(per_step, cfg.global_batch // per_step * per_step)
-            raise ShardwiseConfigError(
-                f"--global-batch {cfg.global_batch} is not divisible by dp × microbatches = "
-                f"{cfg.dp} × {cfg.microbatches} = {per_step}: choose a multiple of {per_step} "
-                f"(e.g. {lo} or {lo + per_step}) or change --microbatches")
-    elif cfg.global_batch % per_step:
+    # a step takes dp × (pipeline microbatches, or micro-batch) sequences; name that flag
+    flag, n = (("microbatches", cfg.microbatches) if cfg.pp > 1 and cfg.microbatches else
+               ("micro-batch", cfg.micro_batch))
+    per_step = cfg.dp * n
+    if cfg.global_batch % per_step:
         lo = max(per_step, cfg.global_batch // per_step * per_step)
         raise ShardwiseConfigError(
-            f"--global-batch {cfg.global_batch} is not divisible by dp × micro-batch = "
-            f"{cfg.dp} × {cfg.micro_batch} = {per_step}: choose a multiple of {per_step} "
-            f"(e.g. {lo} or {lo + per_step}) or change --micro-batch")
+            f"--global-batch {cfg.global_batch} is not divisible by dp × {flag} = "
+            f"{cfg.dp} × {n} = {per_step}: choose a multiple of {per_step} "
+            f"(e.g. {lo} or {lo + per_step}) or change --{flag}")
     if is_llama_name(cfg.model) and cfg.seq_len > max_seq_len_of(cfg.model) \
             and not cfg.init_from_hf:  # (the HF model's own limit is checked above)
         raise ShardwiseConfigError(

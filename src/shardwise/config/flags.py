@@ -9,10 +9,9 @@ import argparse
 import dataclasses
 import math
 import os
-import tomllib
 import typing
 
-from ..errors import ShardwiseConfigError
+from ..errors import ShardwiseConfigError, ShardwiseFileError
 from ..readers import read_toml
 from .fields import CHOICES, DERIVABLE, NOT_FLAGS, TrainConfig
 from .notes import derive_batching
@@ -148,12 +147,11 @@ def _follow_world(cfg: TrainConfig, chosen: set[str]) -> TrainConfig:
 
 def _toml_derived(path: str | None) -> set[str]:
     """The fields a ``--config`` file says were derived (its ``derived = "..."``)."""
-    if not path or not os.path.isfile(path):
+    if not path:
         return set()
     try:
-        with open(path, "rb") as f:
-            value = tomllib.load(f).get("derived", "")
-    except tomllib.TOMLDecodeError:
+        value = read_toml(path, "--config").get("derived", "")
+    except ShardwiseFileError:  # apply_toml reports it
         return set()
     return {k for k in str(value).split(",") if k in DERIVABLE}
 
@@ -161,12 +159,11 @@ def _toml_derived(path: str | None) -> set[str]:
 def _toml_keys(path: str | None) -> set[str]:
     """Field names a ``--config`` file sets, less those it says were derived (empty without
     one; errors are apply_toml's)."""
-    if not path or not os.path.isfile(path):
+    if not path:
         return set()
     try:
-        with open(path, "rb") as f:
-            return {k.replace("-", "_") for k in tomllib.load(f)} - _toml_derived(path)
-    except tomllib.TOMLDecodeError:
+        return {k.replace("-", "_") for k in read_toml(path, "--config")} - _toml_derived(path)
+    except ShardwiseFileError:
         return set()
 
 

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from shardwise.errors import ShardwiseConfigError
+from shardwise.errors import ShardwiseConfigError, ShardwiseFileError
+from shardwise.readers import read_json
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
@@ -78,13 +79,9 @@ def has_chat_template(folder: str | os.PathLike | None) -> bool:
     if (f / "chat_template.jinja").is_file():
         return True
     cfg = f / "tokenizer_config.json"
-    if not cfg.is_file():
-        return False
-    import json
-
     try:
-        return bool(json.loads(cfg.read_text()).get("chat_template"))
-    except ValueError:
+        return bool(read_json(cfg, "tokenizer_config.json").get("chat_template"))
+    except ShardwiseFileError:  # missing or not JSON: no template
         return False
 
 

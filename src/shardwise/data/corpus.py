@@ -20,6 +20,7 @@ import sysconfig
 from pathlib import Path
 
 from shardwise.errors import ShardwiseConfigError
+from shardwise.readers import iter_jsonl
 
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet")
 # Directory names under the stdlib that hold test suites (their data files include deliberately
@@ -183,16 +184,13 @@ def _read_jsonl(path: Path) -> list[str]:
     Every record is checked here first, because ``datasets`` does not fail on every bad record:
     given ``"text"`` values of mixed types it silently turns them all into their JSON spelling.
     """
-    raw = _read_utf8(path)  # strict UTF-8 check first: its message names the byte offset
-    for number, line in enumerate(raw.split("\n"), start=1):
-        if not line.strip():
-            continue  # datasets skips blank lines too
-        try:
-            record = json.loads(line)
-        except ValueError as err:
-            raise ShardwiseConfigError(
-                f"{path}: line {number} is not valid JSON ({err}): write one JSON object per line"
-            ) from None
+    _read_utf8(path)  # strict UTF-8 check first: its message names the byte offset and line
+
+    def bad_line(number: int, err: ValueError) -> str:
+        return f"{path}: line {number} is not valid JSON ({err}): write one JSON object per line"
+
+    # blank lines are skipped, as datasets skips them
+    for number, record in iter_jsonl(path, "--data", bad_line=bad_line):
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise ShardwiseConfigError(
                 f"{path}: line {number} has no 'text' field (or it is null or not a string): "

@@ -60,7 +60,8 @@ from shardwise.data.tokenizer import (
     split_long_text,
     tokenizer_fingerprint,
 )
-from shardwise.errors import ShardwiseConfigError
+from shardwise.errors import ShardwiseConfigError, ShardwiseFileError
+from shardwise.readers import read_json
 
 _FORMAT = "lm-tokens-v2"  # bump when the cached layout or the split/EOS rules change
 _ENTRY_FILES = ("train.npy", "val.npy", "tokenizer.json")  # meta.json records their digests
@@ -195,12 +196,12 @@ def _read_entry(entry: Path) -> tuple[dict, np.ndarray, np.ndarray] | str | None
     is of this format, and every file in it has the size and SHA-256 that ``meta.json``
     records. ``None`` when there is no entry yet; a short reason (e.g. ``"train.npy has 128 of
     4096 bytes"``) when it is damaged."""
-    try:
-        meta = json.loads((entry / "meta.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    if not (entry / "meta.json").is_file():
         return None
-    except (OSError, ValueError) as err:  # truncated JSON, bad bytes
-        return f"meta.json cannot be read: {err}"
+    try:
+        meta = read_json(entry / "meta.json", "meta.json")
+    except ShardwiseFileError as err:  # truncated JSON, bad bytes: "meta.json PATH: not valid …"
+        return str(err)
     files = meta.get("files") if isinstance(meta, dict) else None
     if not isinstance(files, dict) or meta.get("format") != _FORMAT:
         return f"meta.json is not a complete {_FORMAT} record"

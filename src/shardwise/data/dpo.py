@@ -27,7 +27,6 @@ are raised while the file is read, before any process group exists (on every ran
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch
 
 from shardwise.data.tokenizer import Tokenizer, load_tokenizer
 from shardwise.errors import ShardwiseConfigError
+from shardwise.readers import iter_jsonl
 
 IGNORE_INDEX = -100  # the same value as shardwise.models.IGNORE_INDEX (data/ imports no models)
 FIELDS = ("prompt", "chosen", "rejected")
@@ -52,24 +52,12 @@ def load_dpo_records(path: str | os.PathLike) -> list[dict]:
             ``rejected``, fewer than 2 records — each naming ``FILE:LINE``.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ShardwiseConfigError(f"--data {path}: no such file: give a .jsonl file of "
-                                   f"{FORMAT} records, one per line")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise ShardwiseConfigError(f"--data {path}: not UTF-8 (byte offset {e.start}): "
-                                   "re-encode the file as UTF-8") from None
+    fix = {"missing": f"give a .jsonl file of {FORMAT} records, one per line",
+           "encoding": "re-encode the file as UTF-8",
+           "syntax": f"write one {FORMAT} object per line"}
     records = []
-    for no, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    for no, rec in iter_jsonl(path, "--data", fix):
         where = f"--data {path}:{no}"
-        try:
-            rec = json.loads(line)
-        except ValueError as e:
-            raise ShardwiseConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno}): "
-                                       f"write one {FORMAT} object per line") from None
         if not isinstance(rec, dict):
             raise ShardwiseConfigError(f"{where}: expected a JSON object {FORMAT}, got "
                                        f"{type(rec).__name__}")

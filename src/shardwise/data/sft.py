@@ -40,7 +40,6 @@ Errors: :class:`~shardwise.errors.ShardwiseConfigError` naming ``FILE:LINE`` and
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +48,7 @@ import torch
 
 from shardwise.data.tokenizer import Tokenizer, load_tokenizer
 from shardwise.errors import ShardwiseConfigError
+from shardwise.readers import iter_jsonl
 
 IGNORE_INDEX = -100  # the same value as shardwise.models.IGNORE_INDEX (data/ imports no models)
 
@@ -76,24 +76,11 @@ def load_sft_records(path: str | os.PathLike) -> list[dict]:
             non-string ``instruction``/``output``, a non-string ``input``, fewer than 2 records.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ShardwiseConfigError(f"--data {path}: no such file: give a .jsonl file of "
-                                   '{"instruction", "input", "output"} records')
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise ShardwiseConfigError(f"--data {path}: not UTF-8 (byte offset {e.start}): "
-                                   "re-encode the file as UTF-8") from None
+    fix = {"missing": 'give a .jsonl file of {"instruction", "input", "output"} records',
+           "encoding": "re-encode the file as UTF-8", "syntax": "write one JSON object per line"}
     records = []
-    for no, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    for no, rec in iter_jsonl(path, "--data", fix):
         where = f"--data {path}:{no}"
-        try:
-            rec = json.loads(line)
-        except ValueError as e:
-            raise ShardwiseConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno}): "
-                                       "write one JSON object per line") from None
         if not isinstance(rec, dict):
             raise ShardwiseConfigError(f"{where}: expected a JSON object with \"instruction\" and "
                                        f"\"output\" (or \"messages\"), got {type(rec).__name__}")

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from shardwise.data._cache import atomic_write_bytes, cache_key, check_cache_writable, file_lock
-from shardwise.errors import ShardwiseConfigError
+from shardwise.errors import ShardwiseConfigError, ShardwiseFileError
+from shardwise.readers import read_json
 
 EOS_TOKEN = "<|endoftext|>"
 _EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>")
@@ -261,8 +262,8 @@ def load_tokenizer(
         return _cached_bpe(documents, vocab_size, Path(cache_dir))
     path = _tokenizer_file(spec)
     try:
-        marker = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError):
+        marker = read_json(path, "--tokenizer")
+    except ShardwiseFileError:  # not JSON: HFTokenizer.from_file names the problem
         marker = None
     if isinstance(marker, dict) and marker.get("shardwise_tokenizer") == "bytes":
         return ByteTokenizer()

@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from ..errors import ShardwiseConfigError
-from ..checkpoint.format import MARKER, CheckpointError
+from ..checkpoint.format import MARKER, CheckpointError, read_meta
 from ..checkpoint.verify import verify_checkpoint
 from .hf_config import check_hf_exportable, hf_model_overrides, llama_to_hf_config
-from .hf_import import model_for
+from .hf_import import check_shapes, model_for
 from .hf_names import ours_to_hf
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -74,15 +74,9 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
     from torch.distributed.checkpoint.api import CheckpointException
 
     step = resolve_checkpoint(path)
-    meta_path = step / "meta.json"
-    if not meta_path.is_file():
-        raise CheckpointError(f"{meta_path}: missing: the checkpoint is incomplete (its save did "
-                              f"not finish): {_FIX}")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{meta_path}: not valid JSON ({e}): the checkpoint is corrupt: "
-                              f"{_FIX}") from None
+    corrupt = f"the checkpoint is corrupt: {_FIX}"
+    meta = read_meta(step, {"missing": f"the checkpoint is incomplete (its save did not finish): "
+                            f"{_FIX}", "unreadable": _FIX, "encoding": corrupt, "syntax": corrupt})
     # the one COMPLETE check (sizes and SHA-256 of every file); a checkpoint written before the
     # marker existed (meta "format" < 2, no COMPLETE) has none to check
     if (step / MARKER).is_file() or meta.get("format", 1) >= 2:
@@ -175,13 +169,9 @@ def checkpoint_model_config(state: dict[str, torch.Tensor], meta: dict):
         cfg = preset_config(name, **over)
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in model_for(cfg).named_parameters()}
-    got = {k: tuple(v.shape) for k, v in state.items()}
-    bad = [f"{k}: checkpoint {got.get(k, 'missing')} vs config {expected.get(k, 'absent')}"
-           for k in sorted(set(expected) | set(got)) if got.get(k) != expected.get(k)]
-    if bad:
-        raise ShardwiseConfigError(f"the checkpoint's tensors do not fit its model config "
-                                   f"({len(bad)} mismatched: {bad[:6]}): was it written by another "
-                                   "version or edited?")
+    check_shapes({k: tuple(v.shape) for k, v in state.items()}, expected,
+                 ("checkpoint", "config"), "the checkpoint's tensors do not fit its model config",
+                 "was it written by another version or edited?")
     return cfg
 
 

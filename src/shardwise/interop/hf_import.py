@@ -103,12 +103,19 @@ def check_weight_files(folder: str | os.PathLike, cfg=None) -> None:
         source=str(folder)).items()}
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in model_for(cfg).state_dict().items()}
-    bad = [f"{k}: file {got.get(k, 'missing')} vs config.json {expected.get(k, 'absent')}"
+    check_shapes(got, expected, ("file", "config.json"),
+                 f"{folder}: the weights do not fit its config.json",
+                 "config.json and the weights must come from the same save_pretrained")
+
+
+def check_shapes(got: dict, expected: dict, sides: tuple[str, str], what: str, fix: str) -> None:
+    """Raise ShardwiseConfigError when the tensors ``got`` (name → shape) differ from
+    ``expected`` in names or shapes: ``WHAT (N mismatched: ['NAME: SIDE0 SHAPE vs SIDE1 SHAPE',
+    …]): FIX``, the first 6 by name; a tensor on one side only shows ``missing``/``absent``."""
+    bad = [f"{k}: {sides[0]} {got.get(k, 'missing')} vs {sides[1]} {expected.get(k, 'absent')}"
            for k in sorted(set(expected) | set(got)) if got.get(k) != expected.get(k)]
     if bad:
-        raise ShardwiseConfigError(f"{folder}: the weights do not fit its config.json "
-                                   f"({len(bad)} mismatched: {bad[:4]}): config.json and the "
-                                   "weights must come from the same save_pretrained")
+        raise ShardwiseConfigError(f"{what} ({len(bad)} mismatched: {bad[:6]}): {fix}")
 
 
 def model_for(cfg):

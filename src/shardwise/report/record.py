@@ -30,6 +30,9 @@ import sys
 import time
 from pathlib import Path
 
+from ..errors import ShardwiseFileError
+from ..readers import read_json
+
 log = logging.getLogger("shardwise")
 
 FILE = "report_data.json"
@@ -115,8 +118,8 @@ class RunRecorder:
         self.data: dict = {}
         if enabled and self.path.is_file():  # a resumed run: keep the earlier invocations
             try:
-                self.data = json.loads(self.path.read_text())
-            except (OSError, ValueError):
+                self.data = read_json(self.path, FILE)
+            except ShardwiseFileError:
                 self.data = {}
         self.data["format"] = 1
 
@@ -153,9 +156,9 @@ class RunRecorder:
         resumed_layout = None
         if resume_from is not None:
             try:
-                meta = json.loads((Path(resume_from) / "meta.json").read_text())
-                resumed_layout = meta.get("layout")
-            except (OSError, ValueError):
+                resumed_layout = read_json(Path(resume_from) / "meta.json", "checkpoint").get(
+                    "layout")
+            except ShardwiseFileError:
                 pass
         self.data.setdefault("invocations", []).append({
             "command": command_line(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -20,9 +20,10 @@ with ``--check-collectives off``, or its ranks were killed before they could wri
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
+
+from ..readers import read_json
 
 # cause → (what it means, the fix)
 CAUSES = {
@@ -71,8 +72,8 @@ def load(run: str | Path) -> tuple[dict, dict]:
     for f in sorted(d.glob("rank*.json")):
         m = re.fullmatch(r"rank(\d+)\.json", f.name)
         if m:
-            records[int(m.group(1))] = json.loads(f.read_text())
-    launcher = json.loads((d / "diagnosis.json").read_text()) \
+            records[int(m.group(1))] = read_json(f, "flight record")
+    launcher = read_json(d / "diagnosis.json", "launcher's diagnosis") \
         if (d / "diagnosis.json").exists() else {}
     return records, launcher
 

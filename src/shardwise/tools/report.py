@@ -7,12 +7,12 @@ output and drawn as the parity matrix, on its own or below the runs.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from pathlib import Path
 
 from ..errors import ShardwiseConfigError
+from ..readers import read_json
 
 log = logging.getLogger("shardwise")
 
@@ -44,11 +44,8 @@ def build(paths: list[str], out: str | None = None, threshold: float | None = No
         if path.is_dir():
             runs.append(rd.load_run(path))
         elif path.is_file() and path.suffix == ".json":
-            try:
-                v = json.loads(path.read_text())
-            except ValueError as e:
-                raise ShardwiseConfigError(f"{p}: not JSON ({e}); give a run folder or a "
-                                           "`shardwise verify --json` file") from e
+            v = read_json(path, "shardwise report", "give a run folder or a `shardwise verify "
+                          "--json` file")
             if not isinstance(v, dict) or "cases" not in v:
                 raise ShardwiseConfigError(f"{p}: no \"cases\" list: not `shardwise verify "
                                            "--json` output")

@@ -27,7 +27,7 @@ from ..comm import fingerprint as collective_checks
 from ..checkpoint import (Checkpointer, DivergedError, RunFolderBusyError,
                            check_checkpoints_writable, check_disk_space, check_same_data,
                            checkpoint_bytes_estimate, data_fingerprint, diverged_message,
-                           find_resume_checkpoint, load_model, lock_run_folder,
+                           find_resume_checkpoint, load_model, lock_run_folder, read_meta,
                            restore_training_state)
 from ..config import TrainConfig, batching_note, validate
 from ..errors import ShardwiseConfigError
@@ -478,7 +478,7 @@ def _find_resume(cfg: TrainConfig, work, rank: int, fingerprint: dict) -> Path |
             shape = build_model(cfg.model, vocab_size=work.vocab_size,
                                 **work.model_overrides(cfg))
         if folder is not None:
-            meta = json.loads((folder / "meta.json").read_text())
+            meta = read_meta(folder)
             check_model_compatible(folder, shape, meta, current=dataclasses.asdict(cfg))
             check_same_data(folder, meta, fingerprint, dataclasses.asdict(cfg),
                             allow=cfg.allow_data_change, warn=warn)
@@ -490,7 +490,7 @@ def _find_resume(cfg: TrainConfig, work, rank: int, fingerprint: dict) -> Path |
 
 
 def _checkpoint_step(folder: Path) -> int:
-    return int(json.loads((Path(folder) / "meta.json").read_text())["step"])
+    return int(read_meta(folder)["step"])
 
 
 def _fresh_logs(out: Path) -> None:

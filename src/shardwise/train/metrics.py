@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..readers import read_jsonl
+
 
 class MetricsLogger:
     """Append one JSON object per logged step to ``out/metrics.jsonl`` and mirror the numeric
@@ -49,8 +51,8 @@ class MetricsLogger:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of ``metrics.jsonl``, one per line."""
+    return read_jsonl(path, "metrics.jsonl")
 
 
 def plot_loss(out: Path) -> Path:
