@@ -220,7 +220,6 @@ def test_what_a_family_cannot_represent_is_refused_on_export(tmp_path):
 def test_a_folder_with_only_gpt2_slow_tokenizer_files_is_refused_not_retokenized(tmp_path):
     """vocab.json + merges.txt without tokenizer.json: training a new BPE would silently give
     the model's ids other meanings, so the run is refused with the conversion command."""
-    from shardwise.config import TrainConfig
     from shardwise.train.workload import tokenizer_spec
 
     _, folder = hf_folder(tmp_path, "gpt2")
@@ -229,5 +228,5 @@ def test_a_folder_with_only_gpt2_slow_tokenizer_files_is_refused_not_retokenized
     (folder / "merges.txt").write_text("#version: 0.2\n")
     with pytest.raises(ShardwiseConfigError, match="vocab.json \\+ merges.txt but no "
                        "tokenizer.json.*save_pretrained"):
-        tokenizer_spec(TrainConfig(init_from_hf=str(folder)))
-    assert tokenizer_spec(TrainConfig(init_from_hf=str(folder), tokenizer="bytes")) == "bytes"
+        tokenizer_spec("bpe", str(folder))
+    assert tokenizer_spec("bytes", str(folder)) == "bytes"

@@ -25,9 +25,10 @@ class LMWorkload:
     kind = "lm"
 
     def __init__(self, cfg: TrainConfig):
-        self.data = prepare_lm_data(cfg.data or None, tokenizer_spec(cfg), cfg.vocab_size,
-                                    cfg.seq_len, min_train_sequences=cfg.global_batch)
-        self.vocab_size = model_vocab(cfg, self.data.vocab_size)
+        spec = tokenizer_spec(cfg.tokenizer, cfg.init_from_hf)
+        self.data = prepare_lm_data(cfg.data or None, spec, cfg.vocab_size, cfg.seq_len,
+                                    min_train_sequences=cfg.global_batch)
+        self.vocab_size = model_vocab(cfg.init_from_hf, spec, self.data.vocab_size)
         self.num_train, self.num_val = len(self.data.train), len(self.data.val)
         src = cfg.data or "embedded stdlib corpus"
         self.description = (f"{src} ({self.num_train:,} train / {self.num_val:,} val sequences, "
@@ -92,35 +93,36 @@ class RegressionWorkload:
         return None
 
 
-def tokenizer_spec(cfg: TrainConfig) -> str:
+def tokenizer_spec(tokenizer: str, init_from_hf: str = "") -> str:
     """``--tokenizer``, except that with ``--init-from-hf DIR`` the default ``bpe`` means
-    ``DIR/tokenizer.json`` when that file exists (the model's ids must mean the same tokens)."""
-    hf_tok = os.path.join(cfg.init_from_hf, "tokenizer.json") if cfg.init_from_hf else ""
-    if cfg.tokenizer == "bpe" and hf_tok and os.path.isfile(hf_tok):
+    ``DIR/tokenizer.json`` when that file exists (the model's ids must mean the same tokens).
+    Raises :class:`ShardwiseConfigError` for a folder with only GPT-2's slow-tokenizer files."""
+    hf_tok = os.path.join(init_from_hf, "tokenizer.json") if init_from_hf else ""
+    if tokenizer == "bpe" and hf_tok and os.path.isfile(hf_tok):
         return hf_tok
-    if cfg.tokenizer == "bpe" and hf_tok and all(  # GPT-2's slow-tokenizer files only
-            os.path.isfile(os.path.join(cfg.init_from_hf, f)) for f in ("vocab.json",
-                                                                        "merges.txt")):
+    if tokenizer == "bpe" and hf_tok and all(  # GPT-2's slow-tokenizer files only
+            os.path.isfile(os.path.join(init_from_hf, f)) for f in ("vocab.json", "merges.txt")):
         raise ShardwiseConfigError(
-            f"--init-from-hf {cfg.init_from_hf}: the folder has vocab.json + merges.txt but no "
+            f"--init-from-hf {init_from_hf}: the folder has vocab.json + merges.txt but no "
             "tokenizer.json, and a new BPE would not mean the model's ids: write it with "
             "python -c \"from transformers import AutoTokenizer as T; "
-            f"T.from_pretrained('{cfg.init_from_hf}').save_pretrained('{cfg.init_from_hf}')\", "
+            f"T.from_pretrained('{init_from_hf}').save_pretrained('{init_from_hf}')\", "
             "or pass --tokenizer FILE.json")
-    return cfg.tokenizer
+    return tokenizer
 
 
-def model_vocab(cfg: TrainConfig, tokenizer_vocab: int) -> int:
-    """Rows of the model's embedding: the tokenizer's vocabulary, or with ``--init-from-hf``
-    the HF model's (which must cover every tokenizer id)."""
-    if not cfg.init_from_hf:
+def model_vocab(init_from_hf: str, tokenizer: str, tokenizer_vocab: int) -> int:
+    """Rows of the model's embedding: the tokenizer's vocabulary (``tokenizer`` its spec, for
+    the message), or with ``--init-from-hf`` the HF model's (which must cover every tokenizer
+    id; else :class:`ShardwiseConfigError`)."""
+    if not init_from_hf:
         return tokenizer_vocab
     from ..interop.hf import hf_model_overrides
 
-    hf_vocab = hf_model_overrides(cfg.init_from_hf)["vocab_size"]
+    hf_vocab = hf_model_overrides(init_from_hf)["vocab_size"]
     if tokenizer_vocab > hf_vocab:
         raise ShardwiseConfigError(
-            f"--init-from-hf {cfg.init_from_hf}: the tokenizer ({tokenizer_spec(cfg)}) has "
+            f"--init-from-hf {init_from_hf}: the tokenizer ({tokenizer}) has "
             f"{tokenizer_vocab} ids but the model only {hf_vocab} embeddings: use the model's own "
             "tokenizer (--tokenizer DIR/tokenizer.json)")
     return hf_vocab
@@ -139,9 +141,10 @@ class SFTWorkload(LMWorkload):
     def __init__(self, cfg: TrainConfig):
         from ..data.sft import prepare_sft_data
 
-        self.data = prepare_sft_data(cfg.data, tokenizer_spec(cfg), cfg.vocab_size, cfg.seq_len,
+        spec = tokenizer_spec(cfg.tokenizer, cfg.init_from_hf)
+        self.data = prepare_sft_data(cfg.data, spec, cfg.vocab_size, cfg.seq_len,
                                      template_dir=cfg.init_from_hf or None)
-        self.vocab_size = model_vocab(cfg, self.data.vocab_size)
+        self.vocab_size = model_vocab(cfg.init_from_hf, spec, self.data.vocab_size)
         self.packed = None
         st = self.data.stats
         if cfg.pack:
@@ -169,7 +172,7 @@ class SFTWorkload(LMWorkload):
         self.description = (
             f"SFT {cfg.data} ({fmt}" + (f", {st['template']} template" if fmt == "chat" else "")
             + f"; {rows}; {st['train_dropped']} dropped (prompt > seq-len), {st['truncated']} "
-            f"truncated; tokenizer {tokenizer_spec(cfg)}, vocab {self.data.vocab_size})")
+            f"truncated; tokenizer {spec}, vocab {self.data.vocab_size})")
 
     def padding_fraction(self) -> float:
         """Share of the training rows' positions that are padding (compute spent on nothing)."""
@@ -221,8 +224,9 @@ class DPOWorkload(LMWorkload):
     def __init__(self, cfg: TrainConfig):
         from ..data.dpo import prepare_dpo_data
 
-        self.data = prepare_dpo_data(cfg.data, tokenizer_spec(cfg), cfg.vocab_size, cfg.seq_len)
-        self.vocab_size = model_vocab(cfg, self.data.vocab_size)
+        spec = tokenizer_spec(cfg.tokenizer, cfg.init_from_hf)
+        self.data = prepare_dpo_data(cfg.data, spec, cfg.vocab_size, cfg.seq_len)
+        self.vocab_size = model_vocab(cfg.init_from_hf, spec, self.data.vocab_size)
         self.num_train, self.num_val = len(self.data.train), len(self.data.val)  # rows
         self.beta, self.reference = cfg.dpo_beta, None  # reference: set by the loop
         if self.num_train < cfg.global_batch:
@@ -235,7 +239,7 @@ class DPOWorkload(LMWorkload):
             f"DPO {cfg.data} ({st['train_pairs']:,} train / {st['val_pairs']:,} val pairs, two "
             f"padded rows each: {st['response_fraction']:.0%} response targets, "
             f"{st['truncated']} responses truncated; β = {self.beta}; tokenizer "
-            f"{tokenizer_spec(cfg)}, vocab {self.data.vocab_size})")
+            f"{spec}, vocab {self.data.vocab_size})")
 
     def sampler(self, global_batch, dp_size, dp_rank, seed) -> DistributedSampler:
         return PairSampler(self.num_train // 2, global_batch // 2, dp_size, dp_rank, seed)
