@@ -14,8 +14,9 @@
   by a call the reader can follow, :func:`shardwise.parallel.zero.zero_sync`);
 * the loss is defined at most :data:`MAX_LOSSES` times in at most :data:`MAX_LOSS_FILES` files
   (:func:`loss_definitions`: a loss function's class, or a module-level loss-sum function; the
-  engines only delegate to their ``loss_fn``). 19 in 11 files at cc2136c (design/one-engine.md).
-
+  engines only delegate to their ``loss_fn``). 19 in 11 files at cc2136c (design/one-engine.md);
+* EP and HSDP are data on the parameter: at most :data:`MAX_BRANCH_SITES` branch sites each in
+  the strategy folders dp, zero, tp, pp, cp (:func:`branch_sites` defines a site);
 * a reader opens at most :data:`READ_BOUNDS` files of ``parallel/`` from ``parallelize()`` to
   see PP 1F1B, ZeRO-3 or TP whole (the issue's targets; measured by running the layout:
   tests/workers/reading_cases.py).
@@ -25,6 +26,7 @@ fail.
 """
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,7 @@ MAX_LOSSES, MAX_LOSS_FILES = 6, 4  # issue 33's targets
 LOSS_MEMBERS = ("loss_sum", "loss_sum_and_count", "loss")
 # files of parallel/ a reader opens from parallelize() to see the layout whole (issue 33)
 READ_BOUNDS = {"pp_1f1b": 8, "zero3": 9, "tp": 9}
+MAX_BRANCH_SITES = 3  # per dimension (EP, HSDP), issue 33's target
 
 
 def _imported_modules(f: Path, pkg_root: Path) -> list[tuple[str, int]]:
@@ -149,6 +152,60 @@ def assignments(pkg_root: Path, name: str) -> list[str]:
     return out
 
 
+def _names_ep(word: str) -> bool:
+    low = word.lower()
+    return bool(set(re.split(r"[_.:\s]+", low)) & {"ep", "edp"}) or "expert" in low \
+        or "moe" in low
+
+
+def _names_hsdp(word: str) -> bool:
+    low = word.lower()
+    if low in ("replicate_axis", "is_replicate"):  # the record's field; DTensor's Replicate
+        return False
+    return any(w in low for w in ("hsdp", "dp_replicate", "dp_shard")) \
+        or "replicate" in re.split(r"[_.:\s]+", low)
+
+
+def branch_sites(pkg_root: Path) -> dict[str, list[str]]:
+    """{"EP": [...], "HSDP": [...]} of "file:line" for every branch site in the strategy folders
+    dp, zero, tp, pp, cp of ``pkg_root``/parallel (ep/ is EP's own code; HSDP's own code is
+    ``topology.py``, ``layout.py`` and ``params.reduce_groups``, outside the folders).
+
+    A *decision* is the test of an ``if``/``elif``/``while``, of a conditional expression or of
+    a comprehension's ``if``, or a comparison or ``and``/``or`` expression elsewhere (a flag
+    such as ``hsdp = topo.dp_replicate > 1``). It is an EP site if it names expert parallelism
+    or a mixture of experts — an identifier, attribute or string whose lower-case parts (split
+    at ``_ . :``) include "ep" or "edp", or that contains "expert" or "moe" — and an HSDP site
+    if it names HSDP: "hsdp", "dp_replicate", "dp_shard", or a part "replicate". Not a site: a
+    decision on the parameter record's generic ``replicate_axis`` / ``grad_axis``
+    (``params.Placement``, ``ReduceGroup``, ``FlatShards``), which is how a sync reads EP and
+    HSDP as data, and DTensor's ``is_replicate()`` (a tp placement)."""
+    par = pkg_root / "parallel"
+    out: dict[str, list[str]] = {"EP": [], "HSDP": []}
+    for f in sorted(par.rglob("*.py")):
+        rel = f.relative_to(par)
+        if len(rel.parts) < 2 or rel.parts[0] not in ("dp", "zero", "tp", "pp", "cp"):
+            continue
+        tree = ast.parse(f.read_text())
+        tests = [t for n in ast.walk(tree) for t in (
+            [n.test] if isinstance(n, (ast.If, ast.While, ast.IfExp))
+            else n.ifs if isinstance(n, ast.comprehension) else [])]
+        inside = {id(x) for t in tests for x in ast.walk(t)}
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.Compare, ast.BoolOp)) and id(n) not in inside:
+                tests.append(n)
+                inside |= {id(x) for x in ast.walk(n)}
+        for t in tests:
+            words = [n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute)
+                     else n.value for n in ast.walk(t)
+                     if isinstance(n, (ast.Name, ast.Attribute))
+                     or (isinstance(n, ast.Constant) and isinstance(n.value, str))]
+            for kind, names in (("EP", _names_ep), ("HSDP", _names_hsdp)):
+                if any(names(w) for w in words):
+                    out[kind].append(f"{rel}:{t.lineno}")
+    return {k: sorted(v) for k, v in out.items()}
+
+
 def test_strategy_folders_do_not_import_each_other():
     edges = strategy_edges(SRC)
     new = {e: w for e, w in edges.items() if e not in PENDING}
@@ -181,6 +238,14 @@ def test_the_reduce_dtype_table_is_written_once():
     assert assignments(SRC, "REDUCE_DTYPES") == ["parallel/params.py"]
 
 
+def test_ep_and_hsdp_are_data_on_the_parameter():
+    # today: EP pp/split.py:99-100 (the torch pipeline's MoE refusal), zero/formulas.py (the
+    # expert term of ZeRO's byte formula); HSDP none (the syncs read ReduceGroup.replicate_axis)
+    sites = branch_sites(SRC)
+    for kind, where in sites.items():
+        assert len(where) <= MAX_BRANCH_SITES, f"{kind} branch sites: {where}"
+
+
 def test_planted_violations_fail(tmp_path):
     pkg = tmp_path / "shardwise"
     for d in ("parallel/zero", "parallel/dp", "parallel/tp"):
@@ -207,6 +272,16 @@ def test_planted_violations_fail(tmp_path):
         "class StageLoss:\n    pass\nclass V:\n    def loss_sum_and_count(self):\n        pass\n"
         "def loss_sum(out, mb):\n    pass\n")
     assert loss_definitions(pkg) == ["tp/c.py:StageLoss", "tp/c.py:V", "tp/c.py:loss_sum"]
+    (pkg / "parallel" / "dp" / "c.py").write_text(
+        "def f(topo, u, g):\n"
+        "    if topo.size('ep') > 1:\n        pass\n"                      # EP, line 2
+        "    hsdp = getattr(topo, 'dp_replicate', 1) > 1\n"                 # HSDP, line 4
+        "    x = [p for p in u if is_moe(p)]\n"                             # EP, line 5
+        "    y = 'a' if u.axis == 'dp_shard' else 'b'\n"                    # HSDP, line 6
+        "    if g.replicate_axis is not None and g.grad_axis:\n        pass\n"  # the record
+        "    return 'edp' if g.axis == topo.shard_axis else x\n")          # not in the test
+    assert branch_sites(pkg) == {"EP": ["dp/c.py:2", "dp/c.py:5"],
+                                 "HSDP": ["dp/c.py:4", "dp/c.py:6"]}
 
 
 @pytest.mark.timeout(300)

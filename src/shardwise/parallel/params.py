@@ -13,6 +13,8 @@ that every layout needs then read that record instead of being rewritten per eng
   ``to_local``).
 * :func:`local` / :func:`is_dtensor` / :func:`tp_sharded` — what this rank holds of a tensor.
 * :func:`reduce_torch_dtype` / :func:`reduce_bytes` — the reduce dtype table, once.
+* :func:`local_state_bytes` / :func:`storage_state_bytes` — the bytes of what this rank holds
+  (by tensor; by distinct storage: the flat buffers' views once).
 
 Sources: Megatron-LM's ``tensor_model_parallel`` attribute and nanotron's ``NanotronParameter``
 (metadata on the parameter); torchtitan's one ``clip_grad_norm_`` for every layout (it reads
@@ -140,11 +142,15 @@ def tp_sharded(t) -> bool:
 class ReduceGroup:
     """Parameters whose gradients are summed over the same mesh ``axis`` (and then, sharded,
     all-reduced over ``replicate_axis``, HSDP); ``items``: the parameters (or (name, parameter)
-    pairs) as given to :func:`reduce_groups`, in their order."""
+    pairs) as given to :func:`reduce_groups`, in their order. ``replicas``: the axis over which
+    the parameters are the same on every rank (the data axis, or "edp" for expert shards: for
+    a sharding sync under HSDP it spans ``axis`` × ``replicate_axis``), where they start
+    identical."""
 
     axis: str
     replicate_axis: str | None
     items: list
+    replicas: str | None = None
 
 
 def reduce_groups(items, topo, *, shard: bool = False) -> list[ReduceGroup]:
@@ -160,7 +166,8 @@ def reduce_groups(items, topo, *, shard: bool = False) -> list[ReduceGroup]:
     for it in items:
         pl = placement(it[1] if isinstance(it, tuple) else it)
         key = (pl.grad_axis or default, pl.replicate_axis or (None if pl.grad_axis else rep))
-        groups.setdefault(key, ReduceGroup(key[0], key[1], [])).items.append(it)
+        groups.setdefault(key, ReduceGroup(*key, [], pl.grad_axis or topo.data_axis)
+                          ).items.append(it)
     return sorted(groups.values(), key=lambda g: g.axis != default)
 
 
@@ -326,5 +333,32 @@ def local_state_bytes(params, optimizer=None) -> dict[str, int]:
     if optimizer is not None:
         for state in optimizer.state.values():
             out["optimizer"] += sum(nbytes(v) for v in state.values())
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
+
+
+# -- storage bytes: views of one flat buffer counted once -----------------------------------------
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer counted once; a
+    freed storage counts 0; a DTensor by its local tensor; non-tensors skipped)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        s = local(t).untyped_storage()
+        if s.nbytes() == 0 or s.data_ptr() in seen:
+            continue
+        seen.add(s.data_ptr())
+        total += s.nbytes()
+    return total
+
+
+def storage_state_bytes(params, grads, optimizer=None) -> dict[str, int]:
+    """{"params", "grads", "optimizer", "total"}: :func:`storage_bytes` of ``params``, ``grads``
+    and every tensor of ``optimizer``'s state (ZeroRedundancyOptimizer: its local optimizer's)."""
+    inner = getattr(optimizer, "optim", optimizer)
+    state = [] if optimizer is None else [v for st in inner.state.values() for v in st.values()]
+    out = {"params": storage_bytes(params), "grads": storage_bytes(grads),
+           "optimizer": storage_bytes(state)}
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out

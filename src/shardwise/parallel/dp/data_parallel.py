@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from ... import comm
-from ...comm.ledger import ring_bytes
 from ..sync import Sync
-from ..params import broadcast_replicas, local, reduce_groups, reduce_torch_dtype
+from ..params import (Held, broadcast_replicas, local, norm_bytes, reduce_groups,
+                      reduce_torch_dtype)
 
 class _Bucket:
     """Consecutive parameters (in backward order) whose gradients travel in one flat buffer
@@ -216,10 +216,14 @@ class DataParallel(Sync):
                       dtype: str = "fp32") -> dict[str, float]:
         """{"grad": bytes} this rank sends per step: :func:`dp_grad_bytes_formula` of the
         gradients *in the reduce dtype* (bf16: half of fp32), whatever ``micro_steps`` (one
-        all-reduce per step) and ``dtype`` (autocast leaves gradients fp32)."""
+        all-reduce per step) and ``dtype`` (autocast leaves gradients fp32); plus
+        ``"grad_norm"`` where the norm's fp64 scalar crosses an axis other than tp (tp's own
+        formula counts that one): the axes are derived from the held gradients
+        (:meth:`..params.Held.norm_axes`; e.g. "ep" when expert shards differ across it)."""
         out = {"grad": self.grad_sync.bytes_formula()}
-        if self.topo.size("ep") > 1:  # the norm's Σ g² over the ep ranks' expert shards
-            out["grad_norm"] = ring_bytes("all_reduce", 8, self.topo.size("ep"))
+        axes = [a for a in Held([], self.sliced).norm_axes(self.topo) if a != "tp"]
+        if norm_bytes(axes, self.topo):  # absent when the scalar crosses no other axis
+            out["grad_norm"] = norm_bytes(axes, self.topo)
         return out
 
     def memory_formula(self) -> dict[str, float]:

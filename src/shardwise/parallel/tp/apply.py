@@ -18,7 +18,6 @@ from torch import nn
 from ... import comm
 from ...errors import ShardwiseConfigError
 from ...models.llama import Attention, FeedForward, Llama
-from ...models.moe import MoEFeedForward
 from ..params import tp_sharded
 from .comms import AXIS
 from .mlp import MLPLoss, apply_tp_mlp, is_mlp, mlp_tp_bytes, validate_mlp_tp
@@ -86,7 +85,9 @@ def _held(model: nn.Module, name: str) -> bool:
 
 def tp_plan(model: nn.Module) -> list[tuple[str, type, type]]:
     """(FQN, plain type expected, TP type it becomes) for every module TP converts in ``model``:
-    a Llama, or a pipeline stage of one (its blocks under their global ``layers.{i}`` names)."""
+    a Llama, or a pipeline stage of one (its blocks under their global ``layers.{i}`` names).
+    A block's feed-forward is planned when it is of the plan's class (:class:`FeedForward`);
+    one of another class is left whole (:func:`_whole`)."""
     plan = [("tok_embeddings", nn.Embedding, VocabParallelEmbedding)] \
         if _held(model, "tok_embeddings") else []
     if _held(model, "pos_embeddings"):  # learned positions (GPT-2): replicated table
@@ -94,7 +95,7 @@ def tp_plan(model: nn.Module) -> list[tuple[str, type, type]]:
     for i, layer in model.layers.named_children():
         plan += [(f"layers.{i}.attention", Attention, TensorParallelAttention),
                  (f"layers.{i}.dropout", nn.Dropout, TPDropout)]
-        if not isinstance(layer.feed_forward, MoEFeedForward):  # experts stay whole per rank
+        if isinstance(layer.feed_forward, FeedForward):  # (experts are not: :func:`_whole`)
             plan.append((f"layers.{i}.feed_forward", FeedForward, TensorParallelSwiGLU))
     if _held(model, "output"):
         plan.append(("output", nn.Linear, VocabParallelHead))
@@ -104,13 +105,21 @@ def tp_plan(model: nn.Module) -> list[tuple[str, type, type]]:
 _PLAIN_TYPES = (nn.Linear, nn.Embedding, nn.Dropout, Attention, FeedForward)
 
 
-def _leftovers(model: nn.Module) -> list[str]:
+def _whole(model: nn.Module, plan) -> list[str]:
+    """FQNs of the blocks' feed-forwards ``plan`` (:func:`tp_plan`) does not list (not a
+    :class:`FeedForward`: a mixture of experts, whose router, experts and shared experts run
+    whole on every tp rank, on the tp-replicated input: docs/expert-parallel.md)."""
+    planned = {fqn for fqn, _, _ in plan}
+    return [f for f in (f"layers.{i}.feed_forward" for i, _ in model.layers.named_children())
+            if f not in planned]
+
+
+def _leftovers(model: nn.Module, plan) -> list[str]:
     """Modules whose *exact* type is a plain one TP replaces (subclasses such as ours are fine),
-    outside a mixture-of-experts layer (its router, experts and shared experts run whole on
-    every tp rank, on the tp-replicated input: docs/expert-parallel.md)."""
-    moe = [name for name, m in model.named_modules() if isinstance(m, MoEFeedForward)]
+    outside the feed-forwards ``plan`` leaves whole (:func:`_whole`)."""
+    whole = _whole(model, plan)
     return [f"{name} ({type(m).__name__})" for name, m in model.named_modules()
-            if type(m) in _PLAIN_TYPES and not any(name.startswith(r + ".") for r in moe)]
+            if type(m) in _PLAIN_TYPES and not any(name.startswith(r + ".") for r in whole)]
 
 
 def check_plan_covers(model: nn.Module) -> list[tuple[str, type, type]]:
@@ -127,7 +136,7 @@ def check_plan_covers(model: nn.Module) -> list[tuple[str, type, type]]:
             raise ShardwiseConfigError(f"TP plan: expected a {plain_type.__name__} at {fqn!r}, "
                                        f"found {type(modules.get(fqn)).__name__}")
     roots = tuple(fqn for fqn, _, _ in plan)
-    stray = [s for s in _leftovers(model)
+    stray = [s for s in _leftovers(model, plan)
              if not any(s.split(" ")[0] == r or s.startswith(r + ".") for r in roots)]
     if stray:
         raise ShardwiseConfigError(f"TP plan does not cover {', '.join(stray)}: they would run "
@@ -142,7 +151,7 @@ def _check_converted(model: nn.Module, plan, topo, tied: bool) -> None:
     modules = dict(model.named_modules())
     problems = [f"{fqn} is {type(modules.get(fqn)).__name__}, not {tp_type.__name__}"
                 for fqn, _, tp_type in plan if type(modules.get(fqn)) is not tp_type]
-    problems += [f"{s} left unconverted" for s in _leftovers(model)]
+    problems += [f"{s} left unconverted" for s in _leftovers(model, plan)]
     vpad = padded_vocab_size(cfg.vocab_size, n)
     expect = {"tok_embeddings.weight": (vpad // n, cfg.d_model),
               "output.weight": (vpad // n, cfg.d_model)}
@@ -202,7 +211,7 @@ def apply_tp(model: nn.Module, topo, sp: bool = False, *, seed: int = 0) -> TPRN
                                                                     topo, sp))
     for layer in model.layers.children():
         layer.attention = TensorParallelAttention(layer.attention, topo, sp, rng)
-        if not isinstance(layer.feed_forward, MoEFeedForward):
+        if isinstance(layer.feed_forward, FeedForward):  # the plan's class (:func:`tp_plan`)
             layer.feed_forward = TensorParallelSwiGLU(layer.feed_forward, topo, sp)
         layer.dropout = TPDropout(layer.dropout.p, rng, sp)
     if has_head:

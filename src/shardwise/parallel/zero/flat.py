@@ -39,7 +39,7 @@ from torch import nn
 
 from ... import comm
 from ...errors import ShardwiseConfigError
-from ..params import local, tp_sharded
+from ..params import tp_sharded
 
 
 # -- one group's flat buffers ---------------------------------------------------------------------
@@ -351,29 +351,3 @@ def load_optimizer_state(flats: list[FlatShards], optimizer, state: dict[str, di
                 new[k] = v
         optimizer.state[piece] = new
 
-
-# -- storage bytes --------------------------------------------------------------------------------
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one buffer counted once; a
-    freed storage counts 0; a DTensor by its local tensor; non-tensors skipped)."""
-    seen, total = set(), 0
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
-        s = local(t).untyped_storage()
-        if s.nbytes() == 0 or s.data_ptr() in seen:
-            continue
-        seen.add(s.data_ptr())
-        total += s.nbytes()
-    return total
-
-
-def storage_state_bytes(params, grads, optimizer=None) -> dict[str, int]:
-    """{"params", "grads", "optimizer", "total"}: :func:`storage_bytes` of ``params``, ``grads``
-    and every tensor of ``optimizer``'s state (ZeroRedundancyOptimizer: its local optimizer's)."""
-    inner = getattr(optimizer, "optim", optimizer)
-    state = [] if optimizer is None else [v for st in inner.state.values() for v in st.values()]
-    out = {"params": storage_bytes(params), "grads": storage_bytes(grads),
-           "optimizer": storage_bytes(state)}
-    out["total"] = out["params"] + out["grads"] + out["optimizer"]
-    return out

@@ -124,8 +124,7 @@ def hsdp_replicate_bytes(psi: float, shard: int, replicate: int,
     Ψb·((S−1)/S + 2(R−1)/(R·S)) for its gradients — the same total as an all-reduce over all
     R·S ranks when the groups are equal, but only the Ψb·2(R−1)/(R·S) part crosses between
     replicas (the inter-node links when a shard group is one node)."""
-    return 2 * (replicate - 1) / replicate * psi * bytes_per_elem / shard if replicate > 1 \
-        else 0.0
+    return 2 * (replicate - 1) / replicate * psi * bytes_per_elem / shard  # R = 1: 0.0
 
 
 def validate_zero(zero: int, dp: int, *, optimizer="adamw", engine: str = "explicit") -> None:

@@ -40,8 +40,10 @@ class FSDP2Sync(Sync):
     root); ``local_shapes``: {FQN: this rank's tp-local shape} before dp (for the formulas)."""
 
     def __init__(self, module: Llama, topo, layout, units: list[nn.Module], *,
-                 reshard_after_forward: bool, reduce_dtype: str, local_shapes: dict):
+                 reshard_after_forward: bool, reduce_dtype: str, local_shapes: dict,
+                 replicate_axis: str | None = None):
         super().__init__(module, topo)
+        self.replicate_axis = replicate_axis  # HSDP: FSDP2 all-reduces the shards over it
         self.sp, self.zero = layout.sp, layout.zero
         self.units, self.reshard_after_forward = units, reshard_after_forward
         self.reduce_dtype, self.local_shapes = reduce_dtype, local_shapes
@@ -60,8 +62,8 @@ class FSDP2Sync(Sync):
         """``replicate`` issues its dp all-reduce with ``torch.distributed.all_reduce`` (booked
         as ``grad``); with SP, FSDP2 redistributes the norm weights' ``Partial`` gradients
         inside backward (booked as ``sp_grad``)."""
-        hsdp = getattr(self.topo, "dp_replicate", 1) > 1  # FSDP2's own replica all-reduce
-        return {"c10d_tag": "grad" if self.zero == 0 else "grad_replicate" if hsdp else None,
+        rep = self.replicate_axis  # FSDP2's own all-reduce of the shards over the replicas
+        return {"c10d_tag": "grad" if self.zero == 0 else "grad_replicate" if rep else None,
                 "sp_grad": self.sp}
 
     def sum_replicated_grads(self) -> None:
@@ -148,11 +150,11 @@ class FSDP2Sync(Sync):
         again = self._padded_local_numel(block_names) if self.reshard_after_forward else 0
         out = {"param": micro_steps * f * (psi + again) * 4, "grad": f * psi * b_r,
                "grad_norm": ring_bytes("all_reduce", 8, n)}
-        if getattr(self.topo, "dp_replicate", 1) > 1:  # HSDP: the shards over the replicas
+        if self.replicate_axis:  # HSDP: the shards over the replicas
             from .formulas import hsdp_replicate_bytes
 
-            out["grad_replicate"] = hsdp_replicate_bytes(psi, n, self.topo.size("dp_replicate"),
-                                                         b_r)
+            out["grad_replicate"] = hsdp_replicate_bytes(psi, n,
+                                                         self.topo.size(self.replicate_axis), b_r)
         return out
 
 
@@ -172,6 +174,6 @@ def fsdp2_over_tp(model: Llama, topo, layout, *, reshard_after_forward: bool = T
                       what=f"FSDP2 (dp × tp, --zero {layout.zero} --engine torch)")
     sync = FSDP2Sync(model, topo, layout, fsdp.modules,
                      reshard_after_forward=fsdp.reshard_after_forward, reduce_dtype=reduce_dtype,
-                     local_shapes=local_shapes)
+                     local_shapes=local_shapes, replicate_axis=fsdp.replicate_axis)
     sync._order = fsdp.order
     return sync

@@ -39,8 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ... import comm
 from ...comm.torch_booking import BookFunctionalCollectives, ddp_comm_hook
 from ..sync import Sync
-from ..params import reduce_bytes, reduce_torch_dtype
-from .flat import storage_state_bytes
+from ..params import reduce_bytes, reduce_groups, reduce_torch_dtype, storage_state_bytes
 from .units import UnitOrderCheck, assign_units
 from .formulas import (hsdp_replicate_bytes, validate_zero, zero_memory_formula,
                        zero_step_bytes_formula)
@@ -84,11 +83,20 @@ if AllGather is not None:
 
 class FSDPUnits(NamedTuple):
     """What :func:`apply_fsdp` wrapped: ``modules`` (the units, then the root last), ``order``
-    (their first-forward order check) and ``reshard_after_forward`` (of the units)."""
+    (their first-forward order check), ``reshard_after_forward`` (of the units) and
+    ``replicate_axis`` (HSDP's "dp_replicate", or None: :func:`replica_axis`)."""
 
     modules: list[nn.Module]
     order: UnitOrderCheck
     reshard_after_forward: bool
+    replicate_axis: str | None
+
+
+def replica_axis(module: nn.Module, topo) -> str | None:
+    """The axis over which ``module``'s sharded gradients are then all-reduced, as its
+    parameters' record says (:func:`..params.reduce_groups`, ``shard=True``): HSDP's
+    "dp_replicate", or None."""
+    return reduce_groups(list(module.parameters()), topo, shard=True)[0].replicate_axis
 
 
 def apply_fsdp(module: nn.Module, topo, stage: int, reduce_dtype: str = "fp32", *,
@@ -109,10 +117,11 @@ def apply_fsdp(module: nn.Module, topo, stage: int, reduce_dtype: str = "fp32", 
     fqn = {id(m): n for n, m in module.named_modules()}
     names = [fqn[id(u)] for u in units]
     mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if reduce_dtype == "bf16" else None)
-    # HSDP: FSDP2's 2-D mesh (replicate, shard): it reduce-scatters within dp_shard (our hook)
-    # and all-reduces the shards over dp_replicate itself (c10d, booked by :meth:`booking`)
-    hsdp = getattr(topo, "dp_replicate", 1) > 1
-    mesh = topo.mesh["dp_replicate", "dp_shard"] if hsdp else topo.mesh["dp"]
+    # with a replica axis (HSDP): FSDP2's 2-D mesh (replicate, shard): it reduce-scatters within
+    # the shard axis (our hook) and all-reduces the shards over the replicas itself (c10d,
+    # booked by :meth:`booking`)
+    rep = replica_axis(module, topo)
+    mesh = topo.mesh[rep, topo.shard_axis] if rep else topo.mesh["dp"]
     if stage == 0:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
@@ -136,7 +145,7 @@ def apply_fsdp(module: nn.Module, topo, stage: int, reduce_dtype: str = "fp32", 
     # error, not mismatched gathers (silently wrong gradients)
     order = UnitOrderCheck(topo, names, what)
     order.hook_forward(wrapped[:-1], module)
-    return FSDPUnits(wrapped, order, reshard)
+    return FSDPUnits(wrapped, order, reshard, rep)
 
 
 class ZeroRedundancySync(Sync):
@@ -160,12 +169,12 @@ class ZeroRedundancySync(Sync):
         self.reduce_dtype = reduce_dtype
         named_units = assign_units(module, units)  # same checks (tied weights) as explicit ZeRO
         super().__init__(module, topo)
-        # HSDP: FSDP2 over the 2-D mesh (dp_replicate, dp_shard), ZeRO-1 as FSDP2's ZeRO-2
-        # (ZeroRedundancyOptimizer has no hybrid mode); n is the shard group
-        self.hsdp = getattr(topo, "dp_replicate", 1) > 1
+        # with a replica axis (HSDP): FSDP2 over the 2-D mesh (dp_replicate, dp_shard), ZeRO-1
+        # as FSDP2's ZeRO-2 (ZeroRedundancyOptimizer has no hybrid mode); n is the shard group
+        self.replicate_axis = replica_axis(module, topo)
         self.topo, self.stage, self.n = topo, stage, topo.size(topo.shard_axis)
         self._numel = sum(p.numel() for _, _, ps in named_units for _, p in ps)
-        self._ddp = stage == 1 and not self.hsdp
+        self._ddp = stage == 1 and self.replicate_axis is None
         if self._ddp:
             # gradient_as_bucket_view: .grad are views of DDP's buckets, so gradients take 4Ψ
             no_buffer_sync = ({"forward_sync_buffers": False}  # RoPE tables are deterministic
@@ -193,7 +202,7 @@ class ZeroRedundancySync(Sync):
         ``torch.distributed.all_reduce`` itself (no hook into :mod:`shardwise.comm`): booked by
         :class:`~shardwise.comm.torch_booking.BookFunctionalCollectives` as tag
         ``grad_replicate``."""
-        if not self.hsdp:
+        if self.replicate_axis is None:
             return contextlib.nullcontext()
         return BookFunctionalCollectives(self.topo, c10d_tag="grad_replicate")
 
@@ -276,7 +285,7 @@ class ZeroRedundancySync(Sync):
 
     # -- inspection -----------------------------------------------------------------------------
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
-        """:func:`.flat.storage_state_bytes` of this rank's storages (local shards for FSDP2, with
+        """:func:`..params.storage_state_bytes` of this rank's storages (local shards for FSDP2, with
         FSDP2's dim-0 padding; DDP's full parameters and bucket-view gradients plus
         ZeroRedundancyOptimizer's local state for stage 1)."""
         params = list(self.module.parameters())
@@ -324,9 +333,9 @@ class ZeroRedundancySync(Sync):
         out = zero_step_bytes_formula(3, self.padded_numel, self.n, 4, micro_steps=micro_steps,
                                       regathered=blocks if self.reshard_after_forward else 0,
                                       grad_bytes_per_elem=b_r)
-        if self.hsdp:  # FSDP2 all-reduces each rank's padded shards over the replicas
+        if self.replicate_axis:  # FSDP2 all-reduces each rank's padded shards over the replicas
             out["grad_replicate"] = hsdp_replicate_bytes(
-                self.padded_numel, self.n, self.topo.size("dp_replicate"), b_r)
+                self.padded_numel, self.n, self.topo.size(self.replicate_axis), b_r)
             out["total"] += out["grad_replicate"]
         return out
 

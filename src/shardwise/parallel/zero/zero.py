@@ -23,7 +23,8 @@ are :func:`.formulas.zero_memory_formula` and :func:`.formulas.zero_step_bytes_f
 model state ÷ S, not ÷ dp), the gradient reduce-scatter runs within the shard group, and each
 rank's summed 1/S shard is then all-reduced across the R replicas over "dp_replicate" (tag
 ``grad_replicate``, 2(R−1)/R·Ψb/S); parameters are all-gathered within the shard group only.
-The norm's scalar is summed over dp_shard (the replicas hold the same slices).
+The norm's scalar is summed over dp_shard (the replicas hold the same slices). Each unit reads
+this from its parameters' record (:class:`..params.ReduceGroup`: ``axis``, ``replicate_axis``).
 
 **With expert parallelism** (:mod:`shardwise.parallel.ep`) a unit's expert shards (this rank's
 E/ep experts, :func:`..params.ep_sharded`) are summed over "edp", the dp·cp/ep ranks that hold
@@ -48,9 +49,10 @@ from torch import nn
 from ... import comm
 from ...comm.ledger import ring_bytes
 from ..sync import Sync
-from ..params import Held, reduce_groups, reduce_torch_dtype, sum_coalesced_, tp_sharded
+from ..params import (Held, ReduceGroup, reduce_groups, reduce_torch_dtype, storage_state_bytes,
+                      sum_coalesced_, tp_sharded)
 from .flat import (FlatShards, gather_named, gather_optimizer_state, load_optimizer_state,
-                   sharded_optimizer, storage_state_bytes)
+                   sharded_optimizer)
 from .formulas import (hsdp_replicate_bytes, validate_zero, zero_ep_memory_formula,
                        zero_ep_step_bytes_formula, zero_memory_formula)
 from .units import assign_units
@@ -58,13 +60,14 @@ from .units import assign_units
 EXPERTS = ":experts"  # suffix of the unit name of a unit's expert shards (sharded over "edp")
 
 
-def split_experts(named_units, topo) -> list[tuple[str, nn.Module, list, str]]:
+def split_experts(named_units, topo) -> list[tuple[str, nn.Module, ReduceGroup]]:
     """``[(name, module, [(fqn, param)])]`` (:func:`.units.assign_units`) → ``[(name, module,
-    named, axis)]``: each unit split by :func:`..params.reduce_groups` (``shard=True``): its
-    parameters over the shard axis (the data axis, or HSDP's dp_shard), then, if it has any,
-    those of another group (expert shards, over "edp") as unit ``name + ":experts"``, same
-    module. Without expert parallelism: the units unchanged."""
-    return [(name if g.axis == topo.shard_axis else name + EXPERTS, mod, g.items, g.axis)
+    group)]``: each unit split by :func:`..params.reduce_groups` (``shard=True``), whose
+    :class:`..params.ReduceGroup` records say where each part is summed: its parameters over
+    the shard axis (the data axis, or HSDP's dp_shard with ``replicate_axis`` dp_replicate),
+    then, if it has any, those of another group (expert shards, over "edp") as unit ``name +
+    ":experts"``, same module. Without expert parallelism: the units unchanged."""
+    return [(name if g.axis == topo.shard_axis else name + EXPERTS, mod, g)
             for name, mod, named in named_units for g in reduce_groups(named, topo, shard=True)]
 
 # -- the gradient sync -----------------------------------------------------------------------------
@@ -101,25 +104,23 @@ class ZeroSync(Sync):
         named_units = assign_units(module, units)  # all checks done before the first collective
         super().__init__(module, topo)
         self.stage = stage
-        # the shard group: the data axis, or HSDP's dp_shard (shards all-reduced over
-        # dp_replicate after each reduce-scatter)
+        # the shard group: the data axis, or HSDP's dp_shard (each unit's record, a
+        # ReduceGroup, names the replica axis its shards are then all-reduced over)
         self.n, self.rank = topo.size(topo.shard_axis), topo.index(topo.shard_axis)
-        self.replicate = "dp_replicate" if getattr(topo, "dp_replicate", 1) > 1 else None
         self.prefetch, self.reshard_after_forward, self.overlap = (prefetch, reshard_after_forward,
                                                                    overlap)
         self.reduce_dtype, self._rdtype = reduce_dtype, rdtype  # of the gradient reduce_scatter
-        self.units = [FlatShards(named, topo, keep_full_grad=stage == 1, reduce_dtype=rdtype,
-                                 name=name, module=mod, axis=axis,
-                                 replicate_axis=self.replicate if axis == "dp_shard" else None)
-                      for name, mod, named, axis in split_experts(named_units, topo)]
+        groups = split_experts(named_units, topo)
+        self.units = [FlatShards(g.items, topo, keep_full_grad=stage == 1, reduce_dtype=rdtype,
+                                 name=name, module=mod, axis=g.axis,
+                                 replicate_axis=g.replicate_axis) for name, mod, g in groups]
         with topo.ledger.phase("init"):
-            for u in self.units:  # replicas start identical (expert shards: over edp; HSDP's
-                # shard groups: over the whole data axis, every replica too)
-                comm.broadcast(u.full, topo, topo.data_axis if u.axis == "dp_shard" else u.axis,
-                               src=0, tag="init")
-        # the root unit (and its experts, if any sit outside the blocks): gathered for the
-        # whole forward and backward by ZeRO-3
-        self.roots = [u for u in self.units if u.name in ("root", "root" + EXPERTS)]
+            for u, (_, _, g) in zip(self.units, groups):  # replicas start identical over
+                # g.replicas (expert shards: edp; HSDP's shard groups: the whole data axis)
+                comm.broadcast(u.full, topo, g.replicas, src=0, tag="init")
+        # the root unit (module: the model itself; with its experts, if any sit outside the
+        # blocks): gathered for the whole forward and backward by ZeRO-3
+        self.roots = [u for u in self.units if u.module is module]
         self.blocks = [u for u in self.units if u not in self.roots]  # forward order
         # gradients become complete in reverse forward order, the root (tied embedding) last
         self._reduce_order = self.blocks[::-1] + self.roots
@@ -267,7 +268,7 @@ class ZeroSync(Sync):
 
     # -- accounting -----------------------------------------------------------------------------
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
-        """:func:`.flat.storage_state_bytes`: ``params`` (ZeRO-1/2 the full flat buffers; ZeRO-3
+        """:func:`..params.storage_state_bytes`: ``params`` (ZeRO-1/2 the full flat buffers; ZeRO-3
         the slices plus whatever is gathered right now), ``grads`` (ZeRO-1 the full gradient
         buffers; ZeRO-2/3 the slices plus any full ``.grad`` not yet reduced), ``optimizer``,
         ``total``."""
@@ -323,8 +324,9 @@ class ZeroSync(Sync):
             self.stage, dense, self.n, experts, n_e, self.units[0].full.element_size(),
             micro_steps=micro_steps, regathered=self._regathered(self.topo.shard_axis),
             regathered_experts=self._regathered("edp"), grad_bytes_per_elem=grad_b)
-        if self.replicate:  # HSDP: each rank's 1/S shard of the gradients over the R replicas
-            out["grad_replicate"] = hsdp_replicate_bytes(dense, self.n,
-                                                         self.topo.size(self.replicate), grad_b)
+        for rep in dict.fromkeys(u.replicate_axis for u in self.units if u.replicate_axis):
+            # HSDP: each rank's 1/S shard of the gradients of the units over those replicas
+            psi = sum(u.padded for u in self.units if u.replicate_axis == rep)
+            out["grad_replicate"] = hsdp_replicate_bytes(psi, self.n, self.topo.size(rep), grad_b)
             out["total"] += out["grad_replicate"]
         return out

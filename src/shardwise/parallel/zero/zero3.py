@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from ... import comm
-from .flat import FlatShards, gather_named, storage_bytes
+from ..params import storage_bytes
+from .flat import FlatShards, gather_named
 from .units import UnitOrderCheck
 from .zero import ZeroSync
 
