@@ -4,23 +4,23 @@ Scaling book ch. 5 ("Combining FSDP and tensor parallelism"), on a 2-D mesh of n
 rank = x·Y + y (TP innermost: on the fastest links). TP (tp.py) splits each block's hidden
 dimension F over Y; FSDP (fsdp.py) splits the batch over X and stores 1/X of each TP shard:
 
-    stored    W_in[D_X, F_Y], b_in[F_Y] → its X-th slice, W_out[F_Y, D] → the X-th slice of
-              its rows (we slice dim 0 everywhere; the book slices W_out's D instead: the
-              same bytes), b_out[D_X]
+    stored    W_in[D_X, F_Y]; b_in[F_Y] and W_out[F_Y, D] cut again along F_Y, F/(X·Y) each
+              (we cut dim 0 everywhere; the book cuts W_out's D: the same bytes); b_out[D_X]
+              (replicated over Y: its "TP shard" is all of it)
     forward   AllGather_X → W_in[D, F_Y] …;  In[B_X, D] · W_in[D, F_Y] → Tmp[B_X, F_Y];
               Tmp · W_out[F_Y, D] → Out[B_X, D] {U_Y};  AllReduce_Y → Out[B_X, D]   (g)
-    backward  AllGather_X again; ∂In[B_X, D] {U_Y} → AllReduce_Y (f);
+    backward  AllGather_X again; ∂In[B_X, D] {U_Y} → AllReduce_Y (f, not for block 0);
               ∂W_in[D, F_Y] {U_X} → ReduceScatter_X → ∂W_in[D_X, F_Y]
     update    AdamW on my slices: no communication
 
-Per rank and step: the FSDP bytes of the Ψ/Y parameters of my TP shard over X,
-3(X−1)/X · 4Ψ_tp (Ψ_tp = my TP shard's parameters), plus TP's 2 · L · 2(Y−1)/Y · 4·(B/X)·D
-over Y: each axis carries what it is good at (Megatron-LM 2021 §3; scaling book ch. 5).
+Per rank and step, over X: 3(X−1)/X · 4Ψ_tp (gather forward + gather backward + reduce-scatter;
+Ψ_tp = L·(2·D·F/Y + F/Y + D), my TP shard's parameters, 2,176 at Y = 2); over Y: TP's
+(2L − 1) · 2(Y−1)/Y · 4·(B/X)·D; plus the printed loss's 2(X−1)/X · 8. Each axis carries what
+it is good at (Megatron-LM 2021 §3; scaling book ch. 5).
 
-Run:  shardwise learn fsdp_tp --nproc 4
-      torchrun --nproc-per-node 4 -m shardwise.learn.fsdp_tp
+Run:  shardwise learn fsdp_tp --nproc 4  or  torchrun --nproc-per-node 4 -m shardwise.learn.fsdp_tp
 Next: docs/composition.md → src/shardwise/parallel/ (apply.py) →
-      shardwise trace --dp 2 --tp 2 --zero 3 --model mlp-tiny
+      shardwise trace --dp 2 --tp 2 --zero 3 --model mlp-tiny --micro-batch 4 (B/X rows at once)
 """
 
 from __future__ import annotations

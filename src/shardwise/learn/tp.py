@@ -1,24 +1,28 @@
 """Tensor parallelism (Megatron) on the stacked MLP, every collective written out.
 
 Scaling book ch. 5 (tensor parallelism), mesh axis Y = the n ranks; Shoeybi et al. 2019
-(Megatron-LM) §3. Every rank sees the whole batch; each block's hidden dimension F is split:
+(Megatron-LM) §3. Every rank sees the whole batch; each block's hidden dimension F is split
+(F_Y: F split over Y, F/n units per rank; {U_Y}: a partial sum still to be summed over Y):
 
     stored    W_in[D, F_Y] (columns), b_in[F_Y], W_out[F_Y, D] (rows), b_out[D] (replicated)
     forward   In[B, D] · W_in[D, F_Y] → Tmp[B, F_Y]           no communication (column-parallel)
               Tmp[B, F_Y] · W_out[F_Y, D] → Out[B, D] {U_Y}   a partial sum (row-parallel)
               AllReduce_Y → Out[B, D]                          Megatron's g
     backward  ∂Out[B, D] is the same on every rank; ∂W_out[F_Y, D], ∂W_in[D, F_Y], ∂b_in[F_Y] are
-              local; ∂In[B, D] {U_Y} = ∂Tmp[B, F_Y] · W_in[D, F_Y]ᵀ is a partial sum:
-              AllReduce_Y → ∂In[B, D]                          Megatron's f (its backward)
+              local; ∂In[B, D] {U_Y} = ∂Tmp[B, F_Y] (through the GELU) · W_in[D, F_Y]ᵀ is a
+              partial sum: AllReduce_Y → ∂In[B, D]            Megatron's f (its backward)
     update    AdamW on my columns/rows: no communication; b_out's gradient is the same everywhere
 
-One f/g pair per block: per rank and step 2 · L · 2(n−1)/n · 4·B·D bytes (activations, not
-weights: TP's traffic grows with the batch, DP's with the model). The loss needs no collective:
-every rank computes the same one.
+One g per block and one f per block but the first (block 0's input is the batch, which needs no
+gradient, so autograd never calls its f's backward): per rank and step (2L − 1) · 2(n−1)/n ·
+4·B·D bytes (activations, not weights: TP's traffic grows with the batch, DP's with the model).
+The loss needs no collective: every rank computes the same one. Names: F is d_ff, F_ is
+torch.nn.functional, F_op and G_op are Megatron's f and g.
 
 Run:  shardwise learn tp --nproc 2      or     torchrun --nproc-per-node 2 -m shardwise.learn.tp
 Next: docs/tensor-parallel.md → src/shardwise/parallel/tp/mlp.py →
-      shardwise trace --tp 2 --model mlp-tiny
+      shardwise trace --tp 2 --model mlp-tiny --micro-batch 8   (B = 8 rows in one micro-batch,
+      as here: the same 7 all-reduces of [8, 16] per step)
 """
 
 from __future__ import annotations
