@@ -1,4 +1,5 @@
-"""The engine of every layout (one process aside): :class:`ParallelModel`.
+"""The engine of every layout, :class:`ParallelModel` (:class:`Local`: one process, the
+reference), and the loss functions' base, :class:`PlainLoss`.
 
 A :class:`ParallelModel` is put together by :func:`~.apply.parallelize` (the only composition
 site) from plain pieces over one converted module, each answering the members it owns:

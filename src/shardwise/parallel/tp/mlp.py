@@ -107,19 +107,6 @@ def mlp_tp_bytes(cfg, rows: int, tp: int) -> dict[str, float]:
             "grad_norm": r * 8}
 
 
-class MLPTraffic:
-    """TP's terms of a step's byte formula for the converted MLP ``module`` on ``topo``
-    (:func:`mlp_tp_bytes`; ``sequences`` = rows, ``seq_len`` unused: a row is one sample). The
-    same for both engines."""
-
-    def __init__(self, module, topo, sp: bool = False):
-        self.module, self.topo = module, topo
-
-    def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
-                      dtype: str = "fp32") -> dict[str, float]:
-        return mlp_tp_bytes(self.module.config, sequences, self.topo.size(AXIS))
-
-
 def dtensor_mlp_plan(model: StackedMLP) -> dict:
     """The ``parallelize_module`` plan of the MLP: ``w_in`` ``ColwiseParallel`` (its input
     enters as Replicate: all-reduce of ∂x backward), ``w_out`` ``RowwiseParallel`` (all-reduce
