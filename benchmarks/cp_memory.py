@@ -211,7 +211,7 @@ def measure(args, topo, cp: int, seq: int, method: str) -> dict:
     denom = float(args.batch * seq)
     t0 = time.perf_counter()
     with SavedBytes(engine) as saved:
-        loss_sum = engine.loss_sum(mb)  # the forward: every tensor saved for backward, counted
+        loss_sum = engine.loss_fn.loss_sum(mb)  # the forward: every saved tensor counted
     (loss_sum / denom).backward()  # the ring (or reduce-scatter) runs back
     engine.finish_gradient_sync()
     seconds = time.perf_counter() - t0
