@@ -20,7 +20,6 @@ import sysconfig
 from pathlib import Path
 
 from shardwise.errors import ShardwiseConfigError
-from shardwise.readers import iter_jsonl
 
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet")
 # Directory names under the stdlib that hold test suites (their data files include deliberately
@@ -184,13 +183,18 @@ def _read_jsonl(path: Path) -> list[str]:
     Every record is checked here first, because ``datasets`` does not fail on every bad record:
     given ``"text"`` values of mixed types it silently turns them all into their JSON spelling.
     """
-    _read_utf8(path)  # strict UTF-8 check first: its message names the byte offset and line
-
-    def bad_line(number: int, err: ValueError) -> str:
-        return f"{path}: line {number} is not valid JSON ({err}): write one JSON object per line"
-
-    # blank lines are skipped, as datasets skips them
-    for number, record in iter_jsonl(path, "--data", bad_line=bad_line):
+    raw = _read_utf8(path)  # strict UTF-8 check first: its message names the byte offset
+    # one pass over the text already read (not :func:`~shardwise.readers.iter_jsonl`, which would
+    # read the file a second time); blank lines are skipped, as datasets skips them
+    for number, line in enumerate(raw.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as err:
+            raise ShardwiseConfigError(
+                f"{path}: line {number} is not valid JSON ({err}): write one JSON object per line"
+            ) from None
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise ShardwiseConfigError(
                 f"{path}: line {number} has no 'text' field (or it is null or not a string): "
