@@ -61,7 +61,8 @@ train: install
 
 # Two pytest workers, a test file each (--dist loadfile: a module's spawned world stays in one
 # worker), in collection order (--no-loadscope-reorder: tests/conftest.py puts the two long
-# verify files first, one per worker); the 10 slowest tests are printed at the end.
+# verify files first, one per worker); the 10 slowest tests are printed at the end, and last the
+# 10 slowest files with each worker's total (tests/conftest.py), so a slow file shows at once.
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=10
 
