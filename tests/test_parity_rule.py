@@ -201,3 +201,39 @@ def test_drift_bound_is_the_stated_formula():
     with pytest.raises(ValueError):
         drift_bound([])
 
+
+# Test files that use the rule's tolerances without comparing a parallel layout with one process:
+# `make test-cpu-paths` need not run them (docs/parity.md §5). Each with the reason.
+NOT_A_LAYOUT = {
+    "test_chat_pack.py": "one process: packed rows against unpacked rows (layouts: test_pack_layouts)",
+    "test_compile.py": "one process: compiled against eager, with its own bound (LOSS_RTOL)",
+    "test_gpu_path.py": "a GPU's run (skipped on CPU)",
+    "test_hf_families.py": "one process: our logits against transformers'",
+    "test_hf_llama3.py": "one process: our logits against transformers'",
+    "test_hf_mixtral.py": "one process: our logits against transformers'",
+    "test_moe_model.py": "one process: batch splits and attach mode against plain mode",
+    "test_report.py": "reads RTOL/ATOL for the report's table; runs no model",
+}
+
+
+def test_the_cpu_paths_target_lists_every_parity_test():
+    """Every test file that imports the parity rule is in the Makefile's PARITY_TESTS (run by
+    `make test-cpu-paths` under five CPU math paths), or in NOT_A_LAYOUT with its reason; so a new
+    parity test cannot be left out of the other paths (issue 34), and every listed one exists."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    make = (root / "Makefile").read_text()
+    block = re.search(r"^PARITY_TESTS :=(.*?)(?<!\\)\n", make, re.S | re.M).group(1)
+    listed = block.replace("\\\n", " ").split()
+    files = {item.split("::")[0].removeprefix("tests/") for item in listed}
+    for item in listed:
+        path, *names = item.split("::")
+        assert (root / path).exists(), item
+        for name in names:
+            assert re.search(rf"^def {name}\(", (root / path).read_text(), re.M), item
+    uses = {p.name for p in (root / "tests").glob("test_*.py")
+            if re.search(r"shardwise\.parity\b|from shardwise import parity", p.read_text())}
+    assert uses - files - set(NOT_A_LAYOUT) == set(), "add them to PARITY_TESTS or NOT_A_LAYOUT"
+    assert set(NOT_A_LAYOUT) <= uses and not set(NOT_A_LAYOUT) & files
