@@ -205,7 +205,8 @@ def test_drift_bound_is_the_stated_formula():
 # Test files that use the rule's tolerances without comparing a parallel layout with one process:
 # `make test-cpu-paths` need not run them (docs/parity.md §5). Each with the reason.
 NOT_A_LAYOUT = {
-    "test_chat_pack.py": "one process: packed rows against unpacked rows (layouts: test_pack_layouts)",
+    "test_chat_pack.py": "one process: packed rows against unpacked ones (test_pack_layouts: "
+                         "the layouts)",
     "test_compile.py": "one process: compiled against eager, with its own bound (LOSS_RTOL)",
     "test_gpu_path.py": "a GPU's run (skipped on CPU)",
     "test_hf_families.py": "one process: our logits against transformers'",
