@@ -13,7 +13,15 @@ PARITY_TESTS := tests/test_parity_rule.py tests/test_dp_parity.py tests/test_zer
 	tests/test_compose_torch.py tests/test_pipeline_compose.py tests/test_pipeline_unequal.py \
 	tests/test_unit_order.py tests/test_context_parallel.py tests/test_expert_parallel.py \
 	tests/test_ep_zero.py tests/test_ep_pp.py tests/test_hsdp.py tests/test_family_parity.py \
-	tests/test_dpo_parity.py \
+	tests/test_dpo_parity.py tests/test_pack_layouts.py \
+	tests/test_learn.py::test_script_trains_like_one_process \
+	tests/test_learn.py::test_broken_copy_fails \
+	tests/test_eval_and_epoch.py::test_eval_loss_is_the_same_at_every_layout \
+	tests/test_eval_and_epoch.py::test_cli_reports_the_epoch_tail_and_counts_each_val_row_once \
+	tests/test_sft.py::test_sft_under_dp2_logs_the_one_process_losses \
+	tests/test_gpt2_sft.py::test_sft_from_a_gpt2_folder_equals_across_layouts_and_starts_from_the_hf_model \
+	tests/test_llama3_sft.py::test_layouts_log_the_one_process_losses \
+	tests/test_multinode.py \
 	tests/test_checkpoint.py::test_resharding_matrix \
 	tests/test_cli.py::test_train_end_to_end_in_each_layout_gives_the_dp_run_validation_losses \
 	tests/test_verify_n4.py tests/test_verify_n8.py
@@ -61,7 +69,8 @@ train: install
 
 # Two pytest workers, a test file each (--dist loadfile: a module's spawned world stays in one
 # worker), in collection order (--no-loadscope-reorder: tests/conftest.py puts the two long
-# verify files first, one per worker); the 10 slowest tests are printed at the end.
+# verify files first, one per worker); the 10 slowest tests are printed at the end, and last the
+# 10 slowest files with each worker's total (tests/conftest.py), so a slow file shows at once.
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=10
 

@@ -43,10 +43,10 @@ def run_world(worker, out, nproc: int = 4) -> None:
 
 
 def pytest_collection_modifyitems(items):
-    """The suite's longest files (the pages' commands, ~5 min; the two verify worlds, ~3 min
-    each) go first, so that under ``-n 2 --dist loadfile`` one worker starts with the commands
-    and the other with the verify worlds, and the other files fill in around them (otherwise
-    they could start last and set the suite's wall time)."""
+    """The suite's longest files (the pages' commands, two files of ~3 min alone; the two
+    verify worlds, ~4 and ~3 min) go first, so that under ``-n 2 --dist loadfile`` both workers
+    start with them and the other files fill in around them (otherwise they could start last
+    and set the suite's wall time)."""
     first = ("test_doc_commands", "test_verify_n4", "test_verify_n8")
     items.sort(key=lambda item: next((i for i, f in enumerate(first) if f in item.nodeid),
                                      len(first)))  # stable
@@ -86,20 +86,35 @@ def min_routing_gap(model, batch: dict) -> float:
 
 # The wall time of each test file in its worker (setup, calls and teardown of its tests: a
 # module-scoped world's start-up included), summed on the controller from the tests' reports and
-# printed last, so that the next slow file is visible in every `make test` (issue: suite ≤ 12 min).
+# printed last, so that the next slow file is visible in every `make test` (issue 34: suite ≤ 12
+# min). Under xdist the controller receives every worker's reports (``report.node`` names the
+# worker), so the sums cost a dict update per report; each file's worker and each worker's total
+# are shown too, which is what `--dist loadfile`'s balance is read from.
 _FILE_SECONDS: dict[str, float] = {}
+_FILE_WORKER: dict[str, str] = {}
 
 
 def pytest_runtest_logreport(report):
     path = report.nodeid.split("::")[0]
     _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+    node = getattr(report, "node", None)  # set by xdist on the controller
+    _FILE_WORKER[path] = getattr(getattr(node, "gateway", None), "id", "") or "main"
 
 
-@pytest.hookimpl(trylast=True)
+@pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_terminal_summary(terminalreporter):
-    if not _FILE_SECONDS:
-        return
-    slow = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:10]
-    terminalreporter.section("slowest files (seconds in their worker: setup + tests + teardown)")
-    for path, seconds in slow:
-        terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
+    """Outermost wrapper: the table comes after the durations and the short test summary, just
+    before the final count line."""
+    result = yield
+    if _FILE_SECONDS:
+        slow = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:10]
+        terminalreporter.section("slowest files (seconds in their worker: setup + tests + "
+                                 "teardown)")
+        for path, seconds in slow:
+            terminalreporter.write_line(f"{seconds:8.1f} s  {_FILE_WORKER[path]:>4}  {path}")
+        workers: dict[str, float] = {}
+        for path, seconds in _FILE_SECONDS.items():
+            workers[_FILE_WORKER[path]] = workers.get(_FILE_WORKER[path], 0.0) + seconds
+        terminalreporter.write_line("per worker: " + ", ".join(
+            f"{w} {s:.0f} s" for w, s in sorted(workers.items())))
+    return result

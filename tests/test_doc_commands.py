@@ -1,233 +1,51 @@
-"""Every example command in the README and docs/ runs as written (issue 23).
-
-The commands are read from the pages themselves: each line of a fenced code block, and each
-inline code span, that starts with ``shardwise <subcommand>`` (or ``python``). Each is then
-
-* **run**, in a scratch folder, one page's commands in order (a page's ``export`` reads the run
-  its ``train`` wrote), made small without changing what it shows: ``train`` runs 2 steps,
-  ``verify`` 1 step, ``bench`` 1 step of 1 round, ``plan --plot`` the first two of its
-  ``--plot-gpus`` (each count is a whole layout search, ~10 s), and ``tiny`` replaces the
-  default model of train and bench where the command's own validator accepts it (its 2 kv heads do not split
-  over tp = 4; ``trace`` already defaults to tiny, with layers enough for its stages);
-* or, for a template (a placeholder such as ``[flags]``, ``FILE.toml``, ``RUN``, ``…``),
-  **parsed**: every ``--flag`` it names must be a flag of its subcommand;
-* or **named elsewhere**, with the reason: another machine (``--device cuda``, torchrun over
-  nodes), the test suite itself (``pytest``; the README's ``make`` targets are run by the
-  fresh-clone check), or a
-  command another test runs whole (``verify --nproc 8 --bounded``: tests/test_verify_n8.py;
-  ``verify`` over the whole N = 4 matrix, or a part of it by engine, model or layouts of the
-  matrix: tests/test_verify_n4.py, and of the bounded N = 8 one: tests/test_verify_n8.py),
-  or, listed by hand in ``BY_HAND``, a command too long for the suite
-  (the whole matrix under another collective algorithm) with the test of its parts.
-
-A bare name in running text (``shardwise train``) is a mention, not an example: a command has
-at least one argument after its subcommand.
-
-A page that gains a command gains a run: nothing is listed by hand except the exceptions.
-"""
+"""Every example command in the README and docs/ runs as written (issue 23): the extraction and
+each command's kind, the templates' flags, and the runs of the pages not in ``PART2`` (those are
+tests/test_doc_commands_part2.py's, so that the two run on both xdist workers). How commands are
+found, shrunk, classified and run: tests/doc_commands.py."""
 
 from __future__ import annotations
 
 import re
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
-
-ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SUBCOMMANDS = ("train", "verify", "trace", "bench", "plan", "export", "doctor", "learn")
-TEMPLATE = re.compile(r"\[|…|\bFILE\b|FILE\.toml|\bRUN\b|\bOUT\b|\bDIR\b|\bLAYOUT\b|\bN\b|\|")
-# run exactly by another test: the command and the test that runs it
-RUN_ELSEWHERE = {"shardwise verify --nproc 8 --bounded": "tests/test_verify_n8.py"}
-# too long for `make test` (the whole N = 4 matrix again, ~3.5 min each), run by hand before a
-# change to what they cover lands: the command and the test of its parts in the suite
-BY_HAND = {
-    "shardwise verify --collectives ring --nproc 4": "tests/test_collectives.py",
-    "shardwise verify --nproc 4 --collectives ring": "tests/test_collectives.py",
-}
-
-
-def _commands(page: Path) -> list[str]:
-    """The commands shown on ``page``, in order: fenced code lines (``\\`` continuations joined,
-    a leading ``$ `` and a trailing ``# comment`` dropped) and inline code spans."""
-    text = page.read_text()
-    found: list[tuple[int, str]] = []
-    for block in re.finditer(r"```[^\n]*\n(.*?)```", text, re.S):
-        lines = block.group(1).splitlines()
-        i = 0
-        while i < len(lines):
-            line = lines[i].rstrip()
-            while line.endswith("\\") and i + 1 < len(lines):
-                i += 1
-                line = line[:-1].rstrip() + " " + lines[i].strip()
-            found.append((block.start(), line.strip().removeprefix("$ ")))
-            i += 1
-    fenced = re.sub(r"```.*?```", lambda m: " " * len(m.group(0)), text, flags=re.S)
-    found += [(m.start(), m.group(1)) for m in re.finditer(r"`([^`\n]+)`", fenced)]
-    out = []
-    for _, cmd in sorted(found, key=lambda x: x[0]):
-        cmd = re.sub(r"\s+#.*$", "", cmd).strip()
-        if _is_example(cmd) and cmd not in out:
-            out.append(cmd)
-    return out
-
-
-def _is_example(cmd: str) -> bool:
-    """A command with something to run: ``shardwise <sub>`` with at least one argument,
-    ``python -m <module>`` / ``python -c`` with one, torchrun of shardwise. A
-    bare name in running text (``shardwise train``, ``torchrun --max-restarts N``,
-    ``python -m shardwise.tools.plan …``) is a mention."""
-    words = [w for w in cmd.split() if w != "…"]
-    if re.match(rf"shardwise ({'|'.join(SUBCOMMANDS)})\b", cmd):
-        return len(words) >= 3
-    if re.match(r"(OMP_NUM_THREADS=1 )?(\.venv/bin/)?python (-m|-c) ", cmd):
-        return len(words) >= (4 if " -m " in cmd else 3)
-    if cmd.startswith("torchrun "):
-        return "-m shardwise" in cmd
-    return False
-
-
-def _kind(cmd: str) -> str:
-    """"run" | "template" | "elsewhere: <why>" for one command."""
-    if cmd in RUN_ELSEWHERE:
-        return f"elsewhere: {RUN_ELSEWHERE[cmd]} runs it"
-    if cmd in BY_HAND:
-        return f"elsewhere: by hand (long); its parts: {BY_HAND[cmd]}"
-    if "pytest" in cmd:
-        return "elsewhere: the test suite itself"
-    if "--device cuda" in cmd or "--nnodes" in cmd:
-        return "elsewhere: needs GPUs or several nodes"
-    if "snapshot_download(" in cmd or "load_dataset(" in cmd:  # the Hub recipe (issue 36)
-        return "elsewhere: needs the network (the Hugging Face Hub); tests/test_rough_edges.py " \
-            "checks the errors that print it"
-    if TEMPLATE.search(cmd) or cmd.startswith("torchrun "):
-        return "template"
-    argv = shlex.split(cmd)
-    if argv[:2] == ["shardwise", "verify"] and "--layouts" not in argv and \
-            set(a for a in argv[2:] if a.startswith("--")) <= {"--engine", "--models", "--nproc"} \
-            and "--nproc 8" not in cmd:  # the matrix, or a part by engine / model
-        return "elsewhere: tests/test_verify_n4.py runs the whole N = 4 matrix, all of this"
-    in_matrix = _cases_of_the_matrix(argv)
-    if in_matrix:
-        return f"elsewhere: {in_matrix} runs each of these cases (and more steps)"
-    return "run"
-
-
-def _cases_of_the_matrix(argv: list[str]) -> str | None:
-    """The verify test that runs every case of ``shardwise verify --nproc N --layouts …
-    [--engine E] [--models M]`` itself — tests/test_verify_n4.py (N = 4, the whole matrix) or
-    tests/test_verify_n8.py (N = 8 --bounded) — when each layout is in that matrix and the
-    engines and models asked for are ones it runs (it runs each applicable pair of its
-    layouts, as verify does); else None (the command runs here)."""
-    from shardwise.parallel.layout import parse_layout
-    from shardwise.tools.verify import ENGINES, MODELS, applies, layouts_that_fit
-
-    if argv[:2] != ["shardwise", "verify"] or "--layouts" not in argv or "--nproc" not in argv:
-        return None
-    flags = {a for a in argv[2:] if a.startswith("--")}
-    if not flags <= {"--engine", "--models", "--nproc", "--layouts"}:
-        return None
-    value = {f: argv[argv.index(f) + 1] for f in flags - {"--layouts"}}
-    rest = argv[argv.index("--layouts") + 1:]
-    texts = rest[:next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest))]
-    n = value["--nproc"]
-    matrix, test = {"4": (layouts_that_fit(4), "tests/test_verify_n4.py"),
-                    "8": (layouts_that_fit(8, bounded=True), "tests/test_verify_n8.py")}.get(
-                        n, (None, None))
-    engines = ENGINES if value.get("--engine", "both") == "both" else (value["--engine"],)
-    models = value.get("--models", ",".join(MODELS)).split(",")
-    if matrix is None or not set(models) <= set(MODELS):
-        return None
-    for text in texts:  # the matrix runs every (model, engine) that applies to its layouts
-        layout = parse_layout(text)
-        if layout not in matrix or not any(applies(layout, m, e) for m in models
-                                           for e in engines):
-            return None
-    return test
-
-
-def _tiny_fits(argv: list[str]) -> bool:
-    """Whether the command's layout(s) accept the tiny model, by the validator the command
-    itself runs (``config.validate`` for train, ``Layout.check`` for bench layouts)."""
-    from shardwise.cli import _parser
-    from shardwise.config import from_args, validate
-    from shardwise.errors import ShardwiseConfigError
-    from shardwise.models import preset_config
-    from shardwise.parallel.layout import parse_layout
-
-    try:
-        if argv[0] == "train":
-            validate(from_args(_parser().parse_args([*argv, "--model", "tiny"])))
-        else:
-            given = [argv[i + 1] for i, a in enumerate(argv) if a == "--layout"]
-            if "--layouts" in argv:
-                rest = argv[argv.index("--layouts") + 1:]
-                given += rest[:next((i for i, a in enumerate(rest) if a.startswith("--")),
-                                    len(rest))]
-            for text in given:
-                parse_layout(text).check(model_cfg=preset_config("tiny", 256))
-    except ShardwiseConfigError:
-        return False
-    return True
-
-
-def _set(argv: list[str], flag: str, value: str) -> list[str]:
-    if flag in argv:
-        argv = list(argv)
-        argv[argv.index(flag) + 1] = value
-        return argv
-    return [*argv, flag, value]
-
-
-def shrink(cmd: str, scratch: Path) -> list[str]:
-    """The argv (after ``shardwise``) that runs ``cmd`` small (module docstring); absolute
-    ``/tmp/`` paths move into ``scratch``."""
-    argv = [str(scratch / a[5:]) if a.startswith("/tmp/") else a for a in shlex.split(cmd)[1:]]
-    sub = argv[0]
-    if "--help" in argv:
-        return argv
-    if sub == "train":
-        argv = _set(argv, "--steps", "2")
-    if sub == "train" and "--model" not in argv and _tiny_fits(argv):
-        argv = _set(argv, "--model", "tiny")
-    if sub == "verify":
-        argv = _set(argv, "--steps", "1")
-        if "--models" not in argv:
-            argv = _set(argv, "--models", "tiny")
-    if sub == "bench":
-        argv = _set(_set(argv, "--steps", "1"), "--rounds", "1")
-        if "--model" not in argv and _tiny_fits(argv):
-            argv = _set(argv, "--model", "tiny")
-        argv = _set(argv, "--out", str(scratch / "bench"))
-        if "collectives" in argv:  # its message sizes: 1 KiB … 1 MiB, not … 64 MiB
-            argv = _set(argv, "--max-mb", "1")
-    if sub == "plan" and "--plot-gpus" in argv:  # the plot drawn over two GPU counts, not 8
-        argv = _set(argv, "--plot-gpus", ",".join(argv[argv.index("--plot-gpus") + 1]
-                                                  .split(",")[:2]))
-    return argv
-
-
-COMMANDS = [(p, c) for p in PAGES for c in _commands(p)]
-RUN_PAGES = sorted({p for p, c in COMMANDS if _kind(c) == "run"})
+from doc_commands import (BY_HAND, COMMANDS, NAMED, PAGES, PART2, ROOT, RUN_PAGES, SUBCOMMANDS,
+                          _kind, run_cli_argvs, run_page, runs_of, same_case)
 
 
 def test_the_pages_show_commands_and_each_has_a_kind():
     """The extraction finds the pages' commands (a regex that found nothing would pass the rest
-    vacuously), and nothing falls through as unclassified."""
+    vacuously), and nothing falls through as unclassified; a command named to another test is
+    run there with the same arguments; a command left to an earlier page is run there; every
+    page with runs is in one of the two files."""
     runs = [c for _, c in COMMANDS if _kind(c) == "run"]
     subs = {shlex.split(c)[1] for c in runs if c.startswith("shardwise ")}
     assert {"train", "verify", "trace", "bench", "plan", "export"} <= subs, subs
     assert len(runs) >= 30, runs
-    for cmd, test in {**RUN_ELSEWHERE, **BY_HAND}.items():
+    for cmd, test in BY_HAND.items():
         assert any(c == cmd for _, c in COMMANDS), f"{cmd} is no longer on a page: drop it"
         assert (ROOT / test).exists()
+    for cmd, test in NAMED.items():
+        assert any(c == cmd for _, c in COMMANDS), f"{cmd} is no longer on a page: drop it"
+        argvs = run_cli_argvs(test)
+        assert any(same_case(cmd, argv) for argv in argvs), \
+            f"{test} does not run {cmd} (it runs {argvs}): run it there or drop it from NAMED"
+    ran = []
+    for page in RUN_PAGES:
+        mine = runs_of(page)
+        for cmd in [c for c in _commands_of(page) if _kind(c) == "run" and c not in mine]:
+            assert cmd in ran, f"{page.name}: {cmd} is left to an earlier page that runs it not"
+        ran += mine
+    assert PART2 <= {p.name for p in RUN_PAGES}, PART2 - {p.name for p in RUN_PAGES}
     for _, cmd in COMMANDS:  # a page's pytest line names test files that exist
         for name in re.findall(r"tests/\S+\.py", cmd) if "pytest" in cmd else []:
             assert (ROOT / name).exists(), cmd
+
+
+def _commands_of(page: Path) -> list[str]:
+    return [c for p, c in COMMANDS if p == page]
 
 
 @pytest.mark.parametrize("page,cmd", [(p, c) for p, c in COMMANDS if _kind(c) == "template"],
@@ -254,21 +72,8 @@ def test_a_template_names_only_real_flags(page, cmd):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("page", RUN_PAGES, ids=lambda p: p.name)
+@pytest.mark.parametrize("page", [p for p in RUN_PAGES if p.name not in PART2],
+                         ids=lambda p: p.name)
 def test_each_command_on_the_page_runs(page, cache_dir, tmp_path):
-    """One page's runnable commands, in order, in one scratch folder (with the repository's
-    ``examples/`` beside it): each exits 0."""
-    (tmp_path / "examples").symlink_to(ROOT / "examples")
-    (tmp_path / "docs").mkdir()
-    for cmd in [c for c in _commands(page) if _kind(c) == "run"]:
-        if cmd.startswith("shardwise "):
-            p = run_cli(shrink(cmd, tmp_path), cache_dir, timeout=400, cwd=tmp_path)
-        else:
-            import subprocess
-
-            argv = shlex.split(re.sub(r"^(OMP_NUM_THREADS=1 )?(\.venv/bin/)?python", "", cmd))
-            p = subprocess.run([sys.executable, *argv], cwd=tmp_path, capture_output=True,
-                               text=True, timeout=300, env={"OMP_NUM_THREADS": "1",
-                                                            "PATH": "/usr/bin:/bin"})
-            p.stdout += p.stderr
-        assert p.returncode == 0, f"{page.name}: {cmd}\n{p.stdout[-4000:]}"
+    """One page's runnable commands, in order, in one scratch folder: each exits 0."""
+    run_page(page, cache_dir, tmp_path)
