@@ -61,6 +61,19 @@ def test_nccl_new_groups_binds_device_id_on_cuda_only(monkeypatch):
     calls.clear()
     new_groups({"tp": [[0, 1]]}, 0, torch.device("cpu"), t, [])
     assert "device_id" not in calls[0][1]  # gloo: nothing to bind
+    assert calls[0][1]["backend"] == G.SHARED_GLOO  # on this process's one gloo device
+
+
+@pytest.mark.timeout(300)
+def test_nccl_cpu_sub_groups_share_one_gloo_event_loop(ranks):
+    """Each CPU sub-group used to start its own gloo device, whose TCP event loop wakes every
+    10 ms: hundreds per verify rank, up to half of two cores in kernel time. Now every rank has
+    two such threads (the default group's device, the shared one) whatever it joined."""
+    for res in ranks:
+        assert res["backend"] == G.SHARED_GLOO
+        assert res["groups_joined"] == 10  # hand count: 11 + 11 groups, each rank on 5 + 5 lines
+        if res["loop_threads"] is not None:  # Linux: /proc names the threads
+            assert res["loop_threads"] <= 2, res["loop_threads"]
 
 
 def test_nccl_planted_group_order_difference_is_caught():

@@ -83,6 +83,7 @@ import zlib
 import torch.distributed as dist
 
 from ..errors import CollectiveHang, CollectiveMismatch, CollectiveTimeout
+from .groups import SHARED_GLOO
 from .diagnosis import (DESYNC_FIX, TOPOLOGIES_KEY, diagnose_positions, diagnose_reports,
                         diagnose_when_torchrun_stops, divergence_message, hang_message)
 
@@ -372,7 +373,8 @@ class CollectiveChecks:
     def _blocks_host(self, axis: str) -> bool:
         g = self._group(axis)
         if g not in self._host_blocking:
-            self._host_blocking[g] = dist.get_backend(self.topo.group(axis)) == "gloo"
+            self._host_blocking[g] = dist.get_backend(self.topo.group(axis)) in ("gloo",
+                                                                                SHARED_GLOO)
         return self._host_blocking[g]
 
     # -- the step-boundary check ----------------------------------------------------------------
