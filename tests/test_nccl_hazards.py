@@ -59,9 +59,14 @@ def test_nccl_new_groups_binds_device_id_on_cuda_only(monkeypatch):
     assert [kw.get("device_id") for _, kw in calls] == [torch.device("cuda", 1)] * 2
     assert record == [("tp", (0, 1)), ("tp", (2, 3))] and mine["tp"][1] == [2, 3]
     calls.clear()
+    monkeypatch.setattr(G.dist, "get_backend", lambda group=None: "gloo")  # a gloo world
     new_groups({"tp": [[0, 1]]}, 0, torch.device("cpu"), t, [])
     assert "device_id" not in calls[0][1]  # gloo: nothing to bind
     assert calls[0][1]["backend"] == G.SHARED_GLOO  # on this process's one gloo device
+    calls.clear()
+    monkeypatch.setattr(G.dist, "get_backend", lambda group=None: "fake")  # the estimator's
+    new_groups({"tp": [[0, 1]]}, 0, torch.device("cpu"), t, [])
+    assert "backend" not in calls[0][1]  # the world's own backend (FakeStore has no gloo)
 
 
 @pytest.mark.timeout(300)

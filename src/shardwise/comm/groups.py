@@ -86,7 +86,7 @@ def new_groups(lines_of: dict[str, list[list[int]]], rank: int, device, timeout,
     kwargs = {"timeout": timeout}
     if device_id is not None:
         kwargs["device_id"] = device_id
-    elif device.type == "cpu":
+    elif device.type == "cpu" and dist.get_backend() == "gloo":  # not a fake world (estimate)
         kwargs["backend"] = SHARED_GLOO
     mine: dict[str, tuple[dist.ProcessGroup, list[int]]] = {}
     for axis, lines in lines_of.items():
