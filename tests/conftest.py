@@ -13,9 +13,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
-    """One token/tokenizer cache for the whole session (tests share the embedded corpus)."""
-    d = tmp_path_factory.mktemp("shardwise-cache")
-    return d
+    """One token/tokenizer cache for the whole session (tests share the embedded corpus), and
+    under pytest-xdist one for all its workers (their base folders share a parent): the BPE
+    tokenizer, the tokenized corpus and the CPU's peak-FLOP/s probe are built once, not once per
+    worker. The cache's writers take a file lock per entry (shardwise.data._cache.file_lock),
+    as a run's ranks sharing one cache do."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        d = tmp_path_factory.getbasetemp().parent / "shardwise-cache"
+        d.mkdir(exist_ok=True)
+        return d
+    return tmp_path_factory.mktemp("shardwise-cache")
 
 
 def run_cli(args, cache, timeout=240, env=None, cwd=None):
