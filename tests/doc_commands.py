@@ -61,6 +61,14 @@ NAMED = {
         "tests/test_verify_n4.py::test_verify_passes_every_layout_that_fits_both_engines",
     "shardwise trace --dp 2": "tests/test_learn.py::test_the_readme_trace_output_is_current",
     "shardwise learn fsdp --nproc 2": "tests/test_learn.py::test_shardwise_learn_command",
+    "shardwise trace --collectives ring --dp 2 --zero 3":
+        "tests/test_cli.py::test_trace_with_our_ring_expands_each_collective_into_its_sends",
+    "shardwise trace --pp 4 --schedule 1f1b --microbatches 8":
+        "tests/test_cli.py::test_trace_of_a_pipeline_draws_the_real_timeline",
+    "shardwise trace --cp 2 --model tiny --seq-len 64":
+        "tests/test_cli.py::test_trace_cp_prints_the_ring_block_by_block",
+    "shardwise trace --dp-replicate 2 --dp-shard 2 --zero 3":
+        "tests/test_hsdp.py::test_trace_shows_each_axis_equal_to_the_formula",
 }
 # the pages whose runs tests/test_doc_commands_part2.py holds (balanced by their time alone:
 # planner 70 s, collectives 35, pipeline-parallel 21, checkpointing 20, expert-parallel 16,
