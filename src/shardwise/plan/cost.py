@@ -9,6 +9,7 @@ docs/planner.md, "The cost model's formulas".
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from .comm import (Collective, _coll, cp_collectives, cp_kv_bytes, dp_collectives, ep_collectives,
@@ -86,27 +87,17 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
     peak = C.gpu.bf16_flops if prec.compute == "bf16" else C.gpu.fp32_flops
     kinds = (False, True) if M.is_moe else (False,)  # dense layers, MoE layers
 
-    # FLOPs per token, per kind of layer (an MoE layer: its active weights)
-    extra = {"none": 0.0, "selective": 0.0 if M.flash_attention else 4 * M.d_model * s,
-             "full": 4 * M.d_model * s}[lay.ckpt]
-    layer_model = {moe: 6 * M.layer_active_matmul_params(moe) + 12 * M.d_model * s
-                   for moe in kinds}
-    layer_hw = {moe: layer_model[moe] + extra
-                + (2 * M.layer_active_matmul_params(moe) if lay.ckpt == "full" else 0.0)
-                for moe in kinds}
+    # FLOPs per token, per kind of layer (an MoE layer: its active weights), per model and ckpt
+    layer_model, layer_hw, head_flops, model_flops_token, hw_flops_token = \
+        _flops_per_token(M, lay.ckpt)
     n_moe = M.n_moe_layers
-    head_flops = 6 * M.vocab_size * M.d_model
-    model_flops_token = ((M.n_layers - n_moe) * layer_model[False]
-                         + n_moe * layer_model.get(True, 0.0) + head_flops)
-    hw_flops_token = ((M.n_layers - n_moe) * layer_hw[False] + n_moe * layer_hw.get(True, 0.0)
-                      + head_flops)
+    # seconds per token of a layer and of the head; the stages (cached per model, pp, head cost)
     lsec = {moe: layer_seconds(M, lay, C.gpu, A, moe=moe) for moe in kinds}
     hsec = head_seconds(M, lay, C.gpu, A)
     mean_layer = ((M.n_layers - n_moe) * lsec[False]["total"]
                   + n_moe * lsec.get(True, lsec[False])["total"]) / M.n_layers
-    stages = partition_layers(M.n_layers, p, round(hsec / mean_layer, 6))
-    starts = [sum(stages[:i]) for i in range(p)]
-    moe_in = [M.moe_layers_in(starts[i], stages[i]) for i in range(p)]
+    stages, starts, moe_in, stage_shapes = _pipeline_stages(M, p, round(hsec / mean_layer, 6))
+    stages, moe_in = list(stages), list(moe_in)
 
     # memory of the first and the last stage
     capacity = C.gpu.hbm_bytes * (1 - A.memory_reserve)
@@ -208,27 +199,25 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
     # the window the ring's transfers hide under
     recompute_core = lay.ckpt == "full" or (lay.ckpt == "selective" and not M.flash_attention)
     t_core = tokens_mb * lsec[False]["core"] / (4 / 3 if recompute_core else 1.0)
-    shapes = {}  # stages of the same (layers, MoE layers, first, last) cost the same
-    for i, layers in enumerate(stages):
-        key = (layers, moe_in[i], i == 0, i == p - 1)
-        if key not in shapes:
-            comp = tokens_mb * ((layers - moe_in[i]) * lsec[False]["total"]
-                                + moe_in[i] * lsec.get(True, lsec[False])["total"]
-                                + (hsec if key[3] else 0.0))
-            if not A.grad_accum_fused:  # every micro-batch's weight gradients: + into .grad
-                comp += (prec.wgrad_bytes * stage_params(M, layers, tp=t, first=key[2],
-                                                         last=key[3], pp=p, start=starts[i],
-                                                         ep=ep, sp=lay.sp)
-                         / C.gpu.hbm_bandwidth)
-            t_tp, colls = tp_time(*key)
-            cp_colls = cp_collectives(M, lay, C, A, t_core, layers)
-            t_cp = sum(c.exposed for c in cp_colls)
-            ep_colls = ep_collectives(M, lay, C, A, moe_in[i])
-            t_ep = sum(c.exposed for c in ep_colls)
-            shapes[key] = (comp + t_tp + t_cp + t_ep, comp, t_tp, colls, i, t_cp, cp_colls,
-                           t_ep, ep_colls)
+    shapes = []  # stages of the same (layers, MoE layers, first, last) cost the same: the
+    # first stage of each such shape (:func:`_pipeline_stages`), in stage order
+    for (layers, moes, first, last), i in stage_shapes:
+        comp = tokens_mb * ((layers - moes) * lsec[False]["total"]
+                            + moes * lsec.get(True, lsec[False])["total"]
+                            + (hsec if last else 0.0))
+        if not A.grad_accum_fused:  # every micro-batch's weight gradients: + into .grad
+            comp += (prec.wgrad_bytes * stage_params(M, layers, tp=t, first=first, last=last,
+                                                     pp=p, start=starts[i], ep=ep, sp=lay.sp)
+                     / C.gpu.hbm_bandwidth)
+        t_tp, colls = tp_time(layers, moes, first, last)
+        cp_colls = cp_collectives(M, lay, C, A, t_core, layers)
+        t_cp = sum(c.exposed for c in cp_colls)
+        ep_colls = ep_collectives(M, lay, C, A, moes)
+        t_ep = sum(c.exposed for c in ep_colls)
+        shapes.append((comp + t_tp + t_cp + t_ep, comp, t_tp, colls, i, t_cp, cp_colls,
+                       t_ep, ep_colls))
     (t_mb, t_comp, t_tp, tp_colls, crit, t_cp, cp_colls, t_ep,
-     ep_colls) = max(shapes.values(), key=lambda x: x[0])
+     ep_colls) = max(shapes, key=lambda x: x[0])
     for c in tp_colls + cp_colls + ep_colls:
         c.count *= m
         c.wire *= m
@@ -307,6 +296,49 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
                "params_crit": params_crit, "expert_params_crit": expert_crit}
     return Estimate(M, C, lay, A, global_batch, m, stages, memory, mem, capacity, mem <= capacity,
                     flops, times, comm, step, step_tokens / step, mfu, hfu, details)
+
+
+@functools.lru_cache(maxsize=256)
+def _flops_per_token(M: ModelSpec, ckpt: str):
+    """(layer_model, layer_hw, head, model, hw): FLOPs per token of one layer, by kind of layer
+    ({False: dense, True: MoE (its active weights)}, MoE models only), without and with
+    recomputation (``ckpt``), of the output layer, and of the whole model without and with
+    recomputation. Cached: they depend on the model and ``ckpt`` only, and a search asks for
+    them once per layout (the dicts are shared: read them, do not change them)."""
+    s = M.seq_len
+    kinds = (False, True) if M.is_moe else (False,)  # dense layers, MoE layers
+    extra = {"none": 0.0, "selective": 0.0 if M.flash_attention else 4 * M.d_model * s,
+             "full": 4 * M.d_model * s}[ckpt]
+    layer_model = {moe: 6 * M.layer_active_matmul_params(moe) + 12 * M.d_model * s
+                   for moe in kinds}
+    layer_hw = {moe: layer_model[moe] + extra
+                + (2 * M.layer_active_matmul_params(moe) if ckpt == "full" else 0.0)
+                for moe in kinds}
+    n_moe = M.n_moe_layers
+    head_flops = 6 * M.vocab_size * M.d_model
+    model_flops_token = ((M.n_layers - n_moe) * layer_model[False]
+                         + n_moe * layer_model.get(True, 0.0) + head_flops)
+    hw_flops_token = ((M.n_layers - n_moe) * layer_hw[False] + n_moe * layer_hw.get(True, 0.0)
+                      + head_flops)
+    return layer_model, layer_hw, head_flops, model_flops_token, hw_flops_token
+
+
+@functools.lru_cache(maxsize=1024)
+def _pipeline_stages(model: ModelSpec, p: int, head_cost: float):
+    """(stages, starts, moe_in, shapes) of ``model`` over ``p`` pipeline stages, the last also
+    running the output layer (``head_cost`` layers' worth, :func:`partition_layers`): layers
+    per stage, each stage's first layer, its MoE layers, and ((layers, MoE layers, first,
+    last), i) for the first stage i of each distinct shape, in stage order (stages of one shape
+    cost the same). Tuples, cached: every layout of a search with the same pp and head cost
+    shares them, and rebuilding them (O(p²) for the starts) per layout was a large part of the
+    search's time."""
+    stages = partition_layers(model.n_layers, p, head_cost)
+    starts = [sum(stages[:i]) for i in range(p)]
+    moe_in = [model.moe_layers_in(starts[i], stages[i]) for i in range(p)]
+    shapes: dict = {}
+    for i, layers in enumerate(stages):
+        shapes.setdefault((layers, moe_in[i], i == 0, i == p - 1), i)
+    return tuple(stages), tuple(starts), tuple(moe_in), tuple(shapes.items())
 
 
 DP_AXES = ("dp", "dp_cp", "dp_shard", "dp_shard_cp", "dp_replicate", "edp")

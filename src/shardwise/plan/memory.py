@@ -8,6 +8,8 @@ docs/planner.md, "The cost model's formulas" (memory).
 
 from __future__ import annotations
 
+import functools
+
 from ..errors import ShardwiseConfigError
 from ..models.sdpa import SDPA_GQA
 from .layout import CKPT, SCHEDULES, STEP_COUNTER_BYTES, Precision
@@ -191,7 +193,15 @@ def stage_param_split(model: ModelSpec, layers: int, *, tp: int, first: bool, la
     keeps it) and shared experts (÷ :func:`etp`). Expert: the routed experts of the stage's MoE
     layers, E/ep of them per rank, each split over :func:`etp` — ``L_m·E·(2|3)·d·f_e/(ep·etp)``
     (0 for a dense model)."""
-    m = model
+    return _stage_param_split(model, layers, tp, first, last, pp, start, ep, sp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_param_split(m: ModelSpec, layers: int, tp: int, first: bool, last: bool, pp: int,
+                       start: int, ep: int, sp: bool) -> tuple[float, float]:
+    """:func:`stage_param_split`, cached on its arguments (a frozen, hashable ModelSpec and
+    numbers; the result is an immutable tuple): a search asks it several times per layout,
+    over 400,000 times for Llama 3 405B on 8,192 GPUs, for a few hundred distinct stages."""
     n_moe = m.moe_layers_in(start, layers)
     e = etp(tp, sp)
     n = (layers - n_moe) * (m.layer_matmul_params() / tp + m.layer_small_params())

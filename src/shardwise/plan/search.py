@@ -47,7 +47,9 @@ What is enumerated, and why not more:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import math
 
 from ..errors import ShardwiseConfigError
@@ -268,11 +270,12 @@ def search(model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int,
     """Estimates of every valid layout, fitting ones first, each group best MFU first. Raises
     ShardwiseConfigError when no layout is valid, with the reason of the first rejection."""
     results, first_error = [], None
-    for lay in candidates(model, cluster, gpus, global_batch, fixed, precision):
-        try:
-            results.append(estimate(model, cluster, lay, global_batch, assumptions))
-        except ShardwiseConfigError as e:
-            first_error = first_error or e
+    with _cyclic_gc_paused():
+        for lay in candidates(model, cluster, gpus, global_batch, fixed, precision):
+            try:
+                results.append(estimate(model, cluster, lay, global_batch, assumptions))
+            except ShardwiseConfigError as e:
+                first_error = first_error or e
     if not results:
         if first_error:
             raise first_error
@@ -281,6 +284,23 @@ def search(model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int,
             "fixed dimensions: change --global-batch-tokens, --gpus or the layout flags")
     results.sort(key=lambda e: (not e.fits, -e.mfu, e.mem_bytes_per_gpu))
     return results
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused():
+    """Pause Python's cyclic garbage collector (when it is on) for the search loop. The loop
+    keeps every estimate until it returns, some twenty container objects each (collectives,
+    dicts, lists) and no reference cycles, and the collector's full passes over that growing
+    heap took about 40 % of the search's time (Llama 3 405B on 8,192 GPUs: 3.9 of 9.4 s CPU).
+    Reference counting still frees everything else as usual; only cycles made meanwhile wait
+    for the first collection after it. Nothing an estimate computes depends on it."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def best_by_family(results: list[Estimate]) -> dict[str, Estimate]:
