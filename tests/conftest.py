@@ -41,8 +41,9 @@ def run_world(worker, out, nproc: int = 4) -> None:
     test module: the cases all run inside it), and fail if any rank failed. The ranks are forked
     from one launcher (``python -m shardwise.launch``, itself forked from tests/zygote.py's
     server), which imported torch once for all of them; pytest's own worker runs threads, so it
-    cannot fork them itself."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cannot fork them itself. When a rank fails, the launcher also prints where each rank it
+    stopped was (``SHARDWISE_STACKS_ON_STOP``: the top of its Python stack)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDWISE_STACKS_ON_STOP": "1"}
     p = zygote.run(["--nproc", str(nproc), str(worker), str(out)], env, None,
                    module="shardwise.launch")
     print(p.stdout)  # the ranks' output, shown by pytest when the test fails

@@ -29,21 +29,21 @@ def _pids_of(marker: str) -> list[int]:
     return out
 
 
-def _is_diag_server(pid: int) -> bool:
-    """The launcher's diagnosis-store server (a child of the launcher, not a worker)."""
-    from shardwise.launch import DIAG_PROCESS_NAME
+def _is_store_server(pid: int) -> bool:
+    """The launcher's store server (a child of the launcher, not a worker)."""
+    from shardwise.launch import STORE_PROCESS_NAME
 
     try:
-        return (Path("/proc") / str(pid) / "comm").read_text().strip() == DIAG_PROCESS_NAME
+        return (Path("/proc") / str(pid) / "comm").read_text().strip() == STORE_PROCESS_NAME
     except OSError:
         return False
 
 
 def _signal_and_expect_no_worker(launcher, marker: str, sig) -> None:
     """Check 2 workers run (processes with ``marker`` in their command line, not the launcher
-    nor its diagnosis-store server), send ``sig`` to the launcher, and fail if any of them
+    nor its store server), send ``sig`` to the launcher, and fail if any of them
     (the server included) is still alive 10 s after it exited."""
-    workers = [p for p in _pids_of(marker) if p != launcher.pid and not _is_diag_server(p)]
+    workers = [p for p in _pids_of(marker) if p != launcher.pid and not _is_store_server(p)]
     assert len(workers) == 2, f"expected 2 workers running, found {workers}"
     launcher.send_signal(sig)
     launcher.wait(timeout=30)
@@ -186,3 +186,75 @@ def test_failed_first_names_the_rank_that_died_before_the_one_the_agent_reported
     assert _failed_first({0: 1}, 100, [], positions) == ({0: 1}, None)
     # a rank with no position (it died before its first collective) cannot be placed
     assert _failed_first({0: 1}, 100, died, {0: positions[0]}) == ({0: 1}, 0)
+
+
+# -- forking safely, and where a stopped rank was ----------------------------------------------
+
+AT_FORK = '''
+import os, sys
+from shardwise import launch
+def before():  # the launcher's threads at each fork: (name, kernel wait channel)
+    tasks = os.listdir("/proc/self/task")
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks]
+    print("FORK", len(tasks), ",".join(sorted(names)), file=sys.__stderr__, flush=True)
+os.register_at_fork(before=before)
+sys.exit(launch.main(sys.argv[1:]))
+'''
+
+STUCK = '''
+import os, time
+def stuck_here():
+    time.sleep(600)
+if os.environ["RANK"] == "1":
+    stuck_here()
+if os.environ["RANK"] == "0":
+    time.sleep(3)  # rank 1 is in stuck_here by then
+    raise SystemExit(3)
+'''
+
+
+def _launch(tmp_path, wrapper: str | None, script: str, arg: str, **extra):
+    (tmp_path / "w.py").write_text(script)
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+        "SHARDWISE_LAUNCHER_PID")}
+    env.update(OMP_NUM_THREADS="1", SHARDWISE_FORK="1", **extra)
+    head = [str(tmp_path / "at_fork.py")] if wrapper else ["-m", "shardwise.launch"]
+    if wrapper:
+        (tmp_path / "at_fork.py").write_text(wrapper)
+    return subprocess.run([sys.executable, *head, "--nproc", "4", str(tmp_path / "w.py"), arg],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=120)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+@pytest.mark.timeout(150)
+def test_workers_are_forked_while_no_store_thread_runs(tmp_path):
+    """Each worker fork happens with at most one thread besides the forking one (the
+    rendezvous keep-alive, asleep) and no TCPStore server thread (``pt_tcpstore_uv``): the
+    stores are served by the launcher's store process. With the agent's own stores there were
+    four threads, two of them store servers answering the ranks already forked; a fork then
+    can leave a rank stuck for ever on a lock one of them held (the suite's rare world that
+    hung, or timed out waiting for one rank's gloo address)."""
+    r = _launch(tmp_path, AT_FORK, "import torch.distributed as dist\n"
+                "from shardwise.topology import init_distributed\n"
+                "init_distributed('cpu', timeout_s=60)\ndist.barrier()\n"
+                "dist.destroy_process_group()\n", "ok")
+    assert r.returncode == 0, r.stdout[-3000:]
+    forks = [ln.split()[1:] for ln in r.stdout.splitlines() if ln.startswith("FORK")]
+    # the store server's fork (before the agent: one thread), then one fork per rank
+    assert len(forks) == 5, r.stdout[-3000:]
+    for n, names in forks:
+        assert int(n) <= 2 and "pt_tcpstore_uv" not in names, forks
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_the_launcher_stops_prints_where_it_was(tmp_path):
+    """Rank 0 exits 3 while rank 1 sleeps in ``stuck_here``: the agent stops rank 1, and with
+    SHARDWISE_STACKS_ON_STOP=1 (as the suite's worlds run) the launcher prints the top of its
+    Python stack, which names ``stuck_here``."""
+    r = _launch(tmp_path, None, STUCK, "-", SHARDWISE_STACKS_ON_STOP="1")
+    assert r.returncode == 3, r.stdout[-3000:]
+    assert "[launcher] rank 1 was stopped here:" in r.stdout, r.stdout[-3000:]
+    stopped = r.stdout.split("[launcher] rank 1 was stopped here:")[1].split("[launcher]")[0]
+    assert "in stuck_here" in stopped, r.stdout[-3000:]

@@ -96,7 +96,10 @@ def _forked_worker(argv: list[str], env: dict, script: str | None) -> int:
     the agent has set this rank's RANK, WORLD_SIZE, … and pointed stdout and stderr at its log
     files: its own session (as ``start_new_session``; a terminal's Ctrl-C goes to the launcher,
     which stops the workers), the caller's environment ``env`` on top, unbuffered output (as
-    PYTHONUNBUFFERED), default signal handlers (the agent's are inherited), the launcher watch;
+    PYTHONUNBUFFERED), default signal handlers (the agent's and the launcher's are inherited;
+    with ``SHARDWISE_STACKS_ON_STOP=1`` SIGTERM prints the Python stack first), the launcher's
+    store as the world's (``SHARDWISE_WORLD_STORE``: MASTER_ADDR and MASTER_PORT point at it,
+    with TORCHELASTIC_USE_AGENT_STORE=True, as the agent's own would), the launcher watch;
     then ``python -m shardwise *argv`` (its ``__main__``; or the Python file ``script`` as
     ``__main__`` with ``argv``, as ``python script *argv`` would). Returns 0; with any other
     status it calls ``os._exit`` (no handler of the launcher's runs here)."""
@@ -110,7 +113,17 @@ def _forked_worker(argv: list[str], env: dict, script: str | None) -> int:
                                       encoding=sys.stdout.encoding, errors=sys.stdout.errors)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
                                       encoding=sys.stderr.encoding, errors="backslashreplace")
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the launcher's (_Exits) is not ours
         os.environ.update({k: v for k, v in env.items() if k not in _AGENT_VARS})
+        if os.environ.get("SHARDWISE_STACKS_ON_STOP") == "1":  # print it when stopped
+            import faulthandler
+
+            faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+        store = env.get("SHARDWISE_WORLD_STORE")
+        if store:  # the launcher's store (_StoreServer), which outlives every attempt
+            host, port = store.rsplit(":", 1)
+            os.environ.update(MASTER_ADDR=host, MASTER_PORT=port,
+                              TORCHELASTIC_USE_AGENT_STORE="True")
         watch_launcher()  # reads SHARDWISE_LAUNCHER_PID from the worker's own environment
         import runpy
 
@@ -177,24 +190,33 @@ def _last_lines(logs: str, rank: int, n: int = 25) -> list[str]:
     return []
 
 
-DIAG_PROCESS_NAME = "shardwise-diag"  # the diagnosis store's server process (/proc/PID/comm)
+STORE_PROCESS_NAME = "shardwise-store"  # the launcher's store server process (/proc/PID/comm)
 
 
-class _DiagStore:
-    """A TCPStore for the ranks' collective checks (``SHARDWISE_DIAG_STORE``;
-    :mod:`shardwise.comm.fingerprint`), served on a free localhost port by a child process
-    forked before the agent starts, so that it outlives every rank and the launcher forks its
-    workers without the store's server thread inside (forking a process with threads can
-    leave a worker stuck on a lock that thread held: a rank that never reaches the
-    rendezvous). The launcher connects as a client only to read it after a failure."""
+class _StoreServer:
+    """The launcher's TCPStore, served on a free localhost port by a child process forked
+    before the agent starts, so that it outlives every rank: the ranks' collective checks
+    publish their positions in it (``SHARDWISE_DIAG_STORE``; :mod:`shardwise.comm.fingerprint`),
+    read after a failure (:func:`_diagnose`; the launcher connects as a client only then); and,
+    when the workers are forked, it is also the rendezvous store and the workers' store
+    (``SHARDWISE_WORLD_STORE``), so that the agent serves no store itself.
+
+    Why a process of its own: a TCPStore server runs a thread (``pt_tcpstore_uv``) that answers
+    the ranks, and the agent would serve two (rendezvous, workers) in the launcher, which forks
+    the workers while those threads answer the ranks forked before. A process forked while
+    another thread runs inherits every lock that thread held at that instant, held for good: a
+    worker can stop for ever at its first touch of one (a rank that never publishes its gloo
+    address, its peers' ``DistStoreError: wait timeout``; or one that never exits). With the
+    stores here, the launcher forks with no thread running but the rendezvous keep-alive's,
+    asleep (its period is set past any run: one node has no peer to watch it)."""
 
     def __init__(self, port: int, pid: int, timeout_s: float):
         self.port, self.pid, self.timeout_s = port, pid, timeout_s
 
     @classmethod
-    def start(cls, timeout_s: float) -> "_DiagStore | None":
+    def start(cls, timeout_s: float) -> "_StoreServer | None":
         """The served store, or None if it cannot be started (then the ranks use the default
-        store and only they diagnose)."""
+        store and only they diagnose, and the agent serves the rendezvous as torchrun does)."""
         import datetime
 
         try:
@@ -207,7 +229,7 @@ class _DiagStore:
                 os.close(r)
                 if sys.platform.startswith("linux"):  # named apart from the workers; dies
                     libc = ctypes.CDLL(None)  # with the launcher (and polls, below)
-                    libc.prctl(15, DIAG_PROCESS_NAME.encode(), 0, 0, 0)  # PR_SET_NAME
+                    libc.prctl(15, STORE_PROCESS_NAME.encode(), 0, 0, 0)  # PR_SET_NAME
                     libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
                 import torch.distributed as dist
 
@@ -323,7 +345,7 @@ def _failed_first(failed: dict, reported_pid: int | None, died: list,
 
 def _diagnose(store, failed: dict, exits: _Exits | None = None,
               reported_pid: int | None = None) -> tuple[str | None, dict, int | None]:
-    """One line from every rank's position in ``store`` (the :class:`_DiagStore`) after the
+    """One line from every rank's position in ``store`` (the :class:`_StoreServer`) after the
     ranks ``failed`` (global rank → exit code, as the agent reported them: the pid of that
     rank ``reported_pid``) failed, with ``failed`` completed from the deaths ``exits``
     recorded (:func:`_failed_first`); also written, with the positions, to
@@ -372,8 +394,11 @@ def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float =
     failure (``TORCHELASTIC_RESTART_COUNT`` tells a worker which attempt it is).
 
     Every line a rank prints is echoed with ``[rank r] `` in front (stdout to stdout, stderr to
-    stderr). SIGTERM, SIGHUP and Ctrl-C of the launcher stop the workers (exit 128 + signal),
-    and a launcher killed outright (SIGKILL) takes them with it (:func:`watch_launcher`)."""
+    stderr). With ``SHARDWISE_STACKS_ON_STOP=1`` (in ``env`` or this environment) and forked
+    workers, after a failure the top of the Python stack of each rank the agent stopped is
+    printed too (``[launcher] rank r was stopped here:``). SIGTERM, SIGHUP and Ctrl-C of the
+    launcher stop the workers (exit 128 + signal), and a launcher killed outright (SIGKILL)
+    takes them with it (:func:`watch_launcher`)."""
     import logging
     import shutil
     import tempfile
@@ -397,6 +422,8 @@ def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float =
     script = program[1] if (len(program) == 2 and program[0] == sys.executable
                             and program[1].endswith(".py")) else None
     forked = fork and (script or program == [sys.executable, "-m", "shardwise"]) and can_fork()
+    stacks = forked and (overlay.get("SHARDWISE_STACKS_ON_STOP")
+                         or os.environ.get("SHARDWISE_STACKS_ON_STOP")) == "1"
     if forked:
         for name in PRELOAD:  # once here instead of once per worker
             importlib.import_module(name)
@@ -409,13 +436,20 @@ def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float =
         entrypoint, args = program[0], (*program[1:], *argv)
     # the ranks' collective checks publish their positions in a store of ours, which outlives
     # every rank: after a failure we read it and print one line (:func:`_diagnose`)
-    diag = _DiagStore.start(grace_s)
+    diag = _StoreServer.start(grace_s)
+    rdzv, launcher_env = dict(endpoint="127.0.0.1:0", configs={}), {}
     if diag is not None:
         overlay["SHARDWISE_DIAG_STORE"] = f"127.0.0.1:{diag.port}"
+        if forked:  # the agent serves no store (no thread of it in the forks): ours serves both
+            overlay["SHARDWISE_WORLD_STORE"] = f"127.0.0.1:{diag.port}"
+            rdzv = dict(endpoint=f"127.0.0.1:{diag.port}",
+                        configs={"is_host": False, "keep_alive_interval": 24 * 3600})
+            launcher_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     logs = tempfile.mkdtemp(prefix="shardwise-launch-")
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
+        rdzv_backend="c10d", rdzv_endpoint=rdzv["endpoint"], rdzv_configs=rdzv["configs"],
+        max_restarts=max_restarts,
         monitor_interval=0.1, start_method="fork" if forked else "spawn",
         logs_specs=DefaultLogsSpecs(log_dir=logs, tee=Std.ALL),
         log_line_prefix_template="[rank ${rank}] ", shutdown_timeout=max(1, round(grace_s)))
@@ -433,7 +467,7 @@ def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float =
     try:
         for lg in quiet:
             lg.setLevel(logging.CRITICAL)
-        with _environ({} if forked else overlay), exits:  # a forked worker sets it itself
+        with _environ(launcher_env if forked else overlay), exits:  # a fork sets its own
             elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
         seen, failure = e.get_first_failure()
@@ -452,6 +486,14 @@ def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float =
                          f"still running was stopped. Its last lines:\n{last}")
         if line:
             sys.stderr.write(f"[launcher] diagnosis: {line}\n")
+        if stacks:  # the Python stacks the stopped ranks printed (faulthandler, on SIGTERM)
+            for r in range(nproc):
+                tail = _last_lines(logs, r, 60)
+                start = next((i for i, ln in enumerate(tail) if ln.startswith(
+                    ("Thread 0x", "Current thread 0x"))), None)
+                if r != local and start is not None:
+                    sys.stderr.write(f"[launcher] rank {r} was stopped here:\n" + "".join(
+                        f"[rank {r}] {ln}\n" for ln in tail[start:start + 13]))
         sys.stderr.flush()
     except SignalException as stop:
         code = 128 + int(stop.sigval)
