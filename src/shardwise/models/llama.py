@@ -370,6 +370,18 @@ class Llama(nn.Module):
             else:
                 nn.init.normal_(p, 0.0, std)
 
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute what construction computed rather than initialised, on the parameters'
+        device: the RoPE tables (non-persistent buffers) and each MoE layer's statistics;
+        after a build on the meta device (:mod:`.meta`)."""
+        cfg, device = self.config, self.tok_embeddings.weight.device
+        cos, sin = rope_cache(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        for m in self.modules():
+            if m is not self and callable(getattr(m, "reset_stats", None)):
+                m.reset_stats()
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
         """``documents`` [b, s] int64: a packed row's example of each token (attention stays

@@ -1,0 +1,100 @@
+"""Meta-device construction and the replayed init (shardwise.models.meta): a model built on
+``meta`` and initialised one full tensor at a time equals the ordinary build bitwise, for every
+preset and model family, and leaves the global RNG where the ordinary build leaves it."""
+
+import pytest
+import torch
+from torch import nn
+
+from shardwise.models import build_model, model_names
+from shardwise.models.meta import InitPlan, _Recorder, build_on_meta, materialize
+
+# the families' switches (models/families.py builds these from HF configs)
+FAMILIES = {
+    "gpt2": dict(family="gpt2", norm="layer", mlp="gelu_tanh", pos="learned", qkv_bias=True,
+                 o_bias=True, mlp_bias=True),
+    "qwen2": dict(family="qwen2", qkv_bias=True),
+    "qwen3": dict(family="qwen3", qk_norm=True, attn_head_dim=8),
+    "llama3": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 64}),
+    "untied": dict(tie_embeddings=False),
+}
+CASES = [(n, {}) for n in model_names() if n != "llama-1b"] + \
+        [("tiny", kw) for kw in FAMILIES.values()] + \
+        [("moe-tiny", dict(tie_embeddings=False)), ("moe-tiny", dict(n_shared_experts=1))]
+
+
+def _ids(case):
+    name, kw = case
+    return name + "".join(f"-{k}" for k in kw)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_meta_build_then_replayed_init_equals_the_ordinary_build_bitwise(case):
+    name, kw = case
+    torch.manual_seed(11)
+    ref = build_model(name, 97, **kw)
+    rng_ref = torch.random.get_rng_state()
+
+    torch.manual_seed(11)
+    model, plan = build_on_meta(name, 97, **kw)
+    assert all(p.is_meta for p in model.parameters())
+    materialize(model, plan)
+    assert torch.equal(torch.random.get_rng_state(), rng_ref)  # the same draws, no more
+
+    got, want = dict(model.named_parameters()), dict(ref.named_parameters())
+    assert list(got) == list(want)  # tied parameters stay tied (one name)
+    for n in want:
+        assert got[n].dtype == want[n].dtype and torch.equal(got[n], want[n]), n
+    bufs = dict(model.named_buffers())
+    for n, b in ref.named_buffers():
+        assert torch.equal(bufs[n], b), n
+    if hasattr(ref, "output") and ref.config.tie_embeddings:
+        assert model.output.weight is model.tok_embeddings.weight
+    # the two models compute the same logits (every buffer and statistic is real)
+    x = torch.randint(0, 97, (2, 8)) if hasattr(ref, "tok_embeddings") else \
+        torch.randn(2, ref.config.d_model)
+    assert torch.equal(model(x), ref(x))
+
+
+def test_meta_build_draws_nothing_and_allocates_nothing():
+    torch.manual_seed(3)
+    before = torch.random.get_rng_state()
+    model, plan = build_on_meta("moe-tiny", 97)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    # the record: construction's defaults (modules replaced after, too), then the model's init
+    assert len(plan.log) > len(list(model.parameters()))
+
+
+def test_a_parameter_no_init_wrote_is_refused():
+    """A parameter whose value comes from its factory (``torch.ones`` at construction, no
+    ``nn.init`` call) cannot be replayed: the plan says which one, rather than a wrong value."""
+    class Ones(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 2)
+            self.scale = nn.Parameter(torch.ones(2))
+
+    rec = _Recorder()
+    with torch.device("meta"), rec:
+        m = Ones()
+    with pytest.raises(ValueError, match="no recorded init wrote scale"):
+        InitPlan(m, rec.log)
+
+
+def test_an_init_on_a_view_is_refused():
+    class Partial(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(4, 3))
+            nn.init.normal_(self.w)
+            with torch.no_grad():
+                self.w[0].zero_()
+
+    rec = _Recorder()
+    with torch.device("meta"), rec:
+        m = Partial()
+    with pytest.raises(ValueError, match="on a view"):
+        InitPlan(m, rec.log)
