@@ -98,3 +98,57 @@ def test_an_init_on_a_view_is_refused():
         m = Partial()
     with pytest.raises(ValueError, match="on a view"):
         InitPlan(m, rec.log)
+
+
+# -- the engines: each rank allocates and fills only what it holds -----------------------------
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from conftest import ROOT, run_world
+
+    out = tmp_path_factory.mktemp("meta_init")
+    run_world(ROOT / "tests" / "workers" / "meta_init_cases.py", out)
+    return out
+
+
+def _case_names():
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location(
+        "meta_init_cases", ROOT / "tests" / "workers" / "meta_init_cases.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return [c[0] for c in mod.CASES]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", _case_names())
+def test_an_engine_built_from_a_meta_model_equals_the_whole_build_bitwise(world, case):
+    """``parallelize(meta_model, ..., weights=plan.stream())`` against today's path (the model
+    built whole, then parallelized), on every rank: the full parameters after parallelize, the
+    global RNG state, two AdamW steps' losses and grad norms, the parameters after them."""
+    for rank in range(4):
+        r = torch.load(world / f"{case}_rank{rank}.pt", weights_only=False)
+        whole, meta = r["whole"], r["meta"]
+        assert list(meta["init"]) == list(whole["init"])
+        for n in whole["init"]:
+            assert torch.equal(meta["init"][n], whole["init"][n]), (rank, n)
+        assert torch.equal(meta["rng"], whole["rng"])
+        assert meta["loss"] == whole["loss"] and meta["norm"] == whole["norm"], rank
+        for n in whole["final"]:
+            assert torch.equal(meta["final"][n], whole["final"][n]), (rank, n)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case,whole_case,n", [("dp4_z3", "dp4", 4), ("hsdp2x2_z3", "dp4", 2),
+                                               ("dp2_tp2_z3", "dp2_tp2_sp", 2)])
+def test_zero3_from_a_meta_model_holds_only_its_slices(world, case, whole_case, n):
+    """The parameter storage a rank's ZeRO-3 engine holds after a meta build: Ψ_local / n
+    (Ψ_local: what the rank would hold without ZeRO-3, measured in ``whole_case``; n: the
+    shard group) plus at most n − 1 padding elements per unit (3 units: the root, 2 blocks)."""
+    for rank in range(4):
+        got = torch.load(world / f"{case}_rank{rank}.pt", weights_only=False)["meta_bytes"]
+        base = torch.load(world / f"{whole_case}_rank{rank}.pt", weights_only=False)["meta_bytes"]
+        assert base / n <= got <= base / n + 3 * (n - 1) * 4, (rank, got, base)

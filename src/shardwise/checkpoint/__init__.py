@@ -73,8 +73,8 @@ from .format import (FORMAT, MARKER, CheckpointError, DivergedError, complete_ch
                      rng_state, set_rng_state)
 from .save import Checkpointer, save_checkpoint
 from .verify import find_resume_checkpoint, verify_checkpoint
-from .load import (Resumed, check_model_compatible, load_full_optimizer_state, load_model,
-                   model_flags, restore_training_state)
+from .load import (Resumed, check_model_compatible, checkpoint_weight_stream,
+                   load_full_optimizer_state, load_model, model_flags, restore_training_state)
 from .run import (LOCK_FILE, RunFolderBusyError, check_checkpoints_writable, check_disk_space,
                   check_same_data, checkpoint_bytes_estimate, data_fingerprint, lock_run_folder)
 
@@ -82,7 +82,8 @@ __all__ = ["FORMAT", "LOCK_FILE", "MARKER", "Checkpointer", "CheckpointError", "
            "Resumed", "RunFolderBusyError", "check_checkpoints_writable", "check_disk_space",
            "check_model_compatible", "check_same_data", "checkpoint_bytes_estimate",
            "complete_checkpoints", "data_fingerprint", "diverged_message", "find_resume_checkpoint",
-           "last_good_checkpoint", "list_checkpoints", "load_full_optimizer_state", "load_model",
+           "checkpoint_weight_stream", "last_good_checkpoint", "list_checkpoints",
+           "load_full_optimizer_state", "load_model",
            "lock_run_folder", "model_flags", "prune", "read_meta", "restore_training_state",
            "rng_state",
            "save_checkpoint", "set_rng_state", "verify_checkpoint"]

@@ -118,6 +118,24 @@ def load_model(folder: Path, model: torch.nn.Module) -> dict:
     return meta
 
 
+def checkpoint_weight_stream(folder: Path, model: torch.nn.Module):
+    """(parameter name, full-shape tensor) for each parameter of the *plain* ``model`` (built on
+    the meta device: shapes only), read from the checkpoint one tensor at a time (one
+    ``dcp.load`` each, on this process alone): for ``parallelize(..., weights=)``, whose engine
+    keeps only its part of each. Raises as :func:`load_model`, before the first tensor."""
+    folder = Path(folder)
+    check_model_compatible(folder, model, read_meta(folder))
+    shapes = [(k, p.shape, p.dtype) for k, p in model.named_parameters()]
+
+    def stream():
+        for k, shape, dtype in shapes:
+            t = torch.empty(shape, dtype=dtype)
+            _dcp_load({"model": {k: t}}, folder)
+            yield k, t
+
+    return stream()
+
+
 def _dcp_load(state: dict, folder: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException

@@ -44,13 +44,15 @@ from .hf_export import (
     resolve_checkpoint,
     write_tokenizer_files,
 )
-from .hf_import import check_weight_files, load_hf_weights, model_for, read_hf_weights, weight_files
+from .hf_import import (check_weight_files, hf_weight_stream, load_hf_weights, model_for,
+                         read_hf_weights, weight_files)
 from .hf_names import from_hf_state_dict, hf_to_ours, ours_to_hf, to_hf_state_dict
 
 __all__ = ["ARCH_FIELDS", "MOE_ARCH_FIELDS", "SUPPORTED_MODEL_TYPES", "byte_tokenizer_json",
            "check_hf_exportable", "check_weight_files", "checkpoint_model_config",
            "describe_source", "export_hf", "from_hf_state_dict", "hf_model_kind",
-           "hf_model_overrides", "hf_to_llama_config", "hf_to_ours", "llama_to_hf_config",
+           "hf_model_overrides", "hf_to_llama_config", "hf_to_ours", "hf_weight_stream",
+           "llama_to_hf_config",
            "load_hf_weights", "mixtral_to_hf_config", "model_for", "ours_to_hf",
            "read_checkpoint", "read_hf_config", "read_hf_weights", "resolve_checkpoint",
            "to_hf_state_dict", "weight_files", "write_tokenizer_files"]

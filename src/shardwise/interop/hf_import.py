@@ -11,6 +11,7 @@ and the fix. Nothing here needs a process group.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -126,13 +127,40 @@ def model_for(cfg):
     return MoELlama(cfg) if _is_moe(cfg) else Llama(cfg)
 
 
-@torch.no_grad()
-def load_hf_weights(model, folder: str | os.PathLike) -> None:
-    """Copy the HF Llama or Mixtral folder's weights into our plain ``model`` (in place, before
-    ``parallelize``). The architecture must match (build the model with
-    :func:`hf_model_overrides`; a MoE preset for a Mixtral folder); raises ShardwiseConfigError
-    when the model is of the other kind, or listing missing/unexpected names and shape
-    mismatches."""
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
+
+
+def hf_weight_stream(model, folder: str | os.PathLike):
+    """(our parameter name, full fp32 tensor) for every tensor of the HF folder, one layer at a
+    time (each layer's tensors, then the rest: embeddings, final norm, head), through the same
+    renaming as :func:`load_hf_weights` (GPT-2's fused ``c_attn`` split, Mixtral's experts
+    stacked): for a model built on the meta device, whose engine keeps only its part of each
+    (``parallelize(..., weights=)``). ``.safetensors`` files are read tensor by tensor
+    (``safe_open``); a ``pytorch_model.bin`` is loaded whole. The checks of
+    :func:`load_hf_weights` run first (ShardwiseConfigError)."""
+    cfg = _check_kind(model, folder)
+    groups: dict[str, list[tuple[Path, str]]] = {}
+    for f in weight_files(folder):
+        if f.suffix != ".safetensors":
+            yield from hf_to_ours(read_hf_weights(folder), cfg, source=str(folder)).items()
+            return
+        from safetensors import safe_open
+
+        with safe_open(str(f), "pt") as handle:
+            for k in handle.keys():
+                m = _LAYER.search(k)
+                groups.setdefault(m.group(1) if m else "rest", []).append((f, k))
+    for key in sorted(groups, key=lambda g: (g == "rest", int(g) if g != "rest" else 0)):
+        part = {}
+        for f, k in groups[key]:
+            with safe_open(str(f), "pt") as handle:
+                part[k] = handle.get_tensor(k).float()
+        yield from hf_to_ours(part, cfg, source=str(folder)).items()
+        del part
+
+
+def _check_kind(model, folder):
+    """The folder's config as ours, after checking ``model`` is of its kind and family."""
     from ..models import MoELlama
 
     cfg = hf_to_llama_config(read_hf_config(folder), source=f"{folder}/config.json")
@@ -148,6 +176,17 @@ def load_hf_weights(model, folder: str | os.PathLike) -> None:
             f"--init-from-hf {folder}: its config.json is a {cfg.family} model but the model "
             f"built is a {model.config.family} one: build the model from the folder's "
             "overrides (hf_model_overrides)")
+    return cfg
+
+
+@torch.no_grad()
+def load_hf_weights(model, folder: str | os.PathLike) -> None:
+    """Copy the HF Llama or Mixtral folder's weights into our plain ``model`` (in place, before
+    ``parallelize``). The architecture must match (build the model with
+    :func:`hf_model_overrides`; a MoE preset for a Mixtral folder); raises ShardwiseConfigError
+    when the model is of the other kind, or listing missing/unexpected names and shape
+    mismatches."""
+    cfg = _check_kind(model, folder)
     ours = hf_to_ours(read_hf_weights(folder), cfg, source=str(folder))
     _copy_into(model, ours, str(folder))
 

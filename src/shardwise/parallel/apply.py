@@ -47,7 +47,7 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
                 engine: str = "explicit", bucket_mb: float = 25.0, overlap: bool = True,
                 prefetch: bool = True, reshard_after_forward: bool = True,
                 layers_per_stage: list[int] | None = None, seed: int = 0,
-                reduce_dtype: str = "fp32") -> nn.Module:
+                reduce_dtype: str = "fp32", weights=None) -> nn.Module:
     """Return ``model`` wrapped for ``layout`` (default: the degrees of ``topo``) by ``engine``
     ("explicit" | "torch"), by the steps of the module docstring. The model may be converted in
     place (TP replaces modules, PP keeps only this rank's stages); use the returned engine's
@@ -56,14 +56,38 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     ``bucket_mb``/``overlap``: DP gradient buckets; ``prefetch``/``reshard_after_forward``:
     ZeRO-3 / FSDP2; ``layers_per_stage``: an explicit pipeline split; ``seed``: TP dropout RNG;
     ``reduce_dtype``: "fp32" | "bf16", the dtype gradients are reduced in over dp.
+    ``weights``: for a ``model`` built on the meta device (:mod:`shardwise.models.meta`), an
+    iterator of (parameter name, full tensor), the same on every rank: each rank allocates and
+    fills only what it holds (:mod:`.materialize`; explicit engine without pp; the other
+    layouts materialise the whole model first, then run as usual).
     Raises :class:`ShardwiseConfigError` for a layout that cannot run (on every rank, before any
-    collective), ``ValueError`` for an unknown engine."""
+    collective), ``ValueError`` for an unknown engine or a meta model without ``weights``."""
     if engine not in ("explicit", "torch"):
         raise ValueError(f"unknown engine {engine!r}: choose explicit or torch")
     layout = layout or Layout(dp=topo.size("dp"), tp=topo.size("tp"), pp=topo.size("pp"),
                               cp=topo.size("cp"), ep=topo.size("ep"))
     # 1. every refusal, before any collective
     layout.check(model=model, topo=topo, engine=engine, reduce_dtype=reduce_dtype)
+    from .materialize import hollow, is_meta, materialize_local
+
+    meta = is_meta(model)
+    if meta and weights is None:
+        raise ValueError("a model built on the meta device needs weights= (name, full tensor)")
+    if meta and (engine != "explicit" or layout.pp > 1):  # these transforms read the values
+        materialize_local(model, weights, topo)
+        meta = False
+
+    def sync_over_dp(m, **kw):  # step 4; a meta model gets its values here, the shards only
+        if not meta:
+            return dp_sync(m, topo, layout, engine, **kw)
+        if layout.zero == 3:  # flat buffers over storage-less parameters, then the slices
+            hollow(m, topo)
+            s = dp_sync(m, topo, layout, engine, deferred=True, **kw)
+            s.fill(weights)
+            return s
+        materialize_local(m, weights, topo)  # DP, ZeRO-1/2: whole (tp-sharded) parameters
+        return dp_sync(m, topo, layout, engine, **kw)
+
     if layout.cp > 1 and engine == "explicit":  # the attention cores (pp and tp keep them)
         from .cp import parallelize_context
 
@@ -84,7 +108,7 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     if layout.tp == 1:
         from .model import PlainLoss
 
-        sync = dp_sync(model, topo, layout, engine, **dp_kw)
+        sync = sync_over_dp(model, **dp_kw)
         return ParallelModel(model, topo, loss_fn=PlainLoss(sync.forward_module), grad_sync=sync)
     if engine == "explicit":
         from .tp import TPTraffic, parallelize_tensor
@@ -102,9 +126,11 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     if layout.dp * layout.cp == 1:
         from .sync import NoSync
 
+        if meta:
+            materialize_local(model, weights, topo)
         sync = NoSync(model, topo)
     else:
-        sync = dp_sync(model, topo, layout, engine, **dp_kw)
+        sync = sync_over_dp(model, **dp_kw)
     # 5. the finishers, in order after the sync: the SP sum over tp of what the sync leaves
     # (FSDP2 over DTensor TP sums the SP partial gradients inside backward)
     from .tp import SPSum, TorchSPSum
@@ -204,7 +230,7 @@ def _pipeline(model: nn.Module, topo, layout: Layout, engine: str, *, layers_per
 
 def dp_sync(model: nn.Module, topo, layout: Layout, engine: str, *, bucket_mb: float = 25.0,
             overlap: bool = True, prefetch: bool = True, reshard_after_forward: bool = True,
-            reduce_dtype: str = "fp32"):
+            reduce_dtype: str = "fp32", deferred: bool = False):
     """The gradient sync (a plain :class:`~.sync.Sync`) over ``topo``'s dp axis for
     ``layout.zero`` on ``engine``, of ``model`` (plain, or already converted for TP when
     ``layout.tp`` > 1: its parameters are then this rank's tp shards, Ψ/tp each; DTensors on
@@ -218,13 +244,15 @@ def dp_sync(model: nn.Module, topo, layout: Layout, engine: str, *, bucket_mb: f
     3       :mod:`.zero` (units)        FSDP2 ``fully_shard``; the same over DTensor TP
     ======  ==========================  =================================================
 
-    Options as :func:`parallelize`. No checks here: :meth:`Layout.check` ran before."""
+    Options as :func:`parallelize`; ``deferred`` (explicit ZeRO only): the parameters hold no
+    values yet, fill them with the sync's ``fill`` (:mod:`.materialize`). No checks here:
+    :meth:`Layout.check` ran before."""
     if engine == "explicit" and layout.zero:
         from .zero import zero_sync
 
         return zero_sync(model, topo, layout.zero, prefetch=prefetch,
                          reshard_after_forward=reshard_after_forward, overlap=overlap,
-                         reduce_dtype=reduce_dtype)
+                         reduce_dtype=reduce_dtype, deferred=deferred)
     if engine == "explicit":
         from .dp import DataParallel
 

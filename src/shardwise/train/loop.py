@@ -27,13 +27,15 @@ from ..comm import fingerprint as collective_checks
 from ..checkpoint import (Checkpointer, DivergedError, RunFolderBusyError,
                            check_checkpoints_writable, check_disk_space, check_same_data,
                            checkpoint_bytes_estimate, data_fingerprint, diverged_message,
-                           find_resume_checkpoint, load_model, lock_run_folder, read_meta,
+                           checkpoint_weight_stream, find_resume_checkpoint, load_model,
+                           lock_run_folder, read_meta,
                            restore_training_state)
 from ..config import TrainConfig, batching_note, validate
 from ..errors import ShardwiseConfigError
 from ..flops import mfu, peak_devices, peak_flops, step_flops
 from ..models import build_model, set_activation_checkpointing
 from ..models.compile import compile_blocks
+from ..models.meta import build_on_meta
 from ..parallel.apply import Layout, parallelize
 from ..parallel.cp import plain_attention, shard_sequence
 from ..topology import Topology, init_distributed
@@ -204,10 +206,29 @@ def setup(cfg: TrainConfig) -> Run:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(cfg.to_toml())
 
-    # -- model: same seed on every rank → same init; DP also broadcasts from dp index 0 ------
+    # -- model: same seed on every rank → same init. Built on the meta device (no storage):
+    # the engine allocates only what this rank holds and fills it from `weights`, full tensors
+    # one at a time (parallel/materialize.py): the replayed init (models/meta.py), the HF
+    # folder's tensors, or the checkpoint's. DPO keeps the whole build (its frozen reference
+    # copies the initial policy).
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, vocab_size=work.vocab_size, **work.model_overrides(cfg))
-    if cfg.init_from_hf:  # HF weights into the plain model, so every layout starts from them
+    overrides = work.model_overrides(cfg)
+    weights = None
+    if cfg.task == "dpo":
+        model = build_model(cfg.model, vocab_size=work.vocab_size, **overrides)
+    else:
+        model, plan = build_on_meta(cfg.model, vocab_size=work.vocab_size, **overrides)
+        weights = plan.stream()
+        if cfg.init_from_hf or resume_from is not None:
+            for _ in weights:  # the init's draws, so the RNG continues as after a whole build
+                pass
+        if cfg.init_from_hf:
+            from ..interop.hf import hf_weight_stream
+
+            weights = hf_weight_stream(model, cfg.init_from_hf)
+        if resume_from is not None:  # layout-free weights, each rank reads its part
+            weights = checkpoint_weight_stream(resume_from, model)
+    if cfg.init_from_hf and weights is None:  # HF weights into the plain model
         from ..interop.hf import load_hf_weights
 
         load_hf_weights(model, cfg.init_from_hf)
@@ -215,9 +236,10 @@ def setup(cfg: TrainConfig) -> Run:
         from .dpo import DPOReference, build_reference, reference_copy
 
         ref_model = reference_copy(model)
-    if resume_from is not None:  # layout-free weights into the plain model, before parallelize
+    if resume_from is not None and weights is None:  # layout-free weights, before parallelize
         load_model(resume_from, model)
-    model.to(topo.device)
+    if weights is None:
+        model.to(topo.device)
     n_params = sum(p.numel() for p in model.parameters())
     model_cfg = model.config  # before parallelize: a pipeline keeps only this rank's stage
     # --ac: checkpoint inside each block; collectives a recompute re-issues (TP) are booked
@@ -228,7 +250,7 @@ def setup(cfg: TrainConfig) -> Run:
                            overlap=cfg.overlap, prefetch=cfg.prefetch,
                            reshard_after_forward=cfg.reshard_after_forward,
                            layers_per_stage=cfg.stage_split(), seed=cfg.seed,
-                           reduce_dtype=cfg.reduce_dtype)
+                           reduce_dtype=cfg.reduce_dtype, weights=weights if m is model else None)
 
     engine = parallelize_as_configured(model, Layout.from_config(cfg))
     if cfg.task == "dpo":  # the reference in the policy's layout, frozen (train/dpo.py)

@@ -199,8 +199,10 @@ def apply_tp(model: nn.Module, topo, sp: bool = False, *, seed: int = 0) -> TPRN
     plan = check_plan_covers(model)
     has_emb, has_head = _held(model, "tok_embeddings"), _held(model, "output")
     tied = has_emb and has_head and model.output.weight is model.tok_embeddings.weight
-    with topo.ledger.phase("init"):
-        comm.broadcast_coalesced([p.data for p in model.parameters()], topo, AXIS, tag="init")
+    if not any(p.is_meta for p in model.parameters()):  # meta: every rank fills the same later
+        with topo.ledger.phase("init"):
+            comm.broadcast_coalesced([p.data for p in model.parameters()], topo, AXIS,
+                                     tag="init")
     rng = TPRNG(seed, topo)
     emb = None
     if has_emb:

@@ -62,12 +62,14 @@ class FlatShards:
     ``reduce_dtype``: the dtype the gradient reduce_scatter moves (None: the parameters').
     ``n`` and the rank index i are those of ``axis``. ``replicate_axis`` (HSDP: "dp_replicate"):
     after the reduce-scatter, the summed slice is all-reduced over it (tag ``grad_replicate``,
-    in the reduce dtype), the replicas holding the same slices."""
+    in the reduce dtype), the replicas holding the same slices. ``deferred``: the parameters
+    hold no values yet (:func:`..materialize.hollow`): nothing is copied, ``full`` starts at
+    zero and the owner fills it (:meth:`.zero.ZeroSync.fill`)."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], topo, *, keep_full_grad: bool,
                  reduce_dtype: torch.dtype | None = None, name: str = "",
                  module: nn.Module | None = None, axis: str | None = None,
-                 replicate_axis: str | None = None):
+                 replicate_axis: str | None = None, deferred: bool = False):
         self.name, self.module, self.topo = name, module, topo
         self.axis = axis or topo.data_axis
         self.replicate_axis = replicate_axis  # HSDP: shards all-reduced over "dp_replicate"
@@ -86,7 +88,8 @@ class FlatShards:
         with torch.no_grad():
             self.full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)  # pad 0
             for p, view in self.views(self.full):
-                view.copy_(p.detach())
+                if not deferred:  # deferred: the parameters hold no values yet (fill later)
+                    view.copy_(p.detach())
                 p.data = view  # same Parameter object; storage = `full`
         self.shard = self.full[self.lo:self.hi]  # [k] view: the optimizer updates it in place
         self.grad_full = None

@@ -82,7 +82,9 @@ class ZeroSync(Sync):
     (default :func:`.units.default_unit_names`); the rest is the root unit. ``overlap``: launch
     each unit's reduce_scatter from the backward hooks (True) or all after backward (False).
     ``reduce_dtype``: "fp32" | "bf16" (:func:`..params.reduce_torch_dtype`). ``prefetch`` /
-    ``reshard_after_forward``: ZeRO-3 only.
+    ``reshard_after_forward``: ZeRO-3 only. ``deferred``: the parameters hold no values yet
+    (a model built on the meta device, :mod:`..materialize`): no copy, no broadcast; call
+    :meth:`fill` with the weights, the same on every rank.
 
     Inside dp × tp the module holds this tp rank's shards; only their placements
     (:func:`..params.tp_sharded`) are read here: the norm's counting, the SP sum. With expert
@@ -98,7 +100,7 @@ class ZeroSync(Sync):
 
     def __init__(self, module: nn.Module, topo, stage: int, *, units: list[str] | None = None,
                  prefetch: bool = True, reshard_after_forward: bool = True, overlap: bool = True,
-                 reduce_dtype: str = "fp32"):
+                 reduce_dtype: str = "fp32", deferred: bool = False):
         validate_zero(stage, topo.size(topo.shard_axis))
         rdtype = reduce_torch_dtype(reduce_dtype)
         named_units = assign_units(module, units)  # all checks done before the first collective
@@ -113,11 +115,14 @@ class ZeroSync(Sync):
         groups = split_experts(named_units, topo)
         self.units = [FlatShards(g.items, topo, keep_full_grad=stage == 1, reduce_dtype=rdtype,
                                  name=name, module=mod, axis=g.axis,
-                                 replicate_axis=g.replicate_axis) for name, mod, g in groups]
+                                 replicate_axis=g.replicate_axis, deferred=deferred)
+                      for name, mod, g in groups]
+        self.deferred = deferred  # the values come later, the same on every rank (fill)
         with topo.ledger.phase("init"):
             for u, (_, _, g) in zip(self.units, groups):  # replicas start identical over
                 # g.replicas (expert shards: edp; HSDP's shard groups: the whole data axis)
-                comm.broadcast(u.full, topo, g.replicas, src=0, tag="init")
+                if not deferred:
+                    comm.broadcast(u.full, topo, g.replicas, src=0, tag="init")
         # the root unit (module: the model itself; with its experts, if any sit outside the
         # blocks): gathered for the whole forward and backward by ZeRO-3
         self.roots = [u for u in self.units if u.module is module]
@@ -133,6 +138,36 @@ class ZeroSync(Sync):
             for p in u.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         module.register_forward_pre_hook(self._model_pre_forward)
+
+    @torch.no_grad()
+    def fill(self, weights) -> None:
+        """The values of a ``deferred`` sync: for each (name, full tensor) of ``weights`` (names
+        as the unsharded model's, one at a time), this rank's part of it (its tp/ep shard,
+        :func:`..views.to_local`, flattened) into its flat buffer: the whole parameter where
+        ``full`` keeps them (ZeRO-1/2, a unit over one rank), else the piece inside this rank's
+        slice ``shard`` (ZeRO-3). No collective. Raises ``ValueError`` for a parameter the
+        stream never gave."""
+        from ..views import to_local
+
+        where = {fqn: (u, j) for u in self.units for j, fqn in enumerate(u.fqns)}
+        seen = set()
+        for name, full in weights:
+            if name not in where:
+                continue
+            u, j = where[name]
+            flat = to_local(full, u.params[j], self.topo).reshape(-1)
+            off, k = u.offsets[j], u.numels[j]
+            if self.keeps_full_params or u.n == 1:
+                u.full[off: off + k].copy_(flat)
+            else:
+                a, b = max(off, u.lo), min(off + k, u.hi)
+                if a < b:
+                    u.shard[a - u.lo: b - u.lo].copy_(flat[a - off: b - off])
+            seen.add(name)
+        missing = sorted(set(where) - seen)
+        if missing:
+            raise ValueError(f"no weights for {', '.join(missing[:5])}"
+                             f"{' …' if len(missing) > 5 else ''}")
 
     # -- sizes ----------------------------------------------------------------------------------
     @property

@@ -1,0 +1,105 @@
+"""A model built on the meta device becomes this rank's shards, filled from full tensors.
+
+:func:`~.apply.parallelize` accepts a model built on ``meta`` (:mod:`shardwise.models.meta`)
+with ``weights``: an iterator of (parameter name, full-shape tensor), one at a time (the
+replayed init, a checkpoint, an HF folder). The transforms that only cut (TP, EP, CP) run on
+the meta model; then either
+
+* :func:`materialize_local` gives the parameters this rank holds their storage and fills each
+  from its full tensor (:func:`~.views.to_local`: the tp/ep shard; layouts that keep whole
+  parameters per rank: DP, ZeRO-1/2, TP alone), or
+* :func:`hollow` gives them real tensors whose storage is already freed, the ZeRO-3 sync
+  builds its flat buffers over them one unit at a time without copying values, and
+  :meth:`~.zero.ZeroSync.fill` writes each rank's flat slice from the stream.
+
+Each full tensor is dropped after use, so the peak of a rank is what it keeps plus one full
+tensor (docs/checkpointing.md, start-up memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from .views import to_local
+
+
+def is_meta(module: nn.Module) -> bool:
+    """Whether ``module`` was built on the meta device (any parameter is meta)."""
+    return any(p.is_meta for p in module.parameters())
+
+
+def _swap_params(module: nn.Module, make) -> None:
+    """Replace every meta parameter of ``module`` by ``make(p)`` (a new ``nn.Parameter``) in
+    every module that holds it (tied parameters stay one object), with its attributes (a
+    transform's ``placement``) and ``requires_grad``; meta buffers by empty ones on the
+    device ``make`` allocates on (their values: the model's ``init_buffers``)."""
+    new: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in new:
+                q = nn.Parameter(make(p), requires_grad=p.requires_grad)
+                q.__dict__.update(p.__dict__)
+                new[id(p)] = q
+            m._parameters[name] = new[id(p)]
+        for key, value in list(vars(m).items()):  # a plain attribute holding a parameter
+            if isinstance(value, nn.Parameter) and id(value) in new:
+                setattr(m, key, new[id(value)])
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.is_meta:
+                m._buffers[name] = torch.empty_like(b, device=make.device)
+
+
+class _Alloc:
+    def __init__(self, device, hollow: bool):
+        self.device, self.hollow = torch.device(device), hollow
+
+    def __call__(self, p: torch.Tensor) -> torch.Tensor:
+        t = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+        if self.hollow:  # shape and strides kept, the storage given back at once
+            t.untyped_storage().resize_(0)
+        return t
+
+
+def _init_buffers(module: nn.Module) -> None:
+    for m in module.modules():
+        if callable(getattr(m, "init_buffers", None)):
+            m.init_buffers()
+            return
+
+
+@torch.no_grad()
+def materialize_local(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                      topo) -> None:
+    """Give each parameter of ``module`` (this rank's: tp/ep shards after those transforms) its
+    storage on ``topo.device`` and the values of its part of the full tensors in ``weights``
+    ((name, full tensor), names as the unsharded model's; names this rank does not hold are
+    skipped). Raises ``ValueError`` for a held parameter the stream never gave, or a full
+    tensor of the wrong shape (:func:`~.views.to_local`)."""
+    _swap_params(module, _Alloc(topo.device, hollow=False))
+    params = dict(module.named_parameters())
+    seen = set()
+    for name, full in weights:
+        p = params.get(name)
+        if p is None:
+            continue
+        p.copy_(to_local(full, p, topo))
+        seen.add(name)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise ValueError(f"no weights for {', '.join(missing[:5])}"
+                         f"{' …' if len(missing) > 5 else ''}")
+    _init_buffers(module)
+
+
+def hollow(module: nn.Module, topo) -> None:
+    """Give each meta parameter of ``module`` a real tensor of its shape on ``topo.device``
+    whose storage is freed at once (one tensor allocated at a time): the ZeRO-3 sync's flat
+    buffers take them over without reading them (``deferred``), and :meth:`fill` writes the
+    values. Its buffers are computed on the device."""
+    _swap_params(module, _Alloc(topo.device, hollow=True))
+    _init_buffers(module)

@@ -1,0 +1,102 @@
+"""Worker for tests/test_meta_init.py: one 4-rank world; for each layout, the engine built from a
+model on the meta device (``parallelize(..., weights=plan.stream())``: each rank allocates and
+fills only what it holds) against today's path (the model built whole, then parallelized).
+Each rank writes ``<out>/<case>_rank<r>.pt``: for both paths, the full parameters after
+parallelize, and after two AdamW steps the losses, grad norms and full parameters; and, for
+the meta path, the bytes this rank's engine holds in parameter storage."""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from shardwise.config import TrainConfig
+from shardwise.models import build_model
+from shardwise.models.meta import build_on_meta
+from shardwise.parallel.apply import Layout, parallelize
+from shardwise.topology import Topology, init_distributed
+from shardwise.train.optim import build_optimizer
+from shardwise.train.step import train_step
+from shardwise.train.workload import SyntheticLMWorkload
+
+GLOBAL_BATCH, MICRO_BATCH, STEPS = 8, 2, 2
+# (case name, model, layout kwargs, engine): every family the meta path shards itself, and
+# two that materialise the whole model first (pp, the torch engine)
+CASES = [
+    ("dp4", "tiny", dict(dp=4), "explicit"),
+    ("dp4_z1", "tiny", dict(dp=4, zero=1), "explicit"),
+    ("dp4_z2", "tiny", dict(dp=4, zero=2), "explicit"),
+    ("dp4_z3", "tiny", dict(dp=4, zero=3), "explicit"),
+    ("hsdp2x2_z3", "tiny", dict(dp=4, zero=3, dp_replicate=2), "explicit"),
+    ("tp4", "tiny", dict(tp=4), "explicit"),
+    ("dp2_tp2_sp", "tiny", dict(dp=2, tp=2, sp=True), "explicit"),
+    ("dp2_tp2_z3", "tiny", dict(dp=2, tp=2, zero=3), "explicit"),
+    ("dp2_cp2_z1", "tiny", dict(dp=2, cp=2, zero=1), "explicit"),
+    ("moe_dp4_ep2_z3", "moe-tiny", dict(dp=4, ep=2, zero=3), "explicit"),
+    ("moe_dp2_tp2_ep2", "moe-tiny", dict(dp=2, tp=2, ep=2), "explicit"),
+    ("pp2_dp2", "tiny", dict(pp=2, dp=2), "explicit"),
+    ("dp4_z3_torch", "tiny", dict(dp=4, zero=3), "torch"),
+]
+MODEL = {"tiny": dict(n_heads=8, n_kv_heads=4), "moe-tiny": {}}  # tp = 4 divides the heads
+CFG = TrainConfig(model="tiny", lr=3e-3, weight_decay=0.1)
+
+
+def engine_bytes(engine) -> int:
+    """Bytes of parameter storage this rank's engine holds (each storage once; ZeRO-3's
+    freed unit buffers count 0, their slices count)."""
+    seen, total = set(), 0
+    tensors = [p.to_local() if hasattr(p, "to_local") else p for p in engine.module.parameters()]
+    for u in getattr(engine.parts[0], "units", ()):
+        tensors += [u.full, u.shard]
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total
+
+
+def run(case, model_name, kw, engine_name, work, out, rank):
+    layout = Layout(**kw)
+    topo = Topology(kw.get("pp", 1), kw.get("dp", 1), kw.get("tp", 1), cp=kw.get("cp", 1),
+                    ep=kw.get("ep", 1), dp_replicate=kw.get("dp_replicate", 1), timeout_s=60)
+    rec = {}
+    for path in ("whole", "meta"):
+        torch.manual_seed(0)
+        if path == "whole":
+            model = build_model(model_name, vocab_size=67, **MODEL[model_name])
+            engine = parallelize(model, topo, layout, engine=engine_name)
+        else:
+            model, plan = build_on_meta(model_name, vocab_size=67, **MODEL[model_name])
+            engine = parallelize(model, topo, layout, engine=engine_name,
+                                 weights=plan.stream())
+            rec["meta_bytes"] = engine_bytes(engine)
+        r = {"rng": torch.random.get_rng_state(),
+             "init": {n: p.detach().clone() for n, p in engine.named_full_parameters().items()}}
+        opt = build_optimizer(engine, CFG)
+        sampler = work.sampler(GLOBAL_BATCH, topo.size("dp"), topo.index("dp"), seed=0)
+        r["loss"], r["norm"] = [], []
+        for _ in range(STEPS):
+            res = train_step(engine, work.batches(sampler.next_local_batch(), MICRO_BATCH), opt,
+                             topo, max_norm=1.0, zero_grad=False)
+            r["loss"].append(res.loss)
+            r["norm"].append(res.grad_norm)
+        r["final"] = {n: p.detach().clone() for n, p in engine.named_full_parameters().items()}
+        rec[path] = r
+    torch.save(rec, f"{out}/{case}_rank{rank}.pt")
+
+
+def main(out):
+    init_distributed("cpu", timeout_s=60)
+    rank = dist.get_rank()
+    work = SyntheticLMWorkload(vocab_size=67, seq_len=16, num_train=64, num_val=4, seed=0)
+    only = sys.argv[2:]  # case names (all when none)
+    for case, model_name, kw, engine_name in CASES:
+        if not only or case in only:
+            run(case, model_name, kw, engine_name, work, out, rank)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
