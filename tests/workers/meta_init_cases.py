@@ -20,8 +20,9 @@ from shardwise.train.step import train_step
 from shardwise.train.workload import SyntheticLMWorkload
 
 GLOBAL_BATCH, MICRO_BATCH, STEPS = 8, 2, 2
-# (case name, model, layout kwargs, engine): every family the meta path shards itself, and
-# two that materialise the whole model first (pp, the torch engine)
+# (case name, model, layout kwargs, engine): every family the explicit engine builds from the
+# meta model itself, and the torch engine's (the whole model materialised first). A case
+# ending in "_deep" has 4 layers (an interleaved pipeline needs one per chunk).
 CASES = [
     ("dp4", "tiny", dict(dp=4), "explicit"),
     ("dp4_z1", "tiny", dict(dp=4, zero=1), "explicit"),
@@ -35,6 +36,10 @@ CASES = [
     ("moe_dp4_ep2_z3", "moe-tiny", dict(dp=4, ep=2, zero=3), "explicit"),
     ("moe_dp2_tp2_ep2", "moe-tiny", dict(dp=2, tp=2, ep=2), "explicit"),
     ("pp2_dp2", "tiny", dict(pp=2, dp=2), "explicit"),
+    ("pp2_tp2_sp", "tiny", dict(pp=2, tp=2, sp=True), "explicit"),
+    ("pp2_dp2_z1", "tiny", dict(pp=2, dp=2, zero=1), "explicit"),
+    ("pp2_v2_dp2_deep", "tiny", dict(pp=2, dp=2, schedule="interleaved-1f1b", virtual_stages=2),
+     "explicit"),
     ("dp4_z3_torch", "tiny", dict(dp=4, zero=3), "torch"),
 ]
 MODEL = {"tiny": dict(n_heads=8, n_kv_heads=4), "moe-tiny": {}}  # tp = 4 divides the heads
@@ -56,6 +61,10 @@ def engine_bytes(engine) -> int:
     return total
 
 
+def _model_kw(case, model_name):
+    return {**MODEL[model_name], **(dict(n_layers=4) if case.endswith("_deep") else {})}
+
+
 def run(case, model_name, kw, engine_name, work, out, rank):
     layout = Layout(**kw)
     topo = Topology(kw.get("pp", 1), kw.get("dp", 1), kw.get("tp", 1), cp=kw.get("cp", 1),
@@ -64,10 +73,10 @@ def run(case, model_name, kw, engine_name, work, out, rank):
     for path in ("whole", "meta"):
         torch.manual_seed(0)
         if path == "whole":
-            model = build_model(model_name, vocab_size=67, **MODEL[model_name])
+            model = build_model(model_name, vocab_size=67, **_model_kw(case, model_name))
             engine = parallelize(model, topo, layout, engine=engine_name)
         else:
-            model, plan = build_on_meta(model_name, vocab_size=67, **MODEL[model_name])
+            model, plan = build_on_meta(model_name, vocab_size=67, **_model_kw(case, model_name))
             engine = parallelize(model, topo, layout, engine=engine_name,
                                  weights=plan.stream())
             rec["meta_bytes"] = engine_bytes(engine)

@@ -58,8 +58,8 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     ``reduce_dtype``: "fp32" | "bf16", the dtype gradients are reduced in over dp.
     ``weights``: for a ``model`` built on the meta device (:mod:`shardwise.models.meta`), an
     iterator of (parameter name, full tensor), the same on every rank: each rank allocates and
-    fills only what it holds (:mod:`.materialize`; explicit engine without pp; the other
-    layouts materialise the whole model first, then run as usual).
+    fills only what it holds (:mod:`.materialize`; the explicit engine; the torch engine
+    materialises the whole model first, then runs as usual).
     Raises :class:`ShardwiseConfigError` for a layout that cannot run (on every rank, before any
     collective), ``ValueError`` for an unknown engine or a meta model without ``weights``."""
     if engine not in ("explicit", "torch"):
@@ -73,7 +73,7 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     meta = is_meta(model)
     if meta and weights is None:
         raise ValueError("a model built on the meta device needs weights= (name, full tensor)")
-    if meta and (engine != "explicit" or layout.pp > 1):  # these transforms read the values
+    if meta and engine != "explicit":  # the torch engine's wrappers read the values
         materialize_local(model, weights, topo)
         meta = False
 
@@ -101,7 +101,8 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     # 2. pipeline stages; TP, DP/ZeRO-1 and the finishers are composed inside each stage
     if layout.pp > 1:
         return _pipeline(model, topo, layout, engine, layers_per_stage=layers_per_stage,
-                         seed=seed, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
+                         seed=seed, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype,
+                         weights=weights if meta else None)
     from .model import ParallelModel
 
     # 3. tensor parallelism on the whole model: the converted model's loss function
@@ -146,7 +147,8 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
 
 
 def _pipeline(model: nn.Module, topo, layout: Layout, engine: str, *, layers_per_stage=None,
-              seed: int = 0, bucket_mb: float = 25.0, reduce_dtype: str = "fp32"):
+              seed: int = 0, bucket_mb: float = 25.0, reduce_dtype: str = "fp32",
+              weights=None):
     """pp > 1: this rank's stage (:class:`~.pp.StageModule`, its v chunks; every pp rank's
     stages start as pp index 0's plain model), the same TP transform as pp = 1 on the stage, the
     stage's gradient sync over dp (whole gradients after the schedule: :class:`~.dp.
@@ -155,7 +157,10 @@ def _pipeline(model: nn.Module, topo, layout: Layout, engine: str, *, layers_per
     when the data axis has one rank), the finishers in the pipeline's order (DTensor TP: the
     gradients' placements; the tied swap; with SP the sum over tp on whole gradients; then the
     sync) and the runner of the schedule (explicit :class:`~.pp.runner.ScheduleRunner`, torch
-    :class:`~.pp.torch_runner.TorchScheduleRunner`). Options as :func:`parallelize`."""
+    :class:`~.pp.torch_runner.TorchScheduleRunner`). Options as :func:`parallelize`;
+    ``weights``: ``model`` is on the meta device (explicit engine): the stage is cut and TP
+    converted on it, then gets its values from ``weights`` before the sync (no copy from the
+    first stage: every rank reads the same weights)."""
     from .sync import NoSync
     from .model import ParallelModel, PlainLoss
     from .params import mark_duplicate
@@ -167,7 +172,8 @@ def _pipeline(model: nn.Module, topo, layout: Layout, engine: str, *, layers_per
     v = check_schedule(layout.schedule, p, layout.microbatches or p,
                        layout.virtual_stages or None)
     stage = StageModule(model, topo.index("pp"), p, v, layers_per_stage)
-    copy_stages_from_first(model, topo, v, layers_per_stage)  # before TP shards them
+    if weights is None:
+        copy_stages_from_first(model, topo, v, layers_per_stage)  # before TP shards them
     finishers, loss_context = [], None
     if tp > 1 and engine == "explicit":  # Megatron TP inside the stage, as for a whole model
         from .tp import VocabParallelLoss, apply_tp
@@ -182,6 +188,11 @@ def _pipeline(model: nn.Module, topo, layout: Layout, engine: str, *, layers_per
         finishers.append(lambda: match_grad_placements(stage))
     else:
         loss_fn = PlainLoss(stage)
+    if weights is not None:  # this rank's stage (tp shards) from the full tensors
+        from .materialize import materialize_local
+
+        materialize_local(stage, weights, topo, fqn=stage.fqn)
+        stage.replay_tied_draw()  # after the init's draws, where a whole build takes it
     if stage.tied_output is not None:
         mark_duplicate(stage.tied_output)  # reduced over dp like the others, counted once
     if topo.size(topo.data_axis) == 1:
@@ -200,7 +211,8 @@ def _pipeline(model: nn.Module, topo, layout: Layout, engine: str, *, layers_per
 
         sync = TorchStageZero1(sync)
     tied = TiedSwap(stage, topo)
-    tied.copy_initial()
+    if weights is None:  # from meta: the last stage's copy was filled from the same tensor
+        tied.copy_initial()
     finishers.append(tied)
     if tp > 1 and sp:
         if engine == "explicit":

@@ -74,14 +74,15 @@ def _init_buffers(module: nn.Module) -> None:
 
 @torch.no_grad()
 def materialize_local(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                      topo) -> None:
+                      topo, fqn=None) -> None:
     """Give each parameter of ``module`` (this rank's: tp/ep shards after those transforms) its
     storage on ``topo.device`` and the values of its part of the full tensors in ``weights``
     ((name, full tensor), names as the unsharded model's; names this rank does not hold are
-    skipped). Raises ``ValueError`` for a held parameter the stream never gave, or a full
-    tensor of the wrong shape (:func:`~.views.to_local`)."""
+    skipped; ``fqn``: the unsharded model's name of a parameter name of ``module``, a pipeline
+    stage's :meth:`~.pp.split.StageModule.fqn`). Raises ``ValueError`` for a held parameter the
+    stream never gave, or a full tensor of the wrong shape (:func:`~.views.to_local`)."""
     _swap_params(module, _Alloc(topo.device, hollow=False))
-    params = dict(module.named_parameters())
+    params = {(fqn or str)(n): p for n, p in module.named_parameters()}
     seen = set()
     for name, full in weights:
         p = params.get(name)

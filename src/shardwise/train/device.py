@@ -101,6 +101,24 @@ def attention_line(model_cfg, *, device: torch.device, dtype: str, micro_batch: 
             + (", block-diagonal document mask (--pack)" if packed else "") + ")")
 
 
+def host_peak_rss(topo) -> list[int]:
+    """Every rank's peak resident set size so far, in bytes, indexed by global rank (``getrusage
+    ru_maxrss``: the kernel's high-water mark of the process's resident pages; kB on Linux,
+    bytes on macOS; forked workers count the pages they share with the launcher, the import
+    floor). One int64 all_gather over the world, phase and tag ``init``. The training loop
+    calls it once the engine and optimizer exist: the start-up peak (docs/checkpointing.md)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak *= 1 if sys.platform == "darwin" else 1024
+    mine = torch.tensor([peak], dtype=torch.int64, device=topo.device)
+    out = torch.empty(topo.world_size, dtype=torch.int64, device=topo.device)
+    with topo.ledger.phase("init"):
+        comm.all_gather(out, mine, topo, "world", tag="init")
+    return [int(x) for x in out.tolist()]
+
+
 def device_memory_keys(engine, topo, cfg, model_cfg, n_params: int) -> dict:
     """The constant keys written next to each step's measured device memory (module
     docstring): ``mem_formula_bytes`` (rank 0's model-state formula; a single process: the

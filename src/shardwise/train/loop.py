@@ -40,7 +40,7 @@ from ..parallel.apply import Layout, parallelize
 from ..parallel.cp import plain_attention, shard_sequence
 from ..topology import Topology, init_distributed
 from . import faults
-from .device import device_lines, device_memory_keys, reset_peak
+from .device import device_lines, device_memory_keys, host_peak_rss, reset_peak
 from .metrics import MetricsLogger, plot_loss
 from .optim import build_optimizer, build_scheduler
 from .report import describe_groups
@@ -210,11 +210,12 @@ def setup(cfg: TrainConfig) -> Run:
     # the engine allocates only what this rank holds and fills it from `weights`, full tensors
     # one at a time (parallel/materialize.py): the replayed init (models/meta.py), the HF
     # folder's tensors, or the checkpoint's. DPO keeps the whole build (its frozen reference
-    # copies the initial policy).
+    # copies the initial policy), as SHARDWISE_WHOLE_BUILD=1 does (benchmarks/host_memory.py
+    # measures both).
     torch.manual_seed(cfg.seed)
     overrides = work.model_overrides(cfg)
     weights = None
-    if cfg.task == "dpo":
+    if cfg.task == "dpo" or os.environ.get("SHARDWISE_WHOLE_BUILD") == "1":  # (benchmarks)
         model = build_model(cfg.model, vocab_size=work.vocab_size, **overrides)
     else:
         model, plan = build_on_meta(cfg.model, vocab_size=work.vocab_size, **overrides)
@@ -261,6 +262,7 @@ def setup(cfg: TrainConfig) -> Run:
         log.info(f"  --compile: torch.compile on {compile_blocks(engine.module)} blocks")
     micro_batch, n_micro = cfg.microbatching()
     optimizer = build_optimizer(engine, cfg)
+    startup_rss = host_peak_rss(topo)  # every rank's start-up peak: model, engine, optimizer
     scheduler = build_scheduler(optimizer, cfg)
     sampler = work.sampler(cfg.global_batch, topo.size("dp"), topo.index("dp"), cfg.seed)
     from ..interop.hf import describe_source
@@ -297,6 +299,14 @@ def setup(cfg: TrainConfig) -> Run:
     gpu_mem = device_memory_keys(engine, topo, cfg, model_cfg, n_params)  # {} on CPU
     for line in device_lines(model_cfg, topo, cfg, engine.module):  # SDPA kernel, AdamW
         log.info(line)
+    mib = [b / 2**20 for b in startup_rss]
+    built = ("on the meta device, each rank filled only what it holds" if weights is not None
+             else "whole on every rank")
+    log.info(f"  host memory at start-up: peak RSS {min(mib):,.0f}–{max(mib):,.0f} MiB per rank "
+             f"(model built {built}; {out / 'host_memory.json'})")
+    if is_main:
+        (out / "host_memory.json").write_text(json.dumps(
+            {"peak_rss_bytes": startup_rss, "meta_build": weights is not None}) + "\n")
 
     if resume_from is not None and is_main:  # steps after the checkpoint are redone
         _truncate_metrics(out / "metrics.jsonl", _checkpoint_step(resume_from))

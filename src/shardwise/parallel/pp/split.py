@@ -206,8 +206,11 @@ class StageModule(nn.Module):
                 self.output = nn.Linear(plain.output.in_features, plain.output.out_features,
                                         bias=False, device=plain.output.weight.device,
                                         dtype=plain.output.weight.dtype)
-                with torch.no_grad():
-                    self.output.weight.copy_(plain.tok_embeddings.weight)
+                self._tied_shape = (plain.output.in_features, plain.output.out_features)
+                self._tied_dtype = plain.output.weight.dtype
+                if not plain.output.weight.is_meta:  # meta: values later (replay_tied_draw)
+                    with torch.no_grad():
+                        self.output.weight.copy_(plain.tok_embeddings.weight)
                 self._tied_copy = True
             else:
                 self.output = plain.output
@@ -227,6 +230,31 @@ class StageModule(nn.Module):
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipeline stage has no standalone forward: its chunks run inside "
                            "the schedule (engine.forward_backward / engine.loss_sum_and_count)")
+
+    def replay_tied_draw(self) -> None:
+        """Built from a meta model: take the draw from the global RNG that building the tied
+        copy's ``nn.Linear`` on a real device takes (its Kaiming init, then overwritten), so
+        the RNG continues as after a whole build. Call it right after the init's own draws."""
+        if self._tied_copy:
+            nn.Linear(*self._tied_shape, bias=False, dtype=self._tied_dtype)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute what the plain model computed rather than initialised, on the parameters'
+        device, after a build on the meta device (:mod:`..materialize`): each chunk's RoPE
+        tables, each MoE layer's statistics."""
+        device = next(self.parameters()).device
+        if self.is_llama:
+            from ...models.llama import rope_cache
+
+            cfg = self.config
+            cos, sin = rope_cache(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta,
+                                  cfg.rope_scaling)
+            for c in self.chunks:
+                c.rope_cos, c.rope_sin = cos.to(device), sin.to(device)
+        for m in self.modules():
+            if callable(getattr(m, "reset_stats", None)):
+                m.reset_stats()
 
     @property
     def tied_output(self) -> nn.Parameter | None:
