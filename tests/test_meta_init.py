@@ -102,11 +102,31 @@ def test_an_init_on_a_view_is_refused():
 
 # -- the engines: each rank allocates and fills only what it holds -----------------------------
 
+def write_hf_folder(folder, **overrides):
+    """A tiny Llama (vocab 67, 8 heads, 4 kv heads) as an HF folder: config.json and
+    model.safetensors, our names mapped to HF's (random weights of another seed than the
+    worker's init, so a load that did not happen shows)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from shardwise.interop.hf import llama_to_hf_config, ours_to_hf
+
+    torch.manual_seed(123)
+    model = build_model("tiny", vocab_size=67, **overrides)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(llama_to_hf_config(model.config)))
+    state = {k: v.contiguous() for k, v in ours_to_hf(
+        {n: p.detach() for n, p in model.named_parameters()}, model.config).items()}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     from conftest import ROOT, run_world
 
     out = tmp_path_factory.mktemp("meta_init")
+    write_hf_folder(out / "hf", n_heads=8, n_kv_heads=4)
     run_world(ROOT / "tests" / "workers" / "meta_init_cases.py", out)
     return out
 
@@ -152,3 +172,33 @@ def test_zero3_from_a_meta_model_holds_only_its_slices(world, case, whole_case, 
         got = torch.load(world / f"{case}_rank{rank}.pt", weights_only=False)["meta_bytes"]
         base = torch.load(world / f"{whole_case}_rank{rank}.pt", weights_only=False)["meta_bytes"]
         assert base / n <= got <= base / n + 3 * (n - 1) * 4, (rank, got, base)
+
+
+@pytest.mark.parametrize("name,kw", [("tiny", {}), ("tiny", {**FAMILIES["gpt2"], "n_kv_heads": 4}),
+                                     ("moe-tiny", dict(tie_embeddings=False))],
+                         ids=["llama", "gpt2", "mixtral"])
+def test_the_hf_stream_gives_what_the_whole_load_gives(tmp_path, name, kw):
+    """``hf_weight_stream`` (one HF tensor at a time; a Mixtral layer's experts together)
+    against ``load_hf_weights`` (the whole folder into a whole model): every parameter, bitwise
+    (GPT-2's fused c_attn split, Mixtral's experts stacked)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from shardwise.interop.hf import hf_weight_stream, llama_to_hf_config, load_hf_weights
+    from shardwise.interop.hf import mixtral_to_hf_config, ours_to_hf
+
+    torch.manual_seed(5)
+    src = build_model(name, vocab_size=67, **kw)
+    to_cfg = mixtral_to_hf_config if name.startswith("moe") else llama_to_hf_config
+    (tmp_path / "config.json").write_text(json.dumps(to_cfg(src.config)))
+    state = ours_to_hf({n: p.detach() for n, p in src.named_parameters()}, src.config)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+
+    whole = build_model(name, vocab_size=67, **kw)
+    load_hf_weights(whole, tmp_path)
+    meta, _ = build_on_meta(name, vocab_size=67, **kw)
+    got = dict(hf_weight_stream(meta, tmp_path))
+    for n, p in whole.named_parameters():
+        assert torch.equal(got[n], p), n
+        assert torch.equal(p, dict(src.named_parameters())[n]), n  # the round trip itself

@@ -1,7 +1,10 @@
 """Worker for tests/test_meta_init.py: one 4-rank world; for each layout, the engine built from a
 model on the meta device (``parallelize(..., weights=plan.stream())``: each rank allocates and
 fills only what it holds) against today's path (the model built whole, then parallelized).
-Each rank writes ``<out>/<case>_rank<r>.pt``: for both paths, the full parameters after
+Cases named ``hf_*`` start from an HF folder (argument 2, default ``<out>/hf``, written by the
+test): the meta path
+streams it (``hf_weight_stream``), today's path loads it whole (``load_hf_weights``). Each rank
+writes ``<out>/<case>_rank<r>.pt``: for both paths, the full parameters after
 parallelize, and after two AdamW steps the losses, grad norms and full parameters; and, for
 the meta path, the bytes this rank's engine holds in parameter storage."""
 
@@ -11,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.config import TrainConfig
+from shardwise.interop.hf import hf_weight_stream, load_hf_weights
 from shardwise.models import build_model
 from shardwise.models.meta import build_on_meta
 from shardwise.parallel.apply import Layout, parallelize
@@ -41,6 +45,10 @@ CASES = [
     ("pp2_v2_dp2_deep", "tiny", dict(pp=2, dp=2, schedule="interleaved-1f1b", virtual_stages=2),
      "explicit"),
     ("dp4_z3_torch", "tiny", dict(dp=4, zero=3), "torch"),
+    # from an HF folder (argv[2], written by the test): hf_weight_stream vs load_hf_weights
+    ("hf_dp4_z3", "tiny", dict(dp=4, zero=3), "explicit"),
+    ("hf_dp2_tp2", "tiny", dict(dp=2, tp=2), "explicit"),
+    ("hf_pp2_dp2", "tiny", dict(pp=2, dp=2), "explicit"),
 ]
 MODEL = {"tiny": dict(n_heads=8, n_kv_heads=4), "moe-tiny": {}}  # tp = 4 divides the heads
 CFG = TrainConfig(model="tiny", lr=3e-3, weight_decay=0.1)
@@ -65,7 +73,7 @@ def _model_kw(case, model_name):
     return {**MODEL[model_name], **(dict(n_layers=4) if case.endswith("_deep") else {})}
 
 
-def run(case, model_name, kw, engine_name, work, out, rank):
+def run(case, model_name, kw, engine_name, work, out, rank, hf=None):
     layout = Layout(**kw)
     topo = Topology(kw.get("pp", 1), kw.get("dp", 1), kw.get("tp", 1), cp=kw.get("cp", 1),
                     ep=kw.get("ep", 1), dp_replicate=kw.get("dp_replicate", 1), timeout_s=60)
@@ -74,11 +82,17 @@ def run(case, model_name, kw, engine_name, work, out, rank):
         torch.manual_seed(0)
         if path == "whole":
             model = build_model(model_name, vocab_size=67, **_model_kw(case, model_name))
+            if case.startswith("hf_"):
+                load_hf_weights(model, hf)
             engine = parallelize(model, topo, layout, engine=engine_name)
         else:
             model, plan = build_on_meta(model_name, vocab_size=67, **_model_kw(case, model_name))
-            engine = parallelize(model, topo, layout, engine=engine_name,
-                                 weights=plan.stream())
+            weights = plan.stream()
+            if case.startswith("hf_"):  # as train does: the init's draws, then the folder's
+                for _ in weights:
+                    pass
+                weights = hf_weight_stream(model, hf)
+            engine = parallelize(model, topo, layout, engine=engine_name, weights=weights)
             rec["meta_bytes"] = engine_bytes(engine)
         r = {"rng": torch.random.get_rng_state(),
              "init": {n: p.detach().clone() for n, p in engine.named_full_parameters().items()}}
@@ -99,13 +113,14 @@ def main(out):
     init_distributed("cpu", timeout_s=60)
     rank = dist.get_rank()
     work = SyntheticLMWorkload(vocab_size=67, seq_len=16, num_train=64, num_val=4, seed=0)
-    only = sys.argv[2:]  # case names (all when none)
+    hf = sys.argv[2] if len(sys.argv) > 2 else f"{out}/hf"  # the HF folder (the test's)
+    only = sys.argv[3:]  # case names (all when none)
     for case, model_name, kw, engine_name in CASES:
         if not only or case in only:
-            run(case, model_name, kw, engine_name, work, out, rank)
+            run(case, model_name, kw, engine_name, work, out, rank, hf)
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1])  # argv: OUT [HF_FOLDER [CASE ...]]

@@ -127,17 +127,17 @@ def model_for(cfg):
     return MoELlama(cfg) if _is_moe(cfg) else Llama(cfg)
 
 
-_LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")  # the block index in an HF name
 
 
 def hf_weight_stream(model, folder: str | os.PathLike):
-    """(our parameter name, full fp32 tensor) for every tensor of the HF folder, one layer at a
-    time (each layer's tensors, then the rest: embeddings, final norm, head), through the same
-    renaming as :func:`load_hf_weights` (GPT-2's fused ``c_attn`` split, Mixtral's experts
-    stacked): for a model built on the meta device, whose engine keeps only its part of each
+    """(our parameter name, full fp32 tensor) for every tensor of the HF folder, one HF tensor
+    at a time (a Mixtral layer's per-expert tensors together: they are stacked into one),
+    through the same renaming as :func:`load_hf_weights` (GPT-2's fused ``c_attn`` split into
+    views): for a model built on the meta device, whose engine keeps only its part of each
     (``parallelize(..., weights=)``). ``.safetensors`` files are read tensor by tensor
-    (``safe_open``); a ``pytorch_model.bin`` is loaded whole. The checks of
-    :func:`load_hf_weights` run first (ShardwiseConfigError)."""
+    (``safe_open``, the file mapped only while one tensor is read); a ``pytorch_model.bin`` is
+    loaded whole. The checks of :func:`load_hf_weights` run first (ShardwiseConfigError)."""
     cfg = _check_kind(model, folder)
     groups: dict[str, list[tuple[Path, str]]] = {}
     for f in weight_files(folder):
@@ -149,8 +149,9 @@ def hf_weight_stream(model, folder: str | os.PathLike):
         with safe_open(str(f), "pt") as handle:
             for k in handle.keys():
                 m = _LAYER.search(k)
-                groups.setdefault(m.group(1) if m else "rest", []).append((f, k))
-    for key in sorted(groups, key=lambda g: (g == "rest", int(g) if g != "rest" else 0)):
+                key = f"experts of layer {m.group(1)}" if m and ".experts." in k else k
+                groups.setdefault(key, []).append((f, k))
+    for key in groups:
         part = {}
         for f, k in groups[key]:
             with safe_open(str(f), "pt") as handle:

@@ -52,11 +52,13 @@ def full_shape(p) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def to_local(full: torch.Tensor, p: nn.Parameter, topo) -> torch.Tensor:
+def to_local(full: torch.Tensor, p: nn.Parameter, topo, copy: bool = True) -> torch.Tensor:
     """The inverse of :func:`to_full`: this rank's part of a full-shape tensor shaped like
     parameter ``p`` (its tp shard, zero padding where ``p`` is padded; a DTensor cut like ``p``
     with ``distribute_tensor(..., src_data_rank=None)``, local slicing), on ``p``'s device and
-    dtype. No collective. Raises ``ValueError`` when ``full`` is not ``p``'s full shape."""
+    dtype. No collective. ``copy=False``: a view of ``full`` where no padding or conversion is
+    needed (for a caller that copies it at once: one full tensor less at its peak). Raises
+    ``ValueError`` when ``full`` is not ``p``'s full shape."""
     if tuple(full.shape) != full_shape(p):
         raise ValueError(f"a tensor of shape {tuple(full.shape)} for a parameter of full shape "
                          f"{full_shape(p)}: saved from another model?")
@@ -66,12 +68,17 @@ def to_local(full: torch.Tensor, p: nn.Parameter, topo) -> torch.Tensor:
 
         return distribute_tensor(full.clone(), p.device_mesh, p.placements, src_data_rank=None)
     pl = placement(p)
+    keep = (lambda t: t.clone()) if copy else (lambda t: t)
     if pl.ep_full is not None:  # this ep rank's experts (never tp-split)
         per = pl.ep_full // topo.size("ep")
-        return full.narrow(0, topo.index("ep") * per, per).clone()
+        return keep(full.narrow(0, topo.index("ep") * per, per))
     if pl.tp_dim is None:
-        return full.clone()
-    return shard_of(full, pl.tp_dim, topo, padded=p.shape[pl.tp_dim] * topo.size("tp"))
+        return keep(full)
+    padded = p.shape[pl.tp_dim] * topo.size("tp")
+    if not copy and padded == full.shape[pl.tp_dim]:  # no padding: a view of the chunk
+        k = padded // topo.size("tp")
+        return full.narrow(pl.tp_dim, topo.index("tp") * k, k)
+    return shard_of(full, pl.tp_dim, topo, padded=padded)
 
 
 def to_full(pairs: list[tuple[torch.Tensor, nn.Parameter]], topo,

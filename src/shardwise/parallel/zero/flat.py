@@ -63,8 +63,10 @@ class FlatShards:
     ``n`` and the rank index i are those of ``axis``. ``replicate_axis`` (HSDP: "dp_replicate"):
     after the reduce-scatter, the summed slice is all-reduced over it (tag ``grad_replicate``,
     in the reduce dtype), the replicas holding the same slices. ``deferred``: the parameters
-    hold no values yet (:func:`..materialize.hollow`): nothing is copied, ``full`` starts at
-    zero and the owner fills it (:meth:`.zero.ZeroSync.fill`)."""
+    hold no values yet (:func:`..materialize.hollow`): nothing is copied, the buffers start at
+    zero and the owner fills them (:meth:`.zero.ZeroSync.fill`); ZeRO-3's only: over more than
+    one rank ``shard`` is its own [k] buffer at once and ``full``'s storage is freed (ZeRO-3
+    regathers it before use), so building the units holds one unit's buffer at a time."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], topo, *, keep_full_grad: bool,
                  reduce_dtype: torch.dtype | None = None, name: str = "",
@@ -86,12 +88,19 @@ class FlatShards:
         self.reduce_dtype = reduce_dtype or self.dtype
         self._reduce = None  # (handle, input kept alive, output) of an in-flight reduce_scatter
         with torch.no_grad():
-            self.full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)  # pad 0
+            # pad 0; deferred ZeRO-3 (below) never reads it: left untouched, its pages are never
+            # resident (a zeroed one would stay in the allocator's heap after it is freed)
+            new = torch.empty if deferred and self.n > 1 else torch.zeros
+            self.full = new(self.padded, dtype=self.dtype, device=self.device)
             for p, view in self.views(self.full):
                 if not deferred:  # deferred: the parameters hold no values yet (fill later)
                     view.copy_(p.detach())
                 p.data = view  # same Parameter object; storage = `full`
         self.shard = self.full[self.lo:self.hi]  # [k] view: the optimizer updates it in place
+        if deferred and self.n > 1:  # (ZeRO-3 only) its own slice at once,
+            # the unit's buffer given back before the next unit's (one unit's bytes at a time)
+            self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+            self.full.untyped_storage().resize_(0)
         self.grad_full = None
         if keep_full_grad:
             self.grad_full = torch.zeros_like(self.full)  # [P_u]

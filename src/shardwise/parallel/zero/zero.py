@@ -82,9 +82,9 @@ class ZeroSync(Sync):
     (default :func:`.units.default_unit_names`); the rest is the root unit. ``overlap``: launch
     each unit's reduce_scatter from the backward hooks (True) or all after backward (False).
     ``reduce_dtype``: "fp32" | "bf16" (:func:`..params.reduce_torch_dtype`). ``prefetch`` /
-    ``reshard_after_forward``: ZeRO-3 only. ``deferred``: the parameters hold no values yet
-    (a model built on the meta device, :mod:`..materialize`): no copy, no broadcast; call
-    :meth:`fill` with the weights, the same on every rank.
+    ``reshard_after_forward``: ZeRO-3 only. ``deferred`` (ZeRO-3 only, else ValueError): the
+    parameters hold no values yet (a model built on the meta device, :mod:`..materialize`): no
+    copy, no broadcast; call :meth:`fill` with the weights, the same on every rank.
 
     Inside dp × tp the module holds this tp rank's shards; only their placements
     (:func:`..params.tp_sharded`) are read here: the norm's counting, the SP sum. With expert
@@ -102,6 +102,9 @@ class ZeroSync(Sync):
                  prefetch: bool = True, reshard_after_forward: bool = True, overlap: bool = True,
                  reduce_dtype: str = "fp32", deferred: bool = False):
         validate_zero(stage, topo.size(topo.shard_axis))
+        if deferred and stage != 3:
+            raise ValueError("deferred=True is ZeRO-3's (ZeRO-1/2 keep whole parameters: give "
+                             "them their values before the sync, materialize_local)")
         rdtype = reduce_torch_dtype(reduce_dtype)
         named_units = assign_units(module, units)  # all checks done before the first collective
         super().__init__(module, topo)
@@ -155,7 +158,7 @@ class ZeroSync(Sync):
             if name not in where:
                 continue
             u, j = where[name]
-            flat = to_local(full, u.params[j], self.topo).reshape(-1)
+            flat = to_local(full, u.params[j], self.topo, copy=False).reshape(-1)
             off, k = u.offsets[j], u.numels[j]
             if self.keeps_full_params or u.n == 1:
                 u.full[off: off + k].copy_(flat)

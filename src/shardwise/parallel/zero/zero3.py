@@ -92,7 +92,8 @@ class Zero3Sync(ZeroSync):
         for u in self.units:
             if u.n == 1:  # owned whole (expert shards, ep = dp·cp): `shard` stays `full`
                 continue
-            u.shard = u.full[u.lo:u.hi].clone()  # [k]: the only persistent copy of these weights
+            if not self.deferred:  # (deferred: FlatShards made its own slice and freed `full`)
+                u.shard = u.full[u.lo:u.hi].clone()  # [k]: the only persistent copy
             self._free(u)
         # on the first step, check the order is the same on every rank before each gather
         self._order = UnitOrderCheck(topo, [u.name for u in self.blocks],

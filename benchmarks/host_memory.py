@@ -1,0 +1,208 @@
+"""Host memory at start-up from a Hugging Face folder: each rank's peak RSS (issue 39).
+
+Writes an HF folder of a preset (random weights: the preset's own init, fp32 safetensors, one
+file per 2 GB, ``config.json`` from :func:`shardwise.interop.hf.llama_to_hf_config`), then for
+each layout starts a 4-rank world (``python -m shardwise.launch``, forked gloo workers, as
+``shardwise train`` starts them) that does what ``shardwise train --init-from-hf DIR`` does
+before its first step, and records each rank's peak RSS (``getrusage ru_maxrss``) once the
+engine exists:
+
+* ``meta`` (today's train): the model built on the meta device, the init's RNG draws replayed,
+  ``parallelize(..., weights=hf_weight_stream(...))``: each rank fills only what it holds;
+* ``whole`` (the build before issue 39): the model built whole on every rank,
+  ``load_hf_weights``, then ``parallelize``. Skipped where it would not fit this machine
+  (estimated 5 × 4Ψ per rank, the measured ratio of the issue's 75 M-parameter run).
+
+The formula it is held to, per rank: 4Ψ_rank (what the layout leaves on the rank, counted
+exactly from the built engine: the parameters, Ψ/N for dp = N ZeRO-3, tp = N and pp = N up to
+the replicated norms and the uneven stage split; and ZeRO-3's gradient slices, another Ψ/N,
+which it allocates up front) + the largest single tensor (4 bytes each)
++ the import floor (the same world's peak with the ``tiny`` preset, which holds ~0 bytes of
+model). Exit 1 when a rank of a ``meta`` run exceeds 1.2 × it.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/host_memory.py [--preset llama-1b]
+        [--layouts dp=4,zero=3 tp=4 pp=4] [--set d_model=768 n_layers=8] [--dir DIR]
+        [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_hf_folder(preset: str, out: Path, vocab: int, **overrides) -> tuple[int, int]:
+    """The preset as an HF folder (skipped when ``out`` has it); returns (Ψ, largest tensor's
+    elements)."""
+    from safetensors.torch import save_file
+
+    from shardwise.interop.hf import llama_to_hf_config, ours_to_hf
+    from shardwise.models.meta import build_on_meta
+
+    torch.manual_seed(0)
+    model, plan = build_on_meta(preset, vocab_size=vocab, **overrides)
+    shapes = [p.numel() for p in model.parameters()]
+    if (out / "config.json").is_file():
+        return sum(shapes), max(shapes)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_cfg = llama_to_hf_config(model.config)
+    (out / "config.json").write_text(json.dumps(hf_cfg, indent=1))
+    files, part, size, index = 0, {}, 0, {}
+
+    def flush():
+        nonlocal files, part, size
+        if part:
+            name = f"model-{files:05d}.safetensors"
+            save_file(part, str(out / name), metadata={"format": "pt"})
+            index.update({k: name for k in part})
+            files, part, size = files + 1, {}, 0
+
+    for name, full in plan.stream():  # one tensor at a time, renamed as HF names it
+        for k, t in ours_to_hf({name: full}, model.config).items():
+            part[k] = t.contiguous()
+            size += t.numel() * 4
+        if size > 2 * 2**30:
+            flush()
+    flush()
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": sum(shapes) * 4}, "weight_map": index}, indent=1))
+    return sum(shapes), max(shapes)
+
+
+def worker(folder: str, layout: str, mode: str, out: str) -> None:
+    """One rank: train's start-up from the HF folder, then the peak RSS of every rank."""
+    import resource
+
+    import torch.distributed as dist
+
+    from shardwise.interop.hf import hf_model_overrides, hf_weight_stream, load_hf_weights
+    from shardwise.models import build_model
+    from shardwise.models.meta import build_on_meta
+    from shardwise.parallel.apply import Layout, parallelize
+    from shardwise.topology import Topology, init_distributed
+
+    init_distributed("cpu", timeout_s=1800)
+    kw = dict(x.split("=") for x in layout.split(",")) if layout else {}
+    kw = {k: int(v) for k, v in kw.items()}
+    topo = Topology(kw.get("pp", 1), kw.get("dp", 1), kw.get("tp", 1), timeout_s=1800)
+    overrides = hf_model_overrides(folder)
+    preset = Path(folder).name.split("@")[0]  # the folder is named after its preset
+    vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
+    overrides.pop("vocab_size", None)
+    torch.manual_seed(0)
+    if mode == "meta":
+        model, plan = build_on_meta(preset, vocab_size=vocab, **overrides)
+        for _ in plan.stream():  # the init's draws, as train replays them
+            pass
+        engine = parallelize(model, topo, Layout(**kw), weights=hf_weight_stream(model, folder))
+    else:
+        model = build_model(preset, vocab_size=vocab, **overrides)
+        load_hf_weights(model, folder)
+        engine = parallelize(model, topo, Layout(**kw))
+    held = _held_elements(engine)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rec = torch.tensor([peak, held], dtype=torch.int64)
+    allr = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(allr, rec)
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps({"peak_rss_bytes": [int(r[0]) for r in allr],
+                                         "held_elements": [int(r[1]) for r in allr]}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _held_elements(engine) -> int:
+    """fp32 elements of the storage a rank's engine holds for the model state at start-up: its
+    parameters, or a ZeRO sync's parameter slices and the gradient slices it allocates up
+    front (each storage once; a freed unit buffer holds none)."""
+    seen, total = set(), 0
+    tensors = list(engine.module.parameters())
+    for u in getattr(engine.parts[0], "units", ()):
+        tensors += [u.full, u.shard, u.shard_grad]
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.nbytes() and s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            total += s.nbytes() // 4
+    return total
+
+
+def run_world(folder: Path, layout: str, mode: str) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "rec.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        p = subprocess.run([sys.executable, "-m", "shardwise.launch", "--nproc", "4", __file__,
+                            "--worker", str(folder), layout, mode, str(out)], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if p.returncode != 0:
+            raise SystemExit(f"{layout} {mode}: the world failed:\n{p.stdout[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="llama-1b")
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--layouts", nargs="+", default=["dp=4,zero=3", "tp=4", "pp=4"])
+    ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=INT",
+                    help="override preset fields, e.g. d_model=768 n_layers=8")
+    ap.add_argument("--dir", default=None, help="where the HF folders go (kept for reruns)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    base = Path(a.dir or tempfile.gettempdir()) / "shardwise-host-memory"
+    sets = {k: int(v) for k, v in (x.split("=") for x in a.set)}
+    name = a.preset + ("@" + "_".join(f"{k}{v}" for k, v in sets.items()) if sets else "")
+    psi, largest = write_hf_folder(a.preset, base / name, a.vocab, **sets)
+    # the floor: a model of ~0 bytes that every layout accepts (4 layers for pp = 4, 4 kv heads
+    # for tp = 4)
+    write_hf_folder("tiny", base / "tiny", 256, n_layers=4, n_heads=8, n_kv_heads=4)
+    avail = _mem_available()
+    rows, ok = [], True
+    for layout in a.layouts:
+        floor = max(run_world(base / "tiny", layout, "meta")["peak_rss_bytes"])
+        meta = run_world(base / name, layout, "meta")
+        need = 5 * 4 * psi * 4  # the whole build on 4 ranks, by the issue's measured ratio
+        whole = run_world(base / name, layout, "whole") if need < 0.8 * avail else None
+        for r, (peak, held) in enumerate(zip(meta["peak_rss_bytes"], meta["held_elements"])):
+            formula = 4 * held + 4 * largest + floor
+            ok &= peak <= 1.2 * formula
+            rows.append(dict(layout=layout, rank=r, peak=peak, held_bytes=4 * held,
+                             formula=formula, ratio=peak / formula,
+                             whole=whole["peak_rss_bytes"][r] if whole else None))
+    print(f"{name}: Ψ = {psi:,} parameters ({4 * psi / 2**30:.2f} GiB fp32), largest "
+          f"tensor {4 * largest / 2**20:.0f} MiB; import floor measured per layout (tiny)\n")
+    print("| layout | rank | peak RSS (MiB) | held params (MiB) | formula (MiB) | peak/formula "
+          "| whole build (MiB) |")
+    print("|---|---|---|---|---|---|---|")
+    for x in rows:
+        w = f"{x['whole'] / 2**20:,.0f}" if x["whole"] else "not run (would not fit)"
+        print(f"| {x['layout']} | {x['rank']} | {x['peak'] / 2**20:,.0f} | "
+              f"{x['held_bytes'] / 2**20:,.0f} | {x['formula'] / 2**20:,.0f} | "
+              f"{x['ratio']:.2f} | {w} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"preset": a.preset, "psi": psi, "rows": rows},
+                                           indent=1))
+    return 0 if ok else 1
+
+
+def _mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(*sys.argv[2:6])
+    else:
+        sys.exit(main())
