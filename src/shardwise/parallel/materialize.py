@@ -88,7 +88,7 @@ def materialize_local(module: nn.Module, weights: Iterable[tuple[str, torch.Tens
         p = params.get(name)
         if p is None:
             continue
-        p.copy_(to_local(full, p, topo))
+        p.copy_(to_local(full, p, topo, copy=False))
         seen.add(name)
     missing = sorted(set(params) - seen)
     if missing:
