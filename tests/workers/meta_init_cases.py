@@ -45,6 +45,9 @@ CASES = [
     ("pp2_v2_dp2_deep", "tiny", dict(pp=2, dp=2, schedule="interleaved-1f1b", virtual_stages=2),
      "explicit"),
     ("dp4_z3_torch", "tiny", dict(dp=4, zero=3), "torch"),
+    ("dp4_z2_torch", "tiny", dict(dp=4, zero=2), "torch"),
+    ("hsdp2x2_z1_torch", "tiny", dict(dp=4, zero=1, dp_replicate=2), "torch"),
+    ("dp4_z0_torch", "tiny", dict(dp=4), "torch"),
     # from an HF folder (argv[2], written by the test): hf_weight_stream vs load_hf_weights
     ("hf_dp4_z3", "tiny", dict(dp=4, zero=3), "explicit"),
     ("hf_dp2_tp2", "tiny", dict(dp=2, tp=2), "explicit"),

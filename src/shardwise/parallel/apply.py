@@ -58,8 +58,8 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     ``reduce_dtype``: "fp32" | "bf16", the dtype gradients are reduced in over dp.
     ``weights``: for a ``model`` built on the meta device (:mod:`shardwise.models.meta`), an
     iterator of (parameter name, full tensor), the same on every rank: each rank allocates and
-    fills only what it holds (:mod:`.materialize`; the explicit engine; the torch engine
-    materialises the whole model first, then runs as usual).
+    fills only what it holds (:mod:`.materialize`; the explicit engine, and the torch engine's
+    FSDP2; its other wrappers get the whole model first, then run as usual).
     Raises :class:`ShardwiseConfigError` for a layout that cannot run (on every rank, before any
     collective), ``ValueError`` for an unknown engine or a meta model without ``weights``."""
     if engine not in ("explicit", "torch"):
@@ -73,13 +73,23 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     meta = is_meta(model)
     if meta and weights is None:
         raise ValueError("a model built on the meta device needs weights= (name, full tensor)")
-    if meta and engine != "explicit":  # the torch engine's wrappers read the values
+    # the torch engine's FSDP2 alone (ZeRO-2/3, HSDP) shards a meta model itself; DDP,
+    # ZeroRedundancyOptimizer, DTensor TP and torch's pipelining read the values
+    fsdp2_meta = (meta and engine == "torch" and layout.pp == layout.tp == layout.cp == 1
+                  and (layout.zero >= 2 or (layout.zero == 1 and layout.dp_replicate > 1)))
+    if meta and engine != "explicit" and not fsdp2_meta:
         materialize_local(model, weights, topo)
         meta = False
 
     def sync_over_dp(m, **kw):  # step 4; a meta model gets its values here, the shards only
         if not meta:
             return dp_sync(m, topo, layout, engine, **kw)
+        if fsdp2_meta:  # FSDP2 shards the meta model; to_empty allocates its shards only
+            from .materialize import fill_dtensors
+
+            s = dp_sync(m, topo, layout, engine, **kw)
+            fill_dtensors(m, weights, topo)
+            return s
         if layout.zero == 3:  # flat buffers over storage-less parameters, then the slices
             hollow(m, topo)
             s = dp_sync(m, topo, layout, engine, deferred=True, **kw)

@@ -10,7 +10,9 @@ the meta model; then either
   parameters per rank: DP, ZeRO-1/2, TP alone), or
 * :func:`hollow` gives them real tensors whose storage is already freed, the ZeRO-3 sync
   builds its flat buffers over them one unit at a time without copying values, and
-  :meth:`~.zero.ZeroSync.fill` writes each rank's flat slice from the stream.
+  :meth:`~.zero.ZeroSync.fill` writes each rank's flat slice from the stream; or
+* (torch engine) FSDP2 wraps the meta model and :func:`fill_dtensors` allocates its DTensor
+  shards (``to_empty``) and writes each local slice.
 
 Each full tensor is dropped after use, so the peak of a rank is what it keeps plus one full
 tensor (docs/checkpointing.md, start-up memory).
@@ -103,4 +105,26 @@ def hollow(module: nn.Module, topo) -> None:
     buffers take them over without reading them (``deferred``), and :meth:`fill` writes the
     values. Its buffers are computed on the device."""
     _swap_params(module, _Alloc(topo.device, hollow=True))
+    _init_buffers(module)
+
+
+@torch.no_grad()
+def fill_dtensors(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], topo) -> None:
+    """A module FSDP2 wrapped on the meta device: ``to_empty`` on ``topo.device`` (FSDP2
+    allocates each DTensor parameter's local shard only), then each parameter's local shard
+    from its full tensor (``distribute_tensor(..., src_data_rank=None)``: local slicing, no
+    collective). Raises ``ValueError`` for a parameter the stream never gave."""
+    module.to_empty(device=topo.device)
+    params = dict(module.named_parameters())
+    seen = set()
+    for name, full in weights:
+        p = params.get(name)
+        if p is None:
+            continue
+        p.to_local().copy_(to_local(full, p, topo).to_local())
+        seen.add(name)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise ValueError(f"no weights for {', '.join(missing[:5])}"
+                         f"{' …' if len(missing) > 5 else ''}")
     _init_buffers(module)
