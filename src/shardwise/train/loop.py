@@ -300,8 +300,7 @@ def setup(cfg: TrainConfig) -> Run:
     for line in device_lines(model_cfg, topo, cfg, engine.module):  # SDPA kernel, AdamW
         log.info(line)
     mib = [b / 2**20 for b in startup_rss]
-    built = ("on the meta device, each rank filled only what it holds" if weights is not None
-             else "whole on every rank")
+    built = "on the meta device" if weights is not None else "whole on every rank"
     log.info(f"  host memory at start-up: peak RSS {min(mib):,.0f}–{max(mib):,.0f} MiB per rank "
              f"(model built {built}; {out / 'host_memory.json'})")
     if is_main:
