@@ -127,7 +127,8 @@ def _held_elements(engine) -> int:
     seen, total = set(), 0
     tensors = list(engine.module.parameters())
     for u in getattr(engine.parts[0], "units", ()):
-        tensors += [u.full, u.shard, u.shard_grad]
+        if hasattr(u, "shard"):  # the explicit ZeRO's flat buffers (FSDP2's units are modules)
+            tensors += [u.full, u.shard, u.shard_grad]
     for t in tensors:
         s = t.untyped_storage()
         if s.nbytes() and s.data_ptr() not in seen:

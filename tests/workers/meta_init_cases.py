@@ -25,7 +25,8 @@ from shardwise.train.workload import SyntheticLMWorkload
 
 GLOBAL_BATCH, MICRO_BATCH, STEPS = 8, 2, 2
 # (case name, model, layout kwargs, engine): every family the explicit engine builds from the
-# meta model itself, and the torch engine's (the whole model materialised first). A case
+# meta model itself; the torch engine's FSDP2 and DTensor TP do too, its DDP (dp4_z0_torch)
+# and ZeroRedundancyOptimizer get the whole model first. A case
 # ending in "_deep" has 4 layers (an interleaved pipeline needs one per chunk).
 CASES = [
     ("dp4", "tiny", dict(dp=4), "explicit"),
@@ -48,6 +49,10 @@ CASES = [
     ("dp4_z2_torch", "tiny", dict(dp=4, zero=2), "torch"),
     ("hsdp2x2_z1_torch", "tiny", dict(dp=4, zero=1, dp_replicate=2), "torch"),
     ("dp4_z0_torch", "tiny", dict(dp=4), "torch"),
+    ("tp4_torch", "tiny", dict(tp=4), "torch"),
+    ("dp2_tp2_sp_z3_torch", "tiny", dict(dp=2, tp=2, sp=True, zero=3), "torch"),
+    ("dp2_tp2_z0_torch", "tiny", dict(dp=2, tp=2), "torch"),
+    ("moe_dp4_z3_torch", "moe-tiny", dict(dp=4, zero=3), "torch"),
     # from an HF folder (argv[2], written by the test): hf_weight_stream vs load_hf_weights
     ("hf_dp4_z3", "tiny", dict(dp=4, zero=3), "explicit"),
     ("hf_dp2_tp2", "tiny", dict(dp=2, tp=2), "explicit"),
@@ -63,7 +68,8 @@ def engine_bytes(engine) -> int:
     seen, total = set(), 0
     tensors = [p.to_local() if hasattr(p, "to_local") else p for p in engine.module.parameters()]
     for u in getattr(engine.parts[0], "units", ()):
-        tensors += [u.full, u.shard]
+        if hasattr(u, "shard"):  # the explicit ZeRO's flat buffers (FSDP2's units are modules)
+            tensors += [u.full, u.shard]
     for t in tensors:
         s = t.untyped_storage()
         if s.data_ptr() not in seen:

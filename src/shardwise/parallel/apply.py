@@ -59,7 +59,8 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     ``weights``: for a ``model`` built on the meta device (:mod:`shardwise.models.meta`), an
     iterator of (parameter name, full tensor), the same on every rank: each rank allocates and
     fills only what it holds (:mod:`.materialize`; the explicit engine, and the torch engine's
-    FSDP2; its other wrappers get the whole model first, then run as usual).
+    DTensor TP and FSDP2; DDP, ZeroRedundancyOptimizer and torch's pipelining get the whole
+    model first, then run as usual).
     Raises :class:`ShardwiseConfigError` for a layout that cannot run (on every rank, before any
     collective), ``ValueError`` for an unknown engine or a meta model without ``weights``."""
     if engine not in ("explicit", "torch"):
@@ -73,10 +74,11 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     meta = is_meta(model)
     if meta and weights is None:
         raise ValueError("a model built on the meta device needs weights= (name, full tensor)")
-    # the torch engine's FSDP2 alone (ZeRO-2/3, HSDP) shards a meta model itself; DDP,
-    # ZeroRedundancyOptimizer, DTensor TP and torch's pipelining read the values
-    fsdp2_meta = (meta and engine == "torch" and layout.pp == layout.tp == layout.cp == 1
-                  and (layout.zero >= 2 or (layout.zero == 1 and layout.dp_replicate > 1)))
+    # the torch engine's DTensor TP and FSDP2 (ZeRO-2/3, HSDP) convert a meta model themselves;
+    # DDP, ZeroRedundancyOptimizer and torch's pipelining read the values
+    fsdp2_meta = (meta and engine == "torch" and layout.pp == layout.cp == 1
+                  and (layout.tp > 1 or layout.zero >= 2
+                       or (layout.zero == 1 and layout.dp_replicate > 1)))
     if meta and engine != "explicit" and not fsdp2_meta:
         materialize_local(model, weights, topo)
         meta = False
@@ -84,7 +86,7 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     def sync_over_dp(m, **kw):  # step 4; a meta model gets its values here, the shards only
         if not meta:
             return dp_sync(m, topo, layout, engine, **kw)
-        if fsdp2_meta:  # FSDP2 shards the meta model; to_empty allocates its shards only
+        if fsdp2_meta:  # FSDP2 shards the meta model; its shards only are allocated
             from .materialize import fill_dtensors
 
             s = dp_sync(m, topo, layout, engine, **kw)
@@ -128,8 +130,8 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     else:
         from .tp import TorchTPTraffic, parallelize_tensor_dtensor
 
-        if layout.dp > 1:  # FSDP2 shards what it is given: the dp replicas must start equal
-            with topo.ledger.phase("init"), torch.no_grad():
+        if layout.dp > 1 and not meta:  # FSDP2 shards what it is given: the dp replicas
+            with topo.ledger.phase("init"), torch.no_grad():  # must start equal
                 for p in model.parameters():
                     comm.broadcast(p.data, topo, "dp", src=0, tag="init")
         loss_fn, traffic = parallelize_tensor_dtensor(model, topo, sp=layout.sp), TorchTPTraffic
@@ -137,7 +139,11 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     if layout.dp * layout.cp == 1:
         from .sync import NoSync
 
-        if meta:
+        if meta and engine == "torch":  # DTensor TP on the meta model: its shards only
+            from .materialize import fill_dtensors
+
+            fill_dtensors(model, weights, topo)
+        elif meta:
             materialize_local(model, weights, topo)
         sync = NoSync(model, topo)
     else:

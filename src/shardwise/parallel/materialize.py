@@ -11,8 +11,8 @@ the meta model; then either
 * :func:`hollow` gives them real tensors whose storage is already freed, the ZeRO-3 sync
   builds its flat buffers over them one unit at a time without copying values, and
   :meth:`~.zero.ZeroSync.fill` writes each rank's flat slice from the stream; or
-* (torch engine) FSDP2 wraps the meta model and :func:`fill_dtensors` allocates its DTensor
-  shards (``to_empty``) and writes each local slice.
+* (torch engine) DTensor TP and FSDP2 convert the meta model and :func:`fill_dtensors`
+  allocates their shards and writes each local slice.
 
 Each full tensor is dropped after use, so the peak of a rank is what it keeps plus one full
 tensor (docs/checkpointing.md, start-up memory).
@@ -67,6 +67,14 @@ class _Alloc:
         return t
 
 
+class _EmptyLike:
+    def __init__(self, device):
+        self.device = torch.device(device)
+
+    def __call__(self, p: torch.Tensor) -> torch.Tensor:  # a DTensor stays one, same spec
+        return torch.empty_like(p, device=self.device)
+
+
 def _init_buffers(module: nn.Module) -> None:
     for m in module.modules():
         if callable(getattr(m, "init_buffers", None)):
@@ -110,18 +118,26 @@ def hollow(module: nn.Module, topo) -> None:
 
 @torch.no_grad()
 def fill_dtensors(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], topo) -> None:
-    """A module FSDP2 wrapped on the meta device: ``to_empty`` on ``topo.device`` (FSDP2
-    allocates each DTensor parameter's local shard only), then each parameter's local shard
-    from its full tensor (``distribute_tensor(..., src_data_rank=None)``: local slicing, no
-    collective). Raises ``ValueError`` for a parameter the stream never gave."""
-    module.to_empty(device=topo.device)
+    """A module DTensor TP and/or FSDP2 converted on the meta device: storage on
+    ``topo.device`` for each DTensor's local shard only (FSDP2: its ``to_empty``; TP alone: new
+    DTensors of the same placements, ties kept), then each local shard from its full tensor
+    (``distribute_tensor(..., src_data_rank=None)``: local slicing, no collective; a plain
+    parameter beside them as :func:`materialize_local`). Raises ``ValueError`` for a parameter
+    the stream never gave."""
+    if any(type(m).__name__.startswith("FSDP") for m in module.modules()):
+        module.to_empty(device=topo.device)  # FSDP2 keeps its parameters (and ties) itself
+    else:  # DTensor TP alone: new DTensors of the same placements, ties kept
+        _swap_params(module, _EmptyLike(topo.device))
     params = dict(module.named_parameters())
     seen = set()
     for name, full in weights:
         p = params.get(name)
         if p is None:
             continue
-        p.to_local().copy_(to_local(full, p, topo).to_local())
+        if hasattr(p, "to_local"):  # a DTensor: its local slice
+            p.to_local().copy_(to_local(full, p, topo).to_local())
+        else:  # a plain parameter beside them (a replicated norm): as materialize_local
+            p.copy_(to_local(full, p, topo, copy=False))
         seen.add(name)
     missing = sorted(set(params) - seen)
     if missing:
