@@ -50,7 +50,7 @@ def _swap_params(module: nn.Module, make) -> None:
             m._parameters[name] = new[id(p)]
         for key, value in list(vars(m).items()):  # a plain attribute holding a parameter
             if isinstance(value, nn.Parameter) and id(value) in new:
-                setattr(m, key, new[id(value)])
+                m.__dict__[key] = new[id(value)]  # stays a plain attribute (setattr registers)
         for name, b in list(m._buffers.items()):
             if b is not None and b.is_meta:
                 m._buffers[name] = torch.empty_like(b, device=make.device)
