@@ -92,19 +92,28 @@ def materialize_local(module: nn.Module, weights: Iterable[tuple[str, torch.Tens
     stage's :meth:`~.pp.split.StageModule.fqn`). Raises ``ValueError`` for a held parameter the
     stream never gave, or a full tensor of the wrong shape (:func:`~.views.to_local`)."""
     _swap_params(module, _Alloc(topo.device, hollow=False))
-    params = {(fqn or str)(n): p for n, p in module.named_parameters()}
+    _copy_in({(fqn or str)(n): p for n, p in module.named_parameters()}, weights, topo)
+    _init_buffers(module)
+
+
+def _copy_in(params: dict, weights: Iterable[tuple[str, torch.Tensor]], topo) -> None:
+    """Each parameter of ``params`` (name → allocated parameter) := its part of its full
+    tensor in ``weights`` (a DTensor: its local slice; names not in ``params`` are skipped).
+    Raises ``ValueError`` for a parameter the stream never gave."""
     seen = set()
     for name, full in weights:
         p = params.get(name)
         if p is None:
             continue
-        p.copy_(to_local(full, p, topo, copy=False))
+        if hasattr(p, "to_local"):  # a DTensor: its local slice
+            p.to_local().copy_(to_local(full, p, topo).to_local())
+        else:  # a plain tensor: its tp/ep shard, copied straight from a view of the full one
+            p.copy_(to_local(full, p, topo, copy=False))
         seen.add(name)
     missing = sorted(set(params) - seen)
     if missing:
         raise ValueError(f"no weights for {', '.join(missing[:5])}"
                          f"{' …' if len(missing) > 5 else ''}")
-    _init_buffers(module)
 
 
 def hollow(module: nn.Module, topo) -> None:
@@ -124,23 +133,11 @@ def fill_dtensors(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
     (``distribute_tensor(..., src_data_rank=None)``: local slicing, no collective; a plain
     parameter beside them as :func:`materialize_local`). Raises ``ValueError`` for a parameter
     the stream never gave."""
-    if any(type(m).__name__.startswith("FSDP") for m in module.modules()):
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
         module.to_empty(device=topo.device)  # FSDP2 keeps its parameters (and ties) itself
     else:  # DTensor TP alone: new DTensors of the same placements, ties kept
         _swap_params(module, _EmptyLike(topo.device))
-    params = dict(module.named_parameters())
-    seen = set()
-    for name, full in weights:
-        p = params.get(name)
-        if p is None:
-            continue
-        if hasattr(p, "to_local"):  # a DTensor: its local slice
-            p.to_local().copy_(to_local(full, p, topo).to_local())
-        else:  # a plain parameter beside them (a replicated norm): as materialize_local
-            p.copy_(to_local(full, p, topo, copy=False))
-        seen.add(name)
-    missing = sorted(set(params) - seen)
-    if missing:
-        raise ValueError(f"no weights for {', '.join(missing[:5])}"
-                         f"{' …' if len(missing) > 5 else ''}")
+    _copy_in(dict(module.named_parameters()), weights, topo)
     _init_buffers(module)
