@@ -2,6 +2,8 @@
 ``meta`` and initialised one full tensor at a time equals the ordinary build bitwise, for every
 preset and model family, and leaves the global RNG where the ordinary build leaves it."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -162,6 +164,41 @@ def test_an_engine_built_from_a_meta_model_equals_the_whole_build_bitwise(world,
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ["hf_dp4_z3", "hf_dp4_z3_torch", "hf_dp2_tp2", "hf_pp2_dp2"])
+def test_from_an_hf_folder_each_rank_reads_only_what_it_holds(world, case):
+    """The elements the 4 ranks read of each HF tensor (``shardwise.lazy.counting`` around
+    ``parallelize``), against what the layout gives each rank, worked by hand (a whole load
+    reads every tensor on every rank: 4 × its elements):
+
+    * ZeRO-3 over dp = 4: every element by one rank; the explicit engine reads whole rows of
+      dim 0, so at most a partial row more at each end of each rank's slice; FSDP2's
+      ``Shard(0)`` chunks exactly;
+    * dp = 2 × tp = 2: a matrix (tp-split) by each dp replica's two tp ranks, once each: 2 ×;
+      a norm weight (replicated) by every rank: 4 ×;
+    * pp = 2 × dp = 2: a tensor by the two ranks of the stage holding it (read whole: 0 or
+      all of it per rank), 2 ×; the tied embedding is held by both stages: 4 ×."""
+    from safetensors import safe_open
+
+    with safe_open(str(world / "hf" / "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    reads = [torch.load(world / f"{case}_rank{r}.pt", weights_only=False)["reads"]
+             for r in range(4)]
+    for k, shape in shapes.items():
+        numel, row = math.prod(shape), math.prod(shape[1:])
+        per_rank = [r.get(k, 0) for r in reads]
+        total = sum(per_rank)
+        if case == "hf_dp4_z3":
+            assert numel <= total <= numel + 4 * 2 * (row - 1), (k, per_rank)
+        elif case == "hf_dp4_z3_torch":
+            assert total == numel, (k, per_rank)
+        elif case == "hf_dp2_tp2":
+            assert total == (2 if len(shape) == 2 else 4) * numel, (k, per_rank)
+        else:
+            assert set(per_rank) <= {0, numel}, (k, per_rank)
+            assert total == (4 if k == "model.embed_tokens.weight" else 2) * numel, (k, per_rank)
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("case,whole_case,n", [("dp4_z3", "dp4", 4), ("hsdp2x2_z3", "dp4", 2),
                                                ("dp2_tp2_z3", "dp2_tp2_sp", 2)])
 def test_zero3_from_a_meta_model_holds_only_its_slices(world, case, whole_case, n):
@@ -178,9 +215,10 @@ def test_zero3_from_a_meta_model_holds_only_its_slices(world, case, whole_case, 
                                      ("moe-tiny", dict(tie_embeddings=False))],
                          ids=["llama", "gpt2", "mixtral"])
 def test_the_hf_stream_gives_what_the_whole_load_gives(tmp_path, name, kw):
-    """``hf_weight_stream`` (one HF tensor at a time; a Mixtral layer's experts together)
-    against ``load_hf_weights`` (the whole folder into a whole model): every parameter, bitwise
-    (GPT-2's fused c_attn split, Mixtral's experts stacked)."""
+    """``hf_weight_stream`` (lazy tensors, read whole here) against ``load_hf_weights`` (the
+    whole folder into a whole model): every parameter, bitwise (GPT-2's fused c_attn split and
+    transposed Conv1D weights, Mixtral's experts stacked); and any box of each lazy tensor reads
+    exactly that box of the whole one."""
     import json
 
     from safetensors.torch import save_file
@@ -200,5 +238,41 @@ def test_the_hf_stream_gives_what_the_whole_load_gives(tmp_path, name, kw):
     meta, _ = build_on_meta(name, vocab_size=67, **kw)
     got = dict(hf_weight_stream(meta, tmp_path))
     for n, p in whole.named_parameters():
-        assert torch.equal(got[n], p), n
+        assert torch.equal(got[n].read(), p), n
+        lo = [s // 3 for s in p.shape]
+        size = [max(1, s // 2) for s in p.shape]
+        want = p[tuple(slice(a, a + k) for a, k in zip(lo, size))]
+        assert torch.equal(got[n].box(lo, size).read(), want), n
         assert torch.equal(p, dict(src.named_parameters())[n]), n  # the round trip itself
+
+
+def test_the_checkpoint_stream_reads_only_the_box_asked_for(tmp_path):
+    """``checkpoint_weight_stream``: each parameter a lazy tensor; a box of it (one
+    ``dcp.load`` into a destination that reports the full size and the box as its chunk)
+    equals that box of what was saved, and only the box's elements are read."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from shardwise.checkpoint import checkpoint_weight_stream
+    from shardwise.lazy import counting
+
+    torch.manual_seed(3)
+    saved = {n: p.detach().clone() for n, p in build_model("moe-tiny", vocab_size=67)
+             .named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "no process group: one process"
+        dcp.save({"model": saved}, checkpoint_id=str(tmp_path), no_dist=True)
+    (tmp_path / "meta.json").write_text("{}")
+    meta, _ = build_on_meta("moe-tiny", vocab_size=67)
+    with counting() as reads:
+        got = dict(checkpoint_weight_stream(tmp_path, meta))
+        assert list(got) == list(saved)
+        for n, full in saved.items():
+            lo = [s // 3 for s in full.shape]
+            size = [max(1, s // 2) for s in full.shape]
+            want = full[tuple(slice(a, a + k) for a, k in zip(lo, size))]
+            assert torch.equal(got[n].box(lo, size).read(), want), n
+            assert reads[n] == [math.prod(size)], n
+        first = next(iter(saved))
+        assert torch.equal(got[first].read(), saved[first])  # whole: the plain dcp.load

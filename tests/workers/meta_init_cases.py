@@ -6,7 +6,8 @@ test): the meta path
 streams it (``hf_weight_stream``), today's path loads it whole (``load_hf_weights``). Each rank
 writes ``<out>/<case>_rank<r>.pt``: for both paths, the full parameters after
 parallelize, and after two AdamW steps the losses, grad norms and full parameters; and, for
-the meta path, the bytes this rank's engine holds in parameter storage."""
+the meta path, the bytes this rank's engine holds in parameter storage and the elements it
+read of each HF tensor (``shardwise.lazy.counting``)."""
 
 import sys
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from shardwise.config import TrainConfig
 from shardwise.interop.hf import hf_weight_stream, load_hf_weights
+from shardwise.lazy import counting
 from shardwise.models import build_model
 from shardwise.models.meta import build_on_meta
 from shardwise.parallel.apply import Layout, parallelize
@@ -57,6 +59,7 @@ CASES = [
     ("hf_dp4_z3", "tiny", dict(dp=4, zero=3), "explicit"),
     ("hf_dp2_tp2", "tiny", dict(dp=2, tp=2), "explicit"),
     ("hf_pp2_dp2", "tiny", dict(pp=2, dp=2), "explicit"),
+    ("hf_dp4_z3_torch", "tiny", dict(dp=4, zero=3), "torch"),
 ]
 MODEL = {"tiny": dict(n_heads=8, n_kv_heads=4), "moe-tiny": {}}  # tp = 4 divides the heads
 CFG = TrainConfig(model="tiny", lr=3e-3, weight_decay=0.1)
@@ -101,7 +104,9 @@ def run(case, model_name, kw, engine_name, work, out, rank, hf=None):
                 for _ in weights:
                     pass
                 weights = hf_weight_stream(model, hf)
-            engine = parallelize(model, topo, layout, engine=engine_name, weights=weights)
+            with counting() as reads:  # the elements this rank reads of each HF tensor
+                engine = parallelize(model, topo, layout, engine=engine_name, weights=weights)
+            rec["reads"] = {k: sum(v) for k, v in reads.items()}
             rec["meta_bytes"] = engine_bytes(engine)
         r = {"rng": torch.random.get_rng_state(),
              "init": {n: p.detach().clone() for n, p in engine.named_full_parameters().items()}}

@@ -119,21 +119,49 @@ def load_model(folder: Path, model: torch.nn.Module) -> dict:
 
 
 def checkpoint_weight_stream(folder: Path, model: torch.nn.Module):
-    """(parameter name, full-shape tensor) for each parameter of the *plain* ``model`` (built on
-    the meta device: shapes only), read from the checkpoint one tensor at a time (one
-    ``dcp.load`` each, on this process alone): for ``parallelize(..., weights=)``, whose engine
-    keeps only its part of each. Raises as :func:`load_model`, before the first tensor."""
+    """(parameter name, full-shape :class:`~shardwise.lazy.LazyTensor`) for each parameter of
+    the *plain* ``model`` (built on the meta device: shapes only): each reads from the
+    checkpoint only the box the engine asks for (one ``dcp.load`` of that box, on this process
+    alone: the saved chunks it overlaps), for ``parallelize(..., weights=)``, whose engine keeps
+    only its part of each. Raises as :func:`load_model`, before the first tensor."""
+    from ..lazy import LazyTensor
+
     folder = Path(folder)
     check_model_compatible(folder, model, read_meta(folder))
     shapes = [(k, p.shape, p.dtype) for k, p in model.named_parameters()]
 
     def stream():
         for k, shape, dtype in shapes:
-            t = torch.empty(shape, dtype=dtype)
-            _dcp_load({"model": {k: t}}, folder)
-            yield k, t
+            yield k, LazyTensor.source(shape, dtype, _BoxReader(folder, k, shape, dtype), k)
 
     return stream()
+
+
+class _BoxReader:
+    """Reads the box ``[o, o + s)`` of parameter ``key`` of a DCP checkpoint. DCP reads what a
+    destination's chunk overlaps (its resharding); the destination here is a plain tensor of
+    the box that reports the full size and the box as its one chunk (the
+    ``__create_chunk_list__`` / ``__get_tensor_shard__`` protocol a DTensor implements)."""
+
+    def __init__(self, folder: Path, key: str, shape, dtype):
+        self.folder, self.key, self.shape, self.dtype = folder, key, torch.Size(shape), dtype
+
+    def __call__(self, offsets, sizes) -> torch.Tensor:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        box = torch.empty(sizes, dtype=self.dtype)
+        if 0 in sizes:
+            return box
+        if tuple(sizes) == tuple(self.shape):
+            _dcp_load({"model": {self.key: box}}, self.folder)
+            return box
+        dest = box.view(sizes)  # the same storage; DCP sees the full size and one chunk
+        dest.size = lambda *d: self.shape if not d else self.shape[d[0]]
+        chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+        dest.__create_chunk_list__ = lambda: [chunk]
+        dest.__get_tensor_shard__ = lambda index: box
+        _dcp_load({"model": {self.key: dest}}, self.folder)
+        return box
 
 
 def _dcp_load(state: dict, folder: Path) -> None:

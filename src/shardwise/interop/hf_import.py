@@ -11,7 +11,6 @@ and the fix. Nothing here needs a process group.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import torch
@@ -127,37 +126,51 @@ def model_for(cfg):
     return MoELlama(cfg) if _is_moe(cfg) else Llama(cfg)
 
 
-_LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")  # the block index in an HF name
-
-
 def hf_weight_stream(model, folder: str | os.PathLike):
-    """(our parameter name, full fp32 tensor) for every tensor of the HF folder, one HF tensor
-    at a time (a Mixtral layer's per-expert tensors together: they are stacked into one),
-    through the same renaming as :func:`load_hf_weights` (GPT-2's fused ``c_attn`` split into
-    views): for a model built on the meta device, whose engine keeps only its part of each
-    (``parallelize(..., weights=)``). ``.safetensors`` files are read tensor by tensor
-    (``safe_open``, the file mapped only while one tensor is read); a ``pytorch_model.bin`` is
-    loaded whole. The checks of :func:`load_hf_weights` run first (ShardwiseConfigError)."""
+    """(our parameter name, full-shape fp32 tensor) for every tensor of the HF folder, through
+    the same renaming as :func:`load_hf_weights`: for a model built on the meta device, whose
+    engine keeps only its part of each (``parallelize(..., weights=)``). From ``.safetensors``
+    files each is a :class:`~shardwise.lazy.LazyTensor` that reads only the box asked for
+    (``safe_open(...).get_slice``: a rank reads its tp/ep shard, its ZeRO-3 rows, nothing of
+    another stage's layers); GPT-2's transposed ``Conv1D`` weights and fused ``c_attn`` and
+    Mixtral's per-expert tensors are cut and stacked lazily too, so they read no more. A
+    ``pytorch_model.bin`` is loaded whole (plain tensors). The checks of
+    :func:`load_hf_weights` run first (ShardwiseConfigError)."""
     cfg = _check_kind(model, folder)
-    groups: dict[str, list[tuple[Path, str]]] = {}
-    for f in weight_files(folder):
-        if f.suffix != ".safetensors":
-            yield from hf_to_ours(read_hf_weights(folder), cfg, source=str(folder)).items()
-            return
-        from safetensors import safe_open
+    files = weight_files(folder)
+    if any(f.suffix != ".safetensors" for f in files):
+        yield from hf_to_ours(read_hf_weights(folder), cfg, source=str(folder)).items()
+        return
+    from safetensors import safe_open
 
+    from ..lazy import LazyTensor
+
+    hf = {}
+    for f in files:
         with safe_open(str(f), "pt") as handle:
             for k in handle.keys():
-                m = _LAYER.search(k)
-                key = f"experts of layer {m.group(1)}" if m and ".experts." in k else k
-                groups.setdefault(key, []).append((f, k))
-    for key in groups:
-        part = {}
-        for f, k in groups[key]:
-            with safe_open(str(f), "pt") as handle:
-                part[k] = handle.get_tensor(k).float()
-        yield from hf_to_ours(part, cfg, source=str(folder)).items()
-        del part
+                shape = handle.get_slice(k).get_shape()
+                hf[k] = LazyTensor.source(shape, torch.float32, _SliceReader(f, k), k)
+    yield from hf_to_ours(hf, cfg, source=str(folder)).items()
+
+
+class _SliceReader:
+    """Reads the box ``[o, o + s)`` of tensor ``key`` of a ``.safetensors`` file as fp32 (the
+    file mapped only during the read)."""
+
+    def __init__(self, path: Path, key: str):
+        self.path, self.key = path, key
+
+    def __call__(self, offsets, sizes) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if 0 in sizes:
+            return torch.empty(sizes, dtype=torch.float32)
+        with safe_open(str(self.path), "pt") as handle:
+            if not sizes:
+                return handle.get_tensor(self.key).float()
+            box = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+            return handle.get_slice(self.key)[box].float().contiguous()
 
 
 def _check_kind(model, folder):

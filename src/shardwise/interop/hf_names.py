@@ -64,6 +64,7 @@ import re
 import torch
 
 from ..errors import ShardwiseConfigError
+from ..lazy import stack
 
 # (our FQN pattern, HF name pattern) for the per-layer tensors; {i} is the layer index.
 _LAYER_MAP = [
@@ -156,7 +157,7 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], tie_embeddings: bool, source
 
     With ``tie_embeddings`` the embedding is also returned as ``output.weight`` (our tied
     model's state dict holds both names for one tensor) and any ``lm_head.weight`` is ignored.
-    Mixtral's per-expert tensors are stacked in expert order (``torch.stack``: a copy); its
+    Mixtral's per-expert tensors are stacked in expert order (:func:`~shardwise.lazy.stack`: a copy, or lazy for lazy parts); its
     transformers-5 names (``mlp.experts.gate_up_proj``, split into w1 and w3 as views) load too.
     Raises ShardwiseConfigError listing names we cannot place (biases, other architectures), an
     expert missing from a block, a tensor given twice, or experts of unequal shapes."""
@@ -204,7 +205,7 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], tie_embeddings: bool, source
                                        "(the per-expert tensors of a block must all be there): "
                                        "copy the whole model folder")
         try:
-            put(name, torch.stack([parts[j] for j in range(len(parts))]))
+            put(name, stack([parts[j] for j in range(len(parts))]))
         except RuntimeError as e:  # experts of unequal shapes
             raise ShardwiseConfigError(f"{source}: {name}: the experts' tensors differ in shape "
                                        f"({str(e).splitlines()[0]}): not a Mixtral "

@@ -6,7 +6,8 @@ their own placements); these functions read that record, once for every layout:
 * :func:`to_full` — tensors shaped like a parameter's tp (or ep) shard → the full (unpadded)
   shape: one all_gather over tp per dtype for the whole list, one over ep for expert shards,
   and :func:`full_tensors` for DTensors (one gather per mesh dim);
-* :func:`to_local` — the inverse, no collective; :func:`shard_of` — how TP cuts a plain weight;
+* :func:`to_local` — the inverse, no collective (of a lazy tensor it reads only this rank's part:
+  :func:`local_box`, :func:`local_flat_range`); :func:`shard_of` — how TP cuts a plain weight;
 * :func:`full_shape` — the full shape of a parameter's tensor.
 
 Every gather runs in ledger phase and tag ``gather``, outside a step's bytes. ``t.full_tensor()``
@@ -17,11 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 
 import torch
 from torch import nn
 
 from .. import comm
+from ..lazy import LazyTensor
 from .params import ep_sharded, is_dtensor, placement
 
 
@@ -52,16 +55,35 @@ def full_shape(p) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def to_local(full: torch.Tensor, p: nn.Parameter, topo, copy: bool = True) -> torch.Tensor:
+def to_local(full, p: nn.Parameter, topo, copy: bool = True) -> torch.Tensor:
     """The inverse of :func:`to_full`: this rank's part of a full-shape tensor shaped like
     parameter ``p`` (its tp shard, zero padding where ``p`` is padded; a DTensor cut like ``p``
     with ``distribute_tensor(..., src_data_rank=None)``, local slicing), on ``p``'s device and
     dtype. No collective. ``copy=False``: a view of ``full`` where no padding or conversion is
-    needed (for a caller that copies it at once: one full tensor less at its peak). Raises
-    ``ValueError`` when ``full`` is not ``p``'s full shape."""
+    needed (for a caller that copies it at once: one full tensor less at its peak). ``full``
+    may be a :class:`~shardwise.lazy.LazyTensor`: only this rank's part is read
+    (:func:`local_box`). Raises ``ValueError`` when ``full`` is not ``p``'s full shape."""
     if tuple(full.shape) != full_shape(p):
         raise ValueError(f"a tensor of shape {tuple(full.shape)} for a parameter of full shape "
                          f"{full_shape(p)}: saved from another model?")
+    if isinstance(full, LazyTensor):
+        box = local_box(full, p, topo)
+        if box is None:  # a cut the box cannot describe (a strided FSDP2-over-TP shard)
+            full = full.read()
+        elif is_dtensor(p):
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(box.read().to(p.device, p.dtype), p.device_mesh,
+                                      p.placements, run_check=False, shape=p.shape,
+                                      stride=p.stride())
+        else:
+            pl = placement(p)
+            local = box.read().to(p.device, p.dtype)
+            if pl.tp_dim is not None and local.shape[pl.tp_dim] < p.shape[pl.tp_dim]:
+                pad = list(local.shape)  # the padded tail of the last tp rank(s): zeros
+                pad[pl.tp_dim] = p.shape[pl.tp_dim] - local.shape[pl.tp_dim]
+                local = torch.cat([local, local.new_zeros(pad)], dim=pl.tp_dim)
+            return local
     full = full.detach().to(p.device, p.dtype)
     if is_dtensor(p):
         from torch.distributed.tensor import distribute_tensor
@@ -79,6 +101,48 @@ def to_local(full: torch.Tensor, p: nn.Parameter, topo, copy: bool = True) -> to
         k = padded // topo.size("tp")
         return full.narrow(pl.tp_dim, topo.index("tp") * k, k)
     return shard_of(full, pl.tp_dim, topo, padded=padded)
+
+
+def local_box(full: LazyTensor, p: nn.Parameter, topo) -> LazyTensor | None:
+    """The part of lazy ``full`` that :func:`to_local` keeps for ``p``, not read yet: the ep
+    rank's experts on dim 0, the tp chunk (without the zero padding, which reads nothing), a
+    DTensor's local box (``compute_local_shape_and_global_offset``: Shard/Replicate
+    placements), else the whole. None for a DTensor placement that is no box (FSDP2 over TP
+    shards dim 0 strided): the caller reads the whole tensor."""
+    if is_dtensor(p):
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if not all(type(q) in (Shard, Replicate) for q in p.placements):
+            return None
+        sizes, offsets = compute_local_shape_and_global_offset(p.shape, p.device_mesh,
+                                                               p.placements)
+        if tuple(sizes) != tuple(p.to_local().shape):  # FSDP2 cuts otherwise: stay safe
+            return None
+        return full.box(offsets, sizes)
+    pl = placement(p)
+    if pl.ep_full is not None:
+        per = pl.ep_full // topo.size("ep")
+        return full.narrow(0, topo.index("ep") * per, per)
+    if pl.tp_dim is None:
+        return full
+    k, n = p.shape[pl.tp_dim], full.shape[pl.tp_dim]
+    start = topo.index("tp") * k
+    return full.narrow(pl.tp_dim, min(start, n), max(0, min(k, n - start)))
+
+
+def local_flat_range(full, p: nn.Parameter, topo, lo: int, hi: int) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of ``to_local(full, p, topo).reshape(-1)`` (a ZeRO-3 rank's piece of
+    a parameter); of a :class:`~shardwise.lazy.LazyTensor` only the rows of dim 0 that hold
+    them are read. Raises as :func:`to_local`."""
+    if isinstance(full, LazyTensor) and tuple(full.shape) == full_shape(p) and p.dim() > 0:
+        box = local_box(full, p, topo)
+        if box is not None and tuple(box.shape) == tuple(p.shape):  # not padded
+            row = max(1, math.prod(p.shape[1:]))
+            r0, r1 = lo // row, -(-hi // row)
+            rows = box.narrow(0, r0, r1 - r0).read().to(p.device, p.dtype).reshape(-1)
+            return rows[lo - r0 * row: hi - r0 * row]
+    return to_local(full, p, topo, copy=False).reshape(-1)[lo:hi]
 
 
 def to_full(pairs: list[tuple[torch.Tensor, nn.Parameter]], topo,

@@ -148,9 +148,10 @@ class ZeroSync(Sync):
         as the unsharded model's, one at a time), this rank's part of it (its tp/ep shard,
         :func:`..views.to_local`, flattened) into its flat buffer: the whole parameter where
         ``full`` keeps them (ZeRO-1/2, a unit over one rank), else the piece inside this rank's
-        slice ``shard`` (ZeRO-3). No collective. Raises ``ValueError`` for a parameter the
+        slice ``shard`` (ZeRO-3; of a lazy tensor only the rows holding it are read,
+        :func:`..views.local_flat_range`). No collective. Raises ``ValueError`` for a parameter the
         stream never gave."""
-        from ..views import to_local
+        from ..views import local_flat_range, to_local
 
         where = {fqn: (u, j) for u in self.units for j, fqn in enumerate(u.fqns)}
         seen = set()
@@ -158,14 +159,15 @@ class ZeroSync(Sync):
             if name not in where:
                 continue
             u, j = where[name]
-            flat = to_local(full, u.params[j], self.topo, copy=False).reshape(-1)
             off, k = u.offsets[j], u.numels[j]
             if self.keeps_full_params or u.n == 1:
-                u.full[off: off + k].copy_(flat)
+                u.full[off: off + k].copy_(to_local(full, u.params[j], self.topo,
+                                                    copy=False).reshape(-1))
             else:
                 a, b = max(off, u.lo), min(off + k, u.hi)
-                if a < b:
-                    u.shard[a - u.lo: b - u.lo].copy_(flat[a - off: b - off])
+                if a < b:  # a lazy tensor: only the rows holding this piece are read
+                    u.shard[a - u.lo: b - u.lo].copy_(
+                        local_flat_range(full, u.params[j], self.topo, a - off, b - off))
             seen.add(name)
         missing = sorted(set(where) - seen)
         if missing:
