@@ -237,6 +237,29 @@ def test_zero_memory_reproduces_the_zero_paper_figure_1():
         assert sum(st.values()) / 1e9 == pytest.approx(gb, abs=0.06), zero
 
 
+def test_startup_peak_by_hand():
+    """The start-up peak (built on meta, filled box by box), worked by hand. Llama 3 8B at
+    tp = 8: the largest tensor is the embedding, V·d = 128,256·4,096 (> d·f = 4,096·14,336), so
+    a box is 4·V·d/8 bytes; the device adds the bf16 parameters, P·Ψ_s; with ZeRO-3 over dp = 8
+    at tp = 1 the parameters and gradients are ÷ 8 and the box is the whole embedding. Mixtral
+    8x7B at ep = 8: the routed experts of one matrix, 8/8 · 4,096 · 14,336, fp32, are smaller
+    than the embedding (32,000 · 4,096), so the embedding's box sets it."""
+    spec = get_model("llama3-8b")
+    V, d = 128_256, 4_096
+    e = estimate(spec, get_cluster("h100"), PlanLayout(tp=8, precision="bf16"), 8)
+    mem = e.memory["first"]
+    assert mem["startup_host"] == 4 * V * d / 8
+    assert mem["startup_device"] == pytest.approx(2 * mem["params_count"] + 4 * V * d / 8)
+    e = estimate(spec, get_cluster("h100"), PlanLayout(dp=8, zero=3, precision="bf16"), 8)
+    mem = e.memory["first"]
+    assert mem["startup_host"] == 4 * V * d
+    assert mem["startup_device"] == pytest.approx(mem["params"] + mem["grads"] + 4 * V * d)
+    assert mem["params"] == pytest.approx(2 * spec.num_params() / 8)
+    mix = get_model("mixtral-8x7b")
+    assert plan_memory.startup_box_elements(mix, tp=1, ep=8) == 32_000 * 4_096
+    assert plan_memory.startup_box_elements(mix, tp=1, ep=1) == 8 * 4_096 * 14_336
+
+
 def test_zero3_gradient_reduction_once_or_per_micro_batch():
     """Reduced once per step, the micro-batches accumulate full gradients (4Ψ + the 4Ψ/n shard,
     fp32); reduced after every micro-batch, only the shard is held and m reduce-scatters run."""

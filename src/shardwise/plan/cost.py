@@ -19,7 +19,7 @@ from .hardware import Cluster
 from .layout import PRECISIONS, Assumptions, PlanLayout, check_layout
 from .memory import (embedding_activation_bytes, head_activation_bytes, in_flight,
                      layer_activation_bytes, model_state_bytes, stage_param_split, stage_params,
-                     stage_tensors)
+                     stage_tensors, startup_box_elements)
 from .models import ModelSpec
 
 
@@ -157,9 +157,15 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
         params = split[0] + split[1]
         if A.grad_bucket_copy and lay.zero < 2:
             buf += prec.grad * params
+        # start-up, built on meta: what the rank holds (its gradient buffers too: shardwise's
+        # ZeRO allocates them with its flat buffers) + one box in flight, read as fp32 on the
+        # host; the host holds only that box (+ the import floor, not modelled)
+        box = 4.0 * startup_box_elements(M, tp=t, ep=ep, sp=lay.sp)
         memory[where] = {"params_count": params, "expert_params_count": split[1], **st,
                          "activations": act, "buffers": buf,
-                         "total": st["params"] + st["grads"] + st["optimizer"] + act + buf}
+                         "total": st["params"] + st["grads"] + st["optimizer"] + act + buf,
+                         "startup_device": st["params"] + (st["grads"] if lay.zero else 0.0)
+                         + box, "startup_host": box}
         if p == 1:
             memory["last"] = memory["first"]
             break

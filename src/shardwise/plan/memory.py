@@ -240,6 +240,20 @@ def stage_tensors(model: ModelSpec, layers: int, *, first: bool, last: bool, pp:
     return n
 
 
+def startup_box_elements(model: ModelSpec, *, tp: int, ep: int = 1, sp: bool = False) -> float:
+    """Elements of the largest part of one tensor a rank reads at start-up (shardwise builds
+    the model on the meta device and fills what each rank holds box by box: docs/checkpointing.md,
+    start-up memory): the largest matrix ÷ tp — the embedding or output ``V·d``, an attention
+    or MLP matrix ``d·max(d, f)`` — or a MoE layer's stacked routed experts of one matrix,
+    ``(E/ep)·d·f_e/etp``. An upper bound: ZeRO-3 reads only its rows of it."""
+    m = model
+    d = m.d_model
+    largest = max(m.vocab_size * d, d * max(d, m.d_ff)) / tp
+    if m.is_moe:
+        largest = max(largest, (m.n_experts // ep) * d * m.expert_ff / etp(tp, sp))
+    return float(largest)
+
+
 def model_state_bytes(params: float, tensors: int, zero: int, dp: int, prec: Precision,
                       full_grads: bool = False) -> dict[str, float]:
     """{"params", "grads", "optimizer"} bytes one GPU holds for ``params`` parameters under ZeRO

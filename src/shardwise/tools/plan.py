@@ -374,6 +374,10 @@ def explain(e) -> str:
                    f"grads {_human(mem['grads'])} + optimizer {_human(mem['optimizer'])}")
         out.append(f"    activations {_human(mem['activations'])}, buffers "
                    f"{_human(mem['buffers'])} → total {_human(mem['total'])}")
+        out.append(f"    start-up (built on meta, filled box by box): params"
+                   f"{' + grads' if lay.zero else ''} + one box of 4 B × "
+                   f"{mem['startup_host'] / 4:,.0f} → device {_human(mem['startup_device'])}, "
+                   f"host {_human(mem['startup_host'])} + the import floor")
     tokens_mb = b * s // cp
     none = layer_activation_bytes(M, tokens_mb, tp=t, sp=lay.sp, ckpt="none",
                                   act_bytes=prec.act)
