@@ -101,8 +101,7 @@ def worker(folder: str, layout: str, mode: str, out: str) -> None:
     torch.manual_seed(0)
     if mode == "meta":
         model, plan = build_on_meta(preset, vocab_size=vocab, **overrides)
-        for _ in plan.stream():  # the init's draws, as train replays them
-            pass
+        plan.replay_draws()  # the init's draws, as train replays them
         engine = parallelize(model, topo, Layout(**kw), weights=hf_weight_stream(model, folder))
     else:
         model = build_model(preset, vocab_size=vocab, **overrides)

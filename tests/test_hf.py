@@ -259,3 +259,42 @@ def test_export_lists_every_file_it_wrote(trained_run, cache_dir, tmp_path):
     written = sorted(f.name for f in (tmp_path / "hf").iterdir())
     assert "generation_config.json" in written
     assert all(name in p.stdout for name in written), (written, p.stdout)
+
+
+@pytest.mark.timeout(240)
+def test_a_large_export_is_written_one_weight_file_at_a_time(trained_run, exported, tmp_path,
+                                                            monkeypatch):
+    """With ``max_shard_bytes`` below the model's size, export writes several
+    ``model-0000i-of-0000n.safetensors`` and the index, as ``save_pretrained`` shards: each
+    file gets at most max(the bound, its one tensor) bytes in memory at once, every tensor of
+    the checkpoint is read exactly once (``shardwise.lazy.counting``), and transformers loads
+    the folder to the same weights as the one-file export."""
+    import safetensors.torch
+
+    from shardwise.lazy import counting
+
+    out, _ = trained_run
+    bound = 64 * 1024
+    held = []
+    real = safetensors.torch.save_file
+
+    def save_file(tensors, path, metadata=None):
+        held.append((sum(t.numel() * t.element_size() for t in tensors.values()),
+                     max(t.numel() * t.element_size() for t in tensors.values())))
+        return real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    with counting() as reads:
+        export_hf(out, tmp_path / "hf", max_shard_bytes=bound)
+    files = sorted(f.name for f in (tmp_path / "hf").glob("model-*.safetensors"))
+    assert len(files) == len(held) > 2 and (tmp_path / "hf" / "model.safetensors.index.json"
+                                             ).is_file()
+    assert all(total <= max(bound, largest) for total, largest in held), held
+    one = transformers.LlamaForCausalLM.from_pretrained(exported, dtype=torch.float32)
+    sharded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    want = one.state_dict()
+    for k, v in sharded.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    n_params = sum(v.numel() for v in want.values())
+    assert all(len(r) == 1 for r in reads.values()), reads
+    assert sum(r[0] for r in reads.values()) == n_params

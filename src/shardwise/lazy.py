@@ -88,16 +88,49 @@ class LazyTensor:
         return self.box(offsets, sizes)
 
     def __getitem__(self, index) -> LazyTensor:
-        """Basic slicing with step 1 (``t[a:b]``, ``t[:, c:d]``); anything else TypeError."""
+        """Basic indexing: slices with step 1 and integers (``t[a:b]``, ``t[:, c:d]``, ``t[j]``:
+        an integer drops its dim); anything else TypeError."""
         index = index if isinstance(index, tuple) else (index,)
-        if len(index) > self.ndim or not all(isinstance(i, slice) and i.step in (None, 1)
-                                             for i in index):
-            raise TypeError(f"a LazyTensor takes slices with step 1 only, not {index!r}")
-        offsets, sizes = [0] * self.ndim, list(self.shape)
+        if len(index) > self.ndim or not all(
+                isinstance(i, int) or (isinstance(i, slice) and i.step in (None, 1))
+                for i in index):
+            raise TypeError(f"a LazyTensor takes integers and slices with step 1, not {index!r}")
+        offsets, sizes, dropped = [0] * self.ndim, list(self.shape), []
         for d, i in enumerate(index):
-            a, b, _ = i.indices(self.shape[d])
-            offsets[d], sizes[d] = a, max(0, b - a)
-        return self.box(offsets, sizes)
+            if isinstance(i, int):
+                if not -self.shape[d] <= i < self.shape[d]:
+                    raise IndexError(f"index {i} is out of bounds for dim {d} of size "
+                                     f"{self.shape[d]}")
+                offsets[d], sizes[d] = i % self.shape[d], 1
+                dropped.append(d)
+            else:
+                a, b, _ = i.indices(self.shape[d])
+                offsets[d], sizes[d] = a, max(0, b - a)
+        box = self.box(offsets, sizes)
+        if not dropped:
+            return box
+        parent = box._read
+
+        def read(o, s):  # the dropped dims back as size 1 at offset 0, then squeezed
+            o, s = list(o), list(s)
+            for d in dropped:
+                o.insert(d, 0)
+                s.insert(d, 1)
+            return parent(tuple(o), tuple(s)).reshape(tuple(
+                n for d, n in enumerate(s) if d not in dropped))
+
+        return LazyTensor([n for d, n in enumerate(sizes) if d not in dropped], self.dtype,
+                          read, self.name)
+
+    def contiguous(self) -> LazyTensor:
+        """Itself: every read is a new contiguous tensor."""
+        return self
+
+    def float(self) -> LazyTensor:
+        """Read as fp32."""
+        parent = self._read
+        return LazyTensor(self.shape, torch.float32, lambda o, s: parent(o, s).float(),
+                          self.name)
 
     def t(self) -> LazyTensor:
         """The transpose of a 2-D tensor (a box of it reads the transposed box)."""
@@ -127,6 +160,34 @@ def stack(parts: Sequence) -> torch.Tensor | LazyTensor:
         return torch.stack(rows) if rows else torch.empty(s, dtype=first.dtype)
 
     return LazyTensor((len(parts), *first.shape), first.dtype, read, first.name)
+
+
+def cat(parts: Sequence, dim: int = 0) -> torch.Tensor | LazyTensor:
+    """``torch.cat(parts, dim)``; for lazy parts a lazy concatenation (a box reads only the
+    parts it overlaps, and of each only the overlap)."""
+    if not any(isinstance(p, LazyTensor) for p in parts):
+        return torch.cat(list(parts), dim)
+    parts = list(parts)
+    first = parts[0]
+    dim = dim % first.ndim
+    starts = [0]
+    for p in parts:
+        starts.append(starts[-1] + p.shape[dim])
+    shape = list(first.shape)
+    shape[dim] = starts[-1]
+
+    def read(o, s):
+        lo, hi, pieces = o[dim], o[dim] + s[dim], []
+        for p, a, b in zip(parts, starts, starts[1:]):
+            x, y = max(lo, a), min(hi, b)
+            if x < y:
+                oo, ss = list(o), list(s)
+                oo[dim], ss[dim] = x - a, y - x
+                pieces.append(p.box(oo, ss).read() if isinstance(p, LazyTensor)
+                              else p[tuple(slice(q, q + n) for q, n in zip(oo, ss))])
+        return torch.cat(pieces, dim) if pieces else torch.empty(s, dtype=first.dtype)
+
+    return LazyTensor(shape, first.dtype, read, first.name)
 
 
 def materialize(t) -> torch.Tensor:

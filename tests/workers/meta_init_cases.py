@@ -101,8 +101,7 @@ def run(case, model_name, kw, engine_name, work, out, rank, hf=None):
             model, plan = build_on_meta(model_name, vocab_size=67, **_model_kw(case, model_name))
             weights = plan.stream()
             if case.startswith("hf_"):  # as train does: the init's draws, then the folder's
-                for _ in weights:
-                    pass
+                plan.replay_draws()
                 weights = hf_weight_stream(model, hf)
             with counting() as reads:  # the elements this rank reads of each HF tensor
                 engine = parallelize(model, topo, layout, engine=engine_name, weights=weights)

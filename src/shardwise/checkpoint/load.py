@@ -132,16 +132,19 @@ def checkpoint_weight_stream(folder: Path, model: torch.nn.Module):
 
     def stream():
         for k, shape, dtype in shapes:
-            yield k, LazyTensor.source(shape, dtype, _BoxReader(folder, k, shape, dtype), k)
+            yield k, LazyTensor.source(shape, dtype, DCPBoxReader(folder, f"model.{k}", shape,
+                                                                  dtype), k)
 
     return stream()
 
 
-class _BoxReader:
-    """Reads the box ``[o, o + s)`` of parameter ``key`` of a DCP checkpoint. DCP reads what a
-    destination's chunk overlaps (its resharding); the destination here is a plain tensor of
-    the box that reports the full size and the box as its one chunk (the
-    ``__create_chunk_list__`` / ``__get_tensor_shard__`` protocol a DTensor implements)."""
+class DCPBoxReader:
+    """Reads the box ``[o, o + s)`` of tensor ``key`` (its DCP key, e.g. ``model.norm.weight``)
+    of a DCP checkpoint, in ``dtype``: the ``read_fn`` of a :class:`~shardwise.lazy.LazyTensor`.
+    DCP reads what a destination's chunk overlaps (its resharding); the destination here is a
+    plain tensor of the box that reports the full size and the box as its one chunk (the
+    ``__create_chunk_list__`` / ``__get_tensor_shard__`` protocol a DTensor implements).
+    Raises :class:`CheckpointError` when the files cannot be read."""
 
     def __init__(self, folder: Path, key: str, shape, dtype):
         self.folder, self.key, self.shape, self.dtype = folder, key, torch.Size(shape), dtype
@@ -153,14 +156,14 @@ class _BoxReader:
         if 0 in sizes:
             return box
         if tuple(sizes) == tuple(self.shape):
-            _dcp_load({"model": {self.key: box}}, self.folder)
+            _dcp_load({self.key: box}, self.folder)
             return box
         dest = box.view(sizes)  # the same storage; DCP sees the full size and one chunk
         dest.size = lambda *d: self.shape if not d else self.shape[d[0]]
         chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
         dest.__create_chunk_list__ = lambda: [chunk]
         dest.__get_tensor_shard__ = lambda index: box
-        _dcp_load({"model": {self.key: dest}}, self.folder)
+        _dcp_load({self.key: dest}, self.folder)
         return box
 
 

@@ -37,6 +37,7 @@ import re
 import torch
 
 from ..errors import ShardwiseConfigError
+from ..lazy import cat
 
 # the fixed fields of the family (the rest comes from config.json)
 GPT2_FIELDS = dict(family="gpt2", norm="layer", pos="learned", qkv_bias=True, o_bias=True,
@@ -107,7 +108,8 @@ def gpt2_mismatch(cfg) -> list[str]:
 def gpt2_to_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our full-shape tensors (plain-model FQNs) → GPT2LMHeadModel names: Conv1D weights
     transposed, q‖k‖v fused into ``c_attn`` (module docstring); ``output.weight`` (tied) left
-    out. New tensors (``contiguous`` copies). Raises ShardwiseConfigError for a name GPT-2 has
+    out. New tensors (``contiguous`` copies), or lazy ones for lazy ``state``
+    (:mod:`shardwise.lazy`: export reads one at a time). Raises ShardwiseConfigError for a name GPT-2 has
     no place for."""
     out, unknown, done = {}, [], set()
     top = {"tok_embeddings.weight": "transformer.wte.weight",
@@ -131,7 +133,7 @@ def gpt2_to_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
             if any(p not in state for p in parts):
                 raise ShardwiseConfigError(f"GPT-2 export: layer {i} lacks one of {parts}")
             ts = [state[p] for p in parts]
-            fused = torch.cat([x.t() for x in ts], 1) if kind == "weight" else torch.cat(ts)
+            fused = cat([x.t() for x in ts], 1) if kind == "weight" else cat(ts)
             out[f"transformer.h.{i}.attn.c_attn.{kind}"] = fused.contiguous()
             done.update(parts)
         elif mod in per:

@@ -6,14 +6,16 @@ checkpoints (``checkpoints/step_N/``: DCP files with full-shape tensors under ``
 
     OUT/config.json            LlamaConfig fields (architectures = ["LlamaForCausalLM"]; a MoE
                                model: MixtralConfig fields, ["MixtralForCausalLM"])
-    OUT/model.safetensors      fp32 tensors under Hugging Face names
+    OUT/model.safetensors      fp32 tensors under Hugging Face names (a larger model: several
+                               files and model.safetensors.index.json, written one at a time)
     OUT/tokenizer.json         the run's tokenizer as a `tokenizers` file (when it can be found)
     OUT/tokenizer_config.json  PreTrainedTokenizerFast, eos token, model_max_length
     OUT/generation_config.json eos/bos ids
 
 The checkpoint is read through :mod:`shardwise.checkpoint` (:func:`read_checkpoint`: its
 ``COMPLETE`` marker is checked by :func:`~shardwise.checkpoint.verify_checkpoint`, every file's
-size and SHA-256), then the DCP files are loaded on this one process. Names: :mod:`.hf_names`;
+size and SHA-256), then the DCP files are read on this one process, one weight file's tensors
+at a time (lazy tensors: the whole model is never in memory). Names: :mod:`.hf_names`;
 config: :mod:`.hf_config`.
 
 Errors: a bad checkpoint raises :class:`~shardwise.checkpoint.CheckpointError`, any other bad
@@ -24,6 +26,7 @@ fix. Nothing here needs a process group.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import warnings
@@ -32,6 +35,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ShardwiseConfigError
+from ..lazy import materialize
 from ..checkpoint.format import MARKER, CheckpointError, read_meta
 from ..checkpoint.verify import verify_checkpoint
 from .hf_config import check_hf_exportable, hf_model_overrides, llama_to_hf_config
@@ -64,11 +68,14 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 _FIX = "use an earlier checkpoints/step_N"  # what every checkpoint error here tells the user
 
 
-def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict, Path]:
+def read_checkpoint(path: str | os.PathLike, lazy: bool = False
+                    ) -> tuple[dict[str, torch.Tensor], dict, Path]:
     """The model tensors (our FQN → full-shape fp32 tensor), ``meta.json`` and the step folder
     of a checkpoint, read on this one process (``dcp.load(no_dist=True)``; the optimizer state is
-    not read). Raises CheckpointError naming the file when something is missing or corrupt
-    (the ``COMPLETE`` check: :func:`~shardwise.checkpoint.verify_checkpoint`)."""
+    not read). ``lazy``: :class:`~shardwise.lazy.LazyTensor` s instead, each read when asked
+    (one ``dcp.load`` of it), after the same checks. Raises CheckpointError naming the file
+    when something is missing or corrupt (the ``COMPLETE`` check:
+    :func:`~shardwise.checkpoint.verify_checkpoint`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
@@ -91,12 +98,20 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
     for key, tmd in md.state_dict_metadata.items():
         for prefix in ("model.", "model/"):
             if key.startswith(prefix) and hasattr(tmd, "size"):
-                state[key] = torch.empty(tuple(tmd.size), dtype=tmd.properties.dtype)
+                state[key] = torch.empty(tuple(tmd.size), dtype=tmd.properties.dtype,
+                                         device="meta" if lazy else None)
     if not state:
         raise CheckpointError(f"{step}: no model tensors in the checkpoint (keys "
                               f"{sorted(md.state_dict_metadata)[:4]}): not a shardwise "
                               "checkpoint")
     _check_storage_files(step, md)
+    if lazy:
+        from ..checkpoint.load import DCPBoxReader
+        from ..lazy import LazyTensor
+
+        return {k.split(".", 1)[1] if k.startswith("model.") else k.split("/", 1)[1]:
+                LazyTensor.source(v.shape, v.dtype, DCPBoxReader(step, k, v.shape, v.dtype),
+                                  k).float() for k, v in state.items()}, meta, step
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
@@ -243,10 +258,19 @@ def write_tokenizer_files(tok, out: Path, max_len: int) -> None:
 
 # ----------------------------------------------------------------------------------- export
 
+MAX_SHARD_BYTES = 2 * 2**30  # a weight file's size above which export writes several
+
+
 def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike,
-              tokenizer: str | None = None) -> Path:
+              tokenizer: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Write a LlamaForCausalLM folder ``out`` from one of our checkpoints (see module doc); a
     MixtralForCausalLM folder when the checkpoint's model is a mixture of experts.
+
+    The tensors are read lazily and written one weight file at a time: ``model.safetensors``
+    when the model's fp32 bytes fit ``max_shard_bytes``, else ``model-0000i-of-0000n.safetensors``
+    files of at most that size (a tensor larger than it gets a file of its own) and
+    ``model.safetensors.index.json``, as ``save_pretrained`` shards; so the process holds one
+    file's tensors at a time, never the whole model.
 
     ``tokenizer``: a tokenizer ``.json`` to ship instead of the run's own. The folder is written
     as ``out.tmp`` and renamed when complete. Returns ``out``. Raises ShardwiseConfigError for
@@ -255,7 +279,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike,
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ShardwiseConfigError(f"export: {out} already exists and is not empty: choose a "
                                    "new output folder or remove it")
-    state, meta, step = read_checkpoint(checkpoint)
+    state, meta, step = read_checkpoint(checkpoint, lazy=True)
     cfg = checkpoint_model_config(state, meta)
     check_hf_exportable(cfg)  # before anything is written
     run = meta.get("config", {})
@@ -286,8 +310,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike,
     except OSError as e:
         raise ShardwiseConfigError(f"export: cannot create {tmp} ({e.strerror}): choose a "
                                    "writable output folder") from None
-    hf = {k: v.contiguous() for k, v in ours_to_hf(state, cfg).items()}
-    save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    _write_weights(ours_to_hf(state, cfg), tmp, max_shard_bytes, save_file)
     (tmp / "config.json").write_text(json.dumps(llama_to_hf_config(cfg, tok.eos_id), indent=2))
     (tmp / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": tok.eos_id, "eos_token_id": tok.eos_id}, indent=2))
@@ -296,3 +319,30 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike,
         out.rmdir()  # empty (checked above)
     os.replace(tmp, out)
     return out
+
+
+def _write_weights(hf: dict, folder: Path, max_shard_bytes: int, save_file) -> None:
+    """The tensors of ``hf`` (HF name → lazy or plain tensor) into ``folder``: files planned from
+    the shapes (in order, a new file when the next tensor would pass ``max_shard_bytes``), each
+    file's tensors read, written and dropped before the next file's are read."""
+    files: list[list[str]] = [[]]
+    size = 0
+    for name, t in hf.items():
+        nbytes = 4 * math.prod(t.shape)
+        if files[-1] and size + nbytes > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += nbytes
+    n = len(files)
+    paths = (["model.safetensors"] if n == 1 else
+             [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
+    for path, names in zip(paths, files):
+        part = {k: materialize(hf[k]).float().contiguous() for k in names}
+        save_file(part, str(folder / path), metadata={"format": "pt"})
+        del part
+    if n > 1:
+        total = sum(4 * math.prod(t.shape) for t in hf.values())
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {k: p for p, names in zip(paths, files) for k in names}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

@@ -94,6 +94,14 @@ class InitPlan:
                 yield name, full
             del full
 
+    def replay_draws(self) -> None:
+        """Replay every recorded call and keep nothing: the global RNG ends where a whole build
+        leaves it, for a model whose values come from elsewhere (an HF folder, a checkpoint).
+        Peak: one full tensor, freed on return (a caller's ``for _ in stream()`` would keep the
+        last one, the largest of a Llama, alive in ``_``)."""
+        for _ in self.stream():
+            pass
+
 
 def build_on_meta(name: str, vocab_size: int = 4096, **overrides
                   ) -> tuple[nn.Module, InitPlan]:

@@ -2,7 +2,8 @@
 
 :func:`~.apply.parallelize` accepts a model built on ``meta`` (:mod:`shardwise.models.meta`)
 with ``weights``: an iterator of (parameter name, full-shape tensor), one at a time (the
-replayed init, a checkpoint, an HF folder). The transforms that only cut (TP, EP, CP) run on
+replayed init; a checkpoint's or an HF folder's as :class:`~shardwise.lazy.LazyTensor`, of
+which only this rank's part is read, :func:`~.views.to_local`). The transforms that only cut (TP, EP, CP) run on
 the meta model; then either
 
 * :func:`materialize_local` gives the parameters this rank holds their storage and fills each
@@ -14,8 +15,8 @@ the meta model; then either
 * (torch engine) DTensor TP and FSDP2 convert the meta model and :func:`fill_dtensors`
   allocates their shards and writes each local slice.
 
-Each full tensor is dropped after use, so the peak of a rank is what it keeps plus one full
-tensor (docs/checkpointing.md, start-up memory).
+Each tensor is dropped after use, so the peak of a rank is what it keeps plus one full
+tensor, or of a lazy one only its part (docs/checkpointing.md, start-up memory).
 """
 
 from __future__ import annotations

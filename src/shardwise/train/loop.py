@@ -207,9 +207,9 @@ def setup(cfg: TrainConfig) -> Run:
         (out / "config.toml").write_text(cfg.to_toml())
 
     # -- model: same seed on every rank → same init. Built on the meta device (no storage):
-    # the engine allocates only what this rank holds and fills it from `weights`, full tensors
-    # one at a time (parallel/materialize.py): the replayed init (models/meta.py), the HF
-    # folder's tensors, or the checkpoint's. DPO keeps the whole build (its frozen reference
+    # the engine allocates only what this rank holds and fills it from `weights`, full-shape
+    # tensors one at a time (parallel/materialize.py): the replayed init (models/meta.py), the
+    # HF folder's tensors or the checkpoint's (lazy: only this rank's part is read). DPO keeps the whole build (its frozen reference
     # copies the initial policy), as SHARDWISE_WHOLE_BUILD=1 does (benchmarks/host_memory.py
     # measures both).
     torch.manual_seed(cfg.seed)
@@ -221,8 +221,7 @@ def setup(cfg: TrainConfig) -> Run:
         model, plan = build_on_meta(cfg.model, vocab_size=work.vocab_size, **overrides)
         weights = plan.stream()
         if cfg.init_from_hf or resume_from is not None:
-            for _ in weights:  # the init's draws, so the RNG continues as after a whole build
-                pass
+            plan.replay_draws()  # the init's draws, so the RNG continues as after a whole build
         if cfg.init_from_hf:
             from ..interop.hf import hf_weight_stream
 
