@@ -132,7 +132,8 @@ def _parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder of its "
                        "family (Llama, Mistral, Qwen2, Qwen3, GPT-2; an MoE model: Mixtral): "
-                       "config.json, model.safetensors, tokenizer files")
+                       "config.json, model.safetensors (above 2 GiB: 2 GiB files and "
+                       "their index, written one at a time), tokenizer files")
     e.add_argument("--checkpoint", required=True, metavar="DIR",
                    help="a run folder (its latest checkpoint), or a checkpoints/step_N folder")
     e.add_argument("--to", required=True, choices=("hf",), help="output format")

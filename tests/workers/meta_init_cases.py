@@ -27,8 +27,8 @@ from shardwise.train.workload import SyntheticLMWorkload
 
 GLOBAL_BATCH, MICRO_BATCH, STEPS = 8, 2, 2
 # (case name, model, layout kwargs, engine): every family the explicit engine builds from the
-# meta model itself; the torch engine's FSDP2 and DTensor TP do too, its DDP (dp4_z0_torch)
-# and ZeroRedundancyOptimizer get the whole model first. A case
+# meta model itself; the torch engine's FSDP2, DTensor TP and pipeline stages do too, its DDP
+# (dp4_z0_torch) and ZeroRedundancyOptimizer get the whole model first. A case
 # ending in "_deep" has 4 layers (an interleaved pipeline needs one per chunk).
 CASES = [
     ("dp4", "tiny", dict(dp=4), "explicit"),
@@ -55,11 +55,15 @@ CASES = [
     ("dp2_tp2_sp_z3_torch", "tiny", dict(dp=2, tp=2, sp=True, zero=3), "torch"),
     ("dp2_tp2_z0_torch", "tiny", dict(dp=2, tp=2), "torch"),
     ("moe_dp4_z3_torch", "moe-tiny", dict(dp=4, zero=3), "torch"),
+    ("pp2_dp2_torch", "tiny", dict(pp=2, dp=2), "torch"),
+    ("pp2_tp2_torch", "tiny", dict(pp=2, tp=2), "torch"),
+    ("pp2_dp2_z1_torch", "tiny", dict(pp=2, dp=2, zero=1), "torch"),
     # from an HF folder (argv[2], written by the test): hf_weight_stream vs load_hf_weights
     ("hf_dp4_z3", "tiny", dict(dp=4, zero=3), "explicit"),
     ("hf_dp2_tp2", "tiny", dict(dp=2, tp=2), "explicit"),
     ("hf_pp2_dp2", "tiny", dict(pp=2, dp=2), "explicit"),
     ("hf_dp4_z3_torch", "tiny", dict(dp=4, zero=3), "torch"),
+    ("hf_pp2_tp2_torch", "tiny", dict(pp=2, tp=2), "torch"),
 ]
 MODEL = {"tiny": dict(n_heads=8, n_kv_heads=4), "moe-tiny": {}}  # tp = 4 divides the heads
 CFG = TrainConfig(model="tiny", lr=3e-3, weight_decay=0.1)

@@ -75,11 +75,14 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     if meta and weights is None:
         raise ValueError("a model built on the meta device needs weights= (name, full tensor)")
     # the torch engine's DTensor TP and FSDP2 (ZeRO-2/3, HSDP) convert a meta model themselves;
-    # DDP, ZeroRedundancyOptimizer and torch's pipelining read the values
+    # DDP and ZeroRedundancyOptimizer (whole parameters on every rank anyway) read the values
     fsdp2_meta = (meta and engine == "torch" and layout.pp == layout.cp == 1
                   and (layout.tp > 1 or layout.zero >= 2
                        or (layout.zero == 1 and layout.dp_replicate > 1)))
-    if meta and engine != "explicit" and not fsdp2_meta:
+    # torch's pipelining runs our stage modules: a stage is cut from the meta model as for the
+    # explicit engine (DTensor TP converts it on meta, fill_dtensors fills it)
+    stage_meta = meta and engine == "torch" and layout.pp > 1 and layout.cp == 1
+    if meta and engine != "explicit" and not fsdp2_meta and not stage_meta:
         materialize_local(model, weights, topo)
         meta = False
 
@@ -174,9 +177,9 @@ def _pipeline(model: nn.Module, topo, layout: Layout, engine: str, *, layers_per
     gradients' placements; the tied swap; with SP the sum over tp on whole gradients; then the
     sync) and the runner of the schedule (explicit :class:`~.pp.runner.ScheduleRunner`, torch
     :class:`~.pp.torch_runner.TorchScheduleRunner`). Options as :func:`parallelize`;
-    ``weights``: ``model`` is on the meta device (explicit engine): the stage is cut and TP
-    converted on it, then gets its values from ``weights`` before the sync (no copy from the
-    first stage: every rank reads the same weights)."""
+    ``weights``: ``model`` is on the meta device: the stage is cut and TP converted on it
+    (Megatron's or DTensor's), then gets its values from ``weights`` before the sync (no copy
+    from the first stage: every rank reads the same weights)."""
     from .sync import NoSync
     from .model import ParallelModel, PlainLoss
     from .params import mark_duplicate
@@ -205,9 +208,12 @@ def _pipeline(model: nn.Module, topo, layout: Layout, engine: str, *, layers_per
     else:
         loss_fn = PlainLoss(stage)
     if weights is not None:  # this rank's stage (tp shards) from the full tensors
-        from .materialize import materialize_local
+        from .materialize import fill_dtensors, materialize_local
 
-        materialize_local(stage, weights, topo, fqn=stage.fqn)
+        if tp > 1 and engine == "torch":  # DTensor TP: its local shards only
+            fill_dtensors(stage, weights, topo, fqn=stage.fqn)
+        else:
+            materialize_local(stage, weights, topo, fqn=stage.fqn)
         stage.replay_tied_draw()  # after the init's draws, where a whole build takes it
     if stage.tied_output is not None:
         mark_duplicate(stage.tied_output)  # reduced over dp like the others, counted once

@@ -127,18 +127,19 @@ def hollow(module: nn.Module, topo) -> None:
 
 
 @torch.no_grad()
-def fill_dtensors(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], topo) -> None:
+def fill_dtensors(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], topo,
+                  fqn=None) -> None:
     """A module DTensor TP and/or FSDP2 converted on the meta device: storage on
     ``topo.device`` for each DTensor's local shard only (FSDP2: its ``to_empty``; TP alone: new
     DTensors of the same placements, ties kept), then each local shard from its full tensor
     (``distribute_tensor(..., src_data_rank=None)``: local slicing, no collective; a plain
-    parameter beside them as :func:`materialize_local`). Raises ``ValueError`` for a parameter
-    the stream never gave."""
+    parameter beside them as :func:`materialize_local`; ``fqn`` as there: a pipeline stage's
+    names). Raises ``ValueError`` for a parameter the stream never gave."""
     from torch.distributed.fsdp import FSDPModule
 
     if any(isinstance(m, FSDPModule) for m in module.modules()):
         module.to_empty(device=topo.device)  # FSDP2 keeps its parameters (and ties) itself
     else:  # DTensor TP alone: new DTensors of the same placements, ties kept
         _swap_params(module, _EmptyLike(topo.device))
-    _copy_in(dict(module.named_parameters()), weights, topo)
+    _copy_in({(fqn or str)(n): p for n, p in module.named_parameters()}, weights, topo)
     _init_buffers(module)
