@@ -104,20 +104,21 @@ def test_an_init_on_a_view_is_refused():
 
 # -- the engines: each rank allocates and fills only what it holds -----------------------------
 
-def write_hf_folder(folder, **overrides):
-    """A tiny Llama (vocab 67, 8 heads, 4 kv heads) as an HF folder: config.json and
+def write_hf_folder(folder, name="tiny", **overrides):
+    """A tiny Llama (vocab 67; a Mixtral for ``moe-tiny``) as an HF folder: config.json and
     model.safetensors, our names mapped to HF's (random weights of another seed than the
     worker's init, so a load that did not happen shows)."""
     import json
 
     from safetensors.torch import save_file
 
-    from shardwise.interop.hf import llama_to_hf_config, ours_to_hf
+    from shardwise.interop.hf import llama_to_hf_config, mixtral_to_hf_config, ours_to_hf
 
     torch.manual_seed(123)
-    model = build_model("tiny", vocab_size=67, **overrides)
+    model = build_model(name, vocab_size=67, **overrides)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(llama_to_hf_config(model.config)))
+    to_cfg = mixtral_to_hf_config if name.startswith("moe") else llama_to_hf_config
+    (folder / "config.json").write_text(json.dumps(to_cfg(model.config)))
     state = {k: v.contiguous() for k, v in ours_to_hf(
         {n: p.detach() for n, p in model.named_parameters()}, model.config).items()}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
@@ -129,6 +130,7 @@ def world(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("meta_init")
     write_hf_folder(out / "hf", n_heads=8, n_kv_heads=4)
+    write_hf_folder(out / "hf_moe", "moe-tiny")
     run_world(ROOT / "tests" / "workers" / "meta_init_cases.py", out)
     return out
 
@@ -165,15 +167,15 @@ def test_an_engine_built_from_a_meta_model_equals_the_whole_build_bitwise(world,
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", ["hf_dp4_z3", "hf_dp4_z3_torch", "hf_dp2_tp2", "hf_pp2_dp2",
-                                  "hf_pp2_tp2_torch"])
+                                  "hf_pp2_tp2_torch", "hf_moe_dp4_ep2_z3"])
 def test_from_an_hf_folder_each_rank_reads_only_what_it_holds(world, case):
     """The elements the 4 ranks read of each HF tensor (``shardwise.lazy.counting`` around
     ``parallelize``), against what the layout gives each rank, worked by hand (a whole load
     reads every tensor on every rank: 4 × its elements):
 
-    * ZeRO-3 over dp = 4: every element by one rank; the explicit engine reads whole rows of
-      dim 0, so at most a partial row more at each end of each rank's slice; FSDP2's
-      ``Shard(0)`` chunks exactly;
+    * ZeRO-3 over dp = 4: every element by one rank, once (the explicit engine's flat slices
+      cut tensors anywhere: ``read_flat``; FSDP2's ``Shard(0)`` chunks); a Mixtral's experts
+      under ep = 2 too (each ep rank's E/2 experts, ZeRO-3 over the 2 ranks that share them);
     * dp = 2 × tp = 2: a matrix (tp-split) by each dp replica's two tp ranks, once each: 2 ×;
       a norm weight (replicated) by every rank: 4 ×;
     * pp = 2 × dp = 2: a tensor by the two ranks of the stage holding it (read whole: 0 or
@@ -183,17 +185,16 @@ def test_from_an_hf_folder_each_rank_reads_only_what_it_holds(world, case):
       ranks: 2 ×."""
     from safetensors import safe_open
 
-    with safe_open(str(world / "hf" / "model.safetensors"), "pt") as f:
+    folder = world / ("hf_moe" if case.startswith("hf_moe") else "hf")
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     reads = [torch.load(world / f"{case}_rank{r}.pt", weights_only=False)["reads"]
              for r in range(4)]
     for k, shape in shapes.items():
-        numel, row = math.prod(shape), math.prod(shape[1:])
+        numel = math.prod(shape)
         per_rank = [r.get(k, 0) for r in reads]
         total = sum(per_rank)
-        if case == "hf_dp4_z3":
-            assert numel <= total <= numel + 4 * 2 * (row - 1), (k, per_rank)
-        elif case == "hf_dp4_z3_torch":
+        if case in ("hf_dp4_z3", "hf_dp4_z3_torch", "hf_moe_dp4_ep2_z3"):
             assert total == numel, (k, per_rank)
         elif case == "hf_dp2_tp2":
             assert total == (2 if len(shape) == 2 else 4) * numel, (k, per_rank)
@@ -283,3 +284,26 @@ def test_the_checkpoint_stream_reads_only_the_box_asked_for(tmp_path):
             assert reads[n] == [math.prod(size)], n
         first = next(iter(saved))
         assert torch.equal(got[first].read(), saved[first])  # whole: the plain dcp.load
+
+
+def test_read_flat_reads_exactly_the_flat_range():
+    """``views.read_flat`` (a ZeRO-3 slice of a lazy tensor): for tensors of 1 to 4 dims and
+    random ranges [lo, hi), the elements of the flattened tensor, and exactly hi − lo of them
+    read (``shardwise.lazy.counting``)."""
+    import random
+
+    from shardwise.lazy import LazyTensor, counting
+    from shardwise.parallel.views import read_flat
+
+    rng = random.Random(0)
+    for shape in [(5,), (4, 3), (3, 4, 5), (2, 3, 4, 5)]:
+        w = torch.randn(shape)
+        lazy = LazyTensor.source(shape, w.dtype, lambda o, s, w=w: w[tuple(
+            slice(a, a + b) for a, b in zip(o, s))].clone(), "w")
+        for _ in range(100):
+            lo = rng.randrange(w.numel())
+            hi = rng.randrange(lo + 1, w.numel() + 1)
+            with counting() as reads:
+                got = read_flat(lazy, lo, hi)
+            assert torch.equal(got, w.reshape(-1)[lo:hi]), (shape, lo, hi)
+            assert sum(reads["w"]) == hi - lo, (shape, lo, hi)

@@ -64,6 +64,7 @@ CASES = [
     ("hf_pp2_dp2", "tiny", dict(pp=2, dp=2), "explicit"),
     ("hf_dp4_z3_torch", "tiny", dict(dp=4, zero=3), "torch"),
     ("hf_pp2_tp2_torch", "tiny", dict(pp=2, tp=2), "torch"),
+    ("hf_moe_dp4_ep2_z3", "moe-tiny", dict(dp=4, ep=2, zero=3), "explicit"),  # <hf>_moe
 ]
 MODEL = {"tiny": dict(n_heads=8, n_kv_heads=4), "moe-tiny": {}}  # tp = 4 divides the heads
 CFG = TrainConfig(model="tiny", lr=3e-3, weight_decay=0.1)
@@ -85,6 +86,11 @@ def engine_bytes(engine) -> int:
     return total
 
 
+def _folder(case, hf):
+    """The HF folder of a case: a Mixtral's (``hf_moe_*``) beside the Llama's."""
+    return f"{hf}_moe" if case.startswith("hf_moe") else hf
+
+
 def _model_kw(case, model_name):
     return {**MODEL[model_name], **(dict(n_layers=4) if case.endswith("_deep") else {})}
 
@@ -99,14 +105,14 @@ def run(case, model_name, kw, engine_name, work, out, rank, hf=None):
         if path == "whole":
             model = build_model(model_name, vocab_size=67, **_model_kw(case, model_name))
             if case.startswith("hf_"):
-                load_hf_weights(model, hf)
+                load_hf_weights(model, _folder(case, hf))
             engine = parallelize(model, topo, layout, engine=engine_name)
         else:
             model, plan = build_on_meta(model_name, vocab_size=67, **_model_kw(case, model_name))
             weights = plan.stream()
             if case.startswith("hf_"):  # as train does: the init's draws, then the folder's
                 plan.replay_draws()
-                weights = hf_weight_stream(model, hf)
+                weights = hf_weight_stream(model, _folder(case, hf))
             with counting() as reads:  # the elements this rank reads of each HF tensor
                 engine = parallelize(model, topo, layout, engine=engine_name, weights=weights)
             rec["reads"] = {k: sum(v) for k, v in reads.items()}

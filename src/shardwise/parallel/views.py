@@ -7,7 +7,7 @@ their own placements); these functions read that record, once for every layout:
   shape: one all_gather over tp per dtype for the whole list, one over ep for expert shards,
   and :func:`full_tensors` for DTensors (one gather per mesh dim);
 * :func:`to_local` — the inverse, no collective (of a lazy tensor it reads only this rank's part:
-  :func:`local_box`, :func:`local_flat_range`); :func:`shard_of` — how TP cuts a plain weight;
+  :func:`local_box`, :func:`local_flat_range`, :func:`read_flat`); :func:`shard_of` — how TP cuts a plain weight;
 * :func:`full_shape` — the full shape of a parameter's tensor.
 
 Every gather runs in ledger phase and tag ``gather``, outside a step's bytes. ``t.full_tensor()``
@@ -133,16 +133,29 @@ def local_box(full: LazyTensor, p: nn.Parameter, topo) -> LazyTensor | None:
 
 def local_flat_range(full, p: nn.Parameter, topo, lo: int, hi: int) -> torch.Tensor:
     """Elements ``[lo, hi)`` of ``to_local(full, p, topo).reshape(-1)`` (a ZeRO-3 rank's piece of
-    a parameter); of a :class:`~shardwise.lazy.LazyTensor` only the rows of dim 0 that hold
-    them are read. Raises as :func:`to_local`."""
+    a parameter); of a :class:`~shardwise.lazy.LazyTensor` exactly those elements are read
+    (:func:`read_flat`). Raises as :func:`to_local`."""
     if isinstance(full, LazyTensor) and tuple(full.shape) == full_shape(p) and p.dim() > 0:
         box = local_box(full, p, topo)
         if box is not None and tuple(box.shape) == tuple(p.shape):  # not padded
-            row = max(1, math.prod(p.shape[1:]))
-            r0, r1 = lo // row, -(-hi // row)
-            rows = box.narrow(0, r0, r1 - r0).read().to(p.device, p.dtype).reshape(-1)
-            return rows[lo - r0 * row: hi - r0 * row]
+            return read_flat(box, lo, hi).to(p.device, p.dtype)
     return to_local(full, p, topo, copy=False).reshape(-1)[lo:hi]
+
+
+def read_flat(t: LazyTensor, lo: int, hi: int) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of lazy ``t`` flattened (row-major), reading only them: the whole
+    rows of dim 0 inside the range as one box, the partial first and last rows by recursing
+    into them (at most 2·ndim + 1 reads)."""
+    if t.ndim <= 1:
+        return t.narrow(0, lo, hi - lo).read() if t.ndim else t.read().reshape(-1)[lo:hi]
+    row = math.prod(t.shape[1:])
+    r0, r1 = lo // row, -(-hi // row)
+    if r1 - r0 == 1:  # inside one row
+        return read_flat(t[r0], lo - r0 * row, hi - r0 * row)
+    head = read_flat(t[r0], lo - r0 * row, row)
+    tail = read_flat(t[r1 - 1], 0, hi - (r1 - 1) * row)
+    mid = t.narrow(0, r0 + 1, r1 - r0 - 2).read().reshape(-1)
+    return torch.cat([head, mid, tail])
 
 
 def to_full(pairs: list[tuple[torch.Tensor, nn.Parameter]], topo,
