@@ -147,8 +147,8 @@ class LazyTensor:
 def stack(parts: Sequence) -> torch.Tensor | LazyTensor:
     """``torch.stack(parts)`` on dim 0; for lazy parts a lazy stack (a box reads only the parts
     and the part of each it covers). Raises ``RuntimeError`` when the shapes differ (as torch)."""
-    if not any(isinstance(p, LazyTensor) for p in parts):
-        return torch.stack(list(parts))
+    if not all(isinstance(p, LazyTensor) for p in parts):  # plain (or mixed): read, stack
+        return torch.stack([materialize(p) for p in parts])
     shapes = {tuple(p.shape) for p in parts}
     if len(shapes) != 1:
         raise RuntimeError(f"stack expects each tensor to be equal size, but got {sorted(shapes)}")

@@ -109,8 +109,8 @@ def gpt2_to_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     """Our full-shape tensors (plain-model FQNs) → GPT2LMHeadModel names: Conv1D weights
     transposed, q‖k‖v fused into ``c_attn`` (module docstring); ``output.weight`` (tied) left
     out. New tensors (``contiguous`` copies), or lazy ones for lazy ``state``
-    (:mod:`shardwise.lazy`: export reads one at a time). Raises ShardwiseConfigError for a name GPT-2 has
-    no place for."""
+    (:mod:`shardwise.lazy`: export reads one at a time). Raises ShardwiseConfigError for a name
+    GPT-2 has no place for."""
     out, unknown, done = {}, [], set()
     top = {"tok_embeddings.weight": "transformer.wte.weight",
            "pos_embeddings.weight": "transformer.wpe.weight",

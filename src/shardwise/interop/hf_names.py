@@ -157,8 +157,9 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], tie_embeddings: bool, source
 
     With ``tie_embeddings`` the embedding is also returned as ``output.weight`` (our tied
     model's state dict holds both names for one tensor) and any ``lm_head.weight`` is ignored.
-    Mixtral's per-expert tensors are stacked in expert order (:func:`~shardwise.lazy.stack`: a copy, or lazy for lazy parts); its
-    transformers-5 names (``mlp.experts.gate_up_proj``, split into w1 and w3 as views) load too.
+    Mixtral's per-expert tensors are stacked in expert order (:func:`~shardwise.lazy.stack`: a
+    copy, or lazy for lazy parts); its transformers-5 names (``mlp.experts.gate_up_proj``, split
+    into w1 and w3 as views) load too.
     Raises ShardwiseConfigError listing names we cannot place (biases, other architectures), an
     expert missing from a block, a tensor given twice, or experts of unequal shapes."""
     back = {v: k for k, v in _OURS_TO_HF.items()}

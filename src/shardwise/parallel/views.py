@@ -6,8 +6,9 @@ their own placements); these functions read that record, once for every layout:
 * :func:`to_full` — tensors shaped like a parameter's tp (or ep) shard → the full (unpadded)
   shape: one all_gather over tp per dtype for the whole list, one over ep for expert shards,
   and :func:`full_tensors` for DTensors (one gather per mesh dim);
-* :func:`to_local` — the inverse, no collective (of a lazy tensor it reads only this rank's part:
-  :func:`local_box`, :func:`local_flat_range`, :func:`read_flat`); :func:`shard_of` — how TP cuts a plain weight;
+* :func:`to_local` — the inverse, no collective (of a lazy tensor it reads only this rank's
+  part: :func:`local_box`, :func:`local_flat_range`, :func:`read_flat`); :func:`shard_of` — how
+  TP cuts a plain weight;
 * :func:`full_shape` — the full shape of a parameter's tensor.
 
 Every gather runs in ledger phase and tag ``gather``, outside a step's bytes. ``t.full_tensor()``
