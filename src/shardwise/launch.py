@@ -196,9 +196,10 @@ STORE_PROCESS_NAME = "shardwise-store"  # the launcher's store server process (/
 class _StoreServer:
     """The launcher's TCPStore, served on a free localhost port by a child process forked
     before the agent starts, so that it outlives every rank: the ranks' collective checks
-    publish their positions in it (``SHARDWISE_DIAG_STORE``; :mod:`shardwise.comm.fingerprint`),
-    read after a failure (:func:`_diagnose`; the launcher connects as a client only then); and,
-    when the workers are forked, it is also the rendezvous store and the workers' store
+    publish their reports in it (``SHARDWISE_DIAG_STORE``; :mod:`shardwise.comm.fingerprint`)
+    and name the folder of their position files (``SHARDWISE_DIAG_DIR``), read after a failure
+    (:func:`_diagnose`; the launcher connects as a client only then); and, when the workers are
+    forked, it is also the rendezvous store and the workers' store
     (``SHARDWISE_WORLD_STORE``), so that the agent serves no store itself.
 
     Why a process of its own: a TCPStore server runs a thread (``pt_tcpstore_uv``) that answers
@@ -434,12 +435,17 @@ def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float =
         entrypoint, args = _forked_worker, (list(argv), overlay, script)
     else:
         entrypoint, args = program[0], (*program[1:], *argv)
-    # the ranks' collective checks publish their positions in a store of ours, which outlives
+    # the ranks' collective checks publish their reports in a store of ours, which outlives
     # every rank: after a failure we read it and print one line (:func:`_diagnose`)
     diag = _StoreServer.start(grace_s)
-    rdzv, launcher_env = dict(endpoint="127.0.0.1:0", configs={}), {}
+    rdzv, launcher_env, positions = dict(endpoint="127.0.0.1:0", configs={}), {}, None
     if diag is not None:
         overlay["SHARDWISE_DIAG_STORE"] = f"127.0.0.1:{diag.port}"
+        # and write their positions, twice per gloo collective, into files of ours: a copy in
+        # memory each instead of a store set (comm/positions.py)
+        positions = tempfile.mkdtemp(prefix="shardwise-pos-", dir="/dev/shm" if os.access(
+            "/dev/shm", os.W_OK) else None)
+        overlay["SHARDWISE_DIAG_DIR"] = positions
         if forked:  # the agent serves no store (no thread of it in the forks): ours serves both
             overlay["SHARDWISE_WORLD_STORE"] = f"127.0.0.1:{diag.port}"
             rdzv = dict(endpoint=f"127.0.0.1:{diag.port}",
@@ -507,6 +513,8 @@ def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float =
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         shutil.rmtree(logs, ignore_errors=True)
+        if positions is not None:
+            shutil.rmtree(positions, ignore_errors=True)
         if diag is not None:
             diag.stop()
     return code

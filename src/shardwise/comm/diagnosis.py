@@ -1,16 +1,18 @@
 """What the launcher, ``shardwise doctor`` and torchrun's stop print: the diagnosis of a desync or
 a hang from what the ranks' :class:`~shardwise.comm.fingerprint.CollectiveChecks` published.
 
-The per-step agreement check (:mod:`shardwise.comm.fingerprint`) publishes, in a store, every
-rank's position (``pos/{r}``: its last fingerprint, step, point-to-point counts, whether it waits)
-and, while it waits, its full report (every fingerprint since the last check). From those this
+The per-step agreement check (:mod:`shardwise.comm.fingerprint`) publishes every rank's position
+(its last fingerprint, step, point-to-point counts, whether it waits: in a shared-memory file under
+the local launcher, else in the store, :mod:`shardwise.comm.positions`) and, in a store, while it
+waits, its full report (every fingerprint since the last check). From those this
 module proves a divergence (:func:`diagnose_reports`: two ranks issued different collectives at
 one sequence number of a group, or one issued one where a peer that reached the check issued
 none; :func:`diagnose_positions`: from the last collective of each rank alone, for a rank that
 died inside it), names an unanswered point-to-point message (:func:`p2p_findings`), words a hang
 (:func:`hang_message`) and, after the job failed, composes the one line the local launcher
 (:func:`diagnose_store`) or rank 0 under torchrun (:func:`diagnose_stopped`) prints. Everything
-here only reads the store and words what it finds; nothing waits on a collective.
+here only reads the store (and the position files) and words what it finds; nothing waits on a
+collective.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import json
 import os
 
 import torch.distributed as dist
+
+from .positions import read_positions
 
 TOPOLOGIES_KEY = "shardwise/topologies"  # the checks' prefixes, one a line, oldest first
 
@@ -272,8 +276,7 @@ def _latest_topology(store, failed=()):
     prefixes = [p for p in store.get(TOPOLOGIES_KEY).decode().splitlines() if p]
     ps = dist.PrefixStore(prefixes[-1], store)  # the latest topology
     ranks = json.loads(ps.get("ranks")) if ps.check(["ranks"]) else sorted(failed)
-    states = {r: json.loads(ps.get(f"pos/{r}")) for r in ranks if ps.check([f"pos/{r}"])}
-    return prefixes[-1], ps, ranks, states
+    return prefixes[-1], ps, ranks, read_positions(ps, prefixes[-1], ranks)
 
 
 def store_positions(store) -> dict:

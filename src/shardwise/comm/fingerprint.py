@@ -11,12 +11,14 @@ waited for like collectives: a receive that waits past ``--hang-after`` names th
 waits for, and the diagnosis compares it with the sender's count
 (:func:`~shardwise.comm.diagnosis.p2p_findings`).
 
-On a host-blocking backend (gloo) every rank also publishes its *position* (``pos/{r}``: its
-last fingerprint, step, point-to-point counts, whether it waits in it) before each collective or
-message is launched, and again when its wait returns: a store ``set`` each, not waited for (a
-few µs). A rank that dies inside a collective (gloo aborts a receiver of more bytes than it
-expects, SIGABRT; a SIGKILL) leaves it behind, and the local launcher, which serves the store
-(``SHARDWISE_DIAG_STORE``), prints one line from every rank's position after the failure
+On a host-blocking backend (gloo) every rank also publishes its *position* (its last
+fingerprint, step, point-to-point counts, whether it waits in it) before each collective or
+message is launched, and again when its wait returns: under the local launcher a copy into a
+shared-memory file of the launcher's (~1 µs, :mod:`~shardwise.comm.positions`), else a store
+``set`` (``pos/{r}``), not waited for. A rank that dies inside a collective (gloo aborts a
+receiver of more bytes than it expects, SIGABRT; a SIGKILL) leaves it behind, and the local
+launcher, which serves the store (``SHARDWISE_DIAG_STORE``) and the files' folder
+(``SHARDWISE_DIAG_DIR``), prints one line from every rank's position after the failure
 (:func:`~shardwise.comm.diagnosis.diagnose_store`).
 
 ``--check-collectives`` (:data:`MODES`) says when ranks compare them:
@@ -84,6 +86,7 @@ import torch.distributed as dist
 
 from ..errors import CollectiveHang, CollectiveMismatch, CollectiveTimeout
 from .groups import SHARED_GLOO
+from .positions import DIR_ENV, DIR_KEY, PositionFile, read_positions
 from .diagnosis import (DESYNC_FIX, TOPOLOGIES_KEY, diagnose_positions, diagnose_reports,
                         diagnose_when_torchrun_stops, divergence_message, hang_message)
 
@@ -162,6 +165,9 @@ class CollectiveChecks:
         self.sent: dict[str, int] = {}
         self.recvd: dict[str, int] = {}
         self._waiting = None  # (what, since: monotonic s, p2p wait or None) while in a wait
+        self._posfile = None  # where _position writes (comm/positions.py); False: the store
+        self._p2p = 0  # point-to-point messages issued (the cached parts of the position)
+        self._pos_parts, self._pos_last = (None, "", ""), (None, "null")  # _position's JSON
 
     # -- state --------------------------------------------------------------------------------
     @property
@@ -183,7 +189,8 @@ class CollectiveChecks:
         (``SHARDWISE_DIAG_STORE``, :func:`shardwise.launch.spawn`: it outlives every rank, so
         the launcher reads the ranks' positions after any of them died), else the c10d store
         of the default group. The topology's first rank registers the prefix under
-        :data:`TOPOLOGIES_KEY` with its ranks (for the launcher's diagnosis)."""
+        :data:`TOPOLOGIES_KEY` with its ranks and the folder of the ranks' position files, if
+        any (for the launcher's diagnosis)."""
         if self._store is None:
             base = _diag_store(self.timeout_s) or dist.distributed_c10d._get_default_store()
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -192,6 +199,8 @@ class CollectiveChecks:
             self._store = dist.PrefixStore(self._prefix, base)
             if self._rank == min(self.topo.ranks):
                 self._store.set("ranks", json.dumps(list(self.topo.ranks)))
+                if os.environ.get(DIR_ENV):
+                    self._store.set(DIR_KEY, os.environ[DIR_ENV])
                 base.append(TOPOLOGIES_KEY, self._prefix + "\n")
             if self._rank == 0 and "TORCHELASTIC_RUN_ID" in os.environ and \
                     not os.environ.get("SHARDWISE_DIAG_STORE"):  # torchrun, not our launcher
@@ -204,10 +213,11 @@ class CollectiveChecks:
         """Record a collective about to be launched on ``axis`` (a group of > 1 rank); at
         ``every``, first compare its fingerprint with the peers' (raises
         :class:`CollectiveMismatch` on a difference, before anything is sent). On a
-        host-blocking backend (gloo), also publish this rank's position, "in" it (one store
-        ``set``, not waited for: a few µs; :meth:`wait` publishes another when it returns), so
-        that a rank that dies inside it (gloo aborts the process on a size mismatch) leaves its
-        last fingerprint behind, and a rank stopped while it waits is named as waiting in it.
+        host-blocking backend (gloo), also publish this rank's position, "in" it (~1 µs under
+        the local launcher, else a store ``set``; :meth:`wait` publishes another when it
+        returns), so that a rank that dies inside it (gloo aborts the process on a size
+        mismatch) leaves its last fingerprint behind, and a rank stopped while it waits is named
+        as waiting in it.
         Returns the history entry ``[group, fingerprint, phase, step, seq]`` for :meth:`wait`
         (None: inactive)."""
         if not self.active:
@@ -239,6 +249,7 @@ class CollectiveChecks:
         chan = f"{src}>{dst}:{tag or '-'}"
         book = self.sent if op == "send" else self.recvd
         n = book[chan] = book.get(chan, 0) + 1
+        self._p2p += 1
         fp = f"{fingerprint(op, axis, tag, tensor_like)[:-1]}, " \
              f"{'to' if op == 'send' else 'from'}={peer})"
         self.history.append([chan, fp, self.topo.ledger.current_phase, self.step, n])
@@ -325,13 +336,28 @@ class CollectiveChecks:
         it is (``where``: e.g. "at the check before step 3", "in all_reduce(dp, grad,
         float32[4]) #5" while it waits in its last op; None: running, past it), its point-to-point
         counts, its flight folder and its process id (the local launcher maps the exit statuses
-        it recorded to ranks with it), with the wall time (s since the epoch)."""
-        rec = {"rank": self._rank, "pid": os.getpid(), "step": self.step, "epoch": self.epoch,
-               "last": self.history[-1] if self.history else None, "where": where,
-               "sent": self.sent, "recvd": self.recvd, "flight_dir": self.flight_dir,
-               "t": time.time()}
+        it recorded to ranks with it), with the wall time (s since the epoch): into this rank's
+        position file under the local launcher, else (or when it does not fit) in the store."""
+        last = self.history[-1] if self.history else None
+        # json.dumps of {rank, pid, step, epoch, last, where, sent, recvd, flight_dir, t}, from
+        # parts kept while they hold (a collective publishes twice with one entry): ~3 µs, not ~9
+        key = (self.step, self.epoch, self.flight_dir, self._p2p, os.getpid())
         try:
-            self.store().set(f"pos/{self._rank}", json.dumps(rec))
+            if self._pos_parts[0] != key:
+                self._pos_parts = (key, json.dumps(
+                    {"rank": self._rank, "pid": os.getpid(), "step": self.step,
+                     "epoch": self.epoch})[:-1], json.dumps(
+                    {"sent": self.sent, "recvd": self.recvd, "flight_dir": self.flight_dir})[1:-1])
+            if self._pos_last[0] is not last:
+                self._pos_last = (last, json.dumps(last))
+            _, head, tail = self._pos_parts
+            text = (f'{head}, "last": {self._pos_last[1]}, "where": {json.dumps(where)}, '
+                    f'{tail}, "t": {time.time()!r}}}')
+            s = self.store()
+            if self._posfile is None:
+                self._posfile = PositionFile.open(self._prefix, self._rank) or False
+            if not (self._posfile and self._posfile.write(text)):
+                s.set(f"pos/{self._rank}", text)
         except Exception:  # noqa: BLE001 - positions are best effort; the check is not
             pass
 
@@ -352,11 +378,9 @@ class CollectiveChecks:
             self._raise(msg, cause=cause)
 
     def _positions(self) -> dict:
-        """rank → its published position (``pos/{r}``), for the ranks that published one."""
-        s = self.store()
-        keys = [f"pos/{r}" for r in self.topo.ranks]
-        have = [k for k in keys if s.check([k])]
-        return {json.loads(v)["rank"]: json.loads(v) for v in (s.multi_get(have) if have else [])}
+        """rank → its published position (its file or ``pos/{r}``), for the ranks that
+        published one."""
+        return read_positions(self.store(), self._prefix, self.topo.ranks)
 
     def _raise_known(self, cause: BaseException | None = None) -> None:
         """Raise the topology's published diagnosis, if any (chained to ``cause``)."""
