@@ -438,20 +438,19 @@ def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float =
     # the ranks' collective checks publish their reports in a store of ours, which outlives
     # every rank: after a failure we read it and print one line (:func:`_diagnose`)
     diag = _StoreServer.start(grace_s)
-    rdzv, launcher_env, positions = dict(endpoint="127.0.0.1:0", configs={}), {}, None
+    rdzv, launcher_env = dict(endpoint="127.0.0.1:0", configs={}), {}
     if diag is not None:
         overlay["SHARDWISE_DIAG_STORE"] = f"127.0.0.1:{diag.port}"
-        # and write their positions, twice per gloo collective, into files of ours: a copy in
-        # memory each instead of a store set (comm/positions.py)
-        positions = tempfile.mkdtemp(prefix="shardwise-pos-", dir="/dev/shm" if os.access(
-            "/dev/shm", os.W_OK) else None)
-        overlay["SHARDWISE_DIAG_DIR"] = positions
         if forked:  # the agent serves no store (no thread of it in the forks): ours serves both
             overlay["SHARDWISE_WORLD_STORE"] = f"127.0.0.1:{diag.port}"
             rdzv = dict(endpoint=f"127.0.0.1:{diag.port}",
                         configs={"is_host": False, "keep_alive_interval": 24 * 3600})
             launcher_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     logs = tempfile.mkdtemp(prefix="shardwise-launch-")
+    if diag is not None:  # and write their positions, twice per gloo collective, into files
+        # of ours: a copy in memory each instead of a store set (comm/positions.py)
+        overlay["SHARDWISE_DIAG_DIR"] = os.path.join(logs, "positions")
+        os.makedirs(overlay["SHARDWISE_DIAG_DIR"])
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
         rdzv_backend="c10d", rdzv_endpoint=rdzv["endpoint"], rdzv_configs=rdzv["configs"],
@@ -512,9 +511,7 @@ def spawn(argv: list[str], nproc: int, env: dict | None = None, grace_s: float =
             lg.setLevel(level)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-        shutil.rmtree(logs, ignore_errors=True)
-        if positions is not None:
-            shutil.rmtree(positions, ignore_errors=True)
+        shutil.rmtree(logs, ignore_errors=True)  # and the position files
         if diag is not None:
             diag.stop()
     return code

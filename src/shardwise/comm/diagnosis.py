@@ -2,7 +2,7 @@
 a hang from what the ranks' :class:`~shardwise.comm.fingerprint.CollectiveChecks` published.
 
 The per-step agreement check (:mod:`shardwise.comm.fingerprint`) publishes every rank's position
-(its last fingerprint, step, point-to-point counts, whether it waits: in a shared-memory file under
+(its last fingerprint, step, point-to-point counts, whether it waits: in a memory-mapped file under
 the local launcher, else in the store, :mod:`shardwise.comm.positions`) and, in a store, while it
 waits, its full report (every fingerprint since the last check). From those this
 module proves a divergence (:func:`diagnose_reports`: two ranks issued different collectives at

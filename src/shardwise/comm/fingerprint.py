@@ -14,7 +14,7 @@ waits for, and the diagnosis compares it with the sender's count
 On a host-blocking backend (gloo) every rank also publishes its *position* (its last
 fingerprint, step, point-to-point counts, whether it waits in it) before each collective or
 message is launched, and again when its wait returns: under the local launcher a copy into a
-shared-memory file of the launcher's (~1 µs, :mod:`~shardwise.comm.positions`), else a store
+memory-mapped file of the launcher's (~1 µs, :mod:`~shardwise.comm.positions`), else a store
 ``set`` (``pos/{r}``), not waited for. A rank that dies inside a collective (gloo aborts a
 receiver of more bytes than it expects, SIGABRT; a SIGKILL) leaves it behind, and the local
 launcher, which serves the store (``SHARDWISE_DIAG_STORE``) and the files' folder
