@@ -108,7 +108,7 @@ LAYERS = [
     {"parallel"},
     {"models", "data", "launch"},
     {"comm", "topology"},
-    {"errors", "readers"},
+    {"errors", "readers", "lazy"},
 ]
 
 
