@@ -167,7 +167,8 @@ def test_an_engine_built_from_a_meta_model_equals_the_whole_build_bitwise(world,
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", ["hf_dp4_z3", "hf_dp4_z3_torch", "hf_dp2_tp2", "hf_pp2_dp2",
-                                  "hf_pp2_tp2_torch", "hf_moe_dp4_ep2_z3"])
+                                  "hf_pp2_tp2_torch", "hf_moe_dp4_ep2_z3", "hf_hsdp2x2_z3",
+                                  "hf_dp4_z1", "hf_tp4_sp"])
 def test_from_an_hf_folder_each_rank_reads_only_what_it_holds(world, case):
     """The elements the 4 ranks read of each HF tensor (``shardwise.lazy.counting`` around
     ``parallelize``), against what the layout gives each rank, worked by hand (a whole load
@@ -176,8 +177,10 @@ def test_from_an_hf_folder_each_rank_reads_only_what_it_holds(world, case):
     * ZeRO-3 over dp = 4: every element by one rank, once (the explicit engine's flat slices
       cut tensors anywhere: ``read_flat``; FSDP2's ``Shard(0)`` chunks); a Mixtral's experts
       under ep = 2 too (each ep rank's E/2 experts, ZeRO-3 over the 2 ranks that share them);
+    * HSDP, 2 replicas × ZeRO-3 over 2: each element once per replica, 2 ×;
+    * ZeRO-1 over dp = 4 (whole parameters on every rank): 4 ×;
     * dp = 2 × tp = 2: a matrix (tp-split) by each dp replica's two tp ranks, once each: 2 ×;
-      a norm weight (replicated) by every rank: 4 ×;
+      a norm weight (replicated) by every rank: 4 ×; tp = 4 (± SP): 1 × and 4 ×;
     * pp = 2 × dp = 2: a tensor by the two ranks of the stage holding it (read whole: 0 or
       all of it per rank), 2 ×; the tied embedding is held by both stages: 4 ×;
     * pp = 2 × tp = 2 on torch's pipelining with DTensor TP: a matrix by its stage's two tp
@@ -196,8 +199,14 @@ def test_from_an_hf_folder_each_rank_reads_only_what_it_holds(world, case):
         total = sum(per_rank)
         if case in ("hf_dp4_z3", "hf_dp4_z3_torch", "hf_moe_dp4_ep2_z3"):
             assert total == numel, (k, per_rank)
+        elif case == "hf_hsdp2x2_z3":
+            assert total == 2 * numel, (k, per_rank)
+        elif case == "hf_dp4_z1":
+            assert total == 4 * numel, (k, per_rank)
         elif case == "hf_dp2_tp2":
             assert total == (2 if len(shape) == 2 else 4) * numel, (k, per_rank)
+        elif case == "hf_tp4_sp":
+            assert total == (1 if len(shape) == 2 else 4) * numel, (k, per_rank)
         elif case == "hf_pp2_dp2":
             assert set(per_rank) <= {0, numel}, (k, per_rank)
             assert total == (4 if k == "model.embed_tokens.weight" else 2) * numel, (k, per_rank)

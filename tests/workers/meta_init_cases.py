@@ -65,6 +65,11 @@ CASES = [
     ("hf_dp4_z3_torch", "tiny", dict(dp=4, zero=3), "torch"),
     ("hf_pp2_tp2_torch", "tiny", dict(pp=2, tp=2), "torch"),
     ("hf_moe_dp4_ep2_z3", "moe-tiny", dict(dp=4, ep=2, zero=3), "explicit"),  # <hf>_moe
+    ("hf_dp4_z1", "tiny", dict(dp=4, zero=1), "explicit"),
+    ("hf_hsdp2x2_z3", "tiny", dict(dp=4, zero=3, dp_replicate=2), "explicit"),
+    ("hf_dp2_cp2_z2", "tiny", dict(dp=2, cp=2, zero=2), "explicit"),
+    ("hf_tp4_sp", "tiny", dict(tp=4, sp=True), "explicit"),
+    ("hf_dp2_tp2_sp_z3_torch", "tiny", dict(dp=2, tp=2, sp=True, zero=3), "torch"),
 ]
 MODEL = {"tiny": dict(n_heads=8, n_kv_heads=4), "moe-tiny": {}}  # tp = 4 divides the heads
 CFG = TrainConfig(model="tiny", lr=3e-3, weight_decay=0.1)
