@@ -366,3 +366,30 @@ def test_bf16_reference_pass_runs_under_the_policys_autocast(cache_dir, tmp_path
     first = next(r for r in recs if r.get("step") == 1)
     assert first["dpo_reward_margin"] == 0.0 and first["dpo_reward_chosen"] == 0.0
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-7)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("layout", [["--dp", "2", "--zero", "3"], ["--pp", "2", "--dp", "2"]],
+                         ids=["dp2_zero3", "pp2_dp2"])
+def test_the_meta_build_gives_the_whole_builds_run_bitwise(cache_dir, tmp_path, layout):
+    """DPO built on the meta device (the policy and its frozen reference each filled with the
+    initial weights: the init replayed from the same RNG state for the reference; that the RNG
+    is put back: tests/test_meta_init.py) logs, step by step, exactly what the whole build logs (``SHARDWISE_WHOLE_BUILD=1``:
+    the model built whole, the reference a deep copy): loss, reward margin and log-probs,
+    gradient norm. pp = 2 checks the RNG order (the last stage's tied copy draws after the
+    init); ZeRO-3 the reference's flat shards filled from the replay."""
+    flags = ["train", "--task", "dpo", "--data", preference_file(tmp_path), "--model", "tiny",
+             "--tokenizer", "bytes", "--seq-len", "40", "--global-batch", "8", "--micro-batch",
+             "2", "--steps", "2", "--warmup-steps", "1", "--sample-tokens", "0", "--eval-every",
+             "100", "--eval-sequences", "4", *layout]
+    runs = {}
+    for name, env in (("meta", {}), ("whole", {"SHARDWISE_WHOLE_BUILD": "1"})):
+        p = run_cli([*flags, "--out", tmp_path / name], cache_dir, timeout=300, env=env)
+        assert p.returncode == 0, p.stdout
+        assert ("on the meta device" if name == "meta" else "whole on every rank") in p.stdout
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        runs[name] = [r for r in map(json.loads, lines) if "loss" in r]
+    keys = ("loss", "grad_norm", "dpo_reward_margin", "dpo_logps_chosen", "dpo_logps_rejected")
+    assert len(runs["meta"]) == len(runs["whole"]) == 2
+    for a, b in zip(runs["meta"], runs["whole"]):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}

@@ -316,3 +316,20 @@ def test_read_flat_reads_exactly_the_flat_range():
                 got = read_flat(lazy, lo, hi)
             assert torch.equal(got, w.reshape(-1)[lo:hi]), (shape, lo, hi)
             assert sum(reads["w"]) == hi - lo, (shape, lo, hi)
+
+
+def test_stream_from_replays_the_init_from_a_state_and_puts_the_rng_back():
+    """``InitPlan.stream_from(state)`` (DPO's reference: the initial policy a second time)
+    gives the tensors ``stream()`` gave from that state, bitwise, and leaves the global RNG
+    where it was before the replay (later draws are unaffected)."""
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    model, plan = build_on_meta("tiny", vocab_size=67)
+    first = {n: t.clone() for n, t in plan.stream()}
+    torch.manual_seed(99)
+    here = torch.get_rng_state()
+    again = dict(plan.stream_from(before))
+    assert list(again) == list(first)
+    for n in first:
+        assert torch.equal(again[n], first[n]), n
+    assert torch.equal(torch.get_rng_state(), here)

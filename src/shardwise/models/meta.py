@@ -94,6 +94,18 @@ class InitPlan:
                 yield name, full
             del full
 
+    def stream_from(self, rng_state: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """:meth:`stream` replayed from the global RNG state ``rng_state`` (the state before
+        the init drew, e.g. for a second copy of the initial model: DPO's frozen reference),
+        the RNG put back where it was when the first tensor was asked for once the last one
+        is given: draws after it continue as if this replay had not happened."""
+        here = torch.get_rng_state()
+        torch.set_rng_state(rng_state)
+        try:
+            yield from self.stream()
+        finally:
+            torch.set_rng_state(here)
+
     def replay_draws(self) -> None:
         """Replay every recorded call and keep nothing: the global RNG ends where a whole build
         leaves it, for a model whose values come from elsewhere (an HF folder, a checkpoint).

@@ -2,10 +2,11 @@
 
 What it adds to the loop (:mod:`.loop` calls these at four places, all ``cfg.task == "dpo"``):
 
-1. **The reference model** (:func:`build_reference`): a copy of the plain policy model taken
-   right after initialisation (the seeded init, or ``--init-from-hf`` weights), before a
-   ``--resume`` checkpoint is loaded into the policy, so the reference is always the starting
-   policy. It goes through the same :func:`~shardwise.parallel.apply.parallelize` with the same
+1. **The reference model** (:func:`build_reference`): the plain policy model as right after
+   initialisation (the seeded init, or ``--init-from-hf`` weights): a second meta model filled
+   with the init replayed from the same RNG state (``InitPlan.stream_from``) or the HF folder
+   again, or, built whole, :func:`reference_copy` before a ``--resume`` checkpoint is loaded
+   into the policy; so the reference is always the starting policy. It goes through the same :func:`~shardwise.parallel.apply.parallelize` with the same
    layout (same dp/tp/pp degrees, stage split, SP), so each rank holds the same shards of it as
    of the policy: with ZeRO-3 its parameters are sharded over dp and gathered unit by unit in its
    forward; ZeRO-1/2 shard only gradients and optimizer state, which the reference does not

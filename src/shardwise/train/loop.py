@@ -209,15 +209,17 @@ def setup(cfg: TrainConfig) -> Run:
     # -- model: same seed on every rank → same init. Built on the meta device (no storage):
     # the engine allocates only what this rank holds and fills it from `weights`, full-shape
     # tensors one at a time (parallel/materialize.py): the replayed init (models/meta.py), the
-    # HF folder's tensors or the checkpoint's (lazy: only this rank's part is read). DPO keeps the whole build (its frozen reference
-    # copies the initial policy), as SHARDWISE_WHOLE_BUILD=1 does (benchmarks/host_memory.py
-    # measures both).
+    # HF folder's tensors or the checkpoint's (lazy: only this rank's part is read). DPO's
+    # frozen reference is a second meta model filled with the initial policy (the init replayed
+    # from the same RNG state, or the HF folder again). SHARDWISE_WHOLE_BUILD=1 builds whole
+    # (benchmarks/host_memory.py measures both).
     torch.manual_seed(cfg.seed)
     overrides = work.model_overrides(cfg)
-    weights = None
-    if cfg.task == "dpo" or os.environ.get("SHARDWISE_WHOLE_BUILD") == "1":  # (benchmarks)
+    weights = ref_weights = None
+    if os.environ.get("SHARDWISE_WHOLE_BUILD") == "1":  # (benchmarks, comparisons)
         model = build_model(cfg.model, vocab_size=work.vocab_size, **overrides)
     else:
+        rng_before_init = torch.get_rng_state()
         model, plan = build_on_meta(cfg.model, vocab_size=work.vocab_size, **overrides)
         weights = plan.stream()
         if cfg.init_from_hf or resume_from is not None:
@@ -226,14 +228,19 @@ def setup(cfg: TrainConfig) -> Run:
             from ..interop.hf import hf_weight_stream
 
             weights = hf_weight_stream(model, cfg.init_from_hf)
+        if cfg.task == "dpo":  # the frozen reference: the initial policy, never a --resume's
+            ref_model, ref_plan = build_on_meta(cfg.model, vocab_size=work.vocab_size,
+                                                **overrides)
+            ref_weights = (hf_weight_stream(ref_model, cfg.init_from_hf) if cfg.init_from_hf
+                           else ref_plan.stream_from(rng_before_init))  # the same init again
         if resume_from is not None:  # layout-free weights, each rank reads its part
             weights = checkpoint_weight_stream(resume_from, model)
     if cfg.init_from_hf and weights is None:  # HF weights into the plain model
         from ..interop.hf import load_hf_weights
 
         load_hf_weights(model, cfg.init_from_hf)
-    if cfg.task == "dpo":  # DPO's frozen reference: the initial policy, before any --resume
-        from .dpo import DPOReference, build_reference, reference_copy
+    if cfg.task == "dpo" and ref_weights is None:  # the whole build: a copy, before --resume
+        from .dpo import reference_copy
 
         ref_model = reference_copy(model)
     if resume_from is not None and weights is None:  # layout-free weights, before parallelize
@@ -250,13 +257,16 @@ def setup(cfg: TrainConfig) -> Run:
                            overlap=cfg.overlap, prefetch=cfg.prefetch,
                            reshard_after_forward=cfg.reshard_after_forward,
                            layers_per_stage=cfg.stage_split(), seed=cfg.seed,
-                           reduce_dtype=cfg.reduce_dtype, weights=weights if m is model else None)
+                           reduce_dtype=cfg.reduce_dtype,
+                           weights=weights if m is model else ref_weights)
 
     engine = parallelize_as_configured(model, Layout.from_config(cfg))
     if cfg.task == "dpo":  # the reference in the policy's layout, frozen (train/dpo.py)
+        from .dpo import DPOReference, build_reference
+
         work.reference = DPOReference(build_reference(
-            ref_model.to(topo.device), Layout.from_config(cfg), parallelize_as_configured),
-            topo, cfg.dpo_beta, cfg.dtype)
+            ref_model if ref_weights is not None else ref_model.to(topo.device),
+            Layout.from_config(cfg), parallelize_as_configured), topo, cfg.dpo_beta, cfg.dtype)
     if cfg.compile:  # each block's forward; hooks and the step stay eager (models/compile.py)
         log.info(f"  --compile: torch.compile on {compile_blocks(engine.module)} blocks")
     micro_batch, n_micro = cfg.microbatching()
