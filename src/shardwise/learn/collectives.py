@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardwise.learn._common import book, finish, need, setup
+from shardwise.learn._common import book, finish, need, run, setup
 
 
 def ring_step(send: torch.Tensor, recv: torch.Tensor, rank: int, n: int, what: str,
@@ -101,4 +101,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

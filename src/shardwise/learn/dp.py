@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.learn._common import (B, D, NAMES, STEPS, adamw, batch, block, book, finish,
-                                     init_params, need, setup)
+                                     init_params, need, run, setup)
 
 
 def check(n: int) -> None:
@@ -79,4 +79,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.learn._common import (B, D, NAMES, STEPS, adamw, batch, block, book, finish,
-                                     init_params, need, setup)
+                                     init_params, need, run, setup)
 
 NOTATION = {"w_in": ("W_in[D_X, F]", "W_in[D, F]"), "b_in": ("b_in[F_X]", "b_in[F]"),
             "w_out": ("W_out[F_X, D]", "W_out[F, D]"), "b_out": ("b_out[D_X]", "b_out[D]")}
@@ -116,4 +116,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F_
 
 from shardwise.learn._common import (B, D, F, NAMES, STEPS, adamw, batch, book, finish,
-                                     init_params, need, setup)
+                                     init_params, need, run, setup)
 
 TP, SHOW = 2, [False]
 TP_GROUP = [None]  # this rank's group over Y (set in main)
@@ -146,4 +146,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

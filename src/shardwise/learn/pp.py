@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.learn._common import (B, D, L, NAMES, STEPS, adamw, batch, block, book, finish,
-                                     init_params, need, setup)
+                                     init_params, need, run, setup)
 
 M = 4  # micro-batches per step
 
@@ -120,4 +120,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

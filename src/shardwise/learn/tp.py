@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F_
 
 from shardwise.learn._common import (F, NAMES, STEPS, adamw, batch, book, finish, init_params,
-                                     need, setup)
+                                     need, run, setup)
 
 SHOW = [False]  # print the collectives of the first step (rank 0)
 
@@ -104,4 +104,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)
