@@ -59,9 +59,10 @@ def derive_batching(cfg: TrainConfig, auto: set[str]) -> TrainConfig:
 
 
 def _pipeline_fits(schedule: str, pp: int, m: int) -> bool:
-    """m microbatches fill a pp-stage pipeline: m ≥ pp, and for interleaved-1f1b m splits into
-    m // pp equal rounds (:func:`~.parallel.pp.schedules.rounds_of`)."""
-    if m < pp:
+    """m microbatches fill a pp-stage pipeline: m ≥ pp, for interleaved-1f1b m splits into
+    m // pp equal rounds (:func:`~.parallel.pp.schedules.rounds_of`), for dualpipev m ≥ 2·pp
+    (:func:`~.parallel.pp.schedules.check_schedule`)."""
+    if m < pp or (schedule == "dualpipev" and m < 2 * pp):
         return False
     return schedule != "interleaved-1f1b" or m % (m // pp) == 0
 
