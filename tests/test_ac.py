@@ -58,12 +58,13 @@ def test_single_process_gradients_bitwise(model_name, kw, dtype, mode):
 
 
 @pytest.mark.timeout(30)
-def test_selective_with_zero_bubble_is_refused():
+@pytest.mark.parametrize("schedule", ("zb-h1", "zbv", "dualpipev"))
+def test_selective_with_zero_bubble_is_refused(schedule):
     from shardwise.config import TrainConfig, validate
 
-    with pytest.raises(ShardwiseConfigError, match="--ac selective with --schedule zb-h1"):
-        validate(TrainConfig(model="tiny", dp=1, tp=1, zero=0, pp=2, schedule="zb-h1",
-                             global_batch=8, micro_batch=2, ac="selective"))
+    with pytest.raises(ShardwiseConfigError, match=f"--ac selective with --schedule {schedule}"):
+        validate(TrainConfig(model="tiny", dp=1, tp=1, zero=0, pp=2, schedule=schedule,
+                             n_layers=4, global_batch=8, micro_batch=2, ac="selective"))
 
 
 @pytest.mark.timeout(30)

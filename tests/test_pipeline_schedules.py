@@ -371,6 +371,54 @@ def test_v_point_to_point_counts_equal_formula(name):
     assert p2p_bytes_formula(1, 2, 2, 4, 10, placement="v") == {"pp_fwd": 40, "pp_bwd": 40}
 
 
+def test_placement_is_described_for_the_user():
+    from shardwise.parallel.pp.split import describe_placement
+
+    assert describe_placement(8, 4, "zbv") == [
+        "pp rank 0: stage 0 = block 0 (+ embedding), stage 7 = block 7 (+ head)",
+        "pp rank 1: stage 1 = block 1, stage 6 = block 6",
+        "pp rank 2: stage 2 = block 2, stage 5 = block 5",
+        "pp rank 3: stage 3 = block 3, stage 4 = block 4"]
+    assert describe_placement(10, 2, "dualpipev")[0] == \
+        "pp rank 0: stage 0 = blocks 0–2 (+ embedding), stage 3 = blocks 8–9 (+ head)"
+    assert describe_placement(8, 2, "1f1b") == ["pp rank 0: stage 0 = blocks 0–3 (+ embedding)",
+                                                "pp rank 1: stage 1 = blocks 4–7 (+ head)"]
+    with pytest.raises(ShardwiseConfigError, match="too few for 8"):
+        describe_placement(6, 4, "zbv")
+
+
+def test_six_schedules_side_by_side(tmp_path):
+    """python -m shardwise.viz.schedules: every schedule at the same (p, m), simulated bubble =
+    closed form at equal costs, the V ones lowest; the picture is a PNG."""
+    from shardwise.tools.trace import bubble_line
+    from shardwise.viz.schedules import compare, draw_schedules
+
+    rows = compare(2, 4)
+    assert [r["schedule"] for r in rows] == list(SCHEDULES)
+    for r in rows:
+        assert r["bubble"] == pytest.approx(r["formula"], abs=1e-12), r["schedule"]
+    by = {r["schedule"]: r for r in rows}
+    assert by["zbv"]["bubble"] == pytest.approx(1 / 25)
+    assert by["1f1b"]["bubble"] == pytest.approx(0.2)
+    assert (by["zbv"]["placement"], by["zbv"]["v"], by["dualpipev"]["peak"]) == ("v", 2, [5, 5])
+    png = draw_schedules(rows, tmp_path / "six.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # trace's line: zbv below m = 2p−1 has no closed form, the simulator's number is shown
+    line = bubble_line(0.5, "zbv", 2, 2, 2, 4)
+    assert "simulator's" in line and f"{1 / 7:.3f}" in line
+    assert "(p−1)/(6m+p−1)" in bubble_line(0.5, "dualpipev", 2, 4, 2, 4)
+
+
+def test_planner_refuses_the_v_schedules_it_does_not_price():
+    from shardwise.plan.hardware import get_cluster
+    from shardwise.plan.layout import PlanLayout, check_layout
+    from shardwise.plan.models import get_model
+
+    with pytest.raises(ShardwiseConfigError, match="does not price the V schedules"):
+        check_layout(get_model("llama3-8b"), get_cluster("h100-sxm"),
+                     PlanLayout(pp=2, schedule="zbv"), 64)
+
+
 def test_simulator_detects_local_hand_over_out_of_order():
     """On rank p−1 the V's stage p takes stage p−1's output without a message: running F of
     chunk 1 before F of chunk 0 is caught."""
