@@ -98,7 +98,7 @@ def _hsdp_layouts(nproc: int, bounded: bool) -> list[Layout]:
 def _ep_layouts(nproc: int, bounded: bool) -> list[Layout]:
     """The ep layouts of :func:`layouts_that_fit` (explicit engine, MoE models only:
     :func:`applies`). Full: ep = 2 and 4 over dp (ep = dp·cp and ep < dp), composed with ZeRO-1
-    and ZeRO-3, with tp = 2 and with pp = 2 (1F1B, ZeRO 0 and 1). Bounded (8 ranks): ep = 8,
+    and ZeRO-3, with tp = 2 and with pp = 2 (1F1B, ZeRO 0 and 1; zbv). Bounded (8 ranks): ep = 8,
     ep = 4 × ZeRO-3,
     tp = 2 × ep = 4, pp = 2 × dp = 4 × ep = 2."""
     if bounded:
@@ -111,7 +111,8 @@ def _ep_layouts(nproc: int, bounded: bool) -> list[Layout]:
         out += [Layout(dp=4, ep=2, zero=z) for z in (1, 3)]
         out += [Layout(dp=2, tp=2, ep=2),
                 Layout(pp=2, dp=2, ep=2, schedule="1f1b", microbatches=4),
-                Layout(pp=2, dp=2, ep=2, zero=1, schedule="1f1b", microbatches=4)]
+                Layout(pp=2, dp=2, ep=2, zero=1, schedule="1f1b", microbatches=4),
+                Layout(pp=2, dp=2, ep=2, schedule="zbv", microbatches=4)]
     return out
 
 
