@@ -27,6 +27,7 @@ suite     variants                                                   files
 
 from __future__ import annotations
 
+import os
 import statistics
 
 import torch
@@ -391,7 +392,12 @@ def bench_pp(args) -> int:
                 f"{torch.get_num_threads()} thread(s) per rank\n\n"
                 f"Bubble ({args.schedule}, explicit engine, median of {len(bubbles)} steps): "
                 f"measured {measured:.4f}, formula {formula:.4f}, "
-                f"measured / formula = {measured / formula:.3f} (target ≤ 1.10)")
+                f"measured / formula = {measured / formula:.3f} (target ≤ 1.10)\n\n"
+                f"simulated and formula: equal stages (T_F = T_B = T_W) and free messages; "
+                f"measured: wall time per rank, {p} ranks on {os.cpu_count()} CPU core(s) here "
+                f"(a rank's compute slows while others compute, so filling a bubble also "
+                f"stretches the others' work), the V schedules' rank 0 holding the embedding "
+                f"and the head, every send/recv's latency: docs/pipeline-parallel.md §9")
 
         def cell(key, fmt):
             return lambda r: (None if "skipped" in r or r.get(key) is None
