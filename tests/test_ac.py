@@ -58,12 +58,13 @@ def test_single_process_gradients_bitwise(model_name, kw, dtype, mode):
 
 
 @pytest.mark.timeout(30)
-def test_selective_with_zero_bubble_is_refused():
+@pytest.mark.parametrize("schedule", ("zb-h1", "zbv", "dualpipev"))
+def test_selective_with_zero_bubble_is_refused(schedule):
     from shardwise.config import TrainConfig, validate
 
-    with pytest.raises(ShardwiseConfigError, match="--ac selective with --schedule zb-h1"):
-        validate(TrainConfig(model="tiny", dp=1, tp=1, zero=0, pp=2, schedule="zb-h1",
-                             global_batch=8, micro_batch=2, ac="selective"))
+    with pytest.raises(ShardwiseConfigError, match=f"--ac selective with --schedule {schedule}"):
+        validate(TrainConfig(model="tiny", dp=1, tp=1, zero=0, pp=2, schedule=schedule,
+                             n_layers=4, global_batch=8, micro_batch=2, ac="selective"))
 
 
 @pytest.mark.timeout(30)
@@ -110,11 +111,12 @@ def test_recompute_bytes_by_hand(results, mode):
     S = W.MICRO * W.SEQ * 32 * 4
     per = {"tp2_explicit": 2 * (1 / 2) * S, "tp2_torch": 2 * (1 / 2) * S,
            "tp2_sp_explicit": 3 * (1 / 2) * S, "dp2_zero3_explicit": 0.0,
-           "dp2_zero3_torch": 0.0, "pp2_1f1b_explicit": 0.0, "pp2_zbh1_explicit": 0.0}
-    n_blocks = 2
+           "dp2_zero3_torch": 0.0, "pp2_1f1b_explicit": 0.0, "pp2_zbh1_explicit": 0.0,
+           "pp2_zbv_explicit": 0.0}
     for layout, bytes_per in per.items():
         if mode not in W.MODES_OF[layout]:
-            continue  # zb-h1 runs none/full only (selective is refused there, tested below)
+            continue  # zb-h1, zbv run none/full only (selective is refused there, tested below)
+        n_blocks = W.N_LAYERS.get(layout, 2)
         for rank in (0, 1):
             got = torch.load(results / f"{layout}_{mode}_rank{rank}.pt")
             blocks_here = n_blocks // 2 if layout.startswith("pp2") else n_blocks

@@ -88,6 +88,9 @@ def test_compile_with_zero3_over_two_ranks_gives_the_eager_run(cache_dir, tmp_pa
     (["--dp", "1", "--cp", "2"], "--cp 2"),
     (["--model", "moe-tiny", "--dp", "1"], "mixture-of-experts"),
     (["--pp", "2", "--schedule", "zb-h1"], "zb-h1"),
+    (["--pp", "2", "--schedule", "zbv", "--n-layers", "4"], "--schedule zbv"),
+    (["--pp", "2", "--schedule", "dualpipev", "--n-layers", "4", "--microbatches", "4"],
+     "--schedule dualpipev"),
 ])
 def test_compile_refuses_layouts_whose_blocks_communicate(flags, needle):
     """Refused by validate (every rank, before any collective), naming the cause and the fix."""

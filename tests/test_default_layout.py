@@ -114,6 +114,11 @@ def test_derived_micro_batch_follows_the_trace_default_cap():
     (("--dp", "4", "--pp", "8"), r"--pp 8 needs at least 8 microbatches per step, but global "
                                  r"batch / dp = 16 / 4 = 4 sequences per pipeline \(fewer than "
                                  r"8\): choose --global-batch a multiple of dp × pp = 32"),
+    # dualpipev needs m ≥ 2·pp (issue 40): 16 / 2 = 8 sequences, fewer than 2·8
+    (("--dp", "2", "--pp", "8", "--schedule", "dualpipev"),
+     r"--pp 8 needs at least 16 microbatches per step with --schedule dualpipev, but global "
+     r"batch / dp = 16 / 2 = 8 sequences per pipeline \(fewer than 16\): choose --global-batch "
+     r"a multiple of dp × 2·pp = 32"),
 ])
 def test_no_derived_value_fits_names_the_constraint_and_the_fix(argv, match):
     from shardwise.errors import ShardwiseConfigError

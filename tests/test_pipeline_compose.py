@@ -1,7 +1,8 @@
 """Pipeline compositions (issue #6) against a single-process reference computed here, independently
 of shardwise's training step and engines: pp=2 × tp=2 (1f1b with and without SP),
 pp=2 × dp=2 ZeRO-1, pp=2 × dp=2 × tp=2 (1f1b, interleaved-1f1b, SP + ZeRO-1) with the explicit
-engine, pp=2 × tp=2 and 3D (SP + ZeRO-1) with the torch engine; all in one 8-rank world
+engine, pp=2 × tp=2 and 3D (SP + ZeRO-1) with the torch engine, and the V schedules (zbv
+pp=2 × tp=2 both engines, dualpipev 3D with SP + ZeRO-1); all in one 8-rank world
 (tests/workers/pp_compose_cases.py). At each of 3 AdamW steps with binding clipping: the logged
 loss and global grad norm, and every gradient of every stage gathered to full shape, equal the
 reference's (fp32, rtol 1e-5, atol 1e-6), and so does the evaluation loss. Also: the ledger's
@@ -100,20 +101,25 @@ def test_ledger_bytes_equal_formula_and_hand_count(results, case):
     all-gather of the padded stage, (dp−1)/dp·P·4 each; the norm scalar over tp, dp (ZeRO-1)
     and pp; TP per stage (no SP): forward 2(tp−1)/tp·W·(E + 2·L_s), W = MICRO·m·SEQ·D·4."""
     pp, dp, tp, sp, zero, schedule, m, engine = case
-    v = 2 if schedule == "interleaved-1f1b" else 1
+    v = 2 if schedule in ("interleaved-1f1b", "zbv", "dualpipev") else 1
+    is_v = schedule in ("zbv", "dualpipev")  # rank 0 holds the first and the last stage
     act = W.MICRO * W.SEQ * D * 4 // (tp if sp else 1)
     for rec in _load(results, case):
         r = rec["coords"]["pp"]
-        first, last = r == 0, r == pp - 1
+        first, last = r == 0, r == (0 if is_v else pp - 1)  # holds the embedding / the head
+        # messages: the V's rank p−1 hands stage p−1 to p in memory; loop: v − [first/last]
+        n_fwd = 2 - (r == 0) - (r == pp - 1) if is_v else v - last
+        n_bwd = 2 - (r == 0) - (r == pp - 1) if is_v else v - first
         local_numel = None
         for by_tag, formula in zip(rec["bytes"], rec["formula"]):
             for tag in set(by_tag) | set(formula):
                 if tag == "total":
                     continue
                 assert by_tag.get(tag, 0.0) == pytest.approx(formula.get(tag, 0.0), rel=1e-12), tag
-            assert by_tag.get("pp_fwd", 0) == m * act * (v - last)
-            assert by_tag.get("pp_bwd", 0) == m * act * (v - first)
-            assert by_tag.get("tied", 0) == (math.ceil(W.V / tp) * D * 4 if first or last else 0)
+            assert by_tag.get("pp_fwd", 0) == m * act * n_fwd
+            assert by_tag.get("pp_bwd", 0) == m * act * n_bwd
+            swap = (first or last) and not (first and last)  # both on one rank: no swap
+            assert by_tag.get("tied", 0) == (math.ceil(W.V / tp) * D * 4 if swap else 0)
             norm = 2 * (pp - 1) / pp * 8 + (2 * (tp - 1) / tp * 8 if tp > 1 else 0)
             norm += 2 * (dp - 1) / dp * 8 if zero else 0
             assert by_tag.get("grad_norm", 0) == pytest.approx(norm)

@@ -1,7 +1,9 @@
 """Pipeline parity against a single-process reference computed here, independently of shardwise's
 training step: pp ∈ {2, 4} × every schedule × m ∈ {pp, 2·pp, odd} × engine ∈ {explicit, torch},
 tied embeddings, 3 AdamW steps with clipping that binds; each stage's loss, gradients and
-parameters match the reference's at every step by shardwise.parity's rule. Also: activation
+parameters match the reference's at every step by shardwise.parity's rule. The V schedules
+(zbv, dualpipev) likewise at pp ∈ {2, 4} with several m, both engines, with dp = 2, untied and
+on the MLP. Also: activation
 memory per schedule (counted by the runtime), the ledger's point-to-point bytes against the
 formula, and a timeline PNG + Chrome trace of a real pp=4 1F1B run."""
 
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 
 from shardwise.data import DistributedSampler
 from shardwise.models import build_model
+from shardwise.parallel.pp import build_schedule, peak_activations
 from shardwise.config import TrainConfig
 from shardwise.parity import ATOL, RTOL, assert_parity, reference_run, stages_together
 from shardwise.train.workload import RegressionWorkload, SyntheticLMWorkload
@@ -106,6 +109,18 @@ def test_tied_embedding_lives_on_first_and_last_stage(results):
     assert all("output.weight" not in rec["params"][-1] for rec in recs)  # tied: one name
 
 
+def test_v_placement_puts_first_and_last_stage_on_rank_0(results):
+    """zbv/dualpipev at pp=4 on 8 layers: rank r holds blocks r and 7−r; rank 0 the embedding
+    and the head (one tied parameter, no swap), rank 3 the two middle blocks."""
+    for schedule in ("zbv", "dualpipev"):
+        recs = _load(results, (4, 1, schedule, 8, "explicit", {}, None))
+        for r, rec in enumerate(recs):
+            names = set(rec["params"][-1])
+            blocks = sorted({int(n.split(".")[1]) for n in names if n.startswith("layers.")})
+            assert blocks == [r, 7 - r]
+            assert ("tok_embeddings.weight" in names) == ("norm.weight" in names) == (r == 0)
+            assert "output.weight" not in names
+
 @pytest.mark.parametrize("pp", (2, 4))
 def test_activation_memory_1f1b_at_most_p_gpipe_m(results, pp):
     for m in (pp, 2 * pp, W.ODD_M[pp]):
@@ -119,6 +134,19 @@ def test_activation_memory_1f1b_at_most_p_gpipe_m(results, pp):
             assert max(rec["peak_alive"]) == m
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[2] in ("zbv", "dualpipev")
+                                  and c[4] == "explicit"], ids=_ids)
+def test_v_activation_memory_equals_the_schedules(results, case):
+    """The runtime's count of chunks holding activations (F until B or W) is the order's
+    (peak_activations): zbv 2p, dualpipev 2p+1 chunks once m ≥ 2p."""
+    pp, dp, schedule, m = case[:4]
+    want = peak_activations(build_schedule(schedule, pp, m))
+    for rec in _load(results, case):
+        assert max(rec["peak_alive"]) == want[rec["pp_index"]]
+        if m >= 2 * pp:
+            assert want[rec["pp_index"]] == 2 * pp + (schedule == "dualpipev")
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c[4] == "explicit"], ids=_ids)
 def test_ledger_bytes_equal_formula(results, case):
     """Per step and rank r: activations m·v·A minus the last stage's, gradients m·v·A minus the
@@ -126,7 +154,7 @@ def test_ledger_bytes_equal_formula(results, case):
     between the first and the last rank; the norm scalar 2(p−1)/p·8; the dp gradient
     all-reduce; the loss/count scalars."""
     pp, dp, schedule, m, engine, overrides, lps = case
-    v = 2 if schedule == "interleaved-1f1b" else 1
+    v = 2 if schedule in ("interleaved-1f1b", "zbv", "dualpipev") else 1
     act = W.MICRO * SEQ * D * 4
     tied = overrides.get("tie_embeddings", True) and "model" not in overrides
     if "model" in overrides:
@@ -134,10 +162,18 @@ def test_ledger_bytes_equal_formula(results, case):
     for rec in _load(results, case):
         r = rec["pp_index"]
         stage_bytes = sum(p.numel() * 4 for p in rec["params"][-1].values())
+        if schedule in ("zbv", "dualpipev"):
+            # the V: rank 0 holds the first and the last stage (no tied swap), rank p−1 the
+            # two middle ones (handed over in memory)
+            n_fwd = n_bwd = 2 - (r == 0) - (r == pp - 1)
+            tied_bytes = 0
+        else:
+            n_fwd, n_bwd = v - (r == pp - 1), v - (r == 0)
+            tied_bytes = V * D * 4 if tied and r in (0, pp - 1) else 0
         for by_tag in rec["bytes"]:
-            assert by_tag.get("pp_fwd", 0) == m * act * (v - (r == pp - 1))
-            assert by_tag.get("pp_bwd", 0) == m * act * (v - (r == 0))
-            assert by_tag.get("tied", 0) == (V * D * 4 if tied and r in (0, pp - 1) else 0)
+            assert by_tag.get("pp_fwd", 0) == m * act * n_fwd
+            assert by_tag.get("pp_bwd", 0) == m * act * n_bwd
+            assert by_tag.get("tied", 0) == tied_bytes
             assert by_tag.get("grad_norm", 0) == pytest.approx(2 * (pp - 1) / pp * 8)
             assert by_tag.get("grad", 0) == pytest.approx(2 * (dp - 1) / dp * stage_bytes)
             # token count over dp; loss sum over pp and over dp

@@ -251,7 +251,9 @@ def cmd_trace(args, argv) -> int:
     if cfg.pp > 1:  # enough layers for every stage (and chunk), and batch for the microbatches
         import dataclasses
 
-        v = cfg.virtual_stages or (2 if cfg.schedule == "interleaved-1f1b" else 1)
+        from .parallel.pp.schedules import default_chunks
+
+        v = cfg.virtual_stages or default_chunks(cfg.schedule)
         need = cfg.pp * v
         cfg = dataclasses.replace(
             cfg, n_layers=cfg.n_layers or max(need, cfg.model_layers()),

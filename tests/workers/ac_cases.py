@@ -1,8 +1,8 @@
 """Worker for tests/test_ac.py: activation checkpointing under distributed layouts, one world.
 
 2 ranks. For each layout (tp=2 explicit and DTensor, tp=2 with SP, dp=2 zero=3 explicit and
-FSDP2, pp=2 1f1b and zb-h1) and each ``--ac`` mode (none, selective, full; zb-h1: none and
-full), from the same seed: 2 AdamW
+FSDP2, pp=2 1f1b, zb-h1 and zbv — the V on a 4-layer model) and each ``--ac`` mode (none,
+selective, full; zb-h1 and zbv: none and full), from the same seed: 2 AdamW
 steps of 2 micro-batches on the tiny GQA Llama, with the recompute booked under the ledger phase
 "recompute". Each rank writes ``<out>/<layout>_<mode>_rank<r>.pt``: per step the loss, every
 gradient gathered to full shape, the step's bytes (phase "step") and the recompute's bytes
@@ -33,10 +33,14 @@ LAYOUTS = {  # name: (Layout, engine)
     "pp2_1f1b_explicit": (Layout(pp=2, schedule="1f1b", microbatches=N_MICRO), "explicit"),
     # zero-bubble: each block's backward runs as two graph tasks, so it is recomputed twice
     "pp2_zbh1_explicit": (Layout(pp=2, schedule="zb-h1", microbatches=N_MICRO), "explicit"),
+    # the V (issue 40): two chunks per rank, so 4 layers; I/W split like zb-h1
+    "pp2_zbv_explicit": (Layout(pp=2, schedule="zbv", microbatches=N_MICRO), "explicit"),
 }
+N_LAYERS = {"pp2_zbv_explicit": 4}  # the others: tiny's 2
 MODES = ("none", "selective", "full")
 # selective checkpointing allows one backward per region: refused with zb-h1 (config.validate)
-MODES_OF = {name: ("none", "full") if "zbh1" in name else MODES for name in LAYOUTS}
+MODES_OF = {name: ("none", "full") if "zbh1" in name or "zbv" in name else MODES
+            for name in LAYOUTS}
 
 
 def main(out: str) -> None:
@@ -48,7 +52,8 @@ def main(out: str) -> None:
         topo = Topology(layout.pp, layout.dp, layout.tp, ranks=range(2), timeout_s=60)
         for mode in MODES_OF[name]:
             torch.manual_seed(0)
-            model = build_model("tiny", vocab_size=67, **MODEL)
+            model = build_model("tiny", vocab_size=67, **MODEL,
+                                **({"n_layers": N_LAYERS[name]} if name in N_LAYERS else {}))
             set_activation_checkpointing(model, mode, lambda t=topo: t.ledger.phase("recompute"))
             wrapped = parallelize(model, topo, layout, engine=engine, seed=0)
             opt = build_optimizer(wrapped, cfg)

@@ -2,8 +2,10 @@
 
 Cases: pp ∈ {2, 4} × schedule ∈ {gpipe, 1f1b, interleaved-1f1b, zb-h1} × m ∈ {pp, 2·pp, an odd
 m ≥ pp} × engine ∈ {explicit, torch}, on an 8-layer tiny Llama with tied embeddings, 3 AdamW
-steps with clipping; plus pp=2 × dp=2 (explicit 1f1b, torch zb-h1), an untied model, an explicit
-layers-per-stage split, and the stacked MLP (mlp-tiny, pp=2, both engines). Each member rank writes ``<out>/<case>_rank<r>.pt`` with the loss, grad
+steps with clipping; the V schedules (zbv, dualpipev) at pp ∈ {2, 4} with V_MS's m, both
+engines; plus pp=2 × dp=2 (explicit 1f1b, torch zb-h1, explicit zbv, torch dualpipev), an
+untied model (also under zbv), an explicit layers-per-stage split, and the stacked MLP
+(mlp-tiny, pp=2, both engines; zbv explicit). Each member rank writes ``<out>/<case>_rank<r>.pt`` with the loss, grad
 norm, this stage's gradients (plain-model names) of every step, the final parameters, the
 ledger's bytes per tag, and the peak number of microbatches holding activations. One traced
 step of pp=4 1f1b m=8 is written as a PNG + Chrome trace (``trace_pipeline``).
@@ -26,6 +28,9 @@ from shardwise.train.workload import RegressionWorkload, SyntheticLMWorkload
 STEPS, MICRO, MAX_NORM, LR, N_LAYERS = 3, 2, 0.3, 3e-4, 8
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 ODD_M = {2: 3, 4: 5}
+# the V schedules' m: zbv below 2p−1 (part of the order dropped) and from it; dualpipev ≥ 2p
+V_MS = {("zbv", 2): (2, 3), ("zbv", 4): (4, 8), ("dualpipev", 2): (4, 5),
+        ("dualpipev", 4): (8,)}
 EVAL_ROWS = 4  # evaluation batch: the first 4 training rows
 
 
@@ -41,12 +46,20 @@ def cases():
             for m in (pp, 2 * pp, ODD_M[pp]):
                 for engine in ("explicit", "torch"):
                     out.append((pp, 1, schedule, m, engine, {}, None))
+    for (schedule, pp), ms in V_MS.items():
+        for m in ms:
+            for engine in ("explicit", "torch"):
+                out.append((pp, 1, schedule, m, engine, {}, None))
     out.append((2, 2, "1f1b", 2, "explicit", {}, None))
     out.append((2, 2, "zb-h1", 3, "torch", {}, None))
+    out.append((2, 2, "zbv", 3, "explicit", {}, None))
+    out.append((2, 2, "dualpipev", 4, "torch", {}, None))
     out.append((2, 1, "zb-h1", 3, "explicit", {"tie_embeddings": False}, None))
+    out.append((2, 1, "zbv", 2, "explicit", {"tie_embeddings": False}, None))
     out.append((4, 1, "1f1b", 4, "explicit", {}, [3, 2, 2, 1]))
     for engine in ("explicit", "torch"):
         out.append((2, 1, "1f1b", 2, engine, {"model": "mlp-tiny"}, None))
+    out.append((2, 1, "zbv", 2, "explicit", {"model": "mlp-tiny"}, None))
     # every rank seeds its own model (seed = rank): the stages must still start as pp index 0's
     out.append((4, 1, "1f1b", 4, "explicit", {"seed": "rank"}, None))
     out.append((2, 1, "zb-h1", 2, "torch", {"seed": "rank"}, None))

@@ -4,7 +4,7 @@ Cases (pp, dp, tp, sp, zero, schedule, m, engine) on a 4-layer tiny Llama (d 32,
 heads, vocab 67 — no tp pads it away, tied embeddings), 3 AdamW steps with binding clipping:
 pp=2×tp=2 (1f1b, with and without SP), pp=2×dp=2 ZeRO-1, pp=2×dp=2×tp=2 (1f1b,
 interleaved-1f1b, SP + ZeRO-1), explicit engine; pp=2×tp=2 and 3D (SP + ZeRO-1) with the torch
-engine.
+engine; the V schedules: zbv pp=2×tp=2 (both engines), dualpipev 3D (SP + ZeRO-1, explicit).
 Sub-topologies over ranks 0..w−1, created by every rank in the same order. Plus one step of
 pp=2×dp=2 (ZeRO-0 and ZeRO-1) with the dp gradient reduction in bf16.
 
@@ -43,6 +43,9 @@ CASES = [
     (2, 2, 2, True, 1, "1f1b", 4, "explicit"),
     (2, 1, 2, False, 0, "1f1b", 4, "torch"),
     (2, 2, 2, True, 1, "1f1b", 4, "torch"),
+    (2, 1, 2, False, 0, "zbv", 4, "explicit"),
+    (2, 2, 2, True, 1, "dualpipev", 4, "explicit"),
+    (2, 1, 2, False, 0, "zbv", 4, "torch"),
 ]
 
 

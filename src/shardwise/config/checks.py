@@ -94,9 +94,10 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
             "the folder")
     if cfg.lr <= 0:
         raise ShardwiseConfigError(f"--lr {cfg.lr} must be > 0")
-    if cfg.ac == "selective" and cfg.pp > 1 and cfg.schedule == "zb-h1":
+    if cfg.ac == "selective" and cfg.pp > 1 and cfg.schedule in ("zb-h1", "zbv", "dualpipev"):
         raise ShardwiseConfigError(
-            "--ac selective with --schedule zb-h1: zero-bubble splits each backward in two "
+            f"--ac selective with --schedule {cfg.schedule}: zero-bubble splits each backward "
+            "in two "
             "(input, then weight gradients), and PyTorch's selective checkpoint can be "
             "back-propagated through only once: use --ac full (recomputes per pass) or another "
             "--schedule")

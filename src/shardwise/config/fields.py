@@ -178,7 +178,7 @@ class TrainConfig:
 
 CHOICES = {
     "zero": (0, 1, 2, 3),
-    "schedule": ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"),
+    "schedule": ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev"),
     "engine": ("explicit", "torch"),
     "dtype": ("fp32", "bf16"),
     "task": ("lm", "sft", "dpo"),

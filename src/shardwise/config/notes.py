@@ -43,13 +43,15 @@ def derive_batching(cfg: TrainConfig, auto: set[str]) -> TrainConfig:
     fits = [b for b in range(min(cap, local), 0, -1) if local % b == 0
             and (pp == 1 or _pipeline_fits(cfg.schedule, pp, local // b))]
     if not fits:
-        need = dp * pp
+        m_min = 2 * pp if cfg.schedule == "dualpipev" else pp  # dualpipev: m ≥ 2·pp
+        need = dp * m_min
         raise ShardwiseConfigError(
-            f"--pp {pp} needs at least {pp} microbatches per step, but global batch / dp = "
+            f"--pp {pp} needs at least {m_min} microbatches per step"
+            + (" with --schedule dualpipev" if m_min > pp else "") + ", but global batch / dp = "
             f"{gb} / {dp} = {local} sequences per pipeline"
-            + ("" if local >= pp else f" (fewer than {pp})") + ": choose --global-batch a "
-            f"multiple of dp × pp = {need} (e.g. {max(need, gb // need * need)}) or a smaller "
-            "--pp or --dp")
+            + ("" if local >= m_min else f" (fewer than {m_min})") + ": choose --global-batch a "
+            f"multiple of dp × {'2·pp' if m_min > pp else 'pp'} = {need} (e.g. "
+            f"{max(need, gb // need * need)}) or a smaller --pp or --dp")
     b = fits[0]
     derived = ["micro_batch"]
     if pp > 1 and "microbatches" in auto:
@@ -59,9 +61,10 @@ def derive_batching(cfg: TrainConfig, auto: set[str]) -> TrainConfig:
 
 
 def _pipeline_fits(schedule: str, pp: int, m: int) -> bool:
-    """m microbatches fill a pp-stage pipeline: m ≥ pp, and for interleaved-1f1b m splits into
-    m // pp equal rounds (:func:`~.parallel.pp.schedules.rounds_of`)."""
-    if m < pp:
+    """m microbatches fill a pp-stage pipeline: m ≥ pp, for interleaved-1f1b m splits into
+    m // pp equal rounds (:func:`~.parallel.pp.schedules.rounds_of`), for dualpipev m ≥ 2·pp
+    (:func:`~.parallel.pp.schedules.check_schedule`)."""
+    if m < pp or (schedule == "dualpipev" and m < 2 * pp):
         return False
     return schedule != "interleaved-1f1b" or m % (m // pp) == 0
 

@@ -42,7 +42,7 @@ def check_compile(*, tp: int = 1, cp: int = 1, ep: int = 1, moe: bool = False,
                   pp: int = 1, schedule: str = "1f1b") -> None:
     """Raise :class:`ShardwiseConfigError` naming the constraint and the fix when ``--compile``
     cannot compile the blocks of this layout (module docstring): tp, cp or ep > 1, an MoE
-    model, or the zb-h1 pipeline schedule (it runs each block's backward as two autograd
+    model, or a zero-bubble pipeline schedule (zb-h1, zbv, dualpipev: it runs each block's backward as two autograd
     passes, input then weight gradients, and a compiled block's backward is one graph that
     computes both). Runs on every rank before any collective (:func:`shardwise.config.validate`)."""
     why = []
@@ -53,8 +53,9 @@ def check_compile(*, tp: int = 1, cp: int = 1, ep: int = 1, moe: bool = False,
     if ep > 1 or moe:
         why.append("a mixture-of-experts model (token routing: all-to-all and host-side "
                    "counts inside each block)")
-    if pp > 1 and schedule == "zb-h1":
-        why.append("--schedule zb-h1 (its split backward needs two autograd passes per block)")
+    if pp > 1 and schedule in ("zb-h1", "zbv", "dualpipev"):
+        why.append(f"--schedule {schedule} (its split backward needs two autograd passes per "
+                   f"block)")
     if why:
         raise ShardwiseConfigError(
             "--compile compiles each transformer block as one graph, which cannot hold "

@@ -184,15 +184,17 @@ def _pipeline(model: nn.Module, topo, layout: Layout, engine: str, *, layers_per
     from .model import ParallelModel, PlainLoss
     from .params import mark_duplicate
     from .pp import StageModule, check_schedule, copy_stages_from_first
+    from .pp.schedules import placement_of
     from .pp.comms import TiedSwap
     from .tp import SPSum, StageTPTraffic
 
     p, tp, sp = layout.pp, layout.tp, layout.sp
     v = check_schedule(layout.schedule, p, layout.microbatches or p,
                        layout.virtual_stages or None)
-    stage = StageModule(model, topo.index("pp"), p, v, layers_per_stage)
-    if weights is None:
-        copy_stages_from_first(model, topo, v, layers_per_stage)  # before TP shards them
+    placement = placement_of(layout.schedule)  # loop, or the V of zbv / dualpipev
+    stage = StageModule(model, topo.index("pp"), p, v, layers_per_stage, placement)
+    if weights is None:  # before TP shards them
+        copy_stages_from_first(model, topo, v, layers_per_stage, placement)
     finishers, loss_context = [], None
     if tp > 1 and engine == "explicit":  # Megatron TP inside the stage, as for a whole model
         from .tp import VocabParallelLoss, apply_tp

@@ -61,11 +61,13 @@ class Layout:
     @property
     def chunks(self) -> int:
         """Model chunks per pipeline rank, v: 1 when pp = 1; else ``virtual_stages``, or the
-        schedule's default when 0 (2 for interleaved-1f1b, else 1, as
+        schedule's default when 0 (2 for interleaved-1f1b, zbv and dualpipev, else 1, as
         :func:`~.pp.schedules.check_schedule` resolves it)."""
         if self.pp == 1:
             return 1
-        return self.virtual_stages or (2 if self.schedule == "interleaved-1f1b" else 1)
+        from .pp.schedules import default_chunks
+
+        return self.virtual_stages or default_chunks(self.schedule)
 
     def name(self) -> str:
         """Compact, e.g. ``"dp=2,zero=3"``, ``"tp=2,sp"``, ``"pp=4,1f1b,m=8"``,
@@ -261,7 +263,7 @@ class Layout:
         if self.schedule not in SCHEDULES:
             raise ShardwiseConfigError(f"--schedule {self.schedule!r} is unknown: choose one of "
                                        f"{', '.join(SCHEDULES)}")
-        if self.pp > 1 and self.schedule != "interleaved-1f1b" and self.chunks != 1:
+        if self.pp > 1 and self.schedule in ("gpipe", "1f1b", "zb-h1") and self.chunks != 1:
             raise ShardwiseConfigError(
                 f"--schedule {self.schedule} runs one model chunk per rank, got {self.chunks} "
                 "virtual stages: use --schedule interleaved-1f1b or 1")

@@ -92,20 +92,25 @@ def mesh_groups(pp: int, dp: int, cp: int, tp: int) -> dict:
 
 def stage_blocks(cfg) -> list[dict] | None:
     """Per pipeline rank: the transformer blocks of each of its chunks (``[{"pp": s, "chunks":
-    [[first, last], …]}]``, chunk c of rank s is stage c·p + s; the first stage also holds the
-    embedding, the last the head), None without a pipeline or when the split cannot be
-    worked out (an MLP test model)."""
+    [[first, last], …], "head": bool}]``, chunk c of rank s is the schedule's placement's stage,
+    :func:`~shardwise.parallel.pp.schedules.stage_of`: c·p + s, or under a V s and 2p−1−s; the
+    first stage also holds the embedding, the last the head, on rank p−1 or under a V rank 0),
+    None without a pipeline or when the split cannot be worked out (an MLP test model)."""
     if cfg.pp < 2:
         return None
     try:
+        from ..parallel.pp.schedules import default_chunks, placement_of, stages_of
         from ..parallel.pp.split import split_layers
 
-        v = cfg.virtual_stages or (2 if cfg.schedule == "interleaved-1f1b" else 1)
+        v = cfg.virtual_stages or default_chunks(cfg.schedule)
         ranges = split_layers(cfg.model_layers(), cfg.pp * v, cfg.stage_split())
+        where = placement_of(cfg.schedule)
     except Exception:  # noqa: BLE001 — the picture goes without the block names
         return None
-    return [{"pp": s, "chunks": [[ranges[c * cfg.pp + s].start, ranges[c * cfg.pp + s].stop - 1]
-                                 for c in range(v)]} for s in range(cfg.pp)]
+    return [{"pp": s, "chunks": [[ranges[t].start, ranges[t].stop - 1]
+                                 for t in stages_of(s, cfg.pp, v, where)],
+             "head": cfg.pp * v - 1 in stages_of(s, cfg.pp, v, where)}  # rank 0 under a V
+            for s in range(cfg.pp)]
 
 
 class RunRecorder:

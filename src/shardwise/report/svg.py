@@ -281,7 +281,8 @@ def mesh_chart(chart_id: str, mesh: dict, stages: list | None = None) -> str:
             chunks = stages[a]["chunks"]
             text = "; ".join(f"blocks {lo}–{hi}" if hi >= lo else "no blocks"
                              for lo, hi in chunks)
-            extra = (" + embedding" if a == 0 else "") + (" + head" if a == pp - 1 else "")
+            extra = (" + embedding" if a == 0 else "") + \
+                (" + head" if stages[a].get("head", a == pp - 1) else "")
             parts.append(f'<text x="{px}" y="{panel_h + 40}" class="tick">{escape(text + extra)}'
                          f'</text>')
     parts.append(f'<text x="10" y="{height - 8}" class="tick">rows: dp index; columns: '

@@ -224,6 +224,13 @@ def _print_rank(cfg, work, layout, topo, engine, recs, order, measured, formula,
         print(f"(no closed form wired for {type(engine).__name__}'s memory: measured only)")
     if "gathered_params_peak" in mem:
         print(f"ZeRO-3 gathered-parameter peak: {mem['gathered_params_peak']:,} bytes")
+    if layout.pp > 1 and dist.get_rank() == 0:  # where the layers are (the V: docs §1)
+        from ..parallel.pp.split import describe_placement
+
+        print(f"pipeline stages ({cfg.schedule}):")
+        for line in describe_placement(cfg.model_layers(), layout.pp, cfg.schedule,
+                                       cfg.virtual_stages or None, cfg.stage_split()):
+            print(f"  {line}")
     if pictures:
         print(f"pipeline timeline of this run: {pictures['png']} (Perfetto: "
               f"{pictures['trace']})")
@@ -249,9 +256,17 @@ def bubble_line(measured: float, schedule: str, p: int, m: int, v: int, world: i
 
     text = {"gpipe": f"(p−1)/(m+p−1) = ({p}−1)/({m}+{p}−1)",
             "1f1b": f"(p−1)/(m+p−1) = ({p}−1)/({m}+{p}−1)",
-            "interleaved-1f1b": f"(p−1)/(v·m+p−1) = ({p}−1)/({v}·{m}+{p}−1)"}.get(
+            "interleaved-1f1b": f"(p−1)/(v·m+p−1) = ({p}−1)/({v}·{m}+{p}−1)",
+            "zbv": f"(p−1)/(6m+p−1) = ({p}−1)/(6·{m}+{p}−1)",
+            "dualpipev": f"(p−1)/(6m+p−1) = ({p}−1)/(6·{m}+{p}−1)"}.get(
                 schedule, f"{schedule}'s formula (F, B, W of equal cost)")
-    f = bubble_formula(schedule, p, m, v)
+    try:
+        f = bubble_formula(schedule, p, m, v)
+    except ValueError:  # zbv with m < 2p−1: no closed form, the simulator's (equal costs)
+        from ..parallel.pp import build_schedule, simulate
+
+        f = simulate(build_schedule(schedule, p, m, v)).bubble_fraction
+        text = "the simulator's (no closed form below m = 2p−1)"
     return (f"bubble: measured {measured:.3f}, formula {text} = {f:.3f}. The formula assumes "
             f"equal stages and free messages; here a stage's work is a few small matmuls, so "
             f"each send/recv's latency and the per-action Python overhead, with {world} ranks "

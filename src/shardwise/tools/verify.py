@@ -35,13 +35,16 @@ from ..models import build_model
 from ..parallel.apply import parallelize
 from ..parallel.layout import Layout, parse_layout
 from ..parallel.model import Local
+from ..parallel.pp.schedules import V_SCHEDULES
 from ..topology import Topology
 from ..train.optim import build_optimizer, build_scheduler, lr_multiplier
 from ..train.step import train_step
 from ..train.workload import RegressionWorkload, SyntheticLMWorkload
 
 RTOL, ATOL = parity.RTOL, parity.ATOL
-SCHEDULES = CHOICES["schedule"]
+# the loop-placed schedules run over every pp layout; the V schedules (zbv, dualpipev) in a few
+# chosen ones (:func:`_v_layouts`), to keep verify's time
+SCHEDULES = tuple(s for s in CHOICES["schedule"] if s not in V_SCHEDULES)
 MODELS = ("tiny", "mlp-tiny")
 ENGINES = ("explicit", "torch")
 
@@ -60,11 +63,28 @@ def layouts_that_fit(nproc: int, bounded: bool = False) -> list[Layout]:
     ``nproc`` ranks, each factorization once with its most composed options (highest ZeRO
     stage, SP, zb-h1), and the 3D factorization also with interleaved 1F1B and ZeRO-1.
 
-    Then context parallelism (:func:`_cp_layouts`), expert parallelism (:func:`_ep_layouts`:
+    Then the V schedules (:func:`_v_layouts`), context parallelism (:func:`_cp_layouts`), expert parallelism (:func:`_ep_layouts`:
     they run for a mixture-of-experts model only, ``--models moe-tiny``) and HSDP
     (:func:`_hsdp_layouts`)."""
-    return (_pp_dp_tp_layouts(nproc, bounded) + _cp_layouts(nproc, bounded)
+    return (_pp_dp_tp_layouts(nproc, bounded) + _v_layouts(nproc, bounded)
+            + _cp_layouts(nproc, bounded)
             + _ep_layouts(nproc, bounded) + _hsdp_layouts(nproc, bounded))
+
+
+def _v_layouts(nproc: int, bounded: bool) -> list[Layout]:
+    """The V schedules (zbv, dualpipev; both engines): full, pp = 2 with m = 4 each, and on 4
+    ranks pp = 4 (dualpipev, m = 8), dualpipev with dp = 2 and ZeRO-1, zbv with tp = 2 and SP;
+    bounded (8 ranks), dualpipev over pp = 2 × dp = 2 × tp = 2 with SP and ZeRO-1. (More m,
+    zbv at pp = 4 and the untied and MLP models: tests/test_pipeline_parity.py.)"""
+    if bounded:
+        return [Layout(pp=2, dp=2, tp=2, sp=True, zero=1, schedule="dualpipev",
+                       microbatches=4)] if nproc == 8 else []
+    out = [Layout(pp=2, schedule=s, microbatches=4) for s in V_SCHEDULES] if nproc >= 2 else []
+    if nproc >= 4:
+        out += [Layout(pp=4, schedule="dualpipev", microbatches=8),
+                Layout(pp=2, dp=2, zero=1, schedule="dualpipev", microbatches=4),
+                Layout(pp=2, tp=2, sp=True, schedule="zbv", microbatches=4)]
+    return out
 
 
 def _hsdp_layouts(nproc: int, bounded: bool) -> list[Layout]:
@@ -78,7 +98,7 @@ def _hsdp_layouts(nproc: int, bounded: bool) -> list[Layout]:
 def _ep_layouts(nproc: int, bounded: bool) -> list[Layout]:
     """The ep layouts of :func:`layouts_that_fit` (explicit engine, MoE models only:
     :func:`applies`). Full: ep = 2 and 4 over dp (ep = dp·cp and ep < dp), composed with ZeRO-1
-    and ZeRO-3, with tp = 2 and with pp = 2 (1F1B, ZeRO 0 and 1). Bounded (8 ranks): ep = 8,
+    and ZeRO-3, with tp = 2 and with pp = 2 (1F1B, ZeRO 0 and 1; zbv). Bounded (8 ranks): ep = 8,
     ep = 4 × ZeRO-3,
     tp = 2 × ep = 4, pp = 2 × dp = 4 × ep = 2."""
     if bounded:
@@ -91,7 +111,8 @@ def _ep_layouts(nproc: int, bounded: bool) -> list[Layout]:
         out += [Layout(dp=4, ep=2, zero=z) for z in (1, 3)]
         out += [Layout(dp=2, tp=2, ep=2),
                 Layout(pp=2, dp=2, ep=2, schedule="1f1b", microbatches=4),
-                Layout(pp=2, dp=2, ep=2, zero=1, schedule="1f1b", microbatches=4)]
+                Layout(pp=2, dp=2, ep=2, zero=1, schedule="1f1b", microbatches=4),
+                Layout(pp=2, dp=2, ep=2, schedule="zbv", microbatches=4)]
     return out
 
 
@@ -202,7 +223,7 @@ def layers_for(layout: Layout) -> int:
     own; the reference is built with the same depth."""
     if layout.pp == 1:
         return MIN_LAYERS
-    v = layout.virtual_stages or (2 if layout.schedule == "interleaved-1f1b" else 1)
+    v = layout.chunks
     return max(MIN_LAYERS, layout.pp * v)
 
 

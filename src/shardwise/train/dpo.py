@@ -89,8 +89,12 @@ class DPOReference:
         return out
 
     def _holds_logps(self) -> bool:
-        """Whether this rank computes log-probs: the last pipeline stage (every rank without a
-        pipeline; every tp rank of it, each with the complete values)."""
+        """Whether this rank computes log-probs: the one holding the last pipeline stage (pp
+        index p−1, or 0 under the V placement of zbv/dualpipev; every rank without a pipeline;
+        every tp rank of it, each with the complete values)."""
+        holds_head = getattr(getattr(self.ref, "module", None), "holds_head", None)
+        if holds_head is not None:  # a pipeline stage says where the head is
+            return bool(holds_head)
         return self.topo.index("pp") == self.topo.size("pp") - 1
 
     def _local_sums(self, microbatches: list[dict]) -> torch.Tensor:

@@ -38,6 +38,8 @@ from ..models.compile import compile_blocks
 from ..models.meta import build_on_meta
 from ..parallel.apply import Layout, parallelize
 from ..parallel.cp import plain_attention, shard_sequence
+from ..parallel.pp.schedules import V_SCHEDULES
+from ..parallel.pp.split import describe_placement
 from ..topology import Topology, init_distributed
 from . import faults
 from .device import device_lines, device_memory_keys, host_peak_rss, reset_peak
@@ -293,6 +295,10 @@ def setup(cfg: TrainConfig) -> Run:
              f"{epoch['dropped_per_epoch']:,} dropped (the tail of each epoch's shuffle)")
     for line in describe_groups(topo):
         log.info(line)
+    if cfg.pp > 1 and cfg.schedule in V_SCHEDULES:  # the V placement, done for the user
+        for line in describe_placement(model_cfg.n_layers, cfg.pp, cfg.schedule,
+                                       cfg.virtual_stages or None, cfg.stage_split()):
+            log.info(f"  {line}")
     # MFU: model FLOPs of a step (every position of the global batch; flops.py has the
     # convention and its sources) over the peak of all ranks
     seq = cfg.seq_len if work.kind == "lm" else 1

@@ -9,8 +9,9 @@ stage, its TP, its dp gradient sync, the finishers and a runner into one
 measurements: docs/pipeline-parallel.md and docs/composition.md.
 """
 
-from .schedules import (SCHEDULES, Action, Schedule, build_schedule, check_schedule,
-                        compute_order, format_schedule, peak_activations)
+from .schedules import (SCHEDULES, V_SCHEDULES, Action, Schedule, build_schedule,
+                        check_schedule, chunk_of, compute_order, format_schedule,
+                        peak_activations, rank_of, stage_of)
 from .simulate import (Costs, DeadlockError, Event, ScheduleError, SimResult, bubble_formula,
                        simulate)
 from .split import StageModule, split_layers, validate_pp
@@ -18,7 +19,8 @@ from .comms import copy_stages_from_first, p2p_bytes_formula
 from .runner import KINDS
 
 
-__all__ = ["SCHEDULES", "Action", "Costs", "DeadlockError", "Event", "KINDS", "Schedule",
-           "ScheduleError", "SimResult", "StageModule", "bubble_formula", "build_schedule",
-           "check_schedule", "compute_order", "copy_stages_from_first", "format_schedule",
-           "p2p_bytes_formula", "peak_activations", "simulate", "split_layers", "validate_pp"]
+__all__ = ["SCHEDULES", "V_SCHEDULES", "Action", "Costs", "DeadlockError", "Event", "KINDS",
+           "Schedule", "ScheduleError", "SimResult", "StageModule", "bubble_formula",
+           "build_schedule", "check_schedule", "chunk_of", "compute_order",
+           "copy_stages_from_first", "format_schedule", "p2p_bytes_formula",
+           "peak_activations", "rank_of", "simulate", "split_layers", "stage_of", "validate_pp"]

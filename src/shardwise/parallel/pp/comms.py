@@ -5,7 +5,9 @@ parameters from pp index 0 (:func:`copy_stages_from_first`); the tied-embedding 
 between the first and the last stage (:func:`swap_tied_grads`).
 
 Bytes per step (rank r of p, v chunks, m micro-batches, A = bytes of one activation as sent):
-``pp_fwd`` m·A·(v − [r = p−1]), ``pp_bwd`` m·A·(v − [r = 0]); ``tied`` the table shard once.
+``pp_fwd`` m·A·(v − [r = p−1]), ``pp_bwd`` m·A·(v − [r = 0]) (the V placement:
+m·A·(2 − [r = 0] − [r = p−1]) each, :func:`p2p_bytes_formula`); ``tied`` the table shard once
+(none under the V placement: rank 0 holds both ends).
 Sources: GPipe (Huang et al. 2019) and Megatron-LM (Narayanan et al. 2021 §2.2).
 """
 
@@ -15,6 +17,7 @@ import torch
 
 from ... import comm
 from ..params import local
+from .schedules import rank_of, stages_of
 from .split import stage_parameter_names
 
 
@@ -38,7 +41,8 @@ class GradTraffic:
 
 
 @torch.no_grad()
-def copy_stages_from_first(model: torch.nn.Module, topo, v: int, layers_per_stage=None) -> None:
+def copy_stages_from_first(model: torch.nn.Module, topo, v: int, layers_per_stage=None,
+                           placement: str = "loop") -> None:
     """pp index 0 sends every other pp rank its stages' parameters from its own plain ``model``
     (full shapes, before TP; one flat send per rank and dtype, phase and tag ``init``), so the
     stages start as one plain model whatever the ranks' seeds. Each rank receives only what it
@@ -51,7 +55,7 @@ def copy_stages_from_first(model: torch.nn.Module, topo, v: int, layers_per_stag
 
     def flat_by_dtype(r):
         by_dtype: dict = {}
-        for n in stage_parameter_names(model, r, p, v, layers_per_stage):
+        for n in stage_parameter_names(model, r, p, v, layers_per_stage, placement):
             by_dtype.setdefault(params[n].dtype, []).append(params[n].data)
         return by_dtype.values()
 
@@ -91,15 +95,20 @@ def swap_tied_grads(weight: torch.nn.Parameter, topo, is_first: bool, p: int) ->
     g.add_(buf)
 
 
-def p2p_bytes_formula(pp_index: int, p: int, v: int, m: int, act_bytes: int) -> dict[str, int]:
-    """``{"pp_fwd": m·A·(v − [r = p−1]), "pp_bwd": m·A·(v − [r = 0])}`` bytes for p > 1, A =
-    ``act_bytes`` of one activation [b, s, d]: every stage but the last sends its output once per
-    microbatch, every stage but the first its input gradient. Unequal microbatches: pass m = 1
-    and ``act_bytes`` = Σ_b A_b."""
-    if p == 1:
-        return {"pp_fwd": 0, "pp_bwd": 0}
-    return {"pp_fwd": m * act_bytes * (v - (pp_index == p - 1)),
-            "pp_bwd": m * act_bytes * (v - (pp_index == 0))}
+def p2p_bytes_formula(pp_index: int, p: int, v: int, m: int, act_bytes: int,
+                      placement: str = "loop") -> dict[str, int]:
+    """``{"pp_fwd": m·A·n_fwd, "pp_bwd": m·A·n_bwd}`` bytes for rank ``pp_index`` of p, A =
+    ``act_bytes`` of one activation [b, s, d]: every stage sends its output once per microbatch
+    to the next stage's rank and its input gradient to the previous one's, except across no
+    boundary (the first stage has no previous, the last no next) and to itself (the V's stages
+    p−1 and p on rank p−1). Loop placement: n_fwd = v − [r = p−1], n_bwd = v − [r = 0]; V:
+    n_fwd = n_bwd = 2 − [r = 0] − [r = p−1]. Unequal microbatches: pass m = 1 and
+    ``act_bytes`` = Σ_b A_b."""
+    n_stages, fwd, bwd = p * v, 0, 0
+    for s in stages_of(pp_index, p, v, placement):
+        fwd += s < n_stages - 1 and rank_of(s + 1, p, placement) != pp_index
+        bwd += s > 0 and rank_of(s - 1, p, placement) != pp_index
+    return {"pp_fwd": m * act_bytes * fwd, "pp_bwd": m * act_bytes * bwd}
 
 
 class TiedSwap:
@@ -107,14 +116,16 @@ class TiedSwap:
     ``tok_embeddings.weight`` and the last stage's own copy (:attr:`.split.StageModule.
     tied_output`) start equal (:meth:`copy_initial`, the first rank sends its shard, tag and
     phase ``init``) and, after every backward, hold the sum of both gradients
-    (:func:`swap_tied_grads`, tag ``tied``). ``active``: whether this rank takes part (the first
-    or the last stage of a tied model); a finisher that does nothing elsewhere."""
+    (:func:`swap_tied_grads`, tag ``tied``). ``active``: whether this rank takes part (it holds
+    the first or the last stage of a tied model, not both: under the V placement rank 0 holds
+    both and the one parameter gathers both gradients itself); a finisher that does nothing
+    elsewhere."""
 
     def __init__(self, stage, topo):
         self.topo, self.p = topo, topo.size("pp")
-        self.is_first = topo.index("pp") == 0
-        is_last = topo.index("pp") == self.p - 1
-        self.active = bool(stage.tied and self.p > 1 and (self.is_first or is_last))
+        self.is_first = stage.holds_embedding
+        self.active = bool(stage.tied and self.p > 1
+                           and stage.holds_embedding != stage.holds_head)
         self.weight = (stage.tok_embeddings.weight if self.is_first else stage.tied_output) \
             if self.active else None
         self.elem = local(next(iter(stage.parameters()))).element_size()

@@ -13,7 +13,9 @@ backward of any stage reaches its routers with no loss of its own, and each forw
 (detached) joins this rank's loss sum, which the engine reduces over pp and the data axis.
 
 What moves over pp: per SEND_F/RECV_F one activation (tag ``pp_fwd``), per SEND_B/RECV_B its
-gradient (``pp_bwd``), on two channels (:mod:`.comms` has the bytes). The actions, zero bubble's
+gradient (``pp_bwd``), on two channels (:mod:`.comms` has the bytes). Two consecutive stages on
+one rank (the V placement of zbv/dualpipev: stages p−1 and p on rank p−1) hand the activation
+and its gradient over in memory, with no action and no message. The actions, zero bubble's
 I/W (Qi et al. 2023 §2) and why they cannot deadlock: docs/pipeline-parallel.md §4.
 """
 
@@ -30,10 +32,11 @@ from ...models.moe import moe_layers, set_aux_grad_scale
 from ..model import autocast
 from ..params import local
 from .comms import GradTraffic, p2p_bytes_formula
-from .schedules import build_schedule
+from .schedules import build_schedule, placement_of, rank_of
 from .split import activation_shape, first_stage_input
 
 KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
+SPLIT_BACKWARD = ("zb-h1", "zbv", "dualpipev")  # schedules with I/W actions
 
 # autograd nodes of the collectives that end a TP region (parallel/tp/comms.py): zb-h1's W pass
 # starts below them (see ZeroBubbleCapture.record)
@@ -50,8 +53,9 @@ class ZeroBubbleCapture:
         owners = [m for m in module.modules() if list(m.parameters(recurse=False))]
         covered = {id(p) for m in owners for p in m.parameters(recurse=False)}
         if covered != {id(p) for p in module.parameters()}:
-            raise ShardwiseConfigError("zb-h1 needs every parameter to belong to a module whose "
-                                       "output carries its whole gradient")
+            raise ShardwiseConfigError("a zero-bubble schedule (zb-h1, zbv, dualpipev) needs "
+                                       "every parameter to belong to a module whose output "
+                                       "carries its whole gradient")
         self.active: list | None = None
         for m in owners:
             m.register_forward_hook(self.record)
@@ -76,12 +80,13 @@ class ZeroBubbleCapture:
 
 class ScheduleRunner:
     """The runner of an explicit pipeline: this rank's ``stage`` (:class:`.split.StageModule`,
-    converted for TP by then) on ``topo``'s "pp" axis, ``schedule`` (gpipe | 1f1b |
-    interleaved-1f1b | zb-h1) with ``v`` chunks per rank; ``loss_sum(y, mb)``: the last stage's
-    token-loss sum of its output ``y`` (plain, or tp's vocab-parallel loss); ``seq_shards``: tp
-    under SP (the activations between stages are [b, s/tp, d]), else 1. zb-h1 splits backward
-    into I/W over ``stage``. :meth:`forward_backward` replaces the micro-batch loop of
-    :class:`~shardwise.parallel.model.ParallelModel`, :meth:`evaluate` its evaluation. After a
+    converted for TP by then, its chunks placed as the schedule's placement says) on ``topo``'s
+    "pp" axis, ``schedule`` (gpipe | 1f1b | interleaved-1f1b | zb-h1 | zbv | dualpipev) with
+    ``v`` chunks per rank; ``loss_sum(y, mb)``: the last stage's token-loss sum of its output
+    ``y`` (plain, or tp's vocab-parallel loss); ``seq_shards``: tp under SP (the activations
+    between stages are [b, s/tp, d]), else 1. zb-h1, zbv and dualpipev split backward into I/W
+    over ``stage`` (:class:`ZeroBubbleCapture`). :meth:`forward_backward` replaces the
+    micro-batch loop of :class:`~shardwise.parallel.model.ParallelModel`, :meth:`evaluate` its evaluation. After a
     step, ``timeline`` holds (kind, microbatch, chunk, peer, t_start, t_end) per action
     (seconds, ``time.time()``) and ``peak_alive`` the most (microbatch, chunk) pairs that held
     activations at once."""
@@ -94,10 +99,12 @@ class ScheduleRunner:
         self.schedule_name, self.v, self.loss_sum = schedule, v, loss_sum
         self.seq_shards = seq_shards
         self.p, self.pp_index = topo.size("pp"), topo.index("pp")
-        self.is_first, self.is_last = self.pp_index == 0, self.pp_index == self.p - 1
+        self.placement = placement_of(schedule)
+        # this rank holds the first / the last stage (both: rank 0 under the V placement)
+        self.is_first, self.is_last = stage.holds_embedding, stage.holds_head
         self._schedules = {}
         self.grad_topo = GradTraffic(topo)  # gradients: the other channel (.comms)
-        self.zb = ZeroBubbleCapture(stage) if schedule == "zb-h1" else None
+        self.zb = ZeroBubbleCapture(stage) if schedule in SPLIT_BACKWARD else None
         self.moe = [moe_layers(c) for c in self.chunks]  # each chunk's MoE layers (maybe none)
         self.timeline: list[tuple] = []
         self.peak_alive = 0
@@ -135,26 +142,41 @@ class ScheduleRunner:
         shape = self.act_shape(mb)
         act_dtype = next(self.module.parameters()).dtype
         loss = torch.zeros(1, dtype=torch.float64, device=device)
-        sends = []
+        sends, here = [], {}  # here: outputs for the next stage on this rank (the V's turn)
         with torch.no_grad():
             for chunk in self.chunks:  # local chunks are in stage order
                 s = chunk.index
                 if chunk.is_first:
                     x = first_stage_input(mb)
+                elif s - 1 in here:
+                    x = here.pop(s - 1)
                 else:
                     x = torch.empty(shape, dtype=act_dtype, device=device)
-                    comm.recv(x, self.topo, "pp", (s - 1) % self.p, tag="eval")
+                    comm.recv(x, self.topo, "pp", self._rank_of(s - 1), tag="eval")
                 y = chunk(x, **positions_kw(mb))
                 if chunk.is_last:
                     loss += self.loss_sum(y, mb).double()
+                elif self._rank_of(s + 1) == self.pp_index:
+                    here[s] = y.to(act_dtype)
                 else:
                     y = y.to(act_dtype).contiguous()
-                    sends.append((comm.send(y, self.topo, "pp", (s + 1) % self.p, tag="eval",
-                                            async_op=True), y))
+                    sends.append((comm.send(y, self.topo, "pp", self._rank_of(s + 1),
+                                            tag="eval", async_op=True), y))
         for handle, _ in sends:
             handle.wait()
         comm.all_reduce(loss, self.topo, "pp", tag="eval")
         return loss, torch.tensor(count_items(mb))
+
+    def _rank_of(self, stage: int) -> int:
+        return rank_of(stage, self.p, self.placement)
+
+    def _local_neighbours(self, chunk) -> tuple[int | None, int | None]:
+        """Local chunk indices of ``chunk``'s previous and next stage when they live on this
+        rank too (the V placement's stages p−1 and p), else None."""
+        s, mine = chunk.index, [c.index for c in self.chunks]
+        prev = mine.index(s - 1) if s - 1 in mine else None
+        nxt = mine.index(s + 1) if s + 1 in mine else None
+        return prev, nxt
 
     def bytes_formula(self, micro_steps: int, sequences: int, seq_len: int = 1,
                       dtype: str = "fp32") -> dict[str, float]:
@@ -169,7 +191,8 @@ class ScheduleRunner:
         # p2p_bytes_formula's m·A with m = 1 and A = that sum
         acts = sequences * ((seq_len // self.seq_shards) if stage.is_llama else 1) * d * elem
         return {k: float(v) for k, v in
-                p2p_bytes_formula(self.pp_index, self.p, self.v, 1, acts).items()}
+                p2p_bytes_formula(self.pp_index, self.p, self.v, 1, acts,
+                                  self.placement).items()}
 
     def run(self, actions, microbatches: list[dict], denom: float, dtype: str, *,
             act_shape, loss_sum) -> torch.Tensor:
@@ -189,6 +212,7 @@ class ScheduleRunner:
         loss = torch.zeros(1, dtype=torch.float64, device=device)
         inputs, outputs, out_grads, in_grads, wgrad, captures = {}, {}, {}, {}, {}, {}
         sends, alive = [], set()
+        neighbours = [self._local_neighbours(c) for c in self.chunks]
         self.timeline, self.peak_alive = [], 0
         topo, grad_topo = self.topo, self.grad_topo
         set_aux_grad_scale(self.module, 1.0 / denom)  # each MoE layer's aux gradient: 1/T
@@ -226,6 +250,9 @@ class ScheduleRunner:
                 if self.zb is not None:
                     captures[key], self.zb.active = self.zb.active, None
                 outputs[key] = y
+                nxt = neighbours[a.chunk][1]
+                if nxt is not None:  # the next stage is ours: its input, with no message
+                    inputs[(a.microbatch, nxt)] = y.detach().to(act_dtype).requires_grad_()
                 alive.add(key)
                 self.peak_alive = max(self.peak_alive, len(alive))
             elif a.kind == "B":
@@ -234,6 +261,7 @@ class ScheduleRunner:
                 torch.autograd.backward(y, g)
                 if not chunk.is_first:
                     in_grads[key] = inputs.pop(key).grad
+                captures.pop(key, None)  # recorded by F for an I that this B replaces
                 alive.discard(key)
             elif a.kind == "I":
                 y = outputs.pop(key)
@@ -254,6 +282,9 @@ class ScheduleRunner:
                         else:
                             p.grad.add_(gp)
                 alive.discard(key)
+            if a.kind in ("B", "I") and neighbours[a.chunk][0] is not None:
+                # the previous stage is ours: its output gradient, with no message
+                out_grads[(a.microbatch, neighbours[a.chunk][0])] = in_grads.pop(key)
             self.timeline.append((a.kind, a.microbatch, a.chunk,
                                   -1 if a.peer is None else a.peer, t0, time.time()))
         for handle, _ in sends:

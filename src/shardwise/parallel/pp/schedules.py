@@ -4,9 +4,18 @@ to print (:func:`format_schedule`), simulate (:mod:`.simulate`), draw
 process group.
 
 ``p`` ranks, ``m`` microbatches per step (m ≥ p), ``v`` chunks ("virtual stages") per rank: the
-model is cut into ``S = p·v`` stages; stage ``s`` lives on rank ``s % p`` as its local chunk
-``s // p`` (Megatron-LM, Narayanan et al. 2021, §2.2). Schedules, with the bubble for equal
-stages and free communication (:func:`.simulate.bubble_formula`):
+model is cut into ``S = p·v`` stages. Where each stage lives is the schedule's *placement*
+(:func:`stage_of`, :func:`rank_of`, :func:`chunk_of`, the one place it is written):
+
+* ``"loop"``: stage ``s`` on rank ``s % p`` as its local chunk ``s // p`` (Megatron-LM,
+  Narayanan et al. 2021, §2.2);
+* ``"v"`` (the V schedules, v = 2): rank r holds stage r as chunk 0 and stage 2p−1−r as chunk 1,
+  so rank 0 holds the first and the last stage and rank p−1 the two middle ones, handing the
+  activation from stage p−1 to stage p without a message (Qi et al. 2023 §6, ZB-V; PyTorch's
+  ``generate_stage_to_rank_mapping(style="v")``).
+
+Schedules, with the bubble for equal stages and free communication
+(:func:`.simulate.bubble_formula`):
 
 * ``gpipe`` (Huang et al. 2019 §2.3): all m forwards, then all m backwards; (p−1)/(m+p−1).
 * ``1f1b`` (PipeDream-flush, Narayanan et al. 2021 "Memory-Efficient Pipeline-Parallel DNN
@@ -16,6 +25,13 @@ stages and free communication (:func:`.simulate.bubble_formula`):
 * ``zb-h1`` (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", §3.1): 1F1B with ``B`` split
   into ``I`` and ``W``, rank r delaying its ``W`` by r microbatches; idle (p−1)(T_F+T_B−T_W)
   instead of (p−1)(T_F+T_B+T_W).
+* ``zbv`` (Qi et al. 2023 §6, "ZB-V"; the order of PyTorch's ``ScheduleZBVZeroBubble``): the V
+  placement, backward split into I and W; warm-up 2(p−r)−1 forwards of chunk 0, then chunk 1's
+  forwards interleaved, steady state F/I/W on both chunks, W's filling the drain. m ≥ p.
+* ``dualpipev`` (DeepSeek-V3 technical report §3.2.1, DualPipe "cut in half" to p ranks; the
+  order of PyTorch's ``ScheduleDualPipeV`` after deepseek-ai/DualPipe): the V placement, steady
+  state pairs (F of one chunk, full B of the other) meant to overlap compute and communication,
+  I/W split only where it fills the drain. m ≥ 2p.
 
 The orders, the simulator's checks and the tests: docs/pipeline-parallel.md §2–3.
 """
@@ -26,9 +42,63 @@ import dataclasses
 
 from ...errors import ShardwiseConfigError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")  # the V placement, two chunks per rank
+PLACEMENTS = ("loop", "v")
 COMPUTE = ("F", "B", "I", "W")
 COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+def default_chunks(name: str) -> int:
+    """Chunks per rank when ``--virtual-stages`` is not given: 2 for interleaved-1f1b and the
+    V schedules, else 1."""
+    return 2 if name == "interleaved-1f1b" or name in V_SCHEDULES else 1
+
+
+def placement_of(name: str) -> str:
+    """The placement of schedule ``name``: "v" for :data:`V_SCHEDULES`, else "loop"."""
+    return "v" if name in V_SCHEDULES else "loop"
+
+
+def stage_of(rank: int, chunk: int, p: int, placement: str = "loop") -> int:
+    """Global stage index of local ``chunk`` on pp ``rank`` of ``p``: loop ``chunk·p + rank``;
+    v ``rank`` for chunk 0 and ``2p−1−rank`` for chunk 1. Raises ``ValueError`` for an unknown
+    placement or a chunk ≥ 2 under "v"."""
+    _check_placement(placement)
+    if placement == "loop":
+        return chunk * p + rank
+    if chunk not in (0, 1):
+        raise ValueError(f"the V placement has two chunks per rank, got chunk {chunk}")
+    return rank if chunk == 0 else 2 * p - 1 - rank
+
+
+def _check_placement(placement: str) -> None:
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown placement {placement!r}: one of {PLACEMENTS}")
+
+
+def rank_of(stage: int, p: int, placement: str = "loop") -> int:
+    """The pp rank holding global ``stage``: loop ``stage % p``; v ``stage`` for the first p
+    stages, ``2p−1−stage`` for the others."""
+    _check_placement(placement)
+    if placement == "v":
+        return stage if stage < p else 2 * p - 1 - stage
+    return stage % p
+
+
+def chunk_of(stage: int, p: int, placement: str = "loop") -> int:
+    """The local chunk index of global ``stage`` on its rank: loop ``stage // p``; v 0 for the
+    first p stages, 1 for the others."""
+    _check_placement(placement)
+    if placement == "v":
+        return 0 if stage < p else 1
+    return stage // p
+
+
+def stages_of(rank: int, p: int, v: int, placement: str = "loop") -> list[int]:
+    """Global stage indices of ``rank``'s chunks, in local chunk order (ascending in both
+    placements)."""
+    return [stage_of(rank, c, p, placement) for c in range(v)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +167,8 @@ def W(mb: int, chunk: int = 0) -> Action:
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """A schedule: ``ranks[r]`` is rank r's ordered tuple of :class:`Action` s.
+    """A schedule: ``ranks[r]`` is rank r's ordered tuple of :class:`Action` s; ``placement``
+    "loop" or "v" (module docstring: where each stage lives).
 
     Indexing and iteration go over ranks, so a Schedule reads like ``list[list[Action]]``."""
 
@@ -106,6 +177,19 @@ class Schedule:
     m: int
     v: int
     ranks: tuple[tuple[Action, ...], ...]
+    placement: str = "loop"
+
+    def stage_of(self, rank: int, chunk: int) -> int:
+        """Global stage of ``rank``'s local ``chunk`` (:func:`stage_of`)."""
+        return stage_of(rank, chunk, self.p, self.placement)
+
+    def rank_of(self, stage: int) -> int:
+        """The rank holding global ``stage`` (:func:`rank_of`)."""
+        return rank_of(stage, self.p, self.placement)
+
+    def chunk_of(self, stage: int) -> int:
+        """The local chunk of global ``stage`` on its rank (:func:`chunk_of`)."""
+        return chunk_of(stage, self.p, self.placement)
 
     def __getitem__(self, r: int) -> tuple[Action, ...]:
         return self.ranks[r]
@@ -138,7 +222,8 @@ def check_schedule(name: str, p: int, m: int, v: int | None = None) -> int:
 
     Raises :class:`ShardwiseConfigError` naming the constraint and the fix: unknown schedule;
     p < 1; m < p (most of the step would be bubble); v ≠ 1 for a non-interleaved schedule;
-    interleaving with p < 2, v < 2, or m that does not split into m // p equal rounds."""
+    interleaving with p < 2, v < 2, or m that does not split into m // p equal rounds; a V
+    schedule (zbv, dualpipev: v = 2 by default) with p < 2 or v ≠ 2; dualpipev with m < 2p."""
     if name not in SCHEDULES:
         raise ShardwiseConfigError(f"--schedule {name!r} is unknown: choose one of "
                                    f"{', '.join(SCHEDULES)}")
@@ -149,6 +234,23 @@ def check_schedule(name: str, p: int, m: int, v: int | None = None) -> int:
             f"--microbatches {m} is less than --pp {p}: a pipeline needs at least as many "
             f"microbatches as stages (ranks) to fill; choose --microbatches ≥ {p} "
             f"(e.g. {p} or {2 * p})")
+    if name in V_SCHEDULES:
+        v = 2 if v is None else v
+        if p < 2:
+            raise ShardwiseConfigError(f"--schedule {name} places two chunks per rank in a V "
+                                       f"across the ranks, which needs --pp ≥ 2; use 1f1b or "
+                                       f"zb-h1 for pp=1")
+        if v != 2:
+            raise ShardwiseConfigError(f"--schedule {name} runs exactly 2 model chunks per rank "
+                                       f"(the V placement), got {v} virtual stages: leave "
+                                       f"--virtual-stages unset or set it to 2")
+        if name == "dualpipev" and m < 2 * p:
+            raise ShardwiseConfigError(
+                f"dualpipev with --pp {p} needs --microbatches ≥ 2·pp = {2 * p} (its steady "
+                f"state pairs a forward of one chunk with a backward of the other; DeepSeek's "
+                f"DualPipe, and PyTorch's ScheduleDualPipeV, ask m ≥ stages): got {m}, choose "
+                f"{2 * p} or more (or --schedule zbv, which needs m ≥ {p})")
+        return v
     if name == "interleaved-1f1b":
         v = 2 if v is None else v
         if p < 2:
@@ -230,6 +332,115 @@ def _interleaved(p: int, m: int, v: int, r: int) -> list[Action]:
     return order
 
 
+class _Program:
+    """A rank's compute order under construction: ``add(kind, chunk)`` appends the chunk's next
+    microbatch of that kind (I and B share a counter: both are the microbatch's backward)."""
+
+    def __init__(self):
+        self.order: list[Action] = []
+        self.next = {"F": [0, 0], "B": [0, 0], "W": [0, 0]}
+
+    def add(self, kind: str, chunk: int) -> int:
+        counter = "B" if kind == "I" else kind
+        mb = self.next[counter][chunk]
+        self.order.append(Action(kind, mb, chunk))
+        self.next[counter][chunk] += 1
+        return mb
+
+
+def _zbv(p: int, m: int, r: int) -> list[Action]:
+    """ZB-V (Qi et al. 2023 §6) on rank r, in the order of PyTorch's ``ScheduleZBVZeroBubble``:
+    chunk 0 is stage r, chunk 1 stage 2p−1−r. Built for n = max(m, 2p−1) microbatches, then the
+    actions of microbatches ≥ m are dropped (a filtered order keeps its dependencies).
+
+    warm-up   2(p−r)−1 × F.0;  r × (F.1, F.0);  p−r × (F.1, I.1, W.1)
+    steady    (F.0 while any left), I.0, W.0, F.1, I.1, W.1 — until every F.1 has run
+    drain     r × (I.0, I.1);  p−r × (I.0, W.0);  the W.1 left, then the W.0 left"""
+    n = max(m, 2 * p - 1)
+    g = _Program()
+    for _ in range(2 * (p - r) - 1):
+        g.add("F", 0)
+    for _ in range(r):
+        g.add("F", 1)
+        g.add("F", 0)
+    for _ in range(p - r):
+        for kind in ("F", "I", "W"):
+            g.add(kind, 1)
+    while g.next["F"][1] < g.next["F"][0] or g.next["F"][0] < n:
+        if g.next["F"][0] < n:
+            g.add("F", 0)
+        for chunk, kind in ((0, "I"), (0, "W"), (1, "F"), (1, "I"), (1, "W")):
+            g.add(kind, chunk)
+    for _ in range(r):
+        g.add("I", 0)
+        g.add("I", 1)
+    for _ in range(p - r):
+        g.add("I", 0)
+        g.add("W", 0)
+    for chunk in (1, 0):
+        while g.next["W"][chunk] < g.next["B"][chunk]:
+            g.add("W", chunk)
+    return [a for a in g.order if a.microbatch < m]
+
+
+def _dualpipev(p: int, m: int, r: int) -> list[Action]:
+    """DualPipeV on rank r (DeepSeek-V3 technical report §3.2.1: DualPipe, here in its V-shaped
+    "cut in half" form on p ranks; the order of deepseek-ai/DualPipe's ``DualPipeV`` as PyTorch's
+    ``ScheduleDualPipeV`` writes it). Chunk 0 is stage r, chunk 1 stage 2p−1−r; m ≥ 2p. A
+    W pass is queued by each I and run, oldest first, where the order says W.
+
+    1. 2(p−r−1) × F.0                          5. p−r−1 × (B.1; F.1, B.0)
+    2. r+1 × (F.0, F.1)                        6. r+1 × (B.1, B.0), split into I from the middle
+    3. p−r−1 × (I.1, W, F.1)                   7. p−r−1 × (W, B.0 or I.0)
+    4. m−2p+r+1 × (F.0, B.1; F.1, B.0)         8. r+1 × W
+
+    In steps 4 and 5 each (F of one chunk, B of the other) is the pair DualPipe overlaps (one
+    microbatch's forward computing while the other's backward communicates); here, as in
+    PyTorch's runtime without a custom overlap function, the pair runs one after the other."""
+    g, pending = _Program(), []
+
+    def backward(chunk: int, split: bool) -> None:
+        mb = g.add("I" if split else "B", chunk)
+        if split:
+            pending.append((mb, chunk))
+
+    def weight() -> None:
+        if pending:
+            mb, chunk = pending.pop(0)
+            g.order.append(W(mb, chunk))
+
+    for _ in range(2 * (p - r - 1)):
+        g.add("F", 0)
+    for _ in range(r + 1):
+        g.add("F", 0)
+        g.add("F", 1)
+    for _ in range(p - r - 1):
+        backward(1, True)
+        weight()
+        g.add("F", 1)
+    for _ in range(m - 2 * p + r + 1):
+        g.add("F", 0)
+        backward(1, False)
+        g.add("F", 1)
+        backward(0, False)
+    for _ in range(p - r - 1):
+        backward(1, False)
+        g.add("F", 1)
+        backward(0, False)
+    split, half = False, (r + 1) // 2
+    for i in range(r + 1):
+        split = split or (i == half and r % 2 == 1)
+        backward(1, split)
+        split = split or (i == half and r % 2 == 0)
+        backward(0, split)
+    for _ in range(p - r - 1):
+        weight()
+        backward(0, split)
+    for _ in range(r + 1):
+        weight()
+    return g.order
+
+
 def compute_order(name: str, p: int, m: int, v: int | None = None) -> list[list[Action]]:
     """Per rank, the compute actions (F/B/I/W) of schedule ``name`` in execution order."""
     v = check_schedule(name, p, m, v)
@@ -239,30 +450,39 @@ def compute_order(name: str, p: int, m: int, v: int | None = None) -> list[list[
         return [_one_f_one_b(p, m, r) for r in range(p)]
     if name == "zb-h1":
         return [_one_f_one_b(p, m, r, split_backward=True) for r in range(p)]
+    if name == "zbv":
+        return [_zbv(p, m, r) for r in range(p)]
+    if name == "dualpipev":
+        return [_dualpipev(p, m, r) for r in range(p)]
     return [_interleaved(p, m, v, r) for r in range(p)]
 
 
-def insert_comms(order: list[list[Action]], p: int, v: int) -> list[list[Action]]:
+def insert_comms(order: list[list[Action]], p: int, v: int,
+                 placement: str = "loop") -> list[list[Action]]:
     """Add the point-to-point actions to compute orders: each RECV right before the compute that
-    consumes the tensor, each SEND right after the compute that produces it."""
+    consumes the tensor, each SEND right after the compute that produces it. Two consecutive
+    stages on the same rank (the V placement's stages p−1 and p) exchange nothing: the runner
+    hands the tensor over locally."""
     n_stages = p * v
     out = []
     for r, acts in enumerate(order):
         lst = []
         for a in acts:
-            s = a.chunk * p + r
+            s = stage_of(r, a.chunk, p, placement)
+            prev = rank_of(s - 1, p, placement) if s > 0 else r
+            nxt = rank_of(s + 1, p, placement) if s < n_stages - 1 else r
             if a.kind == "F":
-                if s > 0 and (s - 1) % p != r:
-                    lst.append(Action("RECV_F", a.microbatch, a.chunk, (s - 1) % p))
+                if prev != r:
+                    lst.append(Action("RECV_F", a.microbatch, a.chunk, prev))
                 lst.append(a)
-                if s < n_stages - 1 and (s + 1) % p != r:
-                    lst.append(Action("SEND_F", a.microbatch, a.chunk, (s + 1) % p))
+                if nxt != r:
+                    lst.append(Action("SEND_F", a.microbatch, a.chunk, nxt))
             elif a.kind in ("B", "I"):
-                if s < n_stages - 1 and (s + 1) % p != r:
-                    lst.append(Action("RECV_B", a.microbatch, a.chunk, (s + 1) % p))
+                if nxt != r:
+                    lst.append(Action("RECV_B", a.microbatch, a.chunk, nxt))
                 lst.append(a)
-                if s > 0 and (s - 1) % p != r:
-                    lst.append(Action("SEND_B", a.microbatch, a.chunk, (s - 1) % p))
+                if prev != r:
+                    lst.append(Action("SEND_B", a.microbatch, a.chunk, prev))
             else:
                 lst.append(a)
         out.append(lst)
@@ -275,8 +495,9 @@ def build_schedule(name: str, p: int, m: int, v: int | None = None) -> Schedule:
     combinations (:func:`check_schedule`)."""
     v = check_schedule(name, p, m, v)
     order = compute_order(name, p, m, v)
-    ranks = tuple(tuple(acts) for acts in insert_comms(order, p, v))
-    return Schedule(name=name, p=p, m=m, v=v, ranks=ranks)
+    placement = placement_of(name)
+    ranks = tuple(tuple(acts) for acts in insert_comms(order, p, v, placement))
+    return Schedule(name=name, p=p, m=m, v=v, ranks=ranks, placement=placement)
 
 
 def format_schedule(schedule: Schedule, compute_only: bool = False) -> str:
@@ -284,6 +505,8 @@ def format_schedule(schedule: Schedule, compute_only: bool = False) -> str:
     With ``compute_only`` the SEND/RECV actions are left out."""
     head = (f"{schedule.name}: p={schedule.p} ranks, m={schedule.m} microbatches, "
             f"v={schedule.v} chunk(s) per rank")
+    if schedule.placement == "v":
+        head += f", V placement (rank r holds stages r and {2 * schedule.p - 1}−r)"
     lines = [head]
     for r, acts in enumerate(schedule.ranks):
         shown = [str(a) for a in acts if a.is_compute or not compute_only]

@@ -9,6 +9,11 @@ stages and free communication (:func:`bubble_formula`):
 * interleaved 1F1B with v chunks: ``(p−1)/(v·m+p−1)`` (Narayanan et al. 2021 §2.2.2);
 * ZB-H1: ``(p−1)(T_F+T_B−T_W) / (m(T_F+T_B+T_W) + (p−1)(T_F+T_B−T_W))`` for T_W ≤ T_F + T_B
   (Qi et al. 2023 §3.1).
+* ZB-V and DualPipeV at T_F = T_B = T_W (= T): ``(p−1) / (6m + p−1)``, an idle of (p−1)·T/2
+  per rank (one chunk-forward per hop to rank p−1: the fill no order can avoid), a sixth of
+  1F1B's (p−1)·3T. ZB-V (Qi et al. 2023 §6) for m ≥ 2p−1; DualPipeV for m ≥ 2p: DeepSeek-V3
+  technical report §3.2.1, Table 2, bubble (PP/2−1)(F&B + B − 3W) with PP/2 = p ranks and
+  per-chunk costs, F&B = F + B + W when the pair is not overlapped: (p−1)(T/2·3 + T/2 − 3T/2).
 
 The derivations and what the tests check: docs/pipeline-parallel.md §3.
 """
@@ -104,7 +109,11 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "eager") ->
     received: set[tuple] = set()  # (rank, channel, mb, chunk)
 
     def stage(r, c):
-        return c * p + r
+        return schedule.stage_of(r, c)
+
+    def local(r: int, s: int) -> bool:
+        """Stage ``s`` exists and lives on rank r: its tensors are handed over locally."""
+        return 0 <= s < n_stages and schedule.rank_of(s) == r
 
     def payload(r: int, a: Action) -> tuple:
         """(channel, mb, consumer stage) of a message, from either end."""
@@ -122,12 +131,21 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "eager") ->
         if (r, a.kind, *key) in done:
             raise ScheduleError(f"rank {r}: {a} runs twice")
         if a.kind == "F":
-            if s > 0 and (r, "F", *key) not in received and (s - 1) % p != r:
+            if local(r, s - 1):  # the previous stage is this rank's: its F must have run
+                if (r, "F", a.microbatch, schedule.chunk_of(s - 1)) not in done:
+                    raise ScheduleError(f"rank {r}: {a} runs before the forward of the "
+                                        f"previous stage on this rank")
+            elif s > 0 and (r, "F", *key) not in received:
                 raise ScheduleError(f"rank {r}: {a} runs before its input was received")
         elif a.kind in ("B", "I"):
             if (r, "F", *key) not in done:
                 raise ScheduleError(f"rank {r}: {a} runs before F{a.microbatch}")
-            if s < n_stages - 1 and (r, "B", *key) not in received:
+            if local(r, s + 1):
+                nxt = (a.microbatch, schedule.chunk_of(s + 1))
+                if (r, "B", *nxt) not in done and (r, "I", *nxt) not in done:
+                    raise ScheduleError(f"rank {r}: {a} runs before the backward of the next "
+                                        f"stage on this rank")
+            elif s < n_stages - 1 and (r, "B", *key) not in received:
                 raise ScheduleError(f"rank {r}: {a} runs before its output gradient arrived")
             other = "I" if a.kind == "B" else "B"
             if (r, other, *key) in done:
@@ -143,7 +161,7 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "eager") ->
             raise ScheduleError(f"rank {r}: {a} sends a tensor not computed yet")
         s = stage(r, a.chunk)
         target = s + 1 if a.kind == "SEND_F" else s - 1
-        if not 0 <= target < n_stages or target % p != a.peer:
+        if not 0 <= target < n_stages or schedule.rank_of(target) != a.peer:
             raise ScheduleError(f"rank {r}: {a} goes to rank {a.peer}, but stage {target} is "
                                 f"not there")
 
@@ -213,7 +231,7 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "eager") ->
     if leftover:
         raise ScheduleError(f"messages sent but never received: {leftover}")
     for s in range(n_stages):
-        r, c = s % p, s // p
+        r, c = schedule.rank_of(s), schedule.chunk_of(s)
         for mb in range(schedule.m):
             if (r, "F", mb, c) not in done:
                 raise ScheduleError(f"rank {r}: F{mb}.{c} never runs")
@@ -227,8 +245,10 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "eager") ->
 
 
 def bubble_formula(name: str, p: int, m: int, v: int = 1, costs: Costs = Costs()) -> float:
-    """Closed-form bubble fraction (module docstring); ``costs`` matters for zb-h1 only. Raises
-    ``ValueError`` for an unknown schedule."""
+    """Closed-form bubble fraction (module docstring); ``costs`` matters for zb-h1 only, and
+    zbv/dualpipev have a closed form only at T_F = T_B = T_W (and zbv for m ≥ 2p−1, where no
+    action of the full order is dropped). Raises ``ValueError`` for an unknown schedule, or a
+    zbv/dualpipev case outside that."""
     if name in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
     if name == "interleaved-1f1b":
@@ -236,4 +256,12 @@ def bubble_formula(name: str, p: int, m: int, v: int = 1, costs: Costs = Costs()
     if name == "zb-h1":
         idle = (p - 1) * (costs.t_f + costs.t_b - costs.t_w)
         return idle / (m * (costs.t_f + costs.t_b + costs.t_w) + idle)
+    if name in ("zbv", "dualpipev"):
+        if not costs.t_f == costs.t_b == costs.t_w:
+            raise ValueError(f"{name}: the closed form holds at T_F = T_B = T_W only; use "
+                             f"simulate() for other costs")
+        if name == "zbv" and m < 2 * p - 1:
+            raise ValueError(f"zbv: the closed form holds for m ≥ 2p−1 = {2 * p - 1}; below, "
+                             f"the fill is not amortised: use simulate()")
+        return (p - 1) / (6 * m + p - 1)
     raise ValueError(f"unknown schedule {name!r}")

@@ -2,7 +2,9 @@
 
 The plain model (``models.llama.Llama`` or ``models.mlp.StackedMLP``), ``embedding → L blocks →
 norm → head``, is cut into ``S = p·v`` stages of consecutive blocks (:func:`split_layers`);
-stage ``s`` lives on pp rank ``s % p`` as its local chunk ``s // p``. Stage 0 also holds the
+where stage ``s`` lives is the schedule's placement (:func:`.schedules.stage_of`): rank
+``s % p`` as chunk ``s // p`` ("loop"), or, for zbv and dualpipev, rank r holds stages r and
+2p−1−r ("v": rank 0 the first and the last stage). Stage 0 also holds the
 embedding, stage ``S−1`` the final norm, the head and the loss. Every rank builds the whole
 plain model and keeps only its stages (:class:`StageModule`, under the plain model's names); a
 tied embedding (Press & Wolf 2017) gets its own copy on the last stage.
@@ -17,7 +19,7 @@ from torch import nn
 
 from ...errors import ShardwiseConfigError
 from ...models.llama import document_mask, embed, rope_tables
-from .schedules import check_schedule
+from .schedules import check_schedule, stages_of
 
 
 def _n_layers(model_or_n_layers) -> int:
@@ -87,6 +89,33 @@ def validate_pp(model_or_n_layers, pp: int, schedule: str, microbatches: int,
     return v
 
 
+def describe_placement(n_layers: int, pp: int, schedule: str, v: int | None = None,
+                       layers_per_stage: list[int] | None = None) -> list[str]:
+    """One line per pp rank: its stages (global index, in chunk order) and their blocks, where
+    the embedding and the head live, e.g. under zbv at pp=2 over 4 layers
+    ``pp rank 0: stage 0 = block 0 (+ embedding), stage 3 = block 3 (+ head)``. The placement is
+    the schedule's (:func:`.schedules.placement_of`), the split :func:`split_layers`'. Raises
+    :class:`ShardwiseConfigError` as :func:`.schedules.check_schedule` and :func:`split_layers`
+    do."""
+    from .schedules import placement_of
+
+    v = check_schedule(schedule, pp, max(pp, 2 * pp), v)
+    n_stages = pp * v
+    ranges = split_layers(n_layers, n_stages, layers_per_stage)
+    lines = []
+    for r in range(pp):
+        parts = []
+        for s in stages_of(r, pp, v, placement_of(schedule)):
+            blocks = ranges[s]
+            what = ("no block" if not len(blocks) else f"block {blocks.start}" if len(blocks) == 1
+                    else f"blocks {blocks.start}–{blocks.stop - 1}")
+            extra = (" (+ embedding)" if s == 0 else "") + (" (+ head)" if s == n_stages - 1
+                                                            else "")
+            parts.append(f"stage {s} = {what}{extra}")
+        lines.append(f"pp rank {r}: " + ", ".join(parts))
+    return lines
+
+
 def validate_pp_moe(cfg, *, engine: str = "explicit") -> None:
     """Check a pipeline over a mixture-of-experts model (``cfg`` None or a dense model: nothing
     to check) before anything runs; raise :class:`ShardwiseConfigError` naming the rule and the
@@ -104,13 +133,14 @@ def validate_pp_moe(cfg, *, engine: str = "explicit") -> None:
 
 
 def stage_parameter_names(plain: nn.Module, pp_index: int, pp: int, v: int = 1,
-                          layers_per_stage: list[int] | None = None) -> list[str]:
+                          layers_per_stage: list[int] | None = None,
+                          placement: str = "loop") -> list[str]:
     """The plain model's parameter names (``named_parameters()`` order) that pp rank
-    ``pp_index`` holds: what :class:`StageModule` keeps, except the last rank's own copy of a
-    tied embedding."""
+    ``pp_index`` holds under ``placement`` ("loop" | "v"): what :class:`StageModule` keeps,
+    except the last stage's own copy of a tied embedding."""
     n_stages = pp * v
     ranges = split_layers(len(plain.layers), n_stages, layers_per_stage)
-    mine = [c * pp + pp_index for c in range(v)]
+    mine = stages_of(pp_index, pp, v, placement)
     blocks = {str(i) for s in mine for i in ranges[s]}
     first, last = 0 in mine, n_stages - 1 in mine
     names = []
@@ -176,18 +206,22 @@ class StageModule(nn.Module):
     (``tok_embeddings``, ``layers.{i}`` with the *global* block index, ``norm``, ``output``).
 
     ``chunks``: one :class:`Chunk` per local chunk, in order, over the same submodules (not
-    registered as children, to keep names unique). With p > 1 a tied embedding lives on two
-    ranks: the last one holds its own copy (:attr:`tied_output`), whose gradient the engine
-    sums with the first rank's after every backward."""
+    registered as children, to keep names unique); ``placement`` "loop" | "v"
+    (:func:`.schedules.stage_of`). With p > 1 a tied embedding lives on two ranks, unless the
+    V placement puts the first and the last stage on rank 0: the last stage's rank holds its
+    own copy (:attr:`tied_output`), whose gradient the engine sums with the first rank's after
+    every backward."""
 
     def __init__(self, plain: nn.Module, pp_index: int, pp: int, v: int = 1,
-                 layers_per_stage: list[int] | None = None):
+                 layers_per_stage: list[int] | None = None, placement: str = "loop"):
         super().__init__()
         self.config = plain.config
         self.is_llama = hasattr(plain, "tok_embeddings")
+        self.placement = placement
         n_stages = pp * v
         ranges = split_layers(len(plain.layers), n_stages, layers_per_stage)
-        mine = [c * pp + pp_index for c in range(v)]  # global stage indices, local chunk order
+        mine = stages_of(pp_index, pp, v, placement)  # global stage indices, local chunk order
+        self.stage_indices = mine
         self.layers = nn.ModuleDict()
         for s in mine:
             for i in ranges[s]:

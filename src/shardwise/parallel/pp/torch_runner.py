@@ -4,7 +4,9 @@
 Schedule mapping: gpipe → ``ScheduleGPipe``, 1f1b → ``Schedule1F1B``, interleaved-1f1b →
 ``ScheduleInterleaved1F1B`` (v stages per rank, stage s on rank s % p), zb-h1 →
 ``ScheduleInterleavedZeroBubble`` with one stage per rank (its placement of the W passes is
-ZB-H1's: rank r delays them by r microbatches).
+ZB-H1's: rank r delays them by r microbatches), zbv → ``ScheduleZBVZeroBubble`` and dualpipev →
+``ScheduleDualPipeV``, each with the two ``PipelineStage`` s r and 2p−1−r of the V placement
+(their compute orders are :mod:`.schedules`' own: tests/test_pipeline_schedules.py).
 
 What moves: over tp, DTensor's collectives (TP inside each stage by DTensor,
 :func:`~shardwise.parallel.tp.dtensor.parallelize_stage_dtensor`), booked by
@@ -32,7 +34,8 @@ from .split import first_stage_input
 
 _SCHEDULES = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B,
               "interleaved-1f1b": pl.ScheduleInterleaved1F1B,
-              "zb-h1": pl.ScheduleInterleavedZeroBubble}
+              "zb-h1": pl.ScheduleInterleavedZeroBubble,
+              "zbv": pl.ScheduleZBVZeroBubble, "dualpipev": pl.ScheduleDualPipeV}
 
 
 class TorchScheduleRunner(ScheduleRunner):

@@ -293,6 +293,10 @@ def parallelize_stage_dtensor(stage: nn.Module, topo, sp: bool) -> None:
     cfg, n = stage.config, topo.size(AXIS)
     # the whole model's plan (it only counts the layers), restricted to this stage's modules
     plan = dtensor_tp_plan(types.SimpleNamespace(layers=[None] * cfg.n_layers), sp)
+    # the embedding and a head tied to it on this rank (the V placement's rank 0)
+    tied_here = getattr(stage, "output", None) is not None and \
+        getattr(stage, "tok_embeddings", None) is not None and \
+        stage.output.weight is stage.tok_embeddings.weight
     prepare_replicated_for_dtensor(stage, topo, sp)
     mine = dict(stage.named_modules())
     plan = {k: v for k, v in plan.items() if k in mine}
@@ -301,6 +305,8 @@ def parallelize_stage_dtensor(stage: nn.Module, topo, sp: bool) -> None:
         plan["output"] = ColwiseParallel(**({"input_layouts": act} if act else {}),
                                          output_layouts=Shard(-1), use_local_output=True)
     parallelize_module(stage, topo.mesh[AXIS], plan)
+    if tied_here:  # one Parameter again: both are Shard(0) over the same mesh
+        stage.output.weight = stage.tok_embeddings.weight
     for c in stage.chunks:
         c.sp_degree = n if sp else 1
 

@@ -14,8 +14,8 @@ suite     variants                                                   files
 ``dp``    explicit DP with and without bucket overlap, DDP           ``bench.{md,json}``
 ``zero``  explicit ZeRO-3 with and without prefetch, FSDP2           ``bench_zero.…``
 ``tp``    explicit TP and DTensor TP, each without and with SP       ``bench_tp.…``
-``pp``    measured bubble vs the formula; each schedule, explicit    ``bench_pp.…`` and the
-          vs ``torch.distributed.pipelining``                        bubble's timeline
+``pp``    each schedule: measured bubble vs simulator vs formula;  ``bench_pp.…`` and the
+          explicit vs ``torch.distributed.pipelining``               bubble's timeline
 ``collectives``  every op × size × n: native, ring, tree          ``bench_collectives.…``
           (nccl-tests columns, α-β fit; :mod:`.collectives`)         (+ ``.png``)
 ``zero-collectives``  ZeRO-2/3 with ``--collectives`` native vs   ``bench_zero_collectives_dp<n>.…``
@@ -27,6 +27,7 @@ suite     variants                                                   files
 
 from __future__ import annotations
 
+import os
 import statistics
 
 import torch
@@ -36,7 +37,7 @@ from ...config import TrainConfig
 from ...models import build_model
 from ...parallel.apply import Layout, parallelize
 from ...parallel.dp import dp_grad_bytes_formula
-from ...parallel.pp import SCHEDULES, bubble_formula, validate_pp
+from ...parallel.pp import SCHEDULES, bubble_formula, build_schedule, simulate, validate_pp
 from ...parallel.tp import tp_step_bytes_formula, validate_tp
 from ...report.timeline import gather_timeline
 from ...topology import Topology, init_distributed
@@ -303,16 +304,21 @@ def bench_pp(args) -> int:
     """Pipeline over pp = world size (``args.pp``), model ``args.model`` with ``args.n_layers``
     layers, ``args.microbatches`` microbatches of ``args.micro_batch`` sequences:
 
-    1. **Bubble**: the explicit engine, ``args.schedule`` (1F1B by default); every rank
+    1. **Bubble of ``args.schedule``**: the explicit engine (1F1B by default); every rank
        timestamps its actions (``engine.timeline``); the timelines are gathered and the measured
-       bubble 1 − Σ busy / (p · makespan) is compared with (p−1)/(m+p−1) (Narayanan et al. 2021
-       §2.2.1; :func:`~shardwise.parallel.pp.bubble_formula`), median over the timed
-       steps. Target: measured / formula ≤ 1.10. The last step's timeline is written as
-       ``bench_<schedule>_timeline.{png,trace.json}`` (:func:`~..trace.trace_pipeline`);
-    2. **Step time** (unless ``args.bubble_only``): for each schedule, the explicit engine and
-       ``engine="torch"`` (torch.distributed.pipelining), alternating A B A B … on identical
-       models and batches, median step time and the ratio explicit / torch. A schedule the
-       layout cannot run (e.g. interleaving with an m it cannot split) is a row saying why."""
+       bubble 1 − Σ busy / (p · makespan) is compared with the closed form
+       (:func:`~shardwise.parallel.pp.bubble_formula`; (p−1)/(m+p−1) for 1F1B, Narayanan et al.
+       2021 §2.2.1), median over the timed steps. Target: measured / formula ≤ 1.10. The last
+       step's timeline is written as ``bench_<schedule>_timeline.{png,trace.json}``
+       (:func:`~..trace.trace_pipeline`);
+    2. **Every schedule** (gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv, dualpipev): the explicit
+       engine and (unless ``args.bubble_only``) ``engine="torch"`` (torch.distributed.
+       pipelining), alternating A B A B … on identical models and batches: median step time,
+       the ratio explicit / torch, and the explicit engine's measured bubble (median over its
+       timed steps) against the simulator's (:func:`~shardwise.parallel.pp.simulate`, T_F =
+       T_B = T_W, free communication) and the closed form. A schedule the layout cannot run
+       (e.g. interleaving with an m it cannot split, dualpipev with m < 2p) is a row saying
+       why."""
     p = _world()
     validate_pp(args.n_layers, p, args.schedule, args.microbatches,
                 args.micro_batch * args.microbatches)
@@ -324,41 +330,59 @@ def bench_pp(args) -> int:
 
     def make(engine, schedule):
         layout = Layout(pp=p, schedule=schedule, microbatches=args.microbatches)
-        return make_run(lambda m: parallelize(m, topo, layout, engine=engine), args.model, work,
-                        cfg, args.micro_batch * args.microbatches, 1, 0, n_layers=args.n_layers)
+        run = make_run(lambda m: parallelize(m, topo, layout, engine=engine), args.model, work,
+                       cfg, args.micro_batch * args.microbatches, 1, 0, n_layers=args.n_layers)
+        if engine == "explicit":  # its actions are timestamped: a bubble per step
+            run["bubbles"] = []
+        return run
 
     def step(run):
-        return timed_step(run, work, args.micro_batch, topo)[0]
+        seconds = timed_step(run, work, args.micro_batch, topo)[0]
+        if "bubbles" in run:  # gathered over pp after the timed step (a collective)
+            run["bubbles"].append(bubble_of(gather_timeline(run["engine"], topo), p))
+        return seconds
 
     # 1. measured bubble of the explicit engine
     run = make("explicit", args.schedule)
-    bubbles = []
     step(run)  # warm-up
+    run["bubbles"] = []
     for _ in range(args.steps):
         step(run)
-        bubbles.append(bubble_of(gather_timeline(run["engine"], topo), p))
+    bubbles = run["bubbles"]
     if dist.get_rank() == 0:
         trace_pipeline(run["engine"], topo, args.out, name=f"bench_{args.schedule}_timeline")
     else:
         trace_pipeline(run["engine"], topo, args.out)
     formula = bubble_formula(args.schedule, p, args.microbatches, run["engine"].v)
     measured = statistics.median(bubbles)
-    # 2. explicit vs torch, per schedule, alternating
+    # 2. every schedule: explicit (its bubble) vs torch, alternating
     rows = []
-    for schedule in () if args.bubble_only else SCHEDULES:
+    engines = ("explicit",) if args.bubble_only else ("explicit", "torch")
+    for schedule in SCHEDULES:
         try:
-            validate_pp(args.n_layers, p, schedule, args.microbatches)
+            v = validate_pp(args.n_layers, p, schedule, args.microbatches)
         except Exception as e:  # e.g. interleaving with an m it cannot split
             rows.append({"schedule": schedule, "skipped": str(e)})
             continue
-        runs = {e: make(e, schedule) for e in ("explicit", "torch")}
+        runs = {e: make(e, schedule) for e in engines}
         for r in runs.values():
             step(r)  # warm-up
+        runs["explicit"]["bubbles"] = []
         alternate(runs, args.rounds, args.steps, step)
         med = {e: statistics.median(r["times"]) for e, r in runs.items()}
-        rows.append({"schedule": schedule, "explicit_s": med["explicit"], "torch_s": med["torch"],
-                     "ratio": med["explicit"] / med["torch"],
-                     "steps_timed": len(runs["explicit"]["times"])})
+        try:
+            closed = bubble_formula(schedule, p, args.microbatches, v)
+        except ValueError:  # zbv with m < 2p−1: no closed form, the simulator's number
+            closed = None
+        row = {"schedule": schedule, "v": v, "explicit_s": med["explicit"],
+               "bubble": statistics.median(runs["explicit"]["bubbles"]),
+               "bubble_per_step": runs["explicit"]["bubbles"],
+               "simulated": simulate(build_schedule(schedule, p, args.microbatches,
+                                                    v)).bubble_fraction,
+               "formula": closed, "steps_timed": len(runs["explicit"]["times"])}
+        if "torch" in med:
+            row |= {"torch_s": med["torch"], "ratio": med["explicit"] / med["torch"]}
+        rows.append(row)
     if dist.get_rank() == 0:
         params = sum(x.numel() for x in build_model(args.model, vocab_size=work.vocab_size,
                                                     n_layers=args.n_layers).parameters())
@@ -367,15 +391,29 @@ def bench_pp(args) -> int:
                 f"{args.seq_len} tokens, torch {torch.__version__}, "
                 f"{torch.get_num_threads()} thread(s) per rank\n\n"
                 f"Bubble ({args.schedule}, explicit engine, median of {len(bubbles)} steps): "
-                f"measured {measured:.4f}, formula (p−1)/(m+p−1) = {formula:.4f}, "
-                f"measured / formula = {measured / formula:.3f} (target ≤ 1.10)")
+                f"measured {measured:.4f}, formula {formula:.4f}, "
+                f"measured / formula = {measured / formula:.3f} (target ≤ 1.10)\n\n"
+                f"simulated and formula: equal stages (T_F = T_B = T_W) and free messages; "
+                f"measured: wall time per rank, {p} ranks on {os.cpu_count()} CPU core(s) here "
+                f"(a rank's compute slows while others compute, so filling a bubble also "
+                f"stretches the others' work), the V schedules' rank 0 holding the embedding "
+                f"and the head, every send/recv's latency: docs/pipeline-parallel.md §9")
+
+        def cell(key, fmt):
+            return lambda r: (None if "skipped" in r or r.get(key) is None
+                              else fmt(r[key]))
+
         columns = [("schedule", "---", lambda r: r["schedule"]),  # a skipped one says why
                    ("explicit median step (ms)", "---:", lambda r: f"skipped: {r['skipped']}"
                     if "skipped" in r else f"{r['explicit_s'] * 1e3:.1f}"),
-                   ("torch median step (ms)", "---:",
-                    lambda r: None if "skipped" in r else f"{r['torch_s'] * 1e3:.1f}"),
-                   ("explicit / torch", "---:",
-                    lambda r: None if "skipped" in r else f"{r['ratio']:.3f}")]
+                   ("torch median step (ms)", "---:", cell("torch_s", lambda x: f"{x * 1e3:.1f}")),
+                   ("explicit / torch", "---:", cell("ratio", lambda x: f"{x:.3f}")),
+                   ("bubble measured", "---:", cell("bubble", lambda x: f"{x:.4f}")),
+                   ("simulated", "---:", cell("simulated", lambda x: f"{x:.4f}")),
+                   ("formula", "---:", cell("formula", lambda x: f"{x:.4f}")),
+                   ("measured / formula", "---:",
+                    lambda r: None if "skipped" in r or r.get("formula") is None
+                    else f"{r['bubble'] / r['formula']:.2f}")]
         bubble = {"schedule": args.schedule, "measured": measured, "per_step": bubbles,
                   "formula": formula, "ratio": measured / formula}
         write_report(rows, columns, args.out, "bench_pp", head=head,
