@@ -10,23 +10,25 @@ norms and biases). Its Muon is written here again, independently of
 (``torch.optim.Muon`` runs it in bf16: :func:`newton_schulz` with ``dtype=torch.bfloat16`` is
 bitwise its ``_zeropower_via_newtonschulz``, tests/test_muon.py).
 
-**The parameter rule.** AdamW's bound (:func:`shardwise.parity.adamw_param_bound`) propagates
-the measured gradient errors through the optimizer. For Muon that bound is useless: NS_k is a
+**The parameter rule.** AdamW's bound (:func:`shardwise.parity.adamw_param_bound`) propagates the
+measured gradient errors through the optimizer. For Muon that bound is useless: NS_k is a
 polynomial matrix function, and its Fréchet derivative is bounded by the divided differences of
 p(σ) = aσ + bσ³ + cσ⁵ on the singular-value interval [0, 1.2023] that the iteration maps into
 itself (Higham, *Functions of Matrices*, 2008, §3.1; generalised to rectangular X by Noferini
 2017): L₁ = max(sup|p′|, sup p(σ)/σ) = |p′(1.2023)| ≈ 3.96 per step, so ‖δO‖_F ≤ L₁⁵·2‖δU‖_F/‖U‖_F
-≈ 1.9·10³·‖δU‖_F/‖U‖_F (:data:`NS_LIPSCHITZ`). Round-off of ~1e-7 in U may thus move O by
-~2e-4·‖O‖_F; the change a wrong shard or a missed gather makes is lr'·|O_ij| ≈ lr'·‖O‖_F/√(AB) —
-smaller than that bound for a 64 × 32 matrix. So the parameters are checked by **teacher
-forcing**, as the gradients already are (:func:`shardwise.parity.reference_at`): step t's
-reference update is computed from the run's own parameters after step t − 1 and the run's own
-gradients of steps 0…t (the momentum built from them): the run and the reference then
-orthogonalise the same U, element for element, and differ only by the fp32 round-off of the same
-operations on a gathered copy (≤ lr'·γ_m·‖O‖ per element, ~1e-10 here), so ATOL + RTOL·|p|
-holds with room and any wrong piece of the update (O(lr'·|O_ij|) ≈ 1e-5 at lr 3e-4) fails.
-The gradients themselves are checked against the reference's at the run's parameters, as for
-AdamW; together the two checks pin every step.
+≈ 1.9·10³·‖δU‖_F/‖U‖_F (:data:`NS_LIPSCHITZ` = L₁⁵). The input term is small, but a stated bound
+must add NS's own fp32 round-off in each run — ≈ √m·u·‖X‖_F·(|a| + 3|b|σ² + 5|c|σ⁴) per iteration
+(Higham & Mary 2019), amplified by Σ_k L₁^k ≈ 330 — about 0.1 in ‖δO‖_F for a 64 × 32 matrix: as
+large as a typical element of O (≈ 0.1), so a normwise bound per element would pass a wrong piece
+of the update (docs/parity.md §6). So the parameters are checked by **teacher forcing**, as the
+gradients already are (:func:`shardwise.parity.reference_at`): step t's reference update is
+computed from the run's own parameters after step t − 1 and the run's own gradients of steps 0…t
+(the momentum built from them): the run and the reference then orthogonalise the same U, element
+for element, and differ only by the fp32 round-off of the same operations on a gathered copy (≤
+lr'·γ_m·‖O‖ per element, ~1e-10 here), so ATOL + RTOL·|p| holds with room and any wrong piece of
+the update (O(lr'·|O_ij|) ≈ 1e-5 at lr 3e-4) fails.
+The gradients themselves are checked against the reference's at the run's parameters, as for AdamW;
+together the two checks pin every step.
 """
 
 from __future__ import annotations
