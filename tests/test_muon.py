@@ -201,3 +201,30 @@ def test_newton_schulz_amplifies_a_perturbation_at_most_by_the_stated_lipschitz_
               - parity_muon.newton_schulz(m, torch.float64)).norm()
         worst = max(worst, float(do / dx))
     assert 1.0 < worst <= parity_muon.NS_LIPSCHITZ, worst
+
+
+def test_plan_prices_muon_from_the_models_own_matrices():
+    """plan's Muon bill (shardwise.plan.muon) counts the hidden-matrix elements the built model
+    has (moe-tiny: attention, router, experts over ep) and prices them by the ring all_gather:
+    ZeRO over n (÷ t), TP over t (the matrices this GPU holds a piece of, ÷ n under ZeRO), and
+    Newton–Schulz's FLOPs as parallel.muon.ns_flops of each matrix this GPU orthogonalises."""
+    from shardwise.parallel.muon import is_hidden_matrix, ns_flops
+    from shardwise.plan.layout import PlanLayout
+    from shardwise.plan.models import from_llama_config
+    from shardwise.plan.muon import muon_cost
+
+    for name in ("tiny", "moe-tiny"):
+        model = build_model(name, vocab_size=67)
+        spec = from_llama_config(model.config, name=name)
+        mats = [p for n, p in model.named_parameters() if is_hidden_matrix(n, p)]
+        psi = sum(p.numel() for p in mats)
+        flops = sum(ns_flops(p.shape) for p in mats)
+        c = muon_cost(spec, PlanLayout(dp=4, zero=1))
+        assert c["matrix_elems"] == psi and c["tp"] == 0
+        assert c["dp"] == pytest.approx(3 / 4 * 4 * psi) and c["ns_flops"] == pytest.approx(flops / 4)
+        c = muon_cost(spec, PlanLayout(tp=2, pp=2))
+        assert c["dp"] == 0 and c["tp"] == pytest.approx(1 / 2 * 4 * psi / 2)
+        assert muon_cost(spec, PlanLayout(dp=2))["dp"] == 0  # plain DP: whole matrices
+    ep = muon_cost(spec, PlanLayout(dp=4, ep=2))
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert ep["matrix_elems"] == pytest.approx(psi - experts / 2)
