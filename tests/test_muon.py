@@ -228,3 +228,22 @@ def test_plan_prices_muon_from_the_models_own_matrices():
     ep = muon_cost(spec, PlanLayout(dp=4, ep=2))
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     assert ep["matrix_elems"] == pytest.approx(psi - experts / 2)
+
+
+def test_the_cli_refuses_a_layout_without_muon_with_exit_2_and_verify_names_it(cache_dir,
+                                                                              tmp_path):
+    """`train` exits 2 with the one-line constraint and its fix before any worker starts;
+    `verify` names the (layout, engine) cases it does not run for Muon instead of dropping
+    them silently."""
+    from conftest import run_cli
+
+    p = run_cli(["train", "--model", "tiny", "--optimizer", "muon", "--engine", "torch", "--dp",
+                 "2", "--zero", "1", "--out", tmp_path / "r"], cache_dir, timeout=120)
+    assert p.returncode == 2, p.stdout
+    assert "--optimizer muon --engine torch" in p.stdout and "--engine explicit" in p.stdout
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+    p = run_cli(["verify", "--nproc", "2", "--optimizer", "muon", "--models", "tiny",
+                 "--layouts", "dp=2", "dp=2,zero=1", "--steps", "1"], cache_dir, timeout=240)
+    assert p.returncode == 0, p.stdout
+    assert "verify: dp=2,zero=1 torch: not run: --optimizer muon --engine torch" in p.stdout
+    assert "3/3 passed" in p.stdout  # dp=2 on both engines, dp=2,zero=1 explicit

@@ -435,6 +435,15 @@ def verify_worker(args) -> int:
     cfg = TrainConfig(model="tiny", lr=3e-4, warmup_steps=1, steps=args.steps, grad_clip=0.5,
                       seed=args.seed, optimizer=optimizer)
     engines = ENGINES if args.engine == "both" else (args.engine,)
+    if optimizer != "adamw" and dist.get_rank() == 0:  # say which cases the optimizer skips
+        from ..config.checks import check_optimizer
+
+        for lay in layouts:
+            for eng in engines:
+                try:
+                    check_optimizer(optimizer, engine=eng, tp=lay.tp, pp=lay.pp, zero=lay.zero)
+                except ShardwiseConfigError as e:
+                    print(f"verify: {lay.name()} {eng}: not run: {e}", flush=True)
     rows = []
     worst_bound = (0.0, "")
     topos: dict[tuple[int, int, int, int], Topology] = {}
