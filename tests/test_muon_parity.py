@@ -17,7 +17,8 @@ LAYOUTS = {  # layout → the axes Muon's update U is gathered over (none: whole
     "dp=2,tp=2,zero=3": ("dp", "tp"), "tp=2,pp=2,1f1b": ("tp",),
 }
 TORCH = ("dp=2",)  # the torch engine: DDP (its other layouts are refused: check_optimizer)
-EP = {"dp=2,ep=2": (), "dp=4,ep=2,zero=1": ("edp", "dp")}  # moe-tiny: experts per ep rank
+EP = {"dp=2,ep=2": (), "dp=4,ep=2,zero=1": ("edp", "dp"),  # moe-tiny: experts per ep rank
+      "dp=2,tp=2,ep=2,zero=3": ("dp", "tp")}  # (edp has one rank here: gathers of 0 bytes)
 
 
 @pytest.fixture(scope="module")
