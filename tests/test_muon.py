@@ -247,3 +247,21 @@ def test_the_cli_refuses_a_layout_without_muon_with_exit_2_and_verify_names_it(c
     assert p.returncode == 0, p.stdout
     assert "verify: dp=2,zero=1 torch: not run: --optimizer muon --engine torch" in p.stdout
     assert "3/3 passed" in p.stdout  # dp=2 on both engines, dp=2,zero=1 explicit
+
+
+def test_resuming_with_the_other_optimizer_is_refused():
+    """A checkpoint's Muon state loaded into AdamW (or AdamW's into Muon) would restart the
+    moments silently: restore_training_state refuses it, naming the flag to resume with."""
+    from shardwise.checkpoint import CheckpointError
+    from shardwise.checkpoint.load import check_optimizer_kind
+
+    _, _, engine, muon = _one_process(TrainConfig(**CFG), steps=1)
+    _, _, engine2, adamw = _one_process(TrainConfig(**{**CFG, "optimizer": "adamw"}), steps=1)
+    muon_state, adamw_state = (engine.full_optimizer_state(muon),
+                               engine2.full_optimizer_state(adamw))
+    check_optimizer_kind(muon_state, muon, "ckpt")  # same kind: fine
+    check_optimizer_kind(adamw_state, adamw, "ckpt")
+    with pytest.raises(CheckpointError, match="holds Muon's .* resume with --optimizer muon"):
+        check_optimizer_kind(muon_state, adamw, "ckpt")
+    with pytest.raises(CheckpointError, match="holds AdamW's .* resume with --optimizer adamw"):
+        check_optimizer_kind(adamw_state, muon, "ckpt")
