@@ -173,6 +173,7 @@ def test_optimizer_state_is_layout_free_and_round_trips_bitwise():
 @pytest.mark.parametrize("flags,needle", [
     (dict(engine="torch", dp=2, tp=1, zero=1), "--engine explicit"),
     (dict(engine="torch", dp=1, tp=2, zero=0), "--engine explicit"),
+    (dict(engine="torch", dp=2, tp=1, pp=2, zero=1), "--engine explicit"),
     (dict(engine="explicit", dp=2, tp=1, pp=2, zero=1), "--zero 0 with --pp"),
 ])
 def test_layouts_without_muon_are_refused_before_any_collective(flags, needle):

@@ -16,7 +16,8 @@ LAYOUTS = {  # layout → the axes Muon's update U is gathered over (none: whole
     "tp=2": ("tp",), "tp=2,sp": ("tp",), "dp=2,tp=2,zero=1": ("dp", "tp"),
     "dp=2,tp=2,zero=3": ("dp", "tp"), "tp=2,pp=2,1f1b": ("tp",),
 }
-TORCH = ("dp=2",)  # the torch engine: DDP (its other layouts are refused: check_optimizer)
+TORCH = ("dp=2", "pp=2,1f1b", "dp=2,pp=2,1f1b")  # the torch engine: DDP and pipelining
+# (its DTensor/FSDP2/ZeroRedundancyOptimizer layouts are refused: check_optimizer)
 EP = {"dp=2,ep=2": (), "dp=4,ep=2,zero=1": ("edp", "dp"),  # moe-tiny: experts per ep rank
       "dp=2,tp=2,ep=2,zero=3": ("dp", "tp")}  # (edp has one rank here: gathers of 0 bytes)
 

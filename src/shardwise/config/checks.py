@@ -120,19 +120,19 @@ def check_optimizer(optimizer: str, *, engine: str, tp: int, pp: int, zero: int)
     """Raise :class:`ShardwiseConfigError` for an ``--optimizer`` the layout cannot run (before
     any collective). Muon (:mod:`shardwise.parallel.muon`) is built for the explicit engine in
     every layout but a pipeline's ZeRO-1, and for the torch engine where its parameters are
-    plain whole tensors (DDP, with cp or not: tp = 1, zero = 0, pp = 1)."""
+    plain whole tensors (DDP and torch.distributed.pipelining stages: tp = 1, zero = 0)."""
     if optimizer != "muon":
         return
     if engine == "explicit" and pp > 1 and zero > 0:
         raise ShardwiseConfigError(
             f"--optimizer muon with --pp {pp} --zero {zero}: a pipeline's ZeRO-1 does not gather "
             "Muon's updates yet; use --zero 0 with --pp, or --optimizer adamw")
-    if engine == "torch" and (tp > 1 or zero > 0 or pp > 1):
+    if engine == "torch" and (tp > 1 or zero > 0):
         raise ShardwiseConfigError(
-            f"--optimizer muon --engine torch with tp={tp} zero={zero} pp={pp}: PyTorch's "
-            "DTensor/FSDP2/ZeroRedundancyOptimizer/pipelining parameters are not whole matrices "
-            "and torch.optim.Muon cannot gather them; use --engine explicit (every layout), or "
-            "--engine torch with plain DDP (tp 1, zero 0, pp 1)")
+            f"--optimizer muon --engine torch with tp={tp} zero={zero}: PyTorch's "
+            "DTensor/FSDP2/ZeroRedundancyOptimizer parameters are not whole matrices and "
+            "torch.optim.Muon cannot gather them; use --engine explicit (every layout), or "
+            "--engine torch with DDP and/or pipelining (tp 1, zero 0)")
 
 
 # The smallest --timeout accepted, seconds: a floor, not a recommendation (the default is 300).
