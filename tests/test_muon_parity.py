@@ -1,7 +1,9 @@
 """``shardwise verify --optimizer muon`` (issue 41): every layout that builds Muon equals one
 process (loss, norm and every gradient at every step; every parameter teacher-forced, as
 docs/parity.md §Muon derives), and the ledger's bytes equal the formula with the ``muon`` term,
-in one spawned world of 4 ranks. The gathers appear exactly where the matrices are split."""
+in one spawned world of 4 ranks. The gathers appear exactly where the matrices are split: over
+tp (an all_gather), and under ZeRO/HSDP/EP×ZeRO as point-to-point sends of the matrices that
+slice boundaries cut, to and from their owner."""
 
 import json
 
@@ -51,4 +53,6 @@ def test_muon_gathers_only_over_the_axes_that_split_a_matrix(report, layout):
     muon = {k: v for k, v in case["bytes_per_tag"].items() if k.startswith("muon ")}
     assert {k.split()[2] for k, v in muon.items() if v > 0} == set(
         (LAYOUTS | EP)[layout]), muon
-    assert all(k.split()[1] == "all_gather" for k in muon)
+    # tp shards: one all_gather over tp; ZeRO's cut matrices: sends to and from their owner
+    assert all(k.split()[1] == ("all_gather" if k.split()[2] == "tp" else "send")
+               for k, v in muon.items() if v > 0), muon

@@ -17,10 +17,11 @@ matrix, so a rank holding a slice of U cannot compute its slice of O. The moment
 mix and the weight decay are element-wise and stay sharded; only U travels (tag ``muon``):
 
 * DP, CP, PP, EP: every rank holds whole matrices (experts whole on their ep rank) — nothing;
-* ZeRO-1/2/3, HSDP: U of each unit that holds a Muon matrix, one all_gather of its flat slice
-  over the unit's axis, (n−1)/n·4P_u bytes (Liu et al. §2, "Distributed Muon": all-gather, every
-  rank orthogonalises redundantly and keeps its slice; docs/optimizers.md compares gathering to
-  an owner);
+* ZeRO-1/2/3, HSDP: a matrix inside one rank's slice is orthogonalised there; one that slice
+  boundaries cut goes to its owner (the rank holding most of it): the other holders send their
+  pieces of U, the owner runs NS once and sends each its piece of O back, point-to-point over the
+  unit's axis (Liu et al. §2 "Distributed Muon" all-gathers every unit instead: docs/
+  optimizers.md §5 measured 9–35× more bytes that way);
 * TP: each tp-sharded matrix's U all-gathered over tp along its tp dim, (t−1)/t·4·(A·B) bytes,
   one coalesced call for all of them; after the dp gather under ZeRO × TP.
 
@@ -38,6 +39,7 @@ import torch
 from .. import comm
 from ..comm.ledger import ring_bytes
 from .params import is_dtensor, placement, tp_sharded
+from .views import full_shape
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim._muon DEFAULT_A/B/C (Jordan 2024)
 NS_STEPS = 5
@@ -174,12 +176,12 @@ class Orthogonalizer:
 
     ``topo``: None (one process, or whole matrices); tp-sharded matrices (``placement(p).tp_dim``)
     are all-gathered over tp. ``flats`` (ZeRO): the units' :class:`.zero.flat.FlatShards`, the
-    items are their pieces (``piece.zero_slot = (unit, j, a, b)``); ``muon_units``: indices of
-    the units holding a Muon matrix (every rank gathers those, even with no piece of its own).
+    items are their pieces (``piece.zero_slot = (unit, j, a, b)``): a matrix cut by a slice
+    boundary is orthogonalised by its owner (:meth:`owner_pieces`; docs/optimizers.md §5).
     Collectives: tag ``muon`` (see :meth:`bytes_formula`). Raises ValueError for a DTensor."""
 
-    def __init__(self, topo=None, flats=None, muon_units=()):
-        self.topo, self.flats, self.muon_units = topo, flats, sorted(muon_units)
+    def __init__(self, topo=None, flats=None):
+        self.topo, self.flats = topo, flats
 
     def __call__(self, items, dtype=torch.float32) -> list[tuple[torch.Tensor, tuple]]:
         if self.flats is not None:
@@ -223,52 +225,79 @@ class Orthogonalizer:
         k = p.shape[dim]
         return o.narrow(dim, self.topo.index("tp") * k, k)
 
-    # -- ZeRO: gather each unit's flat slice of U, orthogonalise, keep this rank's pieces --------
+    # -- ZeRO: each matrix to its owner, orthogonalised once, its pieces sent back -------------
+    @staticmethod
+    def owner_pieces(f, j: int) -> tuple[int, list[tuple[int, int, int]]]:
+        """(owner index on ``f.axis``, [(rank index, a, b)]) of matrix ``j`` of flat group
+        ``f``: every rank whose slice [r·k, (r+1)·k) holds elements [a, b) of it, and the one
+        holding most of them (the lowest index on a tie), which orthogonalises it. Read from
+        the layout alone, the same on every rank; no collective."""
+        k, off, n = f.shard_numel, f.offsets[j], f.numels[j]
+        pieces = [(r, max(off, r * k), min(off + n, (r + 1) * k)) for r in range(f.n)]
+        pieces = [(r, a, b) for r, a, b in pieces if a < b]
+        owner = max(pieces, key=lambda x: (x[2] - x[1], -x[0]))[0]
+        return owner, pieces
+
     def _zero(self, items, dtype):
-        by_slot = {piece.zero_slot: (u, g) for piece, u, g in items}
-        done: dict[tuple[int, int], tuple[torch.Tensor, tuple]] = {}
-        for fi in self.muon_units:
-            f = self.flats[fi]
-            mine = torch.zeros(f.shard_numel, dtype=f.dtype, device=f.device)  # [k]
-            held = [(slot, ug) for slot, ug in by_slot.items() if slot[0] == fi]
-            for (_, _, a, b), (u, _) in held:
-                mine[a - f.lo: b - f.lo] = u
-            full = torch.empty(f.padded, dtype=f.dtype, device=f.device)  # [P_u]
-            with f.topo.ledger.note(f"{f.name} muon U"):
-                comm.all_gather(full, mine, f.topo, f.axis, tag="muon")
-            mats = [(j, full[f.offsets[j]: f.offsets[j] + f.numels[j]].view_as(f.params[j]), g)
-                    for (_, j, _, _), (_, g) in held]  # tp-local shape
-            wholes = self._tp_whole([(f.params[j], m) for j, m, _ in mats])
-            for (j, m, g), w in zip(mats, wholes):
-                o = _ns(w, g, dtype)
-                done[fi, j] = ((self._tp_part(o, f.params[j]) if w is not m else o).reshape(-1),
-                               tuple(w.shape))
-        out = []
-        for piece, _, _ in items:
+        """Matrices in (unit, index) order, the same on every rank: one held whole by this rank
+        is orthogonalised here; one cut by slice boundaries goes to its owner (:meth:`owner_pieces`):
+        each other holder sends its piece of U (tag ``muon``), the owner joins them (and, inside
+        dp × tp, gathers the tp shards with its tp peers, who own the same matrix), runs NS and
+        sends each holder its piece of O back."""
+        done = {}
+        for piece, u, g in sorted(items, key=lambda it: it[0].zero_slot[:2]):
             fi, j, a, b = piece.zero_slot
-            o, shape = done[fi, j]
-            off = self.flats[fi].offsets[j]
-            out.append((o[a - off: b - off], shape))
-        return out
+            f, p = self.flats[fi], self.flats[fi].params[j]
+            off, me = f.offsets[j], f.rank
+            owner, pieces = self.owner_pieces(f, j)
+            if me != owner:  # send my piece of U, get my piece of O
+                out = torch.empty(b - a, dtype=f.dtype, device=f.device)
+                with f.topo.ledger.note(f"{f.name} muon U to owner"):
+                    comm.send(u.contiguous(), f.topo, f.axis, owner, tag="muon")
+                    comm.recv(out, f.topo, f.axis, owner, tag="muon")
+                done[fi, j] = (out, a, full_shape(p))
+                continue
+            whole = torch.empty(f.numels[j], dtype=f.dtype, device=f.device)  # tp-local, flat
+            whole[a - off: b - off] = u
+            with f.topo.ledger.note(f"{f.name} muon U from holders"):
+                for r, ra, rb in pieces:
+                    if r != me:
+                        comm.recv(whole[ra - off: rb - off], f.topo, f.axis, r, tag="muon")
+            m = whole.view_as(p)
+            (w,) = self._tp_whole([(p, m)])
+            o = _ns(w, g, dtype)
+            o = (self._tp_part(o, p) if w is not m else o).reshape(-1)
+            with f.topo.ledger.note(f"{f.name} muon O to holders"):
+                for r, ra, rb in pieces:
+                    if r != me:
+                        comm.send(o[ra - off: rb - off].contiguous(), f.topo, f.axis, r,
+                                  tag="muon")
+            done[fi, j] = (o[a - off: b - off], a, tuple(w.shape))
+        return [(done[piece.zero_slot[:2]][0], tuple(done[piece.zero_slot[:2]][2]))
+                for piece, _, _ in items]
 
     # -- the bill ------------------------------------------------------------------------------
     def bytes_formula(self, muon_params) -> float:
-        """Bytes this rank sends in one step under tag ``muon``: Σ over the Muon units of
-        (n−1)/n·4P_u (ZeRO), plus (t−1)/t·4·Σ numel of the tp-sharded Muon matrices this rank
-        updates (whole, or a piece of) — the all_gather's ring cost (:func:`..comm.ledger.
-        ring_bytes`; fp32 U). ``muon_params``: the Muon parameters of the module (ZeRO: those
-        with a piece on this rank are found from the flats)."""
-        total = 0.0
+        """Bytes this rank sends in one step under tag ``muon`` (fp32 U and O): under ZeRO, for
+        each Muon matrix cut by a slice boundary, 4 bytes per element of its piece when another
+        rank owns it, and 4 per element of the other holders' pieces when this rank does (O sent
+        back) — point-to-point, so exactly what is handed to send; then (t−1)/t·4·(A·B) for
+        each tp-sharded Muon matrix this rank orthogonalises (without ZeRO: every one it holds;
+        under ZeRO: those it owns), the tp all_gather's ring cost (:func:`..comm.ledger.
+        ring_bytes`). ``muon_params``: the Muon parameters of the module."""
+        total, ids, held = 0.0, {id(p) for p in muon_params}, list(muon_params)
         if self.flats is not None:
-            mine = set()
-            for fi in self.muon_units:
-                f = self.flats[fi]
-                total += ring_bytes("all_gather", 4 * f.padded, f.n)
-                ids = {id(p) for p in muon_params}
-                mine |= {id(f.params[j]) for j, _, _ in f.pieces() if id(f.params[j]) in ids}
-            held = [p for p in muon_params if id(p) in mine]
-        else:
-            held = list(muon_params)
+            held = []
+            for f in self.flats:
+                for j, a, b in f.pieces():
+                    if id(f.params[j]) not in ids:
+                        continue
+                    owner, pieces = self.owner_pieces(f, j)
+                    if owner != f.rank:
+                        total += 4 * (b - a)
+                    else:
+                        total += 4 * sum(rb - ra for r, ra, rb in pieces if r != owner)
+                        held.append(f.params[j])
         if self.topo is not None and self.topo.size("tp") > 1:
             t = self.topo.size("tp")
             total += ring_bytes("all_gather", 4 * t * sum(p.numel() for p in held

@@ -5,8 +5,10 @@ the FLOPs Newton–Schulz runs, per GPU per step (:mod:`shardwise.parallel.muon`
 Per GPU of layout (dp, tp, pp, zero, ep) with Ψ_M the hidden-matrix elements of its stage (L/pp
 blocks; an MoE block's experts ÷ ep, whole on their ep rank):
 
-* dp (ZeRO ≥ 1, over the shard group n = dp_shard·cp): (n−1)/n · 4Ψ_M/t (the U slices of each
-  unit, padding and the units' norms neglected);
+* dp (ZeRO ≥ 1, over the shard group n = dp_shard·cp): 8·(n−1)/n² · Ψ_M/t — the owner exchange
+  (docs/optimizers.md §5) when every matrix is cut over all n slices, each holder sending its
+  piece of U and getting O's back, averaged over the ranks: the most it can send (matrices that
+  fit in one slice send nothing; the all-gather scheme would send (n−1)/n · 4Ψ_M/t);
 * tp (t > 1): (t−1)/t · 4Ψ_M, or ÷ n under ZeRO (only the matrices this GPU holds a piece of);
 * NS FLOPs: Σ 5·(4m²M + 2m³) over the matrices this GPU orthogonalises (every one of its stage,
   redundantly over tp; under ZeRO those it holds a piece of, ≈ 1/n of them).
@@ -51,6 +53,6 @@ def muon_cost(model: ModelSpec, layout) -> dict[str, float]:
             flops += k * ns_flops((a, b))
     t, n = layout.tp, (layout.dp_shard * layout.cp if layout.zero >= 1 else 1)
     held = psi / n  # the matrices this GPU holds a piece of (under ZeRO ≈ 1/n)
-    return {"dp": (n - 1) / n * 4 * psi / t if n > 1 else 0.0,
+    return {"dp": 8 * (n - 1) / n ** 2 * psi / t if n > 1 else 0.0,
             "tp": (t - 1) / t * 4 * held if t > 1 else 0.0,
             "ns_flops": flops / n, "matrix_elems": psi}

@@ -261,13 +261,11 @@ class ZeroSync(Sync):
             validate_zero(self.stage, self.n, optimizer=optimizer_class)
         opt = sharded_optimizer(self.units, param_groups, optimizer_class,
                                 gather_params=self.keeps_full_params, **kwargs)
-        if optimizer_class is Muon:  # every unit holding a Muon matrix gathers its U
+        if optimizer_class is Muon:  # a matrix cut by slice boundaries goes to its owner
             muon = {id(p) for g in param_groups if g.get("muon") for p in g["params"]}
-            opt.orthogonalize = Orthogonalizer(
-                self.topo, self.units, [i for i, u in enumerate(self.units)
-                                        if any(id(p) in muon for p in u.params)])
-            # the formula (Sync.muon_bytes): each Muon unit's U all-gathered over its axis,
-            # plus the tp gathers of the matrices this rank holds a piece of
+            opt.orthogonalize = Orthogonalizer(self.topo, self.units)
+            # the formula (Sync.muon_bytes): the pieces sent to and from owners, plus the tp
+            # gathers of the matrices this rank owns
             self._muon = (opt.orthogonalize, [p for u in self.units for p in u.params
                                               if id(p) in muon])
         return opt
