@@ -150,6 +150,7 @@ def matrix(tmp_path_factory):
     for r in range(4):
         for key, val in torch.load(out / f"matrix_rank{r}.pt", weights_only=False).items():
             merged.setdefault(key, []).append(val)
+    merged["_out"] = out
     return merged
 
 
@@ -196,6 +197,60 @@ def test_matrix_detects_a_lost_optimizer_state(matrix, reference):
     for rank_res in matrix[(ckpt_cases.FROM[0], "control")]:
         assert rank_res["error"] is None, rank_res["error"]
         assert not _close(rank_res["losses"], reference[ckpt_cases.K:])
+
+
+# ------------------------------------------------------------- Muon's momentum (issue 41)
+
+@pytest.fixture(scope="module")
+def muon_reference():
+    """Single process, the worker's Muon run: the losses of steps 1..N."""
+    from shardwise.parallel.model import Local
+    from shardwise.train.optim import build_optimizer, build_scheduler
+    from shardwise.train.step import train_step
+
+    cfg = ckpt_cases.CFG_MUON
+    work = ckpt_cases.workload()
+    torch.manual_seed(cfg.seed)
+    eng = Local(ckpt_cases.build_model("tiny", vocab_size=67, tie_embeddings=True))
+    opt = build_optimizer(eng, cfg)
+    sched = build_scheduler(opt, cfg)
+    sampler = work.sampler(ckpt_cases.GLOBAL_BATCH, 1, 0, cfg.seed)
+    return [train_step(eng, work.batches(sampler.next_local_batch(), ckpt_cases.MICRO), opt,
+                       max_norm=cfg.grad_clip, scheduler=sched).loss for _ in range(ckpt_cases.N)]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("i,src", list(enumerate(ckpt_cases.FROM_MUON)))
+def test_muon_momentum_resumes_in_another_layout_bitwise(matrix, muon_reference, i, src,
+                                                         tmp_path):
+    """Muon's state saved under ZeRO-3 over 4 ranks (pieces of matrices) is the full-shape
+    momentum buffer (AdamW's moments for the rest); restored into one process and into ZeRO-1
+    × TP it gathers back bit for bit, and the resumed losses follow one process's Muon run by
+    the parity rule."""
+    K = ckpt_cases.K
+    for rank_res in matrix[("muon " + src, "save")]:
+        assert rank_res["error"] is None, rank_res["error"]
+        assert _close(rank_res["losses"], muon_reference[:K])
+    saved = torch.load(matrix["_out"] / f"muon_state_{i}.pt", weights_only=False)
+    assert any("momentum_buffer" in st for st in saved.values())
+    for dst in ckpt_cases.TO_MUON:
+        runs = matrix[("muon " + src, dst)]
+        for rank_res in runs:
+            assert rank_res["error"] is None, rank_res["error"]
+            assert _close(rank_res["losses"], muon_reference[K:]), (dst, rank_res["losses"])
+        (state,) = [r["state"] for r in runs if r["state"] is not None]
+        assert state.keys() == saved.keys()
+        for fqn, st in saved.items():
+            assert st.keys() == state[fqn].keys(), fqn
+            for k, v in st.items():
+                assert torch.equal(torch.as_tensor(state[fqn][k]), torch.as_tensor(v)), (fqn, k)
+
+
+@pytest.mark.timeout(400)
+def test_muon_matrix_detects_a_lost_momentum(matrix, muon_reference):
+    for rank_res in matrix[("muon " + ckpt_cases.FROM_MUON[0], "control")]:
+        assert rank_res["error"] is None, rank_res["error"]
+        assert not _close(rank_res["losses"], muon_reference[ckpt_cases.K:])
 
 
 # ------------------------------------------------------------------------------- failures

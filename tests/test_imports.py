@@ -104,7 +104,7 @@ LAYERS = [
     {"tools"},
     {"train"},
     {"config"},
-    {"checkpoint", "report", "plan", "viz", "interop", "learn", "parity", "formulas", "flops"},
+    {"checkpoint", "report", "plan", "viz", "interop", "learn", "parity", "parity_muon", "formulas", "flops"},
     {"parallel"},
     {"models", "data", "launch"},
     {"comm", "topology"},

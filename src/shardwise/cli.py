@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(for --nproc 8)")
     v.add_argument("--models", default="tiny,mlp-tiny",
                    help="comma-separated test models (default tiny,mlp-tiny)")
+    v.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="the optimizer of every case (default adamw; muon: Muon on the hidden "
+                        "matrices, the layouts that build it, docs/optimizers.md)")
     v.add_argument("--steps", type=int, default=3, help="training steps per case (default 3)")
     v.add_argument("--micro-batch", type=int, default=2,
                    help="sequences per micro-batch (default 2)")

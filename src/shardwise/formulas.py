@@ -15,6 +15,8 @@ the run folder's ``ledger.json`` compare the ledger with the same numbers:
 * EP: per MoE layer and micro-batch, the routing counts' all-to-all and the token rows to and
   from the other ep ranks, forward and backward, from the step's actual routing
   (:func:`shardwise.parallel.ep.ep_bytes_formula`)
+* Muon (``--optimizer muon``): the update U of the matrices Newton–Schulz needs whole, gathered
+  over the axes that split them (:mod:`shardwise.parallel.muon`; Liu et al. 2025 §2)
 * every layout: the token count before the forward and the loss sum after the step, one fp64
   scalar all-reduce each over every axis the engine reduces them on.
 
@@ -37,7 +39,9 @@ def step_bytes_formula(engine, topo, *, micro_steps: int, sequences: int, seq_le
 
     ``micro_steps``: micro-batches per rank per step; ``sequences``: sequences this rank
     processes per step (all micro-batches); ``seq_len``: tokens per sequence (the whole
-    sequence: with cp > 1 the engine's terms count this rank's s/cp of them)."""
+    sequence: with cp > 1 the engine's terms count this rank's s/cp of them). When the
+    engine's optimizer is Muon, its ``muon`` term: the gathers Newton–Schulz needs (the sync's
+    ``muon_bytes``: :mod:`shardwise.parallel.muon`), where it is not 0."""
     from .parallel.cp import cp_bytes_formula
     from .parallel.ep import ep_bytes_formula
 
@@ -48,6 +52,9 @@ def step_bytes_formula(engine, topo, *, micro_steps: int, sequences: int, seq_le
     out.update(ep_bytes_formula(engine.module, topo))
     out.pop("total", None)
     out.pop("loss", None)
+    muon_bytes = getattr(getattr(engine, "dp", None), "muon_bytes", lambda: 0.0)()
+    if muon_bytes:
+        out["muon"] = muon_bytes
     out["loss"] = _scalar_all_reduces(engine, topo)
     out["total"] = sum(out.values())
     return out

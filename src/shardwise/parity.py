@@ -380,6 +380,9 @@ def compare(mine: dict, ref: dict, *, where: str = "", all_names: bool = True) -
         _check_drift(rep, pre, signed, ref_losses)
     if params is None:
         return rep
+    if ref.get("check_params") is not None:  # a reference with its own parameter rule (Muon:
+        ref["check_params"](rep, pre, mine, ref)  # shardwise.parity_muon, teacher-forced)
+        return rep
     checks = list(enumerate(params)) if per_step else [(steps - 1, params)]
     for t, named in checks:
         if all_names and set(named) != set(ref["params"][t]):

@@ -11,6 +11,7 @@ A control case resumes without the optimizer state: its losses must *differ* fro
 (otherwise the matrix could not detect a lost optimizer state).
 """
 
+import dataclasses
 import sys
 import traceback
 from pathlib import Path
@@ -53,15 +54,18 @@ def make(layout, engine, topo, seed):
     return model
 
 
-def run(model, layout, engine_name, topo, work, steps, ckpt=None, restore_optimizer=True):
-    engine = parallelize(model, topo, layout, engine=engine_name, seed=CFG.seed)
-    opt = build_optimizer(engine, CFG)
-    sched = build_scheduler(opt, CFG)
-    sampler = work.sampler(GLOBAL_BATCH, topo.size("dp"), topo.index("dp"), CFG.seed)
+def run(model, layout, engine_name, topo, work, steps, ckpt=None, restore_optimizer=True,
+        cfg=CFG, restored=None):
+    engine = parallelize(model, topo, layout, engine=engine_name, seed=cfg.seed)
+    opt = build_optimizer(engine, cfg)
+    sched = build_scheduler(opt, cfg)
+    sampler = work.sampler(GLOBAL_BATCH, topo.size("dp"), topo.index("dp"), cfg.seed)
     if ckpt is not None:
         if restore_optimizer:
             restore_training_state(ckpt, engine, opt, scheduler=sched, sampler=sampler,
                                    rank=topo.index("world"))
+            if restored is not None:  # the full-shape state right after the restore
+                restored.update(engine.full_optimizer_state(opt))
         else:  # control: everything but the optimizer state
             import json
 
@@ -73,9 +77,66 @@ def run(model, layout, engine_name, topo, work, steps, ckpt=None, restore_optimi
     losses = []
     for _ in range(steps):
         res = train_step(engine, work.batches(sampler.next_local_batch(), MICRO), opt, topo,
-                         max_norm=CFG.grad_clip, scheduler=sched)
+                         max_norm=cfg.grad_clip, scheduler=sched)
         losses.append(res.loss)
     return engine, opt, sched, sampler, losses
+
+
+# --optimizer muon (issue 41): the momentum buffers are saved in full shape and resharded too
+CFG_MUON = dataclasses.replace(CFG, optimizer="muon")
+FROM_MUON = ["dp=4,zero=3"]
+TO_MUON = ["dp=1", "dp=2,tp=2,zero=1"]
+
+
+def _topo(layout):
+    return Topology(layout.pp, layout.dp, layout.tp, cp=layout.cp,
+                    dp_replicate=layout.dp_replicate, ranks=range(layout.world), timeout_s=60)
+
+
+def muon_matrix(out, work, results) -> None:
+    """Save after K Muon steps in each FROM_MUON layout (and the full-shape state gathered
+    there, ``muon_state_<i>.pt``); resume in each TO_MUON layout (and "control": dp=2 without
+    the optimizer state): ``results[("muon " + from, to)]`` = {"losses", "error", "state":
+    the full-shape state right after the restore (rank 0 of the layout), or None}."""
+    for i, spec in enumerate(FROM_MUON):
+        layout, engine_name = split(spec)
+        topo = _topo(layout)
+        if not topo.member:
+            continue
+        try:
+            model = make(layout, engine_name, topo, CFG.seed)
+            engine, opt, sched, sampler, losses = run(model, layout, engine_name, topo, work, K,
+                                                      cfg=CFG_MUON)
+            ck = Checkpointer(Path(out) / f"muon_from_{i}", topo)
+            ck.save(K, engine, opt, scheduler=sched, sampler=sampler)
+            ck.close()
+            state = engine.full_optimizer_state(opt)
+            if topo.index("world") == 0:
+                torch.save(state, Path(out) / f"muon_state_{i}.pt")
+            results[("muon " + spec, "save")] = {"losses": losses, "error": None}
+        except Exception:
+            results[("muon " + spec, "save")] = {"losses": [], "error": traceback.format_exc()}
+    dist.barrier()
+    for i, spec in enumerate(FROM_MUON):
+        ckpt = Path(out) / f"muon_from_{i}" / "checkpoints" / f"step_{K}"
+        for to in TO_MUON + (["control"] if i == 0 else []):
+            layout, engine_name = split("dp=2" if to == "control" else to)
+            topo = _topo(layout)
+            if not topo.member:
+                continue
+            restored: dict = {}
+            try:
+                model = make(layout, engine_name, topo, seed=1234)
+                load_model(ckpt, model)
+                _, _, _, _, losses = run(model, layout, engine_name, topo, work, N - K, ckpt,
+                                         restore_optimizer=to != "control", cfg=CFG_MUON,
+                                         restored=restored)
+                results[("muon " + spec, to)] = {
+                    "losses": losses, "error": None,
+                    "state": restored if topo.index("world") == 0 and restored else None}
+            except Exception:
+                results[("muon " + spec, to)] = {"losses": [], "error": traceback.format_exc(),
+                                                 "state": None}
 
 
 def main(out: str) -> None:
@@ -123,6 +184,7 @@ def main(out: str) -> None:
                 results[(spec, to)] = {"losses": losses, "error": None}
             except Exception:
                 results[(spec, to)] = {"losses": [], "error": traceback.format_exc()}
+    muon_matrix(out, work, results)
     torch.save(results, f"{out}/matrix_rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

@@ -195,6 +195,22 @@ def load_full_optimizer_state(folder: Path) -> dict[str, dict]:
     return template
 
 
+def check_optimizer_kind(state: dict[str, dict], optimizer, folder) -> None:
+    """Raise :class:`CheckpointError` when the checkpoint's optimizer state is another
+    optimizer's than ``optimizer``'s: Muon keeps ``momentum_buffer`` for its matrices, AdamW
+    ``exp_avg``/``exp_avg_sq`` (loading one into the other would start the moments from
+    nothing, silently). No collective."""
+    saved_muon = any("momentum_buffer" in st for st in state.values())
+    muon = any(g.get("muon") for g in optimizer.param_groups)
+    if saved_muon != muon:
+        names = ("--optimizer muon", "--optimizer adamw")
+        raise CheckpointError(
+            f"checkpoint {folder} holds {'Muon' if saved_muon else 'AdamW'}'s optimizer state, "
+            f"but this run uses {'Muon' if muon else 'AdamW'}: resume with "
+            f"{names[0] if saved_muon else names[1]}, or start a new run (a new --out, without "
+            "--resume)")
+
+
 @dataclasses.dataclass
 class Resumed:
     """What :func:`restore_training_state` restored: the step to continue after, and the run's
@@ -222,6 +238,7 @@ def restore_training_state(folder: Path, engine, optimizer, *, scheduler=None, s
     optimizer_restored = False
     if meta.get("optimizer_saved"):
         state = load_full_optimizer_state(folder)
+        check_optimizer_kind(state, optimizer, folder)
         try:
             engine.load_full_optimizer_state(optimizer, state)
         except KeyError as e:

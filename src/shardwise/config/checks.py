@@ -65,6 +65,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
         check_pack(cfg.task, cfg.cp, cfg.engine)
     _validate_ranges(cfg)
     _validate_layout(cfg)
+    check_optimizer(cfg.optimizer, engine=cfg.engine, tp=cfg.tp, pp=cfg.pp, zero=cfg.zero)
     # a step takes dp × (pipeline microbatches, or micro-batch) sequences; name that flag
     flag, n = (("microbatches", cfg.microbatches) if cfg.pp > 1 and cfg.microbatches else
                ("micro-batch", cfg.micro_batch))
@@ -114,6 +115,25 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if cfg.hang_after < 0:  # --hang-after
         raise ShardwiseConfigError(f"--hang-after {cfg.hang_after} must be ≥ 0 seconds (0 = "
                                    f"half of --timeout, {cfg.timeout / 2:g} s)")
+
+
+def check_optimizer(optimizer: str, *, engine: str, tp: int, pp: int, zero: int) -> None:
+    """Raise :class:`ShardwiseConfigError` for an ``--optimizer`` the layout cannot run (before
+    any collective). Muon (:mod:`shardwise.parallel.muon`) is built for the explicit engine in
+    every layout but a pipeline's ZeRO-1, and for the torch engine where its parameters are
+    plain whole tensors (DDP and torch.distributed.pipelining stages: tp = 1, zero = 0)."""
+    if optimizer != "muon":
+        return
+    if engine == "explicit" and pp > 1 and zero > 0:
+        raise ShardwiseConfigError(
+            f"--optimizer muon with --pp {pp} --zero {zero}: a pipeline's ZeRO-1 does not gather "
+            "Muon's updates yet; use --zero 0 with --pp, or --optimizer adamw")
+    if engine == "torch" and (tp > 1 or zero > 0):
+        raise ShardwiseConfigError(
+            f"--optimizer muon --engine torch with tp={tp} zero={zero}: PyTorch's "
+            "DTensor/FSDP2/ZeroRedundancyOptimizer parameters are not whole matrices and "
+            "torch.optim.Muon cannot gather them; use --engine explicit (every layout), or "
+            "--engine torch with DDP and/or pipelining (tp 1, zero 0)")
 
 
 # The smallest --timeout accepted, seconds: a floor, not a recommendation (the default is 300).

@@ -67,6 +67,7 @@ class TrainConfig:
     micro_batch: int = 8  # sequences per forward/backward on one rank (not given: derived from
     # the layout, at most this default; see derive_batching)
     # optimisation
+    optimizer: str = "adamw"  # adamw | muon (Muon on the hidden matrices, AdamW on the rest)
     steps: int = 200  # make train: 4 ranks on 2 CPU cores stay under ~3 min (300 did not)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -184,6 +185,7 @@ CHOICES = {
     "task": ("lm", "sft", "dpo"),
     "device": ("cpu", "cuda"),
     "reduce_dtype": ("fp32", "bf16"),
+    "optimizer": ("adamw", "muon"),
     "ac": ("none", "selective", "full"),
     "check_collectives": ("off", "step", "every"),
 }

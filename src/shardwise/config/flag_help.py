@@ -62,6 +62,8 @@ FLAG_HELP = {
     "weight_decay": "AdamW weight decay (matrices only)",
     "beta1": "AdamW β1",
     "beta2": "AdamW β2",
+    "optimizer": "adamw, or muon: Muon (orthogonalised momentum) on the hidden matrices, AdamW "
+                 "on embeddings, head, norms and biases (docs/optimizers.md)",
     "grad_clip": "max global gradient L2 norm (0 = no clipping)",
     "seed": "seed of the initialisation and the data order",
     "dtype": "compute dtype: fp32, or bf16 autocast with fp32 master weights",

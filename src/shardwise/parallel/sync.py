@@ -14,6 +14,7 @@ import contextlib
 import torch
 from torch import nn
 
+from .muon import Muon, Orthogonalizer
 from .params import Held, held_of, grads_or_zeros, local_state_bytes, sum_coalesced_, tp_sharded
 
 
@@ -93,10 +94,27 @@ class Sync:
         are derived from them (:meth:`.params.Held.norm_axes`), never declared per engine."""
         return held_of(self.module.parameters(), getattr(self, "topo", None))
 
-    def make_optimizer(self, param_groups: list[dict], **adamw) -> torch.optim.Optimizer:
-        """AdamW over ``param_groups`` (parameters of ``self.module``) with ``adamw`` kwargs
-        (lr, betas, eps). Sharded strategies override this to shard the optimizer state."""
-        return torch.optim.AdamW(param_groups, **adamw)
+    def make_optimizer(self, param_groups: list[dict], optimizer_class=torch.optim.AdamW,
+                       **adamw) -> torch.optim.Optimizer:
+        """``optimizer_class`` (AdamW, or :class:`.muon.Muon`) over ``param_groups``
+        (parameters of ``self.module``) with ``adamw`` kwargs (lr, betas, eps). Muon's
+        orthogonaliser gathers tp-sharded matrices over tp (:class:`.muon.Orthogonalizer`);
+        whole matrices (DP, CP, PP, EP) need nothing. Sharded strategies override this to shard
+        the optimizer state."""
+        opt = optimizer_class(param_groups, **adamw)
+        if isinstance(opt, Muon):
+            opt.orthogonalize = Orthogonalizer(self.topo)
+            self._muon = (opt.orthogonalize, [p for g in param_groups if g.get("muon")
+                                              for p in g["params"]])
+        return opt
+
+    _muon = None  # (the Muon optimizer's orthogonaliser, its matrices) once make_optimizer ran
+
+    def muon_bytes(self) -> float:
+        """Bytes this rank sends per step under tag ``muon`` by the formula
+        (:meth:`.muon.Orthogonalizer.bytes_formula`): 0 unless :meth:`make_optimizer` built
+        Muon."""
+        return self._muon[0].bytes_formula(self._muon[1]) if self._muon else 0.0
 
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state held by this rank

@@ -91,6 +91,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--grad-reduce", choices=("step", "micro"),
                    help="zero 2/3 with several micro-batches: reduce-scatter gradients once "
                    "per step (full local gradients held) or after every micro-batch")
+    g.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="muon: also print, per shown layout, the bytes Muon's Newton–Schulz "
+                        "gathers add per GPU per step and its FLOPs (docs/optimizers.md)")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=10, help="layouts to show (0 = all; default 10)")
     o.add_argument("--explain", action="store_true", help="the formulas of the best layout "
@@ -192,19 +195,43 @@ def cmd_plan(args, argv=None) -> int:
 
     results = search(model, cluster, args.gpus, batch, _fixed(args), args.precision, assume)
     shown = results if args.top == 0 else results[:args.top]
+    muon = getattr(args, "optimizer", "adamw") == "muon"
     if args.json:
+        from ..plan.muon import muon_cost
+
         fitting = [e for e in results if e.fits]
+        rows = [{**e.to_json(), **({"muon": muon_cost(model, e.layout)} if muon else {})}
+                for e in shown]
         json.dump({"model": model.name, "gpu": cluster.gpu.name, "gpus": args.gpus,
                    "global_batch_tokens": tokens, "seq_len": model.seq_len,
                    "evaluated": len(results), "fitting": len(fitting),
-                   "layouts": [e.to_json() for e in shown]}, sys.stdout, indent=1)
+                   "layouts": rows}, sys.stdout, indent=1)
         print()
         return 0
     print(format_table(results, model, cluster, args.gpus, tokens, args.top))
+    if muon:
+        print()
+        print(muon_lines(shown[:5], model, cluster))
     if args.explain:
         print()
         print(explain(results[0]))
     return 0
+
+
+def muon_lines(estimates, model, cluster) -> str:
+    """``--optimizer muon``: per layout, what Muon adds per GPU per step — the bytes its gathers
+    send over dp and tp, and Newton–Schulz's FLOPs with their seconds at the GPU's fp32 peak
+    (:func:`shardwise.plan.muon.muon_cost`). Not (yet) part of the estimate's step time."""
+    from ..plan.muon import muon_cost
+
+    lines = ["Muon (Newton–Schulz needs whole matrices; AdamW on the rest): per GPU per step"]
+    for e in estimates:
+        c = muon_cost(model, e.layout)
+        lines.append(f"  {e.layout.name():<40} +{_human(c['dp'])} over dp, "
+                     f"+{_human(c['tp'])} over tp; NS {c['ns_flops'] / 1e12:.3f} TFLOP "
+                     f"= {c['ns_flops'] / cluster.gpu.fp32_flops * 1e3:.1f} ms at fp32 peak "
+                     f"(step {e.step_time_s * 1e3:.0f} ms with AdamW)")
+    return "\n".join(lines)
 
 
 def _parse_counts(text: str) -> list[int]:

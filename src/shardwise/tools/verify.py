@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from .. import comm, parity
+from .. import comm, parity, parity_muon
 from ..config import CHOICES, TrainConfig
 from ..errors import ShardwiseConfigError
 from ..formulas import step_bytes_formula
@@ -227,11 +227,19 @@ def layers_for(layout: Layout) -> int:
     return max(MIN_LAYERS, layout.pp * v)
 
 
-def applies(layout: Layout, model: str, engine: str = "explicit") -> bool:
+def applies(layout: Layout, model: str, engine: str = "explicit",
+            optimizer: str = "adamw") -> bool:
     """TP splits attention heads and CP sequences: Llama models only. CP runs on the explicit
     engine only on CPU (PyTorch's ``context_parallel`` has no CPU kernel: validate_cp). EP
     needs a mixture-of-experts model and the explicit engine; an MoE model is refused with SP
-    and CP (:func:`~shardwise.parallel.ep.validate_ep`)."""
+    and CP (:func:`~shardwise.parallel.ep.validate_ep`). Muon: the layouts
+    :func:`~shardwise.config.checks.check_optimizer` accepts."""
+    from ..config.checks import check_optimizer
+
+    try:
+        check_optimizer(optimizer, engine=engine, tp=layout.tp, pp=layout.pp, zero=layout.zero)
+    except ShardwiseConfigError:
+        return False
     moe = model.startswith("moe")
     if (layout.cp > 1 or layout.ep > 1) and engine != "explicit":
         return False
@@ -274,13 +282,15 @@ def build_case(model_name, work, cfg, wrap=Local, overrides: dict | None = None)
 
 
 def reference_run(model_name, work, cfg, global_batch, steps, overrides=None) -> dict:
-    """The single-process reference of :func:`shardwise.parity.reference_run` (plain PyTorch)
-    on the same global batches, learning rates and clip as the runs."""
+    """The single-process reference of :func:`shardwise.parity.reference_run` (plain PyTorch;
+    ``cfg.optimizer == "muon"``: :func:`shardwise.parity_muon.reference_run_muon`) on the same
+    global batches, learning rates and clip as the runs."""
     sampler = work.sampler(global_batch, 1, 0, cfg.seed)
     batches = [work.batches(sampler.next_local_batch(), global_batch)[0] for _ in range(steps)]
     lrs = [cfg.lr * lr_multiplier(s, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
            for s in range(steps)]
-    return parity.reference_run(_build(model_name, work, cfg, overrides), batches, lrs=lrs,
+    run = (parity_muon.reference_run_muon if cfg.optimizer == "muon" else parity.reference_run)
+    return run(_build(model_name, work, cfg, overrides), batches, lrs=lrs,
                                 weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
                                 eps=1e-8, max_norm=cfg.grad_clip)
 
@@ -442,16 +452,26 @@ def verify_worker(args) -> int:
     # lr 3e-4: Adam divides each element by its own RMS, so for gradients near zero the
     # round-off of a different summation order (~1e-9) becomes a visible update; at this lr it
     # stays below atol. Gradients themselves are compared strictly at every step.
+    optimizer = getattr(args, "optimizer", "adamw")  # --optimizer
     cfg = TrainConfig(model="tiny", lr=3e-4, warmup_steps=1, steps=args.steps, grad_clip=0.5,
-                      seed=args.seed)
+                      seed=args.seed, optimizer=optimizer)
     engines = ENGINES if args.engine == "both" else (args.engine,)
+    if optimizer != "adamw" and dist.get_rank() == 0:  # say which cases the optimizer skips
+        from ..config.checks import check_optimizer
+
+        for lay in layouts:
+            for eng in engines:
+                try:
+                    check_optimizer(optimizer, engine=eng, tp=lay.tp, pp=lay.pp, zero=lay.zero)
+                except ShardwiseConfigError as e:
+                    print(f"verify: {lay.name()} {eng}: not run: {e}", flush=True)
     rows = []
     worst_bound = (0.0, "")
     topos: dict[tuple[int, int, int, int], Topology] = {}
     for model_name in args.models.split(","):
         works, refs = {}, {}
         for lay in layouts:
-            if not any(applies(lay, model_name, eng) for eng in engines):
+            if not any(applies(lay, model_name, eng, optimizer) for eng in engines):
                 continue
             ov = overrides_for(model_name, lay)
             width = {k: v for k, v in ov.items() if k != "n_layers"}  # the data's model
@@ -472,7 +492,7 @@ def verify_worker(args) -> int:
             n_micro = lay.microbatches or (lay.pp if lay.pp > 1 else 2)
             global_batch = args.micro_batch * n_micro * lay.dp
             for eng in engines:
-                if not applies(lay, model_name, eng):
+                if not applies(lay, model_name, eng, optimizer):
                     continue
                 t0 = time.perf_counter()
                 name, error = f"{lay.name()} {eng} {model_name}", ""
@@ -550,16 +570,18 @@ def verify_worker(args) -> int:
     ok = all(r["pass"] for r in rows)
     if dist.get_rank() == 0:
         print(format_table(rows, args.steps))
-        print(f"rule: {parity.RULE}")
+        print(f"rule: {parity_muon.RULE if optimizer == 'muon' else parity.RULE}")
         if worst_bound[1]:
             print(f"largest AdamW term of a parameter bound (rank 0): {worst_bound[0]:.3g}, "
                   f"{worst_bound[1]}")
         print(f"verify: {sum(r['pass'] for r in rows)}/{len(rows)} passed "
-              f"(rtol {RTOL:g}, atol {ATOL:g}, {args.steps} AdamW steps each, "
+              f"(rtol {RTOL:g}, atol {ATOL:g}, {args.steps} "
+              f"{'Muon' if optimizer == 'muon' else 'AdamW'} steps each, "
               f"--collectives {args.collectives})")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"rtol": RTOL, "atol": ATOL, "rule": parity.RULE,
+                json.dump({"rtol": RTOL, "atol": ATOL, "optimizer": optimizer,
+                           "rule": parity_muon.RULE if optimizer == "muon" else parity.RULE,
                            "steps": args.steps, "collectives": args.collectives,
                            "cases": rows, "pass": ok}, f, indent=2)
     sys.stdout.flush()

@@ -145,7 +145,7 @@ def device_memory_keys(engine, topo, cfg, model_cfg, n_params: int) -> dict:
 def device_lines(model_cfg, topo, cfg, module) -> list[str]:
     """Start-up log lines: the attention kernel (:func:`attention_line`) and the AdamW
     implementation (:func:`shardwise.train.optim.adamw_impl_of` this rank's ``module``)."""
-    from .optim import adamw_impl_of
+    from .optim import adamw_impl_of, optimizer_lines
 
     lines = []
     att = attention_line(model_cfg, device=topo.device, dtype=cfg.dtype,
@@ -155,4 +155,4 @@ def device_lines(model_cfg, topo, cfg, module) -> list[str]:
         lines.append(att)
     lines.append(f"  optimizer: AdamW, {adamw_impl_of(module)} implementation "
                  "(fused on CUDA, foreach on CPU, for-loop over mixed DTensor/Tensor)")
-    return lines
+    return lines + optimizer_lines(module, cfg)  # --optimizer muon: which tensors get which

@@ -1,4 +1,5 @@
-"""AdamW with the usual parameter groups, and the warmup + cosine learning-rate schedule."""
+"""AdamW with the usual parameter groups (or Muon on the hidden matrices, ``--optimizer muon``),
+and the warmup + cosine learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import math
 
 import torch
 from torch import nn
+
+from ..parallel.muon import MOMENTUM, NS_COEFFICIENTS, NS_STEPS, Muon, is_hidden_matrix
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -28,6 +31,41 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         no_decay.append(tied)
         groups = [g for g in groups if g["params"]]  # a head-only stage: no matrices
     return groups
+
+
+def muon_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """:func:`param_groups` with the hidden matrices (:func:`~shardwise.parallel.muon.
+    is_hidden_matrix`: matrices inside the blocks) taken out into a first group marked
+    ``"muon": True`` (decay ``weight_decay``, decoupled as AdamW's); the embeddings, the output
+    head, norms and biases stay in AdamW's two groups. Names are the plain model's (a pipeline
+    stage maps its own, ``model.fqn``). Groups left empty are dropped (a head-only pipeline
+    stage has no Muon group)."""
+    fqn = getattr(model, "fqn", None)
+    hidden = {id(p) for n, p in model.named_parameters()
+              if is_hidden_matrix(fqn(n) if fqn else n, p)}
+    groups = param_groups(model, weight_decay)
+    rest = [{**g, "params": [p for p in g["params"] if id(p) not in hidden]} for g in groups]
+    muon = [p for g in groups for p in g["params"] if id(p) in hidden]
+    return [g for g in [{"params": muon, "weight_decay": weight_decay, "muon": True}, *rest]
+            if g["params"]]
+
+
+def optimizer_lines(model: nn.Module, cfg) -> list[str]:
+    """Start-up lines naming which parameters each optimizer updates (``--optimizer``)."""
+    if cfg.optimizer != "muon":
+        return []
+    fqn = getattr(model, "fqn", None)
+    named = [(fqn(n) if fqn else n, p) for n, p in model.named_parameters()]
+    muon = [n for n, p in named if is_hidden_matrix(n, p)]
+    other = [n for n, p in named if not is_hidden_matrix(n, p)]
+    return [f"  optimizer: Muon (momentum {MOMENTUM}, Nesterov, Newton–Schulz {NS_STEPS} steps "
+            f"{NS_COEFFICIENTS}, lr × 0.2·√max(A, B), weight decay {cfg.weight_decay}) on "
+            f"{len(muon)} hidden matrices ({_names(muon)}); AdamW on {len(other)} others "
+            f"({_names(other)})"]
+
+
+def _names(names: list[str], k: int = 4) -> str:
+    return ", ".join(names[:k]) + (f", … {len(names) - k} more" if len(names) > k else "")
 
 
 ADAMW_IMPLS = ("for-loop", "foreach", "fused")
@@ -60,7 +98,14 @@ def build_optimizer(engine: nn.Module, cfg, impl: str | None = None) -> torch.op
     model, built by the engine (so a sharded strategy can shard its state). State is fp32.
     ``impl``: "for-loop" | "foreach" | "fused" (:data:`ADAMW_IMPLS`); None = :func:`adamw_impl`
     of the parameters' device (fused on CUDA, foreach on CPU). The sharded ZeRO optimizers
-    take the same keyword through ``make_optimizer``."""
+    take the same keyword through ``make_optimizer``. ``cfg.optimizer == "muon"``:
+    :class:`~shardwise.parallel.muon.Muon` over :func:`muon_param_groups` (AdamW, with the same
+    keywords, on the groups it leaves)."""
+    if getattr(cfg, "optimizer", "adamw") == "muon":
+        return engine.make_optimizer(muon_param_groups(engine.module, cfg.weight_decay),
+                                     optimizer_class=Muon, lr=cfg.lr,
+                                     betas=(cfg.beta1, cfg.beta2), eps=1e-8,
+                                     **adamw_kwargs(impl or adamw_impl_of(engine.module)))
     return engine.make_optimizer(param_groups(engine.module, cfg.weight_decay), lr=cfg.lr,
                                  betas=(cfg.beta1, cfg.beta2), eps=1e-8,
                                  **adamw_kwargs(impl or adamw_impl_of(engine.module)))

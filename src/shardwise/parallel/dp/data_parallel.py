@@ -227,8 +227,13 @@ class DataParallel(Sync):
         return out
 
     def memory_formula(self) -> dict[str, float]:
-        """:func:`dp_memory_formula` of this replica."""
-        return dp_memory_formula(sum(p.numel() for p in dict.fromkeys(self.module.parameters())))
+        """:func:`dp_memory_formula` of this replica; with Muon its matrices keep one 4-byte
+        momentum buffer instead of AdamW's two moments (:mod:`..muon`)."""
+        out = dp_memory_formula(sum(p.numel() for p in dict.fromkeys(self.module.parameters())))
+        if self._muon:
+            out["optimizer"] -= 4 * sum(p.numel() for p in dict.fromkeys(self._muon[1]))
+            out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        return out
 
 
 def dp_memory_formula(psi: int) -> dict[str, float]:

@@ -243,6 +243,10 @@ def sharded_optimizer(flats: list[FlatShards], param_groups: list[dict],
         class Sharded(optimizer_class):
             def __init__(self, flats, param_groups, gather_params, **kwargs):
                 self.flats, self.gather_params = list(flats), gather_params
+                # group index of every parameter, held here or not (the state keys of a
+                # whole parameter, gather_optimizer_state)
+                self.group_of = {id(p): i for i, g in enumerate(param_groups)
+                                 for p in g["params"]}
                 super().__init__(segment_groups(self.flats, param_groups), **kwargs)
 
             def zero_grad(self, set_to_none: bool = True) -> None:
@@ -319,9 +323,18 @@ def gather_optimizer_state(flats: list[FlatShards], optimizer) -> dict[str, dict
                 fi, j, a, b = piece.zero_slot
                 held[fi][j] = (st, a, b)
                 keys |= {k for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
+    # an optimizer whose groups keep different state (Muon: momentum_buffer; AdamW: exp_avg,
+    # exp_avg_sq) names each group's keys: every rank then gathers the same keys of a unit,
+    # whichever pieces it holds, and each parameter gets only its own group's
+    keys_of = getattr(optimizer, "state_keys", None)
     out = {}
     with flats[0].topo.ledger.phase("checkpoint"):
         for f, mine_ in zip(flats, held):
+            own = None
+            if keys_of is not None:
+                own = [keys_of(optimizer.param_groups[optimizer.group_of[id(p)]])
+                       if id(p) in optimizer.group_of else () for p in f.params]
+                keys = set().union(*own)
             steps = torch.zeros(len(f.params), dtype=torch.float64, device=f.device)
             for j, (st, _, _) in mine_.items():
                 steps[j] = float(st["step"]) + 1.0  # 0 = no state on this rank
@@ -330,7 +343,8 @@ def gather_optimizer_state(flats: list[FlatShards], optimizer) -> dict[str, dict
             for k in sorted(keys):
                 mine = torch.zeros(f.padded, dtype=f.dtype, device=f.device)
                 for st, a, b in mine_.values():
-                    mine[a:b] = st[k].reshape(-1)
+                    if k in st:  # (a piece of another group's kind keeps other keys)
+                        mine[a:b] = st[k].reshape(-1)
                 full[k] = torch.empty_like(mine)
                 comm.all_gather(full[k], mine[f.lo:f.hi].clone(), f.topo, f.axis,
                                 tag="checkpoint")
@@ -338,7 +352,8 @@ def gather_optimizer_state(flats: list[FlatShards], optimizer) -> dict[str, dict
                 if steps[j] > 0:
                     o, n = f.offsets[j], f.numels[j]
                     out[fqn] = {"step": torch.tensor(float(steps[j]) - 1.0),
-                                **{k: full[k][o: o + n].view_as(p).clone() for k in full}}
+                                **{k: full[k][o: o + n].view_as(p).clone() for k in full
+                                   if own is None or k in own[j]}}
     return out
 
 

@@ -48,6 +48,7 @@ from torch import nn
 
 from ... import comm
 from ...comm.ledger import ring_bytes
+from ..muon import Muon, Orthogonalizer
 from ..sync import Sync
 from ..params import (Held, ReduceGroup, reduce_groups, reduce_torch_dtype, storage_state_bytes,
                       sum_coalesced_, tp_sharded)
@@ -256,9 +257,18 @@ class ZeroSync(Sync):
         (:func:`.flat.sharded_optimizer`; the decay / no-decay groups are kept): its state exists
         only here, and ``step()`` updates the slices in place, then ZeRO-1/2 all_gather them (one
         per unit). Raises :class:`ShardwiseConfigError` for a non-element-wise optimizer."""
-        validate_zero(self.stage, self.n, optimizer=optimizer_class)
-        return sharded_optimizer(self.units, param_groups, optimizer_class,
-                                 gather_params=self.keeps_full_params, **kwargs)
+        if optimizer_class is not Muon:  # Muon: element-wise but for NS, which gathers
+            validate_zero(self.stage, self.n, optimizer=optimizer_class)
+        opt = sharded_optimizer(self.units, param_groups, optimizer_class,
+                                gather_params=self.keeps_full_params, **kwargs)
+        if optimizer_class is Muon:  # a matrix cut by slice boundaries goes to its owner
+            muon = {id(p) for g in param_groups if g.get("muon") for p in g["params"]}
+            opt.orthogonalize = Orthogonalizer(self.topo, self.units)
+            # the formula (Sync.muon_bytes): the pieces sent to and from owners, plus the tp
+            # gathers of the matrices this rank owns
+            self._muon = (opt.orthogonalize, [p for u in self.units for p in u.params
+                                              if id(p) in muon])
+        return opt
 
     # -- tp-replicated gradients (dp × tp with sequence parallelism) ----------------------------
     @torch.no_grad()
@@ -332,8 +342,10 @@ class ZeroSync(Sync):
         b = self.units[0].full.element_size()
         parts = self._psi_by_axis(padded=False)
         if set(parts) <= {self.topo.shard_axis}:  # (HSDP: n = dp_shard)
+            # Muon: its matrices keep one b-byte momentum buffer instead of AdamW's two moments
+            muon = sum(p.numel() for p in self._muon[1]) if self._muon else 0
             return zero_memory_formula(self.stage, self.numel, self.n, bytes_param=b,
-                                       bytes_grad=b, bytes_optim=2 * b)
+                                       bytes_grad=b, bytes_optim=2 * b - b * muon / self.numel)
         dense, _ = parts.get(self.topo.shard_axis, (0, self.n))
         experts, n_e = parts["edp"]
         return zero_ep_memory_formula(self.stage, dense, self.n, experts, n_e, bytes_param=b,

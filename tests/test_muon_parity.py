@@ -1,0 +1,58 @@
+"""``shardwise verify --optimizer muon`` (issue 41): every layout that builds Muon equals one
+process (loss, norm and every gradient at every step; every parameter teacher-forced, as
+docs/parity.md §Muon derives), and the ledger's bytes equal the formula with the ``muon`` term,
+in one spawned world of 4 ranks. The gathers appear exactly where the matrices are split: over
+tp (an all_gather), and under ZeRO/HSDP/EP×ZeRO as point-to-point sends of the matrices that
+slice boundaries cut, to and from their owner."""
+
+import json
+
+import pytest
+
+from conftest import run_cli
+
+LAYOUTS = {  # layout → the axes Muon's update U is gathered over (none: whole matrices)
+    "dp=2": (), "dp=2,cp=2": (), "pp=2,1f1b": (), "dp=2,pp=2,1f1b": (),
+    "dp=2,zero=1": ("dp",), "dp=2,zero=2": ("dp",), "dp=4,zero=3": ("dp",),
+    "dp=4,dp_replicate=2,zero=3": ("dp_shard",),
+    "tp=2": ("tp",), "tp=2,sp": ("tp",), "dp=2,tp=2,zero=1": ("dp", "tp"),
+    "dp=2,tp=2,zero=3": ("dp", "tp"), "tp=2,pp=2,1f1b": ("tp",),
+}
+TORCH = ("dp=2", "pp=2,1f1b", "dp=2,pp=2,1f1b")  # the torch engine: DDP and pipelining
+# (its DTensor/FSDP2/ZeroRedundancyOptimizer layouts are refused: check_optimizer)
+EP = {"dp=2,ep=2": (), "dp=4,ep=2,zero=1": ("edp", "dp"),  # moe-tiny: experts per ep rank
+      "dp=2,tp=2,ep=2,zero=3": ("dp", "tp")}  # (edp has one rank here: gathers of 0 bytes)
+
+
+@pytest.fixture(scope="module")
+def report(cache_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("muon") / "verify.json"
+    p = run_cli(["verify", "--nproc", "4", "--optimizer", "muon", "--models", "tiny,moe-tiny",
+                 "--layouts", *LAYOUTS, *EP, "--json", out], cache_dir, timeout=580)
+    assert p.returncode == 0, p.stdout
+    return json.loads(out.read_text())
+
+
+def test_every_layout_equals_one_process_and_the_ledger_its_formula(report):
+    cases = {(c["layout"], c["engine"], c["model"]): c for c in report["cases"]}
+    want = {(lay, "explicit", "tiny") for lay in LAYOUTS} | {(lay, "torch", "tiny")
+                                                             for lay in TORCH}
+    want |= {(lay, "explicit", "moe-tiny") for lay in EP}
+    assert want <= set(cases), sorted(want - set(cases))
+    for key in want:
+        c = cases[key]
+        assert c["pass"], (key, c)
+        assert c["ledger_vs_formula_max_deviation"] < 1e-9, key
+
+
+@pytest.mark.parametrize("layout", sorted({**LAYOUTS, **EP}))
+def test_muon_gathers_only_over_the_axes_that_split_a_matrix(report, layout):
+    model = "moe-tiny" if layout in EP else "tiny"
+    (case,) = [c for c in report["cases"] if (c["layout"], c["engine"], c["model"])
+               == (layout, "explicit", model)]
+    muon = {k: v for k, v in case["bytes_per_tag"].items() if k.startswith("muon ")}
+    assert {k.split()[2] for k, v in muon.items() if v > 0} == set(
+        (LAYOUTS | EP)[layout]), muon
+    # tp shards: one all_gather over tp; ZeRO's cut matrices: sends to and from their owner
+    assert all(k.split()[1] == ("all_gather" if k.split()[2] == "tp" else "send")
+               for k, v in muon.items() if v > 0), muon
