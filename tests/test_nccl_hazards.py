@@ -140,6 +140,8 @@ ALLOWED = {
     "torch.tensor(float(steps[j]) - 1.0)":
         "ZeRO checkpoint: the step counter in a saved state dict (host)",
     "torch.empty(0, dtype=self._rdtype)": "ZeRO byte formula: element_size() only",
+    "torch.tensor(0.0)": "Muon's step count: a host scalar, as torch's AdamW keeps its 'step'; "
+    "no collective takes it",
     "torch.empty(len(pickle.dumps(box[0])), dtype=torch.uint8)":
         "broadcast_object: a stand-in for the ledger's shape/bytes, never communicated",
     "torch.empty(tuple(v.size), dtype=v.properties.dtype)":
