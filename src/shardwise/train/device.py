@@ -153,6 +153,7 @@ def device_lines(model_cfg, topo, cfg, module) -> list[str]:
                          tp=cfg.tp, packed=cfg.pack)
     if att:
         lines.append(att)
-    lines.append(f"  optimizer: AdamW, {adamw_impl_of(module)} implementation "
+    which = "AdamW" if cfg.optimizer != "muon" else "AdamW (for what Muon leaves, next line)"
+    lines.append(f"  optimizer: {which}, {adamw_impl_of(module)} implementation "
                  "(fused on CUDA, foreach on CPU, for-loop over mixed DTensor/Tensor)")
     return lines + optimizer_lines(module, cfg)  # --optimizer muon: which tensors get which
