@@ -219,8 +219,9 @@ def _print_rank(cfg, work, layout, topo, engine, recs, order, measured, formula,
         shown = f"{f:,.1f}" if f is not None else "—"
         print(f"{key:<20} {mem[key]:>16,} {shown:>16} {_ratio(mem[key], f):>8}")
     if mem_formula:
-        print("(optimizer: the formula (AdamW 8Ψ; Muon 4Ψ on its matrices) leaves out the "
-              "fp32 step counter per tensor)")
+        print("(optimizer: the formula's 8Ψ leaves out AdamW's fp32 step counter per tensor)"
+              if cfg.optimizer != "muon" else "(optimizer: the formula (AdamW 8Ψ on its "
+              "tensors, Muon 4Ψ on its matrices) leaves out the fp32 step counter per tensor)")
     else:
         print(f"(no closed form wired for {type(engine).__name__}'s memory: measured only)")
     if "gathered_params_peak" in mem:
