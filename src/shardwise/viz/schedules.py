@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..parallel.pp import SCHEDULES, Costs, bubble_formula, build_schedule, simulate
 from ..parallel.pp.schedules import default_chunks
-from .timeline import COLOURS, COMPUTE, _label
+from .timeline import COLOURS, COMPUTE, _label, save_figure
 
 
 def compare(p: int, m: int, costs: Costs = Costs()) -> list[dict]:
@@ -72,17 +72,11 @@ def draw_schedules(rows: list[dict], path, title: str = "") -> Path:
                      fontsize=9, loc="left")
         ax.set_xlim(0, span)
     axes[-1].set_xlabel("time (T_F = one rank's forward of one microbatch; T_B = T_W = T_F)")
-    kinds = [k for k in ("F", "B", "I", "W")]
-    fig.legend(handles=[Patch(color=COLOURS[k], label=k) for k in kinds], loc="lower right",
+    fig.legend(handles=[Patch(color=COLOURS[k], label=k) for k in "FBIW"], loc="lower right",
                ncol=4, fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> int:

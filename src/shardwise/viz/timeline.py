@@ -85,10 +85,17 @@ def draw_timeline(events, path, title: str = "", unit: str = "time") -> Path:
     bubble = bubble_of(events, p)
     ax.set_title(f"{title}  (bubble {bubble:.1%})" if title else f"bubble {bubble:.1%}",
                  fontsize=10)
+    return save_figure(fig, path, dpi=110)
+
+
+def save_figure(fig, path, dpi: int) -> Path:
+    """Lay out ``fig``, write it to ``path`` (PNG; parent folders made) and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
 
