@@ -57,6 +57,7 @@ from shardwise.data.tokenizer import (
     HFTokenizer,
     Tokenizer,
     load_tokenizer,
+    model_tokenizer_folder,
     split_long_text,
     tokenizer_fingerprint,
 )
@@ -155,6 +156,8 @@ def prepare_lm_data(
     meta, train_stream, val_stream = found
     if meta["tokenizer"] == "bytes":
         tok: Tokenizer = ByteTokenizer()
+    elif model_tokenizer_folder(tokenizer) is not None:  # the folder's special tokens and template
+        tok = load_tokenizer(tokenizer, None, 0, cache_dir)
     else:
         tok = HFTokenizer.from_file(entry / "tokenizer.json", name=meta["tokenizer_name"])
 

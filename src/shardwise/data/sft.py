@@ -149,6 +149,8 @@ class SFTData:
     # input positions each example uses in its row (the rest is padding): what --pack packs
     train_lengths: list[int] = field(default_factory=list)
     val_lengths: list[int] = field(default_factory=list)
+    # chat rows from a model folder's tokenizer: each validation prompt's ids (template applied)
+    prompt_ids: list[list[int]] = field(default_factory=list)
 
 
 def record_segments(record: dict, eos_id: int, renderer=None, where: str = ""):
@@ -184,32 +186,44 @@ def prepare_sft_data(path: str | os.PathLike, tokenizer: str = "bpe", vocab_size
         ShardwiseConfigError: as :func:`load_sft_records`; or every example of a split is dropped
             because its prompt is longer than ``seq_len`` tokens.
     """
-    from shardwise.data.chat import TemplateRenderer, encode_segments, has_chat_template
+    from shardwise.data.chat import (HFChatTemplate, TemplateRenderer, encode_ids,
+                                     encode_segments, has_chat_template)
     from shardwise.data.corpus import default_cache_dir
+    from shardwise.data.hf_tokenizer import HFFolderTokenizer
 
     records = load_sft_records(path)
     is_val = [i % val_every == val_every - 1 for i in range(len(records))]
     if not any(is_val):
         is_val[-1] = True
     chat = "messages" in records[0]
-    renderer = TemplateRenderer(template_dir) if chat and has_chat_template(template_dir) \
-        else None
     lines = _record_lines(path)
     train_recs = [(r, n) for r, n, v in zip(records, lines, is_val) if not v]
     val_recs = [(r, n) for r, n, v in zip(records, lines, is_val) if v]
     tok = load_tokenizer(tokenizer, [record_text(r) for r, _ in train_recs], vocab_size,
                          Path(cache_dir) if cache_dir is not None else default_cache_dir())
+    # the model folder's own tokenizer: rows are apply_chat_template's ids (chat.HFChatTemplate)
+    hf_chat = HFChatTemplate(tok) if chat and isinstance(tok, HFFolderTokenizer) else None
+    renderer = (TemplateRenderer(template_dir) if chat and hf_chat is None
+                and has_chat_template(template_dir) else None)
+    source = hf_chat or renderer
     stats = {"records": len(records), "format": "chat" if chat else "alpaca",
-             "template": (renderer.source if renderer else "built-in") if chat else "alpaca"}
-    out, lengths, prompts = [], {}, []
+             "template": (source.source if source else "built-in") if chat else "alpaca",
+             "mask_rule": hf_chat.rule if hf_chat else "segments"}
+
+    def encode(r, n):
+        where = f"--data {path}:{n}"
+        if hf_chat is not None:
+            return encode_ids(*hf_chat.row(r["messages"], where), seq_len, tok.pad_id)
+        return encode_segments(tok, record_segments(r, tok.eos_id, renderer, where), seq_len)
+
+    out, lengths, prompts, prompt_ids = [], {}, [], []
     for name, recs in (("train", train_recs), ("val", val_recs)):
-        rows = [encode_segments(tok, record_segments(r, tok.eos_id, renderer,
-                                                     f"--data {path}:{n}"), seq_len)
-                for r, n in recs]
+        rows = [encode(r, n) for r, n in recs]
         kept = [x for x in rows if x is not None]
         if not kept:
             shortest = min(_prompt_tokens(tok, record_segments(r, tok.eos_id, renderer))
-                           for r, _ in recs)
+                           if hf_chat is None else  # the first assistant token's position
+                           hf_chat.row(r["messages"], "")[1].index(1) for r, _ in recs)
             raise ShardwiseConfigError(
                 f"--task sft: every {name} prompt is longer than --seq-len {seq_len} tokens "
                 f"(shortest: {shortest}), so no response token fits: raise --seq-len (≥ "
@@ -223,11 +237,15 @@ def prepare_sft_data(path: str | os.PathLike, tokenizer: str = "bpe", vocab_size
             stats["padding_fraction"] = 1 - sum(lengths[name]) / (len(kept) * seq_len)
             stats["truncated"] = sum(1 for x in kept if x[4])
         else:
-            prompts = [_prompt_of(r, renderer) for (r, _), x in zip(recs, rows) if x is not None]
+            val_kept = [r for (r, _), x in zip(recs, rows) if x is not None]
+            prompts = [_prompt_of(r, source) for r in val_kept]
+            if hf_chat is not None:  # the ids a sample continues, special tokens as such
+                prompt_ids = [hf_chat.prompt_ids(_prompt_messages(r)) for r in val_kept]
     (train, train_labels), (val, val_labels) = out
     return SFTData(train=train, train_labels=train_labels, val=val, val_labels=val_labels,
                    tokenizer=tok, vocab_size=tok.vocab_size, prompts=prompts, stats=stats,
-                   train_lengths=lengths["train"], val_lengths=lengths["val"])
+                   train_lengths=lengths["train"], val_lengths=lengths["val"],
+                   prompt_ids=prompt_ids)
 
 
 def _prompt_of(record: dict, renderer) -> str:
@@ -235,11 +253,16 @@ def _prompt_of(record: dict, renderer) -> str:
     assistant turn with the generation prompt."""
     if "messages" not in record:
         return format_prompt(record)
-    msgs = record["messages"]
-    last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+    msgs = _prompt_messages(record)
     if renderer is not None:
-        return renderer.render(msgs[:last], generation_prompt=True)
-    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in msgs[:last]) + "<|assistant|>\n"
+        return renderer.render(msgs, generation_prompt=True)
+    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in msgs) + "<|assistant|>\n"
+
+
+def _prompt_messages(record: dict) -> list[dict]:
+    """A chat record's messages before its last assistant turn."""
+    msgs = record["messages"]
+    return msgs[:max(i for i, m in enumerate(msgs) if m["role"] == "assistant")]
 
 
 def _prompt_tokens(tok, segments) -> int:

@@ -33,7 +33,9 @@ from shardwise.errors import ShardwiseConfigError, ShardwiseFileError
 from shardwise.readers import read_json
 
 EOS_TOKEN = "<|endoftext|>"
-_EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>")
+# a bare tokenizer.json names no EOS: the first of these it holds (GPT-2/Qwen, Llama 3 base,
+# Mistral/Llama 2, Gemma). A model folder's own EOS comes from its config (.hf_tokenizer).
+_EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")
 # BPE training reads at most this many characters, as a sample of whole documents spread evenly
 # over the corpus (every k-th one). On 2 CPU cores, 3 MB of stdlib trains a 4096 vocab in ~0.8 s
 # (the full 12 MB: ~2.5 s) for nearly the same merges; encoding the whole corpus is the larger cost.
@@ -149,23 +151,30 @@ class ByteTokenizer:
 class HFTokenizer:
     """A HF ``tokenizers.Tokenizer`` behind the :class:`Tokenizer` interface.
 
+    ``eos_id``: the end-of-text id; None = the first of :data:`_EOS_CANDIDATES` the vocabulary
+    holds (a bare ``tokenizer.json`` names none; a model folder's comes from its config:
+    :class:`~.hf_tokenizer.HFFolderTokenizer`).
+
     Raises:
-        ShardwiseConfigError: the tokenizer has none of ``<|endoftext|>``, ``</s>``, ``<eos>``.
+        ShardwiseConfigError: ``eos_id`` is None and the tokenizer has none of the candidates.
     """
 
-    def __init__(self, tok, name: str):
-        eos = next((t for t in _EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
-        if eos is None:
-            raise ShardwiseConfigError(
-                f"tokenizer {name} has no end-of-text token (none of {', '.join(_EOS_CANDIDATES)}): "
-                f"add one, e.g. tok.add_special_tokens(['{EOS_TOKEN}']); tok.save(path)"
-            )
+    def __init__(self, tok, name: str, eos_id: int | None = None):
+        if eos_id is None:
+            eos = next((t for t in _EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
+            if eos is None:
+                raise ShardwiseConfigError(
+                    f"tokenizer {name} names no end-of-text token (none of "
+                    f"{', '.join(_EOS_CANDIDATES)}): pass the model's folder instead "
+                    "(--tokenizer DIR, whose tokenizer_config.json names its EOS), or, for a "
+                    f"tokenizer of your own, add one: tok.add_special_tokens(['{EOS_TOKEN}'])")
+            eos_id = tok.token_to_id(eos)
         if hasattr(tok, "encode_special_tokens"):
             tok.encode_special_tokens = True  # literal "<|endoftext|>" in text stays text
         self._tok = tok
         self._chunk_safe: bool | None = None
         self.name = name
-        self.eos_id = tok.token_to_id(eos)
+        self.eos_id = eos_id
         self.vocab_size = max(tok.get_vocab_size(with_added_tokens=True), self.eos_id + 1)
 
     @classmethod
@@ -234,8 +243,27 @@ def tokenizer_fingerprint(spec: str) -> str:
     """
     if spec in ("bytes", "bpe"):
         return spec if spec == "bytes" else f"{_BPE_RECIPE}:{BPE_TRAIN_BUDGET_CHARS}"
+    folder = model_tokenizer_folder(spec)
+    if folder is not None:
+        from shardwise.data.hf_tokenizer import folder_fingerprint
+
+        return folder_fingerprint(folder)
     path = _tokenizer_file(spec)
     return "file:" + hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def model_tokenizer_folder(spec: str) -> Path | None:
+    """The HF model folder whose tokenizer ``spec`` names, or None: ``spec`` is a folder holding
+    a tokenizer, or a ``tokenizer.json`` beside a ``tokenizer_config.json`` (whose special
+    tokens then count: :class:`~.hf_tokenizer.HFFolderTokenizer`)."""
+    from shardwise.data.hf_tokenizer import is_tokenizer_folder
+
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        return p if is_tokenizer_folder(p) else None
+    if p.name == "tokenizer.json" and p.is_file() and (p.parent / "tokenizer_config.json").is_file():
+        return p.parent
+    return None
 
 
 def load_tokenizer(
@@ -245,8 +273,11 @@ def load_tokenizer(
 
     Args:
         spec: ``"bytes"`` (:class:`ByteTokenizer`), ``"bpe"`` (byte-level BPE trained on
-            ``documents``, cached in ``cache_dir/tokenizers``), or a path ending in ``.json``
-            (a HF tokenizers file, or a ByteTokenizer marker written by ``ByteTokenizer.save``).
+            ``documents``, cached in ``cache_dir/tokenizers``), an HF model folder (or its
+            ``tokenizer.json`` beside a ``tokenizer_config.json``: the model's own tokenizer
+            and special tokens, :class:`~.hf_tokenizer.HFFolderTokenizer`), or a path ending in
+            ``.json`` (a HF tokenizers file, or a ByteTokenizer marker written by
+            ``ByteTokenizer.save``).
         documents: the training text for ``"bpe"``; ignored otherwise.
         vocab_size: the BPE vocabulary size including the 256 byte symbols and EOS; ignored for
             the other specs. A small corpus may stop short of it: read ``.vocab_size`` back.
@@ -260,6 +291,11 @@ def load_tokenizer(
         return ByteTokenizer()
     if spec == "bpe":
         return _cached_bpe(documents, vocab_size, Path(cache_dir))
+    folder = model_tokenizer_folder(spec)
+    if folder is not None:
+        from shardwise.data.hf_tokenizer import HFFolderTokenizer
+
+        return HFFolderTokenizer(folder)
     path = _tokenizer_file(spec)
     try:
         marker = read_json(path, "--tokenizer")
@@ -271,10 +307,14 @@ def load_tokenizer(
 
 
 def _tokenizer_file(spec: str) -> Path:
+    if Path(spec).expanduser().is_dir():
+        raise ShardwiseConfigError(
+            f"--tokenizer {spec}: the folder holds no tokenizer (tokenizer.json, tokenizer.model "
+            "or vocab.json): pass the model folder that has one, or a tokenizer .json file")
     if not spec.endswith(".json"):
         raise ShardwiseConfigError(
-            f"--tokenizer {spec!r} is not one of 'bpe', 'bytes' or a path to a tokenizer .json "
-            "file: pass one of those"
+            f"--tokenizer {spec!r} is not one of 'bpe', 'bytes', an HF model folder or a path to "
+            "a tokenizer .json file: pass one of those"
         )
     path = Path(spec).expanduser()
     if not path.is_file():

@@ -48,17 +48,23 @@ class LMWorkload:
                 for c in rows.split(micro_batch)]
 
     def sample_text(self, model, cfg: TrainConfig, prompt: str = "def ",
-                    stop_at_eos: bool = False) -> str:
-        """A short continuation of ``prompt`` sampled from ``model`` (seeded, so reproducible);
-        with ``stop_at_eos`` cut at the first EOS it samples (an SFT response ends there)."""
+                    stop_at_eos: bool = False, prompt_ids: list[int] | None = None) -> str:
+        """A short continuation of ``prompt`` (or of ``prompt_ids``, a chat prompt with the
+        template's special tokens) sampled from ``model`` (seeded, so reproducible); with
+        ``stop_at_eos`` cut at the first stop id it samples (an SFT response ends there: the
+        EOS, and for a model folder's tokenizer also generation_config.json's eos ids)."""
         tok = self.data.tokenizer
-        ids = torch.tensor([tok.encode(prompt)], dtype=torch.long,
+        ids = torch.tensor([prompt_ids or tok.encode(prompt)], dtype=torch.long,
                            device=next(model.parameters()).device)
         g = torch.Generator(device=ids.device).manual_seed(cfg.seed)
         out = generate(model, ids, cfg.sample_tokens, generator=g)[0].tolist()
         new = out[ids.shape[1]:]
-        if stop_at_eos and tok.eos_id in new:
-            out = out[:ids.shape[1] + new.index(tok.eos_id)]
+        stops = set(getattr(tok, "stop_ids", (tok.eos_id,)))
+        first = next((j for j, t in enumerate(new) if t in stops), None)
+        if stop_at_eos and first is not None:
+            out = out[:ids.shape[1] + first]
+        if prompt_ids:  # show the template's own tokens (<|start_header_id|>, [INST], ...)
+            return tok.hf.decode(out, skip_special_tokens=False)
         return tok.decode(out)
 
 
@@ -94,21 +100,33 @@ class RegressionWorkload:
 
 
 def tokenizer_spec(tokenizer: str, init_from_hf: str = "") -> str:
-    """``--tokenizer``, except that with ``--init-from-hf DIR`` the default ``bpe`` means
-    ``DIR/tokenizer.json`` when that file exists (the model's ids must mean the same tokens).
-    Raises :class:`ShardwiseConfigError` for a folder with only GPT-2's slow-tokenizer files."""
-    hf_tok = os.path.join(init_from_hf, "tokenizer.json") if init_from_hf else ""
-    if tokenizer == "bpe" and hf_tok and os.path.isfile(hf_tok):
-        return hf_tok
-    if tokenizer == "bpe" and hf_tok and all(  # GPT-2's slow-tokenizer files only
-            os.path.isfile(os.path.join(init_from_hf, f)) for f in ("vocab.json", "merges.txt")):
+    """``--tokenizer``, except that with ``--init-from-hf DIR`` the default ``bpe`` means the
+    folder's own tokenizer (the folder: its ids, special tokens and chat template, as
+    transformers loads them; :class:`~shardwise.data.hf_tokenizer.HFFolderTokenizer`).
+
+    Raises :class:`ShardwiseConfigError` when that folder has no tokenizer a new BPE could stand
+    in for (its ids would mean nothing to the model) unless ``--tokenizer`` names one, and for a
+    folder with only GPT-2's slow-tokenizer files."""
+    if tokenizer != "bpe" or not init_from_hf:
+        return tokenizer
+    from ..data.hf_tokenizer import is_tokenizer_folder
+
+    if os.path.isfile(os.path.join(init_from_hf, "tokenizer.json")):
+        return init_from_hf
+    if all(os.path.isfile(os.path.join(init_from_hf, f)) for f in ("vocab.json", "merges.txt")):
         raise ShardwiseConfigError(
             f"--init-from-hf {init_from_hf}: the folder has vocab.json + merges.txt but no "
             "tokenizer.json, and a new BPE would not mean the model's ids: write it with "
             "python -c \"from transformers import AutoTokenizer as T; "
             f"T.from_pretrained('{init_from_hf}').save_pretrained('{init_from_hf}')\", "
             "or pass --tokenizer FILE.json")
-    return tokenizer
+    if is_tokenizer_folder(init_from_hf):  # tokenizer.model only: transformers converts it
+        return init_from_hf
+    raise ShardwiseConfigError(
+        f"--init-from-hf {init_from_hf}: the folder has no tokenizer (tokenizer.json), and a BPE "
+        "trained here would give ids that mean nothing to the model: copy the model's "
+        "tokenizer files into the folder, or pass --tokenizer DIR|FILE.json|bytes to choose one "
+        "knowing its ids must match the model's")
 
 
 def model_vocab(init_from_hf: str, tokenizer: str, tokenizer_vocab: int) -> int:
@@ -151,8 +169,9 @@ class SFTWorkload(LMWorkload):
             from ..data.pack import pack_examples, unpadded
 
             d = self.data
+            pad = getattr(d.tokenizer, "pad_id", d.tokenizer.eos_id)
             self.packed = {
-                split: pack_examples(*unpadded(tok, lab, n), cfg.seq_len, d.tokenizer.eos_id)
+                split: pack_examples(*unpadded(tok, lab, n), cfg.seq_len, pad)
                 for split, tok, lab, n in (("train", d.train, d.train_labels, d.train_lengths),
                                            ("val", d.val, d.val_labels, d.val_lengths))}
             self.num_train, self.num_val = len(self.packed["train"]), len(self.packed["val"])
@@ -197,9 +216,11 @@ class SFTWorkload(LMWorkload):
                 for r, lb in zip(rows.split(micro_batch), labels.split(micro_batch))]
 
     def sample_text(self, model, cfg: TrainConfig, prompt: str | None = None) -> str:
-        """The model's response to the first validation prompt (seeded), up to its EOS."""
+        """The model's response to the first validation prompt (seeded), up to its first stop
+        id; a chat prompt of a model folder's tokenizer is its template's ids."""
+        ids = self.data.prompt_ids[0] if self.data.prompt_ids and prompt is None else None
         return super().sample_text(model, cfg, prompt=prompt or self.data.prompts[0],
-                                   stop_at_eos=True)
+                                   stop_at_eos=True, prompt_ids=ids)
 
 
 class PairSampler(DistributedSampler):
