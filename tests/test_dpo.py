@@ -40,7 +40,11 @@ def _write(tmp_path, lines, name="pref.jsonl"):
     ({"prompt": "", "chosen": "a", "rejected": "b"}, ["prompt is empty"]),
     ({"prompt": "p", "chosen": 3, "rejected": "b"}, ["'chosen' is int, not a string"]),
     ({"prompt": "p", "chosen": [{"role": "assistant", "content": "a"}], "rejected": "b"},
-     ["'chosen' is list", "chat template"]),
+     ["are message lists and some are not", "conversational format"]),
+    ({"prompt": [{"role": "user", "content": "p"}], "chosen": [{"role": "user", "content": "a"}],
+      "rejected": [{"role": "assistant", "content": "b"}]}, ["chosen[0] has role 'user'"]),
+    ({"prompt": [{"role": "user", "content": "p"}], "chosen": [], "rejected": [
+        {"role": "assistant", "content": "b"}]}, ["'chosen' is an empty message list"]),
     ({"prompt": "p", "chosen": "same", "rejected": "same"}, ["same text", "no preference"]),
     ("[1, 2]", ["expected a JSON object"]),
     ('{"prompt": "p", "chosen": ', ["not valid JSON"]),

@@ -186,6 +186,11 @@ class HFChatTemplate:
             messages, chat_template=self.template, tokenize=True, return_dict=True,
             add_generation_prompt=True)["input_ids"])
 
+    def ids(self, messages: list[dict]) -> list[int]:
+        """``apply_chat_template(messages, tokenize=True)``'s ids."""
+        return list(self.hf.apply_chat_template(messages, chat_template=self.template,
+                                                tokenize=True, return_dict=True)["input_ids"])
+
     def row(self, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
         """(ids, mask) of one conversation: the ids of ``apply_chat_template(tokenize=True)``,
         mask 1 on the assistant tokens. Raises ShardwiseConfigError (``where`` = ``FILE:LINE``)

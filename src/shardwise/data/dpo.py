@@ -1,13 +1,21 @@
 """Preference data for DPO: ``prompt`` / ``chosen`` / ``rejected`` records, two rows per pair.
 
-Input: a ``.jsonl`` file, one JSON object per line with three non-empty string fields
-``prompt``, ``chosen`` and ``rejected`` (other fields are ignored; blank lines are skipped). This
-is the "standard, explicit prompt" preference format of TRL's ``DPOTrainer``. The prompt is used
-as written (no template): put any chat or instruction template into the file.
+Input: a ``.jsonl`` file, one JSON object per line, in one of TRL's two explicit-prompt
+preference formats (one per file; other fields are ignored; blank lines are skipped):
+**standard** — three non-empty strings ``prompt``, ``chosen``, ``rejected``, used as written;
+**conversational** — ``prompt`` a list of ``{"role", "content"}`` messages, ``chosen`` and
+``rejected`` lists of assistant messages, rendered by the chat template.
 
-Rows: each response becomes the text ``prompt + response + EOS``, the prompt and the response
-tokenized separately and concatenated (so the boundary is exact, as in :mod:`.sft`), right-padded
-to ``seq_len + 1`` tokens (padding id = EOS). Labels ``[seq_len]``: the next token where it is a
+Rows from a model folder's own tokenizer (:class:`~.hf_tokenizer.HFFolderTokenizer`): exactly
+TRL's ``DPOTrainer`` tokenization — standard pairs: EOS text appended to each response unless it
+ends with it, ``tokenizer(prompt)`` and ``tokenizer(prompt + response)`` (special tokens added,
+e.g. Llama 3's BOS); conversational: ``apply_chat_template(prompt, add_generation_prompt=True)``
+and ``apply_chat_template(prompt + response)``; either way the response starts where the prompt's
+ids and both prompt + response ids stop agreeing (the shorter common prefix). Rows from our own
+tokenizers: the prompt (conversational: rendered by the built-in template) and ``response + EOS``
+tokenized separately and concatenated (so the boundary is exact, as in :mod:`.sft`).
+
+Rows are right-padded to ``seq_len + 1`` tokens (padding id = PAD, else EOS). Labels ``[seq_len]``: the next token where it is a
 response token or the final EOS, ``IGNORE_INDEX`` (−100) on prompt and padding targets, so the
 sum of the counted log-probs of a row is ``log π(response | prompt)``. A pair is **two adjacent
 rows**, chosen at ``2i`` and rejected at ``2i + 1``, and every batch is cut in whole pairs, so a
@@ -61,28 +69,25 @@ def load_dpo_records(path: str | os.PathLike) -> list[dict]:
         if not isinstance(rec, dict):
             raise ShardwiseConfigError(f"{where}: expected a JSON object {FORMAT}, got "
                                        f"{type(rec).__name__}")
-        for key in FIELDS:
-            if key not in rec:
-                raise ShardwiseConfigError(
-                    f"{where}: missing field {key!r}: every DPO record needs \"prompt\", "
-                    "\"chosen\" and \"rejected\" (a preference pair: the response preferred and "
-                    "the one not); fix or drop the line")
-            if not isinstance(rec[key], str):
-                kind = type(rec[key]).__name__
-                hint = (" (conversational message lists are not supported: apply the chat "
-                        "template and give plain text)" if isinstance(rec[key], (list, dict))
-                        else ": quote it")
-                raise ShardwiseConfigError(f"{where}: field {key!r} is {kind}, not a string"
-                                           + hint)
-            if not rec[key].strip():
-                what = "prompt" if key == "prompt" else f"{key} response"
-                raise ShardwiseConfigError(
-                    f"{where}: the {what} is empty: DPO compares log π(response | prompt) of "
-                    "two non-empty responses to a non-empty prompt; fix or drop the line")
+        chat = all(isinstance(rec.get(k), list) for k in FIELDS)
+        if chat:
+            _check_chat_pair(rec, where)
+        elif any(isinstance(rec.get(k), list) for k in FIELDS):
+            raise ShardwiseConfigError(
+                f"{where}: some of \"prompt\", \"chosen\", \"rejected\" are message lists and "
+                "some are not: give all three as strings, or all three as lists of "
+                '{"role", "content"} messages (TRL\'s conversational format)')
+        else:
+            _check_string_pair(rec, where)
         if rec["chosen"] == rec["rejected"]:
             raise ShardwiseConfigError(
-                f"{where}: \"chosen\" and \"rejected\" are the same text: the pair carries no "
+                f"{where}: \"chosen\" and \"rejected\" are the same "
+                f"{'messages' if chat else 'text'}: the pair carries no "
                 "preference (its DPO gradient is zero); drop the line")
+        if records and chat != isinstance(records[0]["prompt"], list):
+            raise ShardwiseConfigError(
+                f"{where}: a {'conversational' if chat else 'standard'} record in a file whose "
+                "first record is not: keep one format per file")
         records.append({**{k: rec[k] for k in FIELDS}, "_line": no})
     if len(records) < 2:
         raise ShardwiseConfigError(f"--data {path}: {len(records)} record(s); DPO needs at least "
@@ -90,16 +95,95 @@ def load_dpo_records(path: str | os.PathLike) -> list[dict]:
     return records
 
 
-def encode_response(tok: Tokenizer, prompt_ids: list[int], response: str, seq_len: int
+def _check_string_pair(rec: dict, where: str) -> None:
+    """A standard record: three non-empty strings (ShardwiseConfigError naming the field)."""
+    for key in FIELDS:
+        if key not in rec:
+            raise ShardwiseConfigError(
+                f"{where}: missing field {key!r}: every DPO record needs \"prompt\", "
+                "\"chosen\" and \"rejected\" (a preference pair: the response preferred and "
+                "the one not); fix or drop the line")
+        if not isinstance(rec[key], str):
+            raise ShardwiseConfigError(f"{where}: field {key!r} is {type(rec[key]).__name__}, not "
+                                       "a string (or a list of messages): quote it")
+        if not rec[key].strip():
+            what = "prompt" if key == "prompt" else f"{key} response"
+            raise ShardwiseConfigError(
+                f"{where}: the {what} is empty: DPO compares log π(response | prompt) of "
+                "two non-empty responses to a non-empty prompt; fix or drop the line")
+
+
+def _check_chat_pair(rec: dict, where: str) -> None:
+    """A conversational record: ``prompt`` a non-empty message list, ``chosen``/``rejected``
+    non-empty lists of assistant messages (ShardwiseConfigError naming the field)."""
+    from shardwise.data.chat import ROLES
+
+    for key in FIELDS:
+        msgs = rec[key]
+        if not msgs:
+            raise ShardwiseConfigError(f"{where}: {key!r} is an empty message list: fix or drop "
+                                       "the line")
+        for j, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str) \
+                    or m.get("role") not in ROLES:
+                raise ShardwiseConfigError(
+                    f"{where}: {key}[{j}] = {str(m)[:80]}: each message needs \"role\" (one of "
+                    f"{', '.join(ROLES)}) and a string \"content\"")
+            if key != "prompt" and m["role"] != "assistant":
+                raise ShardwiseConfigError(
+                    f"{where}: {key}[{j}] has role {m['role']!r}: a response is the assistant's "
+                    "(TRL's conversational format: \"chosen\": [{\"role\": \"assistant\", "
+                    "\"content\": ...}])")
+
+
+def pair_ids(tok, rec: dict, template=None) -> tuple[list[int], list[int], list[int]]:
+    """(prompt ids, chosen ids, rejected ids) of one record (module doc).
+
+    ``tok``: an :class:`~.hf_tokenizer.HFFolderTokenizer` (TRL's rule; ``template`` its
+    :class:`~.chat.HFChatTemplate` for conversational records) or one of our own tokenizers
+    (prompt, then each response + EOS, tokenized separately)."""
+    from shardwise.data.hf_tokenizer import HFFolderTokenizer
+
+    chat = isinstance(rec["prompt"], list)
+    if not isinstance(tok, HFFolderTokenizer):
+        prompt = builtin_prompt(rec["prompt"]) if chat else rec["prompt"]
+        text = (lambda r: "".join(m["content"] for m in r)) if chat else (lambda r: r)
+        return (tok.encode(prompt), tok.encode(text(rec["chosen"])) + [tok.eos_id],
+                tok.encode(text(rec["rejected"])) + [tok.eos_id])
+    if chat:  # trl DPOTrainer._prepare_dataset, conversational
+        p = template.prompt_ids(rec["prompt"])
+        full = [template.ids(rec["prompt"] + rec[k]) for k in ("chosen", "rejected")]
+    else:  # standard: EOS text appended unless present, tokenizer(...) adds BOS where it does
+        eos = tok.hf.eos_token
+        p = list(tok.hf(rec["prompt"])["input_ids"])
+        full = [list(tok.hf(rec["prompt"] + (rec[k] if rec[k].endswith(eos) else rec[k] + eos))
+                     ["input_ids"]) for k in ("chosen", "rejected")]
+    n = min(_common_prefix(p, f) for f in full)
+    return p[:n], full[0][n:], full[1][n:]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def builtin_prompt(messages: list[dict]) -> str:
+    """A conversational prompt in the built-in template (:mod:`.chat`), generation prompt
+    included: the text our own tokenizers encode."""
+    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+
+
+def encode_pair_row(prompt_ids: list[int], response_ids: list[int], seq_len: int, pad_id: int
                     ) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
     """One row: (``tokens`` [seq_len + 1] int64, ``labels`` [seq_len] int64, response targets
     kept, truncated?) for ``prompt_ids`` (≤ ``seq_len`` tokens, so at least one response target
-    fits) followed by ``response`` + EOS. ``labels[t] = tokens[t + 1]`` where ``t + 1`` is a
-    response/EOS position, :data:`IGNORE_INDEX` elsewhere."""
-    response_ids = tok.encode(response) + [tok.eos_id]
+    fits) followed by ``response_ids``, right-padded with ``pad_id``. ``labels[t] =
+    tokens[t + 1]`` where ``t + 1`` is a response position, :data:`IGNORE_INDEX` elsewhere."""
     full = (prompt_ids + response_ids)[: seq_len + 1]
     n_p = len(prompt_ids)
-    tokens = torch.full((seq_len + 1,), tok.eos_id, dtype=torch.long)
+    tokens = torch.full((seq_len + 1,), pad_id, dtype=torch.long)
     tokens[: len(full)] = torch.tensor(full, dtype=torch.long)
     labels = torch.full((seq_len,), IGNORE_INDEX, dtype=torch.long)
     labels[n_p - 1: len(full) - 1] = tokens[n_p: len(full)]
@@ -110,7 +194,8 @@ def encode_response(tok: Tokenizer, prompt_ids: list[int], response: str, seq_le
 class DPOData:
     """Preference rows. ``train``/``val``: ``[2n, seq_len + 1]`` int64 tokens, pair ``i`` in rows
     ``2i`` (chosen) and ``2i + 1`` (rejected); ``train_labels``/``val_labels``: ``[2n, seq_len]``
-    int64 (−100 = not counted). ``prompts``: the validation prompts (for sampling)."""
+    int64 (−100 = not counted). ``prompts``: the validation prompts (for sampling), as text;
+    ``prompt_ids``: their ids (a model folder's tokenizer: the template's special tokens)."""
 
     train: torch.Tensor
     train_labels: torch.Tensor
@@ -120,6 +205,7 @@ class DPOData:
     vocab_size: int
     prompts: list[str] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
+    prompt_ids: list[list[int]] = field(default_factory=list)
 
 
 def prepare_dpo_data(path: str | os.PathLike, tokenizer: str = "bpe", vocab_size: int = 4096,
@@ -127,39 +213,51 @@ def prepare_dpo_data(path: str | os.PathLike, tokenizer: str = "bpe", vocab_size
                      ) -> DPOData:
     """Records of ``path`` → paired padded rows and masked labels (module doc).
 
-    ``tokenizer``: ``"bytes"``, a tokenizer ``.json``, or ``"bpe"`` (trained on the training
-    records' prompt + response texts, cached like the LM tokenizer).
+    ``tokenizer``: ``"bytes"``, a tokenizer ``.json``, an HF model folder, or ``"bpe"`` (trained
+    on the training records' prompt + response texts, cached like the LM tokenizer).
 
     Raises:
         ShardwiseConfigError: as :func:`load_dpo_records`; or a prompt longer than ``seq_len``
             tokens (naming its line, the prompt's length and the fix).
     """
+    from shardwise.data.chat import HFChatTemplate
     from shardwise.data.corpus import default_cache_dir
+    from shardwise.data.hf_tokenizer import HFFolderTokenizer
 
     records = load_dpo_records(path)
     is_val = [i % val_every == val_every - 1 for i in range(len(records))]
     if not any(is_val):
         is_val[-1] = True
     train_recs = [r for r, v in zip(records, is_val) if not v]
-    docs = [r["prompt"] + r[k] for r in train_recs for k in ("chosen", "rejected")]
+    chat = isinstance(records[0]["prompt"], list)
+    flat = (lambda x: "\n".join(m["content"] for m in x)) if chat else (lambda x: x)
+    docs = [flat(r["prompt"]) + flat(r[k]) for r in train_recs for k in ("chosen", "rejected")]
     tok = load_tokenizer(tokenizer, docs, vocab_size,
                          Path(cache_dir) if cache_dir is not None else default_cache_dir())
-    stats = {"records": len(records), "truncated": 0, "response_tokens": 0}
+    template = HFChatTemplate(tok) if chat and isinstance(tok, HFFolderTokenizer) else None
+    pad = getattr(tok, "pad_id", tok.eos_id)
+    stats = {"records": len(records), "truncated": 0, "response_tokens": 0,
+             "format": "conversational" if chat else "standard"}
     out = {"train": ([], []), "val": ([], [])}
+    prompts, prompt_ids = [], []
     for rec, val in zip(records, is_val):
-        prompt_ids = tok.encode(rec["prompt"])
-        if len(prompt_ids) > seq_len:
+        p_ids, *responses = pair_ids(tok, rec, template)
+        if len(p_ids) > seq_len:
             raise ShardwiseConfigError(
-                f"--data {path}:{rec['_line']}: the prompt is {len(prompt_ids)} tokens, longer "
+                f"--data {path}:{rec['_line']}: the prompt is {len(p_ids)} tokens, longer "
                 f"than --seq-len {seq_len}, so no response token fits in its row: raise "
-                f"--seq-len (≥ {len(prompt_ids) + 16}) or shorten or drop the prompt")
+                f"--seq-len (≥ {len(p_ids) + 16}) or shorten or drop the prompt")
         rows, labels = out["val" if val else "train"]
-        for key in ("chosen", "rejected"):
-            t, lb, kept, cut = encode_response(tok, prompt_ids, rec[key], seq_len)
+        for r_ids in responses:
+            t, lb, kept, cut = encode_pair_row(p_ids, r_ids, seq_len, pad)
             rows.append(t)
             labels.append(lb)
             stats["truncated"] += int(cut)
             stats["response_tokens"] += kept
+        if val:
+            prompts.append(template.render(rec["prompt"], True) if template else
+                           builtin_prompt(rec["prompt"]) if chat else rec["prompt"])
+            prompt_ids.append(p_ids)
     n_rows = len(out["train"][0]) + len(out["val"][0])
     real = sum(int((lb != IGNORE_INDEX).sum()) for split in out.values() for lb in split[1])
     stats["train_pairs"], stats["val_pairs"] = len(train_recs), len(records) - len(train_recs)
@@ -167,5 +265,5 @@ def prepare_dpo_data(path: str | os.PathLike, tokenizer: str = "bpe", vocab_size
     (train, train_lb), (val, val_lb) = ((torch.stack(r), torch.stack(lb))
                                         for r, lb in (out["train"], out["val"]))
     return DPOData(train=train, train_labels=train_lb, val=val, val_labels=val_lb,
-                   tokenizer=tok, vocab_size=tok.vocab_size,
-                   prompts=[r["prompt"] for r, v in zip(records, is_val) if v], stats=stats)
+                   tokenizer=tok, vocab_size=tok.vocab_size, prompts=prompts, stats=stats,
+                   prompt_ids=prompt_ids if isinstance(tok, HFFolderTokenizer) else [])

@@ -280,8 +280,11 @@ class DPOWorkload(LMWorkload):
                 for r, lb in zip(tokens.split(micro_batch), labels.split(micro_batch))]
 
     def sample_text(self, model, cfg: TrainConfig, prompt: str | None = None) -> str:
-        """The model's continuation of the first validation prompt (seeded)."""
-        return super().sample_text(model, cfg, prompt=prompt or self.data.prompts[0])
+        """The model's continuation of the first validation prompt (seeded); with a model
+        folder's tokenizer the prompt's own ids (TRL's), cut at the first stop id."""
+        ids = self.data.prompt_ids[0] if self.data.prompt_ids and prompt is None else None
+        return super().sample_text(model, cfg, prompt=prompt or self.data.prompts[0],
+                                   stop_at_eos=ids is not None, prompt_ids=ids)
 
 
 def load_workload(cfg: TrainConfig):
