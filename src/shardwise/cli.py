@@ -214,6 +214,10 @@ def cmd_train(args, argv) -> int:
     cfg = from_args(args)
     if not is_worker():
         validate(cfg)  # fail fast, once, before spawning anything
+        if cfg.init_from_hf:  # every HF weight finite: read once, here, not on every rank
+            from .interop.hf_import import check_weights_finite
+
+            check_weights_finite(cfg.init_from_hf)
         if cfg.world_size() > 1:
             from .train.workload import load_workload
 

@@ -14,7 +14,9 @@ and the start-up line's :func:`describe_source`.
   window is kept in the config (and exported) and ``--seq-len`` > W is refused with that fix.
 * **Llama 3.x** (``rope_scaling`` / ``rope_parameters`` of type ``llama3``): the scaled RoPE
   frequencies of :mod:`shardwise.models.rope`, kept in the config and written back on export;
-  Llama 3.2's tied embeddings are ``tie_word_embeddings``.
+  Llama 3.2's tied embeddings are ``tie_word_embeddings``. The RoPE keys are read by
+  transformers 5's rule (:func:`hf_rope`: a non-empty ``rope_scaling`` replaces
+  ``rope_parameters``; θ inside the dict wins over the top-level ``rope_theta``).
 * **Qwen2** (``"qwen2"``): Llama plus biases on q_proj, k_proj, v_proj (``qkv_bias``), names
   ``self_attn.{q,k,v}_proj.bias``; ``use_sliding_window`` must be off.
 * **Qwen3** (``"qwen3"``): Llama plus an RMSNorm over each head's q and k before RoPE
@@ -31,6 +33,7 @@ and the fix. Nothing here needs a process group.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -216,26 +219,16 @@ def hf_to_llama_config(hf: dict, source: str = "config.json"):
     if hf.get("hidden_act", "silu") != "silu":
         raise ShardwiseConfigError(f"{source}: hidden_act {hf['hidden_act']!r}: shardwise's "
                                    "SwiGLU uses silu; only silu Llama checkpoints load")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) \
-        else "default"
-    if rope_type not in ROPE_TYPES:
-        raise ShardwiseConfigError(
-            f"{source}: RoPE scaling {rope_type!r} is not implemented (shardwise has plain RoPE "
-            "and Llama 3's 'llama3' scaling: models/rope.py): use a checkpoint without that "
-            "rope_scaling")
-    scaling = None
-    if rope_type == "llama3":
-        missing = [k for k in LLAMA3_KEYS if k not in rope]
-        if missing:
-            raise ShardwiseConfigError(f"{source}: rope_scaling of type 'llama3' lacks {missing}: "
-                                       "re-save the model with save_pretrained")
-        scaling = {"rope_type": "llama3", **{k: rope[k] for k in LLAMA3_KEYS}}
     # transformers' defaults where a field is absent: LlamaConfig's, or MixtralConfig's
     mixtral = mt == "mixtral"
     theta0, eps0, pos0 = {"mixtral": (1e6, 1e-5, 4096 * 32), "mistral": (1e4, 1e-6, 4096 * 32),
                           "qwen2": (1e4, 1e-6, 32768), "qwen3": (1e4, 1e-6, 32768)
                           }.get(mt, (10000.0, 1e-6, 2048))
+    try:
+        max_pos = int(hf.get("max_position_embeddings", pos0))
+    except (TypeError, ValueError) as e:
+        raise ShardwiseConfigError(f"{source}: max_position_embeddings: {e}") from None
+    theta, scaling = hf_rope(hf, source, theta0, max_pos)
     try:
         d, h = int(hf["hidden_size"]), int(hf["num_attention_heads"])
         kw = dict(
@@ -243,8 +236,7 @@ def hf_to_llama_config(hf: dict, source: str = "config.json"):
             n_layers=int(hf["num_hidden_layers"]), n_heads=h,
             n_kv_heads=int(hf.get("num_key_value_heads") or h),
             d_ff=int(hf["intermediate_size"]),
-            max_seq_len=int(hf.get("max_position_embeddings", pos0)),
-            rope_theta=float(hf.get("rope_theta") or (rope or {}).get("rope_theta") or theta0),
+            max_seq_len=max_pos, rope_theta=theta,
             norm_eps=float(hf.get("rms_norm_eps", eps0)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             init_std=float(hf.get("initializer_range", 0.02)), family=mt, rope_scaling=scaling)
@@ -282,6 +274,69 @@ def hf_to_llama_config(hf: dict, source: str = "config.json"):
             f"{cfg.head_dim}: shardwise derives head_dim for Mixtral; such checkpoints do not "
             "load")
     return cfg
+
+
+def hf_rope(hf: dict, source: str = "config.json", default_theta: float = 10000.0,
+            max_positions: int = 2048) -> tuple[float, dict | None]:
+    """(RoPE base θ, our ``rope_scaling`` or None) of the config dict ``hf``, read as
+    transformers 5 reads ``config.json`` (``RotaryEmbeddingConfigMixin`` in
+    modeling_rope_utils.py: ``convert_rope_params_to_dict``, then ``standardize_rope_params``),
+    so the model we build turns by the angles transformers' does:
+
+    1. ``rope_scaling`` (transformers 4's key), when present and not empty, *replaces*
+       ``rope_parameters`` (5's) whole: the two dicts are never merged;
+    2. θ is the chosen dict's ``rope_theta``, else the top-level ``rope_theta``, else the
+       family's default (10⁴; Mixtral 10⁶);
+    3. the type is the dict's ``rope_type``, else its legacy ``type``, else ``"default"``;
+    4. a ``llama3`` dict without ``original_max_position_embeddings`` takes
+       ``max_position_embeddings``.
+
+    tests/test_hf_refusals.py checks this against transformers' own config objects. Raises
+    ShardwiseConfigError, naming the key and the file, for a type other than ``default`` and
+    ``llama3`` (yarn, linear, dynamic, longrope …: :mod:`shardwise.models.rope` has no other), a
+    dict per layer type, a θ that is not a positive number, a llama3 dict that lacks a factor
+    or rotates only part of each head (``partial_rotary_factor`` ≠ 1)."""
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    rope = hf.get(key) or {}
+    if not isinstance(rope, dict):
+        raise ShardwiseConfigError(f"{source}: {key} = {rope!r}: expected a JSON object such as "
+                                   '{"rope_type": "default", "rope_theta": 10000.0}: re-save the '
+                                   "model with save_pretrained")
+    nested = sorted(k for k, v in rope.items() if isinstance(v, dict))
+    if nested:
+        raise ShardwiseConfigError(f"{source}: {key} gives RoPE per layer type ({nested}): "
+                                   "shardwise uses one RoPE in every layer: use a checkpoint with "
+                                   "one flat rope_parameters")
+    theta = rope["rope_theta"] if "rope_theta" in rope else hf.get("rope_theta", default_theta)
+    where = f"{key}.rope_theta" if "rope_theta" in rope else "rope_theta"
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
+        raise ShardwiseConfigError(f"{source}: {where} = {theta!r}: the RoPE base must be a "
+                                   "positive number (Llama: 10000.0 or 500000.0): re-save the "
+                                   "model with save_pretrained")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ShardwiseConfigError(
+            f"{source}: {key}: RoPE scaling {rope_type!r} is not implemented (shardwise has "
+            "plain RoPE and Llama 3's 'llama3' scaling: models/rope.py): use a checkpoint "
+            f"without that {key}")
+    if rope_type == "default":
+        return float(theta), None
+    rope = {"original_max_position_embeddings": max_positions, **rope}
+    missing = [k for k in LLAMA3_KEYS if k not in rope]
+    if missing:
+        raise ShardwiseConfigError(f"{source}: {key} of type 'llama3' lacks {missing}: re-save "
+                                   "the model with save_pretrained")
+    bad = [f"{k} = {rope[k]!r}" for k in LLAMA3_KEYS
+           if isinstance(rope[k], bool) or not isinstance(rope[k], (int, float))]
+    if bad:
+        raise ShardwiseConfigError(f"{source}: {key}: {', '.join(bad)}: the llama3 factors must "
+                                   "be numbers: re-save the model with save_pretrained")
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ShardwiseConfigError(f"{source}: partial_rotary_factor = {partial!r}: shardwise's "
+                                   "RoPE turns every pair of each head: only checkpoints without "
+                                   "it (or 1.0) load")
+    return float(theta), {"rope_type": "llama3", **{k: rope[k] for k in LLAMA3_KEYS}}
 
 
 # model_type → the architecture; the dense families are our Llama with other config fields

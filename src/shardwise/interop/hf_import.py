@@ -4,6 +4,19 @@
 ``parallelize``, so any layout starts from it; :func:`check_weight_files` is the cheap pre-flight
 ``config.validate`` runs before any collective. Names: :mod:`.hf_names`; config: :mod:`.hf_config`.
 
+**What loading refuses** (issue 50), so that a folder that cannot mean what it would train as
+fails at start-up, in one line naming the file, the tensor and the fix:
+
+* a tensor that is not a float (fp32, bf16, fp16, fp64): integers, booleans and fp8 are
+  quantized or packed weights whose values mean nothing without their scales and layout.
+  Read off the safetensors header (no data) by :func:`check_weight_files`; a
+  ``pytorch_model.bin`` when it is loaded;
+* a NaN or ±inf in any weight, which would otherwise end as "training diverged" after the first
+  step. ``shardwise train`` run alone scans every tensor once, one at a time, before it spawns
+  a worker (:func:`check_weights_finite`); and every rank checks each box it reads of a
+  tensor while it materialises its part (:class:`_SliceReader`, :func:`read_hf_weights`), so a
+  torchrun launch refuses with the same line.
+
 Errors: every bad folder raises :class:`~shardwise.errors.ShardwiseConfigError` naming the file
 and the fix. Nothing here needs a process group.
 """
@@ -20,29 +33,91 @@ from ..readers import read_json
 from .hf_config import _is_moe, hf_to_llama_config, read_hf_config
 from .hf_names import hf_to_ours
 
+# safetensors' names of the float dtypes a weight may be stored in (read as fp32); every other
+# (I8, U8, I32, BOOL, F8_E4M3 …) holds quantized or packed values
+FLOAT_DTYPES = {"F16": "fp16", "BF16": "bf16", "F32": "fp32", "F64": "fp64"}
+_TORCH_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def refuse_dtype(path, name: str, dtype) -> None:
+    """Raise the one-line refusal of tensor ``name`` of file ``path`` stored as ``dtype``."""
+    raise ShardwiseConfigError(f"{path}: tensor {name} is stored as {dtype}, not a float: "
+                               "quantized checkpoints are not supported: give a float "
+                               "(fp32/bf16/fp16) checkpoint")
+
+
+def check_finite(t: torch.Tensor, path, name: str) -> None:
+    """Raise ShardwiseConfigError unless every value of ``t`` (tensor ``name`` of file ``path``,
+    or a box of it) is finite. The message is the same whichever box holds the NaN, so the
+    launcher's scan and a rank's read refuse with one line."""
+    if not bool(torch.isfinite(t).all()):
+        raise ShardwiseConfigError(
+            f"{path}: tensor {name} holds NaN or inf values: training from it would only end in "
+            "'training diverged': give a checkpoint whose weights are all finite (the file is "
+            "damaged, or the run that wrote it had diverged)")
+
+
+def _checked(t: torch.Tensor, path, name: str) -> torch.Tensor:
+    """``t`` as fp32, after refusing a non-float dtype or a non-finite value."""
+    if t.dtype not in _TORCH_FLOATS:
+        refuse_dtype(path, name, t.dtype)
+    check_finite(t, path, name)
+    return t.float()
+
+
+def _load_whole(f: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of weight file ``f`` (``.safetensors`` or a torch pickle, weights_only)."""
+    if not f.is_file():
+        raise ShardwiseConfigError(f"{f}: listed in the index but missing: copy the whole "
+                                   "model folder")
+    try:
+        if f.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(f))
+        try:  # mapped: a tensor's pages are read when it is used
+            return torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # a legacy (pre-zip) pickle cannot be mapped
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except ImportError:
+        raise ShardwiseConfigError("reading .safetensors needs the safetensors package: "
+                                   "pip install 'shardwise[hf]'") from None
+    except Exception as e:  # truncated or corrupt file: the libraries raise various types
+        raise ShardwiseConfigError(f"{f}: cannot be read ({type(e).__name__}: {e}): the file "
+                                   "is corrupt or truncated; copy it again") from None
+
+
 def read_hf_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of a HF folder as fp32 CPU tensors: ``model.safetensors``, the shards listed
-    in ``model.safetensors.index.json``, or ``pytorch_model.bin`` (loaded weights_only)."""
+    in ``model.safetensors.index.json``, or ``pytorch_model.bin`` (loaded weights_only).
+    Raises ShardwiseConfigError for a tensor that is not a float or holds a NaN or inf."""
     out: dict[str, torch.Tensor] = {}
     for f in weight_files(folder):
-        if not f.is_file():
-            raise ShardwiseConfigError(f"{f}: listed in the index but missing: copy the whole "
-                                       "model folder")
-        try:
-            if f.suffix == ".safetensors":
-                from safetensors.torch import load_file
-
-                part = load_file(str(f))
-            else:
-                part = torch.load(f, map_location="cpu", weights_only=True)
-        except ImportError:
-            raise ShardwiseConfigError("reading .safetensors needs the safetensors package: "
-                                       "pip install 'shardwise[hf]'") from None
-        except Exception as e:  # truncated or corrupt file: the libraries raise various types
-            raise ShardwiseConfigError(f"{f}: cannot be read ({type(e).__name__}: {e}): the file "
-                                       "is corrupt or truncated; copy it again") from None
-        out.update({k: v.float() for k, v in part.items()})
+        out.update({k: _checked(v, f, k) for k, v in _load_whole(f).items()})
     return out
+
+
+def check_weights_finite(folder: str | os.PathLike) -> None:
+    """Read every tensor of the HF folder once, one at a time (memory: the largest tensor; a
+    ``pytorch_model.bin`` is memory-mapped, not read whole), and raise ShardwiseConfigError
+    naming the first that holds a NaN or inf (or, in a ``pytorch_model.bin``, is not a float).
+    ``shardwise train`` run alone calls it before it spawns any worker; the ranks check only
+    what they read (:class:`_SliceReader`)."""
+    for f in weight_files(folder):
+        if f.suffix != ".safetensors":
+            for k, v in _load_whole(f).items():
+                _checked(v, f, k)
+            continue
+        from safetensors import safe_open
+
+        try:
+            handle = safe_open(str(f), "pt")
+        except Exception as e:  # SafetensorError: truncated or not a safetensors file
+            raise ShardwiseConfigError(f"{f}: cannot be read ({e}): the file is corrupt or "
+                                       "truncated; copy it again") from None
+        with handle:
+            for k in handle.keys():
+                check_finite(handle.get_tensor(k), f, k)
 
 
 def weight_files(folder: str | os.PathLike) -> list[Path]:
@@ -75,7 +150,9 @@ def check_weight_files(folder: str | os.PathLike, cfg=None) -> None:
     """Cheap pre-flight (headers only) for ``--init-from-hf``, run by ``config.validate`` before
     any collective: the weight files exist, every ``.safetensors`` header covers its file (a
     truncated copy fails here, on every rank, instead of after the process group exists), and,
-    given our LlamaConfig or MoEConfig ``cfg``, the tensor names and shapes fit it."""
+    given our LlamaConfig or MoEConfig ``cfg``, the tensor names and shapes fit it. A tensor
+    stored as anything but a float (an int8 or fp8 quantized checkpoint) is refused here, from
+    the header's dtype (:data:`FLOAT_DTYPES`)."""
     shapes: dict[str, tuple] = {}
     for f in weight_files(folder):
         if not f.is_file():
@@ -90,10 +167,15 @@ def check_weight_files(folder: str | os.PathLike, cfg=None) -> None:
                                        "pip install 'shardwise[hf]'") from None
         try:
             with safe_open(str(f), "pt") as handle:
-                shapes.update({k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()})
+                slices = {k: handle.get_slice(k) for k in handle.keys()}
+                dtypes = {k: s.get_dtype() for k, s in slices.items()}
+                shapes.update({k: tuple(s.get_shape()) for k, s in slices.items()})
         except Exception as e:  # SafetensorError: truncated or not a safetensors file
             raise ShardwiseConfigError(f"{f}: cannot be read ({e}): the file is corrupt or "
                                        "truncated; copy it again") from None
+        for k in sorted(dtypes):
+            if dtypes[k] not in FLOAT_DTYPES:
+                refuse_dtype(f, k, dtypes[k])
     if cfg is None or not shapes:
         return
     # the names and shapes as the weights would load: meta tensors through the same renaming
@@ -149,14 +231,18 @@ def hf_weight_stream(model, folder: str | os.PathLike):
     for f in files:
         with safe_open(str(f), "pt") as handle:
             for k in handle.keys():
-                shape = handle.get_slice(k).get_shape()
-                hf[k] = LazyTensor.source(shape, torch.float32, _SliceReader(f, k), k)
+                part = handle.get_slice(k)
+                if part.get_dtype() not in FLOAT_DTYPES:
+                    refuse_dtype(f, k, part.get_dtype())
+                hf[k] = LazyTensor.source(part.get_shape(), torch.float32, _SliceReader(f, k), k)
     yield from hf_to_ours(hf, cfg, source=str(folder)).items()
 
 
 class _SliceReader:
     """Reads the box ``[o, o + s)`` of tensor ``key`` of a ``.safetensors`` file as fp32 (the
-    file mapped only during the read)."""
+    file mapped only during the read). Every value read is checked finite
+    (:func:`check_finite`): the rank that reads a NaN refuses, naming the file and the tensor,
+    before its first step."""
 
     def __init__(self, path: Path, key: str):
         self.path, self.key = path, key
@@ -168,9 +254,12 @@ class _SliceReader:
             return torch.empty(sizes, dtype=torch.float32)
         with safe_open(str(self.path), "pt") as handle:
             if not sizes:
-                return handle.get_tensor(self.key).float()
-            box = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
-            return handle.get_slice(self.key)[box].float().contiguous()
+                t = handle.get_tensor(self.key).float()
+            else:
+                box = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+                t = handle.get_slice(self.key)[box].float().contiguous()
+        check_finite(t, self.path, self.key)
+        return t
 
 
 def _check_kind(model, folder):
