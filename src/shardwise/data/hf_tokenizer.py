@@ -1,4 +1,5 @@
-"""A Hugging Face model folder's own tokenizer: its ids, its special tokens, its chat template.
+"""HF tokenizers: a bare ``tokenizer.json`` (:class:`HFTokenizer`), and a model folder's own
+tokenizer — its ids, its special tokens, its chat template (:class:`HFFolderTokenizer`).
 
 ``--tokenizer DIR`` (or ``--init-from-hf DIR`` with the default ``--tokenizer bpe``) loads the
 folder's tokenizer with transformers' ``AutoTokenizer`` — the object TRL and every HF script
@@ -23,9 +24,14 @@ import hashlib
 import os
 from pathlib import Path
 
-from shardwise.data.tokenizer import HFTokenizer
+from shardwise.data._cache import atomic_write_bytes
 from shardwise.errors import ShardwiseConfigError, ShardwiseFileError
 from shardwise.readers import read_json
+
+EOS_TOKEN = "<|endoftext|>"
+# a bare tokenizer.json names no EOS: the first of these it holds (GPT-2/Qwen, Llama 3 base,
+# Mistral/Llama 2, Gemma). A model folder's own EOS comes from its config (HFFolderTokenizer).
+_EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")
 
 # the files that make up an HF tokenizer (those present are hashed, copied on export)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -69,6 +75,93 @@ def generation_eos_ids(folder: str | os.PathLike) -> list[int]:
         raise ShardwiseConfigError(f"{f}: eos_token_id {eos!r} is not an int or a list of ints: "
                                    "fix the file")
     return ids
+
+
+class HFTokenizer:
+    """A HF ``tokenizers.Tokenizer`` behind the :class:`Tokenizer` interface.
+
+    ``eos_id``: the end-of-text id; None = the first of :data:`_EOS_CANDIDATES` the vocabulary
+    holds (a bare ``tokenizer.json`` names none; a model folder's comes from its config:
+    :class:`~.hf_tokenizer.HFFolderTokenizer`).
+
+    Raises:
+        ShardwiseConfigError: ``eos_id`` is None and the tokenizer has none of the candidates.
+    """
+
+    def __init__(self, tok, name: str, eos_id: int | None = None):
+        if eos_id is None:
+            eos = next((t for t in _EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
+            if eos is None:
+                raise ShardwiseConfigError(
+                    f"tokenizer {name} names no end-of-text token (none of "
+                    f"{', '.join(_EOS_CANDIDATES)}): pass the model's folder instead "
+                    "(--tokenizer DIR, whose tokenizer_config.json names its EOS), or, for a "
+                    f"tokenizer of your own, add one: tok.add_special_tokens(['{EOS_TOKEN}'])")
+            eos_id = tok.token_to_id(eos)
+        if hasattr(tok, "encode_special_tokens"):
+            tok.encode_special_tokens = True  # literal "<|endoftext|>" in text stays text
+        self._tok = tok
+        self._chunk_safe: bool | None = None
+        self.name = name
+        self.eos_id = eos_id
+        self.vocab_size = max(tok.get_vocab_size(with_added_tokens=True), self.eos_id + 1)
+
+    @classmethod
+    def from_file(cls, path: Path, name: str | None = None) -> HFTokenizer:
+        """Load a ``tokenizer.json``; ShardwiseConfigError if it cannot be parsed."""
+        from tokenizers import Tokenizer as _Tok
+
+        try:
+            tok = _Tok.from_file(str(path))
+        except Exception as err:  # the Rust parser raises a bare Exception
+            raise ShardwiseConfigError(
+                f"--tokenizer {path}: not a HF tokenizers file ({err}): pass a tokenizer.json "
+                "saved by `tokenizers` (tok.save(path)), 'bpe' or 'bytes'"
+            ) from err
+        return cls(tok, name or f"file:{path}")
+
+    @property
+    def chunk_safe(self) -> bool:
+        """True when the pieces of :func:`split_long_text` encode to the same ids as the whole
+        text: a GPT-2-style byte-level tokenizer — no normalizer, pre-tokenizer
+        ``ByteLevel(add_prefix_space=False, use_regex=True)`` (the GPT-2 regex, see
+        :func:`split_long_text`), and no added token matched inside text (special tokens are
+        encoded as text here). The BPE that ``load_tokenizer("bpe", ...)`` trains qualifies; a
+        user file with another pre-tokenizer is encoded whole (memory then grows with its longest
+        document)."""
+        if self._chunk_safe is None:
+            from tokenizers import pre_tokenizers
+
+            pre = self._tok.pre_tokenizer
+            added = self._tok.get_added_tokens_decoder().values()
+            self._chunk_safe = bool(
+                self._tok.normalizer is None
+                and isinstance(pre, pre_tokenizers.ByteLevel)
+                and not pre.add_prefix_space and pre.use_regex
+                and getattr(self._tok, "encode_special_tokens", False)
+                and all(t.special for t in added))
+        return self._chunk_safe
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, no special tokens added."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, encoded in parallel by the Rust library (all CPU cores)."""
+        fast = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # no offsets: faster
+        return [e.ids for e in fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``; special tokens (EOS) are dropped."""
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the tokenizer as HF ``tokenizer.json`` (readable by ``load_tokenizer(path)``)."""
+        atomic_write_bytes(Path(path), self._tok.to_str().encode())
+
+    def to_str(self) -> str:
+        """The tokenizer's HF JSON serialisation."""
+        return self._tok.to_str()
 
 
 class HFFolderTokenizer(HFTokenizer):

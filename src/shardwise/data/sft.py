@@ -207,8 +207,9 @@ def prepare_sft_data(path: str | os.PathLike, tokenizer: str = "bpe", vocab_size
                 and has_chat_template(template_dir) else None)
     source = hf_chat or renderer
     stats = {"records": len(records), "format": "chat" if chat else "alpaca",
-             "template": (source.source if source else "built-in") if chat else "alpaca",
-             "mask_rule": hf_chat.rule if hf_chat else "segments"}
+             "template": (source.source if source else "the built-in template") if chat
+             else "alpaca",
+             "mask_rule": hf_chat.rule if hf_chat else "segments tokenized one by one"}
 
     def encode(r, n):
         where = f"--data {path}:{n}"

@@ -189,7 +189,8 @@ class SFTWorkload(LMWorkload):
                 f"--data {cfg.data} gives {self.num_train}: lower --global-batch or add records")
         fmt = st.get("format", "alpaca")
         self.description = (
-            f"SFT {cfg.data} ({fmt}" + (f", {st['template']} template" if fmt == "chat" else "")
+            f"SFT {cfg.data} ({fmt}" + (f", {st['template']}, labels by {st['mask_rule']}"
+                                        if fmt == "chat" else "")
             + f"; {rows}; {st['train_dropped']} dropped (prompt > seq-len), {st['truncated']} "
             f"truncated; tokenizer {spec}, vocab {self.data.vocab_size})")
 
