@@ -210,3 +210,25 @@ def test_dpo_rows_equal_trls_tokenization(folders, tmp_path, cache_dir):
                 assert r[:len(full)].tolist() == full, (i, key)
                 want = [full[t + 1] if t + 1 >= len(p) else -100 for t in range(len(full) - 1)]
                 assert lb[:len(full) - 1].tolist() == want, (i, key)
+
+
+def test_the_sample_continues_the_template_and_stops_at_any_stop_id(folders, monkeypatch):
+    """sample.txt of a chat SFT run: the prompt is the template's ids (special tokens as such),
+    and the response ends at the first id of generation_config.json's eos list — here
+    <|eom_id|>, which is not the tokenizer's EOS (<|eot_id|>)."""
+    from types import SimpleNamespace
+
+    from shardwise.train import workload as W
+
+    tok = HFFolderTokenizer(folders["llama3"])
+    prompt = HFChatTemplate(tok).prompt_ids([{"role": "user", "content": "Capital of France?"}])
+    eom = tok.hf.convert_tokens_to_ids("<|eom_id|>")
+    assert eom in tok.stop_ids and eom != tok.eos_id
+    word = tok.hf("Paris", add_special_tokens=False)["input_ids"]
+    monkeypatch.setattr(W, "generate", lambda model, ids, n, generator: torch.tensor(
+        [ids[0].tolist() + word + [eom] + word]))
+    fake = SimpleNamespace(data=SimpleNamespace(tokenizer=tok))
+    text = W.LMWorkload.sample_text(fake, torch.nn.Linear(1, 1), SimpleNamespace(
+        seed=0, sample_tokens=8), stop_at_eos=True, prompt_ids=prompt)
+    assert text == tok.hf.decode(prompt + word, skip_special_tokens=False)
+    assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\nParis")
