@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shardwise.parity import (ATOL, DRIFT_TERMS, RTOL, adamw_param_bound, adamw_state_bound,
-                              compare, drift_bound, reference_at, reference_run)
+                              compare, drift_bound, kl_divergence, reference_at, reference_run)
 
 
 def _adamw(grads, lrs, betas=(0.9, 0.95), eps=1e-8, wd=0.1, state=False):
@@ -202,12 +202,39 @@ def test_drift_bound_is_the_stated_formula():
         drift_bound([])
 
 
+def test_kl_divergence_is_the_stated_formula():
+    """Hand-worked: p = (½, ½) from logits (0, 0), q = (¼, ¾) from (0, ln 3): KL(p ‖ q) =
+    ½·ln(½/¼) + ½·ln(½/¾) = ½·ln(4/3); the mean over positions; 0 for equal logits, also after a
+    shift (softmax ignores it); torch's F.kl_div(batchmean) on random logits; and second order
+    in δ (KL ≈ ½·Var_p(δ))."""
+    p = torch.zeros(2, dtype=torch.float64)
+    q = torch.tensor([0.0, math.log(3.0)], dtype=torch.float64)  # ln 3 exact to fp64
+    assert kl_divergence(p, q) == pytest.approx(0.5 * math.log(4 / 3), rel=1e-12)
+    assert kl_divergence(torch.stack([p, p]), torch.stack([q, p])) == pytest.approx(
+        0.25 * math.log(4 / 3), rel=1e-12)
+    x = torch.randn(3, 7, 50, generator=torch.Generator().manual_seed(0))
+    y = torch.randn(3, 7, 50, generator=torch.Generator().manual_seed(1))
+    assert kl_divergence(x, x) == 0.0 and abs(kl_divergence(x, x + 2.5)) < 1e-14
+    ref = torch.nn.functional.kl_div(y.double().log_softmax(-1).reshape(21, 50),
+                                     x.double().log_softmax(-1).reshape(21, 50),
+                                     log_target=True, reduction="batchmean")
+    assert kl_divergence(x, y) == pytest.approx(float(ref), rel=1e-12)
+    d = 1e-4 * torch.randn(3, 7, 50, generator=torch.Generator().manual_seed(2))
+    pr = x.double().softmax(-1)
+    var = (pr * d.double() ** 2).sum(-1) - (pr * d.double()).sum(-1) ** 2
+    assert kl_divergence(x, x + d) == pytest.approx(float(0.5 * var.mean()), rel=1e-2)
+    with pytest.raises(ValueError, match="shapes"):
+        kl_divergence(x, y[:, :3])
+
+
 # Test files that use the rule's tolerances without comparing a parallel layout with one process:
 # `make test-cpu-paths` need not run them (docs/parity.md §5). Each with the reason.
 NOT_A_LAYOUT = {
     "test_chat_pack.py": "one process: packed rows against unpacked ones (test_pack_layouts: "
                          "the layouts)",
     "test_compile.py": "one process: compiled against eager, with its own bound (LOSS_RTOL)",
+    "test_export_tokenizer.py": "one process: an HF folder's logits against its import → "
+                                "export round trip's (KL and the pointwise rule)",
     "test_gpu_path.py": "a GPU's run (skipped on CPU)",
     "test_hf_families.py": "one process: our logits against transformers'",
     "test_hf_llama3.py": "one process: our logits against transformers'",

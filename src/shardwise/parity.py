@@ -63,6 +63,10 @@ also stay within the bound's *expected* round-off: RTOL = 2·n·u covers n = RTO
 the worst case, whose expected error is √n·u (Higham & Mary 2019), i.e. τ/(2√n) of the pointwise
 bound τ; the mean of T independent steps shrinks it by √T; λ = 3 standard deviations:
 ``|mean_t(Δloss_t)| ≤ λ·mean_t(τ_t)/(2·√(n·T))`` (docs/parity.md §2).
+
+**Conversions** (:func:`kl_divergence`): a model folder imported and exported again with no step
+in between must give the original's next-token distributions: KL(original ‖ round trip) of the
+fp32 logits, as torchtitan checks its checkpoint conversions (docs/interop.md, export).
 """
 
 from __future__ import annotations
@@ -512,6 +516,33 @@ def assert_parity(mine: dict, ref: dict, *, where: str = "", all_names: bool = T
         raise AssertionError("\n".join(rep.failures[:shown]
                                        + ([f"... and {more} more"] if more > 0 else [])))
     return rep
+
+
+def kl_divergence(logits_p: torch.Tensor, logits_q: torch.Tensor) -> float:
+    """KL(p ‖ q) of the next-token distributions, averaged over positions: with p = softmax of
+    ``logits_p`` and q = softmax of ``logits_q`` over the last axis (the vocabulary),
+
+        KL = mean over positions of Σ_v p_v·(log p_v − log q_v)
+
+    (Kullback & Leibler 1951; ``F.kl_div(log q, log p, log_target=True, reduction="batchmean")``
+    over the flattened positions). Both are ``log_softmax`` in fp64 of the fp32 logits (the cast
+    is exact), so the sum's own round-off (~1e-16) is far below the bounds it is compared with.
+
+    torchtitan checks a checkpoint conversion this way (scripts/checkpoint_conversion/README.md,
+    "Comprehensive Check (KL Divergence)"; numerical_tests_example.py compares the original and
+    converted models' logits with ``F.kl_div(log_softmax(a), softmax(b), reduction="mean")``,
+    which also divides by the vocabulary size: the per-position sum here does not, so the same
+    bound is V times stricter). Why it separates round-off from a wrong conversion: for logits
+    that differ by δ, KL = log E_p[e^δ] − E_p[δ] ≈ ½·Var_p(δ) ≤ ½·max|δ|², second order in δ, so
+    round-off of 1e-6 in the logits gives ~1e-12, while a misplaced tensor moves whole
+    distributions (KL of order 1e-2 and up). Raises ValueError for tensors of other shapes."""
+    if logits_p.shape != logits_q.shape or logits_p.dim() == 0:
+        raise ValueError(f"kl_divergence: logits of shapes {tuple(logits_p.shape)} and "
+                         f"{tuple(logits_q.shape)}: give two [..., vocab] tensors of one shape")
+    v = logits_p.shape[-1]
+    log_p = torch.log_softmax(logits_p.detach().double().reshape(-1, v), dim=-1)
+    log_q = torch.log_softmax(logits_q.detach().double().reshape(-1, v), dim=-1)
+    return float((log_p.exp() * (log_p - log_q)).sum(-1).mean())
 
 
 RULE = (f"loss, grad norm, gradients: |Δ| ≤ {ATOL:g} + {RTOL:g}·|ref| at every step; "

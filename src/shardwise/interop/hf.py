@@ -5,16 +5,20 @@ that are the same decoder with a few config fields (``MistralForCausalLM``, ``Qw
 
 This module only re-exports the public names; the work is split by job:
 
-==================  ===========================================================================
-:mod:`.hf_names`    tensor names ours ↔ Hugging Face (the name map, Mixtral's experts, why no
-                    tensor is permuted)
-:mod:`.hf_config`   ``config.json`` ↔ our LlamaConfig / MoEConfig (families, RoPE scaling,
-                    router coefficients, what export can represent, ``describe_source``)
-:mod:`.hf_import`   ``--init-from-hf DIR``: weight files into the plain model, the pre-flight
-:mod:`.hf_export`   ``shardwise export --to hf``: our checkpoint (read through
-                    :mod:`shardwise.checkpoint`'s ``COMPLETE`` check) → a folder with the
-                    tokenizer files
-==================  ===========================================================================
+=========================  ====================================================================
+:mod:`.hf_names`           tensor names ours ↔ Hugging Face (the name map, Mixtral's experts, why
+                           no tensor is permuted)
+:mod:`.hf_config`          ``config.json`` ↔ our LlamaConfig / MoEConfig (families, RoPE
+                           scaling, router coefficients, what export can represent,
+                           ``describe_source``)
+:mod:`.hf_import`          ``--init-from-hf DIR``: weight files into the plain model, the
+                           pre-flight
+:mod:`.hf_export`          ``shardwise export --to hf``: our checkpoint (read through
+                           :mod:`shardwise.checkpoint`'s ``COMPLETE`` check) → a folder with the
+                           tokenizer files
+:mod:`.hf_tokenizer_copy`  a model folder's tokenizer carried whole: the run folder's copy made
+                           at train start, the files and special ids export ships
+=========================  ====================================================================
 
 Errors: every bad folder raises :class:`~shardwise.errors.ShardwiseConfigError` naming the file
 and the fix; a bad checkpoint its subclass :class:`~shardwise.checkpoint.CheckpointError`.

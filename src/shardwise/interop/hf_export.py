@@ -8,9 +8,16 @@ checkpoints (``checkpoints/step_N/``: DCP files with full-shape tensors under ``
                                model: MixtralConfig fields, ["MixtralForCausalLM"])
     OUT/model.safetensors      fp32 tensors under Hugging Face names (a larger model: several
                                files and model.safetensors.index.json, written one at a time)
-    OUT/tokenizer.json         the run's tokenizer as a `tokenizers` file (when it can be found)
+    OUT/tokenizer.json         the run's own tokenizer (bytes, a trained BPE, a file) as a
+                               `tokenizers` file
     OUT/tokenizer_config.json  PreTrainedTokenizerFast, eos token, model_max_length
     OUT/generation_config.json eos/bos ids
+
+A run whose tokenizer was a model folder's (``--init-from-hf DIR``, ``--tokenizer DIR``) ships
+that folder's tokenizer files and ``generation_config.json`` as they are instead (chat template,
+BOS, EOS, PAD, the eos list), and ``config.json`` takes its ``bos/eos/pad_token_id`` from the
+folder's ``config.json``: :mod:`.hf_tokenizer_copy` (the run folder's copy, made at train start,
+is preferred to the folder itself).
 
 The checkpoint is read through :mod:`shardwise.checkpoint` (:func:`read_checkpoint`: its
 ``COMPLETE`` marker is checked by :func:`~shardwise.checkpoint.verify_checkpoint`, every file's
@@ -34,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from ..data.hf_tokenizer import HFFolderTokenizer
 from ..errors import ShardwiseConfigError
 from ..lazy import materialize
 from ..checkpoint.format import MARKER, CheckpointError, read_meta
@@ -41,6 +49,8 @@ from ..checkpoint.verify import verify_checkpoint
 from .hf_config import check_hf_exportable, hf_model_overrides, llama_to_hf_config
 from .hf_import import check_shapes, model_for
 from .hf_names import ours_to_hf
+from .hf_tokenizer_copy import (SPECIAL_IDS, run_tokenizer_source, special_token_ids,
+                                write_folder_tokenizer)
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A run folder, its ``checkpoints/`` folder (→ the one ``latest`` names), or a
@@ -216,17 +226,19 @@ def byte_tokenizer_json():
 
 
 def _tokenizer_from_run(run: dict, step: Path):
-    """Our tokenizer of a run, or None: a ``tokenizer.json`` saved beside the checkpoint, else
-    rebuilt from the run config (bytes, a tokenizer file, or the cached BPE of its data)."""
+    """The tokenizer a run trained with (:func:`~.hf_tokenizer_copy.run_tokenizer_source`): a
+    model folder's (the run folder's ``tokenizer/`` copy, else the folder the run config names:
+    an :class:`~shardwise.data.hf_tokenizer.HFFolderTokenizer`), else a ``tokenizer.json`` saved
+    beside the checkpoint, else our own rebuilt from the run config (bytes, a tokenizer file, or
+    the cached BPE of its data)."""
     from ..data.tokenizer import ByteTokenizer, load_tokenizer
 
+    spec, folder = run_tokenizer_source(run, step)
+    if folder is not None:
+        return load_tokenizer(str(folder), None, 0, Path("."))
     for cand in (step / "tokenizer.json", step.parent.parent / "tokenizer.json"):
         if cand.is_file():
             return load_tokenizer(str(cand), None, 0, Path("."))
-    spec = run.get("tokenizer", "bpe")
-    hf_tok = Path(run.get("init_from_hf") or "") / "tokenizer.json"
-    if spec == "bpe" and run.get("init_from_hf") and hf_tok.is_file():
-        spec = str(hf_tok)  # what train/workload.py's tokenizer_spec resolved it to
     if spec == "bytes":
         return ByteTokenizer()
     if spec.endswith(".json"):
@@ -272,9 +284,11 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike,
     ``model.safetensors.index.json``, as ``save_pretrained`` shards; so the process holds one
     file's tensors at a time, never the whole model.
 
-    ``tokenizer``: a tokenizer ``.json`` to ship instead of the run's own. The folder is written
-    as ``out.tmp`` and renamed when complete. Returns ``out``. Raises ShardwiseConfigError for
-    an existing non-empty ``out``, a missing/corrupt checkpoint, or a non-Llama model."""
+    ``tokenizer``: a tokenizer to ship instead of the run's own: a model folder (or its
+    ``tokenizer.json`` beside a ``tokenizer_config.json``), whose files are copied whole, or a
+    ``tokenizers`` ``.json``. The folder is written as ``out.tmp`` and renamed when complete.
+    Returns ``out``. Raises ShardwiseConfigError for an existing non-empty ``out``, a
+    missing/corrupt checkpoint, a non-Llama model, or a tokenizer that cannot be found."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ShardwiseConfigError(f"export: {out} already exists and is not empty: choose a "
@@ -292,7 +306,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike,
             tok = _tokenizer_from_run(run, step)
     except ShardwiseConfigError as e:
         raise ShardwiseConfigError(f"export: could not rebuild the run's tokenizer ({e}): pass "
-                                   "--tokenizer FILE.json") from None
+                                   "--tokenizer DIR|FILE.json") from None
     if tok.vocab_size > cfg.vocab_size:
         raise ShardwiseConfigError(f"export: the tokenizer has {tok.vocab_size} ids but the model "
                                    f"only {cfg.vocab_size} embeddings: pass the run's own "
@@ -311,10 +325,18 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike,
         raise ShardwiseConfigError(f"export: cannot create {tmp} ({e.strerror}): choose a "
                                    "writable output folder") from None
     _write_weights(ours_to_hf(state, cfg), tmp, max_shard_bytes, save_file)
-    (tmp / "config.json").write_text(json.dumps(llama_to_hf_config(cfg, tok.eos_id), indent=2))
-    (tmp / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": tok.eos_id, "eos_token_id": tok.eos_id}, indent=2))
-    write_tokenizer_files(tok, tmp, cfg.max_seq_len)
+    hf_config = llama_to_hf_config(cfg, tok.eos_id)
+    if isinstance(tok, HFFolderTokenizer):  # a model folder's: its files whole, its ids
+        ids = special_token_ids(tok.folder, tok)
+        for key in SPECIAL_IDS:  # the folder's, not our one EOS
+            hf_config.pop(key, None)
+        hf_config.update(ids)
+        write_folder_tokenizer(tok.folder, tmp, ids)
+    else:  # our own tokenizer: its tokenizer.json, one EOS (also BOS)
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": tok.eos_id, "eos_token_id": tok.eos_id}, indent=2))
+        write_tokenizer_files(tok, tmp, cfg.max_seq_len)
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
     if out.exists():
         out.rmdir()  # empty (checked above)
     os.replace(tmp, out)

@@ -3,10 +3,10 @@
 Every rank runs :func:`train`: :func:`setup` (checks, run folder, topology, model in its layout,
 optimizer, loggers) → the step loop (the step, the log, the eval, the save) → :func:`finish` (the
 last checkpoint, the sample, the summary); the state they share is one :class:`~.run.Run`. Rank 0
-also writes the run folder (metrics.jsonl, config.toml, ledger.json, tb/, loss.png, sample.txt);
-every rank writes its shard of the checkpoint. What the loop reports about groups and traffic
-is in :mod:`.report`; the test-only fault hooks it calls (``SHARDWISE_TEST_*``) are in
-:mod:`.faults`.
+also writes the run folder (metrics.jsonl, config.toml, ledger.json, tb/, loss.png, sample.txt;
+tokenizer/ when the tokenizer is a model folder's); every rank writes its shard of the
+checkpoint. What the loop reports about groups and traffic is in :mod:`.report`; the test-only
+fault hooks it calls (``SHARDWISE_TEST_*``) are in :mod:`.faults`.
 """
 
 from __future__ import annotations
@@ -207,6 +207,11 @@ def setup(cfg: TrainConfig) -> Run:
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(cfg.to_toml())
+        # a model folder's tokenizer: its files into out/tokenizer/, what export ships (the
+        # folder may be gone or changed by then; interop/hf_tokenizer_copy.py)
+        from ..interop.hf_tokenizer_copy import save_run_tokenizer
+
+        save_run_tokenizer(getattr(getattr(work, "data", None), "tokenizer", None), out)
 
     # -- model: same seed on every rank → same init. Built on the meta device (no storage):
     # the engine allocates only what this rank holds and fills it from `weights`, full-shape
