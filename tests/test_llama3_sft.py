@@ -5,7 +5,9 @@ the dp, ZeRO-3, tp and pp layouts logs the one-process losses, then ``shardwise 
 folder transformers loads with equal logits.
 
 The folders are built by transformers from tiny random configs (no downloads), with the byte
-tokenizer's files. Tolerance: the parity rule (:mod:`shardwise.parity`).
+tokenizer's files. Tolerance: the parity rule (:mod:`shardwise.parity`). The layouts are
+``@pytest.mark.slow`` (``make test-slow``; tests/test_sft_trl_parity.py checks the same layouts
+against TRL there too); ``make test`` keeps the one-process runs and the export.
 """
 
 import json
@@ -54,29 +56,41 @@ def folder(root, family):
     return root / family
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, cache_dir):
-    root = tmp_path_factory.mktemp("llama3sft")
-    out = {}
-    for family in ("llama32", "mistral"):
-        src = folder(root, family)
-        # Mistral in every layout: tests/test_family_parity.py; here its window through SFT
-        layouts = LAYOUTS if family == "llama32" else {"one": LAYOUTS["one"]}
-        for name, flags in layouts.items():
-            run = out[family, name] = root / f"{family}_{name}"
-            p = run_cli(["train", "--task", "sft", "--pack", "--init-from-hf", src, "--data",
-                         CHAT, *flags, "--steps", STEPS, "--seq-len", SEQ, "--global-batch",
-                         "8", "--micro-batch", "2", "--eval-sequences", "4", "--sample-tokens",
-                         "4", "--out", run], cache_dir, timeout=300)
+class Runs:
+    """The module's CLI runs, each made when a test first asks for it (so ``make test``, which
+    leaves the slow layout tests out, trains only the two one-process runs)."""
+
+    def __init__(self, root, cache_dir):
+        self.root, self.cache_dir, self.out, self.src = root, cache_dir, {}, {}
+
+    def __getitem__(self, key):
+        family, name = key
+        if family not in self.src:
+            self.src[family] = folder(self.root, family)
+        if key not in self.out:
+            run = self.root / f"{family}_{name}"
+            p = run_cli(["train", "--task", "sft", "--pack", "--init-from-hf", self.src[family],
+                         "--data", CHAT, *LAYOUTS[name], "--steps", STEPS, "--seq-len", SEQ,
+                         "--global-batch", "8", "--micro-batch", "2", "--eval-sequences", "4",
+                         "--sample-tokens", "4", "--out", run], self.cache_dir, timeout=300)
             assert p.returncode == 0, p.stdout
             assert "chat template" in p.stdout and "packed into" in p.stdout, p.stdout
-    return root, out
+            self.out[key] = run
+        return self.out[key]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, cache_dir):
+    # Mistral in every layout: tests/test_family_parity.py; here its window through SFT
+    root = tmp_path_factory.mktemp("llama3sft")
+    return root, Runs(root, cache_dir)
 
 
 def losses(run):
     return [json.loads(x).get("loss") for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # the same layouts, against TRL too: tests/test_sft_trl_parity.py (slow)
 @pytest.mark.parametrize("family,layout", [("llama32", k) for k in LAYOUTS if k != "one"])
 def test_layouts_log_the_one_process_losses(runs, family, layout):
     _, out = runs

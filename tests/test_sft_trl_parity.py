@@ -95,6 +95,7 @@ def first_loss(losses):
 
 def test_one_process_step_loss_equals_trls_sft_loss(setup, cache_dir, trl_loss):
     ours = first_loss(run(setup, cache_dir, "one"))
+    print(f"step 1 loss: ours {ours!r}, TRL {trl_loss!r}, |Δ| {abs(ours - trl_loss):.2e}")
     assert _close(ours, trl_loss), (ours, trl_loss)
 
 

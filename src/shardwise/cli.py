@@ -141,8 +141,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="a run folder (its latest checkpoint), or a checkpoints/step_N folder")
     e.add_argument("--to", required=True, choices=("hf",), help="output format")
     e.add_argument("out", metavar="OUT", help="new folder to write")
-    e.add_argument("--tokenizer", metavar="FILE.json", default=None,
-                   help="ship this tokenizer instead of the run's own")
+    e.add_argument("--tokenizer", metavar="DIR|FILE.json", default=None,
+                   help="ship this tokenizer instead of the run's own: a model folder (its "
+                        "tokenizer files, chat template and generation_config.json, whole) or a "
+                        "tokenizers .json file")
     e.set_defaults(func=cmd_export)
 
     d = sub.add_parser("doctor", help="diagnose a run that hung, desynced or lost a rank from "
