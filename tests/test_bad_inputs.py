@@ -382,7 +382,7 @@ CASES = [
      ["cannot create /proc/shardwise-nope/x.tmp", "choose a writable output folder"]),
     ("export-tokenizer-missing", lambda f: ["export", "--checkpoint", f["ck_ok"], "--to", "hf",
                                             f["dir"] / "o", "--tokenizer", f["dir"] / "t.json"],
-     ["t.json: no such file", "pass --tokenizer FILE.json"]),
+     ["t.json: no such file", "pass --tokenizer DIR|FILE.json"]),
 ]
 
 
