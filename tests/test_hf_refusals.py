@@ -5,6 +5,8 @@ quantized or hold a NaN, or whose RoPE keys we would read otherwise than transfo
   every rank before any collective; in a ``pytorch_model.bin`` when it is read.
 - A NaN in a weight is refused before any worker starts by the launcher's scan, and by the rank
   that reads it while it materialises its part (torchrun: no launcher), with the same line.
+- A folder with no tokenizer is refused unless ``--tokenizer`` names one (a BPE trained here
+  would give ids that mean nothing to the model).
 - The RoPE keys: for several ``config.json`` variants our θ and llama3 scaling equal what
   transformers' own config object holds (computed here, not written down), and a tiny Llama
   with ``rope_scaling`` beside a plain ``rope_parameters`` gives transformers' logits.
@@ -119,6 +121,22 @@ def test_the_cli_refuses_in_one_line_and_leaves_nothing(folders, cache_dir, case
                         "give a float (fp32/bf16/fp16) checkpoint"]) if case == "int8" else (
         NAN, ["holds NaN or inf values", "weights are all finite"])
     refused(p, out, [str(folders[case] / "model.safetensors"), f"tensor {name}", *why])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dp", ["2", "1"], ids=["launcher", "one-rank"])
+def test_a_folder_without_a_tokenizer_is_refused_unless_tokenizer_names_one(folders, cache_dir,
+                                                                           dp):
+    """The folder has weights and config.json but no tokenizer files: the default --tokenizer
+    would train a new BPE whose ids mean nothing to the model. One line naming the folder and
+    the fix, exit 2, before any worker or collective. (With --tokenizer named, such folders
+    train: the other cases here pass --tokenizer bytes and fail only on their weights.)"""
+    out = folders["root"] / f"run-notok-{dp}"
+    no_tok = [a for a in TRAIN if a not in ("--tokenizer", "bytes")]
+    p = run_cli([*no_tok, "--dp", dp, "--init-from-hf", folders["ok"], "--out", out],
+                cache_dir, timeout=100)
+    refused(p, out, [f"--init-from-hf {folders['ok']}: the folder has no tokenizer",
+                     "ids that mean nothing to the model", "--tokenizer DIR|FILE.json|bytes"])
 
 
 @pytest.mark.timeout(120)
