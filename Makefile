@@ -65,8 +65,10 @@ $(STAMP): pyproject.toml Makefile
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -c "$$WARM_IMPORTS"
 	@touch $(STAMP)
 
+# The README's 2D run, named here: with no layout flag `shardwise train` is plain data
+# parallelism over 4 local ranks (the default layout: README, `shardwise train --help`).
 train: install
-	OMP_NUM_THREADS=1 $(BIN)/shardwise train
+	OMP_NUM_THREADS=1 $(BIN)/shardwise train --dp 2 --tp 2 --zero 1
 
 # Two pytest workers, a test file each (--dist loadfile: a module's spawned world stays in one
 # worker), in collection order (--no-loadscope-reorder: tests/conftest.py puts the two long

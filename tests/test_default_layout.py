@@ -1,13 +1,28 @@
-"""The default layout (dp=2 × tp=2, ZeRO-1) and the rule that choosing any degree replaces it;
-the start-of-run description of the rank groups."""
+"""The default layout — one rule (``config.fields.DEFAULT_LAYOUT_RULE``): no degree chosen is
+plain data parallelism over the whole world, under torchrun and alone, stated the same in
+``--help``, the README and the code — and the rule that choosing any degree replaces it; the
+start-of-run description of the rank groups."""
 
+import re
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from shardwise.cli import _parser
 from shardwise.config import from_args, validate
+from shardwise.config.fields import DEFAULT_LAYOUT_RULE, LOCAL_WORLD
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _alone(monkeypatch):
+    """Each case starts outside any world (a WORLD_SIZE left in the test's environment would
+    count as torchrun's); the torchrun cases set it themselves."""
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
 
 
 def _cfg(*argv):
@@ -15,19 +30,71 @@ def _cfg(*argv):
     return from_args(args)
 
 
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
 @pytest.mark.parametrize("argv,want", [
-    ((), (2, 2, 1, 1)),                         # make train: dp=2 × tp=2, ZeRO-1, 4 ranks
+    ((), (4, 1, 1, 0)),                         # no degree: dp over the 4 local ranks, plain DP
     (("--dp", "4", "--micro-batch", "4"), (4, 1, 1, 0)),  # a degree chosen: others 1, no ZeRO
     (("--tp", "2"), (1, 2, 1, 0)),
     (("--pp", "2"), (1, 1, 2, 0)),
     (("--dp", "2", "--zero", "3"), (2, 1, 1, 3)),
-    (("--zero", "3"), (2, 2, 1, 3)),             # only the stage: the default degrees stay
-    (("--model", "mlp"), (2, 1, 1, 1)),          # TP splits heads: the MLP's default is dp only
+    (("--zero", "3"), (4, 1, 1, 3)),             # only the stage: ZeRO-3 over the whole world
+    (("--dp", "2", "--tp", "2", "--zero", "1"), (2, 2, 1, 1)),  # make train (the Makefile's)
+    (("--model", "mlp"), (4, 1, 1, 0)),
 ])
 def test_default_layout_rule(argv, want):
     c = _cfg(*argv)
     assert (c.dp, c.tp, c.pp, c.zero) == want
     validate(c, c.world_size())
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 6, 8])
+def test_under_torchrun_the_default_is_dp_over_its_world(monkeypatch, world):
+    """torchrun's env (WORLD_SIZE, RANK) and no layout flag: dp = W, tp = pp = cp = 1, ZeRO 0
+    (4 ranks: dp 4, not dp 2 × tp 2); --zero alone keeps dp = W; a chosen degree is kept."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    c = _cfg("--global-batch", "24")
+    assert (c.dp, c.tp, c.pp, c.cp, c.zero) == (world, 1, 1, 1, 0)
+    validate(c, world)
+    if world > 1:
+        z = _cfg("--global-batch", "24", "--zero", "3")
+        assert (z.dp, z.tp, z.zero) == (world, 1, 3)
+    chosen = _cfg("--dp", "2")
+    assert (chosen.dp, chosen.tp, chosen.zero) == (2, 1, 0)  # not adapted to the world
+
+
+def test_help_readme_and_code_state_one_rule(monkeypatch):
+    """``train --help`` and ``trace --help`` print the rule, the README quotes it word for word,
+    and what the help says (parsed from its text) is what from_args does, alone and under
+    torchrun; the Makefile's make train names its layout, as the README says."""
+    sub = next(a for a in _parser()._actions if hasattr(a, "choices") and a.choices
+               and "train" in a.choices).choices
+    rule = _flat(DEFAULT_LAYOUT_RULE)
+    for name in ("train", "trace"):
+        assert rule in _flat(sub[name].format_help()), name
+    readme = _flat((ROOT / "README.md").read_text())
+    assert rule in readme
+    # the help's own words, parsed: dp = the world, the local world alone, ZeRO 0, tp = pp = cp = 1
+    text = _flat(sub["train"].format_help())
+    alone = int(re.search(r"run alone, (\d+) local ranks", text).group(1))
+    zero = int(re.search(r"ZeRO (\d) unless --zero is given", text).group(1))
+    assert "dp = the world size (torchrun's WORLD_SIZE;" in text
+    assert "tp = pp = cp = 1" in text and alone == LOCAL_WORLD
+    assert "(default: the world size: see the default layout above)" in text  # --dp's line
+    c = _cfg()
+    assert (c.dp, c.tp, c.pp, c.cp, c.zero) == (alone, 1, 1, 1, zero)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    c = _cfg()
+    assert (c.dp, c.tp, c.pp, c.cp, c.zero) == (8, 1, 1, 1, zero)
+    # make train: the Makefile passes the 2D layout the README describes
+    make = (ROOT / "Makefile").read_text()
+    line = re.search(r"^train:.*\n\t(.*)$", make, re.M).group(1)
+    assert line.endswith("shardwise train --dp 2 --tp 2 --zero 1"), line
+    assert "`make train` runs `shardwise train` with the layout flags `--dp 2 --tp 2 --zero 1`" \
+        in readme
 
 
 def test_toml_degrees_count_as_chosen(tmp_path):
@@ -72,7 +139,7 @@ def test_describe_groups_with_cp_by_hand():
 @pytest.mark.parametrize("argv,want", [
     # (micro_batch, microbatches, derived): the largest b ≤ 8 dividing global batch / dp, and
     # with pp > 1 the smallest m ≥ pp dividing it (micro-batches of at most 8)
-    ((), (8, 0, "micro_batch")),                          # 16 / dp 2 = 8: the default fits
+    ((), (4, 0, "micro_batch")),                          # 16 / dp 4 (the default) = 4
     (("--dp", "4"), (4, 0, "micro_batch")),               # 16 / 4 = 4
     (("--dp", "8", "--zero", "3"), (2, 0, "micro_batch")),
     (("--dp", "16"), (1, 0, "micro_batch")),

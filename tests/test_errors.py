@@ -13,7 +13,7 @@ from shardwise.launch import spawn
 # as creating the process group; finishing quickly with the error proves the check comes first.
 AS_RANK_1_OF_2 = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
                   "MASTER_PORT": "29999"}
-# --dp 2: the 2-rank world of AS_RANK_1_OF_2 (the default layout, dp=2 × tp=2, has 4 ranks)
+# --dp 2: the 2-rank world of AS_RANK_1_OF_2, named (the default layout would follow it too)
 QUICK = ["--model", "tiny", "--steps", "2", "--tokenizer", "bytes", "--seq-len", "32", "--dp", "2"]
 
 

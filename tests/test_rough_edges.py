@@ -50,15 +50,7 @@ def test_hub_names_get_the_fetch_recipe(tmp_path):
         validate(_cfg("--data", str(tmp_path / "x.txt"), "--dp", "1"))
 
 
-@pytest.mark.parametrize("world,want", [("1", (1, 1)), ("2", (2, 1)), ("4", (2, 2)),
-                                        ("8", (4, 2)), ("6", (3, 2))])
-def test_default_layout_follows_torchrun_world_size(monkeypatch, world, want):
-    monkeypatch.setenv("WORLD_SIZE", world)
-    c = _cfg("--global-batch", "24")
-    assert (c.dp, c.tp) == want and c.world_size() == int(world)
-    monkeypatch.setenv("WORLD_SIZE", "8")
-    assert (_cfg("--dp", "2").dp, _cfg("--dp", "2").tp) == (2, 1)  # chosen: not adapted
-    assert _cfg("--model", "mlp").dp == 8  # the MLP has no heads to split
+# the default layout under torchrun's WORLD_SIZE (dp = W): tests/test_default_layout.py
 
 
 def test_diagnosis_names_the_rank_the_launcher_stopped_as_stopped():

@@ -16,6 +16,7 @@ import traceback
 from .config import add_config_flags, check_timeout, from_args, validate
 from .errors import ShardwiseConfigError
 from .launch import is_worker, spawn, watch_launcher
+from .config.fields import DEFAULT_LAYOUT_RULE
 
 
 LEARN = ("collectives", "dp", "fsdp", "tp", "fsdp_tp", "pp")
@@ -33,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model (spawns dp×tp×pp local workers unless "
-                       "under torchrun)")
+                       "under torchrun)", description=DEFAULT_LAYOUT_RULE)
     add_config_flags(t)
     t.set_defaults(func=cmd_train)
 
@@ -66,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="write the results as JSON (default path verify.json)")
     v.set_defaults(func=cmd_verify)
 
-    tr = sub.add_parser("trace", help="one step of a layout: every collective vs the formula")
+    tr = sub.add_parser("trace", help="one step of a layout: every collective vs the formula",
+                        description=DEFAULT_LAYOUT_RULE)
     add_config_flags(tr, defaults=TRACE_DEFAULTS)
     tr.add_argument("--rank", default="0", metavar="R|all",
                     help="the rank whose collectives are shown, or all (each in turn); default 0")

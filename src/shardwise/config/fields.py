@@ -27,11 +27,10 @@ class TrainConfig:
     # expert per sequence (the rest dropped, counted in metrics.jsonl)
     aux_loss_coef: float = 0.01  # α of the load-balancing loss E·Σ f_i·P_i (per sequence)
     z_loss_coef: float = 0.001  # β of the router z-loss (ST-MoE)
-    # layout (world size = dp × cp × tp × pp). The default layout, dp=2 × tp=2 with ZeRO-1,
-    # applies only when no degree is chosen; choosing any of dp/cp/tp/pp sets the others to
-    # 1 and zero to 0 unless they are chosen too (see :func:`from_args`)
-    dp: int = 2
-    tp: int = 2
+    # layout (world size = dp × cp × tp × pp): DEFAULT_LAYOUT_RULE below. Unchosen degrees are
+    # 1 and zero is 0; with no degree chosen, from_args sets dp to the world size
+    dp: int = 1
+    tp: int = 1
     pp: int = 1
     cp: int = 1  # context parallelism: ranks that split each sequence (parallel/cp)
     cp_method: str = "ring"  # ring (K/V passed around the cp ring) | allgather (Llama 3)
@@ -40,7 +39,7 @@ class TrainConfig:
     # shards (--dp-shard S alone: dp = dp_replicate × S; 0 = dp / dp_replicate)
     dp_replicate: int = 1
     dp_shard: int = 0
-    zero: int = 1
+    zero: int = 0
     sp: bool = False
     schedule: str = "1f1b"
     microbatches: int = 0  # pipeline microbatches per step (0 = global batch / (dp × micro-batch);
@@ -189,6 +188,17 @@ CHOICES = {
     "ac": ("none", "selective", "full"),
     "check_collectives": ("off", "step", "every"),
 }
+
+
+# The one rule for the layout a run gets when it names none, stated once: `train --help` and
+# `trace --help` print it, the README quotes it word for word, and config.flags.from_args
+# implements it (tests/test_default_layout.py checks all three).
+LOCAL_WORLD = 4  # ranks `shardwise train` spawns alone when no degree is chosen
+DEFAULT_LAYOUT_RULE = (
+    "Default layout: with no --dp, --tp, --pp or --cp (as a flag or in --config), the run is "
+    "plain data parallelism over the whole world: dp = the world size (torchrun's WORLD_SIZE; "
+    f"run alone, {LOCAL_WORLD} local ranks), tp = pp = cp = 1, ZeRO 0 unless --zero is given. "
+    "Choosing any degree sets the unchosen ones to 1 and --zero to 0 unless given.")
 
 
 NOT_FLAGS = ("derived",)  # fields set by from_args, never by a flag

@@ -20,7 +20,8 @@ FLAG_HELP = {
                      "router_aux_loss_coef with --init-from-hf, else 0.01)",
     "z_loss_coef": "MoE: β of the router z-loss (default: the HF folder's router_z_loss_coef "
                    "with --init-from-hf, else 0.001)",
-    "dp": "data-parallel degree (choosing any degree sets the unchosen ones to 1)",
+    "dp": "data-parallel degree (no degree chosen: the world size; choosing any degree sets "
+          "the unchosen ones to 1)",
     "tp": "tensor-parallel degree (splits attention heads and the MLP)",
     "pp": "pipeline-parallel degree (stages)",
     "cp": "context-parallel degree (ranks that split each sequence)",

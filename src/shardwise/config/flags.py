@@ -14,7 +14,7 @@ import typing
 
 from ..errors import ShardwiseConfigError, ShardwiseFileError
 from ..readers import read_toml
-from .fields import CHOICES, DERIVABLE, NOT_FLAGS, TrainConfig
+from .fields import CHOICES, DERIVABLE, LOCAL_WORLD, NOT_FLAGS, TrainConfig
 from .notes import derive_batching
 
 
@@ -45,7 +45,9 @@ def add_config_flags(parser: argparse.ArgumentParser, fields: list[str] | None =
         flag = "--" + f.name.replace("_", "-")
         typ = _field_type(f)
         default = defaults.get(f.name, f.default)
-        shown = (f"derived from the layout, at most {default}" if f.name == "micro_batch"
+        shown = ("the world size: see the default layout above" if f.name == "dp"
+                 and f.name not in defaults
+                 else f"derived from the layout, at most {default}" if f.name == "micro_batch"
                  and f.name not in defaults else "derived" if f.name in DERIVABLE
                  and f.name not in defaults
                  else "on" if default is True else "off" if default is False
@@ -83,12 +85,6 @@ def from_args(args: argparse.Namespace, **defaults) -> TrainConfig:
     if "dp_shard" in given and "dp" not in chosen:  # HSDP: dp = dp_replicate × dp_shard
         given["dp"] = given["dp_shard"] * given.get("dp_replicate", cfg.dp_replicate)
         chosen = chosen | {"dp"}
-    if chosen & {"dp", "cp", "tp", "pp"}:  # a layout was chosen: the default one does not apply
-        for k in ("dp", "cp", "tp", "pp"):  # e.g. --tp 2 alone is tp=2 × dp=1, not × dp=2
-            if k not in chosen:
-                given[k] = 1
-        if "zero" not in chosen:
-            given["zero"] = 0
     for k in ("n_experts", "top_k", "moe_every"):  # 0 in the config means "the preset's"
         if given.get(k) == 0:
             raise ShardwiseConfigError(
@@ -117,12 +113,8 @@ def from_args(args: argparse.Namespace, **defaults) -> TrainConfig:
             f"--capacity-factor {cfg.capacity_factor} must be > 0 (each expert takes at most "
             "ceil(c·k·s/E) token copies of a sequence): give e.g. 1.25, or omit it for dropless "
             "routing")
-    if not chosen & {"dp", "cp", "tp", "pp"} and cfg.tp > 1:
-        from ..models import MLP_PRESETS
-
-        if cfg.model in MLP_PRESETS:  # TP splits attention heads: the MLP's default is dp only
-            cfg = dataclasses.replace(cfg, tp=1)
-    cfg = _follow_world(cfg, chosen)
+    if not chosen & {"dp", "cp", "tp", "pp"}:  # no degree chosen: DEFAULT_LAYOUT_RULE
+        cfg = dataclasses.replace(cfg, dp=default_world())
     return derive_batching(cfg, set(DERIVABLE) - by_user)
 
 
@@ -139,18 +131,14 @@ def _hf_router_coefs(folder: str) -> dict:
     return {k: getattr(m, k) for k in ("aux_loss_coef", "z_loss_coef") if hasattr(m, k)}
 
 
-def _follow_world(cfg: TrainConfig, chosen: set[str]) -> TrainConfig:
-    """Under torchrun (``WORLD_SIZE`` = W set by the launcher) with no degree chosen, the default
-    layout follows W as it follows the flags: tp = 2 (the default's) when W is even and ≥ 4
-    (and the model has heads to split), dp = W / tp; else dp = W, tp = 1. A W equal to the
-    default's world changes nothing (our own launcher always starts exactly that world)."""
+def default_world() -> int:
+    """The world a run with no degree chosen spreads dp over (:data:`DEFAULT_LAYOUT_RULE`):
+    torchrun's ``WORLD_SIZE`` (our own launcher's workers see the world it started), else the
+    :data:`LOCAL_WORLD` ranks ``shardwise train`` spawns alone. Unchosen degrees are 1 and
+    ``--zero`` 0 by the dataclass defaults, so ``--tp 2`` alone is tp=2 × dp=1 and ``--zero 3``
+    alone is ZeRO-3 over the whole world."""
     world = os.environ.get("WORLD_SIZE", "")
-    if chosen & {"dp", "cp", "tp", "pp"} or not world.isdigit() or int(world) < 1 \
-            or int(world) == cfg.world_size():
-        return cfg
-    w = int(world)
-    tp = 2 if cfg.tp == 2 and w % 2 == 0 and w >= 4 else 1
-    return dataclasses.replace(cfg, dp=w // tp, tp=tp, dp_replicate=1, dp_shard=0)
+    return int(world) if world.isdigit() and int(world) >= 1 else LOCAL_WORLD
 
 
 def _toml_derived(path: str | None) -> set[str]:
