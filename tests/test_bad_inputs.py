@@ -11,7 +11,10 @@ rendezvous it would block there, so a prompt exit proves the check runs on every
 collective.
 """
 
+import errno
 import json
+import os
+import shutil
 import time
 import warnings
 
@@ -148,6 +151,28 @@ def f(tmp_path_factory):
     put("a_file", "not a folder")
     (d / "occupied_out").mkdir()
     put("occupied_out/x", "")
+    # complete checkpoints whose meta.json records the optimizer they hold (issue 51)
+    for name, optimizer in (("ck_muon", "muon"), ("ck_adamw", "adamw")):
+        meta = ckpt(name) / "meta.json"
+        m = json.loads(meta.read_text())
+        m["config"]["optimizer"], m["optimizer_saved"] = optimizer, True
+        meta.write_text(json.dumps(m))
+        _mark(meta.parent)
+    # run folders for `shardwise report`: valid JSON of the wrong type (issue 51)
+    good = '{"step": 1, "loss": 5.0}\n'
+    for name, text in (("run_ok", good), ("run_step_str", good + '{"step": "three"}\n'),
+                       ("run_list", good + "[1, 2]\n")):
+        (d / name).mkdir()
+        put(f"{name}/metrics.jsonl", text)
+        files[name] = d / name
+    (d / "run_meta_list" / "checkpoints" / "step_2").mkdir(parents=True)
+    put("run_meta_list/metrics.jsonl", good)
+    put("run_meta_list/checkpoints/step_2/meta.json", "[1]")
+    files["run_meta_list"] = d / "run_meta_list"
+    # `shardwise plan --cluster`: TOML's nan and inf literals
+    put("cluster_nan.toml", "[gpu]\nbf16_tflops = nan\nhbm_gb = 80\n")
+    put("cluster_inf.toml", "[gpu]\nbf16_tflops = 989\nhbm_gb = inf\n")
+    put("cluster_flash.toml", '[gpu]\npreset = "h100"\nflash_efficiency = 2\n')
     return files
 
 
@@ -383,6 +408,40 @@ CASES = [
     ("export-tokenizer-missing", lambda f: ["export", "--checkpoint", f["ck_ok"], "--to", "hf",
                                             f["dir"] / "o", "--tokenizer", f["dir"] / "t.json"],
      ["t.json: no such file", "pass --tokenizer DIR|FILE.json"]),
+    # --- issue 51: refused before any collective, nothing written -------------------------
+    # a checkpoint of the other optimizer, refused from its meta.json (config.validate)
+    ("resume-muon-with-adamw", lambda f: [*Q, "--resume", f["ck_muon"] / "checkpoints" /
+                                          "step_2"],
+     ["holds Muon's optimizer state (--optimizer muon), but this run uses AdamW",
+      "resume with --optimizer muon, or start a new run"]),
+    ("resume-adamw-with-muon", lambda f: [*Q, "--optimizer", "muon", "--resume", f["ck_adamw"]],
+     ["holds AdamW's optimizer state (--optimizer adamw), but this run uses Muon",
+      "resume with --optimizer adamw"]),
+    ("resume-auto-muon-with-adamw", lambda f: [*Q, "--out", f["ck_muon"], "--resume", "auto"],
+     ["holds Muon's optimizer state", "resume with --optimizer muon"]),
+    ("bench-nproc-negative", lambda f: ["bench", "--suite", "dp", "--nproc", "-1"],
+     ["--nproc -1 must be ≥ 1 ranks", "or 0, the default"]),
+    ("report-step-not-int", lambda f: ["report", f["run_step_str"]],
+     ["metrics.jsonl:2: \"step\" is \"three\", not an integer", "give a folder that shardwise "
+      "train wrote"]),
+    ("report-record-not-object", lambda f: ["report", f["run_list"]],
+     ["metrics.jsonl:2: a JSON list ([1, 2]), not a record", "give a folder that shardwise "
+      "train wrote"]),
+    ("report-meta-not-object", lambda f: ["report", f["run_meta_list"]],
+     ["step_2/meta.json holds a JSON list ([1]), not the object"]),
+    ("report-out-under-a-file", lambda f: ["report", f["run_ok"], "--out",
+                                           f["a_file"] / "r.html"],
+     ["r.html: cannot be written because", "a_file is a file, not a folder",
+      "choose another --out"]),
+    ("report-out-is-a-folder", lambda f: ["report", f["run_ok"], "--out", f["empty"]],
+     ["is a folder: give a file path, e.g."]),
+    ("plan-cluster-nan", lambda f: ["plan", "--gpus", "8", "--cluster", f["cluster_nan.toml"]],
+     ["bf16_tflops = nan must be a finite positive number"]),
+    ("plan-cluster-inf", lambda f: ["plan", "--gpus", "8", "--cluster", f["cluster_inf.toml"]],
+     ["hbm_gb = inf must be a finite positive number"]),
+    ("plan-cluster-flash-efficiency", lambda f: ["plan", "--gpus", "8", "--cluster",
+                                                 f["cluster_flash.toml"]],
+     ["flash_efficiency = 2 is a fraction of the bf16 peak", "(0, 1]"]),
 ]
 
 
@@ -428,6 +487,79 @@ def test_the_catalogue_is_at_least_thirty_distinct_inputs():
     assert len({c[0] for c in CASES}) == len(CASES) >= 30
 
 
+def _one_line_exit_2(code, out, fragments):
+    assert code == 2, out
+    for frag in fragments:
+        assert frag in out, f"{frag!r} not in:\n{out}"
+    assert "Traceback" not in out, out
+    lines = out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shardwise: error: "), out
+
+
+@pytest.mark.timeout(60)
+def test_issue51_refusals_leave_nothing_behind(cli, f, tmp_path, monkeypatch):
+    """Issue 51's inputs, each one line and exit 2 with nothing written: no --out folder (so
+    no empty metrics.jsonl to block the next run), no report page, no export folder."""
+    out = tmp_path / "run"
+    # 2. a Muon checkpoint resumed with AdamW, refused from its meta.json before --out exists
+    _one_line_exit_2(*cli([*Q, "--out", out, "--resume", f["ck_muon"]]), ["Muon's optimizer"])
+    assert not out.exists()
+    # the same --out then takes a fresh run (the launcher's checks pass; spawn is the tripwire)
+    with pytest.raises(AssertionError, match="workers would start"):
+        cli([*Q, "--out", out])
+    shutil.rmtree(out)
+    # 5, 6. report: nothing written into the run folder or next to the file
+    for argv in (["report", f["run_step_str"]], ["report", f["run_meta_list"]],
+                 ["report", f["run_ok"], "--out", f["a_file"] / "r.html"]):
+        _one_line_exit_2(*cli(argv), [])
+    assert not any(f[r].joinpath("report.html").exists()
+                   for r in ("run_step_str", "run_meta_list", "run_ok"))
+    # 3. WORLD_SIZE left in the shell, without the rest of a launcher's environment
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _one_line_exit_2(*cli([*Q, "--out", out]),
+                     ["WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT are not",
+                      "a partial torchrun environment", "unset WORLD_SIZE",
+                      "or run under torchrun"])
+    monkeypatch.setenv("RANK", "0")
+    _one_line_exit_2(*cli([*Q, "--out", out]), ["MASTER_ADDR, MASTER_PORT are not"])
+    _one_line_exit_2(*cli(["verify", "--nproc", "2"]), ["a partial torchrun environment"])
+    assert not out.exists()
+
+
+def _safetensor_error(msg):
+    from safetensors import SafetensorError
+
+    return SafetensorError(msg)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("error", [
+    lambda: OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+    lambda: _safetensor_error("Error while serializing: I/O error: No space left on device "
+                              "(os error 28)"),
+], ids=["oserror-enospc", "safetensor-error"])
+def test_export_onto_a_full_disk_removes_its_partial_folder(cli, f, tmp_path, monkeypatch,
+                                                           error):
+    """Issue 51, 8: the weights' write fails half way (a full disk, simulated: a partial file
+    written, then the error safetensors or the OS raises): one line naming the folder and the
+    fix, and no OUT.tmp left taking the space."""
+    import safetensors.torch
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as fh:
+            fh.write(b"\0" * 4096)  # what was written before the disk filled up
+        raise error()
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    out = tmp_path / "hf"
+    _one_line_exit_2(*cli(["export", "--checkpoint", f["ck_ok"], "--to", "hf", out]),
+                     [f"export: writing {out}.tmp failed", "No space left on device",
+                      "the partial folder was removed", "free space there",
+                      "or export to another OUT"])
+    assert not out.exists() and not out.with_name("hf.tmp").exists()
+    assert list(tmp_path.iterdir()) == []
+
+
 # Multi-rank: as rank 1 of 2 with no peer, the error must come before the rendezvous.
 RANK_CASES = [
     ("sft-bad-record", lambda f: [*SFT, "--data", f["sft_missing.jsonl"]],
@@ -454,6 +586,8 @@ RANK_CASES = [
     ("resume-past-steps", lambda f: [*Q, "--steps", "1", "--resume",
                                      f["ck_marked"] / "checkpoints" / "step_2"],
      ["is at step 2, past --steps 1", "pass --steps greater than 2"]),
+    ("resume-other-optimizer", lambda f: [*Q, "--resume", f["ck_muon"]],
+     ["holds Muon's optimizer state", "resume with --optimizer muon"]),
 ]
 
 
@@ -468,3 +602,20 @@ def test_every_rank_refuses_before_any_collective(cache_dir, f, argv, fragments)
         assert frag in p.stdout, p.stdout
     assert "Traceback" not in p.stdout, p.stdout
     assert time.time() - t0 < 75  # a rank stuck in the rendezvous would wait for its peer
+
+
+def test_a_warmup_longer_than_the_run_is_one_warning():
+    """Issue 51: --warmup-steps past --steps trains, but says once (rank 0, at start-up) that
+    the LR never reaches --lr; the CLI run in tests/test_pipeline_derived_m.py shows it once."""
+    import dataclasses
+
+    from shardwise.config import TrainConfig
+    from shardwise.train.optim import lr_multiplier, warmup_warning
+
+    cfg = dataclasses.replace(TrainConfig(), steps=10, warmup_steps=40, lr=3e-4)
+    line = warmup_warning(cfg)
+    assert line == ("warning: --warmup-steps 40 is longer than the run (--steps 10): the LR "
+                    "climbs only to 25% of --lr 0.0003 and never decays; choose --warmup-steps "
+                    "≤ 10 (e.g. 1) for the whole warm-up + cosine schedule")
+    assert lr_multiplier(cfg.steps - 1, 40, 10, 0.1) == 0.25  # the last step's LR, as said
+    assert warmup_warning(dataclasses.replace(cfg, warmup_steps=10)) is None

@@ -308,6 +308,9 @@ def cmd_export(args, argv) -> int:
 def cmd_bench(args, argv) -> int:
     args.layouts = [*args.layout, *args.layouts]
     check_timeout(args.timeout)
+    if args.nproc < 0:
+        raise ShardwiseConfigError(f"--nproc {args.nproc} must be ≥ 1 ranks (or 0, the default: "
+                                   "2, 4 for --suite pp and collectives, or what --layout needs)")
     from .comm.algorithms import check_collectives
 
     check_collectives(args.collectives)

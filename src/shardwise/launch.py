@@ -39,9 +39,28 @@ import time
 import traceback
 
 
+# what torch's env:// rendezvous reads; torchrun and spawn set every one of them
+WORLD_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def is_worker() -> bool:
-    """True inside a launched world (torchrun or :func:`spawn`): WORLD_SIZE is set."""
-    return "WORLD_SIZE" in os.environ
+    """True inside a launched world (torchrun or :func:`spawn`): WORLD_SIZE is set. Raises
+    :class:`~shardwise.errors.ShardwiseConfigError` for WORLD_SIZE without the rest of
+    :data:`WORLD_VARS` (e.g. ``export WORLD_SIZE=2`` left in a shell): taken for a worker, the
+    process would stop in torch's rendezvous with "RANK expected, but not set"."""
+    if "WORLD_SIZE" not in os.environ:
+        return False
+    missing = [k for k in WORLD_VARS if k not in os.environ]
+    if missing:
+        from .errors import ShardwiseConfigError
+
+        raise ShardwiseConfigError(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not: a partial torchrun environment (a "
+            "variable left in this shell?), so this process would wait as one rank of a world "
+            "no launcher started: unset WORLD_SIZE (shardwise then starts the ranks itself), or "
+            "run under torchrun")
+    return True
 
 
 # What a worker imports anyway, imported once by a forking launcher (see the module docstring).

@@ -72,18 +72,20 @@ from .format import (FORMAT, MARKER, CheckpointError, DivergedError, complete_ch
                      diverged_message, last_good_checkpoint, list_checkpoints, prune, read_meta,
                      rng_state, set_rng_state)
 from .save import Checkpointer, save_checkpoint
-from .verify import find_resume_checkpoint, verify_checkpoint
-from .load import (Resumed, check_model_compatible, checkpoint_weight_stream,
-                   load_full_optimizer_state, load_model, model_flags, restore_training_state)
+from .verify import find_resume_checkpoint, resume_candidate, verify_checkpoint
+from .load import (Resumed, check_model_compatible, check_saved_optimizer,
+                   checkpoint_weight_stream, load_full_optimizer_state, load_model, model_flags,
+                   restore_training_state)
 from .run import (LOCK_FILE, RunFolderBusyError, check_checkpoints_writable, check_disk_space,
                   check_same_data, checkpoint_bytes_estimate, data_fingerprint, lock_run_folder)
 
 __all__ = ["FORMAT", "LOCK_FILE", "MARKER", "Checkpointer", "CheckpointError", "DivergedError",
            "Resumed", "RunFolderBusyError", "check_checkpoints_writable", "check_disk_space",
-           "check_model_compatible", "check_same_data", "checkpoint_bytes_estimate",
+           "check_model_compatible", "check_same_data", "check_saved_optimizer",
+           "checkpoint_bytes_estimate",
            "complete_checkpoints", "data_fingerprint", "diverged_message", "find_resume_checkpoint",
            "checkpoint_weight_stream", "last_good_checkpoint", "list_checkpoints",
            "load_full_optimizer_state", "load_model",
            "lock_run_folder", "model_flags", "prune", "read_meta", "restore_training_state",
-           "rng_state",
+           "resume_candidate", "rng_state",
            "save_checkpoint", "set_rng_state", "verify_checkpoint"]

@@ -211,6 +211,27 @@ def check_optimizer_kind(state: dict[str, dict], optimizer, folder) -> None:
             "--resume)")
 
 
+OPTIMIZER_NAMES = {"adamw": "AdamW", "muon": "Muon"}
+
+
+def check_saved_optimizer(folder, meta: dict, optimizer: str) -> None:
+    """Raise :class:`CheckpointError` when the checkpoint in ``folder`` holds another optimizer's
+    state than ``--optimizer optimizer`` would resume, read from its ``meta.json`` (``meta``):
+    the saved run's ``config.optimizer`` where ``optimizer_saved``. Files only: the launcher and
+    every rank refuse before any collective what :func:`check_optimizer_kind` would refuse only
+    after the model is built (issue 51). A checkpoint without that record passes (the state's
+    own check still runs)."""
+    run = meta.get("config") if isinstance(meta, dict) else None
+    saved = run.get("optimizer") if isinstance(run, dict) else None
+    if saved not in OPTIMIZER_NAMES or saved == optimizer or not meta.get("optimizer_saved"):
+        return
+    raise CheckpointError(
+        f"--resume: checkpoint {folder} holds {OPTIMIZER_NAMES[saved]}'s optimizer state "
+        f"(--optimizer {saved}), but this run uses "
+        f"{OPTIMIZER_NAMES.get(optimizer, optimizer)} (--optimizer {optimizer}): resume with "
+        f"--optimizer {saved}, or start a new run (a new --out, without --resume)")
+
+
 @dataclasses.dataclass
 class Resumed:
     """What :func:`restore_training_state` restored: the step to continue after, and the run's

@@ -105,3 +105,23 @@ def find_resume_checkpoint(spec: str, out: str, warn=None) -> Path | None:
         return folder
     raise CheckpointError(f"--resume {spec}: none of the {len(problems)} checkpoints in {root} "
                           f"is usable (newest: {problems[0]}); remove the folder to start fresh")
+
+
+def resume_candidate(spec: str, out: str | None) -> Path | None:
+    """The checkpoint folder ``--resume spec`` would try first (:func:`find_resume_checkpoint`'s
+    order), from the folder names and markers alone: nothing verified, nothing hashed, so the
+    launcher's validation can read its ``meta.json`` cheaply. None when there is none (or the
+    spec does not exist: :func:`find_resume_checkpoint` names that)."""
+    if spec == "auto":
+        if not out:
+            return None
+        root = Path(out) / "checkpoints"
+    else:
+        p = Path(spec)
+        if not p.exists():
+            return None
+        if (p / MARKER).exists() or (p / ".metadata").exists() or _STEP_RE.match(p.name):
+            return p
+        root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    done = complete_checkpoints(root)
+    return done[0][1] if done else None

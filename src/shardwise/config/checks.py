@@ -371,8 +371,29 @@ def _validate_checkpointing(cfg: TrainConfig) -> None:
             f"--max-restarts {cfg.max_restarts} restarts every rank from the newest checkpoint "
             "in --out: add --resume auto (with --out DIR, the same folder on every attempt, and "
             "--save-every K, so that there is a checkpoint to go back to)")
+    if cfg.resume:  # before --out is created: a refusal leaves nothing behind
+        _validate_resume_optimizer(cfg)
     if cfg.out:
         check_out_writable(cfg.out)
+
+
+def _validate_resume_optimizer(cfg: TrainConfig) -> None:
+    """``--resume`` of a checkpoint saved with another ``--optimizer`` (Muon's state into AdamW,
+    or the reverse), refused from its ``meta.json`` alone, in the launcher and on every rank
+    before any collective (:func:`~shardwise.checkpoint.check_saved_optimizer`; the checkpoint
+    :func:`~shardwise.checkpoint.resume_candidate` names, not yet verified: a damaged one is
+    named later by :func:`~shardwise.checkpoint.find_resume_checkpoint`)."""
+    from ..checkpoint import CheckpointError, check_saved_optimizer, read_meta, resume_candidate
+
+    folder = resume_candidate(cfg.resume, cfg.out)
+    if folder is None:
+        return
+    try:
+        meta = read_meta(folder)
+    except CheckpointError:
+        return
+    if isinstance(meta, dict):
+        check_saved_optimizer(folder, meta, cfg.optimizer)
 
 
 def check_out_writable(out: str) -> None:

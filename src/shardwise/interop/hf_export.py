@@ -324,23 +324,57 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike,
     except OSError as e:
         raise ShardwiseConfigError(f"export: cannot create {tmp} ({e.strerror}): choose a "
                                    "writable output folder") from None
-    _write_weights(ours_to_hf(state, cfg), tmp, max_shard_bytes, save_file)
-    hf_config = llama_to_hf_config(cfg, tok.eos_id)
-    if isinstance(tok, HFFolderTokenizer):  # a model folder's: its files whole, its ids
-        ids = special_token_ids(tok.folder, tok)
-        for key in SPECIAL_IDS:  # the folder's, not our one EOS
-            hf_config.pop(key, None)
-        hf_config.update(ids)
-        write_folder_tokenizer(tok.folder, tmp, ids)
-    else:  # our own tokenizer: its tokenizer.json, one EOS (also BOS)
-        (tmp / "generation_config.json").write_text(json.dumps(
-            {"bos_token_id": tok.eos_id, "eos_token_id": tok.eos_id}, indent=2))
-        write_tokenizer_files(tok, tmp, cfg.max_seq_len)
-    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+    try:
+        _write_weights(ours_to_hf(state, cfg), tmp, max_shard_bytes, save_file)
+        hf_config = llama_to_hf_config(cfg, tok.eos_id)
+        if isinstance(tok, HFFolderTokenizer):  # a model folder's: its files whole, its ids
+            ids = special_token_ids(tok.folder, tok)
+            for key in SPECIAL_IDS:  # the folder's, not our one EOS
+                hf_config.pop(key, None)
+            hf_config.update(ids)
+            write_folder_tokenizer(tok.folder, tmp, ids)
+        else:  # our own tokenizer: its tokenizer.json, one EOS (also BOS)
+            (tmp / "generation_config.json").write_text(json.dumps(
+                {"bos_token_id": tok.eos_id, "eos_token_id": tok.eos_id}, indent=2))
+            write_tokenizer_files(tok, tmp, cfg.max_seq_len)
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial folder would keep the space
+        if not isinstance(e, (OSError, _safetensor_error())):
+            raise
+        # a full disk, a quota, a lost mount: one line, not safetensors' traceback
+        raise ShardwiseConfigError(
+            f"export: writing {tmp} failed ({_write_problem(e)}); the partial folder was "
+            f"removed: free space there (the model's weights alone take "
+            f"{_weight_bytes(state) / 2**20:,.1f} MiB) or export to another OUT") from None
     if out.exists():
         out.rmdir()  # empty (checked above)
     os.replace(tmp, out)
     return out
+
+
+def _safetensor_error() -> type[Exception]:
+    """safetensors' own error class (a failed write of its Rust writer, e.g. on a full disk,
+    arrives as ``SafetensorError: Error while serializing: I/O error: No space left …``)."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # an older safetensors: its writer raised OSError
+        return OSError
+    return SafetensorError
+
+
+def _write_problem(e: Exception) -> str:
+    """What went wrong, in one line: the OS's words (``No space left on device``), else the
+    first line of the library's message."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def _weight_bytes(state: dict) -> int:
+    """The fp32 bytes export writes for ``state``'s tensors (lazy or plain)."""
+    return sum(4 * math.prod(getattr(t, "shape", ())) for t in state.values())
 
 
 def _write_weights(hf: dict, folder: Path, max_shard_bytes: int, save_file) -> None:

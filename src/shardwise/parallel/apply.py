@@ -165,6 +165,20 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
                          traffic=traffic(model, topo, layout.sp), sp=layout.sp)
 
 
+def pipeline_chunks(layout: Layout) -> int:
+    """The model chunks v per pipeline rank of ``layout`` (pp > 1), its schedule checked by
+    :func:`~.pp.schedules.check_schedule`. ``microbatches`` = 0 means the batch decides m (global
+    batch / (dp × micro-batch)), which this function does not know: m is checked with the batch
+    by :meth:`Layout.check` (``config.validate``, on every rank before any collective) and by
+    the runner's schedule each step, so here only the rest is checked, with 2·pp microbatches
+    (a count every schedule accepts). Passing pp there refused dualpipev (m ≥ 2·pp) whatever
+    the batch gave (issue 51)."""
+    from .pp import check_schedule
+
+    return check_schedule(layout.schedule, layout.pp, layout.microbatches or 2 * layout.pp,
+                          layout.virtual_stages or None)
+
+
 def _pipeline(model: nn.Module, topo, layout: Layout, engine: str, *, layers_per_stage=None,
               seed: int = 0, bucket_mb: float = 25.0, reduce_dtype: str = "fp32",
               weights=None):
@@ -183,14 +197,13 @@ def _pipeline(model: nn.Module, topo, layout: Layout, engine: str, *, layers_per
     from .sync import NoSync
     from .model import ParallelModel, PlainLoss
     from .params import mark_duplicate
-    from .pp import StageModule, check_schedule, copy_stages_from_first
+    from .pp import StageModule, copy_stages_from_first
     from .pp.schedules import placement_of
     from .pp.comms import TiedSwap
     from .tp import SPSum, StageTPTraffic
 
     p, tp, sp = layout.pp, layout.tp, layout.sp
-    v = check_schedule(layout.schedule, p, layout.microbatches or p,
-                       layout.virtual_stages or None)
+    v = pipeline_chunks(layout)
     placement = placement_of(layout.schedule)  # loop, or the V of zbv / dualpipev
     stage = StageModule(model, topo.index("pp"), p, v, layers_per_stage, placement)
     if weights is None:  # before TP shards them

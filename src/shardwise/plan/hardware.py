@@ -53,6 +53,7 @@ A custom GPU or cluster comes from a TOML file (:func:`load_cluster`)::
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ..errors import ShardwiseConfigError
 from ..readers import read_toml
@@ -204,9 +205,16 @@ def _check_keys(path, table, d, allowed):
 
 
 def _pos(path, d, key, default):
+    """``d[key]`` (else ``default``) as a float, refused unless a finite number > 0 (TOML has
+    ``nan`` and ``inf`` literals: a NaN peak printed "nan%" MFU, an infinite HBM made every
+    layout fit); ``flash_efficiency``, a fraction of the peak, also ≤ 1."""
     v = d.get(key, default)
     if v is None:
         raise ShardwiseConfigError(f"--cluster {path}: {key} is required")
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-        raise ShardwiseConfigError(f"--cluster {path}: {key} = {v!r} must be a positive number")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ShardwiseConfigError(f"--cluster {path}: {key} = {v!r} must be a finite positive "
+                                   f"number: give the datasheet's value")
+    if key == "flash_efficiency" and v > 1:
+        raise ShardwiseConfigError(f"--cluster {path}: flash_efficiency = {v!r} is a fraction of "
+                                   "the bf16 peak: give a number in (0, 1], e.g. 0.35")
     return float(v)

@@ -13,6 +13,8 @@ import json
 import math
 from pathlib import Path
 
+from ..errors import ShardwiseConfigError
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -24,11 +26,28 @@ THRESHOLD = 1e-5  # |Î”loss| the comparison calls equal: verify's rtol at loss â
 RTOL, ATOL = 1e-5, 1e-6
 
 
+# what a folder that is not shardwise's, or a damaged one, is told to do instead
+FIX = "give a folder that shardwise train wrote (or remove the file)"
+
+
 def _json(path: Path):
+    """The JSON object in ``path``; None when the file is missing or does not parse (a crash may
+    leave either: the report shows what there is). Raises :class:`ShardwiseConfigError` for
+    valid JSON that is not an object (``[1]``): every such file shardwise writes holds one."""
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    if not isinstance(value, dict):
+        raise ShardwiseConfigError(f"{path} holds a JSON "
+                                   f"{type(value).__name__} ({_short(value)}), not the object "
+                                   f"shardwise train writes there: {FIX}")
+    return value
+
+
+def _short(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -39,14 +58,22 @@ def read_metrics(path: Path) -> list[dict]:
         text = path.read_text()
     except OSError:
         return []
-    for line in text.splitlines():
+    for no, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
         except ValueError:
             continue
-        step = int(rec.get("step", 0))
+        if not isinstance(rec, dict):
+            raise ShardwiseConfigError(
+                f"{path}:{no}: a JSON {type(rec).__name__} ({_short(rec)}), "
+                f"not a record {{\"step\": N, ...}} as shardwise train writes: {FIX}")
+        step = rec.get("step", 0)
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ShardwiseConfigError(
+                f"{path}:{no}: \"step\" is {_short(step)}, not an integer "
+                f"as shardwise train writes: {FIX}")
         rows[step] = {**rows.get(step, {}), **rec} if step == 0 else rec
     return [rows[k] for k in sorted(rows)]
 

@@ -55,7 +55,10 @@ class WandbSink:
         self.run = wandb.init(project=project, name=Path(out).name,
                               dir=os.environ.get("WANDB_DIR") or str(out), config=config or {},
                               mode=self.mode, reinit=True)
-        print(self.where(), flush=True)  # at the start too: a crashed run's records are there
+        # once, at the start: a crashed run's records are there too (close repeats it only if
+        # it changed; it was printed at both ends, the same line twice: issue 51)
+        self.said = self.where()
+        print(self.said, flush=True)
 
     def log(self, record: dict) -> None:
         fields = {k: v for k, v in record.items() if k != "step"
@@ -75,4 +78,5 @@ class WandbSink:
     def close(self) -> None:
         line = self.where()
         self.run.finish()
-        print(line, flush=True)
+        if line != self.said:
+            print(line, flush=True)

@@ -67,9 +67,34 @@ def build(paths: list[str], out: str | None = None, threshold: float | None = No
                      for i, v in enumerate(verify)])
     target = Path(out) if out else (Path(runs[0]["path"]) / "report.html" if len(runs) == 1
                                     else Path("report.html"))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(html, encoding="utf-8")
+    _write_page(target, html, given=out is not None)
     return target
+
+
+def _write_page(target: Path, html: str, given: bool) -> None:
+    """``html`` into ``target`` (its folders created), or one :class:`ShardwiseConfigError`
+    naming the path and the fix: a file where a folder of the path should be, no permission, a
+    full disk. A partial page is removed."""
+    flag = f"--out {target}" if given else str(target)
+    anc = target.parent.absolute()
+    while not anc.exists():
+        anc = anc.parent
+    if not anc.is_dir():
+        raise ShardwiseConfigError(f"{flag}: cannot be written because {anc} is a file, not a "
+                                   "folder: choose another --out")
+    if target.is_dir():
+        raise ShardwiseConfigError(f"{flag} is a folder: give a file path, e.g. "
+                                   f"{target / 'report.html'}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(html, encoding="utf-8")
+    except OSError as e:
+        try:
+            target.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise ShardwiseConfigError(f"{flag}: cannot write there ({e.strerror or e}): choose "
+                                   "a writable --out (or free space)") from None
 
 
 # what a run folder holds (any one will do: a crashed run may have written only some)

@@ -294,6 +294,10 @@ def setup(cfg: TrainConfig) -> Run:
              f"{micro_batch} per rank per step; output → {out}")
     if batching_note(cfg):  # values the user did not give, derived from the layout
         log.info(f"  {batching_note(cfg)}")
+    from .optim import warmup_warning
+
+    if is_main and warmup_warning(cfg):  # once, rank 0: the LR never reaches --lr
+        log.warning(f"  {warmup_warning(cfg)}")
     epoch = sampler.epoch_counts()  # the tail shorter than a global batch is dropped
     log.info(f"  epoch: {epoch['sequences_per_epoch']:,} training sequences = "
              f"{epoch['steps_per_epoch']:,} steps × {cfg.global_batch} + "
@@ -529,8 +533,11 @@ def _find_resume(cfg: TrainConfig, work, rank: int, fingerprint: dict) -> Path |
             shape = build_model(cfg.model, vocab_size=work.vocab_size,
                                 **work.model_overrides(cfg))
         if folder is not None:
+            from ..checkpoint import check_saved_optimizer
+
             meta = read_meta(folder)
             check_model_compatible(folder, shape, meta, current=dataclasses.asdict(cfg))
+            check_saved_optimizer(folder, meta, cfg.optimizer)
             check_same_data(folder, meta, fingerprint, dataclasses.asdict(cfg),
                             allow=cfg.allow_data_change, warn=warn)
         if cfg.out:

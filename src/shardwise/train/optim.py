@@ -132,6 +132,18 @@ def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def warmup_warning(cfg) -> str | None:
+    """One line when ``--warmup-steps`` is longer than the run (issue 51): the LR then climbs
+    only to steps / warmup of ``--lr`` (:func:`lr_multiplier` at the last step) and the cosine
+    decay never starts. None otherwise."""
+    if cfg.warmup_steps <= cfg.steps:
+        return None
+    return (f"warning: --warmup-steps {cfg.warmup_steps} is longer than the run (--steps "
+            f"{cfg.steps}): the LR climbs only to {cfg.steps / cfg.warmup_steps:.0%} of --lr "
+            f"{cfg.lr:g} and never decays; choose --warmup-steps ≤ {cfg.steps} (e.g. "
+            f"{max(1, cfg.steps // 10)}) for the whole warm-up + cosine schedule")
+
+
 def build_scheduler(optimizer, cfg) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_multiplier(s, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
