@@ -49,6 +49,21 @@ def test_a_given_m_is_still_checked_where_the_engine_is_built():
     assert pipeline_chunks(Layout(pp=2, schedule="interleaved-1f1b", virtual_stages=3)) == 3
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_fewest_microbatches_a_schedule_runs(schedule):
+    """What bench --layout and verify take when a layout gives no m= (they took pp, which
+    dualpipev refuses at runtime: "got 2"): every schedule runs min_microbatches and refuses
+    one fewer."""
+    from shardwise.parallel.pp.schedules import check_schedule, min_microbatches
+
+    for p in (2, 3, 4):
+        m = min_microbatches(schedule, p)
+        assert m == (2 * p if schedule == "dualpipev" else p)
+        check_schedule(schedule, p, m)
+        with pytest.raises(ShardwiseConfigError):
+            check_schedule(schedule, p, m - 1)
+
+
 @pytest.mark.timeout(180)
 def test_dualpipev_with_a_derived_m_trains(cache_dir, tmp_path):
     """The command of issue 51 runs its two steps on two ranks (m = 4 = 2·pp)."""

@@ -35,6 +35,7 @@ from ..models import build_model
 from ..parallel.apply import parallelize
 from ..parallel.layout import Layout, parse_layout
 from ..parallel.model import Local
+from ..parallel.pp.schedules import min_microbatches
 from ..topology import Topology
 from ..train.optim import build_optimizer, build_scheduler, lr_multiplier
 from ..train.step import train_step
@@ -343,7 +344,8 @@ def verify_worker(args) -> int:
                                         check_collectives=checks)
             topo = topos[shape]
             # micro-batches per rank: the pipeline's m, else two (gradient accumulation)
-            n_micro = lay.microbatches or (lay.pp if lay.pp > 1 else 2)
+            n_micro = lay.microbatches or (min_microbatches(lay.schedule, lay.pp)
+                                           if lay.pp > 1 else 2)
             global_batch = args.micro_batch * n_micro * lay.dp
             for eng in engines:
                 if not applies(lay, model_name, eng, optimizer):

@@ -55,6 +55,12 @@ def default_chunks(name: str) -> int:
     return 2 if name == "interleaved-1f1b" or name in V_SCHEDULES else 1
 
 
+def min_microbatches(name: str, p: int) -> int:
+    """The fewest microbatches schedule ``name`` runs over ``p`` ranks (:func:`check_schedule`):
+    2p for dualpipev, else p. What a bench or verify case without ``m=`` takes."""
+    return 2 * p if name == "dualpipev" else p
+
+
 def placement_of(name: str) -> str:
     """The placement of schedule ``name``: "v" for :data:`V_SCHEDULES`, else "loop"."""
     return "v" if name in V_SCHEDULES else "loop"

@@ -101,7 +101,10 @@ def _with_recompute_phase(engine, topo):
 def bench_one_layout(layout: Layout, topo, args, order: list) -> dict:
     """Run the explicit and the torch engine of ``layout`` on this member rank of ``topo``;
     returns ``{engine: {...}}`` with this rank's numbers or ``{"error": text}``."""
-    n_micro = layout.microbatches or (layout.pp if layout.pp > 1 else 1)
+    from ...parallel.pp.schedules import min_microbatches
+
+    n_micro = layout.microbatches or (min_microbatches(layout.schedule, layout.pp)
+                                      if layout.pp > 1 else 1)
     dp = layout.dp
     global_batch = args.micro_batch * n_micro * dp
     work = make_workload(args.model, args.seq_len, args.vocab,
