@@ -7,6 +7,7 @@ import json
 import tomllib
 
 import pytest
+import torch
 
 from conftest import run_cli
 
@@ -39,6 +40,14 @@ def test_a_layout_with_no_batch_flag_runs_and_says_what_was_derived(cache_dir, t
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     saved = tomllib.loads((out / "config.toml").read_text())
     assert saved["derived"] in ("micro_batch", "micro_batch,microbatches")
+    # issue 51: --device auto (the default) says what it picked and config.toml keeps "auto";
+    # the layout is named in the field's words (tests/test_device_auto.py: the words)
+    assert saved["device"] == "auto"
+    if not torch.cuda.is_available():
+        assert "[rank 0]   device cpu (auto: no CUDA), backend gloo\n" in head, head
+    if "--zero" in layout:
+        assert "[rank 0]   ZeRO-3 / FSDP: parameters, gradients and AdamW state sharded over " \
+               "dp = 8 — our ZeRO-3" in head, head
     if layout[0] == "--dp" and layout[1] == "4":  # resumed from its own config.toml: the same
         p = run_cli(["train", "--config", out / "config.toml", "--steps", "3", "--resume",
                      "auto"], cache_dir, timeout=240)

@@ -90,24 +90,32 @@ def test_fused_equals_for_loop_adamw(cases):
 
 
 def test_train_loop_logs_device_memory_per_rank_per_step(tmp_path):
-    """``shardwise train --device DEVICE`` (one rank, 3 steps of the tiny model, eager):
-    on an accelerator every step's record has each rank's peak and reserved bytes (the peak
-    above the model state the loop counted, reserved ≥ peak) next to the formula and the
-    planner's activation estimate; on CPU none of these keys (nothing is measured there)."""
+    """``shardwise train`` (one rank, 3 steps of the tiny model, eager) on DEVICE, with no
+    ``--device`` flag where DEVICE is what ``--device auto``, the default, picks (the start-up
+    line says so): on an accelerator every step's record has each rank's peak and reserved
+    bytes (the peak above the model state the loop counted, reserved ≥ peak) next to the
+    formula and the planner's activation estimate; on CPU none of these keys (nothing is
+    measured there)."""
     for dep in ("matplotlib", "tensorboard"):  # loss.png and tb/ of the run folder
         pytest.importorskip(dep)
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
+    auto = DEVICE == ("cuda" if torch.cuda.is_available() else "cpu")
+    flag = [] if auto else ["--device", DEVICE]
     p = subprocess.run([sys.executable, "-m", "shardwise", "train", "--model", "tiny", "--dp",
-                        "1", "--device", DEVICE, "--steps", "3", "--global-batch", "4",
+                        "1", *flag, "--steps", "3", "--global-batch", "4",
                         "--seq-len", "64", "--tokenizer", "bytes",
                         "--eval-every", "100", "--eval-sequences", "4", "--sample-tokens", "0",
                         "--out", str(out)], env=env, stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-4000:]
     assert "attention: scaled_dot_product_attention" in p.stdout
+    why = ("auto: CUDA available" if DEVICE == "cuda" else "auto: no CUDA") if auto else \
+        f"--device {DEVICE}"
+    assert f"device {DEVICE}{':0' if DEVICE == 'cuda' else ''} ({why}), backend " \
+        f"{'nccl' if DEVICE == 'cuda' else 'gloo'}" in p.stdout, p.stdout[-3000:]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
              if '"loss"' in line]
     assert len(steps) == 3

@@ -2,7 +2,9 @@
 
 Run alone, a command that needs several ranks spawns them itself (see :mod:`shardwise.launch`);
 under torchrun it uses torchrun's world. Errors in the input print one line that names the
-constraint and the fix, and exit with status 2; a failing worker stops the others.
+constraint and the fix, and exit with status 2 (under torchrun: the worker's status, the line
+printed once per node and written to torchrun's error file, its summary's root cause:
+:func:`report_config_error`); a failing worker stops the others.
 """
 
 from __future__ import annotations
@@ -160,10 +162,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run_or_spawn(args, argv, nproc: int, work, device: str = "cpu") -> int:
     """Run ``work()`` here if inside a world (or nproc == 1); else spawn ``nproc`` ranks (forked
-    from this process on CPU: :func:`shardwise.launch.spawn`)."""
+    from this process on CPU, ``device`` resolved as the workers will:
+    :func:`shardwise.topology.resolve_device`; :func:`shardwise.launch.spawn`)."""
     if is_worker() or nproc == 1:
         return _as_worker(work)
-    return spawn(argv, nproc, fork=device == "cpu")
+    from .topology import resolve_device
+
+    return spawn(argv, nproc, fork=resolve_device(device)[0] == "cpu")
 
 
 def _as_worker(work) -> int:
@@ -173,37 +178,87 @@ def _as_worker(work) -> int:
     try:
         code = work() or 0
     except ShardwiseConfigError as e:
-        print(f"shardwise: error: {e}", file=sys.stderr, flush=True)
-        record_for_torchelastic(e)
-        code = 2
+        code = report_config_error(e)
     except Exception as e:
         traceback.print_exc()
         sys.stderr.flush()
         record_for_torchelastic(e)
         code = 1
+    if code and (dist.is_initialized() or os.environ.get("TORCHELASTIC_ERROR_FILE")):
+        # exit now: do not wait on peers that may be gone (the launcher stops the rest); and
+        # under torchelastic, right after the error file is written, so that the agent's first
+        # observed failure (its summary's root cause) is a rank that failed, not one it stopped
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     if dist.is_initialized():
-        if code == 0:
-            dist.destroy_process_group()
-        else:  # do not wait on peers that may be gone: exit now, the launcher stops the rest
-            os._exit(code)
+        dist.destroy_process_group()
     return code
 
 
-def record_for_torchelastic(e: BaseException) -> None:
+def report_config_error(e: ShardwiseConfigError) -> int:
+    """A configuration error: its one line (``shardwise: error: …``) on stderr and in
+    torchelastic's error file, no traceback; returns the exit status, 2.
+
+    Under torchrun every rank usually meets the same error (the checks run on every rank before
+    any collective), so only the first rank of the node to report a line prints it
+    (:func:`_first_to_say`); a rank whose line differs prints its own. Each rank's error file
+    holds its line, so torchrun's summary shows it as the root cause ("exitcode : 2"), and
+    torchrun itself exits 1, as it does for any failed worker. Under our own launcher
+    (``SHARDWISE_LAUNCHER=1``) every rank prints: the launcher shows the failed rank's last
+    lines."""
+    line = f"shardwise: error: {e}"
+    if _first_to_say(line):
+        print(line, file=sys.stderr, flush=True)
+    record_for_torchelastic(e, line)
+    return 2
+
+
+def _first_to_say(line: str) -> bool:
+    """Whether this rank prints ``line``: always, except under torchrun (an error file set and
+    not our launcher), where the first rank of this node claims the line in a file beside the
+    ranks' log folders (``<log dir>/<run>/attempt_N/shardwise_error_line``, created whole by a
+    hard link: atomic) and a later rank with the same line stays quiet."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.environ.get("SHARDWISE_LAUNCHER") == "1":
+        return True
+    claim = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))),
+                         "shardwise_error_line")
+    mine = f"{claim}.{os.getpid()}"
+    try:
+        with open(mine, "w") as f:
+            f.write(line)
+        try:
+            os.link(mine, claim)
+            return True
+        except FileExistsError:
+            with open(claim) as f:
+                return f.read() != line
+        finally:
+            os.unlink(mine)
+    except OSError:  # no claim possible: better twice than never
+        return True
+
+
+def record_for_torchelastic(e: BaseException, line: str | None = None) -> None:
     """Write ``e`` to the error file torchelastic gave this rank (``TORCHELASTIC_ERROR_FILE``,
     set by torchrun and by our own launcher), in the format of torch's ``ErrorHandler`` (which
-    ``@record`` uses) with the rank in the message, so that torchrun's failure summary shows
-    it as the root cause with its traceback instead of ``error_file: <N/A>``. Call it inside
-    the ``except`` block (the traceback is the one being handled). No-op outside torchelastic."""
+    ``@record`` uses), so that torchrun's failure summary shows it as the root cause instead of
+    ``error_file: <N/A>``: a crash with the rank in the message and its traceback (call it
+    inside the ``except`` block: the traceback is the one being handled); a configuration
+    error (``line`` given) as that one line and no traceback (the summary prints the message
+    where no ``py_callstack`` is recorded). No-op outside torchelastic."""
     import json
 
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     rank = os.environ.get("RANK", "?")
-    data = {"message": {"message": f"{type(e).__name__} on rank {rank}: {e}",
-                        "extraInfo": {"py_callstack": traceback.format_exc(),
-                                      "timestamp": str(int(time.time()))}}}
+    info = {"timestamp": str(int(time.time()))}
+    if line is None:
+        info["py_callstack"] = traceback.format_exc()
+    data = {"message": {"message": line or f"{type(e).__name__} on rank {rank}: {e}",
+                        "extraInfo": info}}
     try:
         with open(path, "w") as f:
             json.dump(data, f)
@@ -228,7 +283,11 @@ def cmd_train(args, argv) -> int:
             load_workload(cfg)  # build the tokenizer/token cache once; raises on bad data
             out = cfg.out or default_out_dir()
             t0 = time.time()
-            code = spawn([*argv, "--out", out], cfg.world_size(), fork=cfg.device == "cpu",
+            from .topology import check_local_gpus, resolve_device
+
+            check_local_gpus(cfg.device, cfg.world_size())  # on CUDA: one GPU per rank
+            code = spawn([*argv, "--out", out], cfg.world_size(),
+                         fork=resolve_device(cfg.device)[0] == "cpu",
                          max_restarts=cfg.max_restarts)
             if code and recorded_since(out, t0):  # rank 0 may have died before its report
                 write_run_report(out, quiet=True)
@@ -363,5 +422,4 @@ def _main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args, argv)
     except ShardwiseConfigError as e:
-        print(f"shardwise: error: {e}", file=sys.stderr)
-        return 2
+        return report_config_error(e)

@@ -53,13 +53,47 @@ def validate_degrees(pp: int, dp: int, tp: int, world_size: int, cp: int = 1) ->
 
 
 def backend_for(device: str) -> str:
-    """The process-group backend that follows the device type: gloo for cpu, nccl for cuda, …"""
-    dtype = torch.device(device).type
+    """The process-group backend that follows the device type: gloo for cpu, nccl for cuda, …
+    (``device`` "auto": of the type :func:`resolve_device` picks)."""
+    dtype = torch.device(resolve_device(device)[0] if device == "auto" else device).type
     backend = dist.Backend.default_device_backend_map.get(dtype)
     if backend is None:
         raise ShardwiseConfigError(f"--device {device}: no torch.distributed backend for "
                                    f"device type {dtype!r}; use cpu or cuda")
     return backend
+
+
+def resolve_device(device: str = "auto") -> tuple[str, str]:
+    """The device type a run computes on and why, for ``--device`` ``device``: ``("cuda",
+    "auto: CUDA available")`` when ``device`` is "auto" and torch sees a CUDA device, else
+    ``("cpu", "auto: no CUDA")``; "cpu" and "cuda" force the choice (``("cuda", "--device
+    cuda")``). The one place the choice is made: the launcher (fork gloo workers on CPU, new
+    interpreters on GPU), :func:`init_distributed` (the backend follows the device type:
+    :func:`backend_for`; on CUDA each rank takes its ``LOCAL_RANK``'s GPU), the config check
+    and the start-up line call it. The index is not part of the choice: each rank's GPU is its
+    ``LOCAL_RANK`` (set by torchrun and by :func:`shardwise.launch.spawn`)."""
+    if device != "auto":
+        return device, f"--device {device}"
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return "cuda", "auto: CUDA available"
+    return "cpu", "auto: no CUDA"
+
+
+def check_local_gpus(device: str, local_ranks: int) -> None:
+    """On CUDA, one GPU per local rank: raise :class:`ShardwiseConfigError` when ``local_ranks``
+    ranks of this node (the launcher's world, torchrun's ``LOCAL_WORLD_SIZE``) would share
+    fewer GPUs (NCCL refuses two ranks on one GPU). No-op on CPU."""
+    kind = resolve_device(device)[0]
+    if kind != "cuda":
+        return
+    have = torch.cuda.device_count()
+    if 0 < have < local_ranks:  # none at all: config.validate refused --device cuda already
+        auto = " (--device auto found CUDA)" if device == "auto" else ""
+        raise ShardwiseConfigError(
+            f"{local_ranks} ranks on this node but torch sees {have} CUDA device"
+            f"{'' if have == 1 else 's'}{auto}: one GPU per rank; run at most {have} on this "
+            f"node (a layout of {have} rank{'' if have == 1 else 's'}, or torchrun "
+            f"--nproc-per-node {have}), or use --device cpu")
 
 
 def free_port() -> int:
@@ -72,7 +106,9 @@ def free_port() -> int:
 def init_distributed(device: str = "cpu", timeout_s: float = 300.0) -> tuple[int, int]:
     """Initialise the default process group from torchrun-style env vars and return
     ``(rank, world_size)``. Without ``WORLD_SIZE`` in the environment, a world of one process
-    (in-memory store). The backend follows ``device``; every collective times out after
+    (in-memory store). The backend follows ``device`` (cpu, cuda, or auto: resolved by
+    :func:`resolve_device`; on CUDA this rank's ``LOCAL_RANK`` GPU, one per local rank:
+    :func:`check_local_gpus`); every collective times out after
     ``timeout_s`` seconds (and sub-groups get the same timeout, see :class:`Topology`).
 
     Under torchrun with its shared rendezvous store (``TORCHELASTIC_USE_AGENT_STORE=True``, the
@@ -84,6 +120,9 @@ def init_distributed(device: str = "cpu", timeout_s: float = 300.0) -> tuple[int
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    device = resolve_device(device)[0]
+    if "WORLD_SIZE" in os.environ:
+        check_local_gpus(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     backend = backend_for(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     bind = {}
@@ -120,7 +159,8 @@ class Topology:
     shards over "dp_shard" and all-reduces over "dp_replicate"; without HSDP the data axis);
     ``mesh`` a ``DeviceMesh`` with dims ("pp","dp","tp"), and "cp" between dp and tp when
     cp > 1 (HSDP: "dp" as "dp_replicate", "dp_shard"), for PyTorch's own parallel APIs;
-    ``ledger`` where every collective on these groups is booked; ``device`` torch.device;
+    ``ledger`` where every collective on these groups is booked; ``device`` torch.device
+    (from ``device`` "cpu", "cuda" or "auto": :func:`resolve_device`; CUDA's with the index);
     ``collectives`` which implementation :mod:`shardwise.comm.ops` runs its collectives with
     ("native": the backend's; "ring", "tree", "auto": :mod:`shardwise.comm.algorithms` over
     point-to-point sends), chosen once per run. Raises :class:`ShardwiseConfigError` for an
@@ -157,7 +197,7 @@ class Topology:
         self.ranks = ranks
         self.rank = dist.get_rank()
         self.member = self.rank in ranks
-        self.device = torch.device(device)
+        self.device = torch.device(resolve_device(device)[0] if device == "auto" else device)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.ledger = Ledger()

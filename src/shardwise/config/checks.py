@@ -209,6 +209,7 @@ def _validate_layout(cfg: TrainConfig) -> None:
     collective)."""
     from ..models import MOE_PRESETS, PRESETS, preset_config
     from ..parallel.layout import Layout
+    from ..topology import resolve_device
 
     needs_model = cfg.tp > 1 or cfg.sp or cfg.pp > 1 or cfg.cp > 1 or cfg.ep > 1 \
         or cfg.model in MOE_PRESETS
@@ -218,7 +219,7 @@ def _validate_layout(cfg: TrainConfig) -> None:
     Layout.from_config(cfg).check(
         preset_config(cfg.model, cfg.vocab_size, **over) if needs_model
         else None, engine=cfg.engine, reduce_dtype=cfg.reduce_dtype, seq_len=cfg.seq_len,
-        device=cfg.device,
+        device=resolve_device(cfg.device)[0],
         global_batch=cfg.global_batch, micro_batch=cfg.micro_batch,
         layers_per_stage=cfg.stage_split() if cfg.pp > 1 else None)
 
@@ -258,8 +259,9 @@ def _validate_ranges(cfg: TrainConfig) -> None:
 
         if not torch.cuda.is_available():
             raise ShardwiseConfigError("--device cuda, but this torch sees no CUDA device "
-                                       f"(torch {torch.__version__}): use --device cpu, or "
-                                       "install a CUDA build of torch on a GPU machine")
+                                       f"(torch {torch.__version__}): use --device cpu (or auto, "
+                                       "the default), or install a CUDA build of torch on a "
+                                       "GPU machine")
 
 
 def _validate_task_and_init(cfg: TrainConfig) -> None:

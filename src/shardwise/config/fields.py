@@ -81,7 +81,7 @@ class TrainConfig:
     ac: str = "none"  # activation checkpointing per block: none | selective | full
     compile: bool = False  # torch.compile each transformer block (models/compile.py)
     peak_tflops: float = 0.0  # MFU: peak dense TFLOP/s of one GPU / CPU core (0 = table/probe)
-    device: str = "cpu"  # cpu | cuda
+    device: str = "auto"  # auto | cpu | cuda (topology.resolve_device: CUDA if torch sees it)
     # run
     out: str = ""  # "" = runs/<timestamp>
     log_every: int = 10
@@ -182,7 +182,7 @@ CHOICES = {
     "engine": ("explicit", "torch"),
     "dtype": ("fp32", "bf16"),
     "task": ("lm", "sft", "dpo"),
-    "device": ("cpu", "cuda"),
+    "device": ("auto", "cpu", "cuda"),
     "reduce_dtype": ("fp32", "bf16"),
     "optimizer": ("adamw", "muon"),
     "ac": ("none", "selective", "full"),

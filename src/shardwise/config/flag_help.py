@@ -72,7 +72,8 @@ FLAG_HELP = {
     "ac": "activation checkpointing per block",
     "compile": "torch.compile each transformer block",
     "peak_tflops": "MFU: peak dense TFLOP/s of one device (0 = table value or CPU probe)",
-    "device": "device the ranks compute on",
+    "device": "device the ranks compute on: auto = CUDA when torch sees it (each rank the GPU "
+              "of its LOCAL_RANK, NCCL), else CPU (gloo); cpu or cuda force it",
     "out": "run folder (empty = runs/<timestamp>)",
     "log_every": "log (and write metrics.jsonl) every N steps",
     "eval_every": "validation loss every N steps",

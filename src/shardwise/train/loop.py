@@ -40,12 +40,12 @@ from ..parallel.apply import Layout, parallelize
 from ..parallel.cp import plain_attention, shard_sequence
 from ..parallel.pp.schedules import V_SCHEDULES
 from ..parallel.pp.split import describe_placement
-from ..topology import Topology, init_distributed
+from ..topology import Topology, backend_for, init_distributed, resolve_device
 from . import faults
 from .device import device_lines, device_memory_keys, host_peak_rss, reset_peak
 from .metrics import MetricsLogger, plot_loss
 from .optim import build_optimizer, build_scheduler
-from .report import describe_groups
+from .report import describe_groups, describe_layout
 from ..report.record import RunRecorder
 from .run import Run, _first_steps, _record
 from .step import train_step
@@ -189,9 +189,13 @@ def setup(cfg: TrainConfig) -> Run:
     fingerprint = data_fingerprint(work, cfg.data)
     resume_from = None if refused else _find_resume(cfg, work, rank, fingerprint)
 
-    init_distributed(cfg.device, cfg.timeout)
+    # --device auto (the default): CUDA when torch sees it, else CPU; the backend follows.
+    # config.toml keeps what was asked (auto: the same file picks again on another machine);
+    # the start-up line says what was picked and why
+    device, device_why = resolve_device(cfg.device)
+    init_distributed(device, cfg.timeout)
     topo = Topology(cfg.pp, cfg.dp, cfg.tp, cp=cfg.cp, ep=cfg.ep, dp_replicate=cfg.dp_replicate,
-                    device=cfg.device,
+                    device=device,
                     timeout_s=cfg.timeout,
                     collectives=cfg.collectives, check_collectives=cfg.check_collectives)
     with topo.ledger.phase("init"):
@@ -290,6 +294,9 @@ def setup(cfg: TrainConfig) -> Run:
             f"{plural(cfg.global_batch, 'row')} × d_model {model_cfg.d_model} ({work.kind})")
     log.info(f"shardwise train: {describe_source(cfg)} ({size} parameters), layout "
              f"{topo.describe()}, engine={cfg.engine}, data={work.description}")
+    log.info(f"  device {topo.device} ({device_why}), backend {backend_for(device)}"
+             + ("; each rank on the GPU of its LOCAL_RANK"
+                if topo.device.type == "cuda" and topo.world_size > 1 else ""))
     log.info(f"  {plural(cfg.steps, 'step')} × {rows}; {plural(n_micro, 'micro-batch')} of "
              f"{micro_batch} per rank per step; output → {out}")
     if batching_note(cfg):  # values the user did not give, derived from the layout
@@ -303,6 +310,9 @@ def setup(cfg: TrainConfig) -> Run:
              f"{epoch['steps_per_epoch']:,} steps × {cfg.global_batch} + "
              f"{epoch['dropped_per_epoch']:,} dropped (the tail of each epoch's shuffle)")
     for line in describe_groups(topo):
+        log.info(line)
+    for line in describe_layout(Layout.from_config(cfg), cfg.engine, optimizer=cfg.optimizer,
+                                microbatches=n_micro):
         log.info(line)
     if cfg.pp > 1 and cfg.schedule in V_SCHEDULES:  # the V placement, done for the user
         for line in describe_placement(model_cfg.n_layers, cfg.pp, cfg.schedule,
