@@ -507,6 +507,13 @@ def test_issue51_refusals_leave_nothing_behind(cli, f, tmp_path, monkeypatch):
     # the same --out then takes a fresh run (the launcher's checks pass; spawn is the tripwire)
     with pytest.raises(AssertionError, match="workers would start"):
         cli([*Q, "--out", out])
+    # an empty metrics.jsonl (what a run that failed before its first record leaves) does not
+    # block a fresh run either; one with a record does
+    (out / "metrics.jsonl").write_text("")
+    with pytest.raises(AssertionError, match="workers would start"):
+        cli([*Q, "--out", out])
+    (out / "metrics.jsonl").write_text('{"step": 0, "val_loss": 5.0}\n')
+    _one_line_exit_2(*cli([*Q, "--out", out]), ["already holds a run"])
     shutil.rmtree(out)
     # 5, 6. report: nothing written into the run folder or next to the file
     for argv in (["report", f["run_step_str"]], ["report", f["run_meta_list"]],

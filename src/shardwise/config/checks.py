@@ -87,7 +87,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
                                    ".jsonl or .parquet file or a folder of them, or omit --data "
                                    "for the embedded default corpus")
     _validate_checkpointing(cfg)
-    if cfg.out and os.path.exists(os.path.join(cfg.out, "metrics.jsonl")) and not cfg.resume:
+    # an empty metrics.jsonl (a run that failed before its first record) holds nothing to lose:
+    # a fresh run there starts its logs anew (train.loop._fresh_logs)
+    if cfg.out and _nonempty(os.path.join(cfg.out, "metrics.jsonl")) and not cfg.resume:
         raise ShardwiseConfigError(
             f"--out {cfg.out} already holds a run (metrics.jsonl): choose a new --out (a config "
             "file from an earlier run keeps its out = ...; override it with --out), pass "
@@ -115,6 +117,13 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if cfg.hang_after < 0:  # --hang-after
         raise ShardwiseConfigError(f"--hang-after {cfg.hang_after} must be ≥ 0 seconds (0 = "
                                    f"half of --timeout, {cfg.timeout / 2:g} s)")
+
+
+def _nonempty(path: str) -> bool:
+    try:
+        return os.path.getsize(path) > 0
+    except OSError:
+        return False
 
 
 def check_optimizer(optimizer: str, *, engine: str, tp: int, pp: int, zero: int) -> None:
