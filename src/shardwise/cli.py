@@ -16,9 +16,9 @@ import time
 import traceback
 
 from .config import add_config_flags, check_timeout, from_args, validate
+from .config.fields import DEFAULT_LAYOUT_RULE
 from .errors import ShardwiseConfigError
 from .launch import is_worker, spawn, watch_launcher
-from .config.fields import DEFAULT_LAYOUT_RULE
 
 
 LEARN = ("collectives", "dp", "fsdp", "tp", "fsdp_tp", "pp")
