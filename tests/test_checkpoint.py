@@ -335,7 +335,9 @@ def test_disk_space_and_out_checks(tmp_path):
         check_disk_space(str(tmp_path / "x"), 1 << 62)
     check_disk_space(str(tmp_path / "x"), 1)
     assert checkpoint_bytes_estimate(1000, keep=2) == 3 * 4 * 1000 * 3
-    (tmp_path / "metrics.jsonl").write_text("")
+    # a folder with a run's records is refused (an empty metrics.jsonl, left by a run that failed
+    # before its first record, is not a run: tests/test_bad_inputs.py, issue 51)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
     cfg = TrainConfig(model="tiny", out=str(tmp_path))
     with pytest.raises(ShardwiseConfigError, match="--resume auto to continue"):
         validate(cfg)
