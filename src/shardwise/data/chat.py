@@ -46,6 +46,17 @@ ROLES = ("system", "user", "assistant", "tool")
 Segments = list[tuple[str | list[int], bool]]  # (text, or token ids; is a target)
 
 
+def check_messages(msgs: list, where: str, name: str) -> None:
+    """Raise ShardwiseConfigError naming ``where`` and ``name[j]`` unless every item of ``msgs``
+    is a ``{"role": one of ROLES, "content": str}`` message."""
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) \
+                or m.get("role") not in ROLES:
+            raise ShardwiseConfigError(
+                f"{where}: {name}[{j}] = {str(m)[:80]}: each message needs \"role\" (one of "
+                f"{', '.join(ROLES)}) and a string \"content\"")
+
+
 def check_chat_record(rec: dict, where: str) -> None:
     """Raise ShardwiseConfigError (``where`` = ``--data FILE:LINE``) unless ``rec`` is a chat
     record: ``messages`` a list of {role in :data:`ROLES`, content str} with ≥ 1 assistant."""
@@ -53,12 +64,7 @@ def check_chat_record(rec: dict, where: str) -> None:
     if not isinstance(msgs, list) or not msgs:
         raise ShardwiseConfigError(f"{where}: \"messages\" must be a non-empty list of "
                                    '{"role", "content"} objects')
-    for j, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) \
-                or m.get("role") not in ROLES:
-            raise ShardwiseConfigError(
-                f"{where}: messages[{j}] = {str(m)[:80]}: each message needs \"role\" (one of "
-                f"{', '.join(ROLES)}) and a string \"content\"")
+    check_messages(msgs, where, "messages")
     if not any(m["role"] == "assistant" for m in msgs):
         raise ShardwiseConfigError(f"{where}: no assistant message, so nothing to learn: add "
                                    "the assistant's reply (the loss is on assistant turns only)")

@@ -116,19 +116,15 @@ def _check_string_pair(rec: dict, where: str) -> None:
 def _check_chat_pair(rec: dict, where: str) -> None:
     """A conversational record: ``prompt`` a non-empty message list, ``chosen``/``rejected``
     non-empty lists of assistant messages (ShardwiseConfigError naming the field)."""
-    from shardwise.data.chat import ROLES
+    from shardwise.data.chat import check_messages
 
     for key in FIELDS:
         msgs = rec[key]
         if not msgs:
             raise ShardwiseConfigError(f"{where}: {key!r} is an empty message list: fix or drop "
                                        "the line")
+        check_messages(msgs, where, key)
         for j, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str) \
-                    or m.get("role") not in ROLES:
-                raise ShardwiseConfigError(
-                    f"{where}: {key}[{j}] = {str(m)[:80]}: each message needs \"role\" (one of "
-                    f"{', '.join(ROLES)}) and a string \"content\"")
             if key != "prompt" and m["role"] != "assistant":
                 raise ShardwiseConfigError(
                     f"{where}: {key}[{j}] has role {m['role']!r}: a response is the assistant's "
