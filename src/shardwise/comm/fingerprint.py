@@ -84,14 +84,14 @@ import zlib
 
 import torch.distributed as dist
 
-from ..errors import CollectiveHang, CollectiveMismatch, CollectiveTimeout
 from .groups import SHARED_GLOO
-from .positions import DIR_ENV, DIR_KEY, PositionFile, read_positions
-from .diagnosis import (DESYNC_FIX, TOPOLOGIES_KEY, diagnose_positions, diagnose_reports,
-                        diagnose_when_torchrun_stops, divergence_message, hang_message)
+from .positions import DIR_ENV, DIR_KEY
+from .diagnosis import (DESYNC_FIX, TOPOLOGIES_KEY, diagnose_reports,
+                        diagnose_when_torchrun_stops, divergence_message)
+from .fingerprint_records import RankRecords
+from .fingerprint_waits import SLICE_S, SlicedWaits
 
 MODES = ("off", "step", "every")
-SLICE_S = 0.5  # seconds a rank waits (in a collective or at the check) before it reports
 HISTORY = 64  # fingerprints kept per rank for reports (the last K)
 
 
@@ -132,10 +132,13 @@ def fingerprint(op: str, axis: str, tag: str, tensor_like=None, reduce: str | No
     return f"{op}({', '.join(parts)})"
 
 
-class CollectiveChecks:
+class CollectiveChecks(RankRecords, SlicedWaits):
     """The fingerprints of one :class:`~shardwise.topology.Topology` on this rank, and their
     comparison with its peers' (see the module docstring). ``mode``: one of :data:`MODES`;
-    ``timeout_s``: the topology's process-group timeout, the longest any check waits."""
+    ``timeout_s``: the topology's process-group timeout, the longest any check waits. What a
+    rank publishes about itself (position, report, flight record, the one diagnosis) is
+    :class:`~shardwise.comm.fingerprint_records.RankRecords`; how it waits (in slices, in a
+    thread, polling the store) :class:`~shardwise.comm.fingerprint_waits.SlicedWaits`."""
 
     def __init__(self, topo, mode: str = "step", timeout_s: float = 300.0):
         if mode not in MODES:
@@ -258,142 +261,6 @@ class CollectiveChecks:
         return {"op": op, "chan": chan, "peer": peer, "tag": tag or "-", "n": n, "fp": fp,
                 "step": self.step}
 
-    def wait(self, work, axis: str, entry=None, p2p: dict | None = None) -> None:
-        """``work.wait()`` for a collective on ``axis`` (``entry``: what :meth:`issue`
-        returned; ``p2p``: what :meth:`issue_p2p` returned, for a send or receive); on a
-        host-blocking backend (gloo) in slices of :data:`SLICE_S`, reporting after the first
-        and raising :class:`CollectiveMismatch` as soon as any rank has proven a divergence,
-        or :class:`CollectiveHang` past ``hang_after_s``; when it returns, publish this rank's
-        position again (running: past it). If the wait fails because a peer died (its
-        connection closed), this rank publishes where it was and raises the divergence the
-        ranks' positions prove (a gloo size abort), else torch's error."""
-        if not self.active or not self._blocks_host(axis):
-            work.wait()
-            return
-        import datetime
-
-        if p2p is not None:
-            what = f"in {p2p['fp']} (message #{p2p['n']} of {p2p['chan']})"
-        elif entry is not None:
-            what = f"in {entry[1]} #{entry[4]}"
-        else:
-            what = "in a collective"
-        sl = datetime.timedelta(seconds=SLICE_S)
-        t0 = time.monotonic()
-        self._waiting = (what, t0, p2p)
-        try:
-            if p2p is not None:  # gloo closes the pair when a send/recv wait times out
-                self._wait_in_thread(work, t0, what)
-            else:
-                while True:
-                    try:
-                        work.wait(timeout=sl)
-                        break
-                    except RuntimeError as e:
-                        # the collective's own error: a peer that raised the diagnosis and
-                        # left, or died
-                        if "Operation timed out!" not in str(e):
-                            self._failed(e, what)
-                    self._while_waiting(t0=t0, what=what)
-        finally:
-            self._waiting = None
-        # past it: "last issued" now means running after it (the position at issue said "in
-        # it"), so a rank stopped between two collectives is not named as waiting in the first
-        self._position()
-
-    def _failed(self, e: BaseException, what: str):
-        """A wait failed with ``e`` (not a slice's timeout): raise the published diagnosis, or
-        the one the positions prove, else ``e``."""
-        self._raise_known(e)  # a peer that raised the diagnosis and left
-        self._peer_broke(what, e)  # a peer that died
-        raise e
-
-    def _wait_in_thread(self, work, t0: float, what: str) -> None:
-        """Wait for a point-to-point ``work`` (gloo cannot time such a wait out and wait again:
-        a timeout closes the pair) in a daemon thread, polling it every :data:`SLICE_S` as
-        :meth:`wait` does; a wait that never ends is left in its thread to die with the
-        process. Costs one thread start (~0.1 ms) per send or receive waited for."""
-        import threading
-
-        done, err = threading.Event(), []
-
-        def run():
-            try:
-                work.wait()
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-                err.append(e)
-            finally:
-                done.set()
-
-        threading.Thread(target=run, name="shardwise-p2p-wait", daemon=True).start()
-        while not done.wait(SLICE_S):
-            self._while_waiting(t0=t0, what=what)
-        if err:
-            self._failed(err[0], what)
-
-    def _position(self, where: str | None = None) -> None:
-        """Publish ``pos/{rank}``: this rank's step, its last issued op (history entry), where
-        it is (``where``: e.g. "at the check before step 3", "in all_reduce(dp, grad,
-        float32[4]) #5" while it waits in its last op; None: running, past it), its point-to-point
-        counts, its flight folder and its process id (the local launcher maps the exit statuses
-        it recorded to ranks with it), with the wall time (s since the epoch): into this rank's
-        position file under the local launcher, else (or when it does not fit) in the store."""
-        last = self.history[-1] if self.history else None
-        # json.dumps of {rank, pid, step, epoch, last, where, sent, recvd, flight_dir, t}, from
-        # parts kept while they hold (a collective publishes twice with one entry): ~3 µs, not ~9
-        key = (self.step, self.epoch, self.flight_dir, self._p2p, os.getpid())
-        try:
-            if self._pos_parts[0] != key:
-                self._pos_parts = (key, json.dumps(
-                    {"rank": self._rank, "pid": os.getpid(), "step": self.step,
-                     "epoch": self.epoch})[:-1], json.dumps(
-                    {"sent": self.sent, "recvd": self.recvd, "flight_dir": self.flight_dir})[1:-1])
-            if self._pos_last[0] is not last:
-                self._pos_last = (last, json.dumps(last))
-            _, head, tail = self._pos_parts
-            text = (f'{head}, "last": {self._pos_last[1]}, "where": {json.dumps(where)}, '
-                    f'{tail}, "t": {time.time()!r}}}')
-            s = self.store()
-            if self._posfile is None:
-                self._posfile = PositionFile.open(self._prefix, self._rank) or False
-            if not (self._posfile and self._posfile.write(text)):
-                s.set(f"pos/{self._rank}", text)
-        except Exception:  # noqa: BLE001 - positions are best effort; the check is not
-            pass
-
-    def _peer_broke(self, what: str, cause: BaseException) -> None:
-        """A wait failed with a backend error (a peer died): publish this rank's position and
-        report, then raise the divergence the positions prove, if any (on gloo a size
-        mismatch aborts a receiver: the survivors and the dead rank's last position show
-        which rank issued which shape)."""
-        try:
-            self._position(where=f"{what} when a peer's connection broke")
-            self._report(waiting=what)
-            self._flight_record(diagnosis=f"a peer's connection broke: {cause}")
-            time.sleep(SLICE_S / 5)  # the other survivors publish theirs
-            msg = diagnose_positions(self._positions())
-        except Exception:  # noqa: BLE001 - the store may be gone too: torch's error stands
-            return
-        if msg:
-            self._raise(msg, cause=cause)
-
-    def _positions(self) -> dict:
-        """rank → its published position (its file or ``pos/{r}``), for the ranks that
-        published one."""
-        return read_positions(self.store(), self._prefix, self.topo.ranks)
-
-    def _raise_known(self, cause: BaseException | None = None) -> None:
-        """Raise the topology's published diagnosis, if any (chained to ``cause``)."""
-        try:
-            s = self.store()
-            value = s.get("abort").decode() if s.check(["abort"]) else None
-        except Exception:  # noqa: BLE001 - the store is gone too: the cause stands
-            return
-        if value:
-            kind, _, msg = value.partition("|")
-            self._flight_record(diagnosis=msg)
-            raise (CollectiveHang if kind == "hang" else CollectiveMismatch)(msg) from cause
-
     def _blocks_host(self, axis: str) -> bool:
         g = self._group(axis)
         if g not in self._host_blocking:
@@ -462,109 +329,6 @@ class CollectiveChecks:
         if members is None:  # a group this rank is not in: its members compare it
             return False
         return len({tuple(summaries[r]["groups"].get(g, [0, 0])) for r in members}) > 1
-
-    def _poll(self, ready, t0: float, what: str, on_slice) -> None:
-        """Poll ``ready()`` (a store check) with short sleeps; after each :data:`SLICE_S`
-        without it, call ``on_slice()``; past the timeout raise :class:`CollectiveTimeout`."""
-        nap, last = 1e-4, time.monotonic()
-        while not ready():
-            now = time.monotonic()
-            if now - t0 > self.timeout_s:
-                raise CollectiveTimeout(
-                    f"not every rank of {self.topo.describe()} {what} within the process "
-                    f"group's timeout of {self.timeout_s:g} s: a rank is stuck (in compute, or "
-                    f"in a collective its peers never issued) or died; {DESYNC_FIX}")
-            if now - last >= SLICE_S:
-                on_slice()
-                last = now
-            time.sleep(nap)
-            nap = min(nap * 2, 0.02)
-
-    def _report(self, label: str | None = None, waiting: str | None = None) -> None:
-        """Publish this rank's full report of the current epoch (again only if it changed)."""
-        state = (self.epoch, sum(len(v) for v in self.pending.values()), label,
-                 sum(self.sent.values()) + sum(self.recvd.values()))
-        if self._reported == state:
-            return
-        self._reported = state
-        rep = {"rank": self._rank, "label": label, "waiting": waiting,
-               "wait_p2p": self._waiting[2] if self._waiting and not label else None,
-               "sent": self.sent, "recvd": self.recvd, "step": self.step,
-               "last": self.history[-1] if self.history else None,
-               "groups": {g: {"base": self.base.get(g, 0), "members": self._members[g],
-                              "ops": v} for g, v in self.pending.items() if v},
-               "member_of": {g: m for g, m in self._members.items()}}
-        self.store().set(f"f/{self.epoch}/{self._rank}", json.dumps(rep))
-
-    def _reports(self) -> dict:
-        s = self.store()
-        keys = [f"f/{self.epoch}/{r}" for r in self.topo.ranks]
-        have = [k for k in keys if s.check([k])]
-        return {json.loads(v)["rank"]: json.loads(v) for v in (s.multi_get(have) if have else [])}
-
-    def _while_waiting(self, label: str | None = None, t0: float | None = None,
-                       what: str = "in a collective") -> None:
-        """Called after each slice spent waiting (since ``t0``, ``what``: where): report, then
-        raise the divergence if any rank has proven one (or this rank can, from the reports
-        published so far); past ``hang_after_s``, write the flight record and raise
-        :class:`CollectiveHang` naming every rank's position. A rank that learns of a
-        published diagnosis while it waits writes its flight record too."""
-        waited = time.monotonic() - t0 if t0 is not None else 0.0
-        if self.store().check(["abort"]):
-            self._raise_known()  # writes the flight record
-        self._report(label=label, waiting=None if label else what)
-        reports = self._reports()
-        if self.hang_after_s and waited >= self.hang_after_s:
-            self._raise(self._hang_message(reports, what, waited), kind="hang")
-        msg = diagnose_reports(reports)
-        if msg and len(reports) < self.topo.world_size and self._found != self.epoch:
-            self._found = self.epoch  # proven, but wait one slice more for every rank's report
-            return
-        if msg:
-            self._raise(msg)
-
-    def _raise(self, msg: str, kind: str = "mismatch", cause: BaseException | None = None):
-        """Publish ``msg`` as the topology's one diagnosis (unless another rank was first) and
-        raise it (``kind`` "mismatch": :class:`CollectiveMismatch`; "hang":
-        :class:`CollectiveHang`), after writing this rank's flight record."""
-        self.store().compare_set("abort", "", f"{kind}|{msg}")
-        self._raise_known(cause)
-
-    def _hang_message(self, reports: dict, what: str, waited: float) -> str:
-        """:func:`~shardwise.comm.diagnosis.hang_message` for this rank's wait."""
-        try:
-            positions = self._positions()
-        except Exception:  # noqa: BLE001 - the reports alone still name the positions
-            positions = {}
-        return hang_message(reports, positions, self.topo.ranks, self._rank, self.step, what,
-                            waited, self.hang_after_s, self.flight_dir)
-
-    def _flight_record(self, what: str | None = None, waited: float | None = None,
-                       diagnosis: str | None = None) -> None:
-        """Write ``flight_dir/rank{r}.json``: this rank's last :data:`HISTORY` fingerprints
-        (collectives and point-to-point messages), what it waits for (default: the current
-        wait), for how long (s), the point-to-point counts per channel, the ``diagnosis`` it
-        raises, and its Python stack. Nothing without a ``flight_dir``."""
-        if not self.flight_dir:
-            return
-        import os
-        import traceback
-
-        if what is None:
-            what, since, _ = self._waiting or ("not waiting", time.monotonic(), None)
-            waited = time.monotonic() - since
-        os.makedirs(self.flight_dir, exist_ok=True)
-        rec = {"rank": self._rank, "step": self.step, "waiting": what, "waited_s": waited or 0.0,
-               "wait_p2p": self._waiting[2] if self._waiting else None,
-               "diagnosis": diagnosis, "ranks": list(self.topo.ranks),
-               "sent": self.sent, "recvd": self.recvd, "t": time.time(),
-               "last": [{"group": g, "fingerprint": fp, "phase": ph, "step": st, "seq": n}
-                        for g, fp, ph, st, n in self.history],
-               "stack": traceback.format_stack()[:-2]}
-        path = os.path.join(self.flight_dir, f"rank{self._rank}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(rec, f, indent=1)
-        os.replace(path + ".tmp", path)
 
     def _check_one(self, g: str, n: int, fp: str) -> None:
         """``every``: publish this rank's fingerprint #n on group ``g`` and compare it with
