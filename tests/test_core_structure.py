@@ -21,6 +21,23 @@
   see PP 1F1B, ZeRO-3 or TP whole (the issue's targets; measured by running the layout:
   tests/workers/reading_cases.py).
 
+Issue 52's targets (each checker tested on a planted violation and a planted clean package; on
+the real tree, a target that does not hold yet is marked ``xfail(strict=True)`` while the
+refactor is under way, so the day it holds the test turns red and the marker has to go):
+
+* ``parallelize`` (``parallel/apply.py``) is at most :data:`MAX_PARALLELIZE_LINES` lines with at
+  most :data:`MAX_PARALLELIZE_BRANCHES` conditionals (:func:`function_shape`: every ``if`` /
+  ``elif`` statement, conditional expression and ``match`` case inside it, nested functions
+  included; loops, comprehension filters and ``and``/``or`` are not counted);
+* no meta-device branch in ``_pipeline``: no variable or parameter named ``meta`` or
+  ``weights`` inside it (:func:`meta_names`: the full weights of a meta-device build are
+  filled once by the sync after ``parallelize`` builds it, not tested in the pipeline);
+* no strategy folder imports ``parallel/model.py`` (:func:`model_imports`: strategies import
+  the protocols, ``sync.py`` and ``loss.py``);
+* no parameter in ``parallel/`` named ``reduce_dtype``, and at most :data:`MAX_DTYPE_STRINGS`
+  parameters annotated ``str`` whose name contains ``dtype`` (:func:`dtype_parameters`; 40 in
+  16 files at fb12019): the precision travels as one record.
+
 Each static checker is also run on a planted violation (a fake package in ``tmp_path``) and must
 fail.
 """
@@ -44,6 +61,11 @@ LOSS_MEMBERS = ("loss_sum", "loss_sum_and_count", "loss")
 # files of parallel/ a reader opens from parallelize() to see the layout whole (issue 33)
 READ_BOUNDS = {"pp_1f1b": 8, "zero3": 9, "tp": 9}
 MAX_BRANCH_SITES = 3  # per dimension (EP, HSDP), issue 33's target
+MAX_PARALLELIZE_LINES, MAX_PARALLELIZE_BRANCHES = 60, 6  # issue 52's targets
+MAX_DTYPE_STRINGS = 5  # parameters ``*dtype*: str`` in parallel/ (issue 52; 40 at fb12019)
+# on the real tree while issue 52's refactor is under way: remove the marker where it XPASSes
+REFACTOR_52 = pytest.mark.xfail(strict=True, raises=AssertionError,
+                                reason="issue 52: being refactored; flip when it lands")
 
 
 def _imported_modules(f: Path, pkg_root: Path) -> list[tuple[str, int]]:
@@ -206,6 +228,76 @@ def branch_sites(pkg_root: Path) -> dict[str, list[str]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
+def _function(pkg_root: Path, file: str, name: str) -> ast.FunctionDef:
+    """The module-level ``def name`` of ``pkg_root``/parallel/``file``; LookupError if it is
+    gone (then the check has to be pointed at where that step moved, not pass unseen)."""
+    tree = ast.parse((pkg_root / "parallel" / file).read_text())
+    for n in tree.body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name:
+            return n
+    raise LookupError(f"parallel/{file} has no function {name}: point the check at its "
+                      "successor")
+
+
+def function_shape(pkg_root: Path, file: str = "apply.py",
+                   name: str = "parallelize") -> tuple[int, int]:
+    """(lines, conditionals) of ``name`` in ``parallel/file``: lines ``end_lineno - lineno + 1``;
+    conditionals the ``ast.If`` (an ``elif`` is one more), ``ast.IfExp`` and ``match`` cases
+    anywhere inside it."""
+    f = _function(pkg_root, file, name)
+    branches = sum(isinstance(n, (ast.If, ast.IfExp, ast.match_case)) for n in ast.walk(f))
+    return f.end_lineno - f.lineno + 1, branches
+
+
+def meta_names(pkg_root: Path, file: str = "apply.py", name: str = "_pipeline") -> list[str]:
+    """"identifier:line" of every variable (``ast.Name``) or parameter (``ast.arg``) named
+    ``meta`` or ``weights`` inside ``name``: the meta-device decisions it would take."""
+    f = _function(pkg_root, file, name)
+    found = [(n.lineno, n.col_offset, n.id if isinstance(n, ast.Name) else n.arg)
+             for n in ast.walk(f)
+             if (isinstance(n, ast.Name) and n.id in ("meta", "weights"))
+             or (isinstance(n, ast.arg) and n.arg in ("meta", "weights"))]
+    return [f"{name}:{line}" for line, _, name in sorted(found)]
+
+
+def model_imports(pkg_root: Path) -> list[str]:
+    """"file:line" of every import of ``parallel/model.py`` (module or a name from it, relative
+    or absolute, at any depth of the file) in a strategy folder."""
+    par = pkg_root / "parallel"
+    model = f"{pkg_root.name}.parallel.model"
+    out = []
+    for f in sorted(par.rglob("*.py")):
+        rel = f.relative_to(par)
+        if len(rel.parts) < 2 or rel.parts[0] not in STRATEGIES:
+            continue
+        out += [f"{rel}:{line}" for mod, line in _imported_modules(f, pkg_root)
+                if mod == model or mod.startswith(model + ".")]
+    return sorted(set(out))
+
+
+def dtype_parameters(pkg_root: Path) -> tuple[list[str], list[str]]:
+    """(parameters named ``reduce_dtype``, parameters annotated ``str`` — or ``"str"`` — whose
+    name contains ``dtype``) of every function and lambda in ``parallel/``, as
+    "file:line:name" (``str | None`` is not counted)."""
+    par = pkg_root / "parallel"
+    reduce, strings = [], []
+    for f in sorted(par.rglob("*.py")):
+        for n in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            a = n.args
+            for arg in a.posonlyargs + a.args + a.kwonlyargs + [x for x in (a.vararg, a.kwarg)
+                                                                 if x]:
+                where = f"{f.relative_to(par)}:{n.lineno}:{arg.arg}"
+                if arg.arg == "reduce_dtype":
+                    reduce.append(where)
+                ann = arg.annotation
+                if "dtype" in arg.arg and ((isinstance(ann, ast.Name) and ann.id == "str") or (
+                        isinstance(ann, ast.Constant) and ann.value == "str")):
+                    strings.append(where)
+    return reduce, strings
+
+
 def test_strategy_folders_do_not_import_each_other():
     edges = strategy_edges(SRC)
     new = {e: w for e, w in edges.items() if e not in PENDING}
@@ -282,6 +374,97 @@ def test_planted_violations_fail(tmp_path):
         "    return 'edp' if g.axis == topo.shard_axis else x\n")          # not in the test
     assert branch_sites(pkg) == {"EP": ["dp/c.py:2", "dp/c.py:5"],
                                  "HSDP": ["dp/c.py:4", "dp/c.py:6"]}
+
+
+@REFACTOR_52
+def test_parallelize_reads_as_its_steps():
+    lines, branches = function_shape(SRC)  # 120 lines, 19 conditionals at fb12019
+    assert lines <= MAX_PARALLELIZE_LINES and branches <= MAX_PARALLELIZE_BRANCHES, \
+        f"parallelize: {lines} lines, {branches} conditionals"
+
+
+@REFACTOR_52
+def test_no_meta_branch_in_the_pipeline():
+    found = meta_names(SRC)  # 6 (weights) at fb12019
+    assert not found, f"_pipeline decides on the meta-device build: {found}"
+
+
+@REFACTOR_52
+def test_strategies_do_not_import_the_engine_module():
+    # 5 at fb12019: tp/loss.py, tp/mlp.py, tp/dtensor.py, pp/runner.py, pp/torch_runner.py
+    # (PlainLoss and autocast, moving to parallel/loss.py)
+    found = model_imports(SRC)
+    assert not found, f"strategy folders import parallel/model.py: {found}"
+
+
+@REFACTOR_52
+def test_the_precision_is_not_threaded_as_strings():
+    reduce, strings = dtype_parameters(SRC)  # 16 and 40 at fb12019
+    assert not reduce, f"parameters named reduce_dtype: {reduce}"
+    assert len(strings) <= MAX_DTYPE_STRINGS, f"{len(strings)} dtype strings: {strings}"
+
+
+def _plant_issue_52(pkg: Path, *, clean: bool) -> None:
+    """A fake package for the issue 52 checkers: violating every target, or (``clean``) meeting
+    them all at their limits."""
+    for d in ("parallel/tp", "parallel/pp"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "parallel" / "__init__.py").write_text("")
+    (pkg / "parallel" / "model.py").write_text(
+        "def helper(x, dtype: str = 'fp32', reduce_dtype: str = 'fp32'):\n    pass\n")
+    n_if = MAX_PARALLELIZE_BRANCHES + (0 if clean else 1)
+    ifs = ["    if a:\n        pass\n"] * (n_if - 2) + [
+        "    x = 1 if a else 2\n", "    match a:\n        case 1:\n            pass\n"]
+    body = "".join(ifs)
+    pad = MAX_PARALLELIZE_LINES - 1 - body.count("\n") + (0 if clean else 1)
+    pipeline = ("def _pipeline(model, topo, *, dtype: str = 'fp32'):\n    return model\n"
+                if clean else
+                "def _pipeline(model, topo, weights=None):\n    meta = weights is None\n"
+                "    return meta\n")
+    (pkg / "parallel" / "apply.py").write_text(
+        "def parallelize(a):\n" + body + "    y = 0\n" * pad + pipeline)
+    if clean:
+        (pkg / "parallel" / "tp" / "a.py").write_text(
+            "from ..sync import Sync\nfrom .. import loss\nimport shardwise.parallel.models\n"
+            + "".join(f"def f{i}(x, dtype: str, out_dtype):\n    pass\n"
+                      for i in range(MAX_DTYPE_STRINGS - 1)))
+    else:
+        (pkg / "parallel" / "tp" / "a.py").write_text(
+            "from ..model import PlainLoss\n"
+            "def f():\n    from .. import model\n    import shardwise.parallel.model\n")
+        (pkg / "parallel" / "pp" / "b.py").write_text(
+            "from shardwise.parallel.model import autocast\n"
+            "g = lambda t, reduce_dtype: t\n"
+            "def h(t, *, grad_dtype: str, dtype: 'str'):\n    pass\n")
+
+
+def test_issue_52_checkers_on_planted_packages(tmp_path):
+    """Each issue 52 checker fails on a planted violation and passes on a planted clean
+    package (every target at its limit)."""
+    bad = tmp_path / "bad" / "shardwise"
+    _plant_issue_52(bad, clean=False)
+    assert function_shape(bad) == (MAX_PARALLELIZE_LINES + 1, MAX_PARALLELIZE_BRANCHES + 1)
+    start = MAX_PARALLELIZE_LINES + 2  # _pipeline's line in the planted apply.py
+    assert meta_names(bad) == [f"weights:{start}", f"meta:{start + 1}",
+                               f"weights:{start + 1}", f"meta:{start + 2}"]
+    assert model_imports(bad) == ["pp/b.py:1", "tp/a.py:1", "tp/a.py:3", "tp/a.py:4"]
+    reduce, strings = dtype_parameters(bad)
+    assert reduce == ["model.py:1:reduce_dtype", "pp/b.py:2:reduce_dtype"]
+    assert strings == ["model.py:1:dtype", "model.py:1:reduce_dtype", "pp/b.py:3:grad_dtype",
+                       "pp/b.py:3:dtype"]
+    clean = tmp_path / "clean" / "shardwise"
+    _plant_issue_52(clean, clean=True)
+    (clean / "parallel" / "model.py").write_text("def helper(x):\n    pass\n")
+    assert function_shape(clean) == (MAX_PARALLELIZE_LINES, MAX_PARALLELIZE_BRANCHES)
+    assert meta_names(clean) == []
+    assert model_imports(clean) == []
+    reduce, strings = dtype_parameters(clean)
+    assert reduce == [] and len(strings) == MAX_DTYPE_STRINGS, strings
+    (clean / "parallel" / "apply.py").write_text("def parallelise(a):\n    pass\n")
+    with pytest.raises(LookupError, match="no function parallelize"):
+        function_shape(clean)
 
 
 @pytest.mark.timeout(300)
