@@ -85,53 +85,48 @@ class SimResult:
         return 1.0 - sum(self.busy) / (self.p * self.makespan) if self.makespan > 0 else 0.0
 
 
-def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "eager") -> SimResult:
-    """Run ``schedule`` with ``costs`` (a compute action costs :meth:`Costs.of`); returns the
-    timeline and the bubble. ``mode="eager"`` (the runtime's ``isend``): a SEND returns at once,
-    its message arriving ``t_comm`` later; a RECV blocks until it has arrived. Messages are
-    matched first-in first-out per (sender, receiver, channel); a RECV that meets another
-    message than the one it names (on a real backend: swapped tensors) is a
-    :class:`ScheduleError`. ``mode="rendezvous"``: a SEND also blocks until the matching RECV.
+class _Run:
+    """One :func:`simulate` in progress: per rank its program counter (the next action), clock
+    and compute time; the events so far; the messages in flight per (sender, receiver,
+    channel), each ``(payload, arrival time)``; the actions done and the messages received."""
 
-    Raises :class:`DeadlockError` if the ranks block each other, :class:`ScheduleError` if the
-    schedule is malformed (a missing input, a RECV mismatch, a computation twice or never),
-    ``ValueError`` for an unknown ``mode``."""
-    if mode not in ("eager", "rendezvous"):
-        raise ValueError(f"mode {mode!r}: choose eager or rendezvous")
-    p, v, n_stages = schedule.p, schedule.v, schedule.num_stages
-    progs = schedule.ranks
-    pc = [0] * p
-    clock = [0.0] * p
-    busy = [0.0] * p
-    events: list[Event] = []
-    queues: dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
-    done: set[tuple] = set()  # (rank, kind, mb, chunk) executed
-    received: set[tuple] = set()  # (rank, channel, mb, chunk)
+    def __init__(self, schedule: Schedule, costs: Costs):
+        p = schedule.p
+        self.schedule, self.costs = schedule, costs
+        self.pc = [0] * p
+        self.clock = [0.0] * p
+        self.busy = [0.0] * p
+        self.events: list[Event] = []
+        self.queues: dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
+        self.done: set[tuple] = set()  # (rank, kind, mb, chunk) executed
+        self.received: set[tuple] = set()  # (rank, channel, mb, chunk)
 
-    def stage(r, c):
-        return schedule.stage_of(r, c)
+    def stage(self, r, c):
+        return self.schedule.stage_of(r, c)
 
-    def local(r: int, s: int) -> bool:
+    def local(self, r: int, s: int) -> bool:
         """Stage ``s`` exists and lives on rank r: its tensors are handed over locally."""
-        return 0 <= s < n_stages and schedule.rank_of(s) == r
+        return 0 <= s < self.schedule.num_stages and self.schedule.rank_of(s) == r
 
-    def payload(r: int, a: Action) -> tuple:
+    def payload(self, r: int, a: Action) -> tuple:
         """(channel, mb, consumer stage) of a message, from either end."""
-        s = stage(r, a.chunk)
+        s = self.stage(r, a.chunk)
         if a.kind == "SEND_F":
             return ("F", a.microbatch, s + 1)
         if a.kind == "SEND_B":
             return ("B", a.microbatch, s - 1)
         return (a.channel, a.microbatch, s)
 
-    def check_compute(r: int, a: Action) -> None:
-        s, key = stage(r, a.chunk), (a.microbatch, a.chunk)
+    def check_compute(self, r: int, a: Action) -> None:
+        schedule, done, received = self.schedule, self.done, self.received
+        v, n_stages = schedule.v, schedule.num_stages
+        s, key = self.stage(r, a.chunk), (a.microbatch, a.chunk)
         if a.microbatch < 0 or a.microbatch >= schedule.m or not 0 <= a.chunk < v:
             raise ScheduleError(f"rank {r}: {a} is out of range (m={schedule.m}, v={v})")
         if (r, a.kind, *key) in done:
             raise ScheduleError(f"rank {r}: {a} runs twice")
         if a.kind == "F":
-            if local(r, s - 1):  # the previous stage is this rank's: its F must have run
+            if self.local(r, s - 1):  # the previous stage is this rank's: its F must have run
                 if (r, "F", a.microbatch, schedule.chunk_of(s - 1)) not in done:
                     raise ScheduleError(f"rank {r}: {a} runs before the forward of the "
                                         f"previous stage on this rank")
@@ -140,7 +135,7 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "eager") ->
         elif a.kind in ("B", "I"):
             if (r, "F", *key) not in done:
                 raise ScheduleError(f"rank {r}: {a} runs before F{a.microbatch}")
-            if local(r, s + 1):
+            if self.local(r, s + 1):
                 nxt = (a.microbatch, schedule.chunk_of(s + 1))
                 if (r, "B", *nxt) not in done and (r, "I", *nxt) not in done:
                     raise ScheduleError(f"rank {r}: {a} runs before the backward of the next "
@@ -154,93 +149,140 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "eager") ->
             if (r, "I", *key) not in done:
                 raise ScheduleError(f"rank {r}: {a} runs before I{a.microbatch}")
 
-    def check_send(r: int, a: Action) -> None:
+    def check_send(self, r: int, a: Action) -> None:
         key = (a.microbatch, a.chunk)
         need = ("F",) if a.kind == "SEND_F" else ("B", "I")
-        if not any((r, k, *key) in done for k in need):
+        if not any((r, k, *key) in self.done for k in need):
             raise ScheduleError(f"rank {r}: {a} sends a tensor not computed yet")
-        s = stage(r, a.chunk)
+        s = self.stage(r, a.chunk)
         target = s + 1 if a.kind == "SEND_F" else s - 1
-        if not 0 <= target < n_stages or schedule.rank_of(target) != a.peer:
+        if not 0 <= target < self.schedule.num_stages or self.schedule.rank_of(target) != a.peer:
             raise ScheduleError(f"rank {r}: {a} goes to rank {a.peer}, but stage {target} is "
                                 f"not there")
 
-    def record(r, a, start, end):
-        events.append(Event(r, a.kind, a.microbatch, a.chunk, start, end, a.peer))
+    def record(self, r, a, start, end):
+        self.events.append(Event(r, a.kind, a.microbatch, a.chunk, start, end, a.peer))
 
-    def run_compute(r, a):
-        check_compute(r, a)
-        dt = costs.of(a.kind, v)
-        record(r, a, clock[r], clock[r] + dt)
-        clock[r] += dt
-        busy[r] += dt
-        done.add((r, a.kind, a.microbatch, a.chunk))
+    def run_compute(self, r, a):
+        self.check_compute(r, a)
+        dt = self.costs.of(a.kind, self.schedule.v)
+        self.record(r, a, self.clock[r], self.clock[r] + dt)
+        self.clock[r] += dt
+        self.busy[r] += dt
+        self.done.add((r, a.kind, a.microbatch, a.chunk))
 
-    def match_recv(r, a, msg):
-        if msg != payload(r, a):
-            raise ScheduleError(f"rank {r}: {a} expected {payload(r, a)} from rank {a.peer} "
-                                f"but the next message on that channel is {msg}")
-        received.add((r, a.channel, a.microbatch, a.chunk))
+    def match_recv(self, r, a, msg):
+        if msg != self.payload(r, a):
+            raise ScheduleError(f"rank {r}: {a} expected {self.payload(r, a)} from rank "
+                                f"{a.peer} but the next message on that channel is {msg}")
+        self.received.add((r, a.channel, a.microbatch, a.chunk))
 
+    def send_eager(self, r: int, a: Action) -> None:
+        """The runtime's ``isend``: the message is queued, arriving ``t_comm`` later."""
+        clock = self.clock
+        self.check_send(r, a)
+        self.queues[(r, a.peer, a.channel)].append((self.payload(r, a),
+                                                    clock[r] + self.costs.t_comm))
+        self.record(r, a, clock[r], clock[r])
+
+    def recv_eager(self, r: int, a: Action) -> bool:
+        """A blocking receive of the next message on its channel; False: none sent yet."""
+        clock = self.clock
+        q = self.queues[(a.peer, r, a.channel)]
+        if not q:
+            return False
+        msg, arrival = q.popleft()
+        self.match_recv(r, a, msg)
+        t = max(clock[r], arrival)
+        self.record(r, a, clock[r], t)
+        clock[r] = t
+        return True
+
+    def rendezvous(self, r: int, a: Action) -> bool:
+        """Both ends must be at the matching pair: run it (advancing the peer past its end);
+        False: the peer is elsewhere."""
+        clock, pc, progs = self.clock, self.pc, self.schedule.ranks
+        q = a.peer
+        if pc[q] >= len(progs[q]):
+            return False
+        b = progs[q][pc[q]]
+        want = "RECV_" if a.kind.startswith("SEND") else "SEND_"
+        if not (b.kind == want + a.channel and b.peer == r):
+            return False
+        send_r, send_a, recv_r, recv_a = ((r, a, q, b) if a.kind.startswith("SEND")
+                                          else (q, b, r, a))
+        self.check_send(send_r, send_a)
+        self.match_recv(recv_r, recv_a, self.payload(send_r, send_a))
+        t = max(clock[r], clock[q]) + self.costs.t_comm
+        self.record(send_r, send_a, clock[send_r], t)
+        self.record(recv_r, recv_a, clock[recv_r], t)
+        clock[r] = clock[q] = t
+        pc[q] += 1
+        return True
+
+    def advance(self, r: int, mode: str) -> bool:
+        """Run rank r's actions until it blocks or ends; True if it ran any."""
+        progs, progressed = self.schedule.ranks, False
+        while self.pc[r] < len(progs[r]):
+            a = progs[r][self.pc[r]]
+            if a.is_compute:
+                self.run_compute(r, a)
+            elif mode == "eager" and a.kind.startswith("SEND"):
+                self.send_eager(r, a)
+            elif mode == "eager":  # RECV
+                if not self.recv_eager(r, a):
+                    break
+            elif not self.rendezvous(r, a):
+                break
+            self.pc[r] += 1
+            progressed = True
+        return progressed
+
+    def check_complete(self) -> None:
+        """Every message received, every (microbatch, stage) forwarded and backwarded."""
+        schedule, done = self.schedule, self.done
+        leftover = {k: list(q) for k, q in self.queues.items() if q}
+        if leftover:
+            raise ScheduleError(f"messages sent but never received: {leftover}")
+        for s in range(schedule.num_stages):
+            r, c = schedule.rank_of(s), schedule.chunk_of(s)
+            for mb in range(schedule.m):
+                if (r, "F", mb, c) not in done:
+                    raise ScheduleError(f"rank {r}: F{mb}.{c} never runs")
+                full = (r, "B", mb, c) in done
+                split = (r, "I", mb, c) in done and (r, "W", mb, c) in done
+                if not (full or split):
+                    raise ScheduleError(f"rank {r}: the backward of microbatch {mb} chunk {c} "
+                                        f"never completes (needs B, or I and W)")
+
+
+def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "eager") -> SimResult:
+    """Run ``schedule`` with ``costs`` (a compute action costs :meth:`Costs.of`); returns the
+    timeline and the bubble. ``mode="eager"`` (the runtime's ``isend``): a SEND returns at once,
+    its message arriving ``t_comm`` later; a RECV blocks until it has arrived. Messages are
+    matched first-in first-out per (sender, receiver, channel); a RECV that meets another
+    message than the one it names (on a real backend: swapped tensors) is a
+    :class:`ScheduleError`. ``mode="rendezvous"``: a SEND also blocks until the matching RECV.
+
+    Raises :class:`DeadlockError` if the ranks block each other, :class:`ScheduleError` if the
+    schedule is malformed (a missing input, a RECV mismatch, a computation twice or never),
+    ``ValueError`` for an unknown ``mode``."""
+    if mode not in ("eager", "rendezvous"):
+        raise ValueError(f"mode {mode!r}: choose eager or rendezvous")
+    p, progs = schedule.p, schedule.ranks
+    run = _Run(schedule, costs)
     while True:
         progressed = False
         for r in range(p):
-            while pc[r] < len(progs[r]):
-                a = progs[r][pc[r]]
-                if a.is_compute:
-                    run_compute(r, a)
-                elif mode == "eager" and a.kind.startswith("SEND"):
-                    check_send(r, a)
-                    queues[(r, a.peer, a.channel)].append((payload(r, a), clock[r] + costs.t_comm))
-                    record(r, a, clock[r], clock[r])
-                elif mode == "eager":  # RECV
-                    q = queues[(a.peer, r, a.channel)]
-                    if not q:
-                        break
-                    msg, arrival = q.popleft()
-                    match_recv(r, a, msg)
-                    t = max(clock[r], arrival)
-                    record(r, a, clock[r], t)
-                    clock[r] = t
-                else:  # rendezvous: both ends must be at the matching pair
-                    q = a.peer
-                    if pc[q] >= len(progs[q]):
-                        break
-                    b = progs[q][pc[q]]
-                    want = "RECV_" if a.kind.startswith("SEND") else "SEND_"
-                    if not (b.kind == want + a.channel and b.peer == r):
-                        break
-                    send_r, send_a, recv_r, recv_a = ((r, a, q, b) if a.kind.startswith("SEND")
-                                                      else (q, b, r, a))
-                    check_send(send_r, send_a)
-                    match_recv(recv_r, recv_a, payload(send_r, send_a))
-                    t = max(clock[r], clock[q]) + costs.t_comm
-                    record(send_r, send_a, clock[send_r], t)
-                    record(recv_r, recv_a, clock[recv_r], t)
-                    clock[r] = clock[q] = t
-                    pc[q] += 1
-                pc[r] += 1
+            if run.advance(r, mode):
                 progressed = True
-        if all(pc[r] == len(progs[r]) for r in range(p)):
+        if all(run.pc[r] == len(progs[r]) for r in range(p)):
             break
         if not progressed:
-            blocked = {r: progs[r][pc[r]] for r in range(p) if pc[r] < len(progs[r])}
-            raise DeadlockError(blocked, max(clock))
-
-    leftover = {k: list(q) for k, q in queues.items() if q}
-    if leftover:
-        raise ScheduleError(f"messages sent but never received: {leftover}")
-    for s in range(n_stages):
-        r, c = schedule.rank_of(s), schedule.chunk_of(s)
-        for mb in range(schedule.m):
-            if (r, "F", mb, c) not in done:
-                raise ScheduleError(f"rank {r}: F{mb}.{c} never runs")
-            full = (r, "B", mb, c) in done
-            split = (r, "I", mb, c) in done and (r, "W", mb, c) in done
-            if not (full or split):
-                raise ScheduleError(f"rank {r}: the backward of microbatch {mb} chunk {c} "
-                                    f"never completes (needs B, or I and W)")
-    return SimResult(events=events, makespan=max(clock), busy=busy,
+            blocked = {r: progs[r][run.pc[r]] for r in range(p) if run.pc[r] < len(progs[r])}
+            raise DeadlockError(blocked, max(run.clock))
+    run.check_complete()
+    return SimResult(events=run.events, makespan=max(run.clock), busy=run.busy,
                      peak_alive=peak_activations(schedule))
 
 
