@@ -787,7 +787,7 @@ def _worker(out: str) -> None:
                    + plan_memory.head_activation_bytes(spec, tokens, act_bytes=4)
                    + plan_memory.embedding_activation_bytes(spec, tokens) + 4)
         rec = {"ledger": ledger, "state": engine.model_state_bytes(opt),
-               "buckets": sum(b.buffer.numel() * 4 for b in getattr(engine.dp, "buckets", [])),
+               "buckets": sum(b.buffer.numel() * 4 for b in getattr(engine.grad_sync, "buckets", [])),
                "activations": sum(n for _, n in seen.values()) / len(batches),
                "activations_formula": formula}
         name.write_text(json.dumps(rec))

@@ -103,7 +103,7 @@ def run_parity(topo, work, zero, sp, tied, reduce_dtype, out, rank):
     rec["state_bytes"] = engine.model_state_bytes(opt)
     rec["memory_formula"] = engine.memory_formula()
     rec["local_numel"] = engine.local_numel
-    rec["sp_slice_numel"] = engine.dp.replicated_slice_numel() if zero else None
+    rec["sp_slice_numel"] = engine.grad_sync.replicated_slice_numel() if zero else None
     torch.save(rec, f"{out}/{case_name(zero, sp, tied, reduce_dtype)}_rank{rank}.pt")
 
 

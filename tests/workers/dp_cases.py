@@ -68,9 +68,9 @@ def main(out: str) -> None:
                 model.unused = torch.nn.Parameter(torch.ones(5))
             wrapped = parallelize(model, topo, engine="explicit", bucket_mb=0.01, overlap=overlap)
             (mb,) = work.batches(torch.arange(4) + 4 * topo.index("dp"), 4)
-            with wrapped.dp.sync_gradients(True):
+            with wrapped.grad_sync.sync_gradients(True):
                 loss_sum_and_count(wrapped, mb)[0].backward()
-            buckets = wrapped.dp.buckets  # the engine's gradient sync
+            buckets = wrapped.grad_sync.buckets  # the engine's gradient sync
             launched[overlap, unused] = (sum(b.handle is not None for b in buckets),
                                          len(buckets))
             wrapped.finish_gradient_sync()

@@ -27,6 +27,7 @@ Use 4 ranks: at n = 2 each phase is one step, and the ring's 2(n−1)/n · S equ
 Run:  shardwise learn collectives --nproc 4
       torchrun --nproc-per-node 4 -m shardwise.learn.collectives
 Next: docs/collectives.md → src/shardwise/comm/algorithms/ →
+      shardwise.comm.algorithms.ring.reduce_scatter, then its all_gather and all_reduce →
       shardwise trace --collectives ring --dp 2 --zero 3 --model mlp-tiny
 """
 

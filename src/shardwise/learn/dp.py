@@ -22,7 +22,8 @@ step 0 only; the last line sums all 6 steps: 6 · (17,152 + 8) = 102,960 B in 6 
 Each step draws a new batch, so the loss can rise from one step to the next.
 
 Run:  shardwise learn dp --nproc 2     or     torchrun --nproc-per-node 2 -m shardwise.learn.dp
-Next: docs/data-parallel.md → src/shardwise/parallel/dp/ → shardwise trace --dp 2 --model mlp-tiny
+Next: docs/data-parallel.md → src/shardwise/parallel/dp/ (its __init__: "From learn/") →
+      shardwise.parallel.dp.data_parallel.GradBuckets → shardwise trace --dp 2 --model mlp-tiny
 """
 
 from __future__ import annotations

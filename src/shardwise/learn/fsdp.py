@@ -26,7 +26,8 @@ The printed losses match dp.py's: the same math, only the storage is split.
 refilled by the backward's all-gather, under the same tensors autograd saved (what FSDP does).
 
 Run:  shardwise learn fsdp --nproc 2    or     torchrun --nproc-per-node 2 -m shardwise.learn.fsdp
-Next: docs/zero.md → src/shardwise/parallel/zero/ → shardwise trace --dp 2 --zero 3 --model mlp-tiny
+Next: docs/zero.md → src/shardwise/parallel/zero/ (its __init__: "From learn/") →
+      shardwise.parallel.zero.zero3.Zero3Sync → shardwise trace --dp 2 --zero 3 --model mlp-tiny
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Per rank and step, over X: 3(X−1)/X · 4Ψ_tp (gather forward + gather backwar
 it is good at (Megatron-LM 2021 §3; scaling book ch. 5).
 
 Run:  shardwise learn fsdp_tp --nproc 4  or  torchrun --nproc-per-node 4 -m shardwise.learn.fsdp_tp
-Next: docs/composition.md → src/shardwise/parallel/ (apply.py) →
+Next: docs/composition.md → shardwise.parallel.apply.parallelize (src/shardwise/parallel/) →
       shardwise trace --dp 2 --tp 2 --zero 3 --model mlp-tiny --micro-batch 4 (B/X rows at once)
 """
 

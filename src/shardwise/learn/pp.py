@@ -22,7 +22,8 @@ Sends are ``isend`` (they never wait), receives wait: so no order of messages ca
 
 Run:  shardwise learn pp --nproc 2 [--schedule gpipe|1f1b]
       torchrun --nproc-per-node 2 -m shardwise.learn.pp --schedule 1f1b
-Next: docs/pipeline-parallel.md → src/shardwise/parallel/pp/ →
+Next: docs/pipeline-parallel.md → src/shardwise/parallel/pp/ (its __init__: "From learn/") →
+      shardwise.parallel.pp.schedules.build_schedule, shardwise.parallel.pp.runner.ScheduleRunner →
       shardwise trace --pp 2 --schedule 1f1b --microbatches 4 --model mlp-tiny
 """
 

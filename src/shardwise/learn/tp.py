@@ -20,7 +20,8 @@ The loss needs no collective: every rank computes the same one. Names: F is d_ff
 torch.nn.functional, F_op and G_op are Megatron's f and g.
 
 Run:  shardwise learn tp --nproc 2      or     torchrun --nproc-per-node 2 -m shardwise.learn.tp
-Next: docs/tensor-parallel.md → src/shardwise/parallel/tp/mlp.py →
+Next: docs/tensor-parallel.md → src/shardwise/parallel/tp/ (its __init__: "From learn/") →
+      shardwise.parallel.tp.comms.CopyToTP, then shardwise.parallel.tp.mlp.TensorParallelMLPBlock →
       shardwise trace --tp 2 --model mlp-tiny --micro-batch 8   (B = 8 rows in one micro-batch,
       as here: the same 7 all-reduces of [8, 16] per step)
 """

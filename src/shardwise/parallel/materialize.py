@@ -143,3 +143,72 @@ def fill_dtensors(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
         _swap_params(module, _EmptyLike(topo.device))
     _copy_in({(fqn or str)(n): p for n, p in module.named_parameters()}, weights, topo)
     _init_buffers(module)
+
+
+def fill_module(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], topo,
+                fqn=None) -> None:
+    """This rank's part of each parameter of ``module`` from ``weights``: :func:`fill_dtensors`
+    where DTensor TP or FSDP2 converted it (DTensor parameters), else :func:`materialize_local`
+    (plain parameters, our tp/ep shards). The plain copy of :meth:`.sync.Sync.fill`."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        fill_dtensors(module, weights, topo, fqn=fqn)
+    else:
+        materialize_local(module, weights, topo, fqn=fqn)
+
+
+class Values:
+    """Where the parameters' values come from, decided once by :func:`~.apply.parallelize`:
+    the model's own (built on a device), or ``weights`` streamed into this rank's shards (built
+    on the meta device, :mod:`shardwise.models.meta`). Each method is one step of the meta
+    init and does nothing for a model holding its own values (or once the values are in).
+    ``whole``: the engine's parts read whole parameters (DDP, ZeroRedundancyOptimizer, torch's
+    context parallelism): the whole model gets its values at once, and is then as a model
+    built with them. Raises ``ValueError`` for a meta model without ``weights``."""
+
+    def __init__(self, model: nn.Module, weights, topo, *, whole: bool = False):
+        self.streamed = is_meta(model)
+        if self.streamed and weights is None:
+            raise ValueError("a model built on the meta device needs weights= "
+                             "(name, full tensor)")
+        self.weights, self.topo = (weights if self.streamed else None), topo
+        self.pending = self.streamed  # values not yet written
+        if whole:
+            self.whole(model)
+
+    def whole(self, model: nn.Module) -> None:
+        """The whole model's values now (an engine part that reads whole parameters: DDP,
+        ZeroRedundancyOptimizer); afterwards it is as a model built with its values."""
+        if self.pending:
+            materialize_local(model, self.weights, self.topo)
+            self.streamed = self.pending = False
+
+    def local(self, module: nn.Module, fqn=None, after=None) -> None:
+        """This rank's part of ``module`` now (:func:`fill_module`), before a gradient sync that
+        reads the values as it is built (DP, ZeRO-1/2, a pipeline's syncs); ``after()`` then
+        (a stage's tied draw, :meth:`~.pp.split.StageModule.replay_tied_draw`)."""
+        if self.pending:
+            fill_module(module, self.weights, self.topo, fqn=fqn)
+            self.pending = False
+            if after is not None:
+                after()
+
+    def hollow(self, module: nn.Module) -> bool:
+        """Storage-less parameters for a sync that builds its flat buffers without reading them
+        (ZeRO-3, :func:`hollow`); returns whether its ``fill`` is still to come (``deferred``)."""
+        if self.pending:
+            hollow(module, self.topo)
+        return self.pending
+
+    def fill(self, sync) -> None:
+        """The sync's ``fill`` from the weights (:meth:`.sync.Sync.fill`), if they are not in."""
+        if self.pending:
+            sync.fill(self.weights)
+            self.pending = False
+
+    def start_equal(self, make_equal, *args) -> None:
+        """``make_equal(*args)`` (a broadcast that makes replicas start equal) for a model holding
+        its own values; streamed ones are the same on every rank already."""
+        if not self.streamed:
+            make_equal(*args)

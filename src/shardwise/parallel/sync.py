@@ -60,6 +60,15 @@ class Sync:
     def finish_gradient_sync(self) -> None:
         """Wait for / issue the remaining gradient collectives."""
 
+    def fill(self, weights) -> None:
+        """The values of a sync built over a meta model's parameters: each rank's part from
+        ``weights`` ((name, full tensor)): the plain copy (:func:`.materialize.fill_module`:
+        our tp/ep shards, or DTensor TP's and FSDP2's local shards). ZeRO's flat buffers
+        override it (:meth:`.zero.ZeroSync.fill`). Raises ``ValueError`` for a missing name."""
+        from .materialize import fill_module
+
+        fill_module(self.module, weights, self.topo, fqn=getattr(self.module, "fqn", None))
+
     def sum_replicated_grads(self) -> None:
         """The SP finisher's sum (:class:`~.tp.SPSum`): SUM over tp the gradients this rank
         holds of the tp-replicated parameters (the norm weights, whose gradient on one tp rank

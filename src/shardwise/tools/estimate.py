@@ -130,7 +130,7 @@ def estimate_memory(spec, world_size: int, *, seq_len: int | None = None, micro_
                 comm.all_reduce(loss, topo, axis, tag="loss")
             state = wrapped.model_state_bytes(opt)
             buckets = sum(b.buffer.numel() * b.buffer.element_size()  # explicit DP's sync
-                          for b in getattr(wrapped.dp, "buckets", []))
+                          for b in getattr(wrapped.grad_sync, "buckets", []))
             ledger: dict[str, float] = {}
             for r in topo.ledger.step_records():
                 ledger[r.tag] = ledger.get(r.tag, 0.0) + r.wire_bytes

@@ -49,7 +49,7 @@ import torch
 from .. import comm
 from ..config import TrainConfig
 from ..models.dpo import DPO_BETA, DPO_LOGPS, REF_LOGPS, sigmoid_dpo_loss
-from ..parallel.model import autocast
+from ..parallel.loss import autocast
 from .workload import DPOWorkload
 
 log = logging.getLogger("shardwise")

@@ -20,6 +20,18 @@ What the transform does, and what the rest of the step does for it:
   before.
 
 docs/context-parallel.md has the math, the collectives and the pitfalls.
+
+From learn/ (no script yet: the nearest ideas of three scripts, and docs/context-parallel.md):
+
+* ``learn/dp.py``'s ``x.chunk(n)[rank]`` splits the batch; CP splits each sequence into 2n
+  chunks, two per rank, head and tail (docs §1) → :func:`~.split.shard_sequence`,
+  :func:`~.split.chunk_ids`, :func:`~.split.zigzag_positions`
+* ``learn/collectives.py``'s ``ring_step`` (send to rank + 1, receive from rank − 1) →
+  :class:`~.attention._Ring`: K/V blocks go round the ring while each block is computed
+* blocks merged by log-sum-exp (docs §1) → :class:`~.attention._RingAttention`
+* ``learn/fsdp.py``'s ``gather`` forward and ``dist.reduce_scatter`` backward (of weights) →
+  the same pair of K/V for ``method="allgather"``: :class:`~.attention._GatherKV`
+* bytes per layer (docs §2) → :func:`~.attention.cp_attention_bytes`, :func:`cp_bytes_formula`
 """
 
 from __future__ import annotations

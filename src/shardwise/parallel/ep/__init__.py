@@ -32,6 +32,18 @@ With TP (no SP) the MoE layer's input is replicated over tp: every tp rank route
 tokens and runs its own ep exchange with the ranks of its tp index; the experts are whole on
 each rank (not tp-split) and their gradients equal on the tp ranks. Pitfalls this guards
 against: docs/expert-parallel.md.
+
+From learn/ (no script has an all-to-all yet: the nearest ideas, and docs/expert-parallel.md):
+
+* ``learn/collectives.py`` builds collectives from ``dist.isend`` / ``dist.recv`` → so does
+  :func:`shardwise.comm.algorithms.pairwise.all_to_all_v` (under ``--collectives ring``); EP
+  calls :func:`shardwise.comm.all_to_all_v`
+* the router's counts, dispatch and combine (docs §4) → :class:`~.dispatch.AllToAllDispatcher`;
+  each token all-to-all is a :class:`~.dispatch._AllToAllV` (backward: the reverse all-to-all)
+* E/ep experts per rank (docs §3) → :func:`parallelize_experts`, :func:`~..params.mark_ep_shard`
+* ``learn/dp.py``'s ``dist.all_reduce(flat)`` over every rank → expert gradients summed over
+  "edp" only: :class:`~..dp.data_parallel.GradSync`, one reduction per axis
+* bytes from the step's actual routing (docs §4) → :func:`ep_bytes_formula`
 """
 
 from __future__ import annotations

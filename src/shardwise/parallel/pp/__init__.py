@@ -7,6 +7,20 @@ through ``torch.distributed.pipelining``). :func:`shardwise.parallel.apply.paral
 stage, its TP, its dp gradient sync, the finishers and a runner into one
 :class:`~shardwise.parallel.model.ParallelModel`. The math and the
 measurements: docs/pipeline-parallel.md and docs/composition.md.
+
+From learn/ (``learn/pp.py``'s names → here):
+
+* ``schedule``'s ``("F", i)`` / ``("B", i)`` → :func:`~.schedules.build_schedule`: a
+  :class:`~.schedules.Schedule` of :class:`~.schedules.Action` (the sends and receives are
+  actions too: SEND_F, RECV_F, SEND_B, RECV_B), for six schedules, gpipe and 1f1b among them
+* ``warm = min(p - 1 - r, m)`` → the same warm-up in 1F1B's order (:func:`~.schedules.compute_order`)
+* ``mine`` (my blocks) → :func:`~.split.split_layers`, :class:`~.split.StageModule`
+* ``for action, i in program``, ``dist.recv``, ``dist.isend``, ``pending`` →
+  :meth:`~.runner.ScheduleRunner.run` (isends waited at the end of the step, as here; gradients
+  on a group of their own, :class:`~.comms.GradTraffic`)
+* ``loss_sum`` (the last stage's) → summed over pp, :attr:`~.runner.ScheduleRunner.loss_axes`
+* ``(p − 1)/(m + p − 1)`` → :func:`~.simulate.bubble_formula`; :func:`~.simulate.simulate`
+  replays any schedule on a clock; PyTorch's twin: :class:`~.torch_runner.TorchScheduleRunner`
 """
 
 from .schedules import (SCHEDULES, V_SCHEDULES, Action, Schedule, build_schedule,

@@ -21,6 +21,7 @@ I/W (Qi et al. 2023 §2) and why they cannot deadlock: docs/pipeline-parallel.md
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -29,8 +30,8 @@ from ... import comm
 from ...errors import ShardwiseConfigError
 from ...models import count_items, positions_kw
 from ...models.moe import moe_layers, set_aux_grad_scale
-from ..model import autocast
-from ..params import local
+from ..loss import autocast
+from ..params import Held, local, norm_bytes
 from .comms import GradTraffic, p2p_bytes_formula
 from .schedules import build_schedule, placement_of, rank_of
 from .split import activation_shape, first_stage_input
@@ -193,6 +194,39 @@ class ScheduleRunner:
         return {k: float(v) for k, v in
                 p2p_bytes_formula(self.pp_index, self.p, self.v, 1, acts,
                                   self.placement).items()}
+
+    def step_bytes(self, composed, micro_steps: int, sequences: int, seq_len: int,
+                   dtype: str) -> dict[str, float]:
+        """A pipeline stage's bytes by tag in one step, of ``composed`` (the
+        :class:`~shardwise.parallel.model.ParallelModel` this runner is part of): the runner's
+        ``pp_fwd``/``pp_bwd``, each finisher's term (``tied``), the norm's fp64 scalar over the
+        derived axes (tp, the sync's sliced axes, ep, pp: :meth:`..params.Held.norm_axes`), the
+        sync's ``grad`` (and ZeRO-1's ``param``), tp's terms for the stage's blocks
+        (``tp_fwd``/``tp_bwd``/``ce``, ``sp_grad``). Derivation: docs/composition.md,
+        "Pipelines composed"."""
+        args = (micro_steps, sequences, seq_len, dtype)
+        sync = composed.grad_sync
+        out = dict(self.bytes_formula(*args))
+        for finish in composed.finishers:
+            if hasattr(finish, "bytes_formula"):
+                out.update(finish.bytes_formula())
+        out["grad_norm"] = norm_bytes(Held([], sync.sliced).norm_axes(self.topo), self.topo)
+        d = dict(sync.bytes_formula(*args))
+        d.pop("grad_norm", None)  # counted above, over every derived axis at once
+        out["grad"] = 0.0
+        out.update(d)
+        if composed.traffic is not None:
+            out.update(composed.traffic.bytes_formula(*args))
+        return out
+
+    def memory_formula(self, sync) -> None:
+        """No closed form for a pipeline stage's model state here."""
+        return None
+
+    @contextlib.contextmanager
+    def full_model(self, composed):
+        """None: this rank holds only its stage (no sampling from a pipeline)."""
+        yield None
 
     def run(self, actions, microbatches: list[dict], denom: float, dtype: str, *,
             act_shape, loss_sum) -> torch.Tensor:

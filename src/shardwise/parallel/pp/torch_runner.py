@@ -27,7 +27,7 @@ import torch
 from torch.distributed import pipelining as pl
 
 from ...comm.torch_booking import BookFunctionalCollectives
-from ..model import autocast
+from ..loss import autocast
 from ..params import local
 from .runner import ScheduleRunner
 from .split import first_stage_input

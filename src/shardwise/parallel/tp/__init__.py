@@ -12,6 +12,21 @@ with or without SP (SP: all-gather / reduce-scatter pairs); the vocab-parallel l
 token; with SP, the norm weights' (2L+1)·d fp32 gradients; one fp64 for the gradient norm. Table
 and derivation: docs/tensor-parallel.md §2. Sources: Shoeybi et al. 2019, "Megatron-LM", arXiv
 1909.08053, §3; Korthikanti et al. 2022, arXiv 2205.05198, §4.2.2 (SP); JAX scaling book ch. 5.
+
+From learn/ (the same in ``learn/fsdp_tp.py`` over its Y groups; ``learn/tp.py``'s names):
+
+* ``F_op`` (Megatron's f) → :class:`~.comms.CopyToTP`, via :func:`~.layers.enter_tp_region`
+* ``G_op`` (g) → :class:`~.comms.ReduceFromTP`, via :func:`~.layers.exit_tp_region` inside
+  :class:`~.layers.RowParallelLinear`
+* ``W_in[D, F_Y]``, ``b_in[F_Y]`` → :class:`~.layers.ColumnParallelLinear` (weight ``[F/n, D]``:
+  ``nn.Linear`` stores Wᵀ)
+* ``W_out[F_Y, D]``, ``b_out[D] (replicated)`` → :class:`~.layers.RowParallelLinear` (bias added
+  once, after g)
+* ``tp_block`` → :class:`~.mlp.TensorParallelMLPBlock`; the model's conversion
+  :func:`~.mlp.apply_tp_mlp`; ``(2L − 1) · 2(n−1)/n`` → :func:`~.mlp.mlp_tp_bytes`
+* no script: SP's halves of f and g, :class:`~.comms.GatherFromSP` /
+  :class:`~.comms.ReduceScatterToSP`; a Llama block, :class:`~.layers.TensorParallelAttention`,
+  :class:`~.layers.TensorParallelSwiGLU`; DTensor's twin, :func:`~.mlp.parallelize_mlp_dtensor`
 """
 
 from .apply import (SPSum, TPTraffic, apply_tp, check_plan_covers,

@@ -20,7 +20,7 @@ from torch import nn
 from ...comm.ledger import ring_bytes
 from ...comm.torch_booking import BookFunctionalCollectives, booked_as
 from ...models.llama import IGNORE_INDEX, Llama
-from ..model import PlainLoss
+from ..loss import PlainLoss
 from ..params import (is_dtensor as _is_dtensor, local as _local, sum_coalesced_,
                       tp_sharded)
 from .apply import TPTraffic, check_plan_covers, tp_activation_bytes, validate_tp
@@ -113,7 +113,7 @@ class LossParallel(PlainLoss):
     ``loss_parallel`` of the logits sharded over the vocabulary, a DTensor scalar Replicate over
     tp. ``book_collectives``: book DTensor's collectives in the ledger during the step (a
     dispatch mode sees every op, which costs Python time per op: turn it off to time). The
-    other members are :class:`~shardwise.parallel.model.PlainLoss`'s."""
+    other members are :class:`~shardwise.parallel.loss.PlainLoss`'s."""
 
     def __init__(self, module: nn.Module, topo, sp: bool, book_collectives: bool = True):
         super().__init__(module)

@@ -23,7 +23,7 @@ from ... import comm
 from ...models import count_items, moe_aux_loss, positions_kw
 from ...models.dpo import token_loss_sum
 from ...models.llama import IGNORE_INDEX
-from ..model import PlainLoss
+from ..loss import PlainLoss
 from .comms import AXIS
 
 
@@ -79,7 +79,7 @@ class VocabParallelLoss(PlainLoss):
     """The loss function of a model (or a pipeline stage) converted by
     :func:`~.apply.apply_tp` (``module``, on ``topo``'s tp axis, ``sp``, dropout RNG ``rng``):
     :func:`vocab_parallel_cross_entropy` of the local logits, complete on every tp rank; the
-    other members are :class:`~shardwise.parallel.model.PlainLoss`'s."""
+    other members are :class:`~shardwise.parallel.loss.PlainLoss`'s."""
 
     def __init__(self, module, topo, sp: bool, rng):
         super().__init__(module)

@@ -22,7 +22,7 @@ from torch import nn
 from ... import comm
 from ...errors import ShardwiseConfigError
 from ...models.mlp import MLPBlock, StackedMLP
-from ..model import PlainLoss
+from ..loss import PlainLoss
 from ..params import tp_sharded
 from .comms import AXIS
 from .layers import ColumnParallelLinear, RowParallelLinear, enter_tp_region
@@ -135,7 +135,7 @@ def parallelize_mlp_dtensor(model: StackedMLP, topo) -> None:
 
 
 class MLPLoss(PlainLoss):
-    """The MLP's loss function under TP: :class:`~..model.PlainLoss` (the prediction is whole on
+    """The MLP's loss function under TP: :class:`~..loss.PlainLoss` (the prediction is whole on
     every tp rank); with ``book``, DTensor's collectives are booked in the ledger during the
     step (the torch engine)."""
 

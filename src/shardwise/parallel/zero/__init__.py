@@ -6,6 +6,20 @@ Reading order: :mod:`.flat` (the mechanism, also under the pipeline's ZeRO-1), :
 PyTorch, imported on first use of :class:`ZeroRedundancySync`). ``docs/zero.md`` has the
 derivations, the measurements and the pitfalls. Every class here is a plain gradient sync, put
 into :class:`~..model.ParallelModel` by :func:`~..apply.parallelize`.
+
+From learn/ (``learn/fsdp.py``: ZeRO-3; ZeRO-1/2, :class:`~.zero.ZeroSync`, have no script):
+
+* ``W_in[D_X, F]`` (dim 0 of each tensor) → :class:`~.flat.FlatShards`: one padded flat buffer
+  per unit (a block), this rank's ``shard`` the slice ``[i·k, (i+1)·k)`` of its ``full``
+* ``gather`` (``AllGather_X`` before a block's forward, again before its backward) →
+  :meth:`~.zero3.Zero3Sync._launch_gather`, from a forward pre-hook and
+  :class:`~.zero3._PreBackward`, the next block's gather prefetched
+* ``free`` (``untyped_storage().resize_(0)``) → :meth:`~.zero3.Zero3Sync._free`: the same
+* ``dist.reduce_scatter`` per tensor → one per unit, :meth:`~.flat.FlatShards.launch_reduce_scatter`,
+  as soon as the unit's last gradient has arrived
+* ``adamw([s for b in shards for s in b.values()])`` → :func:`~.flat.sharded_optimizer`
+* ``3(n−1)/n · 4Ψ``, ``16Ψ/n`` → :func:`~.formulas.zero_step_bytes_formula`,
+  :func:`~.formulas.zero_memory_formula`; PyTorch's FSDP2: :func:`~.torch_zero.apply_fsdp`
 """
 
 from .flat import FlatShards

@@ -1,0 +1,208 @@
+"""The two engines' choices at each step of :func:`~.apply.parallelize`, keyed by engine:
+:class:`Explicit` (our collectives) and :class:`Torch` (PyTorch's DDP, FSDP2, DTensor,
+``torch.distributed.pipelining``). Each member builds one step's piece; ``parallelize`` calls
+the same members in the same order whichever engine it holds (:data:`ENGINES`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import comm
+from .loss import PlainLoss
+from .sync import NoSync
+
+
+def _whole_sync(model, topo, layout, options, values, engine: str, deferred: bool = False):
+    """pp = 1's gradient sync: none when tp shards the model and the data axis has one rank,
+    else :func:`~.apply.dp_sync` (``deferred``: its values come with its ``fill``)."""
+    if layout.tp > 1 and layout.dp * layout.cp == 1:
+        return NoSync(model, topo)
+    from .apply import dp_sync
+
+    return dp_sync(model, topo, layout, engine, deferred=deferred, **options)
+
+
+def _stage_sync(stage, topo, layout, options):
+    """A pipeline stage's sync over dp: whole gradients after the schedule (DataParallel
+    without overlap), none when the data axis has one rank."""
+    if topo.size(topo.data_axis) == 1:
+        return NoSync(stage, topo)
+    from .dp import DataParallel
+
+    return DataParallel(stage, topo, bucket_mb=options["bucket_mb"], overlap=False,
+                        reduce_dtype=options["reduce_dtype"])
+
+
+class Explicit:
+    """Our implementation: Megatron f/g TP, :mod:`.dp` / :mod:`.zero` syncs, our ring attention
+    and our schedule runner."""
+
+    name = "explicit"
+
+    @staticmethod
+    def takes_meta(layout) -> bool:
+        """Every part converts a meta model (materialize.py says how)."""
+        return True
+
+    @staticmethod
+    def context(model, topo, layout) -> None:
+        """cp > 1: every block's core attention becomes ring (or all-gather) attention."""
+        if layout.cp > 1:
+            from .cp import parallelize_context
+
+            parallelize_context(model, topo, layout.cp_method)
+
+    @staticmethod
+    def tensor(model, topo, layout, *, seed: int, values):
+        """TP on the whole model: (its loss function, its traffic); (None, None) at tp = 1."""
+        if layout.tp == 1:
+            return None, None
+        from .tp import TPTraffic, parallelize_tensor
+
+        loss_fn = parallelize_tensor(model, topo, sp=layout.sp, seed=seed)
+        return loss_fn, TPTraffic(model, topo, layout.sp)
+
+    @staticmethod
+    def sync(model, topo, layout, options, values):
+        """:func:`_whole_sync`: ZeRO-3 over hollow parameters (its ``fill`` writes its slices),
+        the others over this rank's values, given now."""
+        if layout.zero == 3 and values.hollow(model):
+            return _whole_sync(model, topo, layout, options, values, "explicit", deferred=True)
+        values.local(model)
+        return _whole_sync(model, topo, layout, options, values, "explicit")
+
+    @staticmethod
+    def sp_finishers(model, topo, layout, sync) -> list:
+        """SP: the sum over tp of the replicated gradients the sync leaves (:class:`~.tp.SPSum`)."""
+        from .tp import SPSum
+
+        return [SPSum(sync)] if layout.sp else []
+
+    @staticmethod
+    def stage_tensor(stage, topo, layout, *, seed: int):
+        """TP inside a pipeline stage: (loss function, backward context, finishers before the
+        tied swap)."""
+        if layout.tp == 1:
+            return PlainLoss(stage), None, []
+        from .tp import VocabParallelLoss, apply_tp
+
+        rng = apply_tp(stage, topo, layout.sp, seed=seed)
+        return VocabParallelLoss(stage, topo, layout.sp, rng), None, []
+
+    @staticmethod
+    def stage_sync(stage, topo, layout, options):
+        """ZeRO-1 over the stage's flat buffer, else :func:`_stage_sync`."""
+        if layout.zero == 1 and topo.size(topo.data_axis) > 1:
+            from .zero.stage_zero1 import StageZero1
+
+            return StageZero1(stage, topo, reduce_dtype=options["reduce_dtype"])
+        return _stage_sync(stage, topo, layout, options)
+
+    @staticmethod
+    def stage_sp(stage, topo, sync):
+        from .tp import SPSum
+
+        return SPSum(sync)
+
+    @staticmethod
+    def runner(stage, topo, layout, v: int, loss_fn, loss_context, seq_shards: int):
+        from .pp.runner import ScheduleRunner
+
+        return ScheduleRunner(stage, topo, schedule=layout.schedule, v=v, loss_sum=loss_fn.loss,
+                              seq_shards=seq_shards)
+
+
+def _broadcast_dp(model: nn.Module, topo) -> None:
+    """FSDP2 shards what it is given: the dp replicas must start equal."""
+    with topo.ledger.phase("init"), torch.no_grad():
+        for p in model.parameters():
+            comm.broadcast(p.data, topo, "dp", src=0, tag="init")
+
+
+class Torch:
+    """PyTorch's own: DTensor TP, DDP / ZeroRedundancyOptimizer / FSDP2, its
+    ``context_parallel`` and ``torch.distributed.pipelining``."""
+
+    name = "torch"
+
+    @staticmethod
+    def takes_meta(layout) -> bool:
+        """DTensor TP, FSDP2 (ZeRO-2/3, HSDP) and a pipeline's stages convert a meta model
+        themselves; DDP and ZeroRedundancyOptimizer (whole parameters on every rank anyway) and
+        torch's context parallelism read the values first."""
+        if layout.cp > 1:
+            return False
+        return layout.pp > 1 or layout.tp > 1 or layout.zero >= 2 or (
+            layout.zero == 1 and layout.dp_replicate > 1)
+
+    @staticmethod
+    def context(model, topo, layout) -> None:
+        """Nothing on the model: torch's ``context_parallel`` wraps each step (the sync's
+        ``step_context``)."""
+
+    @staticmethod
+    def tensor(model, topo, layout, *, seed: int, values):
+        """DTensor TP on the whole model (the dp replicas made equal first): (its loss, its
+        traffic); (None, None) at tp = 1."""
+        if layout.tp == 1:
+            return None, None
+        from .tp import TorchTPTraffic, parallelize_tensor_dtensor
+
+        if layout.dp > 1:
+            values.start_equal(_broadcast_dp, model, topo)
+        loss_fn = parallelize_tensor_dtensor(model, topo, sp=layout.sp)
+        return loss_fn, TorchTPTraffic(model, topo, layout.sp)
+
+    @staticmethod
+    def sync(model, topo, layout, options, values):
+        """:func:`_whole_sync`; FSDP2 and DTensor get their values from the sync's ``fill``."""
+        return _whole_sync(model, topo, layout, options, values, "torch")
+
+    @staticmethod
+    def sp_finishers(model, topo, layout, sync) -> list:
+        """DTensor TP with no dp sync: the ``Partial`` gradients summed over tp
+        (:class:`~.tp.TorchSPSum`); FSDP2 over DTensor TP sums them inside backward."""
+        from .tp import TorchSPSum
+
+        return [TorchSPSum(model, topo)] if layout.tp > 1 and layout.dp * layout.cp == 1 else []
+
+    @staticmethod
+    def stage_tensor(stage, topo, layout, *, seed: int):
+        """DTensor TP inside the stage; its gradients given their parameters' placements."""
+        if layout.tp == 1:
+            return PlainLoss(stage), None, []
+        from .tp.dtensor import LossParallel, match_grad_placements, parallelize_stage_dtensor
+
+        parallelize_stage_dtensor(stage, topo, layout.sp)
+        loss_fn = LossParallel(stage, topo, layout.sp)
+        return loss_fn, loss_fn.backward_context, [lambda: match_grad_placements(stage)]
+
+    @staticmethod
+    def stage_sync(stage, topo, layout, options):
+        """:func:`_stage_sync`; ``--zero 1``: ZeroRedundancyOptimizer over the local shards."""
+        sync = _stage_sync(stage, topo, layout, options)
+        if layout.zero == 1:
+            from .zero.stage_zero1 import TorchStageZero1
+
+            return TorchStageZero1(sync)
+        return sync
+
+    @staticmethod
+    def stage_sp(stage, topo, sync):
+        from .tp import reduce_partial_grads
+
+        return lambda: reduce_partial_grads([q for q in stage.parameters() if q.requires_grad],
+                                            topo)
+
+    @staticmethod
+    def runner(stage, topo, layout, v: int, loss_fn, loss_context, seq_shards: int):
+        from .pp.torch_runner import TorchScheduleRunner
+
+        return TorchScheduleRunner(stage, topo, schedule=layout.schedule, v=v,
+                                   loss_sum=loss_fn.loss, seq_shards=seq_shards,
+                                   loss_context=loss_context, book=layout.tp > 1)
+
+
+ENGINES = {"explicit": Explicit, "torch": Torch}
