@@ -165,7 +165,7 @@ def bench_zero(args) -> int:
     results = []
     for name, r in runs.items():
         med = statistics.median(r["times"])
-        formula = r["engine"].dp.step_bytes_formula(1)  # the ZeRO sync's
+        formula = r["engine"].grad_sync.step_bytes_formula(1)  # the ZeRO sync's
         ledger = sum(r["bytes"].values())
         mem = r["engine"].memory_formula()["total"]
         results.append({
@@ -175,7 +175,7 @@ def bench_zero(args) -> int:
             "memory_formula_bytes": mem, "gathered_params_peak": r["state"].get(
                 "gathered_params_peak"), "steps_timed": len(r["times"])})
     if dist.get_rank() == 0:
-        psi = runs[ZERO_BASELINE]["engine"].dp.numel
+        psi = runs[ZERO_BASELINE]["engine"].grad_sync.numel
         head = (f"ZeRO-3 bench: model {args.model} ({psi / 1e6:.2f} M params), dp={n}, "
                 f"{args.micro_batch} × {args.seq_len} tokens per rank per step, {args.rounds} "
                 f"rounds × {args.steps} steps per variant, torch {torch.__version__}")
