@@ -52,7 +52,7 @@ def step_bytes_formula(engine, topo, *, micro_steps: int, sequences: int, seq_le
     out.update(ep_bytes_formula(engine.module, topo))
     out.pop("total", None)
     out.pop("loss", None)
-    muon_bytes = getattr(getattr(engine, "dp", None), "muon_bytes", lambda: 0.0)()
+    muon_bytes = getattr(getattr(engine, "grad_sync", None), "muon_bytes", lambda: 0.0)()
     if muon_bytes:
         out["muon"] = muon_bytes
     out["loss"] = _scalar_all_reduces(engine, topo)

@@ -41,7 +41,7 @@ def main(out: str) -> None:
                 micro = GLOBAL_BATCH // dp // accum
                 rec = {"indices": [], "loss": [], "grad_norm": [], "grads": [], "params": [],
                        "grad_bytes": [], "total_bytes": [],
-                       "n_buckets": len(getattr(getattr(wrapped, "dp", wrapped), "buckets", []))}
+                       "n_buckets": len(getattr(getattr(wrapped, "grad_sync", wrapped), "buckets", []))}
                 for _ in range(STEPS):
                     idx = sampler.next_local_batch()
                     res = train_step(wrapped, work.batches(idx, micro), opt, topo,

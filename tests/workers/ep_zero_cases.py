@@ -87,7 +87,7 @@ def run_case(out, topo, rank, model, stage, dp, ep, tp, accum, reshard):
                               for n, p in engine.named_full_parameters().items()})
     rec["state_bytes"] = engine.model_state_bytes(opt)
     rec["memory_formula"] = engine.memory_formula()
-    zero = getattr(engine, "dp", engine)  # dp × tp: the ZeRO part of the ParallelModel
+    zero = getattr(engine, "grad_sync", engine)  # dp × tp: the ZeRO part of the ParallelModel
     rec["units"] = [(u.name, u.axis, u.n, u.numel, u.padded) for u in zero.units]
     rec["n_pieces"] = sum(len(g["params"]) for g in opt.param_groups)
     rec["state"] = engine.full_optimizer_state(opt)

@@ -184,7 +184,7 @@ def build_reference(ref_model: torch.nn.Module, layout, parallelize_fn):
     for p in ref.parameters():
         p.requires_grad_(False)
     # ZeRO-3 allocates each unit's gradient slice up front; the reference never runs backward
-    for u in getattr(ref, "units", None) or getattr(getattr(ref, "dp", None), "units", None) or []:
+    for u in getattr(ref.grad_sync, "units", ()):
         if hasattr(u, "shard_grad"):
             u.shard_grad = torch.zeros(0, dtype=u.shard_grad.dtype, device=u.shard_grad.device)
     ref.eval()

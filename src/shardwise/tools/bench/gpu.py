@@ -270,7 +270,7 @@ def run_one(topo, plan: Plan, model: str, vocab: int, micro: int, overrides: dic
     reserved = mod.memory_reserved(dev) if mod else None
     state = dp_memory_formula(n_params)["total"]
     buckets = sum(b.buffer.numel() * b.buffer.element_size()
-                  for b in getattr(getattr(engine, "dp", engine), "buckets", []))  # explicit DP
+                  for b in getattr(getattr(engine, "grad_sync", engine), "buckets", []))  # explicit DP
     act = activation_estimate(model_cfg, micro_batch=micro, seq_len=plan.seq_len, ac=ac,
                               dtype=plan.dtype, compiled=compiled)
     pred = planner_prediction(model_cfg, plan.seq_len, micro, ac, plan.dtype, compiled)
