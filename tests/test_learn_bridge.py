@@ -211,7 +211,7 @@ def test_from_learn_sections_resolve(package):
 
 def test_the_core_reading_list_resolves():
     doc = docstring(package_file("shardwise.parallel"))
-    for core in ("apply", "model", "sync", "params", "layout"):
+    for core in ("apply", "model", "runner", "loss", "sync", "params", "layout"):
         assert f":mod:`.{core}`" in doc, core
     assert [p for ref in ROLE.findall(doc) if (p := resolve(ref, "shardwise.parallel"))] == []
 

@@ -13,7 +13,7 @@ From learn/ (``learn/dp.py``'s names → here):
   :meth:`~.data_parallel.DataParallel.finish_gradient_sync` after the last backward
 * ``x.chunk(n)[rank]`` (``In[B_X, D]``) → :class:`shardwise.data.sampler.DistributedSampler`
 * ``/ (B * D)`` (the global count) → each micro-batch's loss sum divided by the step's global
-  token count, ``denom`` of :meth:`~..model.ParallelModel.forward_backward`
+  token count, ``denom`` of :meth:`~..runner.NoPipelining.forward_backward`
 * ``2(n−1)/n · 4Ψ`` and ``16Ψ`` → :func:`~.data_parallel.dp_grad_bytes_formula`,
   :func:`~.data_parallel.dp_memory_formula`; PyTorch's DDP: :class:`~.ddp.DDPSync`
 """
