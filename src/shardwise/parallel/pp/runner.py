@@ -239,92 +239,150 @@ class ScheduleRunner:
         (0 on a stage with neither). RuntimeError if the schedule leaves state behind. Sends
         are ``isend``, waited at the end of the step; receives block. MoE layers are in attach
         mode (aux gradient 1/``denom``) during the step and back in plain mode after it."""
-        mbs = microbatches
-        shapes = [act_shape(mb) for mb in mbs]
-        first = next(self.module.parameters())
-        device, act_dtype = first.device, first.dtype
-        loss = torch.zeros(1, dtype=torch.float64, device=device)
-        inputs, outputs, out_grads, in_grads, wgrad, captures = {}, {}, {}, {}, {}, {}
-        sends, alive = [], set()
-        neighbours = [self._local_neighbours(c) for c in self.chunks]
+        step = _Step(self, microbatches, denom, dtype, act_shape, loss_sum)
         self.timeline, self.peak_alive = [], 0
-        topo, grad_topo = self.topo, self.grad_topo
         set_aux_grad_scale(self.module, 1.0 / denom)  # each MoE layer's aux gradient: 1/T
         for a in actions:
             key = (a.microbatch, a.chunk)
             chunk = self.chunks[a.chunk]
             t0 = time.time()
-            if a.kind == "RECV_F":
-                buf = torch.empty(shapes[a.microbatch], dtype=act_dtype, device=device)
-                comm.recv(buf, topo, "pp", a.peer, tag="pp_fwd")
-                inputs[key] = buf.requires_grad_()
-            elif a.kind == "RECV_B":
-                buf = torch.empty(shapes[a.microbatch], dtype=act_dtype, device=device)
-                comm.recv(buf, grad_topo, "pp", a.peer, tag="pp_bwd")
-                out_grads[key] = buf
-            elif a.kind == "SEND_F":
-                t = outputs[key].detach().to(act_dtype).contiguous()
-                sends.append((comm.send(t, topo, "pp", a.peer, tag="pp_fwd", async_op=True), t))
-            elif a.kind == "SEND_B":
-                t = in_grads.pop(key).to(act_dtype).contiguous()
-                sends.append((comm.send(t, grad_topo, "pp", a.peer, tag="pp_bwd",
-                                        async_op=True), t))
+            if a.kind in ("RECV_F", "RECV_B"):
+                step.recv(a, key)
+            elif a.kind in ("SEND_F", "SEND_B"):
+                step.send(a, key)
             elif a.kind == "F":
-                x = first_stage_input(mbs[a.microbatch]) if chunk.is_first else inputs[key]
-                if self.zb is not None:
-                    self.zb.active = []
-                with autocast(dtype, device):
-                    y = chunk(x, **positions_kw(mbs[a.microbatch]))
-                    for m in self.moe[a.chunk]:  # this forward's aux sums, for the log line
-                        loss += m.aux.detach().double()
-                    if chunk.is_last:
-                        s = loss_sum(y, mbs[a.microbatch])
-                        loss += s.detach().double()
-                        y = s / denom  # back-propagate the share of the global mean
-                if self.zb is not None:
-                    captures[key], self.zb.active = self.zb.active, None
-                outputs[key] = y
-                nxt = neighbours[a.chunk][1]
-                if nxt is not None:  # the next stage is ours: its input, with no message
-                    inputs[(a.microbatch, nxt)] = y.detach().to(act_dtype).requires_grad_()
-                alive.add(key)
-                self.peak_alive = max(self.peak_alive, len(alive))
+                step.forward(a, key, chunk)
             elif a.kind == "B":
-                y = outputs.pop(key)
-                g = None if chunk.is_last else out_grads.pop(key).to(y.dtype)
-                torch.autograd.backward(y, g)
-                if not chunk.is_first:
-                    in_grads[key] = inputs.pop(key).grad
-                captures.pop(key, None)  # recorded by F for an I that this B replaces
-                alive.discard(key)
+                step.backward(a, key, chunk)
             elif a.kind == "I":
-                y = outputs.pop(key)
-                g = None if chunk.is_last else out_grads.pop(key).to(y.dtype)
-                roots = [] if chunk.is_first else [inputs.pop(key)]
-                cap = captures.pop(key)
-                grads = torch.autograd.grad(y, roots + [out for _, out in cap], g,
-                                            retain_graph=True, allow_unused=True)
-                if not chunk.is_first:
-                    in_grads[key] = grads[0]
-                wgrad[key] = [(ps, out, gout) for (ps, out), gout
-                              in zip(cap, grads[len(roots):]) if gout is not None]
+                step.input_grad(a, key, chunk)
             elif a.kind == "W":
-                for ps, out, gout in wgrad.pop(key):
-                    for p, gp in zip(ps, torch.autograd.grad(out, ps, gout, retain_graph=True)):
-                        if p.grad is None:
-                            p.grad = gp
-                        else:
-                            p.grad.add_(gp)
-                alive.discard(key)
-            if a.kind in ("B", "I") and neighbours[a.chunk][0] is not None:
-                # the previous stage is ours: its output gradient, with no message
-                out_grads[(a.microbatch, neighbours[a.chunk][0])] = in_grads.pop(key)
+                step.weight_grad(key)
             self.timeline.append((a.kind, a.microbatch, a.chunk,
                                   -1 if a.peer is None else a.peer, t0, time.time()))
-        for handle, _ in sends:
+        return step.finish()
+
+
+class _Step:
+    """One step of :meth:`ScheduleRunner.run` on this rank, action by action. What the actions
+    hand each other, by ``(microbatch, chunk)``: ``inputs`` (activations received, or handed
+    over by this rank's previous stage; requiring grad), ``outputs`` (each F's, until its
+    backward), ``out_grads`` (gradients w.r.t. those outputs, received or handed over),
+    ``in_grads`` (w.r.t. the inputs, until sent or handed over), ``wgrad`` (what each I leaves
+    to its W), ``captures`` (what each F's zero-bubble hooks recorded); with ``sends`` (the
+    isends in flight and their tensors), ``alive`` (the pairs holding activations) and
+    ``loss``, this rank's loss sum, fp64 [1]. Arguments as :meth:`ScheduleRunner.run`'s."""
+
+    def __init__(self, runner: ScheduleRunner, microbatches: list[dict], denom: float,
+                 dtype: str, act_shape, loss_sum):
+        self.runner, self.mbs, self.denom, self.dtype = runner, microbatches, denom, dtype
+        self.loss_sum = loss_sum
+        self.shapes = [act_shape(mb) for mb in microbatches]
+        first = next(runner.module.parameters())
+        self.device, self.act_dtype = first.device, first.dtype
+        self.loss = torch.zeros(1, dtype=torch.float64, device=self.device)
+        self.inputs, self.outputs, self.out_grads, self.in_grads = {}, {}, {}, {}
+        self.wgrad, self.captures = {}, {}
+        self.sends, self.alive = [], set()
+        self.neighbours = [runner._local_neighbours(c) for c in runner.chunks]
+
+    def recv(self, a, key) -> None:
+        """RECV_F: an activation (tag ``pp_fwd``); RECV_B: its gradient (``pp_bwd``, on the
+        gradients' channel). Blocks."""
+        buf = torch.empty(self.shapes[a.microbatch], dtype=self.act_dtype, device=self.device)
+        if a.kind == "RECV_F":
+            comm.recv(buf, self.runner.topo, "pp", a.peer, tag="pp_fwd")
+            self.inputs[key] = buf.requires_grad_()
+        else:
+            comm.recv(buf, self.runner.grad_topo, "pp", a.peer, tag="pp_bwd")
+            self.out_grads[key] = buf
+
+    def send(self, a, key) -> None:
+        """SEND_F: the output activation; SEND_B: the input gradient (an ``isend``, waited for
+        in :meth:`finish`)."""
+        if a.kind == "SEND_F":
+            t = self.outputs[key].detach().to(self.act_dtype).contiguous()
+            handle = comm.send(t, self.runner.topo, "pp", a.peer, tag="pp_fwd", async_op=True)
+        else:
+            t = self.in_grads.pop(key).to(self.act_dtype).contiguous()
+            handle = comm.send(t, self.runner.grad_topo, "pp", a.peer, tag="pp_bwd",
+                               async_op=True)
+        self.sends.append((handle, t))
+
+    def forward(self, a, key, chunk) -> None:
+        """F: ``chunk`` on its input; adds its MoE aux sums (and on the last stage its token
+        losses) to the loss sum; the last stage keeps loss sum / ``denom`` to back-propagate."""
+        runner, mb = self.runner, self.mbs[a.microbatch]
+        x = first_stage_input(mb) if chunk.is_first else self.inputs[key]
+        if runner.zb is not None:
+            runner.zb.active = []
+        with autocast(self.dtype, self.device):
+            y = chunk(x, **positions_kw(mb))
+            for m in runner.moe[a.chunk]:  # this forward's aux sums, for the log line
+                self.loss += m.aux.detach().double()
+            if chunk.is_last:
+                s = self.loss_sum(y, mb)
+                self.loss += s.detach().double()
+                y = s / self.denom  # back-propagate the share of the global mean
+        if runner.zb is not None:
+            self.captures[key], runner.zb.active = runner.zb.active, None
+        self.outputs[key] = y
+        nxt = self.neighbours[a.chunk][1]
+        if nxt is not None:  # the next stage is ours: its input, with no message
+            self.inputs[(a.microbatch, nxt)] = y.detach().to(self.act_dtype).requires_grad_()
+        self.alive.add(key)
+        runner.peak_alive = max(runner.peak_alive, len(self.alive))
+
+    def backward(self, a, key, chunk) -> None:
+        """B: the full backward, input and weight gradients."""
+        y = self.outputs.pop(key)
+        g = None if chunk.is_last else self.out_grads.pop(key).to(y.dtype)
+        torch.autograd.backward(y, g)
+        if not chunk.is_first:
+            self.in_grads[key] = self.inputs.pop(key).grad
+        self.captures.pop(key, None)  # recorded by F for an I that this B replaces
+        self.alive.discard(key)
+        self._hand_back(a, key)
+
+    def input_grad(self, a, key, chunk) -> None:
+        """I: the input gradient, and each captured output's gradient, kept for its W."""
+        y = self.outputs.pop(key)
+        g = None if chunk.is_last else self.out_grads.pop(key).to(y.dtype)
+        roots = [] if chunk.is_first else [self.inputs.pop(key)]
+        cap = self.captures.pop(key)
+        grads = torch.autograd.grad(y, roots + [out for _, out in cap], g,
+                                    retain_graph=True, allow_unused=True)
+        if not chunk.is_first:
+            self.in_grads[key] = grads[0]
+        self.wgrad[key] = [(ps, out, gout) for (ps, out), gout
+                           in zip(cap, grads[len(roots):]) if gout is not None]
+        self._hand_back(a, key)
+
+    def weight_grad(self, key) -> None:
+        """W: from each captured output to its own weights, accumulated into ``.grad``."""
+        for ps, out, gout in self.wgrad.pop(key):
+            for p, gp in zip(ps, torch.autograd.grad(out, ps, gout, retain_graph=True)):
+                if p.grad is None:
+                    p.grad = gp
+                else:
+                    p.grad.add_(gp)
+        self.alive.discard(key)
+
+    def _hand_back(self, a, key) -> None:
+        """After B or I: when the previous stage is this rank's, its output gradient is this
+        input gradient, with no message."""
+        prev = self.neighbours[a.chunk][0]
+        if prev is not None:
+            self.out_grads[(a.microbatch, prev)] = self.in_grads.pop(key)
+
+    def finish(self) -> torch.Tensor:
+        """Wait for the sends, put the MoE layers back in plain mode, check that the schedule
+        left nothing behind (RuntimeError), return the loss sum."""
+        for handle, _ in self.sends:
             handle.wait()
-        set_aux_grad_scale(self.module, None)
-        leftover = [d for d in (inputs, outputs, out_grads, in_grads, wgrad) if d]
+        set_aux_grad_scale(self.runner.module, None)
+        leftover = [d for d in (self.inputs, self.outputs, self.out_grads, self.in_grads,
+                                self.wgrad) if d]
         if leftover:  # a schedule bug; the simulator should have caught it
             raise RuntimeError(f"pipeline step left state behind: {leftover}")
-        return loss
+        return self.loss
