@@ -120,9 +120,6 @@ LONG_FUNCTIONS: dict[str, str] = {
                                     "split with its next change",
     "tools/verify.py::verify_worker": "every verify case, then the table and the JSON; split "
                                       "with its next change",
-    "topology.py::Topology.__init__":
-        "groups of every axis built in one collective order; to split with the topology's "
-        "next change",
     "train/loop.py::setup": "to split with the loop's next change (issue 52)",
 }
 

@@ -52,6 +52,68 @@ def validate_degrees(pp: int, dp: int, tp: int, world_size: int, cp: int = 1) ->
             f"or launch {product} processes")
 
 
+def check_ep_degree(ep, dp: int, cp: int = 1) -> None:
+    """EP ⊆ dp × cp, the rule written once (:class:`Topology`, :func:`~shardwise.parallel.ep.
+    validate_ep` and so :meth:`~shardwise.parallel.layout.Layout.check_rules`, the engine's and
+    the planner's): raise :class:`ShardwiseConfigError` unless ``ep`` is a positive integer
+    dividing dp × cp (the expert-parallel ranks split the ranks of the data axis)."""
+    if not isinstance(ep, int) or ep < 1:
+        raise ShardwiseConfigError(f"--ep {ep} must be a positive integer")
+    n = dp * cp
+    if n % ep:
+        raise ShardwiseConfigError(
+            f"--ep {ep} must divide dp × cp = {dp} × {cp} = {n}: expert parallelism splits the "
+            f"ranks of the data axis (EP ⊆ dp × cp); choose --ep from "
+            f"{[k for k in range(1, n + 1) if n % k == 0]} or raise --dp")
+
+
+def check_dp_replicate(dp_replicate, dp: int) -> None:
+    """HSDP's split dp = dp_replicate × dp_shard, the rule written once (:class:`Topology`,
+    :meth:`~shardwise.parallel.layout.Layout.check_rules`, the engine's and the planner's):
+    raise :class:`ShardwiseConfigError` unless ``dp_replicate`` is a positive integer dividing
+    ``dp``."""
+    if not isinstance(dp_replicate, int) or isinstance(dp_replicate, bool) or dp_replicate < 1:
+        raise ShardwiseConfigError(f"--dp-replicate {dp_replicate!r} must be a positive integer")
+    if dp % dp_replicate:
+        raise ShardwiseConfigError(
+            f"--dp-replicate {dp_replicate} must divide dp = {dp}: HSDP splits dp into "
+            f"dp_replicate × dp_shard; choose from "
+            f"{[k for k in range(1, dp + 1) if dp % k == 0]}")
+
+
+def axis_lines(grid: torch.Tensor, ep: int = 1,
+               dp_replicate: int = 1) -> dict[str, list[list[int]]]:
+    """Axis → the ranks of each of its lines, for the rank ``grid`` [pp, dp, cp, tp], in the
+    order :class:`Topology` creates the groups: every axis (its dim moved last, the others
+    flattened; cp's only when cp > 1), "dp_cp" (dp × cp flattened, dp-major, for the gradient
+    sync; when cp > 1), "ep" and "edp" (when ep > 1), "dp_shard" and "dp_replicate" (HSDP) and
+    "pp_batch" (when pp > 1). No collective."""
+    pp, dp, cp, tp = grid.shape
+    lines_of = {axis: grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist()
+                for dim, axis in enumerate(AXES) if axis != "cp" or cp > 1}
+    data_lines = grid.permute(0, 3, 1, 2).reshape(pp * tp, dp * cp).tolist()
+    if cp > 1:
+        lines_of["dp_cp"] = data_lines
+    # expert parallelism inside each data line: ep consecutive data ranks share out the
+    # experts ("ep"); the ranks holding the same experts ("edp", expert-data-parallel) sum
+    # their gradients (Megatron-Core's expert_model_parallel / expert_data_parallel)
+    if 1 < ep:
+        lines_of["ep"] = [line[g:g + ep] for line in data_lines for g in range(0, dp * cp, ep)]
+    if 1 < ep < dp * cp:
+        lines_of["edp"] = [line[j::ep] for line in data_lines for j in range(ep)]
+    if dp_replicate > 1:  # HSDP inside each dp line: index r·S + s, S = dp / R
+        shard = dp // dp_replicate
+        dp_lines = lines_of["dp"]
+        lines_of["dp_shard"] = [line[r:r + shard] for line in dp_lines
+                                for r in range(0, dp, shard)]
+        lines_of["dp_replicate"] = [line[j::shard] for line in dp_lines for j in range(shard)]
+    # PyTorch's pipelining (batch_isend_irecv) gets its own communicator of the pp ranks:
+    # never mixed with our single isend/irecv on "pp" (NCCL hazard 3, comm/groups.py)
+    if pp > 1:
+        lines_of["pp_batch"] = lines_of["pp"]
+    return lines_of
+
+
 def backend_for(device: str) -> str:
     """The process-group backend that follows the device type: gloo for cpu, nccl for cuda, …
     (``device`` "auto": of the type :func:`resolve_device` picks)."""
@@ -177,16 +239,8 @@ class Topology:
         world = dist.get_world_size()
         ranks = list(range(world)) if ranks is None else list(ranks)
         validate_degrees(pp, dp, tp, len(ranks), cp)
-        if not isinstance(ep, int) or ep < 1 or (dp * cp) % ep:
-            raise ShardwiseConfigError(
-                f"--ep {ep} must divide dp × cp = {dp * cp}: expert parallelism splits the "
-                "ranks of the data axis (EP ⊆ dp × cp); choose --ep from "
-                f"{[k for k in range(1, dp * cp + 1) if dp * cp % k == 0]}")
-        if not isinstance(dp_replicate, int) or dp_replicate < 1 or dp % dp_replicate:
-            raise ShardwiseConfigError(
-                f"--dp-replicate {dp_replicate} must divide dp = {dp}: HSDP splits dp into "
-                "dp_replicate × dp_shard; choose --dp-replicate from "
-                f"{[k for k in range(1, dp + 1) if dp % k == 0]}")
+        check_ep_degree(ep, dp, cp)
+        check_dp_replicate(dp_replicate, dp)
         self.degrees = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
         self.ep = ep
         # HSDP: dp = dp_replicate × dp_shard (replicate outer): ZeRO shards over "dp_shard" and
@@ -208,34 +262,10 @@ class Topology:
         timeout = datetime.timedelta(seconds=timeout_s)
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._axis_ranks: dict[str, list[int]] = {}
-        # the lines of each axis (move its dim last, flatten the others); cp's only when cp > 1,
-        # and dp × cp flattened (dp-major) for the gradient sync
-        lines_of = {axis: self.grid.movedim(dim, -1).reshape(-1, self.grid.shape[dim]).tolist()
-                    for dim, axis in enumerate(AXES) if axis != "cp" or cp > 1}
-        data_lines = self.grid.permute(0, 3, 1, 2).reshape(pp * tp, dp * cp).tolist()
-        if cp > 1:
-            lines_of["dp_cp"] = data_lines
-        # expert parallelism inside each data line: ep consecutive data ranks share out the
-        # experts ("ep"); the ranks holding the same experts ("edp", expert-data-parallel) sum
-        # their gradients (Megatron-Core's expert_model_parallel / expert_data_parallel)
-        if 1 < ep:
-            lines_of["ep"] = [line[g:g + ep] for line in data_lines
-                              for g in range(0, dp * cp, ep)]
-        if 1 < ep < dp * cp:
-            lines_of["edp"] = [line[j::ep] for line in data_lines for j in range(ep)]
-        if dp_replicate > 1:  # HSDP inside each dp line: index r·S + s, S = dp / R
-            shard = dp // dp_replicate
-            dp_lines = lines_of["dp"]
-            lines_of["dp_shard"] = [line[r:r + shard] for line in dp_lines
-                                    for r in range(0, dp, shard)]
-            lines_of["dp_replicate"] = [line[j::shard] for line in dp_lines for j in range(shard)]
-        # PyTorch's pipelining (batch_isend_irecv) gets its own communicator of the pp ranks:
-        # never mixed with our single isend/irecv on "pp" (NCCL hazard 3, comm/groups.py)
-        if pp > 1:
-            lines_of["pp_batch"] = lines_of["pp"]
         # every group, eagerly, in one recorded order; device_id bound on CUDA (hazards 1, 2)
         self.group_record: list[tuple[str, tuple[int, ...]]] = []
-        for axis, (group, line) in new_groups(lines_of, self.rank, self.device, timeout,
+        for axis, (group, line) in new_groups(axis_lines(self.grid, ep, dp_replicate), self.rank,
+                                              self.device, timeout,
                                               self.group_record).items():
             self._groups[axis], self._axis_ranks[axis] = group, line
         if cp == 1:  # one rank per cp line: this rank alone; dp_cp is dp

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import ShardwiseConfigError
+from ..topology import check_dp_replicate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,11 +277,7 @@ class Layout:
         r, dp = self.dp_replicate, self.dp
         if r == 1:
             return
-        if dp % r:
-            raise ShardwiseConfigError(
-                f"--dp-replicate {r} must divide dp = {dp}: HSDP splits dp into "
-                f"dp_replicate × dp_shard; choose from "
-                f"{[k for k in range(1, dp + 1) if dp % k == 0]}")
+        check_dp_replicate(r, dp)
         if not self.zero:
             raise ShardwiseConfigError(
                 f"--dp-replicate {r} with --zero 0: HSDP shards the model state within "

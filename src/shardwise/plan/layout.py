@@ -14,6 +14,7 @@ import dataclasses
 import math
 
 from ..errors import ShardwiseConfigError
+from ..parallel.ep import check_experts_split
 from ..parallel.layout import Layout
 from ..parallel.pp.schedules import SCHEDULES as ENGINE_SCHEDULES, V_SCHEDULES
 
@@ -151,8 +152,9 @@ def check_cp(model: ModelSpec, cp: int, method: str = "ring") -> None:
 
 def check_ep(model: ModelSpec, layout: PlanLayout) -> None:
     """Raise ShardwiseConfigError unless ``layout.ep`` expert-parallel ranks can run ``model``:
-    an MoE model whose n_experts ep divides. ep ≥ 1 dividing dp × cp (EP ⊆ dp × cp) and an
-    expert group inside an HSDP shard group are the layout's rules
+    an MoE model whose n_experts ep divides (the engine's rule,
+    :func:`~shardwise.parallel.ep.check_experts_split`). ep ≥ 1 dividing dp × cp (EP ⊆ dp × cp)
+    and an expert group inside an HSDP shard group are the layout's rules
     (:meth:`~shardwise.parallel.layout.Layout.check_rules`, which :func:`check_layout` runs
     first). The engine's refusal of MoE with SP or cp > 1 (a sequence split needs its routing
     counts summed for the per-sequence balance loss, not wired there) is not the planner's: it
@@ -162,12 +164,9 @@ def check_ep(model: ModelSpec, layout: PlanLayout) -> None:
             f"--ep {layout.ep} needs a mixture-of-experts model (there are no experts to split), "
             f"and {model.name} is dense: choose an MoE model (mixtral-8x7b, mixtral-8x22b, dbrx, "
             "llama4-scout, llama4-maverick, moe-tiny, …) or --ep 1")
-    if model.is_moe and model.n_experts % layout.ep:
-        ok = [e for e in range(1, model.n_experts + 1) if model.n_experts % e == 0
-              and (layout.dp * layout.cp) % e == 0]
-        raise ShardwiseConfigError(
-            f"--ep {layout.ep} must divide n_experts = {model.n_experts} ({model.name}): each "
-            f"rank holds n_experts / ep experts; choose --ep from {ok}")
+    if model.is_moe:  # the engine's rule, with the preset's name (it has no --n-experts)
+        check_experts_split(layout.ep, model.n_experts, layout.dp * layout.cp, model=model.name,
+                            fix="")
 
 
 def check_layout(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batch: int) -> int:

@@ -51,12 +51,28 @@ from __future__ import annotations
 from torch import nn
 
 from ...errors import ShardwiseConfigError
+from ...topology import check_ep_degree
 from ..params import mark_ep_shard
 
 
 def is_moe_model(cfg) -> bool:
     """Whether model config ``cfg`` has mixture-of-experts layers (an ``n_experts`` field)."""
     return getattr(cfg, "n_experts", None) is not None
+
+
+def check_experts_split(ep: int, n_experts: int, data_ranks: int, *, model: str = "",
+                        fix: str = " or change --n-experts") -> None:
+    """E/ep experts per rank, the rule written once (:func:`validate_ep`, the engine's, and
+    ``shardwise.plan.layout.check_ep``, the planner's): raise :class:`ShardwiseConfigError`
+    unless ``ep`` divides ``n_experts``. The message offers the ep that divide both n_experts
+    and ``data_ranks`` (dp × cp); ``model`` names the model in it (the planner's presets),
+    ``fix`` ends it (the engine's config has ``--n-experts``; the planner's presets do not)."""
+    if n_experts % ep:
+        named = f" ({model})" if model else ""
+        ok = [k for k in range(1, n_experts + 1) if n_experts % k == 0 and data_ranks % k == 0]
+        raise ShardwiseConfigError(
+            f"--ep {ep} must divide n_experts = {n_experts}{named}: each rank holds "
+            f"n_experts / ep experts; choose --ep from {ok}{fix}")
 
 
 def validate_ep(cfg, ep: int, dp: int = 1, cp: int = 1, *, engine: str = "explicit",
@@ -69,14 +85,7 @@ def validate_ep(cfg, ep: int, dp: int = 1, cp: int = 1, *, engine: str = "explic
     balance loss: not wired), and on the torch engine with tp > 1 (DTensor's
     ``parallelize_module`` has no plan for a router and stacked experts; pp > 1:
     :func:`~..pp.split.validate_pp_moe`)."""
-    if not isinstance(ep, int) or ep < 1:
-        raise ShardwiseConfigError(f"--ep {ep} must be a positive integer")
-    n = dp * cp
-    if n % ep:
-        raise ShardwiseConfigError(
-            f"--ep {ep} must divide dp × cp = {dp} × {cp} = {n}: expert parallelism splits the "
-            f"ranks of the data axis (EP ⊆ dp × cp); choose --ep from "
-            f"{[k for k in range(1, n + 1) if n % k == 0]} or raise --dp")
+    check_ep_degree(ep, dp, cp)
     if ep > 1 and engine != "explicit":
         raise ShardwiseConfigError(
             f"--engine {engine} --ep {ep}: PyTorch core has no expert-parallel module (no "
@@ -89,12 +98,8 @@ def validate_ep(cfg, ep: int, dp: int = 1, cp: int = 1, *, engine: str = "explic
         raise ShardwiseConfigError(
             f"--ep {ep} needs a mixture-of-experts model (there are no experts to split): "
             "choose --model moe-tiny or moe-small, or drop --ep")
-    if moe and cfg.n_experts % ep:
-        raise ShardwiseConfigError(
-            f"--ep {ep} must divide n_experts = {cfg.n_experts}: each rank holds "
-            f"n_experts / ep experts; choose --ep from "
-            f"{[k for k in range(1, cfg.n_experts + 1) if cfg.n_experts % k == 0 and n % k == 0]}"
-            " or change --n-experts")
+    if moe:
+        check_experts_split(ep, cfg.n_experts, dp * cp)
     if moe and engine != "explicit" and tp > 1:  # (pp: :func:`..pp.split.validate_pp_moe`)
         raise ShardwiseConfigError(
             f"--engine {engine} --tp {tp} with a mixture-of-experts model: DTensor's "
@@ -171,5 +176,5 @@ def split_matrix(module: nn.Module) -> list[list[list[int]]]:
     return out
 
 
-__all__ = ["ep_bytes_formula", "is_moe_model", "parallelize_experts", "split_matrix",
-           "validate_ep"]
+__all__ = ["check_experts_split", "ep_bytes_formula", "is_moe_model", "parallelize_experts",
+           "split_matrix", "validate_ep"]
