@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from shardwise.precision import Precision
 from shardwise.data import DistributedSampler
 from shardwise.errors import ShardwiseConfigError
 from shardwise.models import build_model
@@ -171,7 +172,7 @@ def _topo(dp, tp):
 def _check(model, topo, layout, reduce_dtype):
     """parallelize (dp × tp, torch) on a topology without groups: its checks (Layout.check)
     must raise before its first collective."""
-    parallelize(model, topo, layout, engine="torch", reduce_dtype=reduce_dtype)
+    parallelize(model, topo, layout, engine="torch", precision=Precision.of(reduce=reduce_dtype))
 
 
 def test_bad_input_refused_before_any_collective():

@@ -21,9 +21,8 @@
   see PP 1F1B, ZeRO-3 or TP whole (the issue's targets; measured by running the layout:
   tests/workers/reading_cases.py).
 
-Issue 52's targets (each checker tested on a planted violation and a planted clean package; on
-the real tree, a target that does not hold yet is marked ``xfail(strict=True)`` while the
-refactor is under way, so the day it holds the test turns red and the marker has to go):
+Issue 52's targets (each checker tested on a planted violation and a planted clean package,
+and asserted on the real tree):
 
 * ``parallelize`` (``parallel/apply.py``) is at most :data:`MAX_PARALLELIZE_LINES` lines with at
   most :data:`MAX_PARALLELIZE_BRANCHES` conditionals (:func:`function_shape`: every ``if`` /
@@ -64,8 +63,6 @@ MAX_BRANCH_SITES = 3  # per dimension (EP, HSDP), issue 33's target
 MAX_PARALLELIZE_LINES, MAX_PARALLELIZE_BRANCHES = 60, 6  # issue 52's targets
 MAX_DTYPE_STRINGS = 5  # parameters ``*dtype*: str`` in parallel/ (issue 52; 40 at fb12019)
 # on the real tree while issue 52's refactor is under way: remove the marker where it XPASSes
-REFACTOR_52 = pytest.mark.xfail(strict=True, raises=AssertionError,
-                                reason="issue 52: being refactored; flip when it lands")
 
 
 def _imported_modules(f: Path, pkg_root: Path) -> list[tuple[str, int]]:
@@ -327,7 +324,7 @@ def test_the_loss_is_defined_in_few_places():
 
 
 def test_the_reduce_dtype_table_is_written_once():
-    assert assignments(SRC, "REDUCE_DTYPES") == ["parallel/params.py"]
+    assert assignments(SRC, "REDUCE_DTYPES") == ["precision.py"]
 
 
 def test_ep_and_hsdp_are_data_on_the_parameter():
@@ -395,7 +392,6 @@ def test_strategies_do_not_import_the_engine_module():
     assert not found, f"strategy folders import parallel/model.py: {found}"
 
 
-@REFACTOR_52
 def test_the_precision_is_not_threaded_as_strings():
     reduce, strings = dtype_parameters(SRC)  # 16 and 40 at fb12019
     assert not reduce, f"parameters named reduce_dtype: {reduce}"

@@ -108,7 +108,7 @@ LAYERS = [
     {"parallel"},
     {"models", "data", "launch"},
     {"comm", "topology"},
-    {"errors", "readers", "lazy"},
+    {"errors", "readers", "lazy", "precision"},
 ]
 
 

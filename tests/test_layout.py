@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from shardwise.precision import Precision
 from shardwise.errors import ShardwiseConfigError
 from shardwise.models import build_model, preset_config
 from shardwise.parallel.apply import Layout as ApplyLayout
@@ -72,7 +73,7 @@ def _llama():
      ["--sp: --tp 2 does not divide --seq-len 15"]),
     (Layout(dp=2), {"topo": _topo(dp=4)}, ["does not match the topology pp=1 × dp=4 × tp=1",
                                            "Topology(pp=1, dp=2, tp=1)"]),
-    (Layout(dp=2), {"reduce_dtype": "fp16"}, ["--reduce-dtype 'fp16': choose fp32 or bf16"]),
+    (Layout(dp=2), {"precision": Precision.of(reduce="fp16")}, ["--reduce-dtype 'fp16': choose fp32 or bf16"]),
     (Layout(tp=2, pp=2), {"model_cfg": preset_config("mlp-tiny")},
      ["pipeline stages of the stacked MLP are not tensor-parallel", "use --pp 1 with --tp"]),
     (Layout(tp=3), {"model_cfg": preset_config("mlp-tiny")},
@@ -97,7 +98,8 @@ def test_check_passes_what_runs():
     Layout(dp=2, tp=2, zero=3, sp=True).check(llama, _topo(dp=2, tp=2), seq_len=16,
                                               engine="torch")
     Layout(pp=2, dp=2, zero=1, microbatches=2).check(llama, global_batch=8, micro_batch=1,
-                                                     reduce_dtype="bf16", composition="pp")
+                                                     precision=Precision.of(reduce="bf16"),
+                                                     composition="pp")
     Layout(tp=2).check()  # no model given: the model's checks are skipped
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from shardwise.precision import FP32
 from shardwise.errors import ShardwiseConfigError
 from shardwise.plan import comm as plan_comm
 from shardwise.plan import compute as plan_compute
@@ -230,7 +231,9 @@ def test_gpt_layer_activations_reproduce_korthikanti_equations_1_2_4():
 def test_zero_memory_reproduces_the_zero_paper_figure_1():
     """Rajbhandari et al. 2020, Fig. 1: Ψ = 7.5B, N_d = 64, K = 12 (fp16 params and grads):
     120 GB, 31.4 GB, 16.6 GB, 1.9 GB per device (GB = 1e9 bytes)."""
-    prec = Precision("zero-paper", 2, 2, 12, 2, 2, "bf16", 0, 0)
+    prec = Precision(compute="fp16", param_dtype="fp16", master_dtype="fp32", grad_dtype="fp16",
+                     reduce_dtype="fp16", name="zero-paper")  # 2 + 2 + K, K = 4 + 4 + 4
+    assert (prec.param, prec.grad, prec.optim) == (2, 2, 12)
     expected = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
     for zero, gb in expected.items():
         st = plan_memory.model_state_bytes(7.5e9, 0, zero, 64, prec)
@@ -496,7 +499,7 @@ def test_cp_bytes_equal_the_core_formula_the_ledger_checks():
 
     for method in ("ring", "allgather"):
         parallelize_context(model, Topo(), method)
-        core = cp_bytes_formula(model, Topo(), 3, SEQ, "fp32")
+        core = cp_bytes_formula(model, Topo(), 3, SEQ, FP32)
         lay = PlanLayout(cp=4, cp_method=method, micro_batch=3, precision="fp32")
         per_layer = plan_comm.cp_layer_bytes(spec, lay)
         assert {k: spec.n_layers * v for k, v in per_layer.items()} == core

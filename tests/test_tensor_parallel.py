@@ -17,6 +17,7 @@ from torch import nn
 from shardwise.comm import Ledger
 from shardwise.data import DistributedSampler
 from shardwise.errors import ShardwiseConfigError
+from shardwise.precision import Precision
 from shardwise.models import LlamaConfig, build_model
 from shardwise.parallel.tp import (apply as tp_apply, padded_vocab_size, parallelize_tensor,
                                    tp_step_bytes_formula, valid_tp_degrees, validate_tp)
@@ -101,7 +102,8 @@ def test_formula_hand_worked():
     assert g["tp_fwd"] == g["tp_bwd"] == 10 * 0.75 * 16384
     assert g["sp_grad"] == 1.5 * 5 * 32 * 4 and g["ce"] == 1.5 * 1536 and g["grad_norm"] == 12
     # bf16 autocast: the 2L row-parallel outputs travel in 2 bytes (forward g only, no SP)
-    h = tp_step_bytes_formula(cfg, sequences=8, seq_len=16, tp=2, sp=False, dtype="bf16")
+    h = tp_step_bytes_formula(cfg, sequences=8, seq_len=16, tp=2, sp=False,
+                              precision=Precision.of("bf16"))
     assert h["tp_fwd"] == 16384 + 4 * 8192 and h["tp_bwd"] == 5 * 16384
 
 
@@ -121,7 +123,7 @@ def test_ledger_bytes_equal_formula(results, references, tp, engine, sp, tied):
 def test_ledger_bytes_equal_formula_under_bf16(results, engine, sp):
     """Row-parallel outputs travel in bf16 under autocast, everything else in fp32."""
     cfg = build_model("tiny", vocab_size=67, **W.MODEL).config
-    f = tp_step_bytes_formula(cfg, 8, 16, 2, sp, dtype="bf16")
+    f = tp_step_bytes_formula(cfg, 8, 16, 2, sp, precision=Precision.of("bf16"))
     assert f["tp_fwd"] < tp_step_bytes_formula(cfg, 8, 16, 2, sp)["tp_fwd"]
     for r in range(2):
         got = torch.load(results / f"bf16_{engine}_{'sp' if sp else 'nosp'}_rank{r}.pt")

@@ -48,7 +48,8 @@ def step_bytes_formula(engine, topo, *, micro_steps: int, sequences: int, seq_le
     cp = topo.size("cp")
     out = dict(engine.bytes_formula(micro_steps=micro_steps, sequences=sequences,
                                     seq_len=seq_len // cp, dtype=dtype))
-    out.update(cp_bytes_formula(engine.module, topo, sequences, seq_len, dtype))
+    out.update(cp_bytes_formula(engine.module, topo, sequences, seq_len,
+                                engine.precision.with_compute(dtype)))
     out.update(ep_bytes_formula(engine.module, topo))
     out.pop("total", None)
     out.pop("loss", None)

@@ -22,6 +22,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from shardwise.precision import Precision
 from shardwise.config import TrainConfig
 from shardwise.errors import ShardwiseConfigError
 from shardwise.formulas import step_bytes_formula
@@ -76,7 +77,7 @@ def _copies(named: dict) -> dict:
 
 def run_parity(topo, work, zero, sp, tied, reduce_dtype, out, rank):
     engine = parallelize(make_model(tied), topo, Layout(dp=2, tp=2, zero=zero, sp=sp), seed=0,
-                         reduce_dtype=reduce_dtype)
+                         precision=Precision.of(reduce=reduce_dtype))
     opt = _optimizer(engine)
     sampler = work.sampler(GLOBAL_BATCH, 2, topo.index("dp"), seed=0)
     rec = {k: [] for k in ("loss", "grad_norm", "grads", "params", "bytes", "formula",
@@ -109,7 +110,8 @@ def run_parity(topo, work, zero, sp, tied, reduce_dtype, out, rank):
 
 def run_plain_dp(topo, work, zero, reduce_dtype, out, rank):
     """dp=4 without TP (DataParallel / ZeroSync) with ``reduce_dtype``: 2 steps."""
-    engine = parallelize(make_model(), topo, Layout(dp=4, zero=zero), reduce_dtype=reduce_dtype)
+    engine = parallelize(make_model(), topo, Layout(dp=4, zero=zero),
+                         precision=Precision.of(reduce=reduce_dtype))
     opt = _optimizer(engine)
     sampler = work.sampler(GLOBAL_BATCH, 4, topo.index("dp"), seed=0)
     rec = {k: [] for k in ("loss", "bytes", "formula", "grad_dtypes")}
@@ -207,7 +209,7 @@ def error_cases(topo22, topo4, out, rank):
                                                     Layout(dp=2, tp=2, sp=True)))
         msgs["reduce_dtype"] = _catch(lambda: parallelize(make_model(), topo22,
                                                              Layout(dp=2, tp=2),
-                                                             reduce_dtype="fp16"))
+                                                             precision=Precision.of(reduce="fp16")))
         msgs["tp_heads"] = _catch(lambda: parallelize(
             build_model("tiny", vocab_size=67, n_heads=4, n_kv_heads=1), topo22,
             Layout(dp=2, tp=2)))
@@ -215,10 +217,10 @@ def error_cases(topo22, topo4, out, rank):
                                                                Layout(dp=4, tp=2)))
     if topo4.member:
         msgs["dp_reduce_dtype"] = _catch(lambda: DataParallel(make_model(), topo4,
-                                                              reduce_dtype="int8"))
+                                                              precision=Precision.of(reduce="int8")))
         msgs["zero_reduce_dtype"] = _catch(lambda: parallelize(make_model(), topo4,
                                                                Layout(dp=4, zero=2),
-                                                               reduce_dtype="fp8"))
+                                                               precision=Precision.of(reduce="fp8")))
     torch.save(msgs, f"{out}/errors_rank{rank}.pt")
 
 

@@ -26,6 +26,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from shardwise.precision import Precision
 from shardwise.config import TrainConfig
 from shardwise.models import build_model
 from shardwise.parallel.apply import Layout, parallelize
@@ -147,7 +148,8 @@ def roundtrip(engine, opt, topo, topo4, topo_tp, sampler, work):
 
 def run_bf16(topo, work, zero, out, rank):
     layout = Layout(dp=2, tp=2, zero=zero)
-    engine = parallelize(_model(), topo, layout, engine="torch", reduce_dtype="bf16")
+    engine = parallelize(_model(), topo, layout, engine="torch",
+                         precision=Precision.of(reduce="bf16"))
     opt = build_optimizer(engine, CFG)
     sampler = work.sampler(GLOBAL_BATCH, 2, topo.index("dp"), seed=0)
     rec = {"loss": [], "grad_norm": [], "grads": [], "bytes": [], "total_bytes": [],
@@ -164,7 +166,7 @@ def run_bf16_1d(topo4, work, zero, out, rank):
     for reduce_dtype in ("fp32", "bf16"):
         torch.manual_seed(0)
         engine = parallelize(_model(), topo4, Layout(dp=4, zero=zero), engine="torch",
-                             reduce_dtype=reduce_dtype)
+                             precision=Precision.of(reduce=reduce_dtype))
         opt = build_optimizer(engine, CFG)
         sampler = work.sampler(GLOBAL_BATCH, 4, topo4.index("dp"), seed=0)
         r = {"loss": [], "grad_norm": [], "grads": [], "bytes": [], "total_bytes": [],

@@ -20,6 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from shardwise.precision import Precision
 from shardwise.config import TrainConfig
 from shardwise.formulas import step_bytes_formula
 from shardwise.models import build_model
@@ -98,7 +99,8 @@ def run_bf16_reduce(work, topo, case, out, rank):
     torch.manual_seed(0)
     model = build_model("tiny", vocab_size=V, n_layers=N_LAYERS, tie_embeddings=True)
     layout = Layout(pp=pp, dp=dp, tp=tp, sp=sp, zero=zero, schedule=schedule, microbatches=m)
-    eng = parallelize(model, topo, layout, engine=engine, reduce_dtype="bf16")
+    eng = parallelize(model, topo, layout, engine=engine,
+                      precision=Precision.of(reduce="bf16"))
     opt = build_optimizer(eng, TrainConfig(model="tiny", lr=LR, weight_decay=0.1))
     sampler = work.sampler(MICRO * m * dp, dp, topo.index("dp"), seed=0)
     train_step(eng, work.batches(sampler.next_local_batch(), MICRO), opt, topo,

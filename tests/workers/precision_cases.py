@@ -17,6 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from shardwise.precision import Precision
 from shardwise.config import TrainConfig
 from shardwise.models import build_model
 from shardwise.parallel.apply import parallelize
@@ -88,7 +89,8 @@ def main(out: str) -> None:
             torch.manual_seed(0)
             model = build_model("tiny", vocab_size=V)
             engine = parallelize(model, topo, layout, engine=engine_name,
-                                 reduce_dtype=reduce_dtype if dtype == "bf16" else "fp32")
+                                 precision=Precision.of(reduce=reduce_dtype if dtype == "bf16"
+                                                       else "fp32"))
             opt = build_optimizer(engine, cfg)
             losses = []
             for step in range(STEPS):

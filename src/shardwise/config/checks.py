@@ -13,6 +13,7 @@ from pathlib import Path
 import typing
 
 from ..errors import ShardwiseConfigError
+from ..precision import Precision
 from .fields import CHOICES, DERIVABLE, TrainConfig
 
 
@@ -227,7 +228,7 @@ def _validate_layout(cfg: TrainConfig) -> None:
         over = {"dropout": cfg.dropout, **over}
     Layout.from_config(cfg).check(
         preset_config(cfg.model, cfg.vocab_size, **over) if needs_model
-        else None, engine=cfg.engine, reduce_dtype=cfg.reduce_dtype, seq_len=cfg.seq_len,
+        else None, engine=cfg.engine, precision=Precision.from_config(cfg), seq_len=cfg.seq_len,
         device=resolve_device(cfg.device)[0],
         global_batch=cfg.global_batch, micro_batch=cfg.micro_batch,
         layers_per_stage=cfg.stage_split() if cfg.pp > 1 else None)

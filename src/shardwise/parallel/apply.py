@@ -37,7 +37,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from .engines import ENGINES
+from ..precision import FP32, Precision
+from .engines import ENGINES, dp_sync
 from .layout import Layout, check_supported, parse_layout
 from .loss import PlainLoss
 from .materialize import Values
@@ -50,15 +51,15 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
                 engine: str = "explicit", bucket_mb: float = 25.0, overlap: bool = True,
                 prefetch: bool = True, reshard_after_forward: bool = True,
                 layers_per_stage: list[int] | None = None, seed: int = 0,
-                reduce_dtype: str = "fp32", weights=None, numerics=()) -> nn.Module:
+                precision: Precision = FP32, weights=None, numerics=()) -> nn.Module:
     """Return ``model`` wrapped for ``layout`` (default: the degrees of ``topo``) by ``engine``
     ("explicit" | "torch"), by the steps of the module docstring; ``model`` may be converted in
     place: use the returned engine's ``.module`` afterwards. ``bucket_mb``/``overlap``: DP
     gradient buckets; ``prefetch``/``reshard_after_forward``: ZeRO-3 / FSDP2;
-    ``layers_per_stage``: an explicit pipeline split; ``seed``: TP dropout RNG; ``reduce_dtype``:
-    the dtype gradients are reduced in over dp; ``weights``: (name, full tensor) for a model
-    built on the meta device (:mod:`.materialize`); ``numerics``: callables applied in order to
-    the model before TP. Raises :class:`ShardwiseConfigError` for a layout that cannot run (on
+    ``layers_per_stage``: an explicit pipeline split; ``seed``: TP dropout RNG; ``precision``:
+    the run's :class:`~shardwise.precision.Precision` (held by the engine); ``weights``: (name,
+    full tensor) for a model built on the meta device (:mod:`.materialize`); ``numerics``:
+    callables applied in order to the model before TP. Raises :class:`ShardwiseConfigError` for a layout that cannot run (on
     every rank, before any collective), ``ValueError`` for an unknown engine or a meta model
     without ``weights``."""
     if engine not in ENGINES:
@@ -66,10 +67,10 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     build = ENGINES[engine]
     layout = layout or Layout(dp=topo.size("dp"), tp=topo.size("tp"), pp=topo.size("pp"),
                               cp=topo.size("cp"), ep=topo.size("ep"))
-    layout.check(model=model, topo=topo, engine=engine, reduce_dtype=reduce_dtype)  # 0.
+    layout.check(model=model, topo=topo, engine=engine, precision=precision)  # 0.
     values = Values(model, weights, topo, whole=not build.takes_meta(layout))
     options = dict(bucket_mb=bucket_mb, overlap=overlap, prefetch=prefetch,
-                   reshard_after_forward=reshard_after_forward, reduce_dtype=reduce_dtype)
+                   reshard_after_forward=reshard_after_forward, precision=precision)
     transform(model, topo, layout, build, numerics)  # 1.
     if layout.pp > 1:  # 2. (a pipeline composes steps 3–5 inside its stage)
         return _pipeline(model, topo, layout, build, values, options,
@@ -79,7 +80,8 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     values.fill(sync)
     finishers = [sync.finish_gradient_sync] + build.sp_finishers(model, topo, layout, sync)  # 5.
     return ParallelModel(model, topo, loss_fn=loss_fn or PlainLoss(sync.forward_module),
-                         grad_sync=sync, finishers=finishers, traffic=traffic, sp=layout.sp)
+                         grad_sync=sync, finishers=finishers, traffic=traffic, sp=layout.sp,
+                         precision=precision)
 
 
 def transform(model: nn.Module, topo, layout: Layout, build, numerics=()) -> None:
@@ -144,55 +146,4 @@ def _pipeline(model: nn.Module, topo, layout: Layout, build, values: Values, opt
     runner = build.runner(stage, topo, layout, v, loss_fn, loss_context, tp if sp else 1)
     traffic = StageTPTraffic(stage, topo, sp, dtensor=build.name == "torch") if tp > 1 else None
     return ParallelModel(stage, topo, loss_fn=loss_fn, grad_sync=sync, finishers=finishers,
-                         traffic=traffic, runner=runner)
-
-
-def dp_sync(model: nn.Module, topo, layout: Layout, engine: str, *, bucket_mb: float = 25.0,
-            overlap: bool = True, prefetch: bool = True, reshard_after_forward: bool = True,
-            reduce_dtype: str = "fp32", deferred: bool = False):
-    """The gradient sync (a plain :class:`~.sync.Sync`) over ``topo``'s dp axis for
-    ``layout.zero`` on ``engine``, of ``model`` (plain, or already converted for TP when
-    ``layout.tp`` > 1: its parameters are then this rank's tp shards, Ψ/tp each; DTensors on
-    the torch engine).
-
-    ======  ==========================  =================================================
-    zero    explicit                    torch (tp = 1; tp > 1)
-    ======  ==========================  =================================================
-    0       :class:`~.dp.DataParallel`  DDP; FSDP2 ``replicate``
-    1, 2    :mod:`.zero` (flat shards)  ZeroRedundancyOptimizer / FSDP2; FSDP2
-    3       :mod:`.zero` (units)        FSDP2 ``fully_shard``; the same over DTensor TP
-    ======  ==========================  =================================================
-
-    Options as :func:`parallelize`; ``deferred`` (explicit ZeRO only): the parameters hold no
-    values yet, fill them with the sync's ``fill`` (:mod:`.materialize`). No checks here:
-    :meth:`Layout.check` ran before."""
-    if engine == "explicit" and layout.zero:
-        from .zero import zero_sync
-
-        return zero_sync(model, topo, layout.zero, prefetch=prefetch,
-                         reshard_after_forward=reshard_after_forward, overlap=overlap,
-                         reduce_dtype=reduce_dtype, deferred=deferred)
-    if engine == "explicit":
-        from .dp import DataParallel
-
-        return DataParallel(model, topo, bucket_mb=bucket_mb, overlap=overlap,
-                            reduce_dtype=reduce_dtype)
-    if layout.cp > 1:  # torch's context_parallel with DDP over dp × cp (CUDA only)
-        from .cp.torch_cp import step_context
-        from .dp import DDPSync
-
-        return DDPSync(model, topo, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype,
-                       step_context=step_context(topo))  # each step inside context_parallel
-    if layout.tp > 1:
-        from .zero.fsdp2 import fsdp2_over_tp
-
-        return fsdp2_over_tp(model, topo, layout, reshard_after_forward=reshard_after_forward,
-                             reduce_dtype=reduce_dtype)
-    if layout.zero:
-        from .zero.torch_zero import ZeroRedundancySync
-
-        return ZeroRedundancySync(model, topo, layout.zero, bucket_mb=bucket_mb,
-                                  reduce_dtype=reduce_dtype)
-    from .dp import DDPSync
-
-    return DDPSync(model, topo, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
+                         traffic=traffic, runner=runner, precision=options["precision"])

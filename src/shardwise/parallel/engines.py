@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .. import comm
+from ..precision import FP32, Precision
 from .loss import PlainLoss
 from .sync import NoSync
 
@@ -19,9 +20,58 @@ def _whole_sync(model, topo, layout, options, values, engine: str, deferred: boo
     else :func:`~.apply.dp_sync` (``deferred``: its values come with its ``fill``)."""
     if layout.tp > 1 and layout.dp * layout.cp == 1:
         return NoSync(model, topo)
-    from .apply import dp_sync
-
     return dp_sync(model, topo, layout, engine, deferred=deferred, **options)
+
+
+def dp_sync(model: nn.Module, topo, layout: Layout, engine: str, *, bucket_mb: float = 25.0,
+            overlap: bool = True, prefetch: bool = True, reshard_after_forward: bool = True,
+            precision: Precision = FP32, deferred: bool = False):
+    """The gradient sync (a plain :class:`~.sync.Sync`) over ``topo``'s dp axis for
+    ``layout.zero`` on ``engine``, of ``model`` (plain, or already converted for TP when
+    ``layout.tp`` > 1: its parameters are then this rank's tp shards, Ψ/tp each; DTensors on
+    the torch engine).
+
+    ======  ==========================  =================================================
+    zero    explicit                    torch (tp = 1; tp > 1)
+    ======  ==========================  =================================================
+    0       :class:`~.dp.DataParallel`  DDP; FSDP2 ``replicate``
+    1, 2    :mod:`.zero` (flat shards)  ZeroRedundancyOptimizer / FSDP2; FSDP2
+    3       :mod:`.zero` (units)        FSDP2 ``fully_shard``; the same over DTensor TP
+    ======  ==========================  =================================================
+
+    Options as :func:`parallelize`; ``deferred`` (explicit ZeRO only): the parameters hold no
+    values yet, fill them with the sync's ``fill`` (:mod:`.materialize`). No checks here:
+    :meth:`Layout.check` ran before."""
+    if engine == "explicit" and layout.zero:
+        from .zero import zero_sync
+
+        return zero_sync(model, topo, layout.zero, prefetch=prefetch,
+                         reshard_after_forward=reshard_after_forward, overlap=overlap,
+                         precision=precision, deferred=deferred)
+    if engine == "explicit":
+        from .dp import DataParallel
+
+        return DataParallel(model, topo, bucket_mb=bucket_mb, overlap=overlap,
+                            precision=precision)
+    if layout.cp > 1:  # torch's context_parallel with DDP over dp × cp (CUDA only)
+        from .cp.torch_cp import step_context
+        from .dp import DDPSync
+
+        return DDPSync(model, topo, bucket_mb=bucket_mb, precision=precision,
+                       step_context=step_context(topo))  # each step inside context_parallel
+    if layout.tp > 1:
+        from .zero.fsdp2 import fsdp2_over_tp
+
+        return fsdp2_over_tp(model, topo, layout, reshard_after_forward=reshard_after_forward,
+                             precision=precision)
+    if layout.zero:
+        from .zero.torch_zero import ZeroRedundancySync
+
+        return ZeroRedundancySync(model, topo, layout.zero, bucket_mb=bucket_mb,
+                                  precision=precision)
+    from .dp import DDPSync
+
+    return DDPSync(model, topo, bucket_mb=bucket_mb, precision=precision)
 
 
 def _stage_sync(stage, topo, layout, options):
@@ -32,7 +82,7 @@ def _stage_sync(stage, topo, layout, options):
     from .dp import DataParallel
 
     return DataParallel(stage, topo, bucket_mb=options["bucket_mb"], overlap=False,
-                        reduce_dtype=options["reduce_dtype"])
+                        precision=options["precision"])
 
 
 class Explicit:
@@ -97,7 +147,7 @@ class Explicit:
         if layout.zero == 1 and topo.size(topo.data_axis) > 1:
             from .zero.stage_zero1 import StageZero1
 
-            return StageZero1(stage, topo, reduce_dtype=options["reduce_dtype"])
+            return StageZero1(stage, topo, precision=options["precision"])
         return _stage_sync(stage, topo, layout, options)
 
     @staticmethod

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import ShardwiseConfigError
+from ..precision import FP32, Precision
 from ..topology import check_dp_replicate
 
 
@@ -104,7 +105,7 @@ class Layout:
                    dp_replicate=getattr(cfg, "dp_replicate", 1))
 
     def check(self, model_cfg=None, topo=None, *, model=None, engine: str = "explicit",
-              reduce_dtype: str = "fp32", seq_len: int | None = None,
+              precision: Precision = FP32, seq_len: int | None = None,
               global_batch: int | None = None, micro_batch: int | None = None,
               layers_per_stage: list[int] | None = None,
               composition: str | None = None, device: str | None = None) -> None:
@@ -114,8 +115,9 @@ class Layout:
         yet, or ``model``: the plain module (its ``.config`` is read); with neither, the
         model-dependent checks are skipped (the layout syntax of verify and bench).
         ``topo``: the :class:`~shardwise.topology.Topology` the layout will run on (its degrees
-        must equal the layout's). ``engine``: "explicit" | "torch". ``reduce_dtype``: the dp
-        gradient reduction dtype. ``seq_len``: tokens per sequence (SP splits it).
+        must equal the layout's). ``engine``: "explicit" | "torch". ``precision``: the run's
+        :class:`~shardwise.precision.Precision` (its dp gradient reduction dtype is checked).
+        ``seq_len``: tokens per sequence (SP splits it).
         ``global_batch`` (sequences per step, all replicas) and ``micro_batch`` (sequences per
         micro-batch), given together with a model: the pipeline's microbatches and split are
         checked (``layers_per_stage``: an explicit split). ``composition``: "pp" when a
@@ -143,7 +145,6 @@ class Layout:
            (:func:`~.pp.split.validate_pp`); an MoE model in a pipeline needs the explicit
            engine (:func:`~.pp.split.validate_pp_moe`)."""
         from .cp import validate_cp
-        from .params import reduce_torch_dtype
         from .ep import validate_ep
         from .tp import validate_tp
 
@@ -182,7 +183,7 @@ class Layout:
                     f"layout {self.name()} does not match the topology {topo.describe()}: "
                     f"build Topology(pp={self.pp}, dp={self.dp}, tp={self.tp}{cp}) for it")
         # 3. the reduce dtype
-        reduce_torch_dtype(reduce_dtype)
+        precision.reduce_torch
         # 4. the model
         if not known:
             return

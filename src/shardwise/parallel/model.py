@@ -41,6 +41,7 @@ import contextlib
 import torch
 from torch import nn
 
+from ..precision import FP32, Precision
 from .loss import PlainLoss
 from .params import grad_norm_
 from .runner import NoPipelining
@@ -63,13 +64,13 @@ class ParallelModel(nn.Module):
     """
 
     def __init__(self, module, topo, *, loss_fn, grad_sync, finishers=None,
-                 traffic=None, sp: bool = False, runner=None):
+                 traffic=None, sp: bool = False, runner=None, precision: Precision = FP32):
         super().__init__()
         self.module = module
         # the sync holds ``module`` too: a tuple, which nn.Module does not register, so that
         # state_dict()/parameters() see the model once
         self.parts = (grad_sync,)
-        self.topo, self.sp, self.loss_fn = topo, sp, loss_fn
+        self.topo, self.sp, self.loss_fn, self.precision = topo, sp, loss_fn, precision
         self.runner = runner or NoPipelining(module, loss_fn, grad_sync)
         self.finishers = [grad_sync.finish_gradient_sync] if finishers is None else list(finishers)
         self.traffic = traffic
@@ -116,8 +117,11 @@ class ParallelModel(nn.Module):
     def forward_backward(self, microbatches: list[dict], denom: float,
                          dtype: str = "fp32") -> torch.Tensor:
         """The runner's forward and backward over ``microbatches`` (the micro-batch loop, or a
-        pipeline's schedule); the loss sum of this rank, fp64 [1]."""
-        return self.runner.forward_backward(microbatches, denom, dtype)
+        pipeline's schedule) in the engine's :class:`~shardwise.precision.Precision` with
+        ``dtype`` as its compute dtype (the step's ``--dtype``: "fp32" | "bf16"); the loss sum
+        of this rank, fp64 [1]."""
+        return self.runner.forward_backward(microbatches, denom,
+                                            self.precision.with_compute(dtype))
 
     def forward(self, *args, **kwargs):
         return self.grad_sync.forward_module(*args, **kwargs)
@@ -201,7 +205,8 @@ class ParallelModel(nn.Module):
         (:meth:`.runner.NoPipelining.step_bytes`: tp's terms for its dp slice of the batch,
         ``sequences`` sequences of ``seq_len`` tokens over all micro-batches, plus the sync's;
         a pipeline: :meth:`.pp.runner.ScheduleRunner.step_bytes`)."""
-        return self.runner.step_bytes(self, micro_steps, sequences, seq_len, dtype)
+        return self.runner.step_bytes(self, micro_steps, sequences, seq_len,
+                                      self.precision.with_compute(dtype))
 
     # -- full shape: the dp part (the sync), then the tp part (:mod:`.views`) -----------------
     def _full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -31,29 +31,8 @@ from torch import nn
 from .. import comm
 from ..comm.ledger import ring_bytes
 from ..errors import ShardwiseConfigError
-
-
-# -- the dtype gradients are reduced in: the one table --------------------------------------------
-REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def reduce_torch_dtype(reduce_dtype: str) -> torch.dtype:
-    """The torch dtype gradients are reduced in over dp: "fp32" (exact sums of fp32 gradients)
-    or "bf16" (each rank rounds its local gradient to bf16, the sum is formed in bf16 and cast
-    back to fp32: half the bytes for 8 mantissa bits instead of 24 — PyTorch FSDP's
-    ``MixedPrecision(reduce_dtype=torch.bfloat16)``, Megatron-LM's ``--grad-reduce-in-bf16``).
-    Raises :class:`ShardwiseConfigError` otherwise."""
-    if reduce_dtype not in REDUCE_DTYPES:
-        # the one place this rule is written (Layout.check and the engines call it)
-        raise ShardwiseConfigError(f"--reduce-dtype {reduce_dtype!r}: choose fp32 or bf16 (the "
-                                   "dtype gradients are reduced in over dp)")
-    return REDUCE_DTYPES[reduce_dtype]
-
-
-def reduce_bytes(reduce_dtype: str) -> int:
-    """Bytes per gradient element on the wire when reduced in ``reduce_dtype`` (fp32 4, bf16 2):
-    the b_r of every dp, ZeRO, FSDP2 and pipeline formula."""
-    return torch.finfo(reduce_torch_dtype(reduce_dtype)).bits // 8
+# the dtype gradients are reduced in: the one table and its rule (re-exported here)
+from ..precision import REDUCE_DTYPES, reduce_bytes, reduce_torch_dtype  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from ..precision import FP32, Precision
 from .loss import autocast
 from .params import local
 
@@ -25,14 +26,14 @@ class Runner(Protocol):
     timeline: list  # a pipeline's last step: (kind, mb, chunk, peer, t0, t1) per action
 
     def forward_backward(self, microbatches: list[dict], denom: float,
-                         dtype: str = "fp32") -> torch.Tensor: ...
+                         precision: Precision) -> torch.Tensor: ...
 
     def evaluate(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def full_model(self, composed): ...
 
     def step_bytes(self, composed, micro_steps: int, sequences: int, seq_len: int,
-                   dtype: str) -> dict[str, float]: ...
+                   precision: Precision) -> dict[str, float]: ...
 
     def memory_formula(self, sync) -> dict[str, float] | None: ...
 
@@ -53,7 +54,7 @@ class NoPipelining:
         return self.sync.step_context(batch["input_ids"].shape[1])
 
     def forward_backward(self, microbatches: list[dict], denom: float,
-                         dtype: str = "fp32") -> torch.Tensor:
+                         precision: Precision = FP32) -> torch.Tensor:
         """Forward + backward each micro-batch; the loss back-propagated is its token-loss sum
         (the loss function's ``loss_sum``) divided by ``denom`` (the global token count), so
         gradients sum to ∇ of the global mean. Gradient sync is enabled on the last micro-step
@@ -69,7 +70,7 @@ class NoPipelining:
             for i, mb in enumerate(microbatches):
                 mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
                 with sync.sync_gradients(i == len(microbatches) - 1):
-                    with autocast(dtype, device):
+                    with autocast(precision, device):
                         s = loss_fn.loss_sum(mb)
                     with loss_fn.backward_context():
                         (s / denom).backward()
@@ -90,13 +91,13 @@ class NoPipelining:
         return self.sync.full_model_for(composed)
 
     def step_bytes(self, composed, micro_steps: int, sequences: int, seq_len: int,
-                   dtype: str) -> dict[str, float]:
+                   precision: Precision = FP32) -> dict[str, float]:
         """{tag: bytes} this rank sends in one step: tp's activation, cross-entropy and tp-norm
         terms (``composed.traffic``) for its dp slice of the batch, plus the sync's gradient
         and parameter traffic of Ψ_tp and its norm scalar; ``sp_grad`` is the sync's share of
         the SP sum (ZeRO: the slice)."""
         traffic, sync = composed.traffic, self.sync
-        args = (micro_steps, sequences, seq_len, dtype)
+        args = (micro_steps, sequences, seq_len, precision)
         out = dict(traffic.bytes_formula(*args)) if traffic is not None else {}
         d = dict(sync.bytes_formula(*args))
         if "grad_norm" in out or "grad_norm" in d:  # absent when no piece sends a norm term

@@ -14,6 +14,7 @@ import contextlib
 import torch
 from torch import nn
 
+from ..precision import FP32, Precision
 from .muon import Muon, Orthogonalizer
 from .params import Held, held_of, grads_or_zeros, local_state_bytes, sum_coalesced_, tp_sharded
 
@@ -131,11 +132,11 @@ class Sync:
         return local_state_bytes(self.module.parameters(), optimizer)
 
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
-                      dtype: str = "fp32") -> dict[str, float]:
+                      precision: Precision = FP32) -> dict[str, float]:
         """{ledger tag: bytes} this rank sends in one step by the strategy's formula (``loss``
         and ``total`` are added by :func:`shardwise.formulas.step_bytes_formula`). Nothing
         here. ``sequences``: this rank's sequences per step (all micro-batches), ``seq_len``
-        tokens each; ``dtype``: the autocast dtype."""
+        tokens each; ``precision``: the run's record (its compute dtype: the autocast's)."""
         return {}
 
     def memory_formula(self) -> dict[str, float] | None:

@@ -14,6 +14,7 @@ import dataclasses
 import math
 
 from ..errors import ShardwiseConfigError
+from ..precision import PRESETS, Precision  # noqa: F401  (Precision: the record, re-exported)
 from ..parallel.ep import check_experts_split
 from ..parallel.layout import Layout
 from ..parallel.pp.schedules import SCHEDULES as ENGINE_SCHEDULES, V_SCHEDULES
@@ -25,36 +26,7 @@ from .hardware import Cluster
 from .models import ModelSpec
 
 
-@dataclasses.dataclass(frozen=True)
-class Precision:
-    """Bytes per parameter of parameters ``P``, gradients ``G``, optimizer state ``K``; bytes per
-    communicated gradient element ``grad_comm``; bytes per activation element ``act``;
-    ``compute`` dtype of the matmuls; ``adam_bytes`` read + written per parameter by the
-    optimizer step; ``wgrad_bytes`` read + written per parameter and micro-batch to add a new
-    weight gradient into the accumulated one when that is a separate element-wise kernel (bf16:
-    write and read the bf16 gradient, read and write the fp32 sum; fp32: 4 × 4)."""
-
-    name: str
-    param: int
-    grad: int
-    optim: int
-    grad_comm: int
-    act: int
-    compute: str
-    adam_bytes: int
-    wgrad_bytes: int
-
-
-PRECISIONS = {
-    # bf16 weights, fp32 main gradients (Megatron-LM's accumulation buffer, reduced in fp32 as
-    # Llama 3 §3.3.2 does), fp32 master weights + Adam m, v: 2 + 4 + 12 = 18 bytes/parameter
-    # (Megatron-LM distributed-optimizer table; ZeRO §3.1 counts 2 + 2 + 12 with fp16 gradients)
-    "bf16": Precision("bf16", 2, 4, 12, 4, 2, "bf16", 30, 12),
-    # shardwise's --dtype bf16: fp32 weights, gradients and Adam state, bf16 autocast compute
-    "amp": Precision("amp", 4, 4, 8, 4, 2, "bf16", 28, 16),
-    # everything fp32 (the CPU tests): 4 + 4 + 8 = 16 bytes/parameter
-    "fp32": Precision("fp32", 4, 4, 8, 4, 4, "fp32", 28, 16),
-}
+PRECISIONS = PRESETS  # the planner's precisions: the training's own record (precision.py)
 CKPT = ("none", "selective", "full")
 STEP_COUNTER_BYTES = 4  # torch.optim.AdamW: one float32 `step` tensor per parameter tensor
 

@@ -34,6 +34,7 @@ from ..comm.ledger import sent_total
 from ..config import TrainConfig
 from ..formulas import memory_formula, step_bytes_formula
 from ..parallel.apply import Layout, parallelize
+from ..precision import Precision
 from ..parallel.cp import ContextParallelAttention, chunk_ids
 from ..parallel.cp.attention import _pairs
 from ..topology import Topology
@@ -109,7 +110,8 @@ def trace_worker(cfg: TrainConfig, show_ranks: str = "0") -> int:
             m.to(topo.device), topo, layout, engine=cfg.engine, bucket_mb=cfg.bucket_mb,
             overlap=cfg.overlap, prefetch=cfg.prefetch,
             reshard_after_forward=cfg.reshard_after_forward,
-            layers_per_stage=cfg.stage_split(), seed=cfg.seed, reduce_dtype=cfg.reduce_dtype),
+            layers_per_stage=cfg.stage_split(), seed=cfg.seed,
+            precision=Precision.from_config(cfg)),
         overrides={**cfg.model_overrides(), "ac": cfg.ac})
     # --ac: a recompute's collectives (TP) are booked apart from the step (phase "recompute")
     from ..models import set_activation_checkpointing

@@ -37,6 +37,7 @@ from ..models import build_model, set_activation_checkpointing
 from ..models.compile import compile_blocks
 from ..models.meta import build_on_meta
 from ..parallel.apply import Layout, parallelize
+from ..precision import Precision
 from ..parallel.cp import plain_attention, shard_sequence
 from ..parallel.pp.schedules import V_SCHEDULES
 from ..parallel.pp.split import describe_placement
@@ -268,7 +269,7 @@ def setup(cfg: TrainConfig) -> Run:
                            overlap=cfg.overlap, prefetch=cfg.prefetch,
                            reshard_after_forward=cfg.reshard_after_forward,
                            layers_per_stage=cfg.stage_split(), seed=cfg.seed,
-                           reduce_dtype=cfg.reduce_dtype,
+                           precision=Precision.from_config(cfg),
                            weights=weights if m is model else ref_weights)
 
     engine = parallelize_as_configured(model, Layout.from_config(cfg))

@@ -40,6 +40,7 @@ import contextlib
 
 from torch import nn
 
+from ...precision import FP32, Precision
 from .attention import ContextParallelAttention, cp_attention_bytes
 from .split import CP_METHODS, chunk_ids, shard_sequence, validate_cp, zigzag_positions
 
@@ -81,19 +82,19 @@ def plain_attention(model: nn.Module | None):
 
 
 def cp_bytes_formula(module: nn.Module, topo, sequences: int, seq_len: int,
-                     dtype: str = "fp32") -> dict[str, float]:
+                     precision: Precision = FP32) -> dict[str, float]:
     """{"cp_kv", "cp_dkv": bytes} this rank sends over cp in one step: for each block of
     ``module`` (this rank's layers) :func:`~.attention.cp_attention_bytes` with KV =
-    2·``sequences``·(``seq_len``/cp)·k·hd·elem, k = n_kv_heads / tp, elem 2 for bf16 autocast
-    else 4. ``sequences``: this rank's sequences per step (all micro-batches), ``seq_len``: the
-    whole sequence. Empty when cp = 1."""
+    2·``sequences``·(``seq_len``/cp)·k·hd·elem, k = n_kv_heads / tp, elem the compute
+    dtype's bytes (``precision.act``: 2 for bf16 autocast, else 4). ``sequences``: this rank's
+    sequences per step (all micro-batches), ``seq_len``: the whole sequence. Empty when cp = 1."""
     cp = topo.size("cp")
     cores = [m.core for m in _attentions(module)
              if isinstance(m.core, ContextParallelAttention)]
     if cp == 1 or not cores:
         return {}
     cfg = module.config
-    elem = 2 if dtype == "bf16" else 4
+    elem = precision.act
     per = 2.0 * sequences * (seq_len // cp) * (cfg.n_kv_heads // topo.size("tp")) * cfg.head_dim
     out = {"cp_kv": 0.0, "cp_dkv": 0.0}
     for core in cores:

@@ -30,8 +30,8 @@ from torch import nn
 
 from ... import comm
 from ..sync import Sync
-from ..params import (Held, broadcast_replicas, local, norm_bytes, reduce_groups,
-                      reduce_torch_dtype)
+from ...precision import FP32, Precision
+from ..params import Held, broadcast_replicas, local, norm_bytes, reduce_groups
 
 class _Bucket:
     """Consecutive parameters (in backward order) whose gradients travel in one flat buffer
@@ -66,13 +66,14 @@ class GradBuckets:
     as soon as its gradients are complete, while backward continues on earlier layers (Li et al.
     2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", §3.2);
     ``overlap=False``: every bucket is launched in :meth:`finish` (no hooks: a pipeline's zb-h1
-    writes ``.grad`` by hand, where hooks do not fire). ``reduce_dtype``: "fp32" | "bf16", the
-    dtype the buckets hold and move (cast back after; :func:`reduce_torch_dtype`). Gradients are
+    writes ``.grad`` by hand, where hooks do not fire). ``precision.reduce_dtype``: "fp32" |
+    "bf16", the dtype the buckets hold and move (cast back after; :func:`reduce_torch_dtype`).
+    Gradients are
     read through :func:`.params.local` (the PyTorch pipeline's DTensor shards)."""
 
     def __init__(self, params: list[nn.Parameter], topo, *, bucket_mb: float = 25.0,
-                 overlap: bool = True, reduce_dtype: str = "fp32", axis: str | None = None):
-        rdtype = reduce_torch_dtype(reduce_dtype)
+                 overlap: bool = True, precision: Precision = FP32, axis: str | None = None):
+        rdtype = precision.reduce_torch
         self.topo, self.overlap = topo, overlap
         self.axis = axis or topo.data_axis  # "edp" for expert weights under expert parallelism
         self.enabled = True
@@ -187,20 +188,20 @@ class DataParallel(Sync):
 
     Parameters are broadcast from dp index 0 at construction (so replicas start identical even
     if the seeds differ). Gradients are summed over dp by :class:`GradBuckets` (``bucket_mb``,
-    ``overlap``, ``reduce_dtype``); the engine calls :meth:`finish_gradient_sync` after the last
-    backward of a step. Raises :class:`ShardwiseConfigError` for another ``reduce_dtype``
+    ``overlap``, ``precision.reduce_dtype``); the engine calls :meth:`finish_gradient_sync` after
+    the last backward of a step. Raises :class:`ShardwiseConfigError` for another reduce dtype
     (before any collective)."""
 
     def __init__(self, module: nn.Module, topo, bucket_mb: float = 25.0, overlap: bool = True,
-                 reduce_dtype: str = "fp32"):
-        reduce_torch_dtype(reduce_dtype)  # checked before any collective
+                 precision: Precision = FP32):
+        precision.reduce_torch  # checked before any collective
         super().__init__(module, topo)
-        self.overlap, self.reduce_dtype = overlap, reduce_dtype
+        self.overlap, self.precision = overlap, precision
         params = [p for p in module.parameters() if p.requires_grad]
         with topo.ledger.phase("init"):  # replicas identical from the start
             broadcast_replicas(params, topo)
         self.grad_sync = GradSync(params, topo, bucket_mb=bucket_mb, overlap=overlap,
-                                  reduce_dtype=reduce_dtype)
+                                  precision=precision)
 
     @property
     def buckets(self) -> list[_Bucket]:
@@ -213,10 +214,10 @@ class DataParallel(Sync):
         self.grad_sync.finish()
 
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
-                      dtype: str = "fp32") -> dict[str, float]:
+                      precision: Precision = FP32) -> dict[str, float]:
         """{"grad": bytes} this rank sends per step: :func:`dp_grad_bytes_formula` of the
         gradients *in the reduce dtype* (bf16: half of fp32), whatever ``micro_steps`` (one
-        all-reduce per step) and ``dtype`` (autocast leaves gradients fp32); plus
+        all-reduce per step) and the compute dtype (autocast leaves gradients fp32); plus
         ``"grad_norm"`` where the norm's fp64 scalar crosses an axis other than tp (tp's own
         formula counts that one): the axes are derived from the held gradients
         (:meth:`..params.Held.norm_axes`; e.g. "ep" when expert shards differ across it)."""

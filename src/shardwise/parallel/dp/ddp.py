@@ -19,23 +19,24 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ...comm.torch_booking import ddp_comm_hook
 from ..sync import Sync
-from ..params import reduce_bytes, reduce_torch_dtype
+from ...precision import FP32, Precision
+from ..params import reduce_bytes
 from .data_parallel import dp_grad_bytes_formula, dp_memory_formula
 
 
 class DDPSync(Sync):
     """DDP over ``topo``'s data axis as a plain gradient sync, the twin of
     :class:`~shardwise.parallel.dp.DataParallel` (the loss function runs :attr:`forward_module`,
-    DDP's wrapper). ``reduce_dtype``: "fp32" | "bf16" (bf16 compression hook, booked in the
-    ledger). ``step_context``: torch's ``context_parallel`` with cp > 1
+    DDP's wrapper). ``precision.reduce_dtype``: "fp32" | "bf16" (bf16 compression hook, booked
+    in the ledger). ``step_context``: torch's ``context_parallel`` with cp > 1
     (:func:`..cp.torch_cp.step_context`), else None."""
 
     def __init__(self, module: nn.Module, topo, bucket_mb: float = 25.0,
-                 reduce_dtype: str = "fp32", step_context=None):
-        reduce_torch_dtype(reduce_dtype)  # checked before any collective
-        hook = ddp_comm_hook(reduce_dtype)
+                 precision: Precision = FP32, step_context=None):
+        precision.reduce_torch  # checked before any collective
+        hook = ddp_comm_hook(precision.reduce_dtype)
         super().__init__(module, topo)
-        self.reduce_dtype, self.step_context = reduce_dtype, step_context
+        self.precision, self.step_context = precision, step_context
         # DDP broadcasts rank 0's parameters at construction (its own call, not in the ledger).
         # Buffers (RoPE tables) are deterministic: no need to sync them every forward.
         no_buffer_sync = ({"forward_sync_buffers": False}
@@ -56,10 +57,10 @@ class DDPSync(Sync):
         """Nothing to do: DDP waits for its buckets at the end of backward."""
 
     def bytes_formula(self, micro_steps: int, sequences: int, seq_len: int,
-                      dtype: str = "fp32") -> dict[str, float]:
+                      precision: Precision = FP32) -> dict[str, float]:
         """{"grad": 2(n−1)/n · Ψ · b_r} (:func:`.data_parallel.dp_grad_bytes_formula`): one SUM
         all-reduce of every gradient per step, b_r = 4 (fp32) or 2 (bf16 compression)."""
-        b = reduce_bytes(self.reduce_dtype)
+        b = reduce_bytes(self.precision.reduce_dtype)
         psi = sum(p.numel() for p in self.module.parameters())
         return {"grad": dp_grad_bytes_formula(psi * b, self.topo.size(self.topo.data_axis))}
 

@@ -30,6 +30,7 @@ from ... import comm
 from ...errors import ShardwiseConfigError
 from ...models import count_items, positions_kw
 from ...models.moe import moe_layers, set_aux_grad_scale
+from ...precision import FP32, Precision
 from ..loss import autocast
 from ..params import Held, local, norm_bytes
 from .comms import GradTraffic, p2p_bytes_formula
@@ -122,7 +123,7 @@ class ScheduleRunner:
         return activation_shape(mb, self.module.config, self.seq_shards)
 
     def forward_backward(self, microbatches: list[dict], denom: float,
-                         dtype: str = "fp32") -> torch.Tensor:
+                         precision: Precision = FP32) -> torch.Tensor:
         """Run this rank's actions of the schedule for ``len(microbatches)`` microbatches.
 
         ``microbatches``: the same list of dicts on every pp rank (``input_ids``/``labels`` or
@@ -131,7 +132,7 @@ class ScheduleRunner:
         sched = self.schedule(len(microbatches))
         device = next(self.module.parameters()).device
         mbs = [{k: t.to(device, non_blocking=True) for k, t in mb.items()} for mb in microbatches]
-        return self.run(sched[self.pp_index], mbs, denom, dtype, act_shape=self.act_shape,
+        return self.run(sched[self.pp_index], mbs, denom, precision, act_shape=self.act_shape,
                         loss_sum=self.loss_sum)
 
     def evaluate(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,11 +181,12 @@ class ScheduleRunner:
         return prev, nxt
 
     def bytes_formula(self, micro_steps: int, sequences: int, seq_len: int = 1,
-                      dtype: str = "fp32") -> dict[str, float]:
+                      precision: Precision = FP32) -> dict[str, float]:
         """``pp_fwd``/``pp_bwd`` bytes this rank sends in one step (:func:`.comms.
         p2p_bytes_formula`): ``sequences`` this pipeline's sequences per step (Σ of the
         microbatches' rows, equal or not), ``seq_len`` tokens each; the bytes do not depend on
-        ``micro_steps`` = m nor on ``dtype`` (activations travel in the parameters' dtype)."""
+        ``micro_steps`` = m nor on the compute dtype (activations travel in the parameters'
+        dtype)."""
         stage = self.module
         elem = local(next(p for p in stage.parameters() if p.requires_grad)).element_size()
         d = stage.config.d_model
@@ -196,7 +198,7 @@ class ScheduleRunner:
                                   self.placement).items()}
 
     def step_bytes(self, composed, micro_steps: int, sequences: int, seq_len: int,
-                   dtype: str) -> dict[str, float]:
+                   precision: Precision = FP32) -> dict[str, float]:
         """A pipeline stage's bytes by tag in one step, of ``composed`` (the
         :class:`~shardwise.parallel.model.ParallelModel` this runner is part of): the runner's
         ``pp_fwd``/``pp_bwd``, each finisher's term (``tied``), the norm's fp64 scalar over the
@@ -204,7 +206,7 @@ class ScheduleRunner:
         sync's ``grad`` (and ZeRO-1's ``param``), tp's terms for the stage's blocks
         (``tp_fwd``/``tp_bwd``/``ce``, ``sp_grad``). Derivation: docs/composition.md,
         "Pipelines composed"."""
-        args = (micro_steps, sequences, seq_len, dtype)
+        args = (micro_steps, sequences, seq_len, precision)
         sync = composed.grad_sync
         out = dict(self.bytes_formula(*args))
         for finish in composed.finishers:
@@ -228,7 +230,7 @@ class ScheduleRunner:
         """None: this rank holds only its stage (no sampling from a pipeline)."""
         yield None
 
-    def run(self, actions, microbatches: list[dict], denom: float, dtype: str, *,
+    def run(self, actions, microbatches: list[dict], denom: float, precision: Precision, *,
             act_shape, loss_sum) -> torch.Tensor:
         """Execute ``actions`` (this rank's row of the schedule) for ``microbatches`` (the same
         list on every pp rank, on this rank's device). ``act_shape(mb)``: the shape of the
@@ -239,7 +241,7 @@ class ScheduleRunner:
         (0 on a stage with neither). RuntimeError if the schedule leaves state behind. Sends
         are ``isend``, waited at the end of the step; receives block. MoE layers are in attach
         mode (aux gradient 1/``denom``) during the step and back in plain mode after it."""
-        step = _Step(self, microbatches, denom, dtype, act_shape, loss_sum)
+        step = _Step(self, microbatches, denom, precision, act_shape, loss_sum)
         self.timeline, self.peak_alive = [], 0
         set_aux_grad_scale(self.module, 1.0 / denom)  # each MoE layer's aux gradient: 1/T
         for a in actions:
@@ -274,8 +276,8 @@ class _Step:
     ``loss``, this rank's loss sum, fp64 [1]. Arguments as :meth:`ScheduleRunner.run`'s."""
 
     def __init__(self, runner: ScheduleRunner, microbatches: list[dict], denom: float,
-                 dtype: str, act_shape, loss_sum):
-        self.runner, self.mbs, self.denom, self.dtype = runner, microbatches, denom, dtype
+                 precision: Precision, act_shape, loss_sum):
+        self.runner, self.mbs, self.denom, self.precision = runner, microbatches, denom, precision
         self.loss_sum = loss_sum
         self.shapes = [act_shape(mb) for mb in microbatches]
         first = next(runner.module.parameters())
@@ -316,7 +318,7 @@ class _Step:
         x = first_stage_input(mb) if chunk.is_first else self.inputs[key]
         if runner.zb is not None:
             runner.zb.active = []
-        with autocast(self.dtype, self.device):
+        with autocast(self.precision, self.device):
             y = chunk(x, **positions_kw(mb))
             for m in runner.moe[a.chunk]:  # this forward's aux sums, for the log line
                 self.loss += m.aux.detach().double()

@@ -27,6 +27,7 @@ import torch
 from torch.distributed import pipelining as pl
 
 from ...comm.torch_booking import BookFunctionalCollectives
+from ...precision import FP32, Precision
 from ..loss import autocast
 from ..params import local
 from .runner import ScheduleRunner
@@ -52,7 +53,7 @@ class TorchScheduleRunner(ScheduleRunner):
                          seq_shards=seq_shards)
         self.loss_context, self.book = loss_context, book
         self._torch_schedules = {}
-        self._denom, self._loss, self._dtype = 1.0, None, "fp32"
+        self._denom, self._loss, self._precision = 1.0, None, FP32
 
     def _context(self):
         return self.loss_context() if self.loss_context else contextlib.nullcontext()
@@ -62,7 +63,7 @@ class TorchScheduleRunner(ScheduleRunner):
         with self._context():
             return super().evaluate(batch)
 
-    def _stages(self, mb: dict, dtype: str):
+    def _stages(self, mb: dict, precision: Precision):
         """One ``PipelineStage`` per local chunk, with *static* metadata (meta tensors of this
         microbatch's shapes): else PyTorch runs a real forward and backward of the first
         microbatch to infer them, adding its loss and gradients to the step's."""
@@ -77,7 +78,7 @@ class TorchScheduleRunner(ScheduleRunner):
                 example_in = torch.empty(hidden, dtype=torch.float32, device="meta",
                                          requires_grad=True)
             if c.is_last and self.module.is_llama:  # logits, in the autocast dtype
-                out_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+                out_dtype = torch.bfloat16 if precision.compute == "bf16" else torch.float32
                 vocab = local(self.module.output.weight).shape[0]  # local columns (tp)
                 example_out = torch.empty((*x.shape, vocab),
                                           dtype=out_dtype, device="meta", requires_grad=True)
@@ -91,25 +92,25 @@ class TorchScheduleRunner(ScheduleRunner):
 
     def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         key = "labels" if self.module.is_llama else "targets"
-        with autocast(self._dtype, output.device):
+        with autocast(self._precision, output.device):
             s = self.loss_sum(output, {key: target})
         self._loss += s.detach().double()
         return s / self._denom
 
-    def _torch_schedule(self, microbatches: list[dict], dtype: str):
+    def _torch_schedule(self, microbatches: list[dict], precision: Precision):
         m, mb = len(microbatches), microbatches[0]
-        key = (m, tuple(first_stage_input(mb).shape), dtype)
+        key = (m, tuple(first_stage_input(mb).shape), precision.compute)
         if key not in self._torch_schedules:
             self.schedule(m)  # validates (same rules as the explicit runner)
             cls = _SCHEDULES[self.schedule_name]
-            stages = self._stages(mb, dtype)
+            stages = self._stages(mb, precision)
             if self.schedule_name in ("gpipe", "1f1b"):
                 stages = stages[0]
             self._torch_schedules[key] = cls(stages, m, loss_fn=self._loss_fn, scale_grads=False)
         return self._torch_schedules[key]
 
     def forward_backward(self, microbatches: list[dict], denom: float,
-                         dtype: str = "fp32") -> torch.Tensor:
+                         precision: Precision = FP32) -> torch.Tensor:
         """PyTorch's schedule over the concatenated microbatches (equal sizes required: PyTorch
         splits them back with ``tensor_split`` on dim 0). ``loss_fn`` returns each microbatch's
         token-loss sum divided by ``denom`` (the global count), with ``scale_grads=False``, so the
@@ -118,9 +119,9 @@ class TorchScheduleRunner(ScheduleRunner):
         sizes = {tuple(first_stage_input(mb).shape) for mb in microbatches}
         if len(sizes) != 1:
             raise ValueError(f"--engine torch needs equal-size microbatches, got {sizes}")
-        sched = self._torch_schedule(microbatches, dtype)
+        sched = self._torch_schedule(microbatches, precision)
         device = next(self.module.parameters()).device
-        self._denom, self._dtype = denom, dtype
+        self._denom, self._precision = denom, precision
         self._loss = torch.zeros(1, dtype=torch.float64, device=device)
         args, kw = (), {}
         if self.is_first:
@@ -131,13 +132,13 @@ class TorchScheduleRunner(ScheduleRunner):
         t0 = time.time()
         book = BookFunctionalCollectives(self.topo) if self.book else contextlib.nullcontext()
         # loss_parallel() around the whole step: the loss's backward runs inside it too
-        with book, self._context(), autocast(dtype, device):
+        with book, self._context(), autocast(precision, device):
             sched.step(*args, return_outputs=False, **kw)
         self.timeline = [("STEP", 0, 0, -1, t0, time.time())]
         return self._loss
 
     def bytes_formula(self, micro_steps: int, sequences: int, seq_len: int = 1,
-                      dtype: str = "fp32") -> dict[str, float]:
+                      precision: Precision = FP32) -> dict[str, float]:
         """``pp_fwd``/``pp_bwd`` = 0: PyTorch's own point-to-point traffic does not go
         through the ledger."""
         return {"pp_fwd": 0.0, "pp_bwd": 0.0}

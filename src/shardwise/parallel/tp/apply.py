@@ -17,6 +17,7 @@ from torch import nn
 
 from ... import comm
 from ...errors import ShardwiseConfigError
+from ...precision import FP32, Precision
 from ...models.llama import Attention, FeedForward, Llama
 from ..params import tp_sharded
 from .comms import AXIS
@@ -270,11 +271,11 @@ class TPTraffic:
         self.module, self.topo, self.sp = module, topo, sp
 
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
-                      dtype: str = "fp32") -> dict[str, float]:
+                      precision: Precision = FP32) -> dict[str, float]:
         if is_mlp(self.module):  # rows, not sequences × tokens
             return mlp_tp_bytes(self.module.config, sequences, self.topo.size(AXIS))
         t = tp_step_bytes_formula(self.module.config, sequences, seq_len, self.topo.size(AXIS),
-                                  self.sp, dp=self.topo.size("dp"), dtype=dtype,
+                                  self.sp, dp=self.topo.size("dp"), precision=precision,
                                   micro_steps=micro_steps)
         return {k: v for k, v in t.items() if k not in ("total", "loss")}
 
@@ -296,7 +297,7 @@ def tp_replicated_numel(cfg) -> int:
 
 
 def tp_step_bytes_formula(model_config, sequences: int, seq_len: int, tp: int, sp: bool = False,
-                          dp: int = 1, dtype: str = "fp32", micro_steps: int = 1
+                          dp: int = 1, precision: Precision = FP32, micro_steps: int = 1
                           ) -> dict[str, float]:
     """Bytes one rank sends per optimizer step with explicit TP, by ledger tag, plus ``"total"``.
 
@@ -322,7 +323,7 @@ def tp_step_bytes_formula(model_config, sequences: int, seq_len: int, tp: int, s
     n, L, d = tp, model_config.n_layers, model_config.d_model
     r = 2 * (n - 1) / n
     moe = getattr(model_config, "n_moe_layers", 0)  # MoE blocks: attention only is tp-split
-    out = tp_activation_bytes(sequences * seq_len, d, n, sp, blocks=L, dtype=dtype,
+    out = tp_activation_bytes(sequences * seq_len, d, n, sp, blocks=L, precision=precision,
                               moe_blocks=moe)
     out |= {"sp_grad": r * tp_replicated_numel(model_config) * 4 if sp else 0.0,
             "grad_norm": r * 8, "loss": 2 * (2 * (dp - 1) / dp * 8)}
@@ -334,7 +335,7 @@ def tp_step_bytes_formula(model_config, sequences: int, seq_len: int, tp: int, s
 
 def tp_activation_bytes(tokens: int, d: int, tp: int, sp: bool, *, blocks: int,
                         has_embedding: bool = True, has_head: bool = True,
-                        dtype: str = "fp32", moe_blocks: int = 0) -> dict[str, float]:
+                        precision: Precision = FP32, moe_blocks: int = 0) -> dict[str, float]:
     """{"tp_fwd", "tp_bwd", "ce": bytes} one rank sends per step for ``tokens`` tokens (all
     micro-batches) through ``blocks`` TP blocks of width ``d`` over ``tp`` ranks, plus the
     embedding exit (``has_embedding``) and the head entry and vocab-parallel cross-entropy
@@ -349,7 +350,7 @@ def tp_activation_bytes(tokens: int, d: int, tp: int, sp: bool, *, blocks: int,
     r, h = 2 * (n - 1) / n, (n - 1) / n
     e, hd = float(has_embedding), float(has_head)
     wide = tokens * d * 4  # fp32 [.., d]
-    exit_b = tokens * d * (2 if dtype == "bf16" else 4)  # row-parallel outputs under autocast
+    exit_b = tokens * d * precision.act  # row-parallel outputs under autocast
     regions = 2 * L - moe_blocks  # tp-split regions: attention, and the dense feed-forwards
     if not sp:
         fwd = r * (e * wide + regions * exit_b)  # embedding g + 2 g per block

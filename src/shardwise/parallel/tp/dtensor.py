@@ -20,6 +20,7 @@ from torch import nn
 from ...comm.ledger import ring_bytes
 from ...comm.torch_booking import BookFunctionalCollectives, booked_as
 from ...models.llama import IGNORE_INDEX, Llama
+from ...precision import FP32, Precision
 from ..loss import PlainLoss
 from ..params import (is_dtensor as _is_dtensor, local as _local, sum_coalesced_,
                       tp_sharded)
@@ -183,8 +184,8 @@ class TorchTPTraffic(TPTraffic):
     ``sp_grad``, and the row-parallel biases need no sum at all (:func:`row_bias_bytes`)."""
 
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
-                      dtype: str = "fp32") -> dict[str, float]:
-        out = super().bytes_formula(micro_steps, sequences, seq_len, dtype)
+                      precision: Precision = FP32) -> dict[str, float]:
+        out = super().bytes_formula(micro_steps, sequences, seq_len, precision)
         if self.sp:
             n = self.topo.size(AXIS)
             moved = f_summed_bytes(self.module, n)
@@ -256,7 +257,7 @@ class StageTPTraffic:
         self.stage, self.topo, self.sp, self.dtensor = stage, topo, sp, dtensor
 
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
-                      dtype: str = "fp32") -> dict[str, float]:
+                      precision: Precision = FP32) -> dict[str, float]:
         from ...models.moe import moe_layers
 
         stage, n = self.stage, self.topo.size(AXIS)
@@ -268,7 +269,8 @@ class StageTPTraffic:
         out = dict(tp_activation_bytes(sequences * seq_len, stage.config.d_model, n, self.sp,
                                        blocks=sum(len(c.layers) for c in stage.chunks),
                                        has_embedding=stage.holds_embedding,
-                                       has_head=stage.holds_head, dtype=dtype, moe_blocks=moe))
+                                       has_head=stage.holds_head, precision=precision,
+                                       moe_blocks=moe))
         f_summed = f_summed_bytes(stage, n)  # the families' q/k norms, positions
         out["tp_bwd"] += micro_steps * f_summed
         if self.sp:

@@ -59,7 +59,7 @@ class FlatShards:
     ``shard_grad`` [k]: the summed gradient of this rank's slice (a view of ``grad_full``, or
               its own buffer when the full gradient is not kept: ZeRO-2/3).
 
-    ``reduce_dtype``: the dtype the gradient reduce_scatter moves (None: the parameters').
+    ``reduce_torch``: the torch dtype the gradient reduce_scatter moves (None: the parameters').
     ``n`` and the rank index i are those of ``axis``. ``replicate_axis`` (HSDP: "dp_replicate"):
     after the reduce-scatter, the summed slice is all-reduced over it (tag ``grad_replicate``,
     in the reduce dtype), the replicas holding the same slices. ``deferred``: the parameters
@@ -69,7 +69,7 @@ class FlatShards:
     regathers it before use), so building the units holds one unit's buffer at a time."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], topo, *, keep_full_grad: bool,
-                 reduce_dtype: torch.dtype | None = None, name: str = "",
+                 reduce_torch: torch.dtype | None = None, name: str = "",
                  module: nn.Module | None = None, axis: str | None = None,
                  replicate_axis: str | None = None, deferred: bool = False):
         self.name, self.module, self.topo = name, module, topo
@@ -85,7 +85,7 @@ class FlatShards:
         self.shard_numel = self.padded // self.n
         self.lo, self.hi = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
         self.dtype, self.device = self.params[0].dtype, self.params[0].device
-        self.reduce_dtype = reduce_dtype or self.dtype
+        self.reduce_dtype = reduce_torch or self.dtype
         self._reduce = None  # (handle, input kept alive, output) of an in-flight reduce_scatter
         with torch.no_grad():
             # pad 0; deferred ZeRO-3 (below) never reads it: left untouched, its pages are never

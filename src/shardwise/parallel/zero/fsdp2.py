@@ -29,6 +29,7 @@ from torch import nn
 from ...comm.ledger import ring_bytes
 from ...models.llama import Llama
 from ..sync import Sync
+from ...precision import FP32, Precision
 from ..params import is_dtensor as _is_dtensor, local as _local, reduce_bytes
 from .torch_zero import apply_fsdp
 
@@ -40,13 +41,13 @@ class FSDP2Sync(Sync):
     root); ``local_shapes``: {FQN: this rank's tp-local shape} before dp (for the formulas)."""
 
     def __init__(self, module: Llama, topo, layout, units: list[nn.Module], *,
-                 reshard_after_forward: bool, reduce_dtype: str, local_shapes: dict,
+                 reshard_after_forward: bool, precision: Precision, local_shapes: dict,
                  replicate_axis: str | None = None):
         super().__init__(module, topo)
         self.replicate_axis = replicate_axis  # HSDP: FSDP2 all-reduces the shards over it
         self.sp, self.zero = layout.sp, layout.zero
         self.units, self.reshard_after_forward = units, reshard_after_forward
-        self.reduce_dtype, self.local_shapes = reduce_dtype, local_shapes
+        self.reduce_dtype, self.local_shapes = precision.reduce_dtype, local_shapes
 
     @contextlib.contextmanager
     def sync_gradients(self, enabled: bool):
@@ -125,10 +126,10 @@ class FSDP2Sync(Sync):
         return total
 
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
-                      dtype: str = "fp32") -> dict[str, float]:
+                      precision: Precision = FP32) -> dict[str, float]:
         """{"grad", "param", "grad_norm": bytes} this rank sends over dp per step, with n = dp,
         Ψ = this rank's elements after FSDP2's padding (:meth:`_padded_local_numel`), b = 4,
-        b_r = bytes of ``reduce_dtype``, m = ``micro_steps``:
+        b_r = bytes of the reduce dtype, m = ``micro_steps``:
 
         * ``param`` (zero ≥ 1): per micro-step an all-gather of every unit, plus (zero 3, with
           reshard-after-forward) the blocks again before backward: m·(n−1)/n·(Ψ + Ψ_blocks)·b;
@@ -159,21 +160,22 @@ class FSDP2Sync(Sync):
 
 
 def fsdp2_over_tp(model: Llama, topo, layout, *, reshard_after_forward: bool = True,
-                  reduce_dtype: str = "fp32") -> FSDP2Sync:
+                  precision: Precision = FP32) -> FSDP2Sync:
     """FSDP2 over dp (:func:`.torch_zero.apply_fsdp`) on every block, then the root, of
     ``model`` whose parameters DTensor TP already converted (the replicas already equal):
     step 4 of :func:`~..apply.parallelize` for dp × tp on the torch engine (module docstring).
 
     ``reshard_after_forward`` (zero 3 only): False keeps blocks gathered until backward (then
-    zero 3 runs as zero 2). ``reduce_dtype``: "fp32" | "bf16", the dtype gradients travel in over
-    dp (FSDP2 ``MixedPrecisionPolicy(reduce_dtype=...)``; the accumulated gradient stays fp32)."""
+    zero 3 runs as zero 2). ``precision.reduce_dtype``: "fp32" | "bf16", the dtype gradients
+    travel in over dp (FSDP2 ``MixedPrecisionPolicy(reduce_dtype=...)``; the accumulated
+    gradient stays fp32)."""
     local_shapes = {n: tuple(_local(p).shape) for n, p in model.named_parameters()}
     blocks = list(model.layers)  # a Llama's TransformerBlocks, the MLP's blocks
-    fsdp = apply_fsdp(model, topo, layout.zero, reduce_dtype, units=blocks,
+    fsdp = apply_fsdp(model, topo, layout.zero, precision, units=blocks,
                       reshard_after_forward=reshard_after_forward,
                       what=f"FSDP2 (dp × tp, --zero {layout.zero} --engine torch)")
     sync = FSDP2Sync(model, topo, layout, fsdp.modules,
-                     reshard_after_forward=fsdp.reshard_after_forward, reduce_dtype=reduce_dtype,
+                     reshard_after_forward=fsdp.reshard_after_forward, precision=precision,
                      local_shapes=local_shapes, replicate_axis=fsdp.replicate_axis)
     sync._order = fsdp.order
     return sync

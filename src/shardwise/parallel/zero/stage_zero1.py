@@ -21,28 +21,29 @@ from torch import nn
 from ...comm import ring_bytes
 from ...errors import ShardwiseConfigError
 from ..sync import Sync
+from ...precision import FP32, Precision
 from ..params import (Held, broadcast_replicas, local, local_state_bytes, placement,
-                      reduce_bytes, reduce_groups, reduce_torch_dtype)
+                      reduce_bytes, reduce_groups)
 from .flat import (FlatShards, gather_named, gather_optimizer_state, load_optimizer_state,
                    sharded_optimizer)
 
 
 class StageZero1(Sync):
     """ZeRO-1 over the data axis (expert shards over "edp") of ``stage``'s gradients on
-    ``topo``; ``reduce_dtype``: "fp32" | "bf16". The stage's replicas are made identical first
-    (a broadcast from dp index 0, phase ``init``). Raises :class:`ShardwiseConfigError` for an
-    unknown ``reduce_dtype`` (before any collective)."""
+    ``topo``; ``precision.reduce_dtype``: "fp32" | "bf16". The stage's replicas are made
+    identical first (a broadcast from dp index 0, phase ``init``). Raises
+    :class:`ShardwiseConfigError` for an unknown reduce dtype (before any collective)."""
 
-    def __init__(self, stage: nn.Module, topo, *, reduce_dtype: str = "fp32"):
-        red = reduce_torch_dtype(reduce_dtype)
+    def __init__(self, stage: nn.Module, topo, *, precision: Precision = FP32):
+        red = precision.reduce_torch
         super().__init__(stage, topo)
-        self.reduce_dtype = reduce_dtype
+        self.reduce_dtype = precision.reduce_dtype
         if topo.size(topo.data_axis) > 1:
             with topo.ledger.phase("init"):  # replicas of a stage start identical
                 broadcast_replicas([p for p in stage.parameters()], topo)
         named = [(n, p) for n, p in self.named_params() if p.requires_grad]
         self.flats = [FlatShards(g.items, topo, keep_full_grad=True,
-                                 reduce_dtype=red if red != torch.float32 else None,
+                                 reduce_torch=red if red != torch.float32 else None,
                                  **({} if g.axis == topo.data_axis
                                     else {"name": "experts", "axis": g.axis}))
                       for g in reduce_groups(named, topo)]
@@ -76,7 +77,7 @@ class StageZero1(Sync):
         load_optimizer_state(self.flats, optimizer, local)
 
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
-                      dtype: str = "fp32") -> dict[str, float]:
+                      precision: Precision = FP32) -> dict[str, float]:
         """``grad`` and ``param`` of the module docstring, each buffer over its own axis."""
         elem = self.flats[0].params[0].element_size()
         red = reduce_bytes(self.reduce_dtype) if self.reduce_dtype == "bf16" else elem

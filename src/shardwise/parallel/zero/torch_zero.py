@@ -39,7 +39,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ... import comm
 from ...comm.torch_booking import BookFunctionalCollectives, ddp_comm_hook
 from ..sync import Sync
-from ..params import reduce_bytes, reduce_groups, reduce_torch_dtype, storage_state_bytes
+from ...precision import FP32, Precision
+from ..params import reduce_bytes, reduce_groups, storage_state_bytes
 from .units import UnitOrderCheck, assign_units
 from .formulas import (hsdp_replicate_bytes, validate_zero, zero_memory_formula,
                        zero_step_bytes_formula)
@@ -99,7 +100,7 @@ def replica_axis(module: nn.Module, topo) -> str | None:
     return reduce_groups(list(module.parameters()), topo, shard=True)[0].replicate_axis
 
 
-def apply_fsdp(module: nn.Module, topo, stage: int, reduce_dtype: str = "fp32", *,
+def apply_fsdp(module: nn.Module, topo, stage: int, precision: Precision = FP32, *,
                units: list[nn.Module], reshard_after_forward: bool = True,
                what: str = "FSDP2") -> FSDPUnits:
     """Wrap ``module`` for ZeRO ``stage`` over ``topo.mesh["dp"]`` with PyTorch's FSDP2 (1D, or
@@ -111,12 +112,13 @@ def apply_fsdp(module: nn.Module, topo, stage: int, reduce_dtype: str = "fp32", 
     needs it first).
 
     Every wrapped module sums (each loss is already divided by the global token count) and, for
-    stages ≥ 1, all-gathers / reduce-scatters through the ledger. ``reduce_dtype``: "fp32" |
-    "bf16", ``MixedPrecisionPolicy(reduce_dtype=...)``. The units' forward order is checked on
-    the first step (:class:`.units.UnitOrderCheck`, named ``what`` in its error)."""
+    stages ≥ 1, all-gathers / reduce-scatters through the ledger. ``precision.reduce_dtype``:
+    "fp32" | "bf16", ``MixedPrecisionPolicy(reduce_dtype=...)``. The units' forward order is
+    checked on the first step (:class:`.units.UnitOrderCheck`, named ``what`` in its error)."""
     fqn = {id(m): n for n, m in module.named_modules()}
     names = [fqn[id(u)] for u in units]
-    mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if reduce_dtype == "bf16" else None)
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if precision.reduce_dtype == "bf16"
+                              else None)
     # with a replica axis (HSDP): FSDP2's 2-D mesh (replicate, shard): it reduce-scatters within
     # the shard axis (our hook) and all-reduces the shards over the replicas itself (c10d,
     # booked by :meth:`booking`)
@@ -154,7 +156,7 @@ class ZeroRedundancySync(Sync):
 
     ``units``: submodule FQNs wrapped by ``fully_shard`` before the root (default: every
     transformer / MLP block); ignored for stage 1. ``bucket_mb``: DDP bucket size (stage 1).
-    ``reduce_dtype``: "fp32" | "bf16", the dtype gradients travel in over dp — FSDP2's
+    ``precision.reduce_dtype``: "fp32" | "bf16", the dtype gradients travel in over dp — FSDP2's
     ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` (stages 2, 3; the sharded gradient is
     cast back to fp32), DDP's bf16 compression hook through the ledger (stage 1).
     Raises :class:`ShardwiseConfigError` (before any collective) for dp < 2, bad units or another
@@ -162,11 +164,11 @@ class ZeroRedundancySync(Sync):
     """
 
     def __init__(self, module: nn.Module, topo, stage: int, *, units: list[str] | None = None,
-                 bucket_mb: float = 25.0, reduce_dtype: str = "fp32"):
+                 bucket_mb: float = 25.0, precision: Precision = FP32):
         validate_zero(stage, topo.size(topo.shard_axis), engine="torch")
-        reduce_torch_dtype(reduce_dtype)  # checked before any collective
-        hook = ddp_comm_hook(reduce_dtype)
-        self.reduce_dtype = reduce_dtype
+        precision.reduce_torch  # checked before any collective
+        hook = ddp_comm_hook(precision.reduce_dtype)
+        self.reduce_dtype = precision.reduce_dtype
         named_units = assign_units(module, units)  # same checks (tied weights) as explicit ZeRO
         super().__init__(module, topo)
         # with a replica axis (HSDP): FSDP2 over the 2-D mesh (dp_replicate, dp_shard), ZeRO-1
@@ -187,7 +189,7 @@ class ZeroRedundancySync(Sync):
         with topo.ledger.phase("init"), torch.no_grad():
             for p in module.parameters():  # fully_shard keeps each rank's own chunk
                 comm.broadcast(p.data, topo, "dp", src=0, tag="init")
-        fsdp = apply_fsdp(module, topo, stage, reduce_dtype,
+        fsdp = apply_fsdp(module, topo, stage, precision,
                           units=[mod for name, mod, _ in named_units if name != "root"],
                           what=f"FSDP2 (--zero {stage} --engine torch)")
         self.fsdp_modules = fsdp.modules
@@ -313,7 +315,7 @@ class ZeroRedundancySync(Sync):
         return zero_memory_formula(1 if self._ddp else 3, self._numel, self.n)
 
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
-                      dtype: str = "fp32") -> dict[str, float]:
+                      precision: Precision = FP32) -> dict[str, float]:
         """{"grad", "param", "grad_norm": bytes} of :meth:`step_bytes_formula`."""
         z = self.step_bytes_formula(micro_steps)
         return {k: z[k] for k in ("grad", "param", "grad_norm", "grad_replicate") if k in z}

@@ -50,7 +50,8 @@ from ... import comm
 from ...comm.ledger import ring_bytes
 from ..muon import Muon, Orthogonalizer
 from ..sync import Sync
-from ..params import (Held, ReduceGroup, reduce_groups, reduce_torch_dtype, storage_state_bytes,
+from ...precision import FP32, Precision
+from ..params import (Held, ReduceGroup, reduce_groups, storage_state_bytes,
                       sum_coalesced_, tp_sharded)
 from .flat import (FlatShards, gather_named, gather_optimizer_state, load_optimizer_state,
                    sharded_optimizer)
@@ -82,7 +83,8 @@ class ZeroSync(Sync):
     broadcast from dp index 0: ledger phase ``init``). ``units``: FQNs of the unit submodules
     (default :func:`.units.default_unit_names`); the rest is the root unit. ``overlap``: launch
     each unit's reduce_scatter from the backward hooks (True) or all after backward (False).
-    ``reduce_dtype``: "fp32" | "bf16" (:func:`..params.reduce_torch_dtype`). ``prefetch`` /
+    ``precision.reduce_dtype``: "fp32" | "bf16" (:func:`~shardwise.precision.reduce_torch_dtype`).
+    ``prefetch`` /
     ``reshard_after_forward``: ZeRO-3 only. ``deferred`` (ZeRO-3 only, else ValueError): the
     parameters hold no values yet (a model built on the meta device, :mod:`..materialize`): no
     copy, no broadcast; call :meth:`fill` with the weights, the same on every rank.
@@ -101,12 +103,12 @@ class ZeroSync(Sync):
 
     def __init__(self, module: nn.Module, topo, stage: int, *, units: list[str] | None = None,
                  prefetch: bool = True, reshard_after_forward: bool = True, overlap: bool = True,
-                 reduce_dtype: str = "fp32", deferred: bool = False):
+                 precision: Precision = FP32, deferred: bool = False):
         validate_zero(stage, topo.size(topo.shard_axis))
         if deferred and stage != 3:
             raise ValueError("deferred=True is ZeRO-3's (ZeRO-1/2 keep whole parameters: give "
                              "them their values before the sync, materialize_local)")
-        rdtype = reduce_torch_dtype(reduce_dtype)
+        rdtype = precision.reduce_torch
         named_units = assign_units(module, units)  # all checks done before the first collective
         super().__init__(module, topo)
         self.stage = stage
@@ -115,9 +117,9 @@ class ZeroSync(Sync):
         self.n, self.rank = topo.size(topo.shard_axis), topo.index(topo.shard_axis)
         self.prefetch, self.reshard_after_forward, self.overlap = (prefetch, reshard_after_forward,
                                                                    overlap)
-        self.reduce_dtype, self._rdtype = reduce_dtype, rdtype  # of the gradient reduce_scatter
+        self.reduce_dtype, self._rdtype = precision.reduce_dtype, rdtype  # of the reduce_scatter
         groups = split_experts(named_units, topo)
-        self.units = [FlatShards(g.items, topo, keep_full_grad=stage == 1, reduce_dtype=rdtype,
+        self.units = [FlatShards(g.items, topo, keep_full_grad=stage == 1, reduce_torch=rdtype,
                                  name=name, module=mod, axis=g.axis,
                                  replicate_axis=g.replicate_axis, deferred=deferred)
                       for name, mod, g in groups]
@@ -352,7 +354,7 @@ class ZeroSync(Sync):
                                       bytes_grad=b, bytes_optim=2 * b)
 
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
-                      dtype: str = "fp32") -> dict[str, float]:
+                      precision: Precision = FP32) -> dict[str, float]:
         """{"grad", "param", "grad_norm": bytes} of :meth:`step_bytes_formula`."""
         z = self.step_bytes_formula(micro_steps)
         return {k: z[k] for k in ("grad", "param", "grad_norm", "grad_replicate") if k in z}

@@ -61,6 +61,7 @@ from ...errors import ShardwiseConfigError
 from ...formulas import memory_formula, step_bytes_formula
 from ...parallel.apply import parallelize
 from ...parallel.layout import Layout, parse_layout
+from ...precision import Precision
 from ...topology import Topology, init_distributed
 from .harness import alternate, make_run, make_workload, markdown_table, timed_step, write_report
 
@@ -122,7 +123,8 @@ def bench_one_layout(layout: Layout, topo, args, order: list) -> dict:
             runs[eng] = make_run(
                 lambda m, eng=eng: _with_recompute_phase(parallelize(
                     m, topo, layout, engine=eng, bucket_mb=args.bucket_mb, seed=0,
-                    reduce_dtype=getattr(args, "reduce_dtype", "fp32")), topo),
+                    precision=Precision.of(reduce=getattr(args, "reduce_dtype", "fp32"))),
+                    topo),
                 args.model, work, cfg, global_batch, dp, topo.index("dp"), **model_kw)
         except ShardwiseConfigError as e:  # refused by the layout's checks: the whole reason
             runs[eng] = {"error": str(e), "refused": True, "times": []}
