@@ -1,6 +1,7 @@
 """ZeRO's formulas and its refusals, as pure functions: model-state bytes per rank (ZeRO paper
-§5.1–5.3, Figure 1), bytes sent per step (§7.1–7.2, JAX scaling book ch. 5), and the stages and
-optimizers that can be sharded.
+§5.1–5.3, Figure 1), bytes sent per step (§7.1–7.2, JAX scaling book ch. 5), the same for a
+:class:`~.zero.ZeroSync`'s flat units (:func:`units_memory_formula`,
+:func:`units_step_bytes_formula`), and the stages and optimizers that can be sharded.
 """
 
 from __future__ import annotations
@@ -125,6 +126,59 @@ def hsdp_replicate_bytes(psi: float, shard: int, replicate: int,
     R·S ranks when the groups are equal, but only the Ψb·2(R−1)/(R·S) part crosses between
     replicas (the inter-node links when a shard group is one node)."""
     return 2 * (replicate - 1) / replicate * psi * bytes_per_elem / shard  # R = 1: 0.0
+
+def psi_by_axis(units, padded: bool) -> dict[str, tuple[float, int]]:
+    """{axis: (Ψ of its units, elements; padded: Σ P_u), its size n} of flat ``units``
+    (:class:`.flat.FlatShards`)."""
+    out: dict[str, tuple[float, int]] = {}
+    for u in units:
+        psi, n = out.get(u.axis, (0, u.n))
+        out[u.axis] = (psi + (u.padded if padded else u.numel), n)
+    return out
+
+
+def units_memory_formula(stage: int, units, shard_axis: str, n: int,
+                         muon: int = 0) -> dict[str, float]:
+    """:func:`zero_memory_formula` for a ZeRO ``stage`` over flat ``units``, Ψ their elements,
+    over the ``n`` ranks of ``shard_axis`` (fp32 AdamW; ``muon``: elements of Muon's matrices,
+    which keep one b-byte momentum buffer instead of AdamW's two moments); with expert
+    parallelism the sum of the dense part (n = dp·cp) and the expert part (Ψ of this rank's
+    experts, n = edp): :func:`zero_ep_memory_formula`."""
+    b = units[0].full.element_size()
+    parts = psi_by_axis(units, padded=False)
+    if set(parts) <= {shard_axis}:  # (HSDP: n = dp_shard)
+        numel = sum(u.numel for u in units)
+        return zero_memory_formula(stage, numel, n, bytes_param=b,
+                                   bytes_grad=b, bytes_optim=2 * b - b * muon / numel)
+    dense, _ = parts.get(shard_axis, (0, n))
+    experts, n_e = parts["edp"]
+    return zero_ep_memory_formula(stage, dense, n, experts, n_e, bytes_param=b,
+                                  bytes_grad=b, bytes_optim=2 * b)
+
+
+def units_step_bytes_formula(stage: int, units, topo, n: int, grad_b: int, *,
+                             micro_steps: int = 1, regathered: float | None = None,
+                             regathered_experts: float | None = None) -> dict[str, float]:
+    """:func:`zero_ep_step_bytes_formula` for a ZeRO ``stage`` over flat ``units`` (padded Ψ per
+    axis; the dense part over the ``n`` ranks of ``topo``'s shard axis, experts over "edp"),
+    ``grad_b`` bytes per element of the gradient reduce_scatter, ``regathered`` /
+    ``regathered_experts`` the elements ZeRO-3 gathers a second time for backward; with HSDP
+    the ``grad_replicate`` all-reduce of each rank's 1/S shard (:func:`hsdp_replicate_bytes`),
+    added to ``total``."""
+    parts = psi_by_axis(units, padded=True)
+    dense, _ = parts.get(topo.shard_axis, (0, n))
+    experts, n_e = parts.get("edp", (0, 1))
+    out = zero_ep_step_bytes_formula(
+        stage, dense, n, experts, n_e, units[0].full.element_size(),
+        micro_steps=micro_steps, regathered=regathered,
+        regathered_experts=regathered_experts, grad_bytes_per_elem=grad_b)
+    for rep in dict.fromkeys(u.replicate_axis for u in units if u.replicate_axis):
+        # HSDP: each rank's 1/S shard of the gradients of the units over those replicas
+        psi = sum(u.padded for u in units if u.replicate_axis == rep)
+        out["grad_replicate"] = hsdp_replicate_bytes(psi, n, topo.size(rep), grad_b)
+        out["total"] += out["grad_replicate"]
+    return out
+
 
 
 def validate_zero(zero: int, dp: int, *, optimizer="adamw", engine: str = "explicit") -> None:

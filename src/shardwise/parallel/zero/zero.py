@@ -55,8 +55,7 @@ from ..params import (Held, ReduceGroup, reduce_groups, storage_state_bytes,
                       sum_coalesced_, tp_sharded)
 from .flat import (FlatShards, gather_named, gather_optimizer_state, load_optimizer_state,
                    sharded_optimizer)
-from .formulas import (hsdp_replicate_bytes, validate_zero, zero_ep_memory_formula,
-                       zero_ep_step_bytes_formula, zero_memory_formula)
+from .formulas import units_memory_formula, units_step_bytes_formula, validate_zero
 from .units import assign_units
 
 EXPERTS = ":experts"  # suffix of the unit name of a unit's expert shards (sharded over "edp")
@@ -329,29 +328,12 @@ class ZeroSync(Sync):
                  + [u.shard_grad for u in self.units])
         return storage_state_bytes(params, grads, optimizer)
 
-    def _psi_by_axis(self, padded: bool) -> dict[str, tuple[float, int]]:
-        """{axis: (Ψ of its units, elements; padded: Σ P_u), its size n}."""
-        out: dict[str, tuple[float, int]] = {}
-        for u in self.units:
-            psi, n = out.get(u.axis, (0, u.n))
-            out[u.axis] = (psi + (u.padded if padded else u.numel), n)
-        return out
-
     def memory_formula(self) -> dict[str, float]:
-        """:func:`zero_memory_formula` for this stage, Ψ = :attr:`numel`, n = dp (fp32 AdamW);
-        with expert parallelism the sum of the dense part (n = dp·cp) and the expert part
-        (Ψ of this rank's experts, n = edp): :func:`.formulas.zero_ep_memory_formula`."""
-        b = self.units[0].full.element_size()
-        parts = self._psi_by_axis(padded=False)
-        if set(parts) <= {self.topo.shard_axis}:  # (HSDP: n = dp_shard)
-            # Muon: its matrices keep one b-byte momentum buffer instead of AdamW's two moments
-            muon = sum(p.numel() for p in self._muon[1]) if self._muon else 0
-            return zero_memory_formula(self.stage, self.numel, self.n, bytes_param=b,
-                                       bytes_grad=b, bytes_optim=2 * b - b * muon / self.numel)
-        dense, _ = parts.get(self.topo.shard_axis, (0, self.n))
-        experts, n_e = parts["edp"]
-        return zero_ep_memory_formula(self.stage, dense, self.n, experts, n_e, bytes_param=b,
-                                      bytes_grad=b, bytes_optim=2 * b)
+        """:func:`.formulas.zero_memory_formula` for this stage, Ψ = :attr:`numel`, n = dp (fp32
+        AdamW); with expert parallelism the sum of the dense part (n = dp·cp) and the expert
+        part (Ψ of this rank's experts, n = edp): :func:`.formulas.units_memory_formula`."""
+        muon = sum(p.numel() for p in self._muon[1]) if self._muon else 0  # Muon's matrices
+        return units_memory_formula(self.stage, self.units, self.topo.shard_axis, self.n, muon)
 
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
                       precision: Precision = FP32) -> dict[str, float]:
@@ -370,17 +352,8 @@ class ZeroSync(Sync):
         with expert parallelism one such term per axis, summed
         (:func:`.formulas.zero_ep_step_bytes_formula`). Inside dp × tp the tp scalar of the
         norm (tag ``"grad_norm"`` on axis tp) is not included."""
-        parts = self._psi_by_axis(padded=True)
-        dense, _ = parts.get(self.topo.shard_axis, (0, self.n))
-        experts, n_e = parts.get("edp", (0, 1))
         grad_b = torch.empty(0, dtype=self._rdtype).element_size()
-        out = zero_ep_step_bytes_formula(
-            self.stage, dense, self.n, experts, n_e, self.units[0].full.element_size(),
-            micro_steps=micro_steps, regathered=self._regathered(self.topo.shard_axis),
-            regathered_experts=self._regathered("edp"), grad_bytes_per_elem=grad_b)
-        for rep in dict.fromkeys(u.replicate_axis for u in self.units if u.replicate_axis):
-            # HSDP: each rank's 1/S shard of the gradients of the units over those replicas
-            psi = sum(u.padded for u in self.units if u.replicate_axis == rep)
-            out["grad_replicate"] = hsdp_replicate_bytes(psi, self.n, self.topo.size(rep), grad_b)
-            out["total"] += out["grad_replicate"]
-        return out
+        return units_step_bytes_formula(
+            self.stage, self.units, self.topo, self.n, grad_b, micro_steps=micro_steps,
+            regathered=self._regathered(self.topo.shard_axis),
+            regathered_experts=self._regathered("edp"))
