@@ -155,33 +155,12 @@ class Layout:
         # 1. the layout alone: the rules the planner shares, then what the engines do not wire
         self.check_rules(engine=engine, device=device, model_cfg=cfg, seq_len=seq_len)
         self._check_hsdp_wiring()
-        if self.cp > 1:
-            rest = " ".join(flag for flag, on in ((f"--tp {self.tp}", self.tp > 1),
-                                                  (f"--pp {self.pp}", self.pp > 1),
-                                                  (f"--zero {self.zero}", self.zero > 0)) if on)
-            if engine == "torch" and rest:
-                raise ShardwiseConfigError(
-                    f"--engine torch --cp {self.cp} runs dp × cp with DDP inside torch's "
-                    f"context_parallel; {rest} is not wired with it: use --engine explicit "
-                    "for cp with tp, pp or ZeRO")
+        _check_torch_cp(self, engine)
         pipeline = self.pp > 1 or composition == "pp"
-        if self.zero >= 2 and pipeline:
-            raise ShardwiseConfigError(
-                f"layout {self.name()}: ZeRO-{self.zero} does not compose with pipeline "
-                "parallelism (each of the m micro-batches would re-shard gradients/re-gather "
-                "parameters; DeepSpeed refuses it too): use --zero 1 with --pp, or --pp 1")
+        _check_zero_pipeline(self, pipeline)
         # 2. the topology
         if topo is not None:
-            sizes = tuple(topo.size(a) for a in ("pp", "dp", "cp", "tp"))
-            ep, rep = getattr(topo, "ep", 1), getattr(topo, "dp_replicate", 1)
-            if sizes != (self.pp, self.dp, self.cp, self.tp) or (ep, rep) != (self.ep,
-                                                                              self.dp_replicate):
-                cp = f", cp={self.cp}" if self.cp > 1 else ""
-                cp += f", ep={self.ep}" if self.ep > 1 else ""
-                cp += f", dp_replicate={self.dp_replicate}" if self.dp_replicate > 1 else ""
-                raise ShardwiseConfigError(
-                    f"layout {self.name()} does not match the topology {topo.describe()}: "
-                    f"build Topology(pp={self.pp}, dp={self.dp}, tp={self.tp}{cp}) for it")
+            _check_topology(self, topo)
         # 3. the reduce dtype
         precision.reduce_torch
         # 4. the model
@@ -200,19 +179,7 @@ class Layout:
         if self.tp > 1:
             validate_tp(cfg, self.tp, self.sp, local_seq, pp=self.pp)
         if self.pp > 1 and global_batch is not None and micro_batch is not None:
-            from .pp.split import validate_pp
-
-            local = global_batch // self.dp
-            m = self.microbatches or max(1, local // micro_batch)
-            if not self.microbatches and m < self.pp:
-                raise ShardwiseConfigError(
-                    f"--pp {self.pp} needs at least {self.pp} microbatches per step, but global "
-                    f"batch / (dp × micro-batch) = {global_batch} / ({self.dp} × {micro_batch}) "
-                    f"= {m}: pass --microbatches M (M ≥ {self.pp}, dividing {local}) or a "
-                    "smaller --micro-batch")
-            validate_pp(cfg, self.pp, self.schedule, m, batch=local,
-                        virtual_stages=self.virtual_stages or None,
-                        layers_per_stage=layers_per_stage)
+            _check_pipeline_batch(self, cfg, global_batch, micro_batch, layers_per_stage)
 
 
     def check_rules(self, *, engine: str = "explicit", device: str | None = None,
@@ -310,6 +277,64 @@ class Layout:
                 f"--dp-replicate {r} with {' '.join(other)}: HSDP composes with tp here; with "
                 "cp, ep or pp it is not wired: drop --dp-replicate (ZeRO over the whole data "
                 "axis) or the other flag")
+
+
+# -- the rules of Layout.check beyond check_rules, one function each ---------------------------
+def _check_torch_cp(layout: Layout, engine: str) -> None:
+    """The torch engine's cp is dp × cp only (DDP inside torch's ``context_parallel``): with tp,
+    pp or ZeRO it is not wired."""
+    if layout.cp > 1:
+        rest = " ".join(flag for flag, on in ((f"--tp {layout.tp}", layout.tp > 1),
+                                              (f"--pp {layout.pp}", layout.pp > 1),
+                                              (f"--zero {layout.zero}", layout.zero > 0)) if on)
+        if engine == "torch" and rest:
+            raise ShardwiseConfigError(
+                f"--engine torch --cp {layout.cp} runs dp × cp with DDP inside torch's "
+                f"context_parallel; {rest} is not wired with it: use --engine explicit "
+                "for cp with tp, pp or ZeRO")
+
+
+def _check_zero_pipeline(layout: Layout, pipeline: bool) -> None:
+    """ZeRO-2/3 with pp > 1 (``pipeline``; or in a pipeline engine), refused as DeepSpeed
+    refuses it (docs/composition.md §5)."""
+    if layout.zero >= 2 and pipeline:
+        raise ShardwiseConfigError(
+            f"layout {layout.name()}: ZeRO-{layout.zero} does not compose with pipeline "
+            "parallelism (each of the m micro-batches would re-shard gradients/re-gather "
+            "parameters; DeepSpeed refuses it too): use --zero 1 with --pp, or --pp 1")
+
+
+def _check_topology(layout: Layout, topo) -> None:
+    """``topo``'s degrees (pp, dp, cp, tp, and its ep and dp_replicate) are the layout's."""
+    sizes = tuple(topo.size(a) for a in ("pp", "dp", "cp", "tp"))
+    ep, rep = getattr(topo, "ep", 1), getattr(topo, "dp_replicate", 1)
+    if sizes != (layout.pp, layout.dp, layout.cp, layout.tp) or (ep, rep) != (
+            layout.ep, layout.dp_replicate):
+        cp = f", cp={layout.cp}" if layout.cp > 1 else ""
+        cp += f", ep={layout.ep}" if layout.ep > 1 else ""
+        cp += f", dp_replicate={layout.dp_replicate}" if layout.dp_replicate > 1 else ""
+        raise ShardwiseConfigError(
+            f"layout {layout.name()} does not match the topology {topo.describe()}: "
+            f"build Topology(pp={layout.pp}, dp={layout.dp}, tp={layout.tp}{cp}) for it")
+
+
+def _check_pipeline_batch(layout: Layout, cfg, global_batch: int, micro_batch: int,
+                          layers_per_stage: list[int] | None) -> None:
+    """pp > 1 with the batch known: at least pp microbatches per step (``--microbatches``, or
+    global batch / (dp × micro-batch)) and a split that fits (:func:`~.pp.split.validate_pp`)."""
+    from .pp.split import validate_pp
+
+    local = global_batch // layout.dp
+    m = layout.microbatches or max(1, local // micro_batch)
+    if not layout.microbatches and m < layout.pp:
+        raise ShardwiseConfigError(
+            f"--pp {layout.pp} needs at least {layout.pp} microbatches per step, but global "
+            f"batch / (dp × micro-batch) = {global_batch} / ({layout.dp} × {micro_batch}) "
+            f"= {m}: pass --microbatches M (M ≥ {layout.pp}, dividing {local}) or a "
+            "smaller --micro-batch")
+    validate_pp(cfg, layout.pp, layout.schedule, m, batch=local,
+                virtual_stages=layout.virtual_stages or None,
+                layers_per_stage=layers_per_stage)
 
 
 def parse_layout(text: str) -> Layout:
