@@ -56,23 +56,13 @@ def test_the_count_by_hand(tmp_path):
 # (decorators not counted, docstring and comments counted); a nested function or a method is
 # measured as its own definition too (``qualname`` "Outer.inner"), and still counts in its
 # outer one's lines. In ``parallel/`` and ``comm/`` (the core every strategy crosses) no
-# exception: PENDING_CORE names those being split now and must end empty. Elsewhere each longer
+# exception (the last ones were split for issue 52). Elsewhere each longer
 # function is in LONG_FUNCTIONS with its reason; the list only shrinks (an entry gone or now
 # within the budget fails, so whoever splits one removes it).
 
 FUNCTION_LIMIT, CLASS_LIMIT = 80, 300
 CORE = ("parallel/", "comm/")  # no exception allowed here
 PARALLEL_FILE_LIMIT = 400  # lines of the largest module in parallel/ (issue 52)
-
-# being split for issue 52; must end empty (split already: comm/fingerprint.py CollectiveChecks
-# a9e29c6, parallel/pp/simulate.py simulate 3f59360, parallel/apply.py parallelize and _pipeline
-# 97a1353, parallel/pp/runner.py ScheduleRunner.run aa741bb)
-PENDING_CORE: set[str] = {
-    "parallel/layout.py::Layout.check",
-    "parallel/zero/zero.py::ZeroSync",
-}
-# modules of parallel/ over PARALLEL_FILE_LIMIT, being split for issue 52; must end empty
-PENDING_PARALLEL_FILES: set[str] = {"parallel/pp/schedules.py"}
 
 # "path::qualname" outside parallel/ and comm/ → why it is longer than FUNCTION_LIMIT for now
 LONG_FUNCTIONS: dict[str, str] = {
@@ -151,12 +141,11 @@ def _in_core(key: str) -> bool:
     return key.startswith(CORE)
 
 
-def budget_breaches(found: dict[str, int], long_functions: dict[str, str],
-                    pending_core: set[str]) -> list[str]:
-    """What :func:`long_definitions` ``found`` breaks: a long definition in the core not in
-    ``pending_core``, or elsewhere not in ``long_functions``."""
+def budget_breaches(found: dict[str, int], long_functions: dict[str, str]) -> list[str]:
+    """What :func:`long_definitions` ``found`` breaks: any long definition in the core, or
+    elsewhere one not in ``long_functions``."""
     return [f"{k} ({n} lines)" for k, n in sorted(found.items())
-            if (k not in pending_core if _in_core(k) else k not in long_functions)]
+            if _in_core(k) or k not in long_functions]
 
 
 def stale_entries(found: dict[str, int], listed) -> list[str]:
@@ -165,7 +154,7 @@ def stale_entries(found: dict[str, int], listed) -> list[str]:
 
 
 def test_no_long_function_or_class_without_a_reason():
-    bad = budget_breaches(long_definitions(), LONG_FUNCTIONS, PENDING_CORE)
+    bad = budget_breaches(long_definitions(), LONG_FUNCTIONS)
     assert not bad, (
         f"functions over {FUNCTION_LIMIT} lines / classes over {CLASS_LIMIT}: "
         + ", ".join(bad) + f": split them (in {' and '.join(CORE)} no exception; elsewhere, or "
@@ -180,14 +169,6 @@ def test_long_function_list_only_shrinks():
     assert all(r.strip() for r in LONG_FUNCTIONS.values()), "every entry needs a reason"
 
 
-def test_pending_core_only_shrinks():
-    """PENDING_CORE (being split for issue 52) holds only what is still too long: the test
-    fails the day one is split, so the entry is removed then; the set must end empty."""
-    stale = stale_entries(long_definitions(), PENDING_CORE)
-    assert not stale, f"PENDING_CORE entries now within the budget, remove them: {stale}"
-    assert all(_in_core(k) for k in PENDING_CORE), "PENDING_CORE is for parallel/ and comm/"
-
-
 def large_modules(root: Path, limit: int) -> dict[str, int]:
     """Modules of ``root`` over ``limit`` lines → their lines."""
     return {p: n for p, n in sizes(root).items() if n > limit}
@@ -196,15 +177,12 @@ def large_modules(root: Path, limit: int) -> dict[str, int]:
 def test_the_largest_module_of_parallel_is_small():
     over = large_modules(SRC / "parallel", PARALLEL_FILE_LIMIT)
     over = {f"parallel/{p}": n for p, n in over.items()}
-    new = {p: n for p, n in over.items() if p not in PENDING_PARALLEL_FILES}
-    assert not new, f"modules of parallel/ over {PARALLEL_FILE_LIMIT} lines: {new}: split by job"
-    stale = sorted(PENDING_PARALLEL_FILES - set(over))
-    assert not stale, f"PENDING_PARALLEL_FILES within {PARALLEL_FILE_LIMIT} now, remove: {stale}"
+    assert not over, f"modules of parallel/ over {PARALLEL_FILE_LIMIT} lines: {over}: split by job"
 
 
 def test_planted_long_definitions(tmp_path):
-    """The budget on a fake package: a long function and class in the core fail unless pending,
-    a long function elsewhere fails unless listed, a nested long function is its own entry, a
+    """The budget on a fake package: a long function and class in the core always fail, a long
+    function elsewhere fails unless listed, a nested long function is its own entry, a
     function of exactly the limit passes, and a listed entry that shrank is stale."""
     body = "    x = 1\n"
     (tmp_path / "parallel").mkdir()
@@ -221,14 +199,13 @@ def test_planted_long_definitions(tmp_path):
     found = long_definitions(tmp_path)
     assert found == {"parallel/a.py::long": 81, "comm/b.py::Big": 301,
                      "tools.py::outer": 83, "tools.py::outer.inner": 81}
-    assert budget_breaches(found, {}, set()) == [
+    assert budget_breaches(found, {}) == [
         "comm/b.py::Big (301 lines)", "parallel/a.py::long (81 lines)",
         "tools.py::outer (83 lines)", "tools.py::outer.inner (81 lines)"]
-    # listing a core definition in LONG_FUNCTIONS does not excuse it; PENDING_CORE does
+    # listing a core definition in LONG_FUNCTIONS does not excuse it
     listed = {"tools.py::outer": "r", "tools.py::outer.inner": "r", "parallel/a.py::long": "r"}
-    assert budget_breaches(found, listed, {"comm/b.py::Big"}) == [
-        "parallel/a.py::long (81 lines)"]
-    assert budget_breaches(found, listed, {"comm/b.py::Big", "parallel/a.py::long"}) == []
+    assert budget_breaches(found, listed) == [
+        "comm/b.py::Big (301 lines)", "parallel/a.py::long (81 lines)"]
     assert stale_entries(found, {"tools.py::short": "r", "tools.py::gone": "r",
                                  "tools.py::outer": "r"}) == ["tools.py::gone", "tools.py::short"]
     (tmp_path / "parallel" / "big.py").write_text("x = 1\n" * (PARALLEL_FILE_LIMIT + 1))

@@ -341,3 +341,17 @@ def storage_state_bytes(params, grads, optimizer=None) -> dict[str, int]:
            "optimizer": storage_bytes(state)}
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
+
+
+def shard_of(full: torch.Tensor, dim: int, topo, padded: int | None = None) -> torch.Tensor:
+    """This tp rank's contiguous chunk of a full tensor along ``dim`` (zero-padded to
+    ``padded`` first), a copy: how TP cuts a plain weight into the shard it keeps. No
+    collective."""
+    n, i = topo.size("tp"), topo.index("tp")
+    full = full.detach()
+    if padded is not None and padded > full.shape[dim]:
+        pad_shape = list(full.shape)
+        pad_shape[dim] = padded - full.shape[dim]
+        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
+    k = full.shape[dim] // n
+    return full.narrow(dim, i * k, k).clone()

@@ -10,6 +10,7 @@ members are listed in docs/architecture.md, "One engine".
 from __future__ import annotations
 
 import contextlib
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -19,9 +20,10 @@ from .muon import Muon, Orthogonalizer
 from .params import Held, held_of, grads_or_zeros, local_state_bytes, sum_coalesced_, tp_sharded
 
 
-class Sync:
-    """The gradient-sync protocol with its defaults: a replicated ``module`` on ``topo`` whose
-    gradients need no reduction. Every gradient sync is a plain object (:class:`~.dp.
+class Sync(Protocol):
+    """The gradient-sync protocol (a ``typing.Protocol``) with its defaults, which a sync that
+    subclasses it explicitly inherits: a replicated ``module`` on ``topo`` whose gradients need
+    no reduction. Every gradient sync is a plain object (:class:`~.dp.
     DataParallel`, :class:`~.dp.DDPSync`, :mod:`.zero`'s); :class:`~.model.ParallelModel` asks it
     for the micro-step sync, the finish, the optimizer, the norm's held gradients and the dp
     part of the full-shape views. Used as is when dp × cp = 1 (:class:`NoSync`).

@@ -7,7 +7,7 @@ their own placements); these functions read that record, once for every layout:
   shape: one all_gather over tp per dtype for the whole list, one over ep for expert shards,
   and :func:`full_tensors` for DTensors (one gather per mesh dim);
 * :func:`to_local` — the inverse, no collective (of a lazy tensor it reads only this rank's
-  part: :func:`local_box`, :func:`local_flat_range`, :func:`read_flat`); :func:`shard_of` — how
+  part: :func:`local_box`, :func:`local_flat_range`, :func:`read_flat`); :func:`~.params.shard_of` — how
   TP cuts a plain weight;
 * :func:`full_shape` — the full shape of a parameter's tensor.
 
@@ -26,24 +26,10 @@ from torch import nn
 
 from .. import comm
 from ..lazy import LazyTensor
-from .params import ep_sharded, is_dtensor, placement
+from .params import ep_sharded, is_dtensor, placement, shard_of  # noqa: F401 (re-exported)
 
 
 # -- full shape ⇄ this rank's tp shard ------------------------------------------------------------
-def shard_of(full: torch.Tensor, dim: int, topo, padded: int | None = None) -> torch.Tensor:
-    """This tp rank's contiguous chunk of a full tensor along ``dim`` (zero-padded to
-    ``padded`` first), a copy: how TP cuts a plain weight into the shard it keeps. No
-    collective."""
-    n, i = topo.size("tp"), topo.index("tp")
-    full = full.detach()
-    if padded is not None and padded > full.shape[dim]:
-        pad_shape = list(full.shape)
-        pad_shape[dim] = padded - full.shape[dim]
-        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
-    k = full.shape[dim] // n
-    return full.narrow(dim, i * k, k).clone()
-
-
 def full_shape(p) -> tuple[int, ...]:
     """The full (unpadded) shape of the tensor whose tp shard ``p`` is (a DTensor knows it)."""
     if is_dtensor(p):

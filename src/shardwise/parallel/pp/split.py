@@ -19,6 +19,7 @@ from torch import nn
 
 from ...errors import ShardwiseConfigError
 from ...models.llama import document_mask, embed, rope_tables
+from ..numerics import set_linear_fn
 from .schedules import check_schedule, stages_of
 
 
@@ -240,6 +241,8 @@ class StageModule(nn.Module):
                 self.output = nn.Linear(plain.output.in_features, plain.output.out_features,
                                         bias=False, device=plain.output.weight.device,
                                         dtype=plain.output.weight.dtype)
+                if hasattr(plain.output, "linear_fn"):  # a numerics transform's op, kept
+                    set_linear_fn(self.output, plain.output.linear_fn)
                 self._tied_shape = (plain.output.in_features, plain.output.out_features)
                 self._tied_dtype = plain.output.weight.dtype
                 if not plain.output.weight.is_meta:  # meta: values later (replay_tied_draw)

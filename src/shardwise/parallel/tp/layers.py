@@ -18,8 +18,8 @@ from torch import nn
 
 from ...errors import ShardwiseConfigError
 from ...models.llama import Attention, FeedForward, causal_attention, mlp_hidden, rms_norm
-from ..params import mark_tp_shard
-from ..views import shard_of
+from ..numerics import linear_fn_of
+from ..params import mark_tp_shard, shard_of
 from .comms import AXIS, CopyToTP, GatherFromSP, ReduceFromTP, ReduceScatterToSP, along
 
 
@@ -107,9 +107,10 @@ class ColumnParallelLinear(nn.Module):
         if plain.bias is not None:
             self.bias = mark_tp_shard(nn.Parameter(shard_of(plain.bias, 0, topo, padded_out)),
                                       0, plain.out_features)
+        self.linear_fn = linear_fn_of(plain)  # F.linear, or a numerics transform's op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # [..., out/n]
+        return self.linear_fn(x, self.weight, self.bias)  # [..., out/n]
 
 
 class RowParallelLinear(nn.Module):
@@ -128,9 +129,10 @@ class RowParallelLinear(nn.Module):
         self.weight = mark_tp_shard(nn.Parameter(shard_of(plain.weight, 1, topo)), 1,
                                     plain.in_features)
         self.bias = None if plain.bias is None else nn.Parameter(plain.bias.detach().clone())
+        self.linear_fn = linear_fn_of(plain)  # F.linear, or a numerics transform's op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = exit_tp_region(F.linear(x, self.weight), self.topo, self.sp)
+        y = exit_tp_region(self.linear_fn(x, self.weight, None), self.topo, self.sp)
         return y if self.bias is None else y + self.bias
 
 

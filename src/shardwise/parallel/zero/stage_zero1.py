@@ -107,18 +107,34 @@ def _local_shard_zero():
     return LocalShardZeRO
 
 
-class TorchStageZero1:
-    """The torch pipeline's ``--zero 1``: the stage's gradients summed over dp by ``inner`` (the
-    stage's plain gradient sync, every other member its), the optimizer PyTorch's
+class TorchStageZero1(Sync):
+    """The torch pipeline's ``--zero 1``, a gradient sync of the stage ``inner`` holds: the
+    gradients summed over dp by ``inner`` (the stage's plain sync, :class:`~..dp.DataParallel`:
+    its micro-step switch, finish, formulas and buckets below), the optimizer PyTorch's
     ``ZeroRedundancyOptimizer`` over dp (each rank steps the whole parameters it owns, then
-    broadcasts them, unbooked). Its state lives in the optimizer's partitions: no full-shape
-    optimizer view (:class:`ShardwiseConfigError`; use the explicit engine)."""
+    broadcasts them, unbooked); every other member the :class:`~..sync.Sync` default over the
+    same stage. Its state lives in the optimizer's partitions: no full-shape optimizer view
+    (:class:`ShardwiseConfigError`; use the explicit engine)."""
 
-    def __init__(self, inner):
+    def __init__(self, inner: Sync):
+        super().__init__(inner.module, inner.topo)
         self.inner = inner
 
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+    @property
+    def buckets(self) -> list:
+        return self.inner.buckets
+
+    def sync_gradients(self, enabled: bool):
+        return self.inner.sync_gradients(enabled)
+
+    def finish_gradient_sync(self) -> None:
+        self.inner.finish_gradient_sync()
+
+    def bytes_formula(self, *args, **kw) -> dict[str, float]:
+        return self.inner.bytes_formula(*args, **kw)
+
+    def memory_formula(self) -> dict[str, float]:
+        return self.inner.memory_formula()
 
     def make_optimizer(self, param_groups: list[dict], **adamw) -> torch.optim.Optimizer:
         # DTensor (tp-sharded) parameters: ZeroRedundancyOptimizer partitions and broadcasts
@@ -130,7 +146,7 @@ class TorchStageZero1:
                         for g in param_groups]
         first, *rest = param_groups
         opt = _local_shard_zero()(first["params"], optimizer_class=torch.optim.AdamW,
-                                  process_group=self.inner.topo.group("dp"),
+                                  process_group=self.topo.group("dp"),
                                   **{k: v for k, v in first.items() if k != "params"}, **adamw)
         for g in rest:
             opt.add_param_group(dict(g, **{k: v for k, v in adamw.items() if k not in g}))
@@ -140,7 +156,7 @@ class TorchStageZero1:
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
         """Bytes of this rank's local shards and of ``ZeroRedundancyOptimizer``'s local
         optimizer's state (:func:`~..params.local_state_bytes`)."""
-        params = [p for p in self.inner.module.parameters() if p.requires_grad]
+        params = [p for p in self.module.parameters() if p.requires_grad]
         return local_state_bytes(params, getattr(optimizer, "optim", optimizer))
 
     def dp_optimizer_state(self, optimizer):
