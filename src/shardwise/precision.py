@@ -3,7 +3,8 @@ traffic, built once from the config and read by the runners' autocast, the gradi
 byte and memory formula of ``parallel/``, and the planner (:data:`PRESETS`).
 
 Why each field is separate (mixed-precision training, Micikevicius et al. 2018; ZeRO §3.1;
-Megatron-LM's distributed optimizer; PyTorch FSDP2's ``MixedPrecisionPolicy``): docs/precision.md.
+Megatron-LM's distributed optimizer; PyTorch FSDP2's ``MixedPrecisionPolicy``):
+docs/precision-memory-mfu.md, "One record".
 """
 
 from __future__ import annotations
