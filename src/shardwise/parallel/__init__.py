@@ -16,12 +16,16 @@ Read first, in this order (the core every strategy passes through):
 6. :mod:`.sync` — :class:`~.sync.Sync`, the gradient-sync protocol every dp and zero class
    implements (:class:`~.sync.NoSync`: nothing to reduce);
 7. :mod:`.params` — where each parameter's elements live (:class:`~.params.Placement`) and the
-   rules that read it: the gradient norm, the reduce dtypes, this rank's bytes;
+   rules that read it: the gradient norm, the reduce dtype, this rank's bytes;
 8. :mod:`.layout` — :class:`~.layout.Layout` and :meth:`~.layout.Layout.check`, the one place
    a layout is refused;
 9. :mod:`.views` — full shape ⇄ what this rank holds (:func:`~.views.to_full`,
    :func:`~.views.to_local`), for parity checks and checkpoints;
-10. :mod:`.materialize` — a model built on the meta device becomes this rank's shards.
+10. :mod:`.materialize` — a model built on the meta device becomes this rank's shards
+    (:class:`~.materialize.Values`: where the values come from, decided once);
+11. :mod:`.numerics` — the slot for numerics transforms (a linear op per ``nn.Linear``, kept
+    by the TP layers); the precision of every piece is one record,
+    :class:`shardwise.precision.Precision`.
 
 Then a strategy folder, :mod:`.dp`, :mod:`.zero`, :mod:`.tp`, :mod:`.pp`, :mod:`.cp`,
 :mod:`.ep`: each ``__init__`` maps its ``learn/`` script's names to its classes ("From learn/").
