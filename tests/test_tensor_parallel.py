@@ -19,8 +19,9 @@ from shardwise.data import DistributedSampler
 from shardwise.errors import ShardwiseConfigError
 from shardwise.precision import Precision
 from shardwise.models import LlamaConfig, build_model
-from shardwise.parallel.tp import (apply as tp_apply, padded_vocab_size, parallelize_tensor,
-                                   tp_step_bytes_formula, valid_tp_degrees, validate_tp)
+from shardwise.parallel.tp import (TPOptions, apply as tp_apply, padded_vocab_size,
+                                   parallelize_tensor, tp_step_bytes_formula, valid_tp_degrees,
+                                   validate_tp)
 from shardwise.parallel.sync import NoSync
 from shardwise.parallel.model import ParallelModel
 from shardwise.parity import ATOL, RTOL, assert_parity, reference_run
@@ -92,17 +93,17 @@ def test_formula_hand_worked():
     """d=32, L=2, 8 sequences × 16 tokens = 128 tokens; one [128, 32] fp32 activation is
     A = 16,384 bytes. tp=2: r = 2(n−1)/n = 1; tp=4: r = 1.5."""
     cfg = LlamaConfig(vocab_size=67, d_model=32, n_layers=2, n_heads=8, n_kv_heads=4, d_ff=64)
-    f = tp_step_bytes_formula(cfg, sequences=8, seq_len=16, tp=2, sp=False)
+    f = tp_step_bytes_formula(cfg, sequences=8, seq_len=16, tp=2, options=TPOptions(sp=False))
     assert f["tp_fwd"] == 5 * 16384 and f["tp_bwd"] == 5 * 16384  # (1 + 2L) all-reduces each
     assert f["ce"] == 3 * 128 * 4 and f["grad_norm"] == 8 and f["sp_grad"] == 0
     assert f["loss"] == 0
     assert f["total"] == 2 * 81920 + 1536 + 8
-    g = tp_step_bytes_formula(cfg, sequences=8, seq_len=16, tp=4, sp=True)
+    g = tp_step_bytes_formula(cfg, sequences=8, seq_len=16, tp=4, options=TPOptions(sp=True))
     # 10 all-gathers/reduce-scatters each way of (3/4)·16384; 5 norm weights of 32 fp32
     assert g["tp_fwd"] == g["tp_bwd"] == 10 * 0.75 * 16384
     assert g["sp_grad"] == 1.5 * 5 * 32 * 4 and g["ce"] == 1.5 * 1536 and g["grad_norm"] == 12
     # bf16 autocast: the 2L row-parallel outputs travel in 2 bytes (forward g only, no SP)
-    h = tp_step_bytes_formula(cfg, sequences=8, seq_len=16, tp=2, sp=False,
+    h = tp_step_bytes_formula(cfg, sequences=8, seq_len=16, tp=2, options=TPOptions(sp=False),
                               precision=Precision.of("bf16"))
     assert h["tp_fwd"] == 16384 + 4 * 8192 and h["tp_bwd"] == 5 * 16384
 
@@ -110,7 +111,7 @@ def test_formula_hand_worked():
 @pytest.mark.parametrize("tp,engine,sp,tied", CASES)
 def test_ledger_bytes_equal_formula(results, references, tp, engine, sp, tied):
     cfg = build_model("tiny", vocab_size=67, **W.MODEL).config
-    f = tp_step_bytes_formula(cfg, W.GLOBAL_BATCH, 16, tp, sp)
+    f = tp_step_bytes_formula(cfg, W.GLOBAL_BATCH, 16, tp, TPOptions(sp=sp))
     for rec in _load(results, tp, engine, sp, tied):
         for step in range(W.STEPS):
             got = rec["bytes"][step]
@@ -123,8 +124,8 @@ def test_ledger_bytes_equal_formula(results, references, tp, engine, sp, tied):
 def test_ledger_bytes_equal_formula_under_bf16(results, engine, sp):
     """Row-parallel outputs travel in bf16 under autocast, everything else in fp32."""
     cfg = build_model("tiny", vocab_size=67, **W.MODEL).config
-    f = tp_step_bytes_formula(cfg, 8, 16, 2, sp, precision=Precision.of("bf16"))
-    assert f["tp_fwd"] < tp_step_bytes_formula(cfg, 8, 16, 2, sp)["tp_fwd"]
+    f = tp_step_bytes_formula(cfg, 8, 16, 2, TPOptions(sp=sp), precision=Precision.of("bf16"))
+    assert f["tp_fwd"] < tp_step_bytes_formula(cfg, 8, 16, 2, TPOptions(sp=sp))["tp_fwd"]
     for r in range(2):
         got = torch.load(results / f"bf16_{engine}_{'sp' if sp else 'nosp'}_rank{r}.pt")
         for tag in ("tp_fwd", "tp_bwd", "ce", "sp_grad"):
@@ -193,7 +194,7 @@ def tiny_config(**kw):
 ])
 def test_bad_tp_names_the_constraint_and_valid_values(tp, sp, seq, what, valid):
     with pytest.raises(ShardwiseConfigError) as e:
-        validate_tp(tiny_config(), tp, sp, seq)
+        validate_tp(tiny_config(), tp, TPOptions(sp=sp), seq)
     assert what in str(e.value) and valid in str(e.value)
 
 
@@ -206,7 +207,29 @@ def test_tp_not_dividing_d_ff():
 
 def test_valid_configs_pass():
     for tp, sp in ((1, False), (2, False), (4, True), (2, True)):
-        validate_tp(tiny_config(), tp, sp, 16)
+        validate_tp(tiny_config(), tp, TPOptions(sp=sp), 16)
+
+
+def test_tp_takes_one_options_argument():
+    """Issue 52: SP reaches every function and class of ``parallel/tp/`` as the one
+    ``TPOptions`` argument, never as its own ``sp`` parameter (a later option, async TP, joins
+    the record instead of every signature); the layout builds it, and it cannot change."""
+    import ast
+    import dataclasses
+
+    from shardwise.parallel.layout import Layout
+
+    tp_dir = Path(tp_apply.__file__).parent
+    bools = [f"{f.name}:{n.lineno} {n.name}" for f in sorted(tp_dir.glob("*.py"))
+             for n in ast.walk(ast.parse(f.read_text()))
+             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+             and "sp" in [a.arg for a in n.args.posonlyargs + n.args.args + n.args.kwonlyargs]]
+    assert bools == [], bools
+    assert [f.name for f in dataclasses.fields(TPOptions)] == ["sp"]
+    assert TPOptions() == TPOptions(sp=False) == Layout(tp=2).tp_options
+    assert Layout(tp=2, sp=True).tp_options == TPOptions(sp=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TPOptions().sp = True
 
 
 def test_mlp_tp_rules():
@@ -216,7 +239,7 @@ def test_mlp_tp_rules():
     with pytest.raises(ShardwiseConfigError, match=r"d_ff=32.*\{1, 2, 4, 8, 16, 32\}"):
         validate_tp(cfg, 3)
     with pytest.raises(ShardwiseConfigError, match="no sequence dimension"):
-        validate_tp(cfg, 2, sp=True)
+        validate_tp(cfg, 2, TPOptions(sp=True))
     with pytest.raises(ShardwiseConfigError, match="not tensor-parallel"):
         validate_tp(cfg, 2, pp=2)
     with pytest.raises(ShardwiseConfigError, match="Llama-style"):
@@ -227,7 +250,7 @@ def test_mlp_tp_rules():
 def test_parallelize_rejects_bad_tp_before_any_collective(tp, sp):
     model = build_model("tiny", vocab_size=67, **W.MODEL)
     with pytest.raises(ShardwiseConfigError):
-        parallelize_tensor(model, NoCommTopo(tp), sp=sp)
+        parallelize_tensor(model, NoCommTopo(tp), options=TPOptions(sp=sp))
     assert type(model.output) is nn.Linear  # untouched
 
 

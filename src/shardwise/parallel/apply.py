@@ -144,6 +144,7 @@ def _pipeline(model: nn.Module, topo, layout: Layout, build, values: Values, opt
     finishers += [tied] + ([build.stage_sp(stage, topo, sync)] if tp > 1 and sp else [])
     finishers.append(sync.finish_gradient_sync)
     runner = build.runner(stage, topo, layout, v, loss_fn, loss_context, tp if sp else 1)
-    traffic = StageTPTraffic(stage, topo, sp, dtensor=build.name == "torch") if tp > 1 else None
+    traffic = StageTPTraffic(stage, topo, layout.tp_options,
+                             dtensor=build.name == "torch") if tp > 1 else None
     return ParallelModel(stage, topo, loss_fn=loss_fn, grad_sync=sync, finishers=finishers,
                          traffic=traffic, runner=runner, precision=options["precision"])

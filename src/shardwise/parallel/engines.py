@@ -111,8 +111,8 @@ class Explicit:
             return None, None
         from .tp import TPTraffic, parallelize_tensor
 
-        loss_fn = parallelize_tensor(model, topo, sp=layout.sp, seed=seed)
-        return loss_fn, TPTraffic(model, topo, layout.sp)
+        loss_fn = parallelize_tensor(model, topo, options=layout.tp_options, seed=seed)
+        return loss_fn, TPTraffic(model, topo, layout.tp_options)
 
     @staticmethod
     def sync(model, topo, layout, options, values):
@@ -138,8 +138,8 @@ class Explicit:
             return PlainLoss(stage), None, []
         from .tp import VocabParallelLoss, apply_tp
 
-        rng = apply_tp(stage, topo, layout.sp, seed=seed)
-        return VocabParallelLoss(stage, topo, layout.sp, rng), None, []
+        rng = apply_tp(stage, topo, layout.tp_options, seed=seed)
+        return VocabParallelLoss(stage, topo, layout.tp_options, rng), None, []
 
     @staticmethod
     def stage_sync(stage, topo, layout, options):
@@ -202,8 +202,8 @@ class Torch:
 
         if layout.dp > 1:
             values.start_equal(_broadcast_dp, model, topo)
-        loss_fn = parallelize_tensor_dtensor(model, topo, sp=layout.sp)
-        return loss_fn, TorchTPTraffic(model, topo, layout.sp)
+        loss_fn = parallelize_tensor_dtensor(model, topo, options=layout.tp_options)
+        return loss_fn, TorchTPTraffic(model, topo, layout.tp_options)
 
     @staticmethod
     def sync(model, topo, layout, options, values):
@@ -225,8 +225,8 @@ class Torch:
             return PlainLoss(stage), None, []
         from .tp.dtensor import LossParallel, match_grad_placements, parallelize_stage_dtensor
 
-        parallelize_stage_dtensor(stage, topo, layout.sp)
-        loss_fn = LossParallel(stage, topo, layout.sp)
+        parallelize_stage_dtensor(stage, topo, layout.tp_options)
+        loss_fn = LossParallel(stage, topo, layout.tp_options)
         return loss_fn, loss_fn.backward_context, [lambda: match_grad_placements(stage)]
 
     @staticmethod

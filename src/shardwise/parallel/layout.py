@@ -71,6 +71,14 @@ class Layout:
 
         return self.virtual_stages or default_chunks(self.schedule)
 
+    @property
+    def tp_options(self):
+        """This layout's :class:`~.tp.options.TPOptions` (``sp``): the one argument the TP
+        transform, its layers, loss and byte formulas take."""
+        from .tp.options import TPOptions
+
+        return TPOptions(sp=self.sp)
+
     def name(self) -> str:
         """Compact, e.g. ``"dp=2,zero=3"``, ``"tp=2,sp"``, ``"pp=4,1f1b,m=8"``,
         ``"pp=4,interleaved-1f1b,v=4"`` (v only when given and > 1), ``"dp=2,cp=2"``,
@@ -177,7 +185,7 @@ class Layout:
                         device=device)
         local_seq = seq_len // self.cp if seq_len is not None else None
         if self.tp > 1:
-            validate_tp(cfg, self.tp, self.sp, local_seq, pp=self.pp)
+            validate_tp(cfg, self.tp, self.tp_options, local_seq, pp=self.pp)
         if self.pp > 1 and global_batch is not None and micro_batch is not None:
             _check_pipeline_batch(self, cfg, global_batch, micro_batch, layers_per_stage)
 
@@ -226,7 +234,7 @@ class Layout:
         validate_ep(None, self.ep, self.dp, self.cp, engine=engine)
         self._check_hsdp()
         if self.sp and self.tp == 1:
-            validate_tp(model_cfg, self.tp, self.sp, seq_len)
+            validate_tp(model_cfg, self.tp, self.tp_options, seq_len)
         validate_zero(self.zero, self.dp * self.cp, engine=engine)
         validate_cp(None, self.cp, self.cp_method, engine=engine, device=device)
         if self.schedule not in SCHEDULES:

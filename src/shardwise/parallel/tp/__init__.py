@@ -1,9 +1,11 @@
 """Tensor parallelism (TP), with optional sequence parallelism (SP) and a vocab-parallel loss.
 
-Reading order (picotron's: the strategy beside its communications): :mod:`.comms`,
-:mod:`.layers`, :mod:`.mlp` (the stacked MLP, both engines), :mod:`.loss` (the vocab-parallel
-loss function), :mod:`.apply` (:func:`apply_tp` for a model or a pipeline stage, its checks,
-the SP finisher, :func:`tp_step_bytes_formula`), :mod:`.dtensor` (the DTensor twin).
+Reading order (picotron's: the strategy beside its communications): :mod:`.options` (the
+layout's :class:`~.options.TPOptions`, SP and room for the next option: one argument to every
+function here), :mod:`.comms`, :mod:`.layers`, :mod:`.mlp` (the stacked MLP, both engines),
+:mod:`.loss` (the vocab-parallel loss function), :mod:`.apply` (:func:`apply_tp` for a model
+or a pipeline stage, its checks, the SP finisher, :func:`tp_step_bytes_formula`),
+:mod:`.dtensor` (the DTensor twin).
 
 What crosses the tp axis per optimizer step (n = tp, L blocks, A = bytes of one [b, s, d]
 activation over the step's micro-batches): the embedding exit, each block's two region entries
@@ -41,11 +43,13 @@ from .layers import (TPRNG, ColumnParallelLinear, RowParallelLinear, TensorParal
                      TensorParallelSwiGLU, TPDropout, VocabParallelEmbedding, VocabParallelHead,
                      enter_tp_region, exit_tp_region, padded_vocab_size)
 from .loss import VocabParallelLoss, vocab_parallel_cross_entropy
+from .options import TPOptions
 
 __all__ = ["AXIS", "BookFunctionalCollectives", "ColumnParallelLinear", "CopyToTP", "GatherFromSP",
            "LossParallel", "ReduceFromTP", "ReduceScatterToSP", "RowParallelLinear", "SPSum",
            "StageTPTraffic",
-           "TPDropout", "TPRNG", "TPTraffic", "TensorParallelAttention", "TensorParallelSwiGLU",
+           "TPDropout", "TPOptions", "TPRNG", "TPTraffic", "TensorParallelAttention",
+           "TensorParallelSwiGLU",
            "TorchSPSum", "TorchTPTraffic", "VocabParallelEmbedding", "VocabParallelHead",
            "VocabParallelLoss", "apply_tp",
            "booked_as", "check_plan_covers", "dtensor_tp_plan", "enter_tp_region", "exit_tp_region",

@@ -25,31 +25,35 @@ from .mlp import MLPLoss, apply_tp_mlp, is_mlp, mlp_tp_bytes, validate_mlp_tp
 from .layers import (TPRNG, TensorParallelAttention, TensorParallelSwiGLU, TPDropout,
                      TPPositionEmbedding, VocabParallelEmbedding, VocabParallelHead,
                      padded_vocab_size)
+from .options import TPOptions
 
 
 # -- validation (no collectives: called by config.validate and before any conversion) -------------
-def valid_tp_degrees(model_config, sp: bool = False, seq_len: int | None = None) -> list[int]:
+def valid_tp_degrees(model_config, options: TPOptions = TPOptions(),
+                     seq_len: int | None = None) -> list[int]:
     """The tp degrees this model accepts: divisors of gcd(n_heads, n_kv_heads, d_ff[, seq_len
-    with SP]); with SP, 1 is excluded."""
+    with SP, ``options.sp``]); with SP, 1 is excluded."""
+    sp = options.sp
     g = math.gcd(model_config.n_heads, model_config.n_kv_heads, model_config.d_ff)
     if sp and seq_len:
         g = math.gcd(g, seq_len)
     return [k for k in range(2 if sp else 1, g + 1) if g % k == 0]
 
 
-def validate_tp(model_config, tp: int, sp: bool = False, seq_len: int | None = None,
-                pp: int = 1) -> None:
+def validate_tp(model_config, tp: int, options: TPOptions = TPOptions(),
+                seq_len: int | None = None, pp: int = 1) -> None:
     """Raise :class:`ShardwiseConfigError`, naming the valid tp values, unless tp ≥ 1, ``--sp``
-    comes with tp > 1, and ``model_config`` is Llama-style with tp dividing n_heads, n_kv_heads
-    (heads are split whole, kv heads are not replicated), d_ff and, with SP, ``seq_len`` (the
-    vocabulary is padded, so needs no constraint), or the stacked MLP
+    (``options.sp``) comes with tp > 1, and ``model_config`` is Llama-style with tp dividing
+    n_heads, n_kv_heads (heads are split whole, kv heads are not replicated), d_ff and, with SP,
+    ``seq_len`` (the vocabulary is padded, so needs no constraint), or the stacked MLP
     (:func:`~.mlp.validate_mlp_tp`: tp divides d_ff, no SP, ``pp`` = 1). Runs no collective."""
+    sp = options.sp
     if not isinstance(tp, int) or tp < 1:
         raise ShardwiseConfigError(f"--tp {tp} must be a positive integer")
     if tp == 1 and not sp:
         return
     llama = all(hasattr(model_config, a) for a in ("n_heads", "n_kv_heads", "d_ff"))
-    valid = valid_tp_degrees(model_config, sp, seq_len) if llama else []
+    valid = valid_tp_degrees(model_config, options, seq_len) if llama else []
     choose = f"choose --tp from {{{', '.join(map(str, valid))}}}" if valid else \
         "no tp > 1 fits this model and sequence length" if llama else "choose --tp > 1"
     if sp and tp == 1:  # the one place this rule is written (Layout.check calls it)
@@ -57,7 +61,7 @@ def validate_tp(model_config, tp: int, sp: bool = False, seq_len: int | None = N
             f"--sp (sequence parallelism) needs --tp > 1: it shards the activations between TP "
             f"regions over the tp ranks; {choose}, or drop --sp")
     if not llama and model_config is not None and is_mlp(model_config):
-        return validate_mlp_tp(model_config, tp, sp, pp)
+        return validate_mlp_tp(model_config, tp, options, pp)
     if not llama:
         what = (f"this model's config ({type(model_config).__name__}) has no attention heads"
                 if model_config is not None else "this model has no config")
@@ -183,20 +187,22 @@ def _set_submodule(model: nn.Module, fqn: str, new: nn.Module) -> None:
 
 
 # -- the transform --------------------------------------------------------------------------------
-def apply_tp(model: nn.Module, topo, sp: bool = False, *, seed: int = 0) -> TPRNG:
+def apply_tp(model: nn.Module, topo, options: TPOptions = TPOptions(), *,
+             seed: int = 0) -> TPRNG:
     """Convert ``model`` in place for tensor parallelism over ``topo``'s "tp" axis (sequence
-    parallelism with ``sp``) and return the dropout RNG (:class:`~.layers.TPRNG`, seeded by
-    ``seed``). ``model``: a plain Llama, or one pipeline stage of it (``pp.split.StageModule``).
+    parallelism with ``options.sp``) and return the dropout RNG (:class:`~.layers.TPRNG`,
+    seeded by ``seed``). ``model``: a plain Llama, or one pipeline stage of it
+    (``pp.split.StageModule``).
 
     Order (docs/tensor-parallel.md §3): (1) :func:`validate_tp`, :func:`check_plan_covers`
     (ShardwiseConfigError, before any collective); (2) broadcast every parameter from tp index 0
     (phase and tag ``"init"``), so shards cut on differently seeded ranks fit together; (3)
     replace the modules of :func:`tp_plan` (a head tied to the embedding on this rank shares its
     shard Parameter); (4) :func:`_check_converted` (RuntimeError). The sequence length is checked
-    at the first SP forward (reduce-scatter: ValueError); ``validate_tp(cfg, tp, sp, seq_len)``
-    up front gives the configuration error instead."""
+    at the first SP forward (reduce-scatter: ValueError); ``validate_tp(cfg, tp, options,
+    seq_len)`` up front gives the configuration error instead."""
     n = topo.size(AXIS)
-    validate_tp(getattr(model, "config", None), n, sp)
+    validate_tp(getattr(model, "config", None), n, options)
     plan = check_plan_covers(model)
     has_emb, has_head = _held(model, "tok_embeddings"), _held(model, "output")
     tied = has_emb and has_head and model.output.weight is model.tok_embeddings.weight
@@ -207,18 +213,19 @@ def apply_tp(model: nn.Module, topo, sp: bool = False, *, seed: int = 0) -> TPRN
     rng = TPRNG(seed, topo)
     emb = None
     if has_emb:
-        emb = VocabParallelEmbedding(model.tok_embeddings, topo, sp)
+        emb = VocabParallelEmbedding(model.tok_embeddings, topo, options)
         _set_submodule(model, "tok_embeddings", emb)
     if _held(model, "pos_embeddings"):
         _set_submodule(model, "pos_embeddings", TPPositionEmbedding(model.pos_embeddings,
-                                                                    topo, sp))
+                                                                    topo, options))
     for layer in model.layers.children():
-        layer.attention = TensorParallelAttention(layer.attention, topo, sp, rng)
+        layer.attention = TensorParallelAttention(layer.attention, topo, options, rng)
         if isinstance(layer.feed_forward, FeedForward):  # the plan's class (:func:`tp_plan`)
-            layer.feed_forward = TensorParallelSwiGLU(layer.feed_forward, topo, sp)
-        layer.dropout = TPDropout(layer.dropout.p, rng, sp)
+            layer.feed_forward = TensorParallelSwiGLU(layer.feed_forward, topo, options)
+        layer.dropout = TPDropout(layer.dropout.p, rng, options)
     if has_head:
-        head = VocabParallelHead(model.output, topo, sp, weight=emb.weight if tied else None)
+        head = VocabParallelHead(model.output, topo, options,
+                                 weight=emb.weight if tied else None)
         _set_submodule(model, "output", head)
     for c in getattr(model, "chunks", ()):  # a stage's chunks run the modules it holds
         if c.tok_embeddings is not None:
@@ -227,12 +234,12 @@ def apply_tp(model: nn.Module, topo, sp: bool = False, *, seed: int = 0) -> TPRN
             c.pos_embeddings = model.pos_embeddings
         if c.output is not None:
             c.output = model.output
-        c.sp_degree = n if sp else 1
+        c.sp_degree = n if options.sp else 1
     _check_converted(model, plan, topo, tied)
     return rng
 
 
-def parallelize_tensor(model: Llama, topo, sp: bool = False, *, seed: int = 0):
+def parallelize_tensor(model: Llama, topo, options: TPOptions = TPOptions(), *, seed: int = 0):
     """Convert the plain Llama ``model`` in place (:func:`apply_tp`: checks, broadcast,
     conversion, check) and return its loss function, :class:`~.loss.VocabParallelLoss` (which
     holds the dropout RNG, seeded by ``seed``); the stacked MLP: :func:`~.mlp.apply_tp_mlp` and
@@ -241,11 +248,11 @@ def parallelize_tensor(model: Llama, topo, sp: bool = False, *, seed: int = 0):
     from .loss import VocabParallelLoss
 
     if is_mlp(model):
-        validate_tp(model.config, topo.size(AXIS), sp)
+        validate_tp(model.config, topo.size(AXIS), options)
         apply_tp_mlp(model, topo)
         return MLPLoss(model, topo)
 
-    return VocabParallelLoss(model, topo, sp, apply_tp(model, topo, sp, seed=seed))
+    return VocabParallelLoss(model, topo, options, apply_tp(model, topo, options, seed=seed))
 
 
 class SPSum:
@@ -265,17 +272,18 @@ class TPTraffic:
     """TP's terms of a step's byte formula for ``module`` (a converted Llama) on ``topo``:
     :func:`tp_step_bytes_formula` on the tp and dp sizes without ``loss`` and ``total``
     (:func:`shardwise.formulas.step_bytes_formula` adds them); ``micro_steps`` matter only for
-    Qwen3's q/k norms without SP (every other byte is linear in the batch)."""
+    Qwen3's q/k norms without SP (every other byte is linear in the batch); ``options``: the
+    layout's :class:`~.options.TPOptions`."""
 
-    def __init__(self, module, topo, sp: bool):
-        self.module, self.topo, self.sp = module, topo, sp
+    def __init__(self, module, topo, options: TPOptions):
+        self.module, self.topo, self.options = module, topo, options
 
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
                       precision: Precision = FP32) -> dict[str, float]:
         if is_mlp(self.module):  # rows, not sequences × tokens
             return mlp_tp_bytes(self.module.config, sequences, self.topo.size(AXIS))
         t = tp_step_bytes_formula(self.module.config, sequences, seq_len, self.topo.size(AXIS),
-                                  self.sp, dp=self.topo.size("dp"), precision=precision,
+                                  self.options, dp=self.topo.size("dp"), precision=precision,
                                   micro_steps=micro_steps)
         return {k: v for k, v in t.items() if k not in ("total", "loss")}
 
@@ -296,15 +304,16 @@ def tp_replicated_numel(cfg) -> int:
     return out
 
 
-def tp_step_bytes_formula(model_config, sequences: int, seq_len: int, tp: int, sp: bool = False,
-                          dp: int = 1, precision: Precision = FP32, micro_steps: int = 1
+def tp_step_bytes_formula(model_config, sequences: int, seq_len: int, tp: int,
+                          options: TPOptions = TPOptions(), dp: int = 1,
+                          precision: Precision = FP32, micro_steps: int = 1
                           ) -> dict[str, float]:
     """Bytes one rank sends per optimizer step with explicit TP, by ledger tag, plus ``"total"``.
 
     ``sequences``: sequences this rank processes in the step (all micro-batches: every byte
-    is linear in the batch), ``seq_len`` tokens each. n = tp, L = n_layers, d = d_model,
-    N = sequences·seq_len tokens, r = 2(n−1)/n (ring all-reduce); per-op counts:
-    :mod:`shardwise.comm.ledger`.
+    is linear in the batch), ``seq_len`` tokens each; SP when ``options.sp``. n = tp,
+    L = n_layers, d = d_model, N = sequences·seq_len tokens, r = 2(n−1)/n (ring all-reduce);
+    per-op counts: :mod:`shardwise.comm.ledger`.
 
     * ``tp_fwd``/``tp_bwd`` — activations, A = N·d·4: (1 + 2L)·r·A each way, with or without SP
       (SP: (2 + 4L) collectives of (n−1)/n·A); by direction, and ``dtype="bf16"`` (the 2L
@@ -320,10 +329,10 @@ def tp_step_bytes_formula(model_config, sequences: int, seq_len: int, tp: int, s
 
     Init broadcasts, ``named_full_*`` gathers and evaluation are outside the step. Source:
     Megatron-LM §3 (f/g per block), Korthikanti et al. 2022 §4.2.2 (SP), JAX scaling book ch. 5."""
-    n, L, d = tp, model_config.n_layers, model_config.d_model
+    n, L, d, sp = tp, model_config.n_layers, model_config.d_model, options.sp
     r = 2 * (n - 1) / n
     moe = getattr(model_config, "n_moe_layers", 0)  # MoE blocks: attention only is tp-split
-    out = tp_activation_bytes(sequences * seq_len, d, n, sp, blocks=L, precision=precision,
+    out = tp_activation_bytes(sequences * seq_len, d, n, options, blocks=L, precision=precision,
                               moe_blocks=moe)
     out |= {"sp_grad": r * tp_replicated_numel(model_config) * 4 if sp else 0.0,
             "grad_norm": r * 8, "loss": 2 * (2 * (dp - 1) / dp * 8)}
@@ -333,11 +342,12 @@ def tp_step_bytes_formula(model_config, sequences: int, seq_len: int, tp: int, s
     return out
 
 
-def tp_activation_bytes(tokens: int, d: int, tp: int, sp: bool, *, blocks: int,
+def tp_activation_bytes(tokens: int, d: int, tp: int, options: TPOptions, *, blocks: int,
                         has_embedding: bool = True, has_head: bool = True,
                         precision: Precision = FP32, moe_blocks: int = 0) -> dict[str, float]:
     """{"tp_fwd", "tp_bwd", "ce": bytes} one rank sends per step for ``tokens`` tokens (all
-    micro-batches) through ``blocks`` TP blocks of width ``d`` over ``tp`` ranks, plus the
+    micro-batches) through ``blocks`` TP blocks of width ``d`` over ``tp`` ranks (SP when
+    ``options.sp``), plus the
     embedding exit (``has_embedding``) and the head entry and vocab-parallel cross-entropy
     (``has_head``): the whole model (:func:`tp_step_bytes_formula`) or one pipeline stage. With
     r = 2(n−1)/n, h = (n−1)/n, W = tokens·d·4 and X = tokens·d·(2 if bf16 else 4) (the
@@ -346,7 +356,7 @@ def tp_activation_bytes(tokens: int, d: int, tp: int, sp: bool, *, blocks: int,
     H·W); ``ce`` = H·r·3·tokens·4. ``moe_blocks`` of the blocks are mixture-of-experts blocks,
     whose feed-forward is not tp-split: one f/g pair each instead of two (2L → 2L − M below).
     Megatron-LM §3, Korthikanti et al. 2022 §4.2.2."""
-    n, L = tp, blocks
+    n, L, sp = tp, blocks, options.sp
     r, h = 2 * (n - 1) / n, (n - 1) / n
     e, hd = float(has_embedding), float(has_head)
     wide = tokens * d * 4  # fp32 [.., d]

@@ -27,22 +27,24 @@ from ..params import (is_dtensor as _is_dtensor, local as _local, sum_coalesced_
 from .apply import TPTraffic, check_plan_covers, tp_activation_bytes, validate_tp
 from .comms import AXIS
 from .mlp import MLPLoss, is_mlp, parallelize_mlp_dtensor
+from .options import TPOptions
 
-def dtensor_tp_plan(model: Llama, sp: bool) -> dict:
+def dtensor_tp_plan(model: Llama, options: TPOptions) -> dict:
     """The ``parallelize_module`` plan {FQN: ParallelStyle} for ``model``: our explicit layout
-    (docs/tensor-parallel.md §3), the residual stream between regions Replicate or, with SP,
-    Shard(1). ``PrepareModuleInput`` on each block's ``attention`` / ``feed_forward`` makes the
-    block input enter the TP region once (one backward all-reduce or reduce-scatter per region,
-    as in Megatron); the head's output stays a DTensor sharded on the vocabulary (never gathered:
-    the loss is ``loss_parallel()``); with SP the norms are ``SequenceParallel`` (gradients left
-    ``Partial``: :func:`reduce_partial_grads`). DTensor shards a vocabulary tp does not divide
-    unevenly (``torch.chunk``), so there is no padding. The embedding and the head come out as
-    separate Parameters, both Shard(0) on the same mesh: :func:`parallelize_tensor_dtensor`
-    re-ties them."""
+    (docs/tensor-parallel.md §3), the residual stream between regions Replicate or, with SP
+    (``options.sp``), Shard(1). ``PrepareModuleInput`` on each block's ``attention`` /
+    ``feed_forward`` makes the block input enter the TP region once (one backward all-reduce or
+    reduce-scatter per region, as in Megatron); the head's output stays a DTensor sharded on the
+    vocabulary (never gathered: the loss is ``loss_parallel()``); with SP the norms are
+    ``SequenceParallel`` (gradients left ``Partial``: :func:`reduce_partial_grads`). DTensor
+    shards a vocabulary tp does not divide unevenly (``torch.chunk``), so there is no padding.
+    The embedding and the head come out as separate Parameters, both Shard(0) on the same mesh:
+    :func:`parallelize_tensor_dtensor` re-ties them."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                    RowwiseParallel, SequenceParallel)
 
+    sp = options.sp
     act = Shard(1) if sp else Replicate()  # layout of the residual stream between regions
     plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
             "output": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1),
@@ -70,7 +72,7 @@ def dtensor_tp_plan(model: Llama, sp: bool) -> dict:
     return plan
 
 
-def prepare_replicated_for_dtensor(model: nn.Module, topo, sp: bool) -> None:
+def prepare_replicated_for_dtensor(model: nn.Module, topo, options: TPOptions) -> None:
     """The model families' tp-replicated parameters that act *inside* a TP region or on a
     sequence shard, made exact under DTensor TP before :func:`dtensor_tp_plan` applies (in
     place; a Llama is left alone). The plan leaves them plain tensors, so DTensor would neither
@@ -81,7 +83,8 @@ def prepare_replicated_for_dtensor(model: nn.Module, topo, sp: bool) -> None:
     from .layers import TPPositionEmbedding, TPSummedNorm
 
     if getattr(model, "pos_embeddings", None) is not None:
-        model.pos_embeddings = TPPositionEmbedding(model.pos_embeddings, topo, sp, grad_sum=sp)
+        model.pos_embeddings = TPPositionEmbedding(model.pos_embeddings, topo, options,
+                                                   grad_sum=options.sp)
         for c in getattr(model, "chunks", ()):
             if c.pos_embeddings is not None:
                 c.pos_embeddings = model.pos_embeddings
@@ -110,15 +113,17 @@ def reduce_partial_grads(params, topo, tag: str = "sp_grad") -> None:
 
 class LossParallel(PlainLoss):
     """The loss function of a model (or a pipeline stage) converted by
-    :func:`parallelize_tensor_dtensor` (``module`` on ``topo``, ``sp``): cross-entropy under
+    :func:`parallelize_tensor_dtensor` (``module`` on ``topo``, the layout's
+    :class:`~.options.TPOptions` ``options``): cross-entropy under
     ``loss_parallel`` of the logits sharded over the vocabulary, a DTensor scalar Replicate over
     tp. ``book_collectives``: book DTensor's collectives in the ledger during the step (a
     dispatch mode sees every op, which costs Python time per op: turn it off to time). The
     other members are :class:`~shardwise.parallel.loss.PlainLoss`'s."""
 
-    def __init__(self, module: nn.Module, topo, sp: bool, book_collectives: bool = True):
+    def __init__(self, module: nn.Module, topo, options: TPOptions,
+                 book_collectives: bool = True):
         super().__init__(module)
-        self.topo, self.sp = topo, sp
+        self.topo, self.options = topo, options
         self.book_collectives = book_collectives
 
     def loss_sum(self, batch: dict) -> torch.Tensor:
@@ -186,7 +191,7 @@ class TorchTPTraffic(TPTraffic):
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
                       precision: Precision = FP32) -> dict[str, float]:
         out = super().bytes_formula(micro_steps, sequences, seq_len, precision)
-        if self.sp:
+        if self.options.sp:
             n = self.topo.size(AXIS)
             moved = f_summed_bytes(self.module, n)
             out["sp_grad"] -= moved + row_bias_bytes(self.module, n)
@@ -215,7 +220,7 @@ def f_summed_bytes(module: nn.Module, n: int) -> float:
                or (isinstance(m, TPPositionEmbedding) and m.grad_sum))
 
 
-def parallelize_tensor_dtensor(model: Llama, topo, sp: bool = False, *,
+def parallelize_tensor_dtensor(model: Llama, topo, options: TPOptions = TPOptions(), *,
                                book_collectives: bool = True) -> LossParallel:
     """Apply :func:`dtensor_tp_plan` to ``model`` in place on ``topo.mesh["tp"]`` and return its
     loss function, :class:`LossParallel`. Validation (:func:`~.apply.validate_tp`, :func:`~.apply.check_plan_covers`) raises
@@ -223,7 +228,7 @@ def parallelize_tensor_dtensor(model: Llama, topo, sp: bool = False, *,
     Linear/Embedding weight must be a DTensor (RuntimeError otherwise)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    validate_tp(getattr(model, "config", None), topo.size(AXIS), sp)
+    validate_tp(getattr(model, "config", None), topo.size(AXIS), options)
     if is_mlp(model):  # ColwiseParallel W_in, RowwiseParallel W_out per block
         parallelize_mlp_dtensor(model, topo)
         return MLPLoss(model, topo, book=book_collectives)
@@ -231,9 +236,9 @@ def parallelize_tensor_dtensor(model: Llama, topo, sp: bool = False, *,
     from .layers import TPPositionEmbedding
 
     tied = model.config.tie_embeddings
-    prepare_replicated_for_dtensor(model, topo, sp)
+    prepare_replicated_for_dtensor(model, topo, options)
     mine = dict(model.named_modules())  # a GELU MLP has no w3
-    plan = {k: v for k, v in dtensor_tp_plan(model, sp).items() if k in mine}
+    plan = {k: v for k, v in dtensor_tp_plan(model, options).items() if k in mine}
     parallelize_module(model, topo.mesh[AXIS], plan)
     if tied:  # one Parameter again: both are Shard(0) over the same mesh
         model.output.weight = model.tok_embeddings.weight
@@ -241,7 +246,7 @@ def parallelize_tensor_dtensor(model: Llama, topo, sp: bool = False, *,
              and not isinstance(m, TPPositionEmbedding) and not _is_dtensor(m.weight)]
     if plain:
         raise RuntimeError(f"DTensor TP conversion incomplete: {', '.join(plain)} not sharded")
-    return LossParallel(model, topo, sp, book_collectives)
+    return LossParallel(model, topo, options, book_collectives)
 
 
 class StageTPTraffic:
@@ -251,10 +256,11 @@ class StageTPTraffic:
     embedding and head; the parameters
     entering through f summed in each backward (``tp_bwd``); with SP, ``sp_grad``: 2(t−1)/t of
     the tp-replicated gradients' bytes less those (DTensor: less the row-parallel biases too,
-    :func:`row_bias_bytes`). Nothing for tp = 1."""
+    :func:`row_bias_bytes`). Nothing for tp = 1. ``options``: the layout's
+    :class:`~.options.TPOptions`."""
 
-    def __init__(self, stage, topo, sp: bool, *, dtensor: bool = False):
-        self.stage, self.topo, self.sp, self.dtensor = stage, topo, sp, dtensor
+    def __init__(self, stage, topo, options: TPOptions, *, dtensor: bool = False):
+        self.stage, self.topo, self.options, self.dtensor = stage, topo, options, dtensor
 
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
                       precision: Precision = FP32) -> dict[str, float]:
@@ -266,14 +272,14 @@ class StageTPTraffic:
         params = [p for p in dict.fromkeys(stage.parameters()) if p.requires_grad]
         elem = _local(params[0]).element_size()
         moe = sum(len(moe_layers(c)) for c in stage.chunks)
-        out = dict(tp_activation_bytes(sequences * seq_len, stage.config.d_model, n, self.sp,
+        out = dict(tp_activation_bytes(sequences * seq_len, stage.config.d_model, n, self.options,
                                        blocks=sum(len(c.layers) for c in stage.chunks),
                                        has_embedding=stage.holds_embedding,
                                        has_head=stage.holds_head, precision=precision,
                                        moe_blocks=moe))
         f_summed = f_summed_bytes(stage, n)  # the families' q/k norms, positions
         out["tp_bwd"] += micro_steps * f_summed
-        if self.sp:
+        if self.options.sp:
             rep = sum(_local(p).numel() * elem for p in params if not tp_sharded(p))
             out["sp_grad"] = ring_bytes("all_reduce", rep, n) - f_summed
             if self.dtensor:
@@ -282,11 +288,11 @@ class StageTPTraffic:
 
 
 # -- a pipeline stage (the torch pipeline's TP, :mod:`shardwise.parallel.pp.torch_runner`) -------
-def parallelize_stage_dtensor(stage: nn.Module, topo, sp: bool) -> None:
+def parallelize_stage_dtensor(stage: nn.Module, topo, options: TPOptions) -> None:
     """DTensor TP on a pipeline stage: :func:`dtensor_tp_plan` restricted to the stage's modules,
     the head returning plain local logits [b, s, V/tp] (a stage's outputs are plain tensors);
-    between stages the plain local [b, s, d], with SP [b, s/tp, d]. Dropout uses the default
-    RNG."""
+    between stages the plain local [b, s, d], with SP (``options.sp``) [b, s/tp, d]. Dropout
+    uses the default RNG."""
     import types
 
     from torch.distributed.tensor import Shard
@@ -294,23 +300,23 @@ def parallelize_stage_dtensor(stage: nn.Module, topo, sp: bool) -> None:
 
     cfg, n = stage.config, topo.size(AXIS)
     # the whole model's plan (it only counts the layers), restricted to this stage's modules
-    plan = dtensor_tp_plan(types.SimpleNamespace(layers=[None] * cfg.n_layers), sp)
+    plan = dtensor_tp_plan(types.SimpleNamespace(layers=[None] * cfg.n_layers), options)
     # the embedding and a head tied to it on this rank (the V placement's rank 0)
     tied_here = getattr(stage, "output", None) is not None and \
         getattr(stage, "tok_embeddings", None) is not None and \
         stage.output.weight is stage.tok_embeddings.weight
-    prepare_replicated_for_dtensor(stage, topo, sp)
+    prepare_replicated_for_dtensor(stage, topo, options)
     mine = dict(stage.named_modules())
     plan = {k: v for k, v in plan.items() if k in mine}
     if "output" in plan:  # plain local logits [b, s, V/tp] out of the pipeline stage
-        act = Shard(1) if sp else None
+        act = Shard(1) if options.sp else None
         plan["output"] = ColwiseParallel(**({"input_layouts": act} if act else {}),
                                          output_layouts=Shard(-1), use_local_output=True)
     parallelize_module(stage, topo.mesh[AXIS], plan)
     if tied_here:  # one Parameter again: both are Shard(0) over the same mesh
         stage.output.weight = stage.tok_embeddings.weight
     for c in stage.chunks:
-        c.sp_degree = n if sp else 1
+        c.sp_degree = n if options.sp else 1
 
 
 @torch.no_grad()

@@ -6,6 +6,8 @@ row-parallel one ends with a SUM over tp, and a block enters and leaves the TP r
 column → row pair (the collectives: :mod:`.comms`). Shapes: ``b`` batch, ``s`` sequence, ``d``
 d_model, ``h``/``k`` query/kv heads, ``hd`` head dim, ``f`` d_ff, ``V`` vocabulary, ``n`` = tp.
 Derivation, vocabulary padding and the dropout RNG policy: docs/tensor-parallel.md §1, §4.
+A layer whose forward depends on the layout keeps the layout's :class:`~.options.TPOptions` as
+``self.options`` (:meth:`~.loss.VocabParallelLoss.gathered_logits` swaps it for one without SP).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ...models.llama import Attention, FeedForward, causal_attention, mlp_hidden
 from ..numerics import linear_fn_of
 from ..params import mark_tp_shard, shard_of
 from .comms import AXIS, CopyToTP, GatherFromSP, ReduceFromTP, ReduceScatterToSP, along
+from .options import TPOptions
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -76,16 +79,20 @@ class TPRNG:
 
 
 # -- entering and leaving the TP region -----------------------------------------------------------
-def enter_tp_region(x: torch.Tensor, topo, sp: bool) -> torch.Tensor:
-    """Replicated [b, s, d] (f: identity fwd, all-reduce bwd) or, with SP, sequence shard
-    [b, s/n, d] → all-gather → [b, s, d] (reduce-scatter bwd)."""
-    return GatherFromSP.apply(x, topo, AXIS, 1) if sp else CopyToTP.apply(x, topo, AXIS)
+def enter_tp_region(x: torch.Tensor, topo, options: TPOptions) -> torch.Tensor:
+    """Replicated [b, s, d] (f: identity fwd, all-reduce bwd) or, with SP (``options.sp``),
+    sequence shard [b, s/n, d] → all-gather → [b, s, d] (reduce-scatter bwd)."""
+    if options.sp:
+        return GatherFromSP.apply(x, topo, AXIS, 1)
+    return CopyToTP.apply(x, topo, AXIS)
 
 
-def exit_tp_region(x: torch.Tensor, topo, sp: bool) -> torch.Tensor:
-    """Partial sums [b, s, d] → all-reduce → replicated [b, s, d] (g), or, with SP,
-    reduce-scatter → [b, s/n, d] (all-gather bwd)."""
-    return ReduceScatterToSP.apply(x, topo, AXIS, 1) if sp else ReduceFromTP.apply(x, topo, AXIS)
+def exit_tp_region(x: torch.Tensor, topo, options: TPOptions) -> torch.Tensor:
+    """Partial sums [b, s, d] → all-reduce → replicated [b, s, d] (g), or, with SP
+    (``options.sp``), reduce-scatter → [b, s/n, d] (all-gather bwd)."""
+    if options.sp:
+        return ReduceScatterToSP.apply(x, topo, AXIS, 1)
+    return ReduceFromTP.apply(x, topo, AXIS)
 
 
 # -- layers ---------------------------------------------------------------------------------------
@@ -123,16 +130,16 @@ class RowParallelLinear(nn.Module):
     sees only this rank's s/n positions, so its gradient is a partial sum over tp, completed
     with the norm weights' (``sp_grad``: every tp-replicated parameter)."""
 
-    def __init__(self, plain: nn.Linear, topo, sp: bool):
+    def __init__(self, plain: nn.Linear, topo, options: TPOptions):
         super().__init__()
-        self.topo, self.sp = topo, sp
+        self.topo, self.options = topo, options
         self.weight = mark_tp_shard(nn.Parameter(shard_of(plain.weight, 1, topo)), 1,
                                     plain.in_features)
         self.bias = None if plain.bias is None else nn.Parameter(plain.bias.detach().clone())
         self.linear_fn = linear_fn_of(plain)  # F.linear, or a numerics transform's op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = exit_tp_region(self.linear_fn(x, self.weight, None), self.topo, self.sp)
+        y = exit_tp_region(self.linear_fn(x, self.weight, None), self.topo, self.options)
         return y if self.bias is None else y + self.bias
 
 
@@ -144,7 +151,7 @@ class VocabParallelEmbedding(nn.Embedding):
     zeros for ids this rank does not own → exit the TP region: all-reduce (g sums the rows) →
     [b, s, d], or with SP reduce-scatter → [b, s/n, d]."""
 
-    def __init__(self, plain: nn.Embedding, topo, sp: bool):
+    def __init__(self, plain: nn.Embedding, topo, options: TPOptions):
         if plain.padding_idx is not None or plain.max_norm is not None:
             raise ShardwiseConfigError("VocabParallelEmbedding: padding_idx/max_norm are not "
                                        "supported")
@@ -153,7 +160,7 @@ class VocabParallelEmbedding(nn.Embedding):
         padded = padded_vocab_size(vocab, n)
         super().__init__(padded // n, d, _weight=shard_of(plain.weight, 0, topo, padded))
         mark_tp_shard(self.weight, 0, vocab)
-        self.topo, self.sp = topo, sp
+        self.topo, self.options = topo, options
         self.vocab_size, self.vocab_start = vocab, topo.index(AXIS) * (padded // n)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -161,7 +168,7 @@ class VocabParallelEmbedding(nn.Embedding):
         outside = (local < 0) | (local >= self.num_embeddings)
         x = F.embedding(local.masked_fill(outside, 0), self.weight)  # [b, s, d]
         x = x.masked_fill(outside.unsqueeze(-1), 0.0)  # not ours: contributes 0 (and no grad)
-        return exit_tp_region(x, self.topo, self.sp)
+        return exit_tp_region(x, self.topo, self.options)
 
 
 class VocabParallelHead(ColumnParallelLinear):
@@ -172,15 +179,16 @@ class VocabParallelHead(ColumnParallelLinear):
     :func:`.loss.vocab_parallel_cross_entropy`). With ``gather_output`` (inference only, else
     RuntimeError) the logits are all-gathered over tp and unpadded → [b, s, V]."""
 
-    def __init__(self, plain: nn.Linear, topo, sp: bool, weight: nn.Parameter | None = None):
+    def __init__(self, plain: nn.Linear, topo, options: TPOptions,
+                 weight: nn.Parameter | None = None):
         n = topo.size(AXIS)
         padded = padded_vocab_size(plain.out_features, n)
         super().__init__(plain, topo, padded_out=padded, weight=weight)
-        self.topo, self.sp, self.gather_output = topo, sp, False
+        self.topo, self.options, self.gather_output = topo, options, False
         self.vocab_size, self.vocab_start = plain.out_features, topo.index(AXIS) * (padded // n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = super().forward(enter_tp_region(x, self.topo, self.sp))  # [b, s, V_pad/n]
+        logits = super().forward(enter_tp_region(x, self.topo, self.options))  # [b, s, V_pad/n]
         if not self.gather_output:
             return logits
         if torch.is_grad_enabled():
@@ -201,13 +209,13 @@ class TPPositionEmbedding(nn.Embedding):
     finisher sums only DTensor ``Partial`` gradients), by f on the weight (:class:`.comms.
     CopyToTP`: all-reduce of its gradient in backward, tag ``tp_bwd``)."""
 
-    def __init__(self, plain: nn.Embedding, topo, sp: bool, grad_sum: bool = False):
+    def __init__(self, plain: nn.Embedding, topo, options: TPOptions, grad_sum: bool = False):
         super().__init__(*plain.weight.shape, _weight=plain.weight.detach())
         self.weight = plain.weight  # the same Parameter (replicated: nothing to cut)
-        self.topo, self.sp, self.grad_sum = topo, sp, grad_sum
+        self.topo, self.options, self.grad_sum = topo, options, grad_sum
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        if self.sp:
+        if self.options.sp:
             n, i = self.topo.size(AXIS), self.topo.index(AXIS)
             s = positions.shape[1]
             if s % n:
@@ -238,14 +246,14 @@ class TPDropout(nn.Module):
     ``"replicated"`` without SP (same mask on every tp rank), ``"sharded"`` with SP (each rank
     its own sequence shard, its own mask). x: any shape → same shape."""
 
-    def __init__(self, p: float, rng: TPRNG, sp: bool):
+    def __init__(self, p: float, rng: TPRNG, options: TPOptions):
         super().__init__()
-        self.p, self.rng, self.sp = p, rng, sp
+        self.p, self.rng, self.options = p, rng, options
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        with self.rng.fork("sharded" if self.sp else "replicated"):
+        with self.rng.fork("sharded" if self.options.sp else "replicated"):
             return F.dropout(x, self.p, training=True)
 
 
@@ -257,23 +265,23 @@ class TensorParallelAttention(nn.Module):
     (SP: [b, s/n, d]) → enter → the plain model's :func:`~shardwise.models.llama.causal_attention`
     on the local heads → [b, s, h/n·hd] → wo (row: exit) → [b, s, d] (SP: [b, s/n, d])."""
 
-    def __init__(self, plain: Attention, topo, sp: bool, rng: TPRNG):
+    def __init__(self, plain: Attention, topo, options: TPOptions, rng: TPRNG):
         super().__init__()
-        self.topo, self.sp, self.rng = topo, sp, rng
+        self.topo, self.options, self.rng = topo, options, rng
         self.head_dim, self.dropout = plain.head_dim, plain.dropout
         self.wq = ColumnParallelLinear(plain.wq, topo)
         self.wk = ColumnParallelLinear(plain.wk, topo)
         self.wv = ColumnParallelLinear(plain.wv, topo)
-        self.wo = RowParallelLinear(plain.wo, topo, sp)
+        self.wo = RowParallelLinear(plain.wo, topo, options)
         self.core = plain.core  # plain, or context parallelism's (on the local heads)
         self.rope = plain.rope
         self.q_norm, self.k_norm = plain.q_norm, plain.k_norm  # replicated [hd] (Qwen3)
-        if plain.q_norm is not None and not sp:
+        if plain.q_norm is not None and not options.sp:
             self.q_norm, self.k_norm = (TPSummedNorm(plain.q_norm, topo),
                                         TPSummedNorm(plain.k_norm, topo))
 
     def forward(self, x, cos, sin, mask=None):  # mask: a packed row's document mask
-        x = enter_tp_region(x, self.topo, self.sp)  # [b, s, d], replicated over tp
+        x = enter_tp_region(x, self.topo, self.options)  # [b, s, d], replicated over tp
         p = self.dropout if self.training else 0.0
         if not self.rope:
             cos = sin = None
@@ -290,13 +298,13 @@ class TensorParallelSwiGLU(nn.Module):
     GELU is element-wise too). forward: x [b, s, d] (SP: [b, s/n, d]) → enter → [b, s, f/n] →
     w2 (exit) → [b, s, d] (SP: [b, s/n, d])."""
 
-    def __init__(self, plain: FeedForward, topo, sp: bool):
+    def __init__(self, plain: FeedForward, topo, options: TPOptions):
         super().__init__()
-        self.topo, self.sp, self.kind = topo, sp, plain.kind
+        self.topo, self.options, self.kind = topo, options, plain.kind
         self.w1 = ColumnParallelLinear(plain.w1, topo)
         self.w3 = None if plain.w3 is None else ColumnParallelLinear(plain.w3, topo)
-        self.w2 = RowParallelLinear(plain.w2, topo, sp)
+        self.w2 = RowParallelLinear(plain.w2, topo, options)
 
     def forward(self, x):
-        x = enter_tp_region(x, self.topo, self.sp)  # [b, s, d]
+        x = enter_tp_region(x, self.topo, self.options)  # [b, s, d]
         return self.w2(mlp_hidden(self.kind, self.w1, self.w3, x))  # [b, s, f/n] → exit

@@ -16,6 +16,7 @@ before the max and the sum, so they get probability 0 and gradient 0.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -25,6 +26,7 @@ from ...models.dpo import token_loss_sum
 from ...models.llama import IGNORE_INDEX
 from ..loss import PlainLoss
 from .comms import AXIS
+from .options import TPOptions
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -77,13 +79,14 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, labels: torch.Tenso
 
 class VocabParallelLoss(PlainLoss):
     """The loss function of a model (or a pipeline stage) converted by
-    :func:`~.apply.apply_tp` (``module``, on ``topo``'s tp axis, ``sp``, dropout RNG ``rng``):
+    :func:`~.apply.apply_tp` (``module``, on ``topo``'s tp axis, with the layout's
+    :class:`~.options.TPOptions` ``options``, dropout RNG ``rng``):
     :func:`vocab_parallel_cross_entropy` of the local logits, complete on every tp rank; the
     other members are :class:`~shardwise.parallel.loss.PlainLoss`'s."""
 
-    def __init__(self, module, topo, sp: bool, rng):
+    def __init__(self, module, topo, options: TPOptions, rng):
         super().__init__(module)
-        self.topo, self.sp, self.rng = topo, sp, rng
+        self.topo, self.options, self.rng = topo, options, rng
 
     @property
     def head(self):
@@ -115,14 +118,15 @@ class VocabParallelLoss(PlainLoss):
         """Inference helper: inside, the model returns full logits [b, s, V] (gathered over tp,
         unpadded) and SP is switched off (any sequence length works), so plain-model code
         (``generate``, ``loss_sum_and_count``) runs unchanged. Use under ``torch.no_grad()``."""
-        mods = [m for m in self.module.modules() if hasattr(m, "sp")]
-        saved = [m.sp for m in mods]
+        mods = [m for m in self.module.modules()
+                if isinstance(getattr(m, "options", None), TPOptions)]
+        saved = [m.options for m in mods]
         for m in mods:
-            m.sp = False
+            m.options = dataclasses.replace(m.options, sp=False)
         self.head.gather_output = True
         try:
             yield self.module
         finally:
             self.head.gather_output = False
             for m, s in zip(mods, saved):
-                m.sp = s
+                m.options = s

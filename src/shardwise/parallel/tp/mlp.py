@@ -26,6 +26,9 @@ from ..loss import PlainLoss
 from ..params import tp_sharded
 from .comms import AXIS
 from .layers import ColumnParallelLinear, RowParallelLinear, enter_tp_region
+from .options import TPOptions
+
+NO_SP = TPOptions(sp=False)  # the MLP's options: its batch [b, D] has no sequence to split
 
 
 def is_mlp(model) -> bool:
@@ -35,11 +38,11 @@ def is_mlp(model) -> bool:
     return hasattr(cfg, "d_ff") and not hasattr(cfg, "n_heads")
 
 
-def validate_mlp_tp(cfg, tp: int, sp: bool, pp: int = 1) -> None:
+def validate_mlp_tp(cfg, tp: int, options: TPOptions, pp: int = 1) -> None:
     """Raise :class:`ShardwiseConfigError` unless ``tp`` divides the MLP's ``d_ff`` (F is split
-    evenly), ``sp`` is off (no sequence dimension) and ``pp`` = 1 (stages of the MLP are not
-    tensor-parallel). Runs no collective."""
-    if sp:
+    evenly), ``options.sp`` is off (no sequence dimension) and ``pp`` = 1 (stages of the MLP are
+    not tensor-parallel). Runs no collective."""
+    if options.sp:
         raise ShardwiseConfigError(
             f"--tp {tp} --sp: the stacked MLP's activations [b, D] have no sequence dimension "
             "for SP to split: drop --sp (or use a Llama-style model)")
@@ -64,14 +67,14 @@ class TensorParallelMLPBlock(MLPBlock):
         nn.Module.__init__(self)  # not MLPBlock's: the layers come from ``plain``
         self.topo = topo
         self.w_in = ColumnParallelLinear(plain.w_in, topo)
-        self.w_out = RowParallelLinear(plain.w_out, topo, sp=False)
+        self.w_out = RowParallelLinear(plain.w_out, topo, NO_SP)
         self.ac_mode, self.recompute_context = plain.ac_mode, plain.recompute_context
 
     def forward(self, x):
         return self.run(self._body, x)
 
     def _body(self, x):
-        h = enter_tp_region(x, self.topo, False)  # f: [b, D], replicated
+        h = enter_tp_region(x, self.topo, NO_SP)  # f: [b, D], replicated
         return x + self.w_out(F.gelu(self.w_in(h)))  # [b, F/n] → g → [b, D]
 
 
@@ -80,7 +83,7 @@ def apply_tp_mlp(model: StackedMLP, topo) -> None:
     ``"init"``), then replace each block by :class:`TensorParallelMLPBlock`. RuntimeError when a
     shard has the wrong shape or mark (a bug, not bad input)."""
     cfg, n = model.config, topo.size(AXIS)
-    validate_mlp_tp(cfg, n, False)
+    validate_mlp_tp(cfg, n, NO_SP)
     with topo.ledger.phase("init"):
         comm.broadcast_coalesced([p.data for p in model.parameters()], topo, AXIS, tag="init")
     for i, block in enumerate(model.layers):
@@ -126,7 +129,7 @@ def parallelize_mlp_dtensor(model: StackedMLP, topo) -> None:
 
     from ..params import is_dtensor
 
-    validate_mlp_tp(model.config, topo.size(AXIS), False)
+    validate_mlp_tp(model.config, topo.size(AXIS), NO_SP)
     parallelize_module(model, topo.mesh[AXIS], dtensor_mlp_plan(model))
     plain = [n for n, m in model.named_modules()
              if isinstance(m, nn.Linear) and not is_dtensor(m.weight)]

@@ -38,7 +38,7 @@ from ...models import build_model
 from ...parallel.apply import Layout, parallelize
 from ...parallel.dp import dp_grad_bytes_formula
 from ...parallel.pp import SCHEDULES, bubble_formula, build_schedule, simulate, validate_pp
-from ...parallel.tp import tp_step_bytes_formula, validate_tp
+from ...parallel.tp import TPOptions, tp_step_bytes_formula, validate_tp
 from ...report.timeline import gather_timeline
 from ...topology import Topology, init_distributed
 from ...train.workload import SyntheticLMWorkload
@@ -250,7 +250,7 @@ def bench_tp(args) -> int:
     cfg = TrainConfig(model=args.model, seq_len=args.seq_len, micro_batch=args.micro_batch)
     work = make_workload(args.model, args.seq_len, 4096, 4096)
     mcfg = build_model(args.model, vocab_size=work.vocab_size).config
-    validate_tp(mcfg, tp, True, args.seq_len)  # before any collective
+    validate_tp(mcfg, tp, TPOptions(sp=True), args.seq_len)  # before any collective
     topo = Topology(tp=tp, collectives=args.collectives)
     runs = {name: make_run(lambda m, kw=kw: parallelize(m, topo, Layout(tp=tp, sp=kw["sp"]),
                                                          engine=kw["kind"]),
@@ -273,7 +273,8 @@ def bench_tp(args) -> int:
     for name, r in runs.items():
         med = statistics.median(r["times"])
         twin = "DTensor TP+SP" if r["sp"] else "DTensor TP"
-        formula = tp_step_bytes_formula(mcfg, args.micro_batch, args.seq_len, tp, r["sp"])
+        formula = tp_step_bytes_formula(mcfg, args.micro_batch, args.seq_len, tp,
+                                        TPOptions(sp=r["sp"]))
         results.append({"variant": name, "median_step_s": med, "tokens_per_s": tokens / med,
                         "vs_dtensor": med / statistics.median(runs[twin]["times"]),
                         "ledger_bytes": r["ledger_bytes"], "formula_bytes": formula["total"],
