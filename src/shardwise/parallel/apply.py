@@ -59,9 +59,9 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     ``layers_per_stage``: an explicit pipeline split; ``seed``: TP dropout RNG; ``precision``:
     the run's :class:`~shardwise.precision.Precision` (held by the engine); ``weights``: (name,
     full tensor) for a model built on the meta device (:mod:`.materialize`); ``numerics``:
-    callables applied in order to the model before TP. Raises :class:`ShardwiseConfigError` for a layout that cannot run (on
-    every rank, before any collective), ``ValueError`` for an unknown engine or a meta model
-    without ``weights``."""
+    callables applied in order to the model before TP. Raises :class:`ShardwiseConfigError`
+    for a layout that cannot run (on every rank, before any collective), ``ValueError`` for an
+    unknown engine or a meta model without ``weights``."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}: choose explicit or torch")
     build = ENGINES[engine]
@@ -127,13 +127,12 @@ def _pipeline(model: nn.Module, topo, layout: Layout, build, values: Values, opt
     from .pp import StageModule, copy_stages_from_first
     from .pp.comms import TiedSwap
     from .pp.schedules import placement_of
-    from .tp import StageTPTraffic
 
     tp, sp, v = layout.tp, layout.sp, pipeline_chunks(layout)
     placement = placement_of(layout.schedule)  # loop, or the V of zbv / dualpipev
     stage = StageModule(model, topo.index("pp"), layout.pp, v, layers_per_stage, placement)
     values.start_equal(copy_stages_from_first, model, topo, v, layers_per_stage, placement)
-    loss_fn, loss_context, finishers = build.stage_tensor(stage, topo, layout, seed=seed)
+    loss_fn, loss_context, finishers, traffic = build.stage_tensor(stage, topo, layout, seed=seed)
     values.local(stage, fqn=stage.fqn, after=stage.replay_tied_draw)  # after the init's draws
     if stage.tied_output is not None:
         mark_duplicate(stage.tied_output)  # reduced over dp like the others, counted once
@@ -144,7 +143,5 @@ def _pipeline(model: nn.Module, topo, layout: Layout, build, values: Values, opt
     finishers += [tied] + ([build.stage_sp(stage, topo, sync)] if tp > 1 and sp else [])
     finishers.append(sync.finish_gradient_sync)
     runner = build.runner(stage, topo, layout, v, loss_fn, loss_context, tp if sp else 1)
-    traffic = StageTPTraffic(stage, topo, layout.tp_options,
-                             dtensor=build.name == "torch") if tp > 1 else None
     return ParallelModel(stage, topo, loss_fn=loss_fn, grad_sync=sync, finishers=finishers,
                          traffic=traffic, runner=runner, precision=options["precision"])

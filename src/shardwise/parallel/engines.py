@@ -15,21 +15,20 @@ from .loss import PlainLoss
 from .sync import NoSync
 
 
-def _whole_sync(model, topo, layout, options, values, engine: str, deferred: bool = False):
+def _whole_sync(model, topo, layout, options, build, deferred: bool = False):
     """pp = 1's gradient sync: none when tp shards the model and the data axis has one rank,
-    else :func:`~.apply.dp_sync` (``deferred``: its values come with its ``fill``)."""
+    else ``build``'s sync over dp (:func:`dp_sync`; ``deferred``: its values come with its
+    ``fill``)."""
     if layout.tp > 1 and layout.dp * layout.cp == 1:
         return NoSync(model, topo)
-    return dp_sync(model, topo, layout, engine, deferred=deferred, **options)
+    return build.dp_sync(model, topo, layout, deferred=deferred, **options)
 
 
-def dp_sync(model: nn.Module, topo, layout: Layout, engine: str, *, bucket_mb: float = 25.0,
-            overlap: bool = True, prefetch: bool = True, reshard_after_forward: bool = True,
-            precision: Precision = FP32, deferred: bool = False):
+def dp_sync(model: nn.Module, topo, layout, engine: str, **options):
     """The gradient sync (a plain :class:`~.sync.Sync`) over ``topo``'s dp axis for
     ``layout.zero`` on ``engine``, of ``model`` (plain, or already converted for TP when
     ``layout.tp`` > 1: its parameters are then this rank's tp shards, Ψ/tp each; DTensors on
-    the torch engine).
+    the torch engine): :meth:`Explicit.dp_sync` or :meth:`Torch.dp_sync`.
 
     ======  ==========================  =================================================
     zero    explicit                    torch (tp = 1; tp > 1)
@@ -39,39 +38,11 @@ def dp_sync(model: nn.Module, topo, layout: Layout, engine: str, *, bucket_mb: f
     3       :mod:`.zero` (units)        FSDP2 ``fully_shard``; the same over DTensor TP
     ======  ==========================  =================================================
 
-    Options as :func:`parallelize`; ``deferred`` (explicit ZeRO only): the parameters hold no
-    values yet, fill them with the sync's ``fill`` (:mod:`.materialize`). No checks here:
-    :meth:`Layout.check` ran before."""
-    if engine == "explicit" and layout.zero:
-        from .zero import zero_sync
-
-        return zero_sync(model, topo, layout.zero, prefetch=prefetch,
-                         reshard_after_forward=reshard_after_forward, overlap=overlap,
-                         precision=precision, deferred=deferred)
-    if engine == "explicit":
-        from .dp import DataParallel
-
-        return DataParallel(model, topo, bucket_mb=bucket_mb, overlap=overlap,
-                            precision=precision)
-    if layout.cp > 1:  # torch's context_parallel with DDP over dp × cp (CUDA only)
-        from .cp.torch_cp import step_context
-        from .dp import DDPSync
-
-        return DDPSync(model, topo, bucket_mb=bucket_mb, precision=precision,
-                       step_context=step_context(topo))  # each step inside context_parallel
-    if layout.tp > 1:
-        from .zero.fsdp2 import fsdp2_over_tp
-
-        return fsdp2_over_tp(model, topo, layout, reshard_after_forward=reshard_after_forward,
-                             precision=precision)
-    if layout.zero:
-        from .zero.torch_zero import ZeroRedundancySync
-
-        return ZeroRedundancySync(model, topo, layout.zero, bucket_mb=bucket_mb,
-                                  precision=precision)
-    from .dp import DDPSync
-
-    return DDPSync(model, topo, bucket_mb=bucket_mb, precision=precision)
+    ``options``: ``bucket_mb``, ``overlap``, ``prefetch``, ``reshard_after_forward``,
+    ``precision`` as :func:`~.apply.parallelize`'s; ``deferred`` (explicit ZeRO only): the
+    parameters hold no values yet, fill them with the sync's ``fill`` (:mod:`.materialize`).
+    No checks here: :meth:`~.layout.Layout.check` ran before."""
+    return ENGINES[engine].dp_sync(model, topo, layout, **options)
 
 
 def _stage_sync(stage, topo, layout, options):
@@ -115,13 +86,29 @@ class Explicit:
         return loss_fn, TPTraffic(model, topo, layout.tp_options)
 
     @staticmethod
-    def sync(model, topo, layout, options, values):
+    def dp_sync(model, topo, layout, *, bucket_mb: float = 25.0, overlap: bool = True,
+                prefetch: bool = True, reshard_after_forward: bool = True,
+                precision: Precision = FP32, deferred: bool = False):
+        """ZeRO (:func:`~.zero.zero_sync`) for zero ≥ 1, else :class:`~.dp.DataParallel`."""
+        if layout.zero:
+            from .zero import zero_sync
+
+            return zero_sync(model, topo, layout.zero, prefetch=prefetch,
+                             reshard_after_forward=reshard_after_forward, overlap=overlap,
+                             precision=precision, deferred=deferred)
+        from .dp import DataParallel
+
+        return DataParallel(model, topo, bucket_mb=bucket_mb, overlap=overlap,
+                            precision=precision)
+
+    @classmethod
+    def sync(cls, model, topo, layout, options, values):
         """:func:`_whole_sync`: ZeRO-3 over hollow parameters (its ``fill`` writes its slices),
         the others over this rank's values, given now."""
         if layout.zero == 3 and values.hollow(model):
-            return _whole_sync(model, topo, layout, options, values, "explicit", deferred=True)
+            return _whole_sync(model, topo, layout, options, cls, deferred=True)
         values.local(model)
-        return _whole_sync(model, topo, layout, options, values, "explicit")
+        return _whole_sync(model, topo, layout, options, cls)
 
     @staticmethod
     def sp_finishers(model, topo, layout, sync) -> list:
@@ -133,13 +120,14 @@ class Explicit:
     @staticmethod
     def stage_tensor(stage, topo, layout, *, seed: int):
         """TP inside a pipeline stage: (loss function, backward context, finishers before the
-        tied swap)."""
+        tied swap, tp's traffic)."""
         if layout.tp == 1:
-            return PlainLoss(stage), None, []
-        from .tp import VocabParallelLoss, apply_tp
+            return PlainLoss(stage), None, [], None
+        from .tp import StageTPTraffic, VocabParallelLoss, apply_tp
 
         rng = apply_tp(stage, topo, layout.tp_options, seed=seed)
-        return VocabParallelLoss(stage, topo, layout.tp_options, rng), None, []
+        return (VocabParallelLoss(stage, topo, layout.tp_options, rng), None, [],
+                StageTPTraffic(stage, topo, layout.tp_options))
 
     @staticmethod
     def stage_sync(stage, topo, layout, options):
@@ -206,9 +194,36 @@ class Torch:
         return loss_fn, TorchTPTraffic(model, topo, layout.tp_options)
 
     @staticmethod
-    def sync(model, topo, layout, options, values):
+    def dp_sync(model, topo, layout, *, bucket_mb: float = 25.0, overlap: bool = True,
+                prefetch: bool = True, reshard_after_forward: bool = True,
+                precision: Precision = FP32, deferred: bool = False):
+        """DDP (with cp > 1 inside torch's ``context_parallel``), FSDP2 over DTensor TP,
+        ZeroRedundancyOptimizer / FSDP2 for zero ≥ 1 (``overlap``, ``prefetch``, ``deferred``:
+        the explicit engine's only)."""
+        if layout.cp > 1:  # torch's context_parallel with DDP over dp × cp (CUDA only)
+            from .cp.torch_cp import step_context
+            from .dp import DDPSync
+
+            return DDPSync(model, topo, bucket_mb=bucket_mb, precision=precision,
+                           step_context=step_context(topo))  # each step inside context_parallel
+        if layout.tp > 1:
+            from .zero.fsdp2 import fsdp2_over_tp
+
+            return fsdp2_over_tp(model, topo, layout, reshard_after_forward=reshard_after_forward,
+                                 precision=precision)
+        if layout.zero:
+            from .zero.torch_zero import ZeroRedundancySync
+
+            return ZeroRedundancySync(model, topo, layout.zero, bucket_mb=bucket_mb,
+                                      precision=precision)
+        from .dp import DDPSync
+
+        return DDPSync(model, topo, bucket_mb=bucket_mb, precision=precision)
+
+    @classmethod
+    def sync(cls, model, topo, layout, options, values):
         """:func:`_whole_sync`; FSDP2 and DTensor get their values from the sync's ``fill``."""
-        return _whole_sync(model, topo, layout, options, values, "torch")
+        return _whole_sync(model, topo, layout, options, cls)
 
     @staticmethod
     def sp_finishers(model, topo, layout, sync) -> list:
@@ -220,14 +235,17 @@ class Torch:
 
     @staticmethod
     def stage_tensor(stage, topo, layout, *, seed: int):
-        """DTensor TP inside the stage; its gradients given their parameters' placements."""
+        """DTensor TP inside the stage; its gradients given their parameters' placements (as
+        :meth:`Explicit.stage_tensor`)."""
         if layout.tp == 1:
-            return PlainLoss(stage), None, []
-        from .tp.dtensor import LossParallel, match_grad_placements, parallelize_stage_dtensor
+            return PlainLoss(stage), None, [], None
+        from .tp.dtensor import (LossParallel, StageTPTraffic, match_grad_placements,
+                                 parallelize_stage_dtensor)
 
         parallelize_stage_dtensor(stage, topo, layout.tp_options)
         loss_fn = LossParallel(stage, topo, layout.tp_options)
-        return loss_fn, loss_fn.backward_context, [lambda: match_grad_placements(stage)]
+        return (loss_fn, loss_fn.backward_context, [lambda: match_grad_placements(stage)],
+                StageTPTraffic(stage, topo, layout.tp_options, dtensor=True))
 
     @staticmethod
     def stage_sync(stage, topo, layout, options):
