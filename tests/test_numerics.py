@@ -1,5 +1,6 @@
 """The numerics slot of ``parallelize`` (issue 52): a transform given as ``numerics=`` runs on
-the plain model before tensor parallelism, so it reaches every linear layer in every layout —
+the plain model before tensor parallelism, so it reaches every ``nn.Linear`` in every layout
+(a mixture of experts' stacked expert matmuls are none) —
 our TP layers (which call their op themselves), DTensor TP, ZeRO-3, FSDP2, pipeline stages,
 context and expert parallelism — and the layout still equals one process running the same
 transform. The transform: a weight fake-quantizer (tests/workers/numerics_cases.py)."""

@@ -1,6 +1,8 @@
 """One precision record, :class:`Precision`: the dtype of each piece of training state and
-traffic, built once from the config and read by the runners' autocast, the gradient syncs, every
-byte and memory formula of ``parallel/``, and the planner (:data:`PRESETS`).
+traffic, built once from the config, held by the engine and taken by every gradient sync,
+runner and byte formula of ``parallel/`` (today they read ``compute``, the autocast and
+activation bytes, and ``reduce_dtype``, the dp reduction; the memory formulas still assume
+fp32 storage and AdamW state), and the planner's precisions (:data:`PRESETS`).
 
 Why each field is separate (mixed-precision training, Micikevicius et al. 2018; ZeRO §3.1;
 Megatron-LM's distributed optimizer; PyTorch FSDP2's ``MixedPrecisionPolicy``):

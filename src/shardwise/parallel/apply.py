@@ -24,8 +24,9 @@ picotron's order; mesh (pp, dp, cp, tp), tp innermost):
 4. the gradient sync over dp (:func:`dp_sync`): DP (:mod:`.dp`), ZeRO-1/2/3 (:mod:`.zero`),
    DDP, ``ZeroRedundancyOptimizer`` / FSDP2, or FSDP2 over DTensor TP
    (:class:`~.zero.fsdp2.FSDP2Sync`); with tp > 1 and dp × cp = 1, none
-   (:class:`~.sync.NoSync`); then its ``fill`` (a meta model's values: the plain copy, ZeRO's
-   flat slices, FSDP2's DTensor shards);
+   (:class:`~.sync.NoSync`); a meta model's values come first where the sync reads them as it
+   is built (DP, ZeRO-1/2: :meth:`~.materialize.Values.local`), else with its ``fill`` (ZeRO-3's
+   flat slices, FSDP2's and DTensor's shards, the plain copy under ``NoSync``);
 5. the finishers, in order after the sync: the SP sum over tp on what the sync leaves on each
    rank.
 

@@ -105,7 +105,7 @@ class Explicit:
     def sync(cls, model, topo, layout, options, values):
         """:func:`_whole_sync`: ZeRO-3 over hollow parameters (its ``fill`` writes its slices),
         the others over this rank's values, given now."""
-        if layout.zero == 3 and values.hollow(model):
+        if layout.zero == 3 and layout.dp * layout.cp > 1 and values.hollow(model):
             return _whole_sync(model, topo, layout, options, cls, deferred=True)
         values.local(model)
         return _whole_sync(model, topo, layout, options, cls)

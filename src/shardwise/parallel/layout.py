@@ -144,7 +144,7 @@ class Layout:
            a pipeline engine), refused as DeepSpeed refuses it (m× the gradient / parameter
            traffic per step for memory ZeRO-1 mostly saves already: docs/composition.md §5).
         2. the topology's degrees;
-        3. the reduce dtype: fp32 or bf16 (:func:`~.params.reduce_torch_dtype`);
+        3. the reduce dtype: fp32 or bf16 (:func:`~shardwise.precision.reduce_torch_dtype`);
         4. the model: cp > 1 needs a Llama-style model without dropout and ``seq_len``
            divisible by 2·cp (:func:`~.cp.validate_cp`); tp > 1 needs a Llama-style model whose
            heads, kv heads, d_ff (and, with SP, ``seq_len``/cp) tp divides, or the stacked

@@ -1,6 +1,7 @@
-"""The numerics slot of :func:`~.apply.parallelize`: transforms that change how each linear
-layer computes (a weight fake-quantizer, later FP8 with an FP8 all-gather), applied to the
-plain model *before* tensor parallelism.
+"""The numerics slot of :func:`~.apply.parallelize`: transforms that change how each
+``nn.Linear`` computes (a weight fake-quantizer, later FP8 with an FP8 all-gather), applied to
+the plain model *before* tensor parallelism. A mixture of experts' stacked expert matmuls are
+no ``nn.Linear``: this slot does not reach them.
 
 Why before TP: our TP layers (:mod:`.tp.layers`) replace each ``nn.Linear`` by a module that
 calls the linear op itself, so a swap of ``nn.Linear`` classes made afterwards (torchao's

@@ -12,7 +12,8 @@ that every layout needs then read that record instead of being rewritten per eng
 * the full-shape views that read the same record live in :mod:`.views` (``to_full`` /
   ``to_local``).
 * :func:`local` / :func:`is_dtensor` / :func:`tp_sharded` — what this rank holds of a tensor.
-* :func:`reduce_torch_dtype` / :func:`reduce_bytes` — the reduce dtype table, once.
+* :func:`reduce_torch_dtype` / :func:`reduce_bytes` — the reduce dtype table, re-exported from
+  :mod:`shardwise.precision`, where it is written once.
 * :func:`local_state_bytes` / :func:`storage_state_bytes` — the bytes of what this rank holds
   (by tensor; by distinct storage: the flat buffers' views once).
 

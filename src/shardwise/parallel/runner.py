@@ -20,7 +20,9 @@ from .params import local
 
 
 class Runner(Protocol):
-    """What :class:`~.model.ParallelModel` asks of a runner."""
+    """What :class:`~.model.ParallelModel` asks of a runner. A pipeline's runners also answer
+    ``peak_alive``, ``schedule_name`` and ``v`` (the report and the trace read them through
+    the engine; at pp = 1 they do not exist)."""
 
     loss_axes: tuple[str, ...]  # axes the loss sum is reduced over before the data axis
     timeline: list  # a pipeline's last step: (kind, mb, chunk, peer, t0, t1) per action
@@ -43,10 +45,10 @@ class NoPipelining:
     ``loss_fn`` and the gradient ``sync`` (plain objects, :mod:`.loss`, :mod:`.sync`)."""
 
     loss_axes: tuple[str, ...] = ()  # every rank holds its loss
-    timeline: list = []  # no schedule
 
     def __init__(self, module, loss_fn, sync):
         self.module, self.loss_fn, self.sync = module, loss_fn, sync
+        self.timeline: list = []  # no schedule: nothing recorded
 
     def _step_context(self, batch: dict):
         if self.sync.step_context is None:  # torch's context_parallel (DDP over dp × cp)

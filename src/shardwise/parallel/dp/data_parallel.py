@@ -14,7 +14,8 @@ What moves over dp per optimizer step (n = dp degree, Ψ parameters of b bytes e
 * one all_reduce of the gradients, split into buckets (:class:`GradBuckets`), tag ``grad``,
   once per step whatever the accumulation: 2(n−1)/n · Ψ·b bytes sent per rank (ring all-reduce;
   ZeRO paper, Rajbhandari et al. 2019 §7.1 "Data Parallel Communication Volume"; JAX scaling
-  book ch. 5, "Data parallelism"). With ``reduce_dtype="bf16"`` b = 2 (:func:`reduce_torch_dtype`).
+  book ch. 5, "Data parallelism"). With ``precision.reduce_dtype`` "bf16" b = 2
+  (:func:`~shardwise.precision.reduce_torch_dtype`).
 * one all_reduce of the step's token count T before the forward (8 bytes), tag "loss"
 * (bookkeeping in the train loop: one all_reduce of the summed loss for logging, tag "loss")
 
@@ -67,9 +68,9 @@ class GradBuckets:
     2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", §3.2);
     ``overlap=False``: every bucket is launched in :meth:`finish` (no hooks: a pipeline's zb-h1
     writes ``.grad`` by hand, where hooks do not fire). ``precision.reduce_dtype``: "fp32" |
-    "bf16", the dtype the buckets hold and move (cast back after; :func:`reduce_torch_dtype`).
-    Gradients are
-    read through :func:`.params.local` (the PyTorch pipeline's DTensor shards)."""
+    "bf16", the dtype the buckets hold and move (cast back after;
+    :func:`~shardwise.precision.reduce_torch_dtype`). Gradients are read through
+    :func:`.params.local` (the PyTorch pipeline's DTensor shards)."""
 
     def __init__(self, params: list[nn.Parameter], topo, *, bucket_mb: float = 25.0,
                  overlap: bool = True, precision: Precision = FP32, axis: str | None = None):

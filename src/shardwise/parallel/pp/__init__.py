@@ -1,6 +1,8 @@
 """Pipeline parallelism: stage split, schedules as data, simulator, the runners of a step.
 
-Read in this order: :mod:`.schedules` (what each rank does, as data), :mod:`.simulate` (bubble,
+Read in this order: :mod:`.schedule_data` (what each rank does, as data), :mod:`.schedules`
+(building one: :mod:`.loop_schedules` for GPipe, 1F1B, interleaved and ZB-H1, :mod:`.v_schedules`
+for the V placement's zbv and dualpipev), :mod:`.simulate` (bubble,
 deadlock, memory), :mod:`.split` (how the model is cut), :mod:`.runner` and :mod:`.comms` (how
 the actions run, what crosses between stages, the tied swap), :mod:`.torch_runner` (the same
 through ``torch.distributed.pipelining``). :func:`shardwise.parallel.apply.parallelize` puts a

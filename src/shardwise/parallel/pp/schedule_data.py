@@ -2,7 +2,8 @@
 :class:`Schedule` (every rank's actions), where each stage lives, the schedule names and
 :func:`check_schedule` (which (schedule, p, m, v) are valid), and what a schedule shows
 (:func:`format_schedule`, :func:`peak_activations`). Nothing here touches a model or a process
-group; the orders are built in :mod:`.schedules`.
+group; the orders are built in :mod:`.loop_schedules` and :mod:`.v_schedules`, which
+:mod:`.schedules` dispatches to (adding the sends and receives).
 
 ``p`` ranks, ``m`` microbatches per step (m ≥ p), ``v`` chunks ("virtual stages") per rank: the
 model is cut into ``S = p·v`` stages. Where each stage lives is the schedule's *placement*

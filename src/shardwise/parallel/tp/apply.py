@@ -316,7 +316,7 @@ def tp_step_bytes_formula(model_config, sequences: int, seq_len: int, tp: int,
     per-op counts: :mod:`shardwise.comm.ledger`.
 
     * ``tp_fwd``/``tp_bwd`` — activations, A = N·d·4: (1 + 2L)·r·A each way, with or without SP
-      (SP: (2 + 4L) collectives of (n−1)/n·A); by direction, and ``dtype="bf16"`` (the 2L
+      (SP: (2 + 4L) collectives of (n−1)/n·A); by direction, and ``precision.compute`` "bf16" (the 2L
       row-parallel outputs under autocast carry 2 bytes): :func:`tp_activation_bytes`.
     * ``ce`` — the vocab-parallel cross-entropy: r·(N + 2N)·4 (MAX of [N], SUM of [2, N], fp32).
     * ``sp_grad`` — SP only: r·R·4, the gradients of the R tp-replicated elements

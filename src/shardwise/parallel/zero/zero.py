@@ -94,7 +94,7 @@ class ZeroSync(Sync):
     docstring; :func:`split_experts`).
 
     Raises :class:`ShardwiseConfigError` (before any collective) for dp < 2, a bad stage, a bad
-    ``reduce_dtype``, or bad ``units``. After wrapping, do not move or re-create the model's
+    ``precision.reduce_dtype``, or bad ``units``. After wrapping, do not move or re-create the model's
     parameters (``.to()``, ``load_state_dict`` into them).
     """
 
