@@ -150,8 +150,10 @@ def test_packed_loss_count_and_gradients_equal_unpacked(pos):
 
 def test_pack_refused_where_a_layout_cannot_take_it():
     check_pack("sft", 1, "explicit")
-    with pytest.raises(ShardwiseConfigError, match="--pack with --cp 2"):
-        check_pack("sft", 2, "explicit")
+    check_pack("sft", 2, "explicit")  # cp takes the document mask (test_cp_pack.py)
+    with pytest.raises(ShardwiseConfigError, match="--engine torch --cp 2: .*takes no "
+                                                   "attention mask.*use --engine explicit"):
+        check_pack("sft", 2, "torch")
     with pytest.raises(ShardwiseConfigError, match="--engine torch"):
         check_pack("sft", 1, "torch")
     with pytest.raises(ShardwiseConfigError, match="--task sft"):

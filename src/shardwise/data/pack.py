@@ -17,9 +17,12 @@ what the examples compute alone:
 
 The rest of a row is padding: input EOS, label −100, its own document (id −1) with positions
 0, 1, … (so it attends only to padding and nothing attends to it). An example longer than a
-row was already cut to ``seq_len`` by the encoder. Context parallelism cannot take the
-document mask yet (its ring attention assumes one causal sequence) and ``--engine torch`` does
-not pass positions to the model: both are refused with ``--pack`` (:func:`check_pack`).
+row was already cut to ``seq_len`` by the encoder. Context parallelism takes packed rows on the
+explicit engine: each cp rank keeps the per-document positions of its chunks, and its ring (or
+all-gather) attention masks every K/V block by where each query's document starts
+(docs/context-parallel.md, packed rows). ``--engine torch`` is refused with ``--pack``: its
+model call passes no positions or document ids, and its context parallelism takes no attention
+mask (:func:`check_pack`).
 """
 
 from __future__ import annotations
@@ -105,15 +108,19 @@ def unpadded(tokens: torch.Tensor, labels: torch.Tensor, lengths: list[int]
 
 def check_pack(task: str, cp: int, engine: str) -> None:
     """Raise :class:`ShardwiseConfigError` where ``--pack`` cannot run (before any collective):
-    only ``--task sft``; not with ``--cp > 1`` (ring attention has no document mask) nor
-    ``--engine torch`` (its model call takes no positions)."""
+    only ``--task sft``; not ``--engine torch`` (its model call passes no positions or document
+    ids, and with ``--cp > 1`` PyTorch's ``context_parallel`` ring attention takes no attention
+    mask). ``--cp > 1`` on the explicit engine runs (the cp attention honours the mask)."""
     if task != "sft":
         raise ShardwiseConfigError(f"--pack packs SFT examples, but --task is {task}: use "
                                    "--task sft (language-model text is packed already)")
-    if cp > 1:
-        raise ShardwiseConfigError(f"--pack with --cp {cp}: context parallelism's ring attention "
-                                   "assumes one causal sequence per row, not a document mask: "
-                                   "drop --pack or use dp, tp, pp or ZeRO")
+    if engine == "torch" and cp > 1:
+        raise ShardwiseConfigError(
+            f"--pack with --engine torch --cp {cp}: PyTorch's context_parallel ring attention "
+            "takes no attention mask for scaled_dot_product_attention (torch 2.13: "
+            "NotImplementedError: attn_bias is not supported yet), so it cannot keep each "
+            "document to itself: use --engine explicit (its ring attention takes the document "
+            "mask)")
     if engine == "torch":
         raise ShardwiseConfigError("--pack with --engine torch: the torch engine's model call "
                                    "passes no positions or document ids: use --engine explicit")

@@ -22,6 +22,7 @@ attention.wq``, ``feed_forward.w1`` …) so parallel plans can name them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -181,9 +182,11 @@ class CoreAttention(nn.Module):
     attention", the part a sequence-parallel transform replaces (context parallelism: ring
     attention over cp)."""
 
-    def forward(self, q, k, v, dropout_p: float = 0.0, mask: torch.Tensor | None = None):
-        """``mask``: a boolean [b, 1, s, s] (True = may attend, :func:`document_mask`) in place
-        of the plain causal mask (packed sequences), or None."""
+    def forward(self, q, k, v, dropout_p: float = 0.0, mask=None):
+        """``mask``: a packed row's :class:`DocumentMask` (or its boolean [b, 1, s, s] tensor,
+        True = may attend) in place of the plain causal mask, or None."""
+        if isinstance(mask, DocumentMask):
+            mask = mask.dense
         causal = dict(is_causal=True) if mask is None else dict(attn_mask=mask)
         if k.shape[1] != q.shape[1]:  # GQA: each kv head serves h/k query heads
             if SDPA_GQA:  # in the kernel: no repeated K/V [b, h, s, hd] (models/sdpa.py)
@@ -207,9 +210,32 @@ def document_mask(documents: torch.Tensor | None) -> torch.Tensor | None:
     return (same & causal).unsqueeze(1)  # [b, 1, s, s]
 
 
+class DocumentMask:
+    """A packed row's attention mask as the model hands it to every layer's core attention:
+    ``documents`` [b, s] (int64, the document of each token; see :func:`document_mask`) and,
+    built on first use and then shared by every layer of the forward, ``dense``, the boolean
+    [b, 1, s, s] mask. A core that attends in blocks (context parallelism's ring) reads
+    ``documents`` instead and never builds ``dense``; :meth:`memo` keeps what a core derives
+    from the documents once per forward (e.g. which blocks to skip), for every layer."""
+
+    def __init__(self, documents: torch.Tensor):
+        self.documents = documents
+        self._memo: dict = {}
+
+    @functools.cached_property
+    def dense(self) -> torch.Tensor:
+        return document_mask(self.documents)
+
+    def memo(self, key, make):
+        """``make()`` on the first call with ``key``, the same object afterwards."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+
 def causal_attention(x: torch.Tensor, wq, wk, wv, head_dim: int, cos: torch.Tensor | None,
                      sin: torch.Tensor | None, dropout_p: float = 0.0, core=None,
-                     q_norm=None, k_norm=None, mask: torch.Tensor | None = None) -> torch.Tensor:
+                     q_norm=None, k_norm=None, mask: DocumentMask | None = None) -> torch.Tensor:
     """Causal GQA attention up to the output projection: x [b, s, d] → [b, s, h·hd].
 
     ``wq``/``wk``/``wv``: the projections (d → h·hd, d → k·hd, d → k·hd). Head counts come from
@@ -217,8 +243,8 @@ def causal_attention(x: torch.Tensor, wq, wk, wv, head_dim: int, cos: torch.Tens
     ``sin``: RoPE tables [s, hd] (or [b, 1, s, hd] for explicit positions), None for no RoPE
     (learned positions); ``core``: the :class:`CoreAttention` (or a replacement) that attends q
     to k, v after RoPE; ``q_norm``/``k_norm``: callables over [b, s, heads, hd] applied before
-    RoPE (Qwen3's per-head RMSNorm), or None; ``mask``: a packed row's document mask
-    (:func:`document_mask`), None for plain causal attention."""
+    RoPE (Qwen3's per-head RMSNorm), or None; ``mask``: a packed row's
+    :class:`DocumentMask`, None for plain causal attention."""
     b, s, _ = x.shape
     q = wq(x).view(b, s, -1, head_dim)  # [b, s, h, hd]
     k = wk(x).view(b, s, -1, head_dim)  # [b, s, k, hd]
@@ -317,7 +343,7 @@ class TransformerBlock(CheckpointedBlock, nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x, cos, sin, mask=None):
-        """``mask``: a packed row's document mask (:func:`document_mask`), or None."""
+        """``mask``: a packed row's :class:`DocumentMask`, or None."""
         if mask is None:
             return self.run(self._body, x, cos, sin)
         return self.run(self._body, x, cos, sin, mask)
@@ -385,7 +411,7 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
         """``documents`` [b, s] int64: a packed row's example of each token (attention stays
-        inside it: :func:`document_mask`; give the restarting ``positions`` with it)."""
+        inside it: :class:`DocumentMask`; give the restarting ``positions`` with it)."""
         s = tokens.shape[1]
         if s > self.config.max_seq_len:
             raise ValueError(f"sequence length {s} > max_seq_len {self.config.max_seq_len}")
@@ -394,7 +420,7 @@ class Llama(nn.Module):
                              ": full causal attention would differ from the windowed one")
         cos, sin = rope_tables(self.rope_cos, self.rope_sin, s, positions)
         x = embed(self.tok_embeddings, self.pos_embeddings, tokens, positions)  # [b, s, d]
-        mask = document_mask(documents)  # None: plain causal attention
+        mask = None if documents is None else DocumentMask(documents)  # None: plain causal
         for layer in self.layers:
             x = layer(x, cos, sin) if mask is None else layer(x, cos, sin, mask)
         return self.output(self.norm(x))  # [b, s, V]

@@ -11,7 +11,9 @@ What the transform does, and what the rest of the step does for it:
   :class:`~.attention.ContextParallelAttention` on the "cp" axis; nothing else changes — the
   projections, MLP, norms and the loss are per token, so they run on the local tokens as they are;
 * the batch: ``train_step`` and evaluation cut each micro-batch to this rank's chunks with
-  :func:`~.split.shard_sequence` (``position_ids`` added, so RoPE follows the chunks);
+  :func:`~.split.shard_sequence` (``position_ids`` added, so RoPE follows the chunks; a packed
+  batch keeps its per-document positions, and its ``document_ids`` become where each token's
+  document starts, which the core attention masks by);
 * the loss: each rank's token-loss sum covers its chunks, so the token count and the loss sum
   are all-reduced over dp × cp (the engines' ``count_axes`` / ``reduce_loss_axes`` are the
   topology's ``data_axis``, "dp_cp");
@@ -42,11 +44,12 @@ from torch import nn
 
 from ...precision import FP32, Precision
 from .attention import ContextParallelAttention, cp_attention_bytes
-from .split import CP_METHODS, chunk_ids, shard_sequence, validate_cp, zigzag_positions
+from .split import (CP_METHODS, chunk_ids, document_starts, shard_sequence, validate_cp,
+                    zigzag_positions)
 
 __all__ = ["CP_METHODS", "ContextParallelAttention", "chunk_ids", "cp_attention_bytes",
-           "cp_bytes_formula", "parallelize_context", "plain_attention", "shard_sequence",
-           "validate_cp", "zigzag_positions"]
+           "cp_bytes_formula", "document_starts", "parallelize_context", "plain_attention",
+           "shard_sequence", "validate_cp", "zigzag_positions"]
 
 
 def _attentions(model: nn.Module):

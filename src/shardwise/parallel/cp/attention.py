@@ -34,6 +34,13 @@ ring       (n − 1)·KV  (tag cp_kv)      (n − 1)·KV K/V again (cp_kv) + n·
 allgather  (n−1)/n · n·KV all-gather    (n−1)/n · n·KV reduce-scatter of dK/dV (cp_dkv)
 =========  ===========================  =====================================================
 
+**Packed rows** (``--pack``; docs/context-parallel.md §1, packed rows): the core gets a
+:class:`~shardwise.models.llama.DocumentMask` whose ``documents`` are, for each local token, the
+position where its document starts (:func:`.split.shard_sequence`). Documents are contiguous, so
+query t attends key u iff start(t) ≤ u ≤ t: each block is masked from the query starts and the
+block's known positions (no ids travel), and a chunk pair that no query's document reaches is
+skipped; the blocks still travel, so the bytes are the table's.
+
 Every byte goes through :mod:`shardwise.comm` on the "cp" axis and is booked in the ledger.
 GQA: K/V travel with their k heads; each rank repeats them to the h query heads locally and sums
 dK/dV back over the h/k query heads of each kv head.
@@ -64,24 +71,67 @@ def _fold(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return t if h == kv_heads else t.view(b, kv_heads, h // kv_heads, ln, hd).sum(2)
 
 
-def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
+def _scores(q, k, scale: float, causal: bool, hidden: torch.Tensor | None = None
+            ) -> torch.Tensor:
     """q [b, h, c, hd] · kᵀ [b, h, hd, c] · scale, the strict upper triangle at −∞ when
-    ``causal`` (a diagonal chunk pair: query and key chunk are the same positions)."""
+    ``causal`` (a diagonal chunk pair: query and key chunk are the same positions), and where
+    ``hidden`` [b, 1, c, c] (bool: another document, :func:`_hidden`) is True."""
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
         c = s.shape[-1]
         s = s.masked_fill(torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1),
                           float("-inf"))
+    if hidden is not None:
+        s = s.masked_fill(hidden, float("-inf"))
     return s
 
 
-def _pairs(cp: int, me: int, holder: int):
+def _hidden(starts: torch.Tensor | None, qa: int, key_chunk: int, c: int):
+    """Packed rows: bool [b, 1, c, c], True where query i of this rank's query half ``qa``
+    may not attend key j of chunk ``key_chunk`` because j lies before the start of i's document
+    (``starts`` [b, 2, c]: :func:`.split.document_starts` at this rank's positions; documents
+    are contiguous, so a key at or after the start and not after the query is in the same
+    document). None for plain rows."""
+    if starts is None:
+        return None
+    keys = torch.arange(key_chunk * c, (key_chunk + 1) * c, device=starts.device)  # [c]
+    return (keys < starts[:, qa].unsqueeze(-1)).unsqueeze(1)  # [b, 1, c, c]
+
+
+def _pairs(cp: int, me: int, holder: int, reach: list[int] | None = None):
     """(query half, key half, causal) for the chunk pairs rank ``me`` computes with the K/V of
-    rank ``holder``: key chunk B against query chunk A when B ≤ A (causal when equal)."""
+    rank ``holder``: key chunk B against query chunk A when B ≤ A (causal when equal). With
+    ``reach`` (packed rows: for each query half, the chunk of the earliest document start among
+    its tokens, over the batch) also only when B ≥ reach[half]: a block that no query's
+    document reaches is skipped."""
     for qa, a in enumerate(chunk_ids(cp, me)):
         for kb, b in enumerate(chunk_ids(cp, holder)):
-            if b <= a:
+            if b <= a and (reach is None or b >= reach[qa]):
                 yield qa, kb, a == b
+
+
+def _packed(mask, c: int):
+    """(starts [b, 2, c], reach) of a packed row's mask (a :class:`~shardwise.models.llama.
+    DocumentMask` whose ``documents`` are document starts: :func:`.split.shard_sequence`), or
+    (None, None) for plain rows. ``reach`` (see :func:`_pairs`) is read to the host once per
+    forward (one sync) and shared by every layer through the mask's memo."""
+    if mask is None:
+        return None, None
+    starts = mask.documents.view(mask.documents.shape[0], 2, c)  # [b, 2, c]
+    reach = mask.memo(("cp_reach", c),
+                      lambda: (starts.amin(dim=(0, 2)) // c).tolist())  # [2] chunk indices
+    return starts, reach
+
+
+def _merge(out, lse, qa, bout, blse):
+    """Fold one block's (bout [b, h, c, hd], blse [b, h, c]) into the running (out, lse) of
+    query half ``qa`` by the log-sum-exp rule. A row that has seen no visible key yet (lse and
+    blse −∞: a packed row's query whose document starts after the block) stays at 0 / −∞."""
+    new = torch.logaddexp(lse[:, :, qa], blse)
+    ref = new.masked_fill(new == float("-inf"), 0.0)  # exp(−∞ − 0) = 0, not exp(nan)
+    out[:, :, qa] = (out[:, :, qa] * torch.exp(lse[:, :, qa] - ref).unsqueeze(-1)
+                     + bout * torch.exp(blse - ref).unsqueeze(-1))
+    lse[:, :, qa] = new
 
 
 class _Ring:
@@ -109,35 +159,37 @@ class _RingAttention(torch.autograd.Function):
     rank's two chunks) → out [b, h, 2c, hd], causal over the whole sequence."""
 
     @staticmethod
-    def forward(ctx, q, k, v, topo, timings):
+    def forward(ctx, q, k, v, topo, timings, mask=None):
         with torch.autocast(q.device.type, enabled=False):  # the block math in fp32
-            return _RingAttention._forward(ctx, q, k, v, topo, timings)
+            return _RingAttention._forward(ctx, q, k, v, topo, timings, mask)
 
     @staticmethod
-    def _forward(ctx, q, k, v, topo, timings):
+    def _forward(ctx, q, k, v, topo, timings, mask):
         n, me = topo.size("cp"), topo.index("cp")
         b, h, length, hd = q.shape
         c, scale = length // 2, 1.0 / math.sqrt(hd)
+        starts, reach = _packed(mask, c)  # packed rows: [b, 2, c] and the blocks reached
         qf = q.float().view(b, h, 2, c, hd)
         out = torch.zeros_like(qf)
         lse = torch.full((b, h, 2, c), float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()  # [2, b, k, 2c, hd]: one message per step
         for t in range(n):
+            # every block travels, reached or not: the ring is the same for all ranks
             ring = _Ring(kv, topo, "cp_kv", timings) if t < n - 1 else None
+            holder = (me - t) % n
             kf, vf = (_expand(x.float(), h).view(b, h, 2, c, hd) for x in kv)
-            for qa, kb, causal in _pairs(n, me, (me - t) % n):
-                s = _scores(qf[:, :, qa], kf[:, :, kb], scale, causal)
-                blse = torch.logsumexp(s, dim=-1)  # [b, h, c]
-                bout = torch.matmul(torch.exp(s - blse.unsqueeze(-1)), vf[:, :, kb])
-                new = torch.logaddexp(lse[:, :, qa], blse)
-                out[:, :, qa] = (out[:, :, qa] * torch.exp(lse[:, :, qa] - new).unsqueeze(-1)
-                                 + bout * torch.exp(blse - new).unsqueeze(-1))
-                lse[:, :, qa] = new
+            for qa, kb, causal in _pairs(n, me, holder, reach):
+                hidden = _hidden(starts, qa, chunk_ids(n, holder)[kb], c)
+                s = _scores(qf[:, :, qa], kf[:, :, kb], scale, causal, hidden)
+                blse = torch.logsumexp(s, dim=-1)  # [b, h, c]; −∞ for a row that sees none
+                safe = blse.masked_fill(blse == float("-inf"), 0.0)
+                bout = torch.matmul(torch.exp(s - safe.unsqueeze(-1)), vf[:, :, kb])
+                _merge(out, lse, qa, bout, blse)
             if ring is not None:
                 kv = ring.wait()
         out = out.view(b, h, length, hd).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.topo, ctx.timings = topo, timings
+        ctx.save_for_backward(q, k, v, out, lse, *(() if starts is None else (starts,)))
+        ctx.topo, ctx.timings, ctx.reach = topo, timings, reach
         return out
 
     @staticmethod
@@ -147,8 +199,9 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        topo, timings = ctx.topo, ctx.timings
+        q, k, v, out, lse, *packed = ctx.saved_tensors
+        topo, timings, reach = ctx.topo, ctx.timings, ctx.reach
+        starts = packed[0] if packed else None
         n, me = topo.size("cp"), topo.index("cp")
         b, h, length, hd = q.shape
         kvh, c, scale = k.shape[1], length // 2, 1.0 / math.sqrt(hd)
@@ -163,8 +216,10 @@ class _RingAttention(torch.autograd.Function):
             kf, vf = (_expand(x.float(), h).view(b, h, 2, c, hd) for x in kv)
             dk = torch.zeros_like(kf)
             dv = torch.zeros_like(vf)
-            for qa, kb, causal in _pairs(n, me, (me - t) % n):
-                s = _scores(qf[:, :, qa], kf[:, :, kb], scale, causal)
+            holder = (me - t) % n
+            for qa, kb, causal in _pairs(n, me, holder, reach):
+                hidden = _hidden(starts, qa, chunk_ids(n, holder)[kb], c)
+                s = _scores(qf[:, :, qa], kf[:, :, kb], scale, causal, hidden)
                 p = torch.exp(s - lse[:, :, qa].unsqueeze(-1))  # the forward's probabilities
                 dv[:, :, kb] += torch.matmul(p.transpose(-1, -2), do[:, :, qa])
                 ds = p * (torch.matmul(do[:, :, qa], vf[:, :, kb].transpose(-1, -2))
@@ -181,7 +236,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = ring.wait()
         dkv = dkv_ring.wait()
         return (dq.view(b, h, length, hd).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
-                None, None)
+                None, None, None)
 
 
 class _GatherKV(torch.autograd.Function):
@@ -232,18 +287,28 @@ class ContextParallelAttention(nn.Module):
         self.topo, self.method = topo, method
         self.timings: list | None = None
 
-    def forward(self, q, k, v, dropout_p: float = 0.0):
+    def forward(self, q, k, v, dropout_p: float = 0.0, mask=None):
+        """``mask``: a packed row's :class:`~shardwise.models.llama.DocumentMask`, whose
+        ``documents`` [b, s/cp] are the positions where each local token's document starts
+        (:func:`.split.shard_sequence` makes them): query t then attends the keys u with
+        start(t) ≤ u ≤ t. None: plain causal attention."""
         if dropout_p:
             raise ValueError("context-parallel attention has no dropout (validate_cp)")
         if self.method == "ring":
-            return _RingAttention.apply(q, k, v, self.topo, self.timings)
-        return self._allgather(q, k, v)
+            if mask is None:
+                return _RingAttention.apply(q, k, v, self.topo, self.timings)
+            return _RingAttention.apply(q, k, v, self.topo, self.timings, mask)
+        return self._allgather(q, k, v, mask)
 
-    def _allgather(self, q, k, v):
+    def _allgather(self, q, k, v, documents=None):
         n, me = self.topo.size("cp"), self.topo.index("cp")
         b, h, length, hd = q.shape
         full = _GatherKV.apply(torch.stack([k, v]), self.topo)  # [n, 2, b, k, 2c, hd]
         order, mask = _gathered_layout(n, me, length, q.device, q.dtype)
+        if documents is not None:  # packed rows: keys before the query's document start too
+            keys = torch.arange(n * length, device=q.device)  # [s]
+            mask = (mask == 0) & (keys >= documents.documents.unsqueeze(-1)).unsqueeze(1)
+            # [b, 1, s/cp, s] bool: causal and in the query's document
         kv = full.permute(1, 2, 3, 0, 4, 5).reshape(2, b, k.shape[1], n * length, hd)
         kv = kv.index_select(3, order)  # [2, b, k, s, hd] in position order
         # the gathered K/V stay at k heads (GQA in the kernel: h/k times less saved)

@@ -35,19 +35,42 @@ def zigzag_positions(seq_len: int, cp: int, index: int, device=None) -> torch.Te
                       torch.arange(hi * c, (hi + 1) * c, device=device)])
 
 
+def document_starts(documents: torch.Tensor) -> torch.Tensor:
+    """For a packed row's ``documents`` [b, s] (int64, each document one contiguous run of
+    equal ids, as :func:`shardwise.data.pack.pack_examples` lays them out): the position [b, s]
+    at which each token's document starts. Equal within a document and different between two,
+    so it names the documents as well as the ids do, and it says more: under the block-diagonal
+    causal mask query t attends exactly the keys u with start(t) ≤ u ≤ t — a rule that needs
+    nothing of the keys but their positions (docs/context-parallel.md §1, packed rows)."""
+    b, s = documents.shape
+    index = torch.arange(s, device=documents.device).expand(b, s)
+    new = torch.ones(b, s, dtype=torch.bool, device=documents.device)
+    new[:, 1:] = documents[:, 1:] != documents[:, :-1]  # the first token of each run
+    return torch.where(new, index, 0).cummax(dim=1).values  # [b, s]
+
+
 def shard_sequence(batch: dict, topo) -> dict:
     """This cp rank's share of a language-model micro-batch: every [b, s] tensor of ``batch``
     (``input_ids``, ``labels``, …) cut to its two chunks [b, s/cp], and ``position_ids``
     [b, s/cp] (int64) added, so RoPE and the labels follow the chunks. The batch unchanged when
     ``topo`` is None, cp = 1, or it has no ``input_ids`` (a regression batch has no sequence).
-    No collective: each cp rank selects its own columns of the same rows."""
+
+    A packed batch (``document_ids``, :mod:`shardwise.data.pack`) keeps its own per-document
+    ``position_ids``, cut like the tokens (RoPE restarts at every document on every rank), and
+    its ``document_ids`` become :func:`document_starts` cut to the chunks: the global position
+    where each local token's document starts, which is all the cp core attention needs to mask
+    every K/V block it meets (no ids travel). No collective: each cp rank selects its own
+    columns of the same rows."""
     if topo is None or topo.size("cp") == 1 or "input_ids" not in batch:
         return batch
     b, s = batch["input_ids"].shape
     pos = zigzag_positions(s, topo.size("cp"), topo.index("cp"), batch["input_ids"].device)
+    if "document_ids" in batch:
+        batch = {**batch, "document_ids": document_starts(batch["document_ids"])}
     out = {k: (v.index_select(1, pos) if v.dim() == 2 and v.shape == (b, s) else v)
            for k, v in batch.items()}
-    out["position_ids"] = pos.expand(b, -1)
+    if "position_ids" not in batch:
+        out["position_ids"] = pos.expand(b, -1)
     return out
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ...errors import ShardwiseConfigError
-from ...models.llama import document_mask, embed, rope_tables
+from ...models.llama import DocumentMask, embed, rope_tables
 from ..numerics import set_linear_fn
 from .schedules import check_schedule, stages_of
 
@@ -191,7 +191,7 @@ class Chunk(nn.Module):
             x = embed(self.tok_embeddings, self.pos_embeddings, x, positions)
         if self.is_llama:
             cos, sin = rope_tables(self.rope_cos, self.rope_sin, s, positions)
-            mask = document_mask(documents)
+            mask = None if documents is None else DocumentMask(documents)
             for layer in self.layers:
                 x = layer(x, cos, sin) if mask is None else layer(x, cos, sin, mask)  # [b, s, d]
         else:
