@@ -3,9 +3,9 @@
 The tiny Llama (seed 0) takes one step on packed rows (chat examples of
 examples/chat_sample.jsonl, several per row, most longer than a cp = 4 chunk of 32 tokens,
 assistant-only labels) in each case of :data:`CASES`: cp = 2 (ranks 0, 1) and cp = 4 with ring
-and all-gather attention, cp = 2 × dp = 2, cp = 2 × tp = 2, cp = 4 on one row holding one short
-document (two ranks' chunks are padding only: no counted token; blocks skipped), and learned
-positions at cp = 2. The planted breaks, at cp = 2 (ring):
+and all-gather attention, cp = 2 × dp = 2, cp = 2 × tp = 2, pp = 2 × cp = 2, cp = 4 on one
+row holding one short document (ranks whose chunks hold no counted token; blocks skipped), and
+learned positions at cp = 2. The planted breaks, at cp = 2 (ring):
 
 * ``positions_continue``: the rows' positions 0..s−1 instead of restarting at each document
   (learned positions: RoPE is relative, so within a document a constant shift is invisible to it);
@@ -81,7 +81,8 @@ def per_chunk(batch: dict) -> dict:
     return {**batch, "position_ids": pos.expand_as(batch["input_ids"])}
 
 
-# name: (layout, (dp, cp, tp), ranks (None: all four), examples, model positions, batch tweak)
+# name: (layout, (dp, cp, tp[, pp]), ranks (None: all four), examples, model positions,
+#        batch tweak)
 CASES = {"cp2": (Layout(cp=2), (1, 2, 1), [0, 1], "all", "rope", None),
          "cp2_allgather": (Layout(cp=2, cp_method="allgather"), (1, 2, 1), [0, 1], "all", "rope",
                            None),
@@ -90,6 +91,8 @@ CASES = {"cp2": (Layout(cp=2), (1, 2, 1), [0, 1], "all", "rope", None),
                            None),
          "cp2_dp2": (Layout(dp=2, cp=2), (2, 2, 1), None, "all", "rope", None),
          "cp2_tp2": (Layout(cp=2, tp=2), (1, 2, 2), None, "all", "rope", None),
+         "cp2_pp2": (Layout(pp=2, cp=2, microbatches=2), (1, 2, 1, 2), None, "all", "rope",
+                     None),
          "cp4_one_document": (Layout(cp=4), (1, 4, 1), None, "one", "rope", None),
          "cp2_learned": (Layout(cp=2), (1, 2, 1), [0, 1], "all", "learned", None),
          # the planted breaks
@@ -106,11 +109,14 @@ def run_case(topo, layout, batch, pos: str = "rope") -> dict:
     dp, i = topo.size("dp"), topo.index("dp")
     rows = batch["input_ids"].shape[0] // dp
     local = {k: v[i * rows:(i + 1) * rows] for k, v in batch.items()}
+    m = layout.microbatches or 1
+    mbs = [dict(zip(local, parts)) for parts in zip(*(v.split(rows // m)
+                                                      for v in local.values()))]
     topo.ledger.records.clear()
-    res = train_step(engine, [local], opt, topo, max_norm=0.0, zero_grad=False)
+    res = train_step(engine, mbs, opt, topo, max_norm=0.0, zero_grad=False)
     formula = step_bytes_formula(engine, topo, micro_steps=1, sequences=rows, seq_len=SEQ)
     return {"loss": res.loss, "tokens": res.tokens,
-            "local_tokens": count_items(shard_sequence(local, topo)),
+            "local_tokens": sum(count_items(shard_sequence(mb, topo)) for mb in mbs),
             "grads": {n: g.detach().clone() for n, g in engine.named_full_gradients().items()},
             "ledger": {t: topo.ledger.step_bytes(t) for t in ("cp_kv", "cp_dkv")},
             "formula": {t: formula.get(t, 0.0) for t in ("cp_kv", "cp_dkv")}}
@@ -137,10 +143,11 @@ def main(out: str) -> None:
     init_distributed("cpu", timeout_s=120)
     rank = dist.get_rank()
     topos = {}
-    for name, (layout, (dp, cp, tp), ranks, which, pos, tweak) in CASES.items():
-        key = (dp, cp, tp, tuple(ranks or range(4)))
+    for name, (layout, (dp, cp, tp, *pp), ranks, which, pos, tweak) in CASES.items():
+        key = (dp, cp, tp, *pp, tuple(ranks or range(4)))
         if key not in topos:
-            topos[key] = Topology(dp=dp, cp=cp, tp=tp, ranks=ranks or range(4), timeout_s=120)
+            topos[key] = Topology(pp=pp[0] if pp else 1, dp=dp, cp=cp, tp=tp,
+                                  ranks=ranks or range(4), timeout_s=120)
         topo = topos[key]
         if not topo.member:
             continue
