@@ -75,8 +75,27 @@ class Precision:
 
     @classmethod
     def from_config(cls, cfg) -> "Precision":
-        """From a run's config: ``--dtype`` and ``--reduce-dtype``."""
-        return cls.of(cfg.dtype, getattr(cfg, "reduce_dtype", "fp32"))
+        """From a run's config: ``--dtype``, ``--reduce-dtype``, ``--param-dtype`` and
+        ``--master-dtype`` (:meth:`stored`)."""
+        return cls.stored(getattr(cfg, "param_dtype", "fp32"),
+                          getattr(cfg, "master_dtype", "fp32"), compute=cfg.dtype,
+                          reduce=getattr(cfg, "reduce_dtype", "fp32"))
+
+    @classmethod
+    def stored(cls, param: str = "fp32", master: str = "fp32", *, compute: str = "fp32",
+               reduce: str = "fp32") -> "Precision":
+        """The record of a storage recipe: ``param`` "fp32" is :meth:`of`; ``param`` "bf16" with
+        ``master`` "fp32" is Megatron-LM's (bf16 parameters; fp32 gradients, master weights and
+        Adam state: 2 + 4 + 4 + 8 = 18 B/parameter), with ``master`` "none" the guide's FSDP2
+        recipe (the model built in bf16: parameters, gradients and Adam state bf16, no master
+        copy, 2 + 2 + 4 = 8 B/parameter; reduced in ``reduce``). bf16 storage computes in bf16."""
+        if param == "fp32":
+            return cls.of(compute, reduce)
+        if master == "fp32":
+            return cls(compute="bf16", param_dtype=param, master_dtype="fp32",
+                       reduce_dtype=reduce, name=param)
+        return cls(compute="bf16", param_dtype=param, grad_dtype=param, reduce_dtype=reduce,
+                   optim_dtype=param, name=f"{param}-pure")
 
     def with_compute(self, compute: str) -> "Precision":
         """The same record with another compute dtype."""

@@ -231,7 +231,7 @@ def _validate_layout(cfg: TrainConfig) -> None:
         else None, engine=cfg.engine, precision=Precision.from_config(cfg), seq_len=cfg.seq_len,
         device=resolve_device(cfg.device)[0],
         global_batch=cfg.global_batch, micro_batch=cfg.micro_batch,
-        layers_per_stage=cfg.stage_split() if cfg.pp > 1 else None)
+        layers_per_stage=cfg.stage_split() if cfg.pp > 1 else None, offload=cfg.offload)
 
 
 def _validate_ranges(cfg: TrainConfig) -> None:

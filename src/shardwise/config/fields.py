@@ -78,6 +78,11 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "fp32"  # fp32 | bf16 (autocast compute, fp32 master weights and grads)
     reduce_dtype: str = "fp32"  # fp32 | bf16: the dtype gradients are reduced in over dp
+    param_dtype: str = "fp32"  # fp32 | bf16: the dtype the parameters are stored in
+    master_dtype: str = "fp32"  # --param-dtype bf16: fp32 (fp32 master weights, gradients and
+    # optimizer state: Megatron's 18 B/parameter) | none (bf16 parameters, gradients and state)
+    offload: str = "none"  # none | optimizer (state, master weights, the step on the host) |
+    # params (and the parameter shards between uses)
     ac: str = "none"  # activation checkpointing per block: none | selective | full
     compile: bool = False  # torch.compile each transformer block (models/compile.py)
     peak_tflops: float = 0.0  # MFU: peak dense TFLOP/s of one GPU / CPU core (0 = table/probe)
@@ -184,6 +189,9 @@ CHOICES = {
     "task": ("lm", "sft", "dpo"),
     "device": ("auto", "cpu", "cuda"),
     "reduce_dtype": ("fp32", "bf16"),
+    "param_dtype": ("fp32", "bf16"),
+    "master_dtype": ("fp32", "none"),
+    "offload": ("none", "optimizer", "params"),
     "optimizer": ("adamw", "muon"),
     "ac": ("none", "selective", "full"),
     "check_collectives": ("off", "step", "every"),

@@ -69,6 +69,11 @@ FLAG_HELP = {
     "seed": "seed of the initialisation and the data order",
     "dtype": "compute dtype: fp32, or bf16 autocast with fp32 master weights",
     "reduce_dtype": "dtype gradients are reduced in over dp",
+    "param_dtype": "dtype the parameters are stored in (bf16: see --master-dtype)",
+    "master_dtype": "with --param-dtype bf16: fp32 master weights, gradients and optimizer "
+                    "state (Megatron), or none (everything bf16, the guide's FSDP recipe)",
+    "offload": "host memory for the optimizer state and master weights (optimizer; the step "
+               "runs there), and for the parameter shards too (params)",
     "ac": "activation checkpointing per block",
     "compile": "torch.compile each transformer block",
     "peak_tflops": "MFU: peak dense TFLOP/s of one device (0 = table value or CPU probe)",

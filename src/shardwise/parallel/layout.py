@@ -25,6 +25,7 @@ import dataclasses
 from ..errors import ShardwiseConfigError
 from ..precision import FP32, Precision
 from ..topology import check_dp_replicate
+from .storage import check_storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +117,8 @@ class Layout:
               precision: Precision = FP32, seq_len: int | None = None,
               global_batch: int | None = None, micro_batch: int | None = None,
               layers_per_stage: list[int] | None = None,
-              composition: str | None = None, device: str | None = None) -> None:
+              composition: str | None = None, device: str | None = None,
+              offload: str = "none") -> None:
         """Raise :class:`ShardwiseConfigError` (no collective) unless this layout can run.
 
         ``model_cfg``: the model's config (``LlamaConfig`` / ``MLPConfig``) when no module exists
@@ -166,6 +168,7 @@ class Layout:
         _check_torch_cp(self, engine)
         pipeline = self.pp > 1 or composition == "pp"
         _check_zero_pipeline(self, pipeline)
+        check_storage(self, precision, offload, engine)  # .storage
         # 2. the topology
         if topo is not None:
             _check_topology(self, topo)
