@@ -229,6 +229,20 @@ class ParallelModel(nn.Module):
         return full_state(self.dp_optimizer_state(optimizer), dict(self.named_params()),
                           self.topo, self._views_cache)
 
+    def held_boxes(self, optimizer=None) -> list:
+        """Every box of a full-shape tensor this rank holds (:class:`.boxes.Box`: checkpoint
+        key, the values as a view, the full shape, the offsets): the sync's pieces
+        (:meth:`.sync.Sync.dp_pieces`: whole tensors, ZeRO's flat slices, DTensor shards) of
+        the parameters and, given ``optimizer``, of its state, put in the full shape by each
+        parameter's placement (:func:`.boxes.full_boxes`: tp chunk, ep experts, padding cut).
+        No collective, no copy: what a shard-by-shard checkpoint writes. A box held by several
+        ranks (replicas over dp, cp, tp or a tied copy) is listed on each of them."""
+        from .boxes import full_boxes
+
+        params = dict(self.named_params())
+        return [b for piece in self.grad_sync.dp_pieces(optimizer)
+                for b in full_boxes(piece, params[piece.fqn], self.topo)]
+
     def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
         """Set ``optimizer``'s state from :meth:`full_optimizer_state`'s form (possibly saved
         under another layout): :func:`.views.local_state` (tp), then

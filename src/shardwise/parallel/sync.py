@@ -175,6 +175,20 @@ class Sync(Protocol):
         for n, p in self.named_params():
             optimizer.state[p] = local[n]
 
+    def dp_pieces(self, optimizer=None) -> list:
+        """What this rank holds, no collective and no copy (a shard-by-shard checkpoint's
+        source): a :class:`.boxes.Piece` per parameter and per tensor of its optimizer state
+        (``optimizer`` None: the parameters only), in the tp-local shape. Here the whole
+        tensors (DTensors stay DTensors: FSDP2 shards and DTensor TP carry their boxes); ZeRO:
+        its flat slices (:func:`.zero.flat.flat_pieces`)."""
+        from .boxes import Piece
+
+        out = [Piece("model", n, p.detach()) for n, p in self.named_params()]
+        if optimizer is not None:
+            out += [Piece(k, n, v) for n, st in self.dp_optimizer_state(optimizer).items()
+                    for k, v in st.items() if torch.is_tensor(v)]
+        return out
+
 
 class NoSync(Sync):
     """The gradient sync of a layout whose data axis has one rank (tp only): nothing to

@@ -76,6 +76,13 @@ class StageZero1(Sync):
     def dp_load_optimizer_state(self, optimizer, local: dict[str, dict]) -> None:
         load_optimizer_state(self.flats, optimizer, local)
 
+    def dp_pieces(self, optimizer=None) -> list:
+        """The stage's whole parameters (frozen ones too; replicas write once), the optimizer
+        state of this rank's slices (:func:`..boxes.flat_pieces`)."""
+        from ..boxes import flat_pieces
+
+        return Sync.dp_pieces(self) + flat_pieces(self.flats, optimizer, params=False)
+
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
                       precision: Precision = FP32) -> dict[str, float]:
         """``grad`` and ``param`` of the module docstring, each buffer over its own axis."""

@@ -317,6 +317,13 @@ class ZeroSync(Sync):
         """Cut full-shape state to this rank's pieces (:func:`.flat.load_optimizer_state`)."""
         load_optimizer_state(self.units, optimizer, state)
 
+    def dp_pieces(self, optimizer=None) -> list:
+        """This rank's slices of the parameters and their state (:func:`..boxes.flat_pieces`:
+        the same for ZeRO-1/2/3 and HSDP, no collective)."""
+        from ..boxes import flat_pieces
+
+        return flat_pieces(self.units, optimizer)
+
     # -- accounting -----------------------------------------------------------------------------
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
         """:func:`..params.storage_state_bytes`: ``params`` (ZeRO-1/2 the full flat buffers; ZeRO-3
