@@ -119,9 +119,11 @@ def _pipeline(model: nn.Module, topo, layout: Layout, build, values: Values, opt
     """pp > 1: this rank's stage (:class:`~.pp.StageModule`, its v chunks; every pp rank's
     stages start as pp index 0's plain model), the same TP as pp = 1 on the stage (``build``'s
     ``stage_tensor``), its values (a meta model's: this rank's part, then the tied draw), the
-    stage's gradient sync over dp (whole gradients after the schedule: :class:`~.dp.
-    DataParallel` without overlap; ZeRO-1 :class:`~.zero.stage_zero1.StageZero1`; none when the
-    data axis has one rank), the finishers in the pipeline's order (DTensor TP: the gradients'
+    tied copy made equal to the first stage's (before the sync: ZeRO-3 frees whole
+    parameters), the stage's gradient sync over dp (whole gradients reduced after the
+    schedule: :class:`~.dp.DataParallel` without overlap; ZeRO-1 :class:`~.zero.stage_zero1.
+    StageZero1`; ZeRO-2/3 and HSDP over the stage's units, :mod:`.zero.stage_zero`; none when
+    the data axis has one rank), the finishers in the pipeline's order (DTensor TP: the gradients'
     placements; the tied swap; with SP the sum over tp on whole gradients; then the sync) and
     the runner of the schedule (``build.runner``). Options as :func:`parallelize`."""
     from .params import mark_duplicate
@@ -137,10 +139,10 @@ def _pipeline(model: nn.Module, topo, layout: Layout, build, values: Values, opt
     values.local(stage, fqn=stage.fqn, after=stage.replay_tied_draw)  # after the init's draws
     if stage.tied_output is not None:
         mark_duplicate(stage.tied_output)  # reduced over dp like the others, counted once
+    tied = TiedSwap(stage, topo)  # before the sync: ZeRO-3 frees the whole parameters
+    values.start_equal(tied.copy_initial)  # a meta model's last stage: from the same tensor
     sync = build.stage_sync(stage, topo, layout, options)
     values.fill(sync)
-    tied = TiedSwap(stage, topo)
-    values.start_equal(tied.copy_initial)  # a meta model's last stage: from the same tensor
     finishers += [tied] + ([build.stage_sp(stage, topo, sync)] if tp > 1 and sp else [])
     finishers.append(sync.finish_gradient_sync)
     runner = build.runner(stage, topo, layout, v, loss_fn, loss_context, tp if sp else 1)
