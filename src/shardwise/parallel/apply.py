@@ -44,6 +44,7 @@ from .layout import Layout, check_supported, parse_layout
 from .loss import PlainLoss
 from .materialize import Values
 from .model import ParallelModel
+from .storage import arm_main_grads, store_parameters
 
 __all__ = ["Layout", "check_supported", "dp_sync", "parallelize", "parse_layout"]
 
@@ -52,13 +53,16 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
                 engine: str = "explicit", bucket_mb: float = 25.0, overlap: bool = True,
                 prefetch: bool = True, reshard_after_forward: bool = True,
                 layers_per_stage: list[int] | None = None, seed: int = 0,
-                precision: Precision = FP32, weights=None, numerics=()) -> nn.Module:
+                precision: Precision = FP32, weights=None, numerics=(),
+                offload: str = "none") -> nn.Module:
     """Return ``model`` wrapped for ``layout`` (default: the degrees of ``topo``) by ``engine``
     ("explicit" | "torch"), by the steps of the module docstring; ``model`` may be converted in
     place: use the returned engine's ``.module`` afterwards. ``bucket_mb``/``overlap``: DP
     gradient buckets; ``prefetch``/``reshard_after_forward``: ZeRO-3 / FSDP2;
     ``layers_per_stage``: an explicit pipeline split; ``seed``: TP dropout RNG; ``precision``:
-    the run's :class:`~shardwise.precision.Precision` (held by the engine); ``weights``: (name,
+    the run's :class:`~shardwise.precision.Precision` (held by the engine; its storage dtype
+    cast in, with fp32 main gradients under Megatron's recipe: :mod:`.storage`); ``offload``:
+    "none" | "optimizer" (held by the engine: its optimizer's state on the host); ``weights``: (name,
     full tensor) for a model built on the meta device (:mod:`.materialize`); ``numerics``:
     callables applied in order to the model before TP. Raises :class:`ShardwiseConfigError`
     for a layout that cannot run (on every rank, before any collective), ``ValueError`` for an
@@ -68,7 +72,9 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     build = ENGINES[engine]
     layout = layout or Layout(dp=topo.size("dp"), tp=topo.size("tp"), pp=topo.size("pp"),
                               cp=topo.size("cp"), ep=topo.size("ep"))
-    layout.check(model=model, topo=topo, engine=engine, precision=precision)  # 0.
+    layout.check(model=model, topo=topo, engine=engine, precision=precision,
+                 offload=offload)  # 0.
+    store_parameters(model, precision)  # bf16 storage: the parameters cast in place
     values = Values(model, weights, topo, whole=not build.takes_meta(layout))
     options = dict(bucket_mb=bucket_mb, overlap=overlap, prefetch=prefetch,
                    reshard_after_forward=reshard_after_forward, precision=precision)
@@ -77,12 +83,13 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
         return _pipeline(model, topo, layout, build, values, options,
                          layers_per_stage=layers_per_stage, seed=seed)
     loss_fn, traffic = build.tensor(model, topo, layout, seed=seed, values=values)  # 3.
+    arm_main_grads(model, precision)  # Megatron's recipe: fp32 main gradients (.storage)
     sync = build.sync(model, topo, layout, options, values)  # 4.
     values.fill(sync)
     finishers = [sync.finish_gradient_sync] + build.sp_finishers(model, topo, layout, sync)  # 5.
     return ParallelModel(model, topo, loss_fn=loss_fn or PlainLoss(sync.forward_module),
                          grad_sync=sync, finishers=finishers, traffic=traffic, sp=layout.sp,
-                         precision=precision)
+                         precision=precision, offload=offload)
 
 
 def transform(model: nn.Module, topo, layout: Layout, build, numerics=()) -> None:

@@ -34,6 +34,7 @@ from ..comm.ledger import ring_bytes
 from ..errors import ShardwiseConfigError
 # the dtype gradients are reduced in: the one table and its rule (re-exported here)
 from ..precision import REDUCE_DTYPES, reduce_bytes, reduce_torch_dtype  # noqa: F401
+from .storage import grad_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +212,7 @@ def counted_grads(params, topo, *, skip=()) -> list[tuple[torch.Tensor, bool]]:
     skipped = {id(p) for p in skip}
     out = []
     for p in dict.fromkeys(params):
-        g = p.grad
+        g = grad_of(p)  # bf16 storage: the fp32 main gradient (.storage)
         if g is None:
             continue
         sharded = tp_sharded(g) if is_dtensor(g) else tp_sharded(p)
@@ -228,7 +229,7 @@ def held_of(params, topo, *, skip=()) -> Held:
     params = list(dict.fromkeys(params))
     sliced = []
     for p in params:
-        g = p.grad
+        g = grad_of(p)
         if g is not None and is_dtensor(g):
             for name, pl in zip(g.device_mesh.mesh_dim_names or (), g.placements):
                 if name != "tp" and not (pl.is_replicate() or pl.is_partial()):
@@ -292,10 +293,13 @@ def sum_coalesced_(tensors: list[torch.Tensor], topo, axis: str, *, tag: str,
 def grads_or_zeros(params) -> list[torch.Tensor]:
     """Each parameter's ``.grad``, created as zeros where backward left none (a parameter this
     rank's micro-batches did not reach still takes part in the collective)."""
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    return [local(p.grad) for p in params]
+    for p in params:  # bf16 storage: the fp32 main gradient (.storage.grad_of)
+        if grad_of(p) is None:
+            if hasattr(p, "main_grad"):
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            else:
+                p.grad = torch.zeros_like(p)
+    return [local(grad_of(p)) for p in params]
 
 
 def local_state_bytes(params, optimizer=None) -> dict[str, int]:
@@ -308,7 +312,7 @@ def local_state_bytes(params, optimizer=None) -> dict[str, int]:
 
     params = list(dict.fromkeys(params))
     out = {"params": sum(nbytes(p) for p in params),
-           "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
+           "grads": sum(nbytes(grad_of(p)) for p in params if grad_of(p) is not None),
            "optimizer": 0}
     if optimizer is not None:
         for state in optimizer.state.values():

@@ -160,7 +160,9 @@ class Sync(Protocol):
     def dp_gradients(self) -> dict[str, torch.Tensor]:
         """{FQN: summed gradient in this rank's tp-local shape} (ZeRO: its slices gathered over
         dp)."""
-        return {n: p.grad for n, p in self.named_params() if p.grad is not None}
+        from .storage import grad_of
+
+        return {n: grad_of(p) for n, p in self.named_params() if grad_of(p) is not None}
 
     def dp_optimizer_state(self, optimizer) -> dict[str, dict]:
         """{FQN: {state key: value}} with tensors in this rank's tp-local parameter shape (ZeRO:

@@ -269,7 +269,7 @@ def setup(cfg: TrainConfig) -> Run:
                            overlap=cfg.overlap, prefetch=cfg.prefetch,
                            reshard_after_forward=cfg.reshard_after_forward,
                            layers_per_stage=cfg.stage_split(), seed=cfg.seed,
-                           precision=Precision.from_config(cfg),
+                           precision=Precision.from_config(cfg), offload=cfg.offload,
                            weights=weights if m is model else ref_weights)
 
     engine = parallelize_as_configured(model, Layout.from_config(cfg))

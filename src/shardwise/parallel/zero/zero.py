@@ -53,6 +53,7 @@ from ..sync import Sync
 from ...precision import FP32, Precision
 from ..params import (Held, ReduceGroup, reduce_groups, storage_state_bytes,
                       sum_coalesced_, tp_sharded)
+from ..storage import main_grad_dtype
 from .flat import (FlatShards, gather_named, gather_optimizer_state, load_optimizer_state,
                    sharded_optimizer)
 from .formulas import units_memory_formula, units_step_bytes_formula, validate_zero
@@ -120,7 +121,8 @@ class ZeroSync(Sync):
         groups = split_experts(named_units, topo)
         self.units = [FlatShards(g.items, topo, keep_full_grad=stage == 1, reduce_torch=rdtype,
                                  name=name, module=mod, axis=g.axis,
-                                 replicate_axis=g.replicate_axis, deferred=deferred)
+                                 replicate_axis=g.replicate_axis, deferred=deferred,
+                                 grad_torch=main_grad_dtype(precision))
                       for name, mod, g in groups]
         self.deferred = deferred  # the values come later, the same on every rank (fill)
         with topo.ledger.phase("init"):
@@ -332,6 +334,7 @@ class ZeroSync(Sync):
         ``total``."""
         params = [p for u in self.units for p in u.params] + [u.shard for u in self.units]
         grads = ([p.grad for u in self.units for p in u.params]
+                 + [getattr(p, "main_grad", None) for u in self.units for p in u.params]
                  + [u.shard_grad for u in self.units])
         return storage_state_bytes(params, grads, optimizer)
 
