@@ -1,5 +1,6 @@
-"""Writing checkpoints: :class:`Checkpointer` (full-shape, atomic ``.tmp`` → rename, never a
-non-finite state, optional async save over its own gloo group, ``--keep`` rotation) and
+"""Writing checkpoints: :class:`Checkpointer` (shard by shard into full-shape tensors, atomic
+``.tmp`` → rename, never a non-finite state, optional async save over its own gloo group,
+``--keep`` rotation) and
 :func:`save_checkpoint` for one-off saves. The format: :mod:`shardwise.checkpoint.format`.
 """
 
@@ -66,10 +67,12 @@ class Checkpointer:
         """Write checkpoint ``step`` (collective over ``topo``'s world). Returns the final folder
         (with ``async_save``, it exists once :meth:`wait` returns).
 
-        Gathers ``engine.named_full_parameters()`` and ``engine.full_optimizer_state`` (both
-        collective for sharded engines; ledger phase ``checkpoint``). An engine whose optimizer
-        state does not come back in full parameter shape is saved without it
-        (``meta.json: "optimizer_saved": false``, with a warning) rather than with wrong shapes.
+        Shard by shard: each rank writes the boxes it holds (``engine.held_boxes(optimizer)``:
+        views, no gather, no copy) as chunks of the full-shape tensors (:func:`dcp_state`); a
+        box several ranks hold is written once (DCP's ``dedup_save_plans``). Collective only
+        for the flags below and DCP's plan exchange (ledger phase ``checkpoint``). Optimizer
+        state that is not in its parameter's shape is saved without it (``meta.json:
+        "optimizer_saved": false``, with a warning) rather than with wrong shapes.
 
         Raises (on every rank alike):
             DivergedError: a parameter or optimizer tensor on some rank is NaN/inf: nothing is
@@ -111,7 +114,7 @@ class Checkpointer:
                                 "restarts AdamW's moments")
                 boxes = [b for b in boxes if b.key.startswith("model.")]
             if self.async_save:  # a private copy: training goes on mutating the live tensors
-                boxes = [b._replace(tensor=b.tensor.clone()) for b in boxes]
+                boxes = [b._replace(tensor=b.tensor.to("cpu", copy=True)) for b in boxes]
             state = dcp_state(boxes)
             failed = None
             if self.is_writer:  # a stale .tmp of an interrupted save of the same step
