@@ -131,7 +131,7 @@ class Layout:
         ``global_batch`` (sequences per step, all replicas) and ``micro_batch`` (sequences per
         micro-batch), given together with a model: the pipeline's microbatches and split are
         checked (``layers_per_stage``: an explicit split). ``composition``: "pp" when a
-        pipeline engine calls, built directly (ZeRO 0 or 1, whatever pp is). ``device``: the
+        pipeline engine calls, built directly (its ZeRO-2/3 rule whatever pp is). ``device``: the
         device type the layout will run on (default: the topology's; CP's torch engine needs
         CUDA).
 

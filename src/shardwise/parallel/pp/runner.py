@@ -203,7 +203,7 @@ class ScheduleRunner:
         :class:`~shardwise.parallel.model.ParallelModel` this runner is part of): the runner's
         ``pp_fwd``/``pp_bwd``, each finisher's term (``tied``), the norm's fp64 scalar over the
         derived axes (tp, the sync's sliced axes, ep, pp: :meth:`..params.Held.norm_axes`), the
-        sync's ``grad`` (and ZeRO-1's ``param``), tp's terms for the stage's blocks
+        sync's ``grad`` (and ZeRO's ``param``, HSDP's ``grad_replicate``), tp's terms for the stage's blocks
         (``tp_fwd``/``tp_bwd``/``ce``, ``sp_grad``). Derivation: docs/composition.md,
         "Pipelines composed"."""
         args = (micro_steps, sequences, seq_len, precision)
