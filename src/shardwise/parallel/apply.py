@@ -74,7 +74,6 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
                               cp=topo.size("cp"), ep=topo.size("ep"))
     layout.check(model=model, topo=topo, engine=engine, precision=precision,
                  offload=offload)  # 0.
-    store_parameters(model, precision)  # bf16 storage: the parameters cast in place
     values = Values(model, weights, topo, whole=not build.takes_meta(layout))
     options = dict(bucket_mb=bucket_mb, overlap=overlap, prefetch=prefetch,
                    reshard_after_forward=reshard_after_forward, precision=precision)
@@ -83,9 +82,13 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
         return _pipeline(model, topo, layout, build, values, options,
                          layers_per_stage=layers_per_stage, seed=seed)
     loss_fn, traffic = build.tensor(model, topo, layout, seed=seed, values=values)  # 3.
-    arm_main_grads(model, precision)  # Megatron's recipe: fp32 main gradients (.storage)
+    stored = precision.param_dtype != "fp32"
+    if stored:  # bf16 storage (.storage): cast before the sync's buffers take the parameters
+        store_parameters(model, precision)
     sync = build.sync(model, topo, layout, options, values)  # 4.
     values.fill(sync)
+    if stored:  # Megatron's recipe: fp32 main gradients, once the values are in place
+        arm_main_grads(model, precision)
     finishers = [sync.finish_gradient_sync] + build.sp_finishers(model, topo, layout, sync)  # 5.
     return ParallelModel(model, topo, loss_fn=loss_fn or PlainLoss(sync.forward_module),
                          grad_sync=sync, finishers=finishers, traffic=traffic, sp=layout.sp,

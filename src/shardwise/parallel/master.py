@@ -26,7 +26,8 @@ import torch
 from torch.optim.adamw import adamw
 
 from ..comm.offload import D2H, H2D, copy_booked_, host_empty
-from .storage import clear_main_grads, grad_of
+from .params import grad_of
+from .storage import clear_main_grads
 
 KEYS = ("exp_avg", "exp_avg_sq", "master")
 

@@ -43,9 +43,9 @@ from torch import nn
 
 from ..precision import FP32, Precision
 from .loss import PlainLoss
-from .params import grad_norm_
 from .runner import NoPipelining
-from .storage import arm_main_grads, grad_of, store_parameters
+from .params import grad_norm_, grad_of
+from .storage import store
 from .sync import NoSync
 from .views import full_named, full_state, local_state
 
@@ -267,8 +267,7 @@ class Local(ParallelModel):
     :func:`~.apply.parallelize` gives a layout: the reference with the same storage."""
 
     def __init__(self, module: nn.Module, precision: Precision = FP32, offload: str = "none"):
-        store_parameters(module, precision)
-        arm_main_grads(module, precision)
+        store(module, precision)
         super().__init__(module, None, loss_fn=PlainLoss(module), grad_sync=NoSync(module, None),
                          precision=precision, offload=offload)
 

@@ -9,17 +9,20 @@ accumulation over micro-batches and the dp reduction run in fp32; the optimizer
 (:class:`~.master.MasterAdamW`) steps fp32 master weights with it and writes them back rounded
 to bf16. The gradient syncs, the norm and the optimizer read a parameter's gradient through
 :func:`grad_of` and write a reduced one through :func:`set_grad_`, so every layout gets the
-recipe from these three functions. Derivation and accuracy: docs/precision-memory-mfu.md,
+recipe from these (they live in :mod:`.params`, beside the other per-parameter rules). Derivation and accuracy: docs/precision-memory-mfu.md,
 "bf16 storage"; parity rule: docs/parity.md.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
 
 from ..errors import ShardwiseConfigError
 from ..precision import Precision
+from .params import fold_grad_
 
 OFFLOADS = ("none", "optimizer", "params")
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -58,13 +61,14 @@ def storage_dtype(precision: Precision) -> torch.dtype:
 def main_grads(precision: Precision) -> bool:
     """Whether gradients are accumulated in another dtype than the parameters are stored in
     (Megatron's recipe: bf16 parameters, fp32 main gradients)."""
-    return precision.grad_dtype != precision.param_dtype
+    return precision.main_grad_torch is not None
 
 
-def main_grad_dtype(precision: Precision) -> torch.dtype | None:
-    """The dtype of a sync's gradient buffers under ``precision``: fp32 where
-    :func:`main_grads`, else None (the parameters' own)."""
-    return torch.float32 if main_grads(precision) else None
+def store(module: nn.Module, precision: Precision) -> None:
+    """bf16 storage of ``module`` (after its transforms, before its gradient sync is built):
+    :func:`store_parameters`, then :func:`arm_main_grads`."""
+    store_parameters(module, precision)
+    arm_main_grads(module, precision)
 
 
 @torch.no_grad()
@@ -83,63 +87,19 @@ def store_parameters(module: nn.Module, precision: Precision) -> None:
 def arm_main_grads(module: nn.Module, precision: Precision) -> None:
     """Megatron's recipe: give every trainable parameter of ``module`` an fp32 main gradient
     (``p.main_grad``, None = zero) and a post-accumulate-grad hook that folds each backward's
-    ``.grad`` into it (:func:`fold_grad_`). Hook order does not matter: a sync that reads a
-    gradient first folds it itself (:func:`grad_of`). Nothing unless :func:`main_grads`."""
+    ``.grad`` into it (:func:`.params.fold_grad_`). Hook order does not matter: a sync that
+    reads a gradient folds it first (:func:`.params.grad_of`), so this runs after the sync is
+    built and the values are in (a meta model's parameters are new objects then). Nothing
+    unless :func:`main_grads`."""
     if not main_grads(precision):
         return
     for p in dict.fromkeys(module.parameters()):
-        if p.requires_grad and not hasattr(p, "main_grad"):
-            p.main_grad = None
+        # once per parameter object (a meta model's are replaced, attributes copied, hooks not)
+        if p.requires_grad and getattr(p, "_folded_by", lambda: None)() is not p:
+            if not hasattr(p, "main_grad"):
+                p.main_grad = None
             p.register_post_accumulate_grad_hook(fold_grad_)
-
-
-@torch.no_grad()
-def fold_grad_(p) -> None:
-    """``p.main_grad += p.grad`` in fp32 (created from it when None), then ``p.grad = None``:
-    one micro-batch's bf16 gradient into the fp32 accumulator. Nothing for a parameter without
-    a main gradient or without ``.grad``."""
-    g = p.grad
-    if g is None or not hasattr(p, "main_grad"):
-        return
-    if p.main_grad is None:
-        p.main_grad = g.to(torch.float32)
-    else:
-        p.main_grad.add_(g)
-    p.grad = None
-
-
-def grad_of(p):
-    """The gradient a sync, the norm and the optimizer read: the fp32 main gradient of a
-    parameter that has one (folded first), else ``.grad`` (None: no gradient)."""
-    if hasattr(p, "main_grad"):
-        fold_grad_(p)
-        return p.main_grad
-    return p.grad
-
-
-def set_grad_(p, value: torch.Tensor) -> None:
-    """Write a reduced gradient ``value`` back: into ``p.main_grad`` (fp32, allocated when
-    None) or ``.grad`` (allocated when None; cast to the parameter's dtype)."""
-    if hasattr(p, "main_grad"):
-        if p.main_grad is None:
-            p.main_grad = torch.empty(p.shape, dtype=torch.float32, device=p.device)
-        p.main_grad.copy_(value.view_as(p.main_grad))
-        return
-    from .params import local
-
-    if p.grad is None:
-        p.grad = torch.zeros_like(p)
-    local(p.grad).copy_(value)
-
-
-def attach_grad_(p, view: torch.Tensor) -> None:
-    """Make ``view`` (of a flat gradient buffer) ``p``'s gradient: its ``main_grad`` when ``p``
-    has one or ``view``'s dtype is not ``p``'s (a bf16 ZeRO slice over fp32 main gradients),
-    else its ``.grad`` (autograd then accumulates into ``view`` in place)."""
-    if hasattr(p, "main_grad") or view.dtype != p.dtype:
-        p.grad, p.main_grad = None, view
-    else:
-        p.grad = view
+            p._folded_by = weakref.ref(p)
 
 
 def clear_main_grads(params) -> None:
@@ -169,3 +129,49 @@ def offload_bytes_formula(engine) -> dict[str, float]:
         return {}
     n, p = optimized_numel(engine.grad_sync), engine.precision
     return {"offload_d2h": float(n * p.grad), "offload_h2d": float(n * p.param)}
+
+
+RECIPES = {  # (param_dtype, master_dtype) → the recipe's words
+    ("fp32", None): "fp32 parameters, gradients and AdamW state",
+    ("bf16", "fp32"): "bf16 parameters; fp32 main gradients, master weights and AdamW state "
+                      "(Megatron-LM's recipe)",
+    ("bf16", None): "bf16 parameters, gradients and AdamW state, no master copy (the guide's "
+                    "FSDP recipe)"}
+
+
+def storage_memory_formula(engine) -> dict[str, dict[str, float]] | None:
+    """{"device": {"params", "grads", "optimizer", "total"}, "host": {...}} model-state bytes
+    of this rank by the formula: the engine's ``memory_formula`` (fp32 counts, ZeRO paper
+    §5.1–5.3) read as element counts (4 B per parameter and gradient, 8 B per optimizer
+    element) and priced in ``engine.precision``'s bytes (parameter, gradient, master + m + v);
+    ``--offload optimizer`` puts the optimizer part on the host. None without a closed form."""
+    f = engine.memory_formula()
+    if f is None:
+        return None
+    p = engine.precision
+    dev = {"params": f["params"] / 4 * p.param, "grads": f["grads"] / 4 * p.grad,
+           "optimizer": f["optimizer"] / 8 * p.optim}
+    host = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    if getattr(engine, "offload", "none") != "none":
+        host["optimizer"], dev["optimizer"] = dev["optimizer"], 0.0
+    for d in (dev, host):
+        d["total"] = d["params"] + d["grads"] + d["optimizer"]
+    return {"device": dev, "host": host}
+
+
+def describe_storage(engine) -> list[str]:
+    """Start-up lines: the storage recipe, its bytes per parameter and, by
+    :func:`storage_memory_formula`, this rank's model state on the device and on the host."""
+    p, offload = engine.precision, getattr(engine, "offload", "none")
+    words = RECIPES.get((p.param_dtype, p.master_dtype), p.name)
+    b = f"{p.param} + {p.grad} + {p.optim} = {p.param + p.grad + p.optim} B/parameter"
+    lines = [f"  storage: {words}: {b}" + (f"; --offload {offload}: master, m, v and the AdamW "
+                                           "step in host memory" if offload != "none" else "")]
+    mem = storage_memory_formula(engine)
+    if mem is not None:
+        d, h = mem["device"], mem["host"]
+        lines.append(f"  model state per rank (formula): device {d['total'] / 2**20:,.2f} MiB "
+                     f"(parameters {d['params'] / 2**20:,.2f}, gradients "
+                     f"{d['grads'] / 2**20:,.2f}, optimizer {d['optimizer'] / 2**20:,.2f}), "
+                     f"host {h['total'] / 2**20:,.2f} MiB")
+    return lines

@@ -17,7 +17,8 @@ from torch import nn
 
 from ..precision import FP32, Precision
 from .muon import Muon, Orthogonalizer
-from .params import Held, held_of, grads_or_zeros, local_state_bytes, sum_coalesced_, tp_sharded
+from .params import (Held, grad_of, held_of, grads_or_zeros, local_state_bytes,
+                     sum_coalesced_, tp_sharded)
 
 
 class Sync(Protocol):
@@ -160,8 +161,6 @@ class Sync(Protocol):
     def dp_gradients(self) -> dict[str, torch.Tensor]:
         """{FQN: summed gradient in this rank's tp-local shape} (ZeRO: its slices gathered over
         dp)."""
-        from .storage import grad_of
-
         return {n: grad_of(p) for n, p in self.named_params() if grad_of(p) is not None}
 
     def dp_optimizer_state(self, optimizer) -> dict[str, dict]:

@@ -327,7 +327,11 @@ def setup(cfg: TrainConfig) -> Run:
     flops_step = step_flops(model_cfg, cfg.global_batch, seq)
     peak, peak_src = peak_flops(topo.device, cfg.dtype, cfg.peak_tflops)
     n_peak = peak_devices(topo.device, topo.world_size)  # CPU: ranks sharing a core share it
-    log.info(f"  precision: compute {cfg.dtype}, master weights/gradients/AdamW state fp32, "
+    from ..parallel.storage import describe_storage
+
+    for line in describe_storage(engine):  # --param-dtype, --master-dtype, --offload
+        log.info(line)
+    log.info(f"  precision: compute {engine.precision.compute}, "
              f"gradient reduction {cfg.reduce_dtype}; activation checkpointing: {cfg.ac}; "
              f"{flops_step / 1e9:,.2f} GFLOP per step (6·N + 12·L·d·s per token); peak "
              f"{peak / 1e12:.3f} TFLOP/s × {n_peak} "

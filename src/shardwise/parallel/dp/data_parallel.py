@@ -32,8 +32,8 @@ from torch import nn
 from ... import comm
 from ..sync import Sync
 from ...precision import FP32, Precision
-from ..params import Held, broadcast_replicas, local, norm_bytes, reduce_groups
-from ..storage import grad_of, set_grad_
+from ..params import (Held, broadcast_replicas, grad_of, local, norm_bytes, reduce_groups,
+                      set_grad_)
 
 class _Bucket:
     """Consecutive parameters (in backward order) whose gradients travel in one flat buffer

@@ -39,8 +39,7 @@ from torch import nn
 
 from ... import comm
 from ...errors import ShardwiseConfigError
-from ..params import tp_sharded
-from ..storage import attach_grad_, grad_of
+from ..params import attach_grad_, grad_of, tp_sharded
 
 
 # -- one group's flat buffers ---------------------------------------------------------------------

@@ -53,7 +53,6 @@ from ..sync import Sync
 from ...precision import FP32, Precision
 from ..params import (Held, ReduceGroup, reduce_groups, storage_state_bytes,
                       sum_coalesced_, tp_sharded)
-from ..storage import main_grad_dtype
 from .flat import (FlatShards, gather_named, gather_optimizer_state, load_optimizer_state,
                    sharded_optimizer)
 from .formulas import units_memory_formula, units_step_bytes_formula, validate_zero
@@ -122,7 +121,7 @@ class ZeroSync(Sync):
         self.units = [FlatShards(g.items, topo, keep_full_grad=stage == 1, reduce_torch=rdtype,
                                  name=name, module=mod, axis=g.axis,
                                  replicate_axis=g.replicate_axis, deferred=deferred,
-                                 grad_torch=main_grad_dtype(precision))
+                                 grad_torch=precision.main_grad_torch)
                       for name, mod, g in groups]
         self.deferred = deferred  # the values come later, the same on every rank (fill)
         with topo.ledger.phase("init"):
