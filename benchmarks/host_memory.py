@@ -30,7 +30,8 @@ model). Exit 1 when a rank of a ``meta`` run exceeds 1.2 × it.
 steps, then the final save and sample), 4 ranks, the folder written with the byte tokenizer
 (vocabulary 257) so that train can read it. ``train`` records each phase's peak apart
 (``host_memory.json`` "phases", :func:`shardwise.train.device.phase_peaks`: the peak RSS,
-reset between phases; on CUDA also ``max_memory_allocated``, the device; on CPU the device
+reset between phases, and the RSS where each window starts, so "save's own" = the save's peak
+minus the RSS it started from; on CUDA also ``max_memory_allocated``, the device; on CPU the device
 *is* the host, and only the host is reported). Held to, per rank: the save's peak ≤ the
 steps' peak + the largest tensor (4 bytes an element: a save holds one tensor more, at most),
 and the whole run's peak ≤ a ``tiny`` run's floor + 2 × the model's bytes (ZeRO-3, tp or pp
@@ -223,30 +224,34 @@ def run_mode(a, extra: list[str], base: Path, name: str, sets: dict) -> int:
             ph = {k: v["host"][r] for k, v in big.items()}
             dev = ({k: v["device"][r] for k, v in big.items()}
                    if big["startup"].get("device") else None)
+            # what the save itself added: its peak over the RSS it started from
+            save_own = ph["save"] - big["steps"]["host_now"][r]
             run_peak = max(ph.values())
             save_ok = ph["save"] <= ph["steps"] + one
             run_ok = run_peak - floor <= 2 * model
             ok &= save_ok and run_ok
             rows.append(dict(layout=layout, rank=r, floor=floor, phases=ph, device=dev,
+                             save_own=save_own,
                              above_floor=(run_peak - floor) / model, save_ok=save_ok,
                              run_ok=run_ok))
     print(f"{name}: Ψ = {psi:,} parameters ({model / 2**20:,.0f} MiB fp32), largest tensor "
           f"{one / 2**20:,.0f} MiB; floor: a tiny run's peak, same layout; "
           f"{'device = host (CPU)' if rows and rows[0]['device'] is None else 'device: CUDA max_memory_allocated'}; "
           f"extra train flags: {' '.join(extra) or 'none'}\n")
-    print("| layout | rank | floor | start-up | steps | save | sample | run peak − floor "
-          "(× model) | save ≤ steps + one tensor |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| layout | rank | floor | start-up | steps | save | sample | save's own | run peak "
+          "− floor (× model) | save ≤ steps + one tensor |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for x in rows:
         ph = x["phases"]
         print(f"| {x['layout']} | {x['rank']} | {x['floor'] / 2**20:,.0f} | "
               + " | ".join(f"{ph[k] / 2**20:,.0f}" for k in ("startup", "steps", "save",
                                                                "sample"))
-              + f" | {x['above_floor']:.2f} | {'yes' if x['save_ok'] else 'NO'} |")
+              + f" | {x['save_own'] / 2**20:,.0f} | {x['above_floor']:.2f} | "
+              f"{'yes' if x['save_ok'] else 'NO'} |")
         if x["device"] is not None:
             print("|  | device | | " + " | ".join(f"{x['device'][k] / 2**20:,.0f}" for k in
                                                   ("startup", "steps", "save", "sample"))
-                  + " | | |")
+                  + " | | | |")
     if a.json:
         Path(a.json).write_text(json.dumps({"preset": a.preset, "sets": sets, "psi": psi,
                                             "largest": largest, "extra": extra, "rows": rows},

@@ -140,6 +140,20 @@ def test_restarts_after_a_worker_is_killed(launcher, straight, tmp_path, cache_d
     assert len(flat) == len(set(flat)) == 6 * 8  # no sample twice, none missing
 
 
+def test_the_run_records_each_phases_memory_peak_apart(straight):
+    """host_memory.json: every rank's peak RSS of start-up, the steps, the final save and the
+    sample, each window reset at its start (``VmHWM``, Linux), and the RSS each window ends at,
+    which a high-water mark bounds (benchmarks/host_memory.py --run reads them)."""
+    rec = json.loads((straight / "run" / "host_memory.json").read_text())
+    phases = rec["phases"]
+    assert list(phases) == ["startup", "steps", "save", "sample"]
+    for ph in phases.values():
+        assert ph["device"] is None  # CPU: the device is the host, reported once
+        assert len(ph["host"]) == len(ph["host_now"]) == 2
+        if ph["host_reset"]:
+            assert all(0 < now <= peak for now, peak in zip(ph["host_now"], ph["host"]))
+
+
 # ------------------------------------------------------------------------- resharding matrix
 
 @pytest.fixture(scope="module")

@@ -121,12 +121,13 @@ def host_peak_rss(topo) -> list[int]:
 
 def phase_peaks(topo) -> dict:
     """Every rank's memory peaks since the previous call (or the start), then a new window:
-    ``{"host": [bytes per global rank], "device": [bytes per rank] | None, "host_reset":
-    bool}``. Host: the peak RSS (``VmHWM`` of ``/proc/self/status``, reset by writing 5 to
+    ``{"host": [bytes per global rank], "host_now": [bytes per rank], "device": [bytes per
+    rank] | None, "host_reset": bool}``. ``host_now``: the RSS at the call (``VmRSS``), where
+    the next window starts. Host: the peak RSS (``VmHWM`` of ``/proc/self/status``, reset by writing 5 to
     ``/proc/self/clear_refs``, Linux ≥ 4.0); where that is missing, ``ru_maxrss`` (the peak
     since the process began: ``host_reset`` False). Device: ``max_memory_allocated`` since the
     last :func:`reset_peak` (the live tensors' bytes), reset after; None on CPU, where device
-    memory is host memory. One int64 all_gather of [2] over the world (phase and tag
+    memory is host memory. One int64 all_gather of [3] over the world (phase and tag
     ``init``). The training loop calls it after start-up, before and after the final save, and
     after the final sample: each phase's peak apart (``host_memory.json``,
     docs/checkpointing.md)."""
@@ -137,22 +138,23 @@ def phase_peaks(topo) -> dict:
     try:
         status = Path("/proc/self/status").read_text()
         host = int(status.split("VmHWM:")[1].split()[0]) * 1024
+        now = int(status.split("VmRSS:")[1].split()[0]) * 1024
         Path("/proc/self/clear_refs").write_text("5")
         reset = True
     except (OSError, IndexError, ValueError):
         host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         host *= 1 if sys.platform == "darwin" else 1024
-        reset = False
+        now, reset = -1, False
     kind = accelerator_type(topo.device)
     dev = getattr(torch, kind).max_memory_allocated(topo.device) if kind else -1
     reset_peak(topo.device)
-    mine = torch.tensor([host, dev], dtype=torch.int64, device=topo.device)
-    out = torch.empty(2 * topo.world_size, dtype=torch.int64, device=topo.device)
+    mine = torch.tensor([host, dev, now], dtype=torch.int64, device=topo.device)
+    out = torch.empty(3 * topo.world_size, dtype=torch.int64, device=topo.device)
     with topo.ledger.phase("init"):
         comm.all_gather(out, mine, topo, "world", tag="init")
-    rows = out.view(-1, 2).tolist()
-    return {"host": [r[0] for r in rows], "device": [r[1] for r in rows] if kind else None,
-            "host_reset": reset}
+    rows = out.view(-1, 3).tolist()
+    return {"host": [r[0] for r in rows], "host_now": [r[2] for r in rows],
+            "device": [r[1] for r in rows] if kind else None, "host_reset": reset}
 
 
 def record_phases(out, phases: dict) -> None:
