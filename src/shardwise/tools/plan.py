@@ -60,21 +60,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                    help="tokens per optimizer step, e.g. 4M (= 4·2^20), 512K, 4194304 "
                    "(default 4M)")
     p.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
-    s = p.add_argument_group("storage and offload (train's flags; unset = searched)")
-    s.add_argument("--dtype", choices=("fp32", "bf16"), help="compute dtype (default: bf16; "
-                   "fp32 runs at the fp32 peak)")
-    s.add_argument("--param-dtype", choices=("fp32", "bf16"), help="parameter storage")
-    s.add_argument("--master-dtype", choices=("fp32", "none"),
-                   help="with --param-dtype bf16: fp32 master weights, gradients and Adam state "
-                   "(Megatron, 18 B/param) or none (all bf16, the guide's FSDP2 recipe, 8 B)")
-    s.add_argument("--offload", choices=("none", "optimizer", "params"),
-                   help="optimizer: Adam state, master weights and the step on the host; "
-                   "params: the parameter shards too (default: none, or more for a layout "
-                   "that does not fit without)")
-    s.add_argument("--precision", choices=("fp32", "amp", "bf16", "bf16-pure"),
-                   help="shorthand: fp32 = --dtype fp32 --param-dtype fp32; amp = --dtype bf16 "
-                   "--param-dtype fp32 (16 B/param); bf16 = --param-dtype bf16 --master-dtype "
-                   "fp32; bf16-pure = --param-dtype bf16 --master-dtype none")
+    _add_storage_flags(p)
     g = p.add_argument_group("layout (fix a dimension; unset = searched)")
     g.add_argument("--dp", type=int, help="fix the data-parallel degree (default: searched)")
     g.add_argument("--dp-replicate", type=int, metavar="R",
@@ -112,6 +98,13 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
                    help="muon: also print, per shown layout, the bytes Muon's Newton–Schulz "
                         "gathers add per GPU per step and its FLOPs (docs/optimizers.md)")
+    _add_output_flags(p)
+    p.set_defaults(func=cmd_plan)
+    return p
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    """The output and assumption flags of ``plan``."""
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=10, help="layouts to show (0 = all; default 10)")
     o.add_argument("--explain", action="store_true", help="the formulas of the best layout "
@@ -130,8 +123,25 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                    "collectives reach (default 0.8)")
     a.add_argument("--memory-reserve", type=float, help="fraction of HBM kept free "
                    "(default 0.1)")
-    p.set_defaults(func=cmd_plan)
-    return p
+
+
+def _add_storage_flags(p: argparse.ArgumentParser) -> None:
+    """The storage and offload flags of ``plan``: train's, searched when unset."""
+    s = p.add_argument_group("storage and offload (train's flags; unset = searched)")
+    s.add_argument("--dtype", choices=("fp32", "bf16"), help="compute dtype (default: bf16; "
+                   "fp32 runs at the fp32 peak)")
+    s.add_argument("--param-dtype", choices=("fp32", "bf16"), help="parameter storage")
+    s.add_argument("--master-dtype", choices=("fp32", "none"),
+                   help="with --param-dtype bf16: fp32 master weights, gradients and Adam state "
+                   "(Megatron, 18 B/param) or none (all bf16, the guide's FSDP2 recipe, 8 B)")
+    s.add_argument("--offload", choices=("none", "optimizer", "params"),
+                   help="optimizer: Adam state, master weights and the step on the host; "
+                   "params: the parameter shards too (default: none, or more for a layout "
+                   "that does not fit without)")
+    s.add_argument("--precision", choices=("fp32", "amp", "bf16", "bf16-pure"),
+                   help="shorthand: fp32 = --dtype fp32 --param-dtype fp32; amp = --dtype bf16 "
+                   "--param-dtype fp32 (16 B/param); bf16 = --param-dtype bf16 --master-dtype "
+                   "fp32; bf16-pure = --param-dtype bf16 --master-dtype none")
 
 
 def _assumptions(args):
