@@ -100,7 +100,7 @@ LONG_FUNCTIONS: dict[str, str] = {
         "a benchmark worker (bubble, then every schedule); split with its next change",
     "tools/estimate.py::estimate_memory":
         "fake-rank set-up, one step and the byte table; split with its next change",
-    "tools/plan.py::explain": "with the planner's next change (issue 52)",
+    "tools/plan_explain.py::explain": "with the planner's next change (issue 52)",
     "tools/trace.py::trace_worker": "a tool worker: set-up, one step, printing; split with its "
                                     "next change",
     "tools/trace.py::_print_rank": "one printed section after another; split with its next "

@@ -98,13 +98,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
             "the folder")
     if cfg.lr <= 0:
         raise ShardwiseConfigError(f"--lr {cfg.lr} must be > 0")
-    if cfg.ac == "selective" and cfg.pp > 1 and cfg.schedule in ("zb-h1", "zbv", "dualpipev"):
-        raise ShardwiseConfigError(
-            f"--ac selective with --schedule {cfg.schedule}: zero-bubble splits each backward "
-            "in two "
-            "(input, then weight gradients), and PyTorch's selective checkpoint can be "
-            "back-propagated through only once: use --ac full (recomputes per pass) or another "
-            "--schedule")
+    from ..models.ac import check_ac
+
+    check_ac(cfg.ac, cfg.pp, cfg.schedule)
     if cfg.compile:  # layouts whose blocks cannot be one graph (models/compile.py)
         from ..models import MOE_PRESETS
         from ..models.compile import check_compile

@@ -74,6 +74,21 @@ from torch import nn
 AC_MODES = ("none", "selective", "full")
 
 
+def check_ac(ac: str, pp: int, schedule: str) -> None:
+    """Activation checkpointing against the pipeline schedule, written once (train's config
+    check and the planner's ``check_train`` call it): ``selective`` with a zero-bubble schedule
+    is refused. Raises :class:`~shardwise.errors.ShardwiseConfigError`."""
+    from ..errors import ShardwiseConfigError
+
+    if ac == "selective" and pp > 1 and schedule in ("zb-h1", "zbv", "dualpipev"):
+        raise ShardwiseConfigError(
+            f"--ac selective with --schedule {schedule}: zero-bubble splits each backward "
+            "in two "
+            "(input, then weight gradients), and PyTorch's selective checkpoint can be "
+            "back-propagated through only once: use --ac full (recomputes per pass) or another "
+            "--schedule")
+
+
 def _saved_ops() -> set:
     """The ops whose outputs ``selective`` keeps (matmuls and fused attention kernels)."""
     aten = torch.ops.aten

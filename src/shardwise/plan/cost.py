@@ -21,6 +21,7 @@ from .memory import (embedding_activation_bytes, head_activation_bytes, in_fligh
                      layer_activation_bytes, model_state_bytes, stage_param_split, stage_params,
                      stage_tensors, startup_box_elements)
 from .models import ModelSpec
+from .offload import host_step_seconds, offload_copies, offload_state
 
 
 @dataclasses.dataclass
@@ -46,6 +47,8 @@ class Estimate:
     mfu: float
     hfu: float
     details: dict
+    host_bytes_per_gpu: float = 0.0  # offload: the model state this GPU keeps in host memory
+    host_capacity_bytes: float = 0.0  # host memory per node, less the reserve
 
     @property
     def tokens(self) -> int:
@@ -64,7 +67,9 @@ class Estimate:
             "sp": lay.sp, "virtual_stages": lay.chunks,
             "micro_batch_size": lay.micro_batch, "ckpt": lay.ckpt, "precision": lay.precision,
             "tokens_per_s": self.tokens_per_s, "hfu": self.hfu, "grad_reduce": lay.grad_reduce,
-            "capacity_bytes": self.capacity_bytes,
+            "capacity_bytes": self.capacity_bytes, "offload": lay.offload,
+            "host_bytes_per_gpu": self.host_bytes_per_gpu,
+            "host_capacity_bytes_per_node": self.host_capacity_bytes,
             "memory": {k: {kk: float(vv) for kk, vv in v.items()} for k, v in
                        self.memory.items()},
             "times_s": dict(self.times),
@@ -137,6 +142,8 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
         if ep > 1:  # expert weights: E/ep per rank, ZeRO over the S·cp/ep ranks that share them
             ex = model_state_bytes(split[1], 0, lay.zero, shard // ep, prec, full_grads)
             st = {key: st[key] + ex[key] for key in st}
+        # offload: the optimizer state (and with "params" the parameter share) in host memory
+        st, host = offload_state(st, lay.offload, prec, _updated(lay, split, shard))
         k = flight if first else 1.0
         act = k * ((layers - moe_in[i]) * per_layer[False]
                    + moe_in[i] * per_layer.get(True, 0.0)) + transient
@@ -147,6 +154,8 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
         buf = 0.0
         if lay.zero == 3:
             buf += (prec.param + prec.grad) * 2 * gathered_layer
+        elif lay.offload == "params":  # two layers' parameters copied up from the host at a time
+            buf += prec.param * 2 * gathered_layer
         if p > 1:
             buf += 2 * a * tokens_mb * M.d_model / t
         if cp > 1:  # one layer at a time: ring receive + send blocks (K/V, fp32 dK/dV);
@@ -165,11 +174,16 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
                          "activations": act, "buffers": buf,
                          "total": st["params"] + st["grads"] + st["optimizer"] + act + buf,
                          "startup_device": st["params"] + (st["grads"] if lay.zero else 0.0)
-                         + box, "startup_host": box}
+                         + box, "startup_host": box,
+                         **{f"host_{key}": v for key, v in host.items()},
+                         "host": sum(host.values())}
         if p == 1:
             memory["last"] = memory["first"]
             break
     mem = max(memory["first"]["total"], memory["last"]["total"])
+    host_gpu = max(memory["first"]["host"], memory["last"]["host"])
+    host_capacity = C.host_bytes * (1 - A.memory_reserve)
+    host_fits = host_gpu * min(C.gpus_per_node, lay.world) <= host_capacity
 
     # compute, TP and EP time per micro-batch on each stage; the slowest sets the pace
     act_size = a * tokens_mb * M.d_model  # [b, s/cp, d] activation, bytes
@@ -269,13 +283,16 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
         pp_exposed = c.exposed
         comm.append(c)
 
-    if lay.zero >= 1:  # the optimizer updates its ZeRO shard: dense ÷ S·cp, experts ÷ S·cp/ep
-        opt_params = ((dense_crit + (expert_crit if ep == 1 else 0.0)) / shard
-                      + (expert_crit / (shard // ep) if ep > 1 else 0.0))
-    else:
-        opt_params = params_crit
-    t_opt = prec.adam_bytes * opt_params / C.gpu.hbm_bandwidth
-    step = pipeline + dp_exposed + pp_exposed + t_opt
+    opt_params = _updated(lay, (dense_crit, expert_crit), shard)  # its ZeRO shard
+    if lay.offload == "none":
+        t_opt = prec.adam_bytes * opt_params / C.gpu.hbm_bandwidth
+    else:  # the step on the host (.offload), its copies over the host link
+        t_opt = host_step_seconds(prec, opt_params, C)
+    held = opt_params if lay.zero == 3 else params_crit
+    copies = offload_copies(lay, prec, opt_params, held, m, C, A)
+    comm += copies
+    t_off = sum(c.exposed for c in copies)
+    step = pipeline + dp_exposed + pp_exposed + t_opt + t_off
     step_tokens = global_batch * s
     model_flops = step_tokens * model_flops_token
     hw_flops = step_tokens * hw_flops_token
@@ -284,7 +301,7 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
     hfu = hw_flops / (step * world * C.gpu.bf16_flops)
     times = {"compute": m * t_comp, "tp": m * t_tp, "cp_exposed": m * t_cp,
              "ep_exposed": m * t_ep, "bubble": bubble, "dp_exposed": dp_exposed,
-             "pp_exposed": pp_exposed, "optimizer": t_opt, "step": step}
+             "pp_exposed": pp_exposed, "optimizer": t_opt, "offload": t_off, "step": step}
     flops = {"model_per_token": model_flops_token, "layer_model_per_token": layer_model[False],
              "layer_hw_per_token": layer_hw[False], "head_per_token": head_flops,
              "model_per_step": model_flops, "hw_per_step": hw_flops}
@@ -300,8 +317,21 @@ def estimate(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_batc
                "head_seconds": hsec, "peak": peak, "act_size": act_size,
                "ep_bytes_layer": ep_layer_bytes(M, lay), "opt_params": opt_params,
                "params_crit": params_crit, "expert_params_crit": expert_crit}
-    return Estimate(M, C, lay, A, global_batch, m, stages, memory, mem, capacity, mem <= capacity,
-                    flops, times, comm, step, step_tokens / step, mfu, hfu, details)
+    return Estimate(M, C, lay, A, global_batch, m, stages, memory, mem, capacity,
+                    mem <= capacity and host_fits, flops, times, comm, step, step_tokens / step,
+                    mfu, hfu, details, host_gpu, host_capacity)
+
+
+def _updated(lay: PlanLayout, split: tuple[float, float], shard: int) -> float:
+    """Parameters this GPU's optimizer updates, of a stage holding ``split`` = (dense, expert)
+    parameters: its ZeRO shard (dense ÷ S·cp = ``shard``, experts ÷ S·cp/ep), all of them
+    without ZeRO."""
+    dense, expert = split
+    if lay.ep == 1:
+        dense, expert = dense + expert, 0.0
+    if not lay.zero:
+        return dense + expert
+    return dense / shard + (expert / (shard // lay.ep) if expert else 0.0)
 
 
 @functools.lru_cache(maxsize=256)

@@ -21,6 +21,19 @@ Sources (datasheets, as printed):
   tensor 4.5 PFLOP/s with sparsity (2.25 dense), FP32 80 TFLOP/s, 180 GB HBM3e at 8 TB/s, NVLink 5
   1.8 TB/s. DGX B200: 8 × 400 Gb/s ConnectX-7.
 
+Host side (for ``--offload``: :mod:`.offload`). ``pcie_bandwidth`` is one GPU's host link per
+direction (the datasheet prints both directions added: A100 SXM4 "PCIe Gen4: 64 GB/s" → 32;
+H100 SXM5 and H200 SXM "PCIe Gen5: 128 GB/s" → 64; B200: PCIe Gen5 x16 assumed, 64). We assume
+each GPU gets its own x16 link at that rate; on a node where two GPUs share one switch uplink
+to the CPU, give half with ``pcie_gbps`` in a cluster file. The node's host memory
+(``host_bytes``, the datasheet's "TB" as binary units, like HBM) and its DRAM bandwidth
+(``host_mem_bandwidth``: channels × transfer rate × 8 bytes, both sockets; the GPUs of a node
+share it): DGX A100 — 2 TB, dual AMD EPYC 7742, 8 channels DDR4-3200 each: 409.6 GB/s;
+DGX H100 and DGX H200 — 2 TB, dual Intel Xeon Platinum 8480C, 8 channels DDR5-4800 each:
+614.4 GB/s; DGX B200 — 2 TB (configurable to 4 TB), dual Xeon Platinum 8570, 8 channels
+DDR5-5600 each: 716.8 GB/s (NVIDIA DGX A100 / H100 / H200 / B200 datasheets and user guides;
+Intel and AMD product specifications for the channels).
+
 Flash-attention utilisation (``flash_efficiency``) is a kernel measurement, not a datasheet
 number: FlashAttention-2 reaches "50-73% of the theoretical maximum FLOPs/s on A100" (Dao 2023,
 arXiv 2307.08691, abstract; we take the low end for forward + backward) and "only 35%
@@ -48,6 +61,9 @@ A custom GPU or cluster comes from a TOML file (:func:`load_cluster`)::
     inter_node_gbps = 50        # GB/s per GPU per direction (its NIC)
     intra_node_latency_us = 1
     inter_node_latency_us = 5
+    host_memory_gb = 2048       # host RAM per node, GB (binary)
+    host_memory_gbps = 614.4    # host DRAM bandwidth per node, GB/s
+    pcie_gbps = 64              # one GPU's host link, GB/s per direction
 """
 
 from __future__ import annotations
@@ -76,13 +92,16 @@ class GPU:
     nvlink_bandwidth: float
     source: str = ""
     flash_efficiency: float = 0.35
+    pcie_bandwidth: float = 64e9  # bytes/s per direction to the host (module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
     """GPUs in nodes. Bandwidths: bytes/s per GPU per direction; latencies: seconds per ring step.
 
-    ``inter_bw`` is one GPU's share of the node's network (one NIC per GPU on DGX-style nodes)."""
+    ``inter_bw`` is one GPU's share of the node's network (one NIC per GPU on DGX-style nodes).
+    ``host_bytes``: host memory per node (bytes); ``host_mem_bw``: its DRAM bandwidth (bytes/s,
+    shared by the node's GPUs; the module docstring)."""
 
     gpu: GPU
     gpus_per_node: int = 8
@@ -91,6 +110,8 @@ class Cluster:
     intra_latency: float = 1e-6
     inter_latency: float = 5e-6
     name: str = ""
+    host_bytes: float = 2 * 2**40
+    host_mem_bw: float = 614.4e9
 
     def __post_init__(self):
         if self.intra_bw == 0.0:
@@ -99,7 +120,7 @@ class Cluster:
             object.__setattr__(self, "name", f"{self.gpu.name} ×{self.gpus_per_node}/node")
         if self.gpus_per_node < 1:
             raise ShardwiseConfigError(f"gpus_per_node = {self.gpus_per_node} must be ≥ 1")
-        for key in ("intra_bw", "inter_bw"):
+        for key in ("intra_bw", "inter_bw", "host_bytes", "host_mem_bw"):
             if getattr(self, key) <= 0:
                 raise ShardwiseConfigError(f"cluster {key} = {getattr(self, key)} must be > 0 "
                                            "bytes/s")
@@ -108,24 +129,29 @@ class Cluster:
         g = self.gpu
         return (f"{g.name}: {g.bf16_flops / 1e12:,.0f} TFLOP/s bf16 dense, "
                 f"{g.hbm_bytes / GiB:,.0f} GiB HBM; {self.gpus_per_node} GPUs/node, "
-                f"intra {self.intra_bw / 1e9:,.0f} GB/s, inter {self.inter_bw / 1e9:,.0f} GB/s "
-                "per GPU per direction")
+                f"intra {self.intra_bw / 1e9:,.0f} GB/s, inter {self.inter_bw / 1e9:,.0f} GB/s, "
+                f"host link {g.pcie_bandwidth / 1e9:,.0f} GB/s per GPU per direction; host "
+                f"{self.host_bytes / GiB:,.0f} GiB at {self.host_mem_bw / 1e9:,.1f} GB/s per node")
 
 
 GPUS: dict[str, GPU] = {
     "a100-sxm-80gb": GPU("A100 SXM4 80GB", 312e12, 19.5e12, 80 * GiB, 2.039e12, 300e9,
-                         "NVIDIA A100 Tensor Core GPU datasheet", flash_efficiency=0.50),
+                         "NVIDIA A100 Tensor Core GPU datasheet", flash_efficiency=0.50,
+                         pcie_bandwidth=32e9),
     "h100-sxm": GPU("H100 SXM5 80GB", 989e12, 67e12, 80 * GiB, 3.35e12, 450e9,
-                    "NVIDIA H100 Tensor Core GPU datasheet"),
+                    "NVIDIA H100 Tensor Core GPU datasheet", pcie_bandwidth=64e9),
     "h200-sxm": GPU("H200 SXM 141GB", 989e12, 67e12, 141 * GiB, 4.8e12, 450e9,
-                    "NVIDIA H200 Tensor Core GPU datasheet"),
+                    "NVIDIA H200 Tensor Core GPU datasheet", pcie_bandwidth=64e9),
     "b200": GPU("B200 (HGX, 1000 W)", 2250e12, 80e12, 180 * GiB, 8.0e12, 900e9,
-                "NVIDIA HGX B200 datasheet"),
+                "NVIDIA HGX B200 datasheet", pcie_bandwidth=64e9),
 }
 ALIASES = {"a100": "a100-sxm-80gb", "a100-80gb": "a100-sxm-80gb", "h100": "h100-sxm",
            "h100-sxm5": "h100-sxm", "h200": "h200-sxm", "b200-sxm": "b200"}
 # per-GPU network share of the reference node of each GPU (one NIC per GPU)
 _NIC = {"a100-sxm-80gb": 25e9, "h100-sxm": 50e9, "h200-sxm": 50e9, "b200": 50e9}
+# the reference node's host memory (bytes) and DRAM bandwidth (bytes/s): the module docstring
+_HOST = {"a100-sxm-80gb": (2 * 2**40, 409.6e9), "h100-sxm": (2 * 2**40, 614.4e9),
+         "h200-sxm": (2 * 2**40, 614.4e9), "b200": (2 * 2**40, 716.8e9)}
 
 
 def gpu_names() -> list[str]:
@@ -140,7 +166,8 @@ def get_cluster(name: str, gpus_per_node: int | None = None) -> Cluster:
         raise ShardwiseConfigError(f"--gpu {name!r} is not a preset: choose from "
                                    f"{gpu_names()} or give --cluster FILE.toml")
     return Cluster(GPUS[key], gpus_per_node=gpus_per_node or 8, inter_bw=_NIC[key],
-                   name=f"{GPUS[key].name} ×{gpus_per_node or 8}/node")
+                   name=f"{GPUS[key].name} ×{gpus_per_node or 8}/node",
+                   host_bytes=_HOST[key][0], host_mem_bw=_HOST[key][1])
 
 
 def load_cluster(path: str) -> Cluster:
@@ -158,7 +185,7 @@ def load_cluster(path: str) -> Cluster:
         gpu = base.gpu
     else:
         keys = {"name", "bf16_tflops", "fp32_tflops", "hbm_gb", "hbm_tbps", "nvlink_gbps",
-                "flash_efficiency", "preset"}
+                "flash_efficiency", "preset", "pcie_gbps"}
         _check_keys(path, "gpu", g, keys)
         if "preset" in g:
             base = get_cluster(g["preset"])
@@ -178,21 +205,32 @@ def load_cluster(path: str) -> Cluster:
                                         if ref else 300) * 1e9,
                   source=f"custom ({path})",
                   flash_efficiency=_pos(path, g, "flash_efficiency",
-                                        ref.flash_efficiency if ref else 0.35))
+                                        ref.flash_efficiency if ref else 0.35),
+                  pcie_bandwidth=_pos(path, g, "pcie_gbps",
+                                      ref.pcie_bandwidth / 1e9 if ref else 64) * 1e9)
     c = data.get("cluster", {})
     _check_keys(path, "cluster", c, {"gpus_per_node", "intra_node_gbps", "inter_node_gbps",
-                                     "intra_node_latency_us", "inter_node_latency_us", "name"})
+                                     "intra_node_latency_us", "inter_node_latency_us", "name",
+                                     "host_memory_gb", "host_memory_gbps", "pcie_gbps"})
     gpn = c.get("gpus_per_node", base.gpus_per_node if base else 8)
     if not isinstance(gpn, int) or gpn < 1:
         raise ShardwiseConfigError(f"--cluster {path}: gpus_per_node = {gpn!r} must be a "
                                    "positive integer")
-    return Cluster(
+    out = Cluster(
         gpu=gpu, gpus_per_node=gpn,
         intra_bw=_pos(path, c, "intra_node_gbps", gpu.nvlink_bandwidth / 1e9) * 1e9,
         inter_bw=_pos(path, c, "inter_node_gbps", base.inter_bw / 1e9 if base else 50) * 1e9,
         intra_latency=_pos(path, c, "intra_node_latency_us", 1.0) * 1e-6,
         inter_latency=_pos(path, c, "inter_node_latency_us", 5.0) * 1e-6,
-        name=c.get("name", f"{gpu.name} ×{gpn}/node"))
+        name=c.get("name", f"{gpu.name} ×{gpn}/node"),
+        host_bytes=_pos(path, c, "host_memory_gb", base.host_bytes / GiB if base else 2048)
+        * GiB,
+        host_mem_bw=_pos(path, c, "host_memory_gbps", base.host_mem_bw / 1e9 if base
+                         else 614.4) * 1e9)
+    if "pcie_gbps" in c:  # the node's host links, as a cluster property
+        out = dataclasses.replace(out, gpu=dataclasses.replace(
+            gpu, pcie_bandwidth=_pos(path, c, "pcie_gbps", None) * 1e9))
+    return out
 
 
 def _check_keys(path, table, d, allowed):

@@ -58,6 +58,7 @@ pre-training length as Llama 3 does. Override it with ``--seq-len``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 from ..errors import ShardwiseConfigError
@@ -366,6 +367,31 @@ def from_llama_config(cfg, seq_len: int | None = None, name: str = "llama",
                      seq_len=seq_len or cfg.max_seq_len, tie_embeddings=cfg.tie_embeddings,
                      dropout=cfg.dropout > 0, kernels=kernels,
                      source=f"shardwise.models.{type(cfg).__name__}", **moe)
+
+
+@functools.lru_cache(maxsize=64)
+def train_model_config(spec: ModelSpec):
+    """The config ``shardwise train`` would build for ``spec`` (a
+    :class:`~shardwise.models.LlamaConfig`, or a :class:`~shardwise.models.MoEConfig` for an
+    MoE spec): the same shape (layers, width, heads, kv heads, d_ff, vocabulary, ``max_seq_len``
+    = the training sequence), norm, MLP, positions, biases, tied embeddings and dropout
+    (0.1 where the spec has dropout). What the planner hands to train's own layout check,
+    :meth:`~shardwise.parallel.layout.Layout.check` (:func:`~.layout.check_train`). Cached: a
+    frozen spec, an immutable use."""
+    from ..models import LlamaConfig, MoEConfig
+
+    kw = dict(vocab_size=spec.vocab_size, d_model=spec.d_model, n_layers=spec.n_layers,
+              n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads, d_ff=spec.d_ff,
+              max_seq_len=max(spec.seq_len, spec.learned_positions),
+              tie_embeddings=spec.tie_embeddings, dropout=0.1 if spec.dropout else 0.0,
+              norm="layer" if spec.norm == "layernorm" else "rms", mlp=spec.mlp,
+              pos="learned" if spec.learned_positions else "rope", qkv_bias=spec.bias,
+              o_bias=spec.bias, mlp_bias=spec.bias)
+    if not spec.is_moe:
+        return LlamaConfig(**kw)
+    return MoEConfig(**kw, n_experts=spec.n_experts, top_k=spec.top_k,
+                     n_shared_experts=spec.n_shared_experts, d_expert=spec.d_expert,
+                     moe_every=spec.moe_every)
 
 
 def model_names() -> list[str]:

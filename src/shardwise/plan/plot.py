@@ -16,8 +16,8 @@ from .search import FAMILIES, Fixed, best_by_family, search
 
 
 def mfu_by_family(model: ModelSpec, cluster: Cluster, gpu_counts: list[int], global_batch: int,
-                  precision: str = "bf16", assumptions: Assumptions = Assumptions(),
-                  fixed: Fixed = Fixed()) -> dict[str, list[float | None]]:
+                  precision: str | list[str] | None = None,
+                  assumptions: Assumptions = Assumptions(), fixed: Fixed = Fixed()) -> dict[str, list[float | None]]:
     """{family: [best fitting MFU at each count, or None]} for ``gpu_counts``. Counts whose
     layouts cannot split ``global_batch`` give None everywhere."""
     from ..errors import ShardwiseConfigError
@@ -35,7 +35,7 @@ def mfu_by_family(model: ModelSpec, cluster: Cluster, gpu_counts: list[int], glo
 
 
 def plot_mfu_vs_gpus(model: ModelSpec, cluster: Cluster, gpu_counts: list[int],
-                     global_batch: int, path: str, precision: str = "bf16",
+                     global_batch: int, path: str, precision: str | list[str] | None = None,
                      assumptions: Assumptions = Assumptions(), fixed: Fixed = Fixed()) -> dict:
     """Write the PNG to ``path``; returns the data plotted (:func:`mfu_by_family`)."""
     import matplotlib

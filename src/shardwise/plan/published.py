@@ -121,8 +121,11 @@ def predict(run: PublishedRun, assumptions: Assumptions = Assumptions()):
         model = dataclasses.replace(model, seq_len=run.seq_len)
     assumptions = dataclasses.replace(assumptions, p2p_overlap=run.p2p_overlap,
                                       grad_accum_fused=run.megatron)
-    return search(model, cluster, run.gpus, run.global_batch, run.fixed,
-                  assumptions=assumptions)[0]
+    # the runs as published: bf16 parameters with fp32 master weights (Megatron-LM's recipe),
+    # no offload, every layout the cost model prices, whether or not shardwise train runs it
+    fixed = run.fixed if run.fixed.offload else dataclasses.replace(run.fixed, offload="none")
+    return search(model, cluster, run.gpus, run.global_batch, fixed, "bf16",
+                  assumptions=assumptions, runnable=False)[0]
 
 
 def validation_rows(assumptions: Assumptions = Assumptions()) -> list[dict]:

@@ -3,10 +3,12 @@
 A layout fixes dp × cp × tp × pp = the number of GPUs, expert parallelism ep over dp × cp (MoE
 models), the ZeRO stage over dp, sequence parallelism,
 the pipeline schedule and its virtual stages, the micro-batch size and activation checkpointing
-(:class:`~shardwise.plan.layout.PlanLayout`). :func:`search` evaluates every one that is valid
-(:func:`~shardwise.plan.layout.check_layout`) with :func:`~shardwise.plan.cost.estimate`; the ones
-that fit come first, best MFU first (ties: less memory), then the ones that do not fit, best MFU
-first. Any dimension can be fixed (``fixed``), which is how the CLI's layout flags work.
+(:class:`~shardwise.plan.layout.PlanLayout`), the storage recipe and offload. :func:`search`
+keeps every one that ``shardwise train`` runs (train's own check,
+:func:`~shardwise.plan.layout.check_train`) and prices it with
+:func:`~shardwise.plan.cost.estimate`; the ones that fit come first, best MFU first (ties: less
+memory), then the ones that do not fit, best MFU first. Any dimension can be fixed (``fixed``),
+which is how the CLI's layout flags work.
 
 What is enumerated, and why not more:
 
@@ -36,13 +38,21 @@ What is enumerated, and why not more:
   more NVLink ring steps. So HSDP adds at most one candidate per ZeRO layout. A fixed
   ``dp_replicate`` is kept as given (the estimate refuses an R that does not divide dp).
 * sp: on whenever tp > 1 (same bytes as TP without it, less memory: Korthikanti et al. 2022
-  §4.2.2), unless fixed.
+  §4.2.2), unless fixed; for an MoE model off too (train runs MoE without sp only).
 * schedule (pp > 1): gpipe, 1f1b, zb-h1, and interleaved-1f1b with 2, 4, 8, … virtual stages up
   to the layers per rank.
 * micro-batch size: 1, 2, 4, 8 sequences (when it divides the replica's batch).
 * ckpt: none, selective, full.
-* zero 2/3 with several micro-batches: one gradient reduce-scatter per step (full local gradients
-  held) or one per micro-batch (gradients stay sharded).
+* storage (train's ``--dtype``, ``--param-dtype``, ``--master-dtype``): amp (fp32 parameters,
+  bf16 compute), bf16 with fp32 master weights (Megatron-LM's), bf16 without (the guide's FSDP2
+  recipe): :data:`~shardwise.plan.layout.SEARCHED_PRECISIONS`; fp32 compute only when asked.
+* offload (``--offload``): none; a layout that does not fit on the device is tried again with
+  the optimizer on the host, then with the parameters too. Offload only adds time (copies over
+  the host link, the optimizer step at host memory bandwidth) and host memory, so a layout
+  that fits without it is not offered with it.
+* zero 2/3 with several micro-batches: one gradient reduce-scatter per step, after the last
+  micro-batch (full local gradients held), as train does; one per micro-batch (gradients stay
+  sharded: DeepSpeed ZeRO-2) only when fixed (``grad_reduce="micro"``), with ``runnable`` off.
 """
 
 from __future__ import annotations
@@ -50,12 +60,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import itertools
 import math
 
 from ..errors import ShardwiseConfigError
 from ..parallel.cp import CP_METHODS
 from .cost import Estimate, estimate
-from .layout import CKPT, SCHEDULES, Assumptions, PlanLayout, llama_style
+from ..parallel.storage import OFFLOADS
+from .layout import (CKPT, SCHEDULES, SEARCHED_PRECISIONS, Assumptions, PlanLayout, check_train,
+                     llama_style)
 from .hardware import Cluster
 from .models import ModelSpec
 
@@ -138,7 +151,8 @@ class Fixed:
     microbatches: int | None = None  # m: micro-batches per step and replica
     micro_batch: int | None = None
     ckpt: str | None = None
-    grad_reduce: str | None = None  # zero 2/3: "step" or "micro"
+    grad_reduce: str | None = None  # zero 2/3: "step" (train's, the default) or "micro"
+    offload: str | None = None  # none | optimizer | params (None: none, or more if it must)
 
 
 def _divisors(n: int) -> list[int]:
@@ -146,9 +160,14 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int,
-               fixed: Fixed = Fixed(), precision: str = "bf16") -> list[PlanLayout]:
-    """Every layout :func:`search` evaluates (before validity checks that need the estimate).
-    Raises ShardwiseConfigError when a fixed dimension is impossible for ``gpus``."""
+               fixed: Fixed = Fixed(), precision: str | list[str] | None = None
+               ) -> list[PlanLayout]:
+    """Every layout :func:`search` evaluates (before validity checks that need the estimate),
+    at ``fixed.offload`` (default none: :func:`search` tries more where one does not fit) and
+    ``precision`` (a key of :data:`~shardwise.plan.layout.PRECISIONS`, or a list of them; None:
+    each of
+    :data:`~shardwise.plan.layout.SEARCHED_PRECISIONS`). Raises ShardwiseConfigError when a
+    fixed dimension is impossible for ``gpus``."""
     f = fixed
     if gpus < 1:
         raise ShardwiseConfigError(f"--gpus {gpus} must be at least 1")
@@ -165,6 +184,8 @@ def candidates(model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int,
                and model.n_heads % t == 0 and model.n_kv_heads % t == 0]
     out = []
     cp_ok = llama_style(model)
+    precs = ([precision] if isinstance(precision, str) else list(precision or [])
+             or list(SEARCHED_PRECISIONS))
     for tp in tps:
         pps = [f.pp] if f.pp is not None else [p for p in _divisors(gpus // tp)
                                                  if p <= model.n_layers]
@@ -184,7 +205,10 @@ def candidates(model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int,
             if f.dp_replicate is not None and f.dp_replicate > 1 and f.zero is None:
                 zeros = [z for z in zeros if z] or zeros  # HSDP needs ZeRO (zero 0 refused)
             reps = _replicas(f.dp_replicate, dp, cp, tp, cluster.gpus_per_node)
-            sps = [f.sp] if f.sp is not None else [tp > 1]
+            # sp on with tp (less memory, the same bytes); an MoE model without it too (train
+            # refuses MoE with sp: the routing counts of a split sequence are not summed)
+            sps = ([f.sp] if f.sp is not None else [True, False] if tp > 1 and model.is_moe
+                   else [tp > 1])
             if pp == 1:
                 scheds = [("1f1b", 1)]
             else:
@@ -205,31 +229,41 @@ def candidates(model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int,
                 mbs = [f.micro_batch]
             else:
                 mbs = [b for b in (1, 2, 4, 8) if global_batch % (dp * b) == 0]
-            for zero in zeros:
-                for sp in sps:
-                    for sched, v in scheds:
-                        for b in mbs:
-                            several = global_batch // (dp * b) > 1
-                            reduces = (["step", "micro"] if zero >= 2 and several
-                                       else ["step"])
-                            if f.grad_reduce is not None:
-                                reduces = [f.grad_reduce] if zero >= 2 else ["step"]
-                            for ck in ([f.ckpt] if f.ckpt else CKPT):
-                                for red in reduces:
-                                    for meth in methods:
-                                        for ep in eps:
-                                            for r in (reps if zero or f.dp_replicate
-                                                      else [1]):
-                                                if (r > 1 and f.ep is None
-                                                        and (dp // r * cp) % ep):
-                                                    continue  # ep must fit in a shard group
-                                                out.append(PlanLayout(
-                                                    dp=dp, cp=cp, tp=tp, pp=pp, zero=zero,
-                                                    sp=sp, schedule=sched, virtual_stages=v,
-                                                    micro_batch=b, ckpt=ck,
-                                                    precision=precision, grad_reduce=red,
-                                                    cp_method=meth, ep=ep, dp_replicate=r))
+            red = f.grad_reduce if f.grad_reduce is not None else "step"
+            for zero, sp, (sched, v), b, ck, prec, meth, ep in itertools.product(
+                    zeros, sps, scheds, mbs, [f.ckpt] if f.ckpt else CKPT, precs, methods,
+                    eps):
+                for r in (reps if zero or f.dp_replicate else [1]):
+                    if r > 1 and f.ep is None and (dp // r * cp) % ep:
+                        continue  # ep must fit in a shard group
+                    out.append(PlanLayout(
+                        dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, sp=sp, schedule=sched,
+                        virtual_stages=v, micro_batch=b, ckpt=ck, precision=prec,
+                        grad_reduce=red if zero >= 2 else "step", cp_method=meth, ep=ep,
+                        dp_replicate=r, offload=f.offload or "none"))
     return out
+
+
+def _offloads(layout: PlanLayout, fixed: str | None):
+    """The offload variants of ``layout`` (at offload none, or the fixed one) :func:`search`
+    tries in turn, made as it asks for them: the fixed one, else none, optimizer, params (it
+    stops at the first that fits)."""
+    if fixed is not None:
+        yield layout
+        return
+    yield layout
+    for o in OFFLOADS[1:]:
+        yield dataclasses.replace(layout, offload=o)
+
+
+def _could_fit(e: Estimate, offload: str) -> bool:
+    """Whether ``offload`` could bring estimate ``e`` (made without offload) into the device:
+    each stage's total less the state it moves to the host (the optimizer state; with "params"
+    the parameters too) fits. The estimate with offload holds exactly that on the device, plus,
+    for "params" below ZeRO-3, the two layers copied up at a time: a lower bound."""
+    moved = ("optimizer",) + (("params",) if offload == "params" else ())
+    return all(mem["total"] - sum(mem[k] for k in moved) <= e.capacity_bytes
+               for mem in e.memory.values())
 
 
 def _replicas(fixed: int | None, dp: int, cp: int, tp: int, gpus_per_node: int) -> list[int]:
@@ -265,17 +299,36 @@ def _pp_cp(pps, fixed_cp, gpus, tp, seq_len, cp_ok):
 
 
 def search(model: ModelSpec, cluster: Cluster, gpus: int, global_batch: int,
-           fixed: Fixed = Fixed(), precision: str = "bf16",
-           assumptions: Assumptions = Assumptions()) -> list[Estimate]:
-    """Estimates of every valid layout, fitting ones first, each group best MFU first. Raises
-    ShardwiseConfigError when no layout is valid, with the reason of the first rejection."""
+           fixed: Fixed = Fixed(), precision: str | list[str] | None = None,
+           assumptions: Assumptions = Assumptions(), runnable: bool = True) -> list[Estimate]:
+    """Estimates of every valid layout, fitting ones first, each group best MFU first.
+    ``precision``: a storage recipe (a key of :data:`~shardwise.plan.layout.PRECISIONS`), a
+    list of them, or None to search them. ``runnable`` (default): only the layouts ``shardwise train`` runs
+    (:func:`~shardwise.plan.layout.check_train`); off, every layout the cost model prices (the
+    published runs of Megatron-LM and Llama 3: :mod:`.published`). A layout that does not fit
+    without offload is tried with ``--offload optimizer``, then ``params`` (unless
+    ``fixed.offload``): the first that fits is kept, or, when none does, the last tried
+    beside the one without. Raises ShardwiseConfigError when no layout is valid, with the
+    reason of the first rejection."""
     results, first_error = [], None
     with _cyclic_gc_paused():
         for lay in candidates(model, cluster, gpus, global_batch, fixed, precision):
-            try:
-                results.append(estimate(model, cluster, lay, global_batch, assumptions))
-            except ShardwiseConfigError as e:
-                first_error = first_error or e
+            tried = []
+            for variant in _offloads(lay, fixed.offload):
+                if tried and not _could_fit(tried[0], variant.offload):
+                    continue
+                try:
+                    if runnable:
+                        check_train(model, variant, global_batch)
+                    tried.append(estimate(model, cluster, variant, global_batch, assumptions))
+                except ShardwiseConfigError as e:
+                    first_error = first_error or e
+                    if variant.offload == "none":
+                        break  # refused without offload: refused with it too
+                    continue
+                if tried[-1].fits:
+                    break
+            results += tried if len(tried) < 3 or tried[-1].fits else [tried[0], tried[-1]]
     if not results:
         if first_error:
             raise first_error

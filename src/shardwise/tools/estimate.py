@@ -43,7 +43,9 @@ def to_llama_config(spec, max_seq_len: int | None = None):
     """The :class:`~shardwise.models.LlamaConfig` of a dense Llama-style :class:`ModelSpec`
     (SwiGLU, RMSNorm, RoPE, no biases). Raises ShardwiseConfigError for other shapes and for
     mixtures of experts."""
-    from ..models import LlamaConfig
+    import dataclasses
+
+    from ..plan.models import train_model_config
 
     if spec.mlp != "swiglu" or spec.norm != "rmsnorm" or spec.bias or spec.learned_positions:
         raise ShardwiseConfigError(f"model {spec.name}: the estimator builds shardwise's Llama "
@@ -54,10 +56,8 @@ def to_llama_config(spec, max_seq_len: int | None = None):
             f"model {spec.name} is a mixture of experts: the estimator runs dense Llama models "
             "only (an MoE forward reads its routing counts on the host, which fake tensors "
             "cannot answer); use `shardwise plan` for its analytical memory")
-    return LlamaConfig(vocab_size=spec.vocab_size, d_model=spec.d_model, n_layers=spec.n_layers,
-                       n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads, d_ff=spec.d_ff,
-                       max_seq_len=max_seq_len or spec.seq_len,
-                       tie_embeddings=spec.tie_embeddings)
+    # the config train builds for the spec (one conversion: plan.models.train_model_config)
+    return dataclasses.replace(train_model_config(spec), max_seq_len=max_seq_len or spec.seq_len)
 
 
 def estimate_memory(spec, world_size: int, *, seq_len: int | None = None, micro_batch: int = 1,

@@ -31,6 +31,7 @@ import json
 import sys
 
 from ..errors import ShardwiseConfigError
+from .plan_explain import _human
 
 GiB = 2**30
 
@@ -59,9 +60,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                    help="tokens per optimizer step, e.g. 4M (= 4·2^20), 512K, 4194304 "
                    "(default 4M)")
     p.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
-    p.add_argument("--precision", choices=("bf16", "amp", "fp32"), default="bf16",
-                   help="bf16: bf16 weights, fp32 gradients and Adam (18 B/param); amp: fp32 "
-                   "weights, bf16 compute (16 B/param); fp32 (default bf16)")
+    _add_storage_flags(p)
     g = p.add_argument_group("layout (fix a dimension; unset = searched)")
     g.add_argument("--dp", type=int, help="fix the data-parallel degree (default: searched)")
     g.add_argument("--dp-replicate", type=int, metavar="R",
@@ -90,10 +89,22 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                    help="activation checkpointing")
     g.add_argument("--grad-reduce", choices=("step", "micro"),
                    help="zero 2/3 with several micro-batches: reduce-scatter gradients once "
-                   "per step (full local gradients held) or after every micro-batch")
+                   "per step, as train does (default), or after every micro-batch (a what-if: "
+                   "with --what-if)")
+    g.add_argument("--what-if", action="store_true",
+                   help="also rank layouts shardwise train does not run (yet), priced as "
+                   "Megatron-LM, torchtitan or DeepSpeed run them; each says why train refuses "
+                   "it")
     g.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
                    help="muon: also print, per shown layout, the bytes Muon's Newton–Schulz "
                         "gathers add per GPU per step and its FLOPs (docs/optimizers.md)")
+    _add_output_flags(p)
+    p.set_defaults(func=cmd_plan)
+    return p
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    """The output and assumption flags of ``plan``."""
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=10, help="layouts to show (0 = all; default 10)")
     o.add_argument("--explain", action="store_true", help="the formulas of the best layout "
@@ -112,8 +123,25 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                    "collectives reach (default 0.8)")
     a.add_argument("--memory-reserve", type=float, help="fraction of HBM kept free "
                    "(default 0.1)")
-    p.set_defaults(func=cmd_plan)
-    return p
+
+
+def _add_storage_flags(p: argparse.ArgumentParser) -> None:
+    """The storage and offload flags of ``plan``: train's, searched when unset."""
+    s = p.add_argument_group("storage and offload (train's flags; unset = searched)")
+    s.add_argument("--dtype", choices=("fp32", "bf16"), help="compute dtype (default: bf16; "
+                   "fp32 runs at the fp32 peak)")
+    s.add_argument("--param-dtype", choices=("fp32", "bf16"), help="parameter storage")
+    s.add_argument("--master-dtype", choices=("fp32", "none"),
+                   help="with --param-dtype bf16: fp32 master weights, gradients and Adam state "
+                   "(Megatron, 18 B/param) or none (all bf16, the guide's FSDP2 recipe, 8 B)")
+    s.add_argument("--offload", choices=("none", "optimizer", "params"),
+                   help="optimizer: Adam state, master weights and the step on the host; "
+                   "params: the parameter shards too (default: none, or more for a layout "
+                   "that does not fit without)")
+    s.add_argument("--precision", choices=("fp32", "amp", "bf16", "bf16-pure"),
+                   help="shorthand: fp32 = --dtype fp32 --param-dtype fp32; amp = --dtype bf16 "
+                   "--param-dtype fp32 (16 B/param); bf16 = --param-dtype bf16 --master-dtype "
+                   "fp32; bf16-pure = --param-dtype bf16 --master-dtype none")
 
 
 def _assumptions(args):
@@ -167,7 +195,31 @@ def _fixed(args):
                  zero=args.zero, sp=args.sp,
                  schedule=args.schedule, virtual_stages=args.virtual_stages,
                  microbatches=args.microbatches, micro_batch=args.micro_batch, ckpt=args.ckpt,
-                 grad_reduce=args.grad_reduce)
+                 grad_reduce=args.grad_reduce, offload=args.offload)
+
+
+def _precisions(args) -> list[str]:
+    """The storage recipes (keys of :data:`~shardwise.plan.layout.PRECISIONS`) the flags leave:
+    ``--precision``, or those of ``--dtype`` / ``--param-dtype`` / ``--master-dtype`` (the
+    master dtype matters with bf16 storage only); none given: the searched ones. Raises
+    ShardwiseConfigError for a combination no recipe has, or both kinds of flag."""
+    from ..plan.layout import SEARCHED_PRECISIONS, STORAGES
+
+    given = [(i, v) for i, v in enumerate((args.dtype, args.param_dtype, args.master_dtype))
+             if v is not None]
+    if args.precision:
+        if given:
+            raise ShardwiseConfigError("--precision is shorthand for --dtype, --param-dtype and "
+                                       "--master-dtype: give it or them, not both")
+        return [args.precision]
+    if not given:
+        return list(SEARCHED_PRECISIONS)
+    keys = [k for k, flags in STORAGES.items()
+            if all(flags[i] == v or (i == 2 and flags[1] == "fp32") for i, v in given)]
+    if not keys:
+        raise ShardwiseConfigError("--param-dtype bf16 computes in bf16 (Precision.stored): "
+                                   "drop --dtype fp32, or choose --param-dtype fp32")
+    return keys if args.dtype is not None else [k for k in keys if k in SEARCHED_PRECISIONS]
 
 
 def cmd_plan(args, argv=None) -> int:
@@ -183,7 +235,7 @@ def cmd_plan(args, argv=None) -> int:
 
         counts = _parse_counts(args.plot_gpus) if args.gpus is None else sorted(
             set(_parse_counts(args.plot_gpus)) | {args.gpus})
-        plot_mfu_vs_gpus(model, cluster, counts, batch, args.plot, precision=args.precision,
+        plot_mfu_vs_gpus(model, cluster, counts, batch, args.plot, precision=_precisions(args),
                          assumptions=assume, fixed=_fixed(args))
         print(f"plan: wrote {args.plot} (predicted MFU of {model.name} on {cluster.gpu.name}, "
               f"{len(counts)} GPU counts)")
@@ -193,15 +245,16 @@ def cmd_plan(args, argv=None) -> int:
         raise ShardwiseConfigError("--gpus N is required (the number of GPUs to plan for)")
     from ..plan.search import search
 
-    results = search(model, cluster, args.gpus, batch, _fixed(args), args.precision, assume)
+    results = search(model, cluster, args.gpus, batch, _fixed(args), _precisions(args), assume,
+                     runnable=not args.what_if)
     shown = results if args.top == 0 else results[:args.top]
     muon = getattr(args, "optimizer", "adamw") == "muon"
     if args.json:
         from ..plan.muon import muon_cost
 
         fitting = [e for e in results if e.fits]
-        rows = [{**e.to_json(), **({"muon": muon_cost(model, e.layout)} if muon else {})}
-                for e in shown]
+        rows = [{**e.to_json(), **_train_json(e),
+                 **({"muon": muon_cost(model, e.layout)} if muon else {})} for e in shown]
         json.dump({"model": model.name, "gpu": cluster.gpu.name, "gpus": args.gpus,
                    "global_batch_tokens": tokens, "seq_len": model.seq_len,
                    "evaluated": len(results), "fitting": len(fitting),
@@ -213,9 +266,34 @@ def cmd_plan(args, argv=None) -> int:
         print()
         print(muon_lines(shown[:5], model, cluster))
     if args.explain:
+        from .plan_explain import explain
+
         print()
         print(explain(results[0]))
     return 0
+
+
+def train_line(e) -> str:
+    """The ``shardwise train`` flags that run estimate ``e``'s layout
+    (:func:`~shardwise.plan.layout.train_flags`), or, for a what-if layout, why train refuses
+    it (:func:`~shardwise.plan.layout.check_train`)."""
+    from ..plan.layout import check_train, train_flags
+
+    try:
+        check_train(e.model, e.layout, e.global_batch)
+    except ShardwiseConfigError as why:
+        return f"train refuses it: {why}"
+    return "train " + " ".join(train_flags(e.layout, e.global_batch, e.model.seq_len))
+
+
+def _train_json(e) -> dict:
+    """The JSON row's storage flags and ``train_flags`` (None for a layout train refuses)."""
+    from ..plan.layout import STORAGES
+
+    line = train_line(e)
+    dtype, param, master = STORAGES[e.layout.precision]
+    return {"dtype": dtype, "param_dtype": param, "master_dtype": master,
+            "train_flags": line[len("train "):] if line.startswith("train ") else None}
 
 
 def muon_lines(estimates, model, cluster) -> str:
@@ -267,14 +345,6 @@ def _gib(x: float) -> str:
     return f"{x / GiB:,.1f}"
 
 
-def _human(x: float) -> str:
-    """Bytes in the largest binary unit that keeps the number ≥ 1 (B, KiB, MiB, GiB, TiB)."""
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(x) >= size:
-            return f"{x / size:,.2f} {unit}"
-    return f"{x:,.0f} B"
-
-
 def format_table(results, model, cluster, gpus, tokens, top=10) -> str:
     """The human-readable ranking: best fitting layouts, then the best that do not fit."""
     fit = [e for e in results if e.fits]
@@ -286,12 +356,17 @@ def format_table(results, model, cluster, gpus, tokens, top=10) -> str:
         f"  on {gpus:,} × {cluster.describe()}",
         f"  global batch {tokens:,} tokens = {e0.global_batch:,} sequences × {model.seq_len}; "
         f"{len(results):,} layouts evaluated, {len(fit):,} fit in "
-        f"{_gib(e0.capacity_bytes)} GiB per GPU (HBM − {A.memory_reserve:.0%} reserve)",
+        f"{_gib(e0.capacity_bytes)} GiB per GPU (HBM − {A.memory_reserve:.0%} reserve) and, "
+        f"offloaded, {_gib(e0.host_capacity_bytes)} GiB of host memory per node",
         f"  assumptions: dense GEMMs at {A.gemm_efficiency:.1%} of peak, flash attention at "
         f"{cluster.gpu.flash_efficiency:.0%}, links at {A.link_efficiency:.0%}; TP "
         "collectives exposed, DP/ZeRO overlapped with backward, CP ring under attention, CP "
         "all-gather exposed" + (", EP all-to-alls exposed, uniform routing" if model.is_moe
-                                else "") + " (docs/planner.md)",
+                                else "") + "; offload: host copies exposed, the optimizer "
+        "step at host DRAM bandwidth (docs/planner.md)",
+        "  storage: amp = fp32 parameters, bf16 compute (16 B/param); bf16 = bf16 parameters, "
+        "fp32 master (18 B); bf16-pure = all bf16 (8 B). Under each row, the train flags that "
+        "run it",
         "",
     ]
     moe = model.is_moe
@@ -299,8 +374,8 @@ def format_table(results, model, cluster, gpus, tokens, top=10) -> str:
     head = (f"{'#':>3} {'dp':>5} {'cp':>5} " + (f"{'ep':>3} " if moe else "")
             + f"{'tp':>5} {'pp':>3} {'zero':>5} {'schedule':<21} "
             f"{'b':>2} "
-            f"{'m':>4} {'ckpt':<9} {'MFU':>6} {'step s':>8} {'tok/s/GPU':>10} "
-            f"{'GiB/GPU':>8}  params+grads+optim+act+buf GiB")
+            f"{'m':>4} {'ckpt':<9} {'storage':<9} {'offload':<9} {'MFU':>6} {'step s':>8} "
+            f"{'tok/s/GPU':>10} {'GiB/GPU':>8} {'host':>6}  params+grads+optim+act+buf GiB")
     lines.append(head)
 
     def row(i, e):
@@ -318,9 +393,11 @@ def format_table(results, model, cluster, gpus, tokens, top=10) -> str:
         if lay.dp_replicate > 1:
             hsdp_shown.append(i)
         return (f"{i:>3} {dp:>5} {cp:>5} {ep}{tp:>5} {lay.pp:>3} {zero:>5} {sched:<21} "
-                f"{lay.micro_batch:>2} {e.microbatches:>4} {lay.ckpt:<9} {e.mfu:>6.1%} "
+                f"{lay.micro_batch:>2} {e.microbatches:>4} {lay.ckpt:<9} {lay.precision:<9} "
+                f"{lay.offload:<9} {e.mfu:>6.1%} "
                 f"{e.step_time_s:>8.2f} {e.tokens_per_s / lay.world:>10,.0f} "
-                f"{_gib(e.mem_bytes_per_gpu):>8}  {parts}")
+                f"{_gib(e.mem_bytes_per_gpu):>8} {_gib(e.host_bytes_per_gpu):>6}  {parts}\n"
+                f"      {train_line(e)}")
 
     for i, e in enumerate(fit if top == 0 else fit[:top], 1):
         lines.append(row(i, e))
@@ -340,240 +417,8 @@ def format_table(results, model, cluster, gpus, tokens, top=10) -> str:
         for i, e in enumerate((better or nofit)[:5], 1):
             lines.append(row(i, e))
     if hsdp_shown:
-        lines.insert(4, "  dp R×S: HSDP, R replicas of a ZeRO shard group of S data ranks (× cp)")
+        lines.insert(5, "  dp R×S: HSDP, R replicas of a ZeRO shard group of S data ranks (× cp)")
     return "\n".join(lines)
-
-
-def explain(e) -> str:
-    """The formulas of one estimate with its numbers plugged in (units in the text)."""
-    from ..plan.layout import PRECISIONS
-    from ..plan.memory import in_flight, layer_activation_bytes
-
-    M, C, lay, A, d = e.model, e.cluster, e.layout, e.assumptions, e.details
-    prec = PRECISIONS[lay.precision]
-    t, p, n, b, s, cp = lay.tp, lay.pp, lay.dp, lay.micro_batch, M.seq_len, lay.cp
-    v = lay.chunks
-    f = e.flops
-    out = [f"explain: {lay.name()}  ({M.name} on {lay.world:,} × {C.gpu.name})", ""]
-    out.append("FLOPs per token (model FLOPs: 6·N + 12·L·d·s; PaLM App. B, Korthikanti App. A)")
-    if M.is_moe:
-        Lm, mats = M.n_moe_layers, M.n_mlp_mats
-        dense = (f"({M.n_layers - Lm})·(2d² + 2d·kvd + {mats}·d·f) + " if Lm < M.n_layers
-                 else "")
-        out.append(f"  N (active) = {dense}L_m·(2d² + 2d·kvd + d·E + (k + n_shared)·{mats}·d·f_e)"
-                   f" + V·d, L_m = {Lm}, E = {M.n_experts}, k = {M.top_k}, n_shared = "
-                   f"{M.n_shared_experts}, f_e = {M.expert_ff}: {M.matmul_params():,}")
-        out.append(f"  parameters: {M.num_params():,} total (memory), {M.num_active_params():,} "
-                   "active (FLOPs)")
-    else:
-        out.append(f"  N = L·(2d² + 2d·kvd + {M.n_mlp_mats}·d·f) + V·d = {M.matmul_params():,}")
-    out.append(f"  6·N + 12·L·d·s = 6·{M.matmul_params():,} + 12·{M.n_layers}·{M.d_model}·{s} "
-               f"= {f['model_per_token']:.4g}")
-    out.append(f"  per step: {e.tokens:,} tokens × {f['model_per_token']:.4g} = "
-               f"{f['model_per_step']:.4g} FLOPs")
-    out.append("")
-    out.append(f"Batch: G = {e.global_batch:,} sequences; m = G/(dp·b) = {e.global_batch:,}/"
-               f"({n}·{b}) = {e.microbatches} micro-batches per step and replica")
-    out.append(f"Pipeline: {p} stage(s), layers per stage {_stages(e.stages)}"
-               + (f", schedule {lay.schedule}" + (f", v = {v}" if v > 1 else "") if p > 1
-                  else ""))
-    out.append("")
-    out.append("Memory per GPU (ZeRO §5.1; Korthikanti §4)")
-    for where in ("first", "last") if p > 1 else ("first",):
-        mem = e.memory[where]
-        label = "first stage" if p > 1 and where == "first" else (
-            "last stage" if p > 1 else "every GPU")
-        out.append(f"  {label}: Ψ_s = {mem['params_count']:,.0f} parameters on this GPU")
-        sh = {0: "", 1: "K/dp", 2: "(G+K)/dp", 3: "(P+G+K)/dp"}[lay.zero]
-        R, S = lay.dp_replicate, lay.dp_shard
-        if R > 1:  # HSDP: ZeRO over the shard group, the R groups replicate it
-            sh = sh.replace("dp", f"(S·cp) = ÷{S * cp}" if cp > 1 else f"S = ÷{S}")
-            sh += f"; HSDP dp = R × S = {R} × {S}: the states ×{R} of ZeRO over all of dp"
-        elif cp > 1:
-            sh = sh.replace("dp", f"(dp·cp) = ÷{n * cp}")
-        if lay.ep > 1 and mem.get("expert_params_count"):
-            grp = "S·cp/ep" if R > 1 else "dp·cp/ep"
-            out.append(f"    of them experts: L_m·E·{M.n_mlp_mats}·d·f_e/(ep·etp) = "
-                       f"{mem['expert_params_count']:,.0f} (E/ep = {M.n_experts // lay.ep} per "
-                       f"layer), their ZeRO shards over {grp} = {S * cp // lay.ep} ranks")
-        out.append(f"    zero {lay.zero}{' (' + sh + ')' if sh else ''}, P={prec.param} "
-                   f"G={prec.grad} K={prec.optim} B/param: params {_human(mem['params'])} + "
-                   f"grads {_human(mem['grads'])} + optimizer {_human(mem['optimizer'])}")
-        out.append(f"    activations {_human(mem['activations'])}, buffers "
-                   f"{_human(mem['buffers'])} → total {_human(mem['total'])}")
-        out.append(f"    start-up (built on meta, filled box by box): params"
-                   f"{' + grads' if lay.zero else ''} + one box of 4 B × "
-                   f"{mem['startup_host'] / 4:,.0f} → device {_human(mem['startup_device'])}, "
-                   f"host {_human(mem['startup_host'])} + the import floor")
-    tokens_mb = b * s // cp
-    none = layer_activation_bytes(M, tokens_mb, tp=t, sp=lay.sp, ckpt="none",
-                                  act_bytes=prec.act)
-    toks = f"{b}·{s}/{cp}" if cp > 1 else f"{b}·{s}"
-    kind = "a dense layer" if M.is_moe else "per layer"
-    out.append(f"  activations {kind} per micro-batch ({toks} tokens, a = {prec.act} B, "
-               f"t = {t}{', SP' if lay.sp else ''}): {_human(d['act_per_layer'])} "
-               f"(ckpt={lay.ckpt}; without checkpointing {_human(none)})")
-    held = in_flight(lay.schedule, p, e.microbatches, v)
-    out.append(f"  micro-batches in flight on the first stage: {held:.3g}"
-               + (" = min(m, p)·(1 + (p−1)/(p·v))" if p > 1 and lay.schedule ==
-                  "interleaved-1f1b" else " = min(m, p)" if p > 1 and lay.schedule != "gpipe"
-                  else " = m" if p > 1 else ""))
-    if cp > 1:
-        out.append(f"  cp = {cp}: every activation per token, so ÷ {cp}; KV = 2·b·(s/cp)·"
-                   f"(k/t)·hd·a = 2·{b}·{s // cp}·{M.n_kv_heads // t}·{M.head_dim}·{prec.act} "
-                   f"= {_human(d['cp_kv_bytes'])} per layer"
-                   + (f"; all-gather keeps the gathered K/V, (cp−1)·KV = "
-                      f"{_human(d['cp_gathered'])} more per layer" if d["cp_gathered"] else ""))
-    if M.is_moe:
-        out.append(f"  an MoE layer keeps {_human(d['act_per_moe_layer'])} per micro-batch (router "
-                   f"probabilities, k = {M.top_k} dispatched copies, the experts' intermediates "
-                   "and outputs); MoE layers per stage: "
-                   f"{_stages(d['moe_layers_per_stage'])}")
-    out.append(f"  fits: {_human(e.mem_bytes_per_gpu)} ≤ {_human(e.capacity_bytes)}? "
-               f"{'yes' if e.fits else 'NO'}")
-    out.append("")
-    ls = d["layer_seconds"]
-    out.append(f"Compute per micro-batch on the slowest stage (stage {d['critical_stage']})")
-    kind = "a dense layer" if M.is_moe else "a layer"
-    out.append(f"  {kind}, per token: dense {ls['dense'] * 1e9:,.2f} ns (GEMMs at "
-               f"{A.gemm_efficiency:.1%} of {d['peak'] / 1e12:,.0f} TFLOP/s) + attention core "
-               f"{ls['core'] * 1e9:,.2f} ns + element-wise {ls['elementwise'] * 1e9:,.2f} ns")
-    if M.is_moe:
-        ms = d["moe_layer_seconds"]
-        out.append(f"  an MoE layer, per token: dense {ms['dense'] * 1e9:,.2f} ns (attention ÷ tp, "
-                   f"router + shared + top-{M.top_k} experts ÷ etp) + attention core "
-                   f"{ms['core'] * 1e9:,.2f} ns + element-wise {ms['elementwise'] * 1e9:,.2f} ns")
-    cp_part = (f" + CP exposed {d['t_cp_mb'] * 1e3:,.2f} ms" if cp > 1 else "")
-    if lay.ep > 1:
-        cp_part += f" + EP {d['t_ep_mb'] * 1e3:,.2f} ms"
-    out.append(f"  t_compute = {d['t_comp_mb'] * 1e3:,.2f} ms; TP collectives (exposed) "
-               f"{d['t_tp_mb'] * 1e3:,.2f} ms{cp_part} → t_mb = {d['t_mb'] * 1e3:,.2f} ms")
-    if cp > 1:
-        how = ("ring: each K/V send hides under one block's attention, t_core/cp per step "
-               "(forward a third of t_core, backward two thirds); the last dK/dV send exposed"
-               if lay.cp_method == "ring" else
-               "all-gather of K/V before attention and reduce-scatter of dK/dV after it, "
-               "exposed (Llama 3 §3.3.2)")
-        out.append(f"  CP {lay.cp_method} over {cp} ranks: attention core of one layer "
-                   f"t_core = {d['t_core_layer'] * 1e3:,.3f} ms per micro-batch; {how}")
-    if lay.ep > 1:
-        from ..plan.comm import ep_tokens
-
-        eb = d["ep_bytes_layer"]
-        out.append(f"  EP over {lay.ep} ranks (uniform routing): T = b·(s/cp)/etp = "
-                   f"{ep_tokens(M, lay):,.0f} tokens per micro-batch, each all-to-all moves "
-                   f"(ep−1)/ep·T·k·d·a; per MoE layer dispatch {_human(eb['ep_dispatch'])} + "
-                   f"combine {_human(eb['ep_combine'])} (forward + backward), exposed")
-    out.append("")
-    out.append("Communication per step (bytes sent per GPU by the ring formulas; seconds = "
-               "steps·latency + bytes/(bw·link efficiency))")
-    width = max([5] + [len(c.axis) for c in e.comm])
-    for c in e.comm:
-        out.append(f"  {c.axis:<{width}} {c.op:<14} {c.tag:<11} n={c.n:<5} "
-                   f"S={c.size / 2**20:>10,.1f} "
-                   f"MiB ×{c.count:>7,.0f}: {c.wire / 1e9:>9,.2f} GB sent, {c.seconds:>8.3f} s, "
-                   f"exposed {c.exposed:.3f} s  [{c.link}] {c.note}")
-    out.append("")
-    if lay.dp_replicate > 1:
-        out += _explain_hsdp(e) + [""]
-    T = e.times
-    bub = {"gpipe": "(p−1)·t_mb", "1f1b": "(p−1)·t_mb", "interleaved-1f1b": "(p−1)·t_mb/v",
-           "zb-h1": "(p−1)·t_mb/3"}.get(lay.schedule, "")
-    out.append("Step time")
-    cp_sum = f" + CP {T['cp_exposed']:.3f}" if cp > 1 else ""
-    cp_sum += f" + EP {T['ep_exposed']:.3f}" if lay.ep > 1 else ""
-    out.append(f"  m·t_mb = {e.microbatches}·{d['t_mb'] * 1e3:,.2f} ms = "
-               f"{T['compute'] + T['tp'] + T['cp_exposed'] + T['ep_exposed']:.3f} s (compute "
-               f"{T['compute']:.3f} + TP {T['tp']:.3f}{cp_sum})")
-    if p > 1:
-        out.append(f"  bubble = {bub if e.microbatches >= p else '(p−1)·t_mb (m < p)'} = "
-                   f"{T['bubble']:.3f} s")
-    out.append(f"  + DP exposed {T['dp_exposed']:.3f} s + PP exposed {T['pp_exposed']:.3f} s + "
-               f"optimizer {T['optimizer']:.3f} s = {e.step_time_s:.3f} s")
-    out.append(f"  tokens/s = {e.tokens:,} / {e.step_time_s:.3f} = {e.tokens_per_s:,.0f} "
-               f"({e.tokens_per_s / lay.world:,.0f} per GPU)")
-    out.append(f"  MFU = {f['model_per_step']:.4g} / ({e.step_time_s:.3f} s · {lay.world:,} · "
-               f"{C.gpu.bf16_flops / 1e12:,.0f} TFLOP/s) = {e.mfu:.1%}   (HFU {e.hfu:.1%})")
-    return "\n".join(out)
-
-
-def _explain_hsdp(e) -> list[str]:
-    """The HSDP part of :func:`explain`: its per-axis byte formulas with this layout's numbers,
-    and its inter-node bytes against ZeRO-3 over all of dp (:func:`cost.hsdp_comparison`)."""
-    from ..plan.comm import axis_link
-    from ..plan.cost import hsdp_comparison
-    from ..plan.layout import PRECISIONS
-
-    C, lay, d = e.cluster, e.layout, e.details
-    prec = PRECISIONS[lay.precision]
-    R, S, cp, t, m = lay.dp_replicate, lay.dp_shard, lay.cp, lay.tp, e.microbatches
-    ax = "dp_shard" if cp == 1 else "dp_shard_cp"
-    sh = S * cp
-    s_sym = "S" if cp == 1 else "S'"
-    shard_link = axis_link(C, lay, ax)[2]
-    rep_link = axis_link(C, lay, "dp_replicate")[2]
-    out = [f"HSDP (PyTorch FSDP hybrid sharding, Zhao et al. 2023 §3.2.3): dp = R × S = {R} × "
-           f"{S}; ZeRO-{lay.zero} over the shard group of "
-           + (f"S' = S·cp = {sh}" if cp > 1 else f"S = {S}")
-           + f" ranks ({sh}·tp = {sh * t} GPUs, {shard_link}), the R = {R} replicas "
-           f"{rep_link}"]
-    experts = lay.ep > 1 and d["expert_params_crit"] > 0
-    psi = d["params_crit"] - (d["expert_params_crit"] if experts else 0.0)
-    f = f"({sh}−1)/{sh}"
-    out.append(f"  per step on this GPU: Ψ_s = {psi:,.0f} parameters, G_c = {prec.grad_comm} B, "
-               f"P = {prec.param} B, m = {m}"
-               + (" (the dense ones; the experts' reduce-scatter and all-gathers over edp and "
-                  "their shard's all-reduce over the replicas: the table above)" if experts
-                  else ""))
-
-    def wire(axis, tag):  # the dense parameters' collectives (not the experts')
-        return sum(c.wire for c in e.comm if c.axis == axis and c.tag == tag
-                   and "of the experts" not in c.note)
-
-    rs_m = "m·" if lay.zero >= 2 and lay.grad_reduce == "micro" and m > 1 else ""
-    ag = {1: "", 2: "", 3: "2·m·"}[lay.zero]
-    out.append(f"    reduce-scatter of the gradients in the shard group  {rs_m}({s_sym}−1)/{s_sym}"
-               f"·G_c·Ψ_s = {rs_m}{f}·{prec.grad_comm}·Ψ_s = {wire(ax, 'grad') / 1e9:,.2f} GB "
-               f"[{shard_link}]")
-    out.append(f"    all-reduce of the 1/{s_sym} shard over the replicas  2(R−1)/R·G_c·Ψ_s/{s_sym}"
-               f" = 2·{R - 1}/{R}·{prec.grad_comm}·Ψ_s/{sh} = "
-               f"{wire('dp_replicate', 'grad_replicate') / 1e9:,.2f} GB [{rep_link}]")
-    out.append(f"    all-gathers of the parameters in the shard group  {ag}({s_sym}−1)/{s_sym}"
-               "·P·Ψ_s"
-               f" = {ag}{f}·{prec.param}·Ψ_s = {wire(ax, 'param') / 1e9:,.2f} GB "
-               f"[{shard_link}]")
-    cmp = hsdp_comparison(e)
-    out.append("  inter-node bytes per GPU and step (every collective whose group spans nodes; "
-               "in brackets the data-parallel axes'):")
-    labels = {"hsdp": f"HSDP R × S = {R} × {S}", "zero3": f"ZeRO-3 over all dp = {lay.dp}",
-              "same_stage": f"ZeRO-{lay.zero} over all dp = {lay.dp}"}
-    for key in ("hsdp", "zero3", "same_stage"):
-        if key not in cmp:
-            continue
-        r = cmp[key]
-        out.append(f"    {labels[key]:<26} {r['inter_node_bytes'] / 1e9:>10,.2f} GB "
-                   f"({r['inter_node_dp_bytes'] / 1e9:,.2f} GB); model state "
-                   f"{_human(r['model_state_bytes'])}, {_human(r['mem_bytes_per_gpu'])} per GPU"
-                   f"{'' if r['fits'] else ' (does not fit)'}; DP exposed "
-                   f"{r['dp_exposed_s']:.3f} s, step {r['step_time_s']:.3f} s, MFU "
-                   f"{r['mfu']:.1%}  [{r['layout']}]")
-
-    def times(x):
-        return "∞" if x == float("inf") else "—" if x is None else f"{x:,.1f}×"
-
-    h, z = cmp["hsdp"], cmp["zero3"]
-    out.append(f"  → HSDP sends {times(cmp['saving'])} fewer bytes across nodes than ZeRO-3 over "
-               f"all of dp ({times(cmp['saving_dp'])} on the data-parallel axes), for "
-               f"{h['model_state_bytes'] / z['model_state_bytes']:,.2f}× its model state per "
-               "GPU")
-    return out
-
-
-def _stages(stages) -> str:
-    if len(set(stages)) == 1:
-        return f"{stages[0]} × {len(stages)}"
-    return ", ".join(str(x) for x in stages) if len(stages) <= 8 else (
-        f"{stages[0]}, {stages[1]}, …, {stages[-2]}, {stages[-1]}")
 
 
 def main(argv: list[str] | None = None) -> int:
