@@ -4,7 +4,8 @@ same storage, by the rules of docs/parity.md §7:
 * dp = 2, one micro-batch per rank (DP, ZeRO-1/2/3), both recipes and their offloaded twins:
   bitwise equal to :class:`~shardwise.parallel.model.Local` stepping the ranks' two
   micro-batches in rank order (losses, every gradient and bf16 parameter, every step);
-* every layout (also HSDP, dp 4 ZeRO-3, tp 2, dp 2 × tp 2 ZeRO-1): the offloaded run bitwise
+* every layout (also HSDP, dp 4 ZeRO-3, tp 2, dp 2 × tp 2 ZeRO-1, pp 2 1F1B with and without
+  dp 2 ZeRO-1 over its stages): the offloaded run bitwise
   equal to the same layout without offload (the same arithmetic, on the host), and the ledger's
   host ↔ device bytes equal to the formula (:func:`shardwise.parallel.storage.
   offload_bytes_formula`) every step;
@@ -45,7 +46,8 @@ def results(tmp_path_factory):
 
 
 def _load(results, text, recipe):
-    n = W.layout_of(text).dp * W.layout_of(text).tp
+    lay = W.layout_of(text)
+    n = lay.pp * lay.dp * lay.tp
     return [torch.load(results / f"{W.case_name(text, recipe)}_rank{r}.pt") for r in range(n)]
 
 
@@ -203,10 +205,10 @@ def test_update_below_bf16_resolution_lost_without_a_master():
 def test_refusals_name_the_fix():
     bf16 = Precision.stored("bf16", "fp32")
     for layout, precision, offload, engine, match in [
-            (Layout(pp=2), bf16, "none", "explicit", "pipeline"),
             (Layout(dp=2, zero=3), bf16, "none", "torch", "explicit engine"),
             (Layout(dp=2, zero=3), Precision(), "params", "explicit", "--offload optimizer"),
             (Layout(dp=2), Precision(), "disk", "explicit", "choose none")]:
         with pytest.raises(ShardwiseConfigError, match=match):
             check_storage(layout, precision, offload, engine)
-    check_storage(Layout(dp=2, zero=3), bf16, "optimizer", "explicit")  # wired
+    for layout in (Layout(dp=2, zero=3), Layout(pp=2, dp=2, zero=1), Layout(dp=2, tp=2)):
+        check_storage(layout, bf16, "optimizer", "explicit")  # wired
