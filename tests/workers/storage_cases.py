@@ -3,13 +3,14 @@ the guide's) and ``--offload optimizer`` in one spawned 4-rank world, results du
 
 Each case builds the tiny Llama (vocab 67, tied embeddings) with ``parallelize(precision=,
 offload=)`` on a sub-topology and trains STEPS AdamW steps through ``train_step``, writing
-``<out>/<case>_rank<r>.pt``: per step the loss, the norm, every full (gathered) parameter in its
+``<out>/<case>_rank<r>.pt`` (an output folder named "fast…": :data:`FAST`; else the rest): per step the loss, the norm, every full (gathered) parameter in its
 storage dtype and every full gradient (the fp32 main gradients under Megatron's recipe), the
 ledger's offload bytes and the formula's; after the last step the full optimizer state (masters
 included) and a resumed run's next step (checkpoint contract). The test compares them with a
 single-process reference with the same storage that it computes itself (``Local``)."""
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,11 @@ OTHERS = ["dp=4,dp_replicate=2,zero=3", "dp=4,zero=3", "tp=2", "dp=2,tp=2,zero=1
           "pp=2,microbatches=4", "pp=2,dp=2,zero=1,microbatches=2"]
 CASES = ([(lay, r) for lay in BITWISE for r in RECIPES]
          + [(lay, r) for lay in OTHERS for r in ("megatron", "megatron_off", "fp32", "fp32_off")])
+# ``make test``'s share (one world of these; the rest run under ``make test-slow``): ZeRO-3 with
+# every recipe, HSDP and pp 2 × dp 2 ZeRO-1 under Megatron's recipe and its offloaded twin
+FAST = ([("dp=2,zero=3", r) for r in RECIPES]
+        + [(lay, r) for lay in ("dp=4,dp_replicate=2,zero=3", "pp=2,dp=2,zero=1,microbatches=2")
+           for r in ("megatron", "megatron_off")])
 
 
 def case_name(layout: str, recipe: str) -> str:
@@ -108,21 +114,23 @@ def run_case(out, topos, rank, text, recipe):
     torch.save(rec, f"{out}/{case_name(text, recipe)}_rank{rank}.pt")
 
 
-def main(out: str) -> None:
+def main(out: str, which: str) -> None:
     init_distributed("cpu", timeout_s=60)
     rank = dist.get_rank()
     topos = {}
-    for text in dict.fromkeys(c[0] for c in CASES):
+    cases = FAST if which == "fast" else [c for c in CASES if c not in FAST]
+    for text in dict.fromkeys(c[0] for c in cases):
         lay = layout_of(text)
         key = (lay.pp, lay.dp, lay.tp, lay.dp_replicate)
         if key not in topos:
             topos[key] = Topology(lay.pp, lay.dp, lay.tp, dp_replicate=lay.dp_replicate,
                                   ranks=range(lay.pp * lay.dp * lay.tp), timeout_s=60)
-    for case in CASES:
+    for case in cases:
         run_case(out, topos, rank, *case)
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    # which share: named by the output folder (tests/test_storage.py's fixtures)
+    main(sys.argv[1], "fast" if Path(sys.argv[1]).name.startswith("fast") else "slow")
