@@ -4,7 +4,8 @@ same storage, by the rules of docs/parity.md §7:
 * dp = 2, one micro-batch per rank (DP, ZeRO-1/2/3), both recipes and their offloaded twins:
   bitwise equal to :class:`~shardwise.parallel.model.Local` stepping the ranks' two
   micro-batches in rank order (losses, every gradient and bf16 parameter, every step);
-* every layout (also HSDP, dp 4 ZeRO-3, tp 2, dp 2 × tp 2 ZeRO-1): the offloaded run bitwise
+* every layout (also HSDP, dp 4 ZeRO-3, tp 2, dp 2 × tp 2 ZeRO-1, pp 2 1F1B with and without
+  dp 2 ZeRO-1 over its stages): the offloaded run bitwise
   equal to the same layout without offload (the same arithmetic, on the host), and the ledger's
   host ↔ device bytes equal to the formula (:func:`shardwise.parallel.storage.
   offload_bytes_formula`) every step;
@@ -38,14 +39,38 @@ import storage_cases as W  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("storage")
+def fast_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fast")  # the worker runs W.FAST for a folder named fast…
     run_world(W.__file__, out)
     return out
 
 
+@pytest.fixture(scope="module")
+def slow_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("slow")
+    run_world(W.__file__, out)
+    return out
+
+
+@pytest.fixture
+def results(request):
+    """The folder of the world that ran this test's case (``make test``: :data:`W.FAST`)."""
+    case = request.node.callspec.params.get("case")
+    case = case if case is None or isinstance(case, tuple) else None
+    text = request.node.callspec.params.get("text")
+    fast = case in W.FAST if case else (text, "megatron") in W.FAST
+    return request.getfixturevalue("fast_results" if fast else "slow_results")
+
+
+def _params(cases):
+    """``cases`` as pytest params, those outside :data:`W.FAST` marked slow."""
+    return [pytest.param(c, id=W.case_name(*c), marks=() if c in W.FAST else pytest.mark.slow)
+            for c in cases]
+
+
 def _load(results, text, recipe):
-    n = W.layout_of(text).dp * W.layout_of(text).tp
+    lay = W.layout_of(text)
+    n = lay.pp * lay.dp * lay.tp
     return [torch.load(results / f"{W.case_name(text, recipe)}_rank{r}.pt") for r in range(n)]
 
 
@@ -84,7 +109,7 @@ def _equal(a: dict, b: dict, what: str) -> None:
 BITWISE = [c for c in W.CASES if c[0] in W.BITWISE]
 
 
-@pytest.mark.parametrize("case", BITWISE, ids=[W.case_name(*c) for c in BITWISE])
+@pytest.mark.parametrize("case", _params(BITWISE))
 def test_dp2_bitwise_equal_to_one_process_with_the_same_storage(results, case):
     text, recipe = case
     ref = reference(recipe, W.GLOBAL_BATCH // 2)
@@ -105,7 +130,7 @@ def test_dp2_bitwise_equal_to_one_process_with_the_same_storage(results, case):
 TWINS = [(c[0], c[1]) for c in W.CASES if c[1].endswith("_off")]
 
 
-@pytest.mark.parametrize("case", TWINS, ids=[W.case_name(*c) for c in TWINS])
+@pytest.mark.parametrize("case", _params(TWINS))
 def test_offload_bitwise_equal_to_no_offload_and_ledger_equals_formula(results, case):
     text, recipe = case
     on, off = _load(results, text, recipe), _load(results, text, recipe[:-len("_off")])
@@ -125,7 +150,8 @@ def test_offload_bitwise_equal_to_no_offload_and_ledger_equals_formula(results, 
             assert torch.equal(st["master"].to(a["params"][-1][n].dtype), a["params"][-1][n])
 
 
-@pytest.mark.parametrize("text", ["dp=4,dp_replicate=2,zero=3", "dp=4,zero=3"])
+@pytest.mark.parametrize("text", ["dp=4,dp_replicate=2,zero=3",
+                                  pytest.param("dp=4,zero=3", marks=pytest.mark.slow)])
 def test_hsdp_and_dp4_first_step_within_the_fp32_rule(results, text):
     ref = reference("megatron", W.GLOBAL_BATCH // 4)
     for rank in _load(results, text, "megatron"):
@@ -139,7 +165,7 @@ def test_hsdp_and_dp4_first_step_within_the_fp32_rule(results, text):
 MEGATRON = [c for c in W.CASES if c[1] in ("megatron", "megatron_off")]
 
 
-@pytest.mark.parametrize("case", MEGATRON, ids=[W.case_name(*c) for c in MEGATRON])
+@pytest.mark.parametrize("case", _params(MEGATRON))
 def test_masters_saved_and_resumed_bitwise(results, case):
     for rank in _load(results, *case):
         last = rank["params"][-1]
@@ -203,10 +229,10 @@ def test_update_below_bf16_resolution_lost_without_a_master():
 def test_refusals_name_the_fix():
     bf16 = Precision.stored("bf16", "fp32")
     for layout, precision, offload, engine, match in [
-            (Layout(pp=2), bf16, "none", "explicit", "pipeline"),
             (Layout(dp=2, zero=3), bf16, "none", "torch", "explicit engine"),
             (Layout(dp=2, zero=3), Precision(), "params", "explicit", "--offload optimizer"),
             (Layout(dp=2), Precision(), "disk", "explicit", "choose none")]:
         with pytest.raises(ShardwiseConfigError, match=match):
             check_storage(layout, precision, offload, engine)
-    check_storage(Layout(dp=2, zero=3), bf16, "optimizer", "explicit")  # wired
+    for layout in (Layout(dp=2, zero=3), Layout(pp=2, dp=2, zero=1), Layout(dp=2, tp=2)):
+        check_storage(layout, bf16, "optimizer", "explicit")  # wired

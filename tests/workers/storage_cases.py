@@ -3,13 +3,14 @@ the guide's) and ``--offload optimizer`` in one spawned 4-rank world, results du
 
 Each case builds the tiny Llama (vocab 67, tied embeddings) with ``parallelize(precision=,
 offload=)`` on a sub-topology and trains STEPS AdamW steps through ``train_step``, writing
-``<out>/<case>_rank<r>.pt``: per step the loss, the norm, every full (gathered) parameter in its
+``<out>/<case>_rank<r>.pt`` (an output folder named "fast…": :data:`FAST`; else the rest): per step the loss, the norm, every full (gathered) parameter in its
 storage dtype and every full gradient (the fp32 main gradients under Megatron's recipe), the
 ledger's offload bytes and the formula's; after the last step the full optimizer state (masters
 included) and a resumed run's next step (checkpoint contract). The test compares them with a
 single-process reference with the same storage that it computes itself (``Local``)."""
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,9 +32,15 @@ RECIPES = {"megatron": ("bf16", "fp32", "none"), "megatron_off": ("bf16", "fp32"
 # dp = 2 with one micro-batch per rank: the reference's two micro-batches are the ranks' (bitwise
 # rule); the others: the offload twin bitwise, HSDP and dp 4 by the fp32 rule at step 1
 BITWISE = ["dp=2", "dp=2,zero=1", "dp=2,zero=2", "dp=2,zero=3"]
-OTHERS = ["dp=4,dp_replicate=2,zero=3", "dp=4,zero=3", "tp=2", "dp=2,tp=2,zero=1"]
+OTHERS = ["dp=4,dp_replicate=2,zero=3", "dp=4,zero=3", "tp=2", "dp=2,tp=2,zero=1",
+          "pp=2,microbatches=4", "pp=2,dp=2,zero=1,microbatches=2"]
 CASES = ([(lay, r) for lay in BITWISE for r in RECIPES]
          + [(lay, r) for lay in OTHERS for r in ("megatron", "megatron_off", "fp32", "fp32_off")])
+# ``make test``'s share (one world of these; the rest run under ``make test-slow``): ZeRO-3 with
+# every recipe, HSDP and pp 2 × dp 2 ZeRO-1 under Megatron's recipe and its offloaded twin
+FAST = ([("dp=2,zero=3", r) for r in RECIPES]
+        + [(lay, r) for lay in ("dp=4,dp_replicate=2,zero=3", "pp=2,dp=2,zero=1,microbatches=2")
+           for r in ("megatron", "megatron_off")])
 
 
 def case_name(layout: str, recipe: str) -> str:
@@ -64,7 +71,7 @@ def config() -> TrainConfig:
 
 def run_case(out, topos, rank, text, recipe):
     layout = layout_of(text)
-    topo = topos[(layout.dp, layout.tp, layout.dp_replicate)]
+    topo = topos[(layout.pp, layout.dp, layout.tp, layout.dp_replicate)]
     if not topo.member:
         return
     precision, offload = precision_of(recipe)
@@ -72,13 +79,15 @@ def run_case(out, topos, rank, text, recipe):
     opt = build_optimizer(engine, config())
     work = workload()
     sampler = work.sampler(GLOBAL_BATCH, layout.dp, topo.index("dp"), 0)
-    micro = GLOBAL_BATCH // layout.dp
+    m = layout.microbatches or 1  # a pipeline's micro-batches per step
+    micro = GLOBAL_BATCH // layout.dp // m
     rec = {k: [] for k in ("loss", "grad_norm", "params", "grads", "ledger", "formula")}
     for _ in range(STEPS):
         res = train_step(engine, work.batches(sampler.next_local_batch(), micro), opt, topo,
                          zero_grad=False)
         rec["ledger"].append({t: topo.ledger.step_bytes(t) for t in ("offload_d2h", "offload_h2d")})
-        formula = step_bytes_formula(engine, topo, micro_steps=1, sequences=micro, seq_len=SEQ)
+        formula = step_bytes_formula(engine, topo, micro_steps=m, sequences=micro * m,
+                                     seq_len=SEQ)
         rec["formula"].append({t: formula.get(t, 0.0) for t in ("offload_d2h", "offload_h2d")})
         rec["loss"].append(res.loss)
         rec["grad_norm"].append(res.grad_norm)
@@ -105,21 +114,23 @@ def run_case(out, topos, rank, text, recipe):
     torch.save(rec, f"{out}/{case_name(text, recipe)}_rank{rank}.pt")
 
 
-def main(out: str) -> None:
+def main(out: str, which: str) -> None:
     init_distributed("cpu", timeout_s=60)
     rank = dist.get_rank()
     topos = {}
-    for text in dict.fromkeys(c[0] for c in CASES):
+    cases = FAST if which == "fast" else [c for c in CASES if c not in FAST]
+    for text in dict.fromkeys(c[0] for c in cases):
         lay = layout_of(text)
-        key = (lay.dp, lay.tp, lay.dp_replicate)
+        key = (lay.pp, lay.dp, lay.tp, lay.dp_replicate)
         if key not in topos:
-            topos[key] = Topology(dp=lay.dp, tp=lay.tp, dp_replicate=lay.dp_replicate,
-                                  ranks=range(lay.dp * lay.tp), timeout_s=60)
-    for case in CASES:
+            topos[key] = Topology(lay.pp, lay.dp, lay.tp, dp_replicate=lay.dp_replicate,
+                                  ranks=range(lay.pp * lay.dp * lay.tp), timeout_s=60)
+    for case in cases:
         run_case(out, topos, rank, *case)
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    # which share: named by the output folder (tests/test_storage.py's fixtures)
+    main(sys.argv[1], "fast" if Path(sys.argv[1]).name.startswith("fast") else "slow")

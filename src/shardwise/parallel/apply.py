@@ -80,7 +80,7 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     transform(model, topo, layout, build, numerics)  # 1.
     if layout.pp > 1:  # 2. (a pipeline composes steps 3–5 inside its stage)
         return _pipeline(model, topo, layout, build, values, options,
-                         layers_per_stage=layers_per_stage, seed=seed)
+                         layers_per_stage=layers_per_stage, seed=seed, offload=offload)
     loss_fn, traffic = build.tensor(model, topo, layout, seed=seed, values=values)  # 3.
     stored = precision.param_dtype != "fp32"
     if stored:  # bf16 storage (.storage): cast before the sync's buffers take the parameters
@@ -125,7 +125,7 @@ def pipeline_chunks(layout: Layout) -> int:
 
 
 def _pipeline(model: nn.Module, topo, layout: Layout, build, values: Values, options: dict, *,
-              layers_per_stage=None, seed: int = 0):
+              layers_per_stage=None, seed: int = 0, offload: str = "none"):
     """pp > 1: this rank's stage (:class:`~.pp.StageModule`, its v chunks; every pp rank's
     stages start as pp index 0's plain model), the same TP as pp = 1 on the stage (``build``'s
     ``stage_tensor``), its values (a meta model's: this rank's part, then the tied draw), the
@@ -149,12 +149,17 @@ def _pipeline(model: nn.Module, topo, layout: Layout, build, values: Values, opt
     values.local(stage, fqn=stage.fqn, after=stage.replay_tied_draw)  # after the init's draws
     if stage.tied_output is not None:
         mark_duplicate(stage.tied_output)  # reduced over dp like the others, counted once
+    precision = options["precision"]
+    if precision.param_dtype != "fp32":  # bf16 storage (.storage): as parallelize's step 4
+        store_parameters(stage, precision)
     tied = TiedSwap(stage, topo)  # before the sync: ZeRO-3 frees the whole parameters
     values.start_equal(tied.copy_initial)  # a meta model's last stage: from the same tensor
     sync = build.stage_sync(stage, topo, layout, options)
     values.fill(sync)
+    if precision.param_dtype != "fp32":
+        arm_main_grads(stage, precision)
     finishers += [tied] + ([build.stage_sp(stage, topo, sync)] if tp > 1 and sp else [])
     finishers.append(sync.finish_gradient_sync)
     runner = build.runner(stage, topo, layout, v, loss_fn, loss_context, tp if sp else 1)
     return ParallelModel(stage, topo, loss_fn=loss_fn, grad_sync=sync, finishers=finishers,
-                         traffic=traffic, runner=runner, precision=options["precision"])
+                         traffic=traffic, runner=runner, precision=precision, offload=offload)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import ShardwiseConfigError
-from ..precision import Precision
+from ..precision import ELEMENT_BYTES, Precision
 from .params import fold_grad_
 
 OFFLOADS = ("none", "optimizer", "params")
@@ -32,8 +32,8 @@ def check_storage(layout, precision: Precision, offload: str, engine: str) -> No
     """Where and in which dtype the model state lives — ``precision.param_dtype`` (and its
     master copy) and ``offload`` ("none" | "optimizer" | "params") — against what the engines
     wire for ``layout`` on ``engine``: the one definition ``train`` and the planner share.
-    Wired: the explicit engine at pp = 1 (dp, ZeRO-1/2/3, HSDP, tp, cp), bf16 storage (both
-    recipes) and ``--offload optimizer``. Raises :class:`ShardwiseConfigError`."""
+    Wired: the explicit engine (dp, ZeRO-1/2/3, HSDP, tp, cp, pp with its stage syncs), bf16
+    storage (both recipes) and ``--offload optimizer``. Raises :class:`ShardwiseConfigError`."""
     if offload not in OFFLOADS:
         raise ShardwiseConfigError(f"--offload {offload!r}: choose none, optimizer or params")
     stored = precision.param_dtype != "fp32"
@@ -44,10 +44,6 @@ def check_storage(layout, precision: Precision, offload: str, engine: str) -> No
         raise ShardwiseConfigError(
             f"{what} is wired on the explicit engine only (torch's FSDP2 MixedPrecisionPolicy "
             "/ CPUOffloadPolicy are not yet): use --engine explicit")
-    if layout.pp > 1:
-        raise ShardwiseConfigError(
-            f"{what} is not wired with a pipeline yet (the stage syncs do not read the fp32 "
-            "main gradients): use --pp 1, or --param-dtype fp32 --offload none")
     if offload == "params":
         raise ShardwiseConfigError("--offload params is not wired yet (the ZeRO-3 shards "
                                    "would live on the host): use --offload optimizer")
@@ -113,7 +109,7 @@ def optimized_numel(sync) -> int:
     """Elements this rank's optimizer steps: ZeRO's slices without their padding (Σ_u of
     |[lo, hi) ∩ [0, Ψ_u)|, :mod:`.zero.flat`), else every trainable parameter it holds (each
     once)."""
-    units = getattr(sync, "units", None)
+    units = getattr(sync, "units", getattr(sync, "flats", None))  # ZeRO; a stage's ZeRO-1
     if units is not None:
         return sum(max(0, min(u.hi, u.numel) - u.lo) for u in units)
     return sum(p.numel() for p in dict.fromkeys(sync.module.parameters()) if p.requires_grad)
@@ -148,11 +144,14 @@ def storage_memory_formula(engine) -> dict[str, dict[str, float]] | None:
     f = engine.memory_formula()
     if f is None:
         return None
-    p = engine.precision
+    p, offload = engine.precision, getattr(engine, "offload", "none") != "none"
+    # offloaded without a master dtype, the host keeps its own copy of the parameters (the
+    # step's master, :class:`.master.MasterAdamW`)
+    per = p.optim + (p.param if offload and p.master_dtype is None else 0)
     dev = {"params": f["params"] / 4 * p.param, "grads": f["grads"] / 4 * p.grad,
-           "optimizer": f["optimizer"] / 8 * p.optim}
+           "optimizer": f["optimizer"] / 8 * per}
     host = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
-    if getattr(engine, "offload", "none") != "none":
+    if offload:
         host["optimizer"], dev["optimizer"] = dev["optimizer"], 0.0
     for d in (dev, host):
         d["total"] = d["params"] + d["grads"] + d["optimizer"]
@@ -164,7 +163,10 @@ def describe_storage(engine) -> list[str]:
     :func:`storage_memory_formula`, this rank's model state on the device and on the host."""
     p, offload = engine.precision, getattr(engine, "offload", "none")
     words = RECIPES.get((p.param_dtype, p.master_dtype), p.name)
-    b = f"{p.param} + {p.grad} + {p.optim} = {p.param + p.grad + p.optim} B/parameter"
+    master = f"{p.optim - 2 * ELEMENT_BYTES[p.optim_dtype]} + " if p.master_dtype else ""
+    b = (f"{p.param} + {p.grad} + {master}{2 * ELEMENT_BYTES[p.optim_dtype]} = "
+         f"{p.param + p.grad + p.optim} B/parameter (parameter, gradient, "
+         f"{'master, ' if master else ''}AdamW m and v)")
     lines = [f"  storage: {words}: {b}" + (f"; --offload {offload}: master, m, v and the AdamW "
                                            "step in host memory" if offload != "none" else "")]
     mem = storage_memory_formula(engine)
