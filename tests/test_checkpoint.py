@@ -355,6 +355,29 @@ def _check_shard_case(runs, spec):
     assert all((k, o) in held[rank] for k, o, rank in stored)
 
 
+def test_a_flat_range_is_cut_into_boxes_that_tile_it_exactly():
+    """``boxes.flat_boxes``: for every range [lo, lo + n) of row-major tensors of 1 to 3 dims,
+    the boxes, read from ``arange`` in that shape, give back exactly the range's elements in
+    order (each box a contiguous run starting at its ``start``), at most 2·ndim − 1 of them."""
+    import math
+
+    from shardwise.parallel.boxes import flat_boxes
+
+    for shape in [(7,), (3, 5), (4, 3, 5)]:
+        total = math.prod(shape)
+        full = torch.arange(total).view(shape)
+        for lo in range(total):
+            for n in range(1, total - lo + 1):
+                boxes = flat_boxes(shape, lo, n)
+                assert 1 <= len(boxes) <= 2 * len(shape) - 1
+                assert sum(math.prod(sz) for _, sz, _ in boxes) == n  # no overlap
+                got = torch.full((n,), -1)
+                for off, sizes, start in boxes:
+                    box = full[tuple(slice(o, o + z) for o, z in zip(off, sizes))]
+                    assert tuple(box.shape) == tuple(sizes)
+                    got[start: start + box.numel()] = box.reshape(-1)
+                assert torch.equal(got, torch.arange(lo, lo + n)), (shape, lo, n)
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("spec", ckpt_shard_cases.SAVE)
 def test_shard_by_shard_save_loads_back_bitwise(shards, spec):
