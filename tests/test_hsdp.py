@@ -37,7 +37,7 @@ def test_flags_make_dp_the_product():
     (dict(dp=4, dp_replicate=4, zero=3), r"leaves dp_shard = 1"),
     (dict(dp=4, dp_replicate=2, cp=2, zero=1), r"with --cp 2: HSDP composes with tp and pp here"),
     (dict(dp=4, pp=2, dp_replicate=2, zero=1, engine="torch"),
-     r"--engine torch runs --zero 1 --dp-replicate 2 \(FSDP2\) without a pipeline"),
+     r"--engine torch runs FSDP2 inside pipeline stages with plain dp"),
     (dict(dp=4, dp_replicate=2, dp_shard=3, zero=1), r"--dp-shard 3 × --dp-replicate 2 must "
      r"equal --dp 4"),
 ])

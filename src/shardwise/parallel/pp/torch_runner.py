@@ -59,9 +59,18 @@ class TorchScheduleRunner(ScheduleRunner):
         return self.loss_context() if self.loss_context else contextlib.nullcontext()
 
     def evaluate(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`.runner.ScheduleRunner.evaluate` inside ``loss_context``."""
+        """:meth:`.runner.ScheduleRunner.evaluate` inside ``loss_context``; FSDP2 chunks are
+        resharded after it (it keeps the units it does not reshard after forward gathered,
+        and the next step would skip their all-gathers)."""
+        from torch.distributed.fsdp import FSDPModule
+
         with self._context():
-            return super().evaluate(batch)
+            out = super().evaluate(batch)
+        for c in self.chunks:
+            for m in c.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+        return out
 
     def _stages(self, mb: dict, precision: Precision):
         """One ``PipelineStage`` per local chunk, with *static* metadata (meta tensors of this
