@@ -70,7 +70,7 @@ def _llama():
     (Layout(dp=2, pp=2, zero=3, schedule="zb-h1"), {},
      ["ZeRO-3 with the split-backward schedule zb-h1", "--schedule 1f1b"]),
     (Layout(dp=2, pp=2, zero=2, schedule="zb-h1"), {"engine": "torch"},
-     ["--engine torch runs FSDP2 inside pipeline stages with plain dp, tp 1 and gpipe",
+     ["--engine torch runs FSDP2 inside pipeline stages with tp 1 and gpipe",
       "use --engine explicit"]),
     (Layout(tp=2, sp=True), {"model_cfg": _llama(), "seq_len": 15},
      ["--sp: --tp 2 does not divide --seq-len 15"]),

@@ -4,7 +4,8 @@ tests/workers/pp_zero_cases.py. 4 ranks (make test): pp=2 × dp=2 with ZeRO-2 (1
 interleaved-1f1b, zb-h1) and ZeRO-3 (1f1b with and without reshard_after_forward,
 interleaved-1f1b) on the explicit engine, ZeRO-2/3 (1f1b, interleaved-1f1b) on the torch
 engine (FSDP2 on each torch.distributed.pipelining stage). 8 ranks (slow): HSDP pp=2 × dp=4
-(dp_replicate 2) with ZeRO-1/2/3 and pp=2 × dp=2 × tp=2 with SP and ZeRO-3 (explicit).
+(dp_replicate 2) with ZeRO-1/2/3 and pp=2 × dp=2 × tp=2 with SP and ZeRO-3 (explicit), HSDP
+with ZeRO-3 and ZeRO-1 (torch).
 
 Each case evaluates once before training (what an evaluation leaves gathered must not change
 the ledger), then at each of 3 AdamW steps with binding clipping: loss, norm, every gradient and
@@ -139,14 +140,14 @@ def _ledger(out, case):
                 continue
             once = (n - 1) / n * padded * 4
             assert by_axis[("grad", shard_axis)] == pytest.approx(once)
-            if engine == "torch" and zero == 3 and schedule == "1f1b":
-                blocks = (n - 1) / n * _padded(rec, n, engine, blocks=True) * 4
-                assert by_axis[("param", shard_axis)] == pytest.approx(once + m * blocks)
-            elif engine == "explicit":
+            if engine == "explicit":
                 gathers = (2 * m if raf else 1) if zero == 3 else 1
                 assert by_axis[("param", shard_axis)] == pytest.approx(gathers * once)
-            elif zero == 2:
+            elif zero < 3:  # FSDP2 without reshard after forward (ZeRO-1 under HSDP: ZeRO-2)
                 assert by_axis[("param", shard_axis)] == pytest.approx(once)
+            elif schedule == "1f1b":
+                blocks = (n - 1) / n * _padded(rec, n, engine, blocks=True) * 4
+                assert by_axis[("param", shard_axis)] == pytest.approx(once + m * blocks)
             if rep > 1:
                 assert by_axis[("grad_replicate", "dp_replicate")] == pytest.approx(
                     2 * (rep - 1) / rep * padded * 4 / n)
@@ -177,9 +178,8 @@ def test_hsdp_and_tp_in_pipeline_match_single_process(results8, case):
     (Layout(pp=2, dp=2, zero=3, schedule="zb-h1"), "explicit", "split-backward"),
     (Layout(pp=2, dp=2, zero=3, schedule="zbv"), "explicit", "split-backward"),
     (Layout(pp=2, dp=2, ep=2, zero=2), "explicit", "not wired"),
-    (Layout(pp=2, dp=2, zero=2, schedule="zb-h1"), "torch", "plain dp, tp 1 and gpipe"),
-    (Layout(pp=2, dp=2, tp=2, zero=3), "torch", "plain dp, tp 1 and gpipe"),
-    (Layout(pp=2, dp=4, dp_replicate=2, zero=1), "torch", "plain dp, tp 1 and gpipe"),
+    (Layout(pp=2, dp=2, zero=2, schedule="zb-h1"), "torch", "tp 1 and gpipe"),
+    (Layout(pp=2, dp=2, tp=2, zero=3), "torch", "tp 1 and gpipe"),
 ])
 def test_remaining_refusals(layout, engine, needle):
     with pytest.raises(ShardwiseConfigError, match=needle):
@@ -195,6 +195,7 @@ def test_explicit_engine_accepts(layout):
 
 
 @pytest.mark.parametrize("layout", [Layout(pp=2, dp=2, zero=2), Layout(pp=2, dp=2, zero=3),
-                                    Layout(pp=2, dp=2, zero=3, schedule="interleaved-1f1b")])
+                                    Layout(pp=2, dp=2, zero=3, schedule="interleaved-1f1b"),
+                                    Layout(pp=2, dp=4, dp_replicate=2, zero=1)])
 def test_torch_engine_accepts(layout):
     layout.check(engine="torch")

@@ -6,7 +6,8 @@ explicit) on a 4-layer tiny Llama (d 32, vocab 67, tied embeddings), one evaluat
 steps with binding clipping. 4 ranks: pp=2 × dp=2 with ZeRO-2 (1f1b, interleaved-1f1b, zb-h1)
 and ZeRO-3 (1f1b with and without reshard_after_forward, interleaved-1f1b), and the torch
 engine's ZeRO-2/3 (1f1b, interleaved-1f1b). 8 ranks: HSDP pp=2 × dp=4 (dp_replicate 2) with ZeRO-1,
-2, 3, and pp=2 × dp=2 × tp=2 with SP and ZeRO-3. Sub-topologies created by every rank in the
+2, 3, and pp=2 × dp=2 × tp=2 with SP and ZeRO-3; the torch engine's HSDP with ZeRO-3 (1f1b) and
+ZeRO-1 (interleaved-1f1b, run as FSDP2's ZeRO-2). Sub-topologies created by every rank in the
 same order.
 
 Each member rank writes ``<out>/<case>_rank<r>.pt``: per step the loss, the grad norm, every
@@ -48,7 +49,9 @@ CASES = {
     8: [(2, 4, 2, 1, False, 1, "1f1b", 4, True),
         (2, 4, 2, 1, False, 2, "interleaved-1f1b", 4, True),
         (2, 4, 2, 1, False, 3, "1f1b", 4, True),
-        (2, 2, 1, 2, True, 3, "1f1b", 4, True)],
+        (2, 2, 1, 2, True, 3, "1f1b", 4, True),
+        (2, 4, 2, 1, False, 3, "1f1b", 4, True, "torch"),
+        (2, 4, 2, 1, False, 1, "interleaved-1f1b", 4, True, "torch")],
 }
 
 

@@ -256,10 +256,10 @@ class Torch:
 
     @staticmethod
     def stage_sync(stage, topo, layout, options):
-        """``--zero 2/3``: FSDP2 on each chunk (:class:`~.zero.stage_fsdp2.StageFSDP2`, its
-        formula reads this rank's F/B order of the schedule); else :func:`_stage_sync`;
+        """``--zero 2/3`` and HSDP: FSDP2 on each chunk (:class:`~.zero.stage_fsdp2.StageFSDP2`,
+        its formula reads this rank's F/B order of the schedule); else :func:`_stage_sync`;
         ``--zero 1``: ZeroRedundancyOptimizer over the local shards."""
-        if layout.zero >= 2:
+        if layout.zero >= 2 or layout.dp_replicate > 1:
             from .pp.schedules import build_schedule
             from .zero.stage_fsdp2 import StageFSDP2
 
@@ -288,7 +288,8 @@ class Torch:
 
         return TorchScheduleRunner(stage, topo, schedule=layout.schedule, v=v,
                                    loss_sum=loss_fn.loss, seq_shards=seq_shards,
-                                   loss_context=loss_context, book=layout.tp > 1)
+                                   loss_context=loss_context, book=layout.tp > 1,
+                                   c10d_tag="grad_replicate" if layout.dp_replicate > 1 else None)
 
 
 ENGINES = {"explicit": Explicit, "torch": Torch}

@@ -44,14 +44,15 @@ class TorchScheduleRunner(ScheduleRunner):
 
     Same arguments, plus ``loss_context``: None, or a context the step (its backward too) and
     the evaluation run in (DTensor TP: ``loss_parallel()``); ``book``: book DTensor's
-    collectives in the ledger (tp > 1). ``timeline`` holds one event per step ("STEP") rather
+    collectives in the ledger (tp > 1); ``c10d_tag``: book c10d all-reduces inside the step
+    under this tag (HSDP: FSDP2's all-reduce of the shards over dp_replicate). ``timeline`` holds one event per step ("STEP") rather
     than per action (PyTorch does not expose its action timestamps)."""
 
     def __init__(self, stage, topo, *, schedule: str, v: int, loss_sum, seq_shards: int = 1,
-                 loss_context=None, book: bool = False):
+                 loss_context=None, book: bool = False, c10d_tag: str | None = None):
         super().__init__(stage, topo, schedule=schedule, v=v, loss_sum=loss_sum,
                          seq_shards=seq_shards)
-        self.loss_context, self.book = loss_context, book
+        self.loss_context, self.book, self.c10d_tag = loss_context, book, c10d_tag
         self._torch_schedules = {}
         self._denom, self._loss, self._precision = 1.0, None, FP32
 
@@ -139,7 +140,8 @@ class TorchScheduleRunner(ScheduleRunner):
             key = "labels" if self.module.is_llama else "targets"
             kw["target"] = torch.cat([mb[key] for mb in microbatches]).to(device)
         t0 = time.time()
-        book = BookFunctionalCollectives(self.topo) if self.book else contextlib.nullcontext()
+        book = (BookFunctionalCollectives(self.topo, c10d_tag=self.c10d_tag)
+                if self.book or self.c10d_tag else contextlib.nullcontext())
         # loss_parallel() around the whole step: the loss's backward runs inside it too
         with book, self._context(), autocast(precision, device):
             sched.step(*args, return_outputs=False, **kw)

@@ -18,7 +18,10 @@ step, P_u a unit's elements with FSDP2's dim-0 padding to the n dp ranks:
   ``B`` that follows an ``F`` and every ``F`` that does not follow a ``B`` (of its chunk, in
   the rank's schedule) — :func:`block_gathers`; the chunk's own unit (FSDP2's root) once.
 
-Not here: HSDP and tp > 1 on the torch engine's pipeline (refused by ``Layout.check``).
+HSDP (``--dp-replicate R``): FSDP2's 2-D mesh (dp_replicate, dp_shard); the reduce-scatter runs
+within dp_shard (n = S), then FSDP2 all-reduces the shards over dp_replicate with c10d
+(``grad_replicate``, 2(R−1)/R·ΣP_u·b_r/S, booked by the runner's ``c10d_tag``); ZeRO-1 under
+HSDP runs as ZeRO-2. Not here: tp > 1 and split-backward schedules (``Layout.check``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from ... import comm
 from ...comm.ledger import ring_bytes
 from ...precision import FP32, Precision
 from ..params import mark_duplicate, reduce_bytes
+from .formulas import hsdp_replicate_bytes
 from ..sync import Sync
 from .torch_zero import apply_fsdp
 
@@ -69,12 +73,13 @@ class StageFSDP2(Sync):
                                 what=f"FSDP2 (pipeline stage, --zero {zero} --engine torch)")
                      for c in stage.chunks]
         self.reshard_after_forward = self.fsdp[0].reshard_after_forward
+        self.replicate_axis = self.fsdp[0].replicate_axis  # HSDP: "dp_replicate"
         if dup:  # FSDP2 made new parameters: the tied copy is marked again
             mark_duplicate(stage.output.weight)
 
     @property
     def sliced(self) -> tuple[str, ...]:
-        return ("dp",)
+        return (self.topo.shard_axis,)
 
     def _modules(self):
         return [m for f in self.fsdp for m in f.modules]
@@ -89,13 +94,14 @@ class StageFSDP2(Sync):
         return super().named_params()
 
     def _padded(self, shapes) -> int:
-        n = self.topo.size("dp")
+        n = self.topo.size(self.topo.shard_axis)
         return sum(math.ceil(s[0] / n) * n * math.prod(s[1:]) for s in shapes)
 
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
                       precision: Precision = FP32) -> dict[str, float]:
-        """``grad``, ``param`` (module docstring) and the norm's scalar over dp."""
-        n, b_r = self.topo.size("dp"), reduce_bytes(self.reduce_dtype)
+        """``grad``, ``param``, HSDP's ``grad_replicate`` (module docstring) and the norm's
+        scalar over the shard group."""
+        n, b_r = self.topo.size(self.topo.shard_axis), reduce_bytes(self.reduce_dtype)
         actions = self.order(micro_steps)
         psi = sum(self._padded(s) for s in self.shapes)
         gathered = psi
@@ -104,6 +110,10 @@ class StageFSDP2(Sync):
                 kinds = [k for k, chunk in actions if chunk == c]
                 again = block_gathers(kinds) - 1
                 gathered += again * sum(self._padded(b) for b in blocks)
-        return {"grad": ring_bytes("reduce_scatter", psi * b_r, n),
-                "param": ring_bytes("all_gather", gathered * 4, n),
-                "grad_norm": ring_bytes("all_reduce", 8, n)}
+        out = {"grad": ring_bytes("reduce_scatter", psi * b_r, n),
+               "param": ring_bytes("all_gather", gathered * 4, n),
+               "grad_norm": ring_bytes("all_reduce", 8, n)}
+        if self.replicate_axis:
+            out["grad_replicate"] = hsdp_replicate_bytes(psi, n, self.topo.size(
+                self.replicate_axis), b_r)
+        return out
