@@ -36,8 +36,8 @@ def test_flags_make_dp_the_product():
     (dict(dp=4, dp_replicate=2, zero=0), r"--dp-replicate 2 with --zero 0"),
     (dict(dp=4, dp_replicate=4, zero=3), r"leaves dp_shard = 1"),
     (dict(dp=4, dp_replicate=2, cp=2, zero=1), r"with --cp 2: HSDP composes with tp and pp here"),
-    (dict(dp=4, pp=2, dp_replicate=2, zero=1, engine="torch"),
-     r"--engine torch runs --zero 1 --dp-replicate 2 \(FSDP2\) without a pipeline"),
+    (dict(dp=4, pp=2, dp_replicate=2, zero=1, engine="torch", schedule="zb-h1"),
+     r"--engine torch runs FSDP2 inside pipeline stages with tp 1 and gpipe"),
     (dict(dp=4, dp_replicate=2, dp_shard=3, zero=1), r"--dp-shard 3 × --dp-replicate 2 must "
      r"equal --dp 4"),
 ])

@@ -1,16 +1,18 @@
-"""ZeRO-2/3 and HSDP inside pipeline stages (issue 53, explicit engine) against a
-single-process reference computed here (shardwise.parity's plain-PyTorch run), independently
-of the engines: tests/workers/pp_zero_cases.py. 4 ranks (make test): pp=2 × dp=2 with ZeRO-2
-(1f1b, interleaved-1f1b, zb-h1) and ZeRO-3 (1f1b with and without reshard_after_forward,
-interleaved-1f1b). 8 ranks (slow): HSDP pp=2 × dp=4 (dp_replicate 2) with ZeRO-1/2/3 and
-pp=2 × dp=2 × tp=2 with SP and ZeRO-3.
+"""ZeRO-2/3 and HSDP inside pipeline stages (issue 53) against a single-process reference
+computed here (shardwise.parity's plain-PyTorch run), independently of the engines:
+tests/workers/pp_zero_cases.py. 4 ranks (make test): pp=2 × dp=2 with ZeRO-2 (1f1b,
+interleaved-1f1b, zb-h1) and ZeRO-3 (1f1b with and without reshard_after_forward,
+interleaved-1f1b) on the explicit engine, ZeRO-2/3 (1f1b, interleaved-1f1b) on the torch
+engine (FSDP2 on each torch.distributed.pipelining stage). 8 ranks (slow): HSDP pp=2 × dp=4
+(dp_replicate 2) with ZeRO-1/2/3 and pp=2 × dp=2 × tp=2 with SP and ZeRO-3 (explicit), HSDP
+with ZeRO-3 and ZeRO-1 (torch).
 
-At each of 3 AdamW steps with binding clipping: loss, norm, every gradient and parameter of every
-stage by the fp32 parity rule (docs/parity.md); the ledger's bytes per tag equal the engine's
-formula exactly, and equal the counts worked out here from the stage's parameter shapes
-(units: the embedding, each block, the final norm, the head; padded to the shard group);
-the full-shape optimizer state by the rule, and its load round trip. The refusals that remain
-are checked by Layout.check alone."""
+Each case evaluates once before training (what an evaluation leaves gathered must not change
+the ledger), then at each of 3 AdamW steps with binding clipping: loss, norm, every gradient and
+parameter of every stage by the fp32 parity rule (docs/parity.md); the ledger's bytes per tag
+equal the engine's formula exactly, and equal the counts worked out here from the stage's
+parameter shapes; the full-shape optimizer state by the rule, and its load round trip. The
+refusals that remain are checked by Layout.check alone."""
 
 import math
 import sys
@@ -65,13 +67,17 @@ def reference(global_batch: int) -> dict:
     return _REFS[global_batch]
 
 
+def _engine(case) -> str:
+    return case[9] if len(case) > 9 else "explicit"
+
+
 def _load(out, case):
     pp, dp, tp = case[0], case[1], case[3]
     return [torch.load(out / f"{W.case_name(*case)}_rank{r}.pt") for r in range(pp * dp * tp)]
 
 
 def _parity(out, case):
-    pp, dp, rep, tp, sp, zero, schedule, m, raf = case
+    pp, dp, rep, tp, sp, zero, schedule, m, raf = case[:9]
     ref = reference(W.MICRO * m * dp)
     assert all(n > W.MAX_NORM for n in ref["grad_norm"])  # clipping binds
     recs = _load(out, case)
@@ -94,20 +100,34 @@ def _unit(name: str) -> str:
     return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
 
 
+def _padded(rec, n: int, engine: str, blocks: bool = False) -> int:
+    """The elements the stage's dp collectives move: the explicit engine's flat units (the
+    embedding, each block, the final norm, the head), each padded to a multiple of n; FSDP2's
+    parameters, each padded on dim 0. ``blocks``: the blocks' parameters only."""
+    shapes = {k: s for k, s in rec["shapes"].items() if not blocks or k.startswith("layers.")}
+    if engine == "torch":
+        return sum(math.ceil(s[0] / n) * n * math.prod(s[1:]) for s in shapes.values())
+    units: dict[str, int] = {}
+    for name, shape in shapes.items():
+        units[_unit(name)] = units.get(_unit(name), 0) + math.prod(shape)
+    return sum(math.ceil(k / n) * n for k in units.values())
+
+
 def _ledger(out, case):
     """Ledger == formula per tag; by hand for tp = 1, n = the shard group (dp / dp_replicate),
-    P = Σ over units of ⌈Ψ_u/n⌉·n: grad (n−1)/n·P·4 on the shard axis; HSDP grad_replicate
-    2(R−1)/R·P·4/n on dp_replicate; param ZeRO-1/2 (n−1)/n·P·4 once, ZeRO-3 2m× that
-    (reshard_after_forward: every F and every B) or once (held for the step); the norm's
-    scalar over pp and the shard group (and tp)."""
-    pp, dp, rep, tp, sp, zero, schedule, m, raf = case
+    P = :func:`_padded`: grad (n−1)/n·P·4 on the shard axis; HSDP grad_replicate
+    2(R−1)/R·P·4/n on dp_replicate; param ZeRO-1/2 (n−1)/n·P·4 once; ZeRO-3 explicit 2m× that
+    (reshard_after_forward: every F and every B) or once (held for the step); ZeRO-3 torch,
+    1F1B: the chunk's own unit once, each block m + 1 times (FSDP2 frees it after each forward,
+    not after a backward, so the first F, the warm-up Fs that follow an F, and every B that
+    follows an F gather it: 1 + w + (m − w)); the norm's scalar over pp and the shard group (and
+    tp)."""
+    pp, dp, rep, tp, sp, zero, schedule, m, raf = case[:9]
+    engine = _engine(case)
     n = dp // rep
     shard_axis = "dp_shard" if rep > 1 else "dp"
     for rec in _load(out, case):
-        units: dict[str, int] = {}
-        for name, shape in rec["shapes"].items():
-            units[_unit(name)] = units.get(_unit(name), 0) + math.prod(shape)
-        padded = sum(math.ceil(k / n) * n for k in units.values())
+        padded = _padded(rec, n, engine)
         for by_tag, by_axis, formula in zip(rec["bytes"], rec["by_axis"], rec["formula"]):
             for tag in set(by_tag) | set(formula):
                 if tag != "total":
@@ -120,8 +140,14 @@ def _ledger(out, case):
                 continue
             once = (n - 1) / n * padded * 4
             assert by_axis[("grad", shard_axis)] == pytest.approx(once)
-            gathers = (2 * m if raf else 1) if zero == 3 else 1
-            assert by_axis[("param", shard_axis)] == pytest.approx(gathers * once)
+            if engine == "explicit":
+                gathers = (2 * m if raf else 1) if zero == 3 else 1
+                assert by_axis[("param", shard_axis)] == pytest.approx(gathers * once)
+            elif zero < 3:  # FSDP2 without reshard after forward (ZeRO-1 under HSDP: ZeRO-2)
+                assert by_axis[("param", shard_axis)] == pytest.approx(once)
+            elif schedule == "1f1b":
+                blocks = (n - 1) / n * _padded(rec, n, engine, blocks=True) * 4
+                assert by_axis[("param", shard_axis)] == pytest.approx(once + m * blocks)
             if rep > 1:
                 assert by_axis[("grad_replicate", "dp_replicate")] == pytest.approx(
                     2 * (rep - 1) / rep * padded * 4 / n)
@@ -152,8 +178,8 @@ def test_hsdp_and_tp_in_pipeline_match_single_process(results8, case):
     (Layout(pp=2, dp=2, zero=3, schedule="zb-h1"), "explicit", "split-backward"),
     (Layout(pp=2, dp=2, zero=3, schedule="zbv"), "explicit", "split-backward"),
     (Layout(pp=2, dp=2, ep=2, zero=2), "explicit", "not wired"),
-    (Layout(pp=2, dp=2, zero=2), "torch", "--engine torch"),
-    (Layout(pp=2, dp=4, dp_replicate=2, zero=1), "torch", "--dp-replicate 2"),
+    (Layout(pp=2, dp=2, zero=2, schedule="zb-h1"), "torch", "tp 1 and gpipe"),
+    (Layout(pp=2, dp=2, tp=2, zero=3), "torch", "tp 1 and gpipe"),
 ])
 def test_remaining_refusals(layout, engine, needle):
     with pytest.raises(ShardwiseConfigError, match=needle):
@@ -166,3 +192,10 @@ def test_remaining_refusals(layout, engine, needle):
     Layout(pp=2, dp=4, dp_replicate=2, zero=3), Layout(pp=2, dp=4, dp_replicate=2, zero=1)])
 def test_explicit_engine_accepts(layout):
     layout.check(engine="explicit")
+
+
+@pytest.mark.parametrize("layout", [Layout(pp=2, dp=2, zero=2), Layout(pp=2, dp=2, zero=3),
+                                    Layout(pp=2, dp=2, zero=3, schedule="interleaved-1f1b"),
+                                    Layout(pp=2, dp=4, dp_replicate=2, zero=1)])
+def test_torch_engine_accepts(layout):
+    layout.check(engine="torch")

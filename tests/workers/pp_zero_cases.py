@@ -1,11 +1,13 @@
-"""Worker for tests/test_pipeline_zero.py: ZeRO-2/3 and HSDP inside pipeline stages (explicit
-engine), every case of one world size in one spawned world.
+"""Worker for tests/test_pipeline_zero.py: ZeRO-2/3 and HSDP inside pipeline stages, every case
+of one world size in one spawned world.
 
-Cases (pp, dp, dp_replicate, tp, sp, zero, schedule, m, reshard_after_forward) on a 4-layer tiny
-Llama (d 32, vocab 67, tied embeddings), 3 AdamW steps with binding clipping. 4 ranks: pp=2 ×
-dp=2 with ZeRO-2 (1f1b, interleaved-1f1b, zb-h1) and ZeRO-3 (1f1b with and without
-reshard_after_forward, interleaved-1f1b). 8 ranks: HSDP pp=2 × dp=4 (dp_replicate 2) with ZeRO-1,
-2, 3, and pp=2 × dp=2 × tp=2 with SP and ZeRO-3. Sub-topologies created by every rank in the
+Cases (pp, dp, dp_replicate, tp, sp, zero, schedule, m, reshard_after_forward[, engine]: default
+explicit) on a 4-layer tiny Llama (d 32, vocab 67, tied embeddings), one evaluation, then 3 AdamW
+steps with binding clipping. 4 ranks: pp=2 × dp=2 with ZeRO-2 (1f1b, interleaved-1f1b, zb-h1)
+and ZeRO-3 (1f1b with and without reshard_after_forward, interleaved-1f1b), and the torch
+engine's ZeRO-2/3 (1f1b, interleaved-1f1b). 8 ranks: HSDP pp=2 × dp=4 (dp_replicate 2) with ZeRO-1,
+2, 3, and pp=2 × dp=2 × tp=2 with SP and ZeRO-3; the torch engine's HSDP with ZeRO-3 (1f1b) and
+ZeRO-1 (interleaved-1f1b, run as FSDP2's ZeRO-2). Sub-topologies created by every rank in the
 same order.
 
 Each member rank writes ``<out>/<case>_rank<r>.pt``: per step the loss, the grad norm, every
@@ -39,28 +41,36 @@ CASES = {
         (2, 2, 1, 1, False, 3, "1f1b", 4, False),
         (2, 2, 1, 1, False, 3, "interleaved-1f1b", 4, True),
         (2, 2, 1, 1, False, 2, "interleaved-1f1b", 4, True),
-        (2, 2, 1, 1, False, 2, "zb-h1", 4, True)],
+        (2, 2, 1, 1, False, 2, "zb-h1", 4, True),
+        (2, 2, 1, 1, False, 2, "1f1b", 4, True, "torch"),
+        (2, 2, 1, 1, False, 3, "1f1b", 4, True, "torch"),
+        (2, 2, 1, 1, False, 3, "interleaved-1f1b", 4, True, "torch"),
+        (2, 2, 1, 1, False, 2, "interleaved-1f1b", 4, True, "torch")],
     8: [(2, 4, 2, 1, False, 1, "1f1b", 4, True),
         (2, 4, 2, 1, False, 2, "interleaved-1f1b", 4, True),
         (2, 4, 2, 1, False, 3, "1f1b", 4, True),
-        (2, 2, 1, 2, True, 3, "1f1b", 4, True)],
+        (2, 2, 1, 2, True, 3, "1f1b", 4, True),
+        (2, 4, 2, 1, False, 3, "1f1b", 4, True, "torch"),
+        (2, 4, 2, 1, False, 1, "interleaved-1f1b", 4, True, "torch")],
 }
 
 
-def case_name(pp, dp, rep, tp, sp, zero, schedule, m, raf):
+def case_name(pp, dp, rep, tp, sp, zero, schedule, m, raf, engine="explicit"):
     return (f"pp{pp}_dp{dp}{f'r{rep}' if rep > 1 else ''}_tp{tp}{'_sp' if sp else ''}"
-            f"_zero{zero}_{schedule}_m{m}{'' if raf else '_noraf'}")
+            f"_zero{zero}_{schedule}_m{m}{'' if raf else '_noraf'}_{engine}")
 
 
 def run_case(work, topo, case, out, rank):
-    pp, dp, rep, tp, sp, zero, schedule, m, raf = case
+    pp, dp, rep, tp, sp, zero, schedule, m, raf, engine = (*case, "explicit")[:10]
     torch.manual_seed(0)
     model = build_model("tiny", vocab_size=V, n_layers=N_LAYERS, tie_embeddings=True)
     layout = Layout(pp=pp, dp=dp, dp_replicate=rep, tp=tp, sp=sp, zero=zero, schedule=schedule,
                     microbatches=m)
-    eng = parallelize(model, topo, layout, reshard_after_forward=raf)
+    eng = parallelize(model, topo, layout, engine=engine, reshard_after_forward=raf)
     opt = build_optimizer(eng, TrainConfig(model="tiny", lr=LR, weight_decay=0.1))
     sampler = work.sampler(MICRO * m * dp, dp, topo.index("dp"), seed=0)
+    with torch.no_grad():  # an evaluation first: what it gathers must not change the ledger
+        eng.loss_sum_and_count(work.batches(torch.arange(4), 4)[0])
     rec = {"loss": [], "grad_norm": [], "grads": [], "params": [], "bytes": [], "by_axis": [],
            "formula": [], "coords": dict(topo.coords),
            "shapes": {n: tuple(p.shape) for n, p in eng.module.named_parameters()}}

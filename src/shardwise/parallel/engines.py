@@ -256,7 +256,18 @@ class Torch:
 
     @staticmethod
     def stage_sync(stage, topo, layout, options):
-        """:func:`_stage_sync`; ``--zero 1``: ZeroRedundancyOptimizer over the local shards."""
+        """``--zero 2/3`` and HSDP: FSDP2 on each chunk (:class:`~.zero.stage_fsdp2.StageFSDP2`,
+        its formula reads this rank's F/B order of the schedule); else :func:`_stage_sync`;
+        ``--zero 1``: ZeroRedundancyOptimizer over the local shards."""
+        if layout.zero >= 2 or layout.dp_replicate > 1:
+            from .pp.schedules import build_schedule
+            from .zero.stage_fsdp2 import StageFSDP2
+
+            p, r, v = topo.size("pp"), topo.index("pp"), len(stage.chunks)
+            return StageFSDP2(stage, topo, layout.zero, lambda m: [
+                (a.kind, a.chunk) for a in build_schedule(layout.schedule, p, m, v)[r]
+                if a.kind in ("F", "B")], precision=options["precision"],
+                reshard_after_forward=options["reshard_after_forward"])
         sync = _stage_sync(stage, topo, layout, options)
         if layout.zero == 1:
             from .zero.stage_zero1 import TorchStageZero1
@@ -277,7 +288,8 @@ class Torch:
 
         return TorchScheduleRunner(stage, topo, schedule=layout.schedule, v=v,
                                    loss_sum=loss_fn.loss, seq_shards=seq_shards,
-                                   loss_context=loss_context, book=layout.tp > 1)
+                                   loss_context=loss_context, book=layout.tp > 1,
+                                   c10d_tag="grad_replicate" if layout.dp_replicate > 1 else None)
 
 
 ENGINES = {"explicit": Explicit, "torch": Torch}

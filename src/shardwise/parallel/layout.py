@@ -215,7 +215,7 @@ class Layout:
         ``model_cfg`` and ``seq_len`` (optional) only name the tp values that would fit in the
         message of rule 4. Engine-only refusals (what the engines do not wire: ZeRO-3 with a
         split-backward pipeline schedule, HSDP with cp or ep, the torch engine's cp with tp, pp
-        or ZeRO, its ZeRO-2/3 and HSDP with pp) stay in
+        or ZeRO, its FSDP2 pipeline with tp or split backward) stay in
         :meth:`check`; the planner models those layouts as Megatron-Core and torchtitan run
         them."""
         from .cp import validate_cp
@@ -307,18 +307,17 @@ def _check_zero_pipeline(layout: Layout, pipeline: bool, engine: str) -> None:
     """ZeRO-2/3 and HSDP in a pipeline (``pipeline``), the one rule (docs/composition.md §5):
     the explicit engine runs them (:mod:`.zero.stage_zero`) but for ZeRO-3 with a
     split-backward schedule (the W pass writes ``.grad`` outside the hooks that free a unit
-    its I pass re-gathered) and ZeRO-2/3 with ep; the torch engine's stages have no FSDP2."""
+    its I pass re-gathered) and ZeRO-2/3 with ep; the torch engine (:mod:`.zero.stage_fsdp2`)
+    but for tp > 1 and split-backward schedules."""
     if not pipeline or not (layout.zero >= 2 or layout.dp_replicate > 1):
         return
     from .pp.runner import SPLIT_BACKWARD
 
-    if engine == "torch":
-        what = f"--zero {layout.zero}" + f" --dp-replicate {layout.dp_replicate}" * (
-            layout.dp_replicate > 1)
+    if engine == "torch" and (layout.tp > 1 or layout.schedule in SPLIT_BACKWARD):
         raise ShardwiseConfigError(
-            f"layout {layout.name()}: --engine torch runs {what} (FSDP2) without a pipeline "
-            "only: its pipeline stages are not wrapped by fully_shard here; use --engine "
-            "explicit (ZeRO-2/3 and HSDP inside each stage), or --zero 1 with --pp")
+            f"layout {layout.name()}: --engine torch runs FSDP2 inside pipeline stages with "
+            "tp 1 and gpipe, 1f1b or interleaved-1f1b only (TP and the split backward are not "
+            "wired there): use --engine explicit")
     if layout.zero == 3 and layout.schedule in SPLIT_BACKWARD:
         raise ShardwiseConfigError(
             f"layout {layout.name()}: ZeRO-3 with the split-backward schedule "

@@ -63,11 +63,12 @@ def _hsdp_layouts(nproc: int, bounded: bool) -> list[Layout]:
 
 
 def _zero_pp_layouts(nproc: int, bounded: bool) -> list[Layout]:
-    """ZeRO-2/3 and HSDP inside pipeline stages (the explicit engine: the torch engine's
-    pipeline refuses them, :func:`~shardwise.tools.verify.applies`). Full, on ≥ 4 ranks:
-    pp = 2 × dp = 2 with ZeRO-2 and ZeRO-3, each with 1F1B and interleaved 1F1B (m = 4); on
-    ≥ 8 ranks, and bounded on 8: HSDP pp = 2 × dp = 4 (dp_replicate 2) with ZeRO-3 (1F1B) and
-    ZeRO-2 (interleaved 1F1B), and pp = 2 × dp = 2 × tp = 2 with SP and ZeRO-3."""
+    """ZeRO-2/3 and HSDP inside pipeline stages. Full, on ≥ 4 ranks: pp = 2 × dp = 2 with
+    ZeRO-2 and ZeRO-3, each with 1F1B and interleaved 1F1B (m = 4), both engines (FSDP2 on the
+    torch engine's stages); on ≥ 8 ranks, and bounded on 8: HSDP pp = 2 × dp = 4
+    (dp_replicate 2) with ZeRO-3 (1F1B) and ZeRO-2 (interleaved 1F1B), both engines, and
+    pp = 2 × dp = 2 × tp = 2 with SP and ZeRO-3 (explicit engine: the torch engine's pipeline
+    refuses tp, :func:`~shardwise.tools.verify.applies`)."""
     out = []
     if nproc >= 4 and not bounded:
         out += [Layout(pp=2, dp=2, zero=z, schedule=s, microbatches=4)

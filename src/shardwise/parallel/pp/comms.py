@@ -124,9 +124,15 @@ class TiedSwap:
         self.is_first = stage.holds_embedding
         self.active = bool(stage.tied and self.p > 1
                            and stage.holds_embedding != stage.holds_head)
-        self.weight = (stage.tok_embeddings.weight if self.is_first else stage.tied_output) \
-            if self.active else None
+        self.stage = stage
         self.elem = local(next(iter(stage.parameters()))).element_size()
+
+    @property
+    def weight(self):
+        """This rank's copy, read when used (FSDP2 replaces a stage's parameters), or None."""
+        if not self.active:
+            return None
+        return self.stage.tok_embeddings.weight if self.is_first else self.stage.output.weight
 
     @torch.no_grad()
     def copy_initial(self) -> None:

@@ -44,14 +44,15 @@ class TorchScheduleRunner(ScheduleRunner):
 
     Same arguments, plus ``loss_context``: None, or a context the step (its backward too) and
     the evaluation run in (DTensor TP: ``loss_parallel()``); ``book``: book DTensor's
-    collectives in the ledger (tp > 1). ``timeline`` holds one event per step ("STEP") rather
+    collectives in the ledger (tp > 1); ``c10d_tag``: book c10d all-reduces inside the step
+    under this tag (HSDP: FSDP2's all-reduce of the shards over dp_replicate). ``timeline`` holds one event per step ("STEP") rather
     than per action (PyTorch does not expose its action timestamps)."""
 
     def __init__(self, stage, topo, *, schedule: str, v: int, loss_sum, seq_shards: int = 1,
-                 loss_context=None, book: bool = False):
+                 loss_context=None, book: bool = False, c10d_tag: str | None = None):
         super().__init__(stage, topo, schedule=schedule, v=v, loss_sum=loss_sum,
                          seq_shards=seq_shards)
-        self.loss_context, self.book = loss_context, book
+        self.loss_context, self.book, self.c10d_tag = loss_context, book, c10d_tag
         self._torch_schedules = {}
         self._denom, self._loss, self._precision = 1.0, None, FP32
 
@@ -59,9 +60,18 @@ class TorchScheduleRunner(ScheduleRunner):
         return self.loss_context() if self.loss_context else contextlib.nullcontext()
 
     def evaluate(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`.runner.ScheduleRunner.evaluate` inside ``loss_context``."""
+        """:meth:`.runner.ScheduleRunner.evaluate` inside ``loss_context``; FSDP2 chunks are
+        resharded after it (it keeps the units it does not reshard after forward gathered,
+        and the next step would skip their all-gathers)."""
+        from torch.distributed.fsdp import FSDPModule
+
         with self._context():
-            return super().evaluate(batch)
+            out = super().evaluate(batch)
+        for c in self.chunks:
+            for m in c.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+        return out
 
     def _stages(self, mb: dict, precision: Precision):
         """One ``PipelineStage`` per local chunk, with *static* metadata (meta tensors of this
@@ -130,7 +140,8 @@ class TorchScheduleRunner(ScheduleRunner):
             key = "labels" if self.module.is_llama else "targets"
             kw["target"] = torch.cat([mb[key] for mb in microbatches]).to(device)
         t0 = time.time()
-        book = BookFunctionalCollectives(self.topo) if self.book else contextlib.nullcontext()
+        book = (BookFunctionalCollectives(self.topo, c10d_tag=self.c10d_tag)
+                if self.book or self.c10d_tag else contextlib.nullcontext())
         # loss_parallel() around the whole step: the loss's backward runs inside it too
         with book, self._context(), autocast(precision, device):
             sched.step(*args, return_outputs=False, **kw)
