@@ -141,6 +141,9 @@ def test_offload_bitwise_equal_to_no_offload_and_ledger_equals_formula(results, 
             _equal(a["grads"][t], b["grads"][t], f"step {t} gradients")
             _equal(a["params"][t], b["params"][t], f"step {t} parameters")
             assert a["ledger"][t] == a["formula"][t], (t, a["ledger"][t], a["formula"][t])
+            for run in (a, b):  # every tag: the step's whole traffic against the formula
+                led, formula = run["totals"][t]
+                assert led == pytest.approx(formula, rel=1e-12), (t, led, formula)
             assert a["ledger"][t]["offload_d2h"] > 0 and a["ledger"][t]["offload_h2d"] > 0
             assert b["ledger"][t] == b["formula"][t] == {"offload_d2h": 0.0, "offload_h2d": 0.0}
         for n, st in a["state"].items():  # m and v the same; the host master is the parameter's

@@ -99,6 +99,7 @@ def run_case(out, topos, rank, text, recipe):
         formula = step_bytes_formula(engine, topo, micro_steps=m, sequences=micro * m,
                                      seq_len=SEQ)
         rec["formula"].append({t: formula.get(t, 0.0) for t in ("offload_d2h", "offload_h2d")})
+        rec.setdefault("totals", []).append((topo.ledger.step_bytes(), formula["total"]))
         rec["loss"].append(res.loss)
         rec["grad_norm"].append(res.grad_norm)
         rec["grads"].append({n: g.clone() for n, g in engine.named_full_gradients().items()})
