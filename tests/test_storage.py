@@ -1,7 +1,8 @@
 """bf16 parameter storage and ``--offload optimizer`` (issue 53) against one process with the
 same storage, by the rules of docs/parity.md §7:
 
-* dp = 2, one micro-batch per rank (DP, ZeRO-1/2/3), both recipes and their offloaded twins:
+* dp = 2, one micro-batch per rank (DP, ZeRO-1/2/3; the torch engine's FSDP2 ZeRO-2/3 under
+  the guide's recipe), both recipes and their offloaded twins:
   bitwise equal to :class:`~shardwise.parallel.model.Local` stepping the ranks' two
   micro-batches in rank order (losses, every gradient and bf16 parameter, every step);
 * every layout (also HSDP, dp 4 ZeRO-3, tp 2, dp 2 × tp 2 ZeRO-1, pp 2 1F1B with and without
@@ -106,7 +107,7 @@ def _equal(a: dict, b: dict, what: str) -> None:
         assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), f"{what}: {n}"
 
 
-BITWISE = [c for c in W.CASES if c[0] in W.BITWISE]
+BITWISE = [c for c in W.CASES if c[0] in W.BITWISE + W.TORCH]
 
 
 @pytest.mark.parametrize("case", _params(BITWISE))
@@ -140,6 +141,9 @@ def test_offload_bitwise_equal_to_no_offload_and_ledger_equals_formula(results, 
             _equal(a["grads"][t], b["grads"][t], f"step {t} gradients")
             _equal(a["params"][t], b["params"][t], f"step {t} parameters")
             assert a["ledger"][t] == a["formula"][t], (t, a["ledger"][t], a["formula"][t])
+            for run in (a, b):  # every tag: the step's whole traffic against the formula
+                led, formula = run["totals"][t]
+                assert led == pytest.approx(formula, rel=1e-12), (t, led, formula)
             assert a["ledger"][t]["offload_d2h"] > 0 and a["ledger"][t]["offload_h2d"] > 0
             assert b["ledger"][t] == b["formula"][t] == {"offload_d2h": 0.0, "offload_h2d": 0.0}
         for n, st in a["state"].items():  # m and v the same; the host master is the parameter's
@@ -229,10 +233,13 @@ def test_update_below_bf16_resolution_lost_without_a_master():
 def test_refusals_name_the_fix():
     bf16 = Precision.stored("bf16", "fp32")
     for layout, precision, offload, engine, match in [
-            (Layout(dp=2, zero=3), bf16, "none", "torch", "explicit engine"),
+            (Layout(dp=2, zero=3), bf16, "none", "torch", "guide's recipe only"),
+            (Layout(dp=2, zero=1), Precision.stored("bf16", "none"), "none", "torch", "--zero 2/3"),
+            (Layout(dp=2, zero=3), Precision(), "optimizer", "torch", "engine explicit"),
             (Layout(dp=2, zero=3), Precision(), "params", "explicit", "--offload optimizer"),
             (Layout(dp=2), Precision(), "disk", "explicit", "choose none")]:
         with pytest.raises(ShardwiseConfigError, match=match):
             check_storage(layout, precision, offload, engine)
     for layout in (Layout(dp=2, zero=3), Layout(pp=2, dp=2, zero=1), Layout(dp=2, tp=2)):
         check_storage(layout, bf16, "optimizer", "explicit")  # wired
+    check_storage(Layout(dp=2, zero=3), Precision.stored("bf16", "none"), "none", "torch")

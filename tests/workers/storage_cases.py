@@ -3,7 +3,8 @@ the guide's) and ``--offload optimizer`` in one spawned 4-rank world, results du
 
 Each case builds the tiny Llama (vocab 67, tied embeddings) with ``parallelize(precision=,
 offload=)`` on a sub-topology and trains STEPS AdamW steps through ``train_step``, writing
-``<out>/<case>_rank<r>.pt`` (an output folder named "fast…": :data:`FAST`; else the rest): per step the loss, the norm, every full (gathered) parameter in its
+``<out>/<case>_rank<r>.pt`` (an output folder named "fast…": :data:`FAST`; else the rest):
+per step the loss, the norm, every full (gathered) parameter in its
 storage dtype and every full gradient (the fp32 main gradients under Megatron's recipe), the
 ledger's offload bytes and the formula's; after the last step the full optimizer state (masters
 included) and a resumed run's next step (checkpoint contract). The test compares them with a
@@ -34,17 +35,19 @@ RECIPES = {"megatron": ("bf16", "fp32", "none"), "megatron_off": ("bf16", "fp32"
 BITWISE = ["dp=2", "dp=2,zero=1", "dp=2,zero=2", "dp=2,zero=3"]
 OTHERS = ["dp=4,dp_replicate=2,zero=3", "dp=4,zero=3", "tp=2", "dp=2,tp=2,zero=1",
           "pp=2,microbatches=4", "pp=2,dp=2,zero=1,microbatches=2"]
-CASES = ([(lay, r) for lay in BITWISE for r in RECIPES]
+# the torch engine: the guide's recipe under FSDP2 (MixedPrecisionPolicy(reduce_dtype=fp32))
+TORCH = ["dp=2,zero=2@torch", "dp=2,zero=3@torch"]
+CASES = ([(lay, r) for lay in BITWISE for r in RECIPES] + [(lay, "guide") for lay in TORCH]
          + [(lay, r) for lay in OTHERS for r in ("megatron", "megatron_off", "fp32", "fp32_off")])
 # ``make test``'s share (one world of these; the rest run under ``make test-slow``): ZeRO-3 with
 # every recipe, HSDP and pp 2 × dp 2 ZeRO-1 under Megatron's recipe and its offloaded twin
-FAST = ([("dp=2,zero=3", r) for r in RECIPES]
+FAST = ([("dp=2,zero=3", r) for r in RECIPES] + [("dp=2,zero=3@torch", "guide")]
         + [(lay, r) for lay in ("dp=4,dp_replicate=2,zero=3", "pp=2,dp=2,zero=1,microbatches=2")
            for r in ("megatron", "megatron_off")])
 
 
 def case_name(layout: str, recipe: str) -> str:
-    return f"{layout.replace(',', '_').replace('=', '')}_{recipe}"
+    return f"{layout.replace(',', '_').replace('=', '').replace('@', '_')}_{recipe}"
 
 
 def precision_of(recipe: str) -> tuple[Precision, str]:
@@ -53,7 +56,13 @@ def precision_of(recipe: str) -> tuple[Precision, str]:
 
 
 def layout_of(text: str) -> Layout:
+    """``"dp=2,zero=3@torch"`` → its Layout (the engine, after @, is :func:`engine_of`'s)."""
+    text = text.split("@")[0]
     return Layout(**{k: int(v) for k, v in (kv.split("=") for kv in text.split(","))})
+
+
+def engine_of(text: str) -> str:
+    return text.split("@")[1] if "@" in text else "explicit"
 
 
 def workload():
@@ -75,7 +84,8 @@ def run_case(out, topos, rank, text, recipe):
     if not topo.member:
         return
     precision, offload = precision_of(recipe)
-    engine = parallelize(make_model(), topo, layout, precision=precision, offload=offload)
+    engine = parallelize(make_model(), topo, layout, precision=precision, offload=offload,
+                         engine=engine_of(text))
     opt = build_optimizer(engine, config())
     work = workload()
     sampler = work.sampler(GLOBAL_BATCH, layout.dp, topo.index("dp"), 0)
@@ -89,6 +99,7 @@ def run_case(out, topos, rank, text, recipe):
         formula = step_bytes_formula(engine, topo, micro_steps=m, sequences=micro * m,
                                      seq_len=SEQ)
         rec["formula"].append({t: formula.get(t, 0.0) for t in ("offload_d2h", "offload_h2d")})
+        rec.setdefault("totals", []).append((topo.ledger.step_bytes(), formula["total"]))
         rec["loss"].append(res.loss)
         rec["grad_norm"].append(res.grad_norm)
         rec["grads"].append({n: g.clone() for n, g in engine.named_full_gradients().items()})
@@ -102,7 +113,7 @@ def run_case(out, topos, rank, text, recipe):
     with torch.device("meta"):  # as train resumes: a meta model given the saved weights
         meta = build_model("tiny", vocab_size=67, tie_embeddings=True)
     again = parallelize(meta, topo, layout, precision=precision, offload=offload,
-                        weights=list(params.items()))
+                        weights=list(params.items()), engine=engine_of(text))
     again_opt = build_optimizer(again, config())
     again.load_full_optimizer_state(again_opt, {n: {k: v.clone() for k, v in st.items()}
                                                  for n, st in state.items()})  # as from disk

@@ -62,8 +62,9 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     ``layers_per_stage``: an explicit pipeline split; ``seed``: TP dropout RNG; ``precision``:
     the run's :class:`~shardwise.precision.Precision` (held by the engine; its storage dtype
     cast in, with fp32 main gradients under Megatron's recipe: :mod:`.storage`); ``offload``:
-    "none" | "optimizer" (held by the engine: its optimizer's state on the host); ``weights``: (name,
-    full tensor) for a model built on the meta device (:mod:`.materialize`); ``numerics``:
+    "none" | "optimizer" (held by the engine: its optimizer's state on the host);
+    ``weights``: (name, full tensor) for a model built on the meta device
+    (:mod:`.materialize`); ``numerics``:
     callables applied in order to the model before TP. Raises :class:`ShardwiseConfigError`
     for a layout that cannot run (on every rank, before any collective), ``ValueError`` for an
     unknown engine or a meta model without ``weights``."""

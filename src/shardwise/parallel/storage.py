@@ -9,8 +9,8 @@ accumulation over micro-batches and the dp reduction run in fp32; the optimizer
 (:class:`~.master.MasterAdamW`) steps fp32 master weights with it and writes them back rounded
 to bf16. The gradient syncs, the norm and the optimizer read a parameter's gradient through
 :func:`grad_of` and write a reduced one through :func:`set_grad_`, so every layout gets the
-recipe from these (they live in :mod:`.params`, beside the other per-parameter rules). Derivation and accuracy: docs/precision-memory-mfu.md,
-"bf16 storage"; parity rule: docs/parity.md.
+recipe from these (in :mod:`.params`, beside the other per-parameter rules). Derivation and
+accuracy: docs/precision-memory-mfu.md, "bf16 storage"; parity rule: docs/parity.md §7.
 """
 
 from __future__ import annotations
@@ -40,13 +40,24 @@ def check_storage(layout, precision: Precision, offload: str, engine: str) -> No
     if not stored and offload == "none":
         return
     what = (f"--param-dtype {precision.param_dtype}" if stored else f"--offload {offload}")
-    if engine != "explicit":
+    if engine != "explicit" and not _torch_wired(layout, precision, offload):
         raise ShardwiseConfigError(
-            f"{what} is wired on the explicit engine only (torch's FSDP2 MixedPrecisionPolicy "
-            "/ CPUOffloadPolicy are not yet): use --engine explicit")
+            f"{what} on the torch engine is wired for the guide's recipe only (--master-dtype "
+            "none, no offload: the model in bf16 under FSDP2, --zero 2/3, no HSDP, tp, cp or pp); "
+            "use --engine explicit")
     if offload == "params":
         raise ShardwiseConfigError("--offload params is not wired yet (the ZeRO-3 shards "
                                    "would live on the host): use --offload optimizer")
+
+
+def _torch_wired(layout, precision: Precision, offload: str) -> bool:
+    """The torch engine's share: the guide's recipe (bf16 model, no master, reduced in
+    ``--reduce-dtype`` by FSDP2's ``MixedPrecisionPolicy``) where FSDP2 is the sync (ZeRO-2/3
+    over dp; not yet with HSDP, tp, cp or pp). Megatron's recipe is FSDP2's fp32-sharded
+    ``MixedPrecisionPolicy(param_dtype=bf16)`` (fp32 storage) and ``CPUOffloadPolicy`` is not
+    wired."""
+    return (precision.master_dtype is None and offload == "none" and layout.zero >= 2
+            and layout.tp == layout.cp == layout.pp == layout.dp_replicate == 1)
 
 
 def storage_dtype(precision: Precision) -> torch.dtype:

@@ -150,5 +150,7 @@ class TiedSwap:
             swap_tied_grads(self.weight, self.topo, self.is_first, self.p)
 
     def bytes_formula(self) -> dict[str, float]:
-        """``tied``: the table shard's gradient [V_pad/tp, d] once (0 on the other stages)."""
-        return {"tied": float(local(self.weight).numel() * self.elem) if self.active else 0.0}
+        """``tied``: the table shard's gradient [V_pad/tp, d] once (0 on the other stages; bf16
+        storage: its fp32 main gradient, 4 bytes an element)."""
+        elem = 4 if hasattr(self.weight, "main_grad") else self.elem
+        return {"tied": float(local(self.weight).numel() * elem) if self.active else 0.0}

@@ -359,7 +359,7 @@ def tp_activation_bytes(tokens: int, d: int, tp: int, options: TPOptions, *, blo
     n, L, sp = tp, blocks, options.sp
     r, h = 2 * (n - 1) / n, (n - 1) / n
     e, hd = float(has_embedding), float(has_head)
-    wide = tokens * d * 4  # fp32 [.., d]
+    wide = tokens * d * precision.param  # [.., d] the residual stream: the storage dtype
     exit_b = tokens * d * precision.act  # row-parallel outputs under autocast
     regions = 2 * L - moe_blocks  # tp-split regions: attention, and the dense feed-forwards
     if not sp:

@@ -43,7 +43,7 @@ class StageZero1(Sync):
                 broadcast_replicas([p for p in stage.parameters()], topo)
         named = [(n, p) for n, p in self.named_params() if p.requires_grad]
         self.flats = [FlatShards(g.items, topo, keep_full_grad=True,
-                                 reduce_torch=red if red != torch.float32 else None,
+                                 reduce_torch=red,  # (bf16 storage: fp32 unless told bf16)
                                  grad_torch=precision.main_grad_torch,
                                  **({} if g.axis == topo.data_axis
                                     else {"name": "experts", "axis": g.axis}))

@@ -117,8 +117,9 @@ def apply_fsdp(module: nn.Module, topo, stage: int, precision: Precision = FP32,
     checked on the first step (:class:`.units.UnitOrderCheck`, named ``what`` in its error)."""
     fqn = {id(m): n for n, m in module.named_modules()}
     names = [fqn[id(u)] for u in units]
+    # a model stored in bf16 (the guide's recipe) still reduces in fp32 unless told bf16
     mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if precision.reduce_dtype == "bf16"
-                              else None)
+                              else torch.float32 if precision.param_dtype != "fp32" else None)
     # with a replica axis (HSDP): FSDP2's 2-D mesh (replicate, shard): it reduce-scatters within
     # the shard axis (our hook) and all-reduces the shards over the replicas itself (c10d,
     # booked by :meth:`booking`)
