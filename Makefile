@@ -14,7 +14,8 @@ PARITY_TESTS := tests/test_parity_rule.py tests/test_dp_parity.py tests/test_zer
 	tests/test_unit_order.py tests/test_context_parallel.py tests/test_expert_parallel.py \
 	tests/test_ep_zero.py tests/test_ep_pp.py tests/test_hsdp.py tests/test_family_parity.py \
 	tests/test_dpo_parity.py tests/test_pack_layouts.py tests/test_muon.py tests/test_muon_parity.py \
-	tests/test_sft_trl_parity.py tests/test_numerics.py tests/test_cp_pack.py \
+	tests/test_sft_trl_parity.py tests/test_numerics.py tests/test_cp_pack.py tests/test_pipeline_zero.py \
+	tests/test_storage.py \
 	tests/test_learn.py::test_script_trains_like_one_process \
 	tests/test_learn.py::test_broken_copy_fails \
 	tests/test_eval_and_epoch.py::test_eval_loss_is_the_same_at_every_layout \

@@ -25,6 +25,23 @@ model). Exit 1 when a rank of a ``meta`` run exceeds 1.2 × it.
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/host_memory.py [--preset llama-1b]
         [--layouts dp=4,zero=3 tp=4 pp=4] [--set d_model=768 n_layers=8] [--dir DIR]
         [--json out.json]
+
+``--run`` (issue 53): a whole ``shardwise train --init-from-hf`` run per layout instead (a few
+steps, then the final save and sample), 4 ranks, the folder written with the byte tokenizer
+(vocabulary 257) so that train can read it. ``train`` records each phase's peak apart
+(``host_memory.json`` "phases", :func:`shardwise.train.device.phase_peaks`: the peak RSS,
+reset between phases, and the RSS where each window starts, so "save's own" = the save's peak
+minus the RSS it started from; on CUDA also ``max_memory_allocated``, the device; on CPU the device
+*is* the host, and only the host is reported). Held to, per rank: the save's peak ≤ the
+steps' peak + the largest tensor (4 bytes an element: a save holds one tensor more, at most),
+and the whole run's peak ≤ a ``tiny`` run's floor + 2 × the model's bytes (ZeRO-3, tp or pp
+over 4 ranks hold 16Ψ/4 = 4Ψ of model state, the model's own size; the second 4Ψ bounds a
+gathered block and the sample's full weights). Flags it does not know go to ``train``
+unchanged (e.g. ``--param-dtype bf16 --offload optimizer``); a flag ``train`` refuses stops the
+benchmark with ``train``'s one-line refusal (exit 2).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/host_memory.py --run --preset llama-1b \
+        --set d_model=1024 n_heads=16 n_kv_heads=4 d_ff=2688 n_layers=6 --layouts dp=4,zero=3
 """
 
 from __future__ import annotations
@@ -42,9 +59,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def write_hf_folder(preset: str, out: Path, vocab: int, **overrides) -> tuple[int, int]:
+def write_hf_folder(preset: str, out: Path, vocab: int, tokenizer: bool = False,
+                    **overrides) -> tuple[int, int]:
     """The preset as an HF folder (skipped when ``out`` has it); returns (Ψ, largest tensor's
-    elements)."""
+    elements). ``tokenizer``: also the byte tokenizer's ``tokenizer.json`` (vocab must be
+    257), which ``train --init-from-hf`` reads."""
     from safetensors.torch import save_file
 
     from shardwise.interop.hf import llama_to_hf_config, ours_to_hf
@@ -56,6 +75,11 @@ def write_hf_folder(preset: str, out: Path, vocab: int, **overrides) -> tuple[in
     if (out / "config.json").is_file():
         return sum(shapes), max(shapes)
     out.mkdir(parents=True, exist_ok=True)
+    if tokenizer:
+        from shardwise.interop.hf_export import byte_tokenizer_json
+
+        byte_tokenizer_json().save(str(out / "tokenizer.json"))
+        (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     hf_cfg = llama_to_hf_config(model.config)
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=1))
     files, part, size, index = 0, {}, 0, {}
@@ -151,6 +175,90 @@ def run_world(folder: Path, layout: str, mode: str, nproc: int = 4) -> dict:
         return json.loads(out.read_text())
 
 
+# -- --run: a whole train run, its phases apart (issue 53) ----------------------------------------
+TRAIN = ["--steps", "3", "--seq-len", "64", "--global-batch", "4", "--micro-batch", "1",
+         "--eval-sequences", "4", "--timeout", "1800"]
+
+
+class Refused(Exception):
+    """``train`` refused the flags (exit 2): its one-line message."""
+
+
+def train_phases(folder: Path, layout: str, extra: list[str]) -> dict:
+    """``shardwise train --init-from-hf folder`` under ``layout`` ("dp=4,zero=3" → ``--dp 4
+    --zero 3``) with ``extra`` flags, 4 ranks: its ``host_memory.json`` phases. Raises
+    :class:`Refused` with train's refusal line when it exits 2."""
+    flags = [x for k, v in (kv.split("=") for kv in layout.split(",")) for x in (f"--{k}", v)]
+    with tempfile.TemporaryDirectory() as d:
+        cmd = [sys.executable, "-m", "shardwise", "train", "--init-from-hf", str(folder),
+               *flags, *TRAIN, "--out", str(Path(d) / "run"), *extra]
+        p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if p.returncode == 2:
+            lines = [x for x in p.stdout.splitlines() if x.strip()]
+            raise Refused(lines[-1] if lines else "exit 2")
+        if p.returncode != 0:
+            raise SystemExit(f"{layout}: train failed:\n{p.stdout[-3000:]}")
+        return json.loads((Path(d) / "run" / "host_memory.json").read_text())["phases"]
+
+
+def run_mode(a, extra: list[str], base: Path, name: str, sets: dict) -> int:
+    """``--run``: each layout's phases against the module docstring's two bounds."""
+    psi, largest = write_hf_folder(a.preset, base / (name + "@bytes"), 257, tokenizer=True,
+                                   **sets)
+    write_hf_folder("tiny", base / "tiny@bytes", 257, tokenizer=True, n_layers=4, n_heads=8,
+                    n_kv_heads=4)
+    model, one = 4 * psi, 4 * largest
+    rows, ok = [], True
+    for layout in a.layouts:
+        try:
+            # the first run tokenizes the corpus into the cache (its own peak): a warm-up
+            train_phases(base / "tiny@bytes", layout, extra)
+            tiny = train_phases(base / "tiny@bytes", layout, extra)
+            big = train_phases(base / (name + "@bytes"), layout, extra)
+        except Refused as e:
+            print(f"train refused {' '.join(extra) or 'the run'}: {e}")
+            return 2
+        for r in range(len(big["startup"]["host"])):
+            floor = max(v["host"][r] for v in tiny.values())
+            ph = {k: v["host"][r] for k, v in big.items()}
+            dev = ({k: v["device"][r] for k, v in big.items()}
+                   if big["startup"].get("device") else None)
+            # what the save itself added: its peak over the RSS it started from
+            save_own = ph["save"] - big["steps"]["host_now"][r]
+            run_peak = max(ph.values())
+            save_ok = ph["save"] <= ph["steps"] + one
+            run_ok = run_peak - floor <= 2 * model
+            ok &= save_ok and run_ok
+            rows.append(dict(layout=layout, rank=r, floor=floor, phases=ph, device=dev,
+                             save_own=save_own,
+                             above_floor=(run_peak - floor) / model, save_ok=save_ok,
+                             run_ok=run_ok))
+    print(f"{name}: Ψ = {psi:,} parameters ({model / 2**20:,.0f} MiB fp32), largest tensor "
+          f"{one / 2**20:,.0f} MiB; floor: a tiny run's peak, same layout; "
+          f"{'device = host (CPU)' if rows and rows[0]['device'] is None else 'device: CUDA max_memory_allocated'}; "
+          f"extra train flags: {' '.join(extra) or 'none'}\n")
+    print("| layout | rank | floor | start-up | steps | save | sample | save's own | run peak "
+          "− floor (× model) | save ≤ steps + one tensor |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for x in rows:
+        ph = x["phases"]
+        print(f"| {x['layout']} | {x['rank']} | {x['floor'] / 2**20:,.0f} | "
+              + " | ".join(f"{ph[k] / 2**20:,.0f}" for k in ("startup", "steps", "save",
+                                                               "sample"))
+              + f" | {x['save_own'] / 2**20:,.0f} | {x['above_floor']:.2f} | "
+              f"{'yes' if x['save_ok'] else 'NO'} |")
+        if x["device"] is not None:
+            print("|  | device | | " + " | ".join(f"{x['device'][k] / 2**20:,.0f}" for k in
+                                                  ("startup", "steps", "save", "sample"))
+                  + " | | | |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"preset": a.preset, "sets": sets, "psi": psi,
+                                            "largest": largest, "extra": extra, "rows": rows},
+                                           indent=1))
+    return 0 if ok else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="llama-1b")
@@ -160,10 +268,17 @@ def main() -> int:
                     help="override preset fields, e.g. d_model=768 n_layers=8")
     ap.add_argument("--dir", default=None, help="where the HF folders go (kept for reruns)")
     ap.add_argument("--json", default=None)
-    a = ap.parse_args()
+    ap.add_argument("--run", action="store_true",
+                    help="a whole train run per layout: start-up, steps, save, sample apart; "
+                         "other flags go to train")
+    a, extra = ap.parse_known_args()
+    if extra and not a.run:
+        ap.error(f"unknown flags {extra}: train flags go through with --run only")
     base = Path(a.dir or tempfile.gettempdir()) / "shardwise-host-memory"
     sets = {k: int(v) for k, v in (x.split("=") for x in a.set)}
     name = a.preset + ("@" + "_".join(f"{k}{v}" for k, v in sets.items()) if sets else "")
+    if a.run:
+        return run_mode(a, extra, base, name, sets)
     psi, largest = write_hf_folder(a.preset, base / name, a.vocab, **sets)
     # the floor: a model of ~0 bytes that every layout accepts (4 layers for pp = 4, 4 kv heads
     # for tp = 4)

@@ -23,7 +23,7 @@ VOCAB = 4096  # the layout bench's default vocabulary
 @pytest.fixture(scope="module")
 def report(cache_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    p = run_cli(["bench", "--layout", "dp=2", "--layouts", "dp=2,zero=3", "pp=2,dp=2,zero=3",
+    p = run_cli(["bench", "--layout", "dp=2", "--layouts", "dp=2,zero=3", "pp=2,dp=2,zero=3,zb-h1",
                  "cp=2", "--model", "tiny", "--steps", "1", "--rounds", "2", "--seq-len", "16",
                  "--micro-batch", "2", "--out", out], cache_dir, timeout=120)
     assert p.returncode == 0, p.stdout
@@ -37,7 +37,7 @@ def test_report_files_and_both_engines(report):
         assert (out / name).stat().st_size > 0, name
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = {r["layout"]: r for r in data["rows"]}
-    assert set(rows) == {"dp=2", "dp=2,zero=3", "pp=2,dp=2,zero=3", "cp=2"}
+    assert set(rows) == {"dp=2", "dp=2,zero=3", "pp=2,dp=2,zero=3,zb-h1", "cp=2"}
     for name in ("dp=2", "dp=2,zero=3"):
         for eng in ("explicit", "torch"):
             r = rows[name][eng]
@@ -52,7 +52,7 @@ def test_report_files_and_both_engines(report):
         assert rows[name]["explicit_over_torch_min"] == pytest.approx(min(e) / min(t))
     assert "| dp=2,zero=3 | 2 | explicit |" in stdout
     # refused before any collective, reported as a row with the reason
-    assert "ZeRO-3 does not compose with pipeline" in rows["pp=2,dp=2,zero=3"]["error"]
+    assert "ZeRO-3 with the split-backward schedule" in rows["pp=2,dp=2,zero=3,zb-h1"]["error"]
 
 
 @pytest.mark.timeout(150)

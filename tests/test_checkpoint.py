@@ -140,6 +140,20 @@ def test_restarts_after_a_worker_is_killed(launcher, straight, tmp_path, cache_d
     assert len(flat) == len(set(flat)) == 6 * 8  # no sample twice, none missing
 
 
+def test_the_run_records_each_phases_memory_peak_apart(straight):
+    """host_memory.json: every rank's peak RSS of start-up, the steps, the final save and the
+    sample, each window reset at its start (``VmHWM``, Linux), and the RSS each window ends at,
+    which a high-water mark bounds (benchmarks/host_memory.py --run reads them)."""
+    rec = json.loads((straight / "run" / "host_memory.json").read_text())
+    phases = rec["phases"]
+    assert list(phases) == ["startup", "steps", "save", "sample"]
+    for ph in phases.values():
+        assert ph["device"] is None  # CPU: the device is the host, reported once
+        assert len(ph["host"]) == len(ph["host_now"]) == 2
+        if ph["host_reset"]:
+            assert all(0 < now <= peak for now, peak in zip(ph["host_now"], ph["host"]))
+
+
 # ------------------------------------------------------------------------- resharding matrix
 
 @pytest.fixture(scope="module")
@@ -251,6 +265,126 @@ def test_muon_matrix_detects_a_lost_momentum(matrix, muon_reference):
     for rank_res in matrix[("muon " + ckpt_cases.FROM_MUON[0], "control")]:
         assert rank_res["error"] is None, rank_res["error"]
         assert not _close(rank_res["losses"], muon_reference[ckpt_cases.K:])
+
+
+# ------------------------------------------------- shard by shard (issue 53): every rank its boxes
+
+import ckpt_shard_cases  # noqa: E402
+
+
+def _merge(dicts):
+    """One {key: value} from every rank's; a key several ranks hold must agree bitwise."""
+    out = {}
+    for d in dicts:
+        for k, v in d.items():
+            if k in out:
+                assert _same(out[k], v), k
+            out[k] = v
+    return out
+
+
+def _same(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+
+
+def _shard_world(tmp_path_factory, name):
+    """The worker's world; ``name`` ending in "slow" also runs ckpt_shard_cases.SLOW."""
+    out = tmp_path_factory.mktemp(name)
+    run_world(ROOT / "tests" / "workers" / "ckpt_shard_cases.py", out, nproc=4)
+    ranks = [torch.load(out / f"shard_rank{r}.pt", weights_only=False) for r in range(4)]
+    return {k: [r[k] for r in ranks if k in r] for k in set().union(*ranks)}
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return _shard_world(tmp_path_factory, "shards")
+
+
+@pytest.fixture(scope="module")
+def shards_slow(tmp_path_factory):
+    return _shard_world(tmp_path_factory, "shards_slow")
+
+
+def _read_back_one_process(spec, step):
+    """The checkpoint read here, in one process, two ways: DCP's full tensors (as ``export``
+    and ``load_model`` see them), and a resume into the single-process engine (``load_model``
+    into a plain model from another seed, ``restore_training_state`` into
+    :class:`~shardwise.parallel.model.Local`'s AdamW)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from shardwise.checkpoint import load_model, restore_training_state
+    from shardwise.checkpoint.load import _dcp_load, load_full_optimizer_state
+    from shardwise.parallel.model import Local
+    from shardwise.train.optim import build_optimizer
+
+    md = FileSystemReader(str(step)).read_metadata()
+    model = {k[6:]: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+             for k, v in md.state_dict_metadata.items() if k.startswith("model.")}
+    _dcp_load({"model": model}, step)
+    plain = ckpt_shard_cases.model_of(spec, 1234)
+    load_model(step, plain)
+    eng = Local(plain)
+    opt = build_optimizer(eng, ckpt_cases.CFG)
+    restore_training_state(step, eng, opt)
+    return (model, load_full_optimizer_state(step), eng.named_full_parameters(),
+            eng.full_optimizer_state(opt), md)
+
+
+def _check_shard_case(runs, spec):
+    for r in runs:
+        assert r["error"] is None, r["error"]
+    ref_model = _merge([r["ref"][0] for r in runs])
+    ref_optim = _merge([r["ref"][1] for r in runs])
+    step = Path(runs[0]["folder"]) / "checkpoints" / f"step_{ckpt_shard_cases.K}"
+    model, optim, local_model, local_optim, md = _read_back_one_process(spec, step)
+    # bitwise: what the old gather gives on the saving ranks = what one process reads back
+    assert model.keys() == ref_model.keys() == local_model.keys()
+    assert all(torch.equal(model[k], ref_model[k]) for k in model)
+    assert all(torch.equal(local_model[k], ref_model[k]) for k in model)
+    assert _same(optim, ref_optim) and set(optim) == set(model)
+    assert _same({k: {s: v for s, v in st.items()} for k, st in local_optim.items()}, ref_optim)
+    # each rank wrote only boxes it holds, each box once: DCP's storage index names the file
+    # (``__<rank>_0.distcp``) of every stored chunk
+    held = {r["rank"]: set(r["boxes"]) for r in runs}
+    stored = [(idx.fqn, tuple(idx.offset), int(info.relative_path.split("_")[2]))
+              for idx, info in md.storage_data.items()]
+    assert {(k, o) for k, o, _ in stored} == set().union(*held.values())
+    assert len(stored) == len({(k, o) for k, o, _ in stored})
+    assert all((k, o) in held[rank] for k, o, rank in stored)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("spec", ckpt_shard_cases.SAVE)
+def test_shard_by_shard_save_loads_back_bitwise(shards, spec):
+    """Saved shard by shard under ``spec`` (ZeRO-1/2/3 slices, TP chunks with the vocabulary's
+    padding cut, a pipeline's stages, HSDP, EP experts, FSDP2's DTensor shards): read back in
+    one process, the weights and AdamW's state equal bitwise the full-shape state the saving
+    ranks gather the old way (all-gathers), and each rank's file holds only boxes it holds,
+    each box stored once (replicas: by one rank)."""
+    _check_shard_case(shards[spec], spec)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("spec", ckpt_shard_cases.SLOW)
+def test_shard_by_shard_save_loads_back_bitwise_more_layouts(shards_slow, spec):
+    _check_shard_case(shards_slow[spec], spec)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("spec,to", list(ckpt_shard_cases.RESUME.items()))
+def test_dp4_zero3_checkpoint_resumes_at_tp2_pp2_bitwise(shards, spec, to):
+    """The checkpoint saved at dp 4 ZeRO-3 (each rank a quarter of every unit) resumed at
+    tp 2 × pp 2 (each rank a tp half of one stage): the model and AdamW state gathered there
+    equal bitwise what was saved (and the one-process resume: test above)."""
+    runs = shards["resumed " + spec]
+    for r in runs:
+        assert r["error"] is None, r["error"]
+    saved = shards[spec]
+    assert _same(_merge([r["ref"][0] for r in runs]), _merge([r["ref"][0] for r in saved]))
+    assert _same(_merge([r["ref"][1] for r in runs]), _merge([r["ref"][1] for r in saved]))
 
 
 # ------------------------------------------------------------------------------- failures

@@ -89,9 +89,11 @@ def test_seq_len_beyond_model_context(cache_dir):
     expect_error(p, "--seq-len 4096 exceeds the tiny model's max_seq_len 256")
 
 
-def test_zero_2_3_with_pipeline_refused_clearly(cache_dir):
-    p = run_cli(["train", *QUICK, "--dp", "2", "--zero", "3", "--pp", "2"], cache_dir, timeout=60)
-    expect_error(p, "ZeRO-3 does not compose with pipeline parallelism", "use --zero 1")
+def test_zero_2_3_with_pipeline_on_the_torch_engine_refused_clearly(cache_dir):
+    p = run_cli(["train", *QUICK, "--dp", "2", "--zero", "3", "--pp", "2", "--engine", "torch"],
+                cache_dir, timeout=60)
+    expect_error(p, "--engine torch runs --zero 3 (FSDP2) without a pipeline",
+                 "use --engine explicit")
 
 
 def test_bad_config_file(cache_dir, tmp_path):

@@ -35,8 +35,9 @@ def test_flags_make_dp_the_product():
     (dict(dp=4, dp_replicate=3, zero=3), r"--dp-replicate 3 must divide dp = 4"),
     (dict(dp=4, dp_replicate=2, zero=0), r"--dp-replicate 2 with --zero 0"),
     (dict(dp=4, dp_replicate=4, zero=3), r"leaves dp_shard = 1"),
-    (dict(dp=4, dp_replicate=2, cp=2, zero=1), r"with --cp 2: HSDP composes with tp here"),
-    (dict(dp=4, pp=2, dp_replicate=2, zero=1), r"with --pp 2"),
+    (dict(dp=4, dp_replicate=2, cp=2, zero=1), r"with --cp 2: HSDP composes with tp and pp here"),
+    (dict(dp=4, pp=2, dp_replicate=2, zero=1, engine="torch"),
+     r"--engine torch runs --zero 1 --dp-replicate 2 \(FSDP2\) without a pipeline"),
     (dict(dp=4, dp_replicate=2, dp_shard=3, zero=1), r"--dp-shard 3 × --dp-replicate 2 must "
      r"equal --dp 4"),
 ])

@@ -12,8 +12,8 @@ from conftest import run_cli
 @pytest.mark.timeout(600)
 def test_verify_passes_every_layout_that_fits_both_engines(cache_dir, tmp_path):
     """N = 4: every single strategy and every factorization of 4 over (pp, dp, tp) × ZeRO
-    stages × schedules × SP, both engines, both test models (the MLP's TP without SP or pp), and
-    the cp layouts; ledger bytes = formula for each."""
+    stages × schedules × SP, both engines, both test models (the MLP's TP without SP or pp), the
+    cp layouts and ZeRO-2/3 inside pipeline stages; ledger bytes = formula for each."""
     p = run_cli(["verify", "--nproc", "4", "--json", tmp_path / "verify.json"], cache_dir,
                 timeout=580)
     assert p.returncode == 0, p.stdout
@@ -54,6 +54,12 @@ def test_verify_passes_every_layout_that_fits_both_engines(cache_dir, tmp_path):
         for engine in ("explicit", "torch"):
             for model in ("tiny", "mlp-tiny"):
                 assert (f"dp=4,dp_replicate=2,zero={zero}", engine, model) in cases
+    # ZeRO-2/3 inside pipeline stages (explicit engine; the torch engine's pipeline refuses them)
+    for zero in (2, 3):
+        for sched in ("1f1b", "interleaved-1f1b"):
+            for model in ("tiny", "mlp-tiny"):
+                assert (f"dp=2,pp=2,zero={zero},{sched},m=4", "explicit", model) in cases
+                assert (f"dp=2,pp=2,zero={zero},{sched},m=4", "torch", model) not in cases
     assert report["pass"] and all(c["pass"] for c in report["cases"])
     assert all(c["ledger_vs_formula_max_deviation"] < 1e-9 for c in report["cases"])
     assert all(c["diff_over_tolerance"] <= 1 and c["param_diff_over_bound"] <= 1

@@ -13,7 +13,8 @@ from conftest import run_cli
 def test_verify_bounded_8_rank_compositions(cache_dir, tmp_path):
     """N = 8, bounded: each factorization of 8 with at least two degrees > 1 (FSDP+TP with
     tp = 4 and with dp = 4, PP×TP, PP×DP, 3D with zb-h1 + SP and with interleaved 1F1B), and
-    cp in three-axis compositions and alone (cp = 8), HSDP × tp."""
+    cp in three-axis compositions and alone (cp = 8), HSDP × tp, and HSDP and ZeRO-3 × tp inside
+    pipeline stages."""
     p = run_cli(["verify", "--nproc", "8", "--bounded", "--json", tmp_path / "verify.json"],
                 cache_dir, timeout=380)
     assert p.returncode == 0, p.stdout
@@ -30,6 +31,11 @@ def test_verify_bounded_8_rank_compositions(cache_dir, tmp_path):
     for zero in (1, 3):
         for engine in ("explicit", "torch"):
             assert (f"dp=4,tp=2,dp_replicate=2,zero={zero}", engine) in cases
+    # HSDP and ZeRO-3 × tp inside pipeline stages (explicit engine)
+    for layout in ("dp=4,pp=2,dp_replicate=2,zero=3,1f1b,m=4",
+                   "dp=4,pp=2,dp_replicate=2,zero=2,interleaved-1f1b,m=4",
+                   "dp=2,tp=2,pp=2,zero=3,sp,1f1b,m=4"):
+        assert (layout, "explicit") in cases and (layout, "torch") not in cases
     assert {c["engine"] for c in report["cases"]} == {"explicit", "torch"}
     assert report["pass"] and all(c["pass"] for c in report["cases"])
     assert all(c["ledger_vs_formula_max_deviation"] < 1e-9 for c in report["cases"])

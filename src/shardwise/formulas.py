@@ -56,6 +56,9 @@ def step_bytes_formula(engine, topo, *, micro_steps: int, sequences: int, seq_le
     muon_bytes = getattr(getattr(engine, "grad_sync", None), "muon_bytes", lambda: 0.0)()
     if muon_bytes:
         out["muon"] = muon_bytes
+    from .parallel.storage import offload_bytes_formula
+
+    out.update(offload_bytes_formula(engine))  # --offload: the host <-> device copies
     out["loss"] = _scalar_all_reduces(engine, topo)
     out["total"] = sum(out.values())
     return out

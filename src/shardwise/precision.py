@@ -108,6 +108,13 @@ class Precision:
         :class:`ShardwiseConfigError` for an unknown one)."""
         return reduce_torch_dtype(self.reduce_dtype)
 
+    @property
+    def main_grad_torch(self) -> torch.dtype | None:
+        """fp32 where gradients accumulate in another dtype than the parameters are stored in
+        (Megatron's fp32 main gradients of bf16 parameters: ``parallel/storage.py``), else
+        None (the parameters' own dtype)."""
+        return torch.float32 if self.grad_dtype != self.param_dtype else None
+
     # -- the planner's bytes per parameter (plan/) ---------------------------------------------
     @property
     def param(self) -> int:

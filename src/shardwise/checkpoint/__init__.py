@@ -8,13 +8,14 @@ space, the run-folder lock, the data fingerprint).
 What one checkpoint holds (``<out>/checkpoints/step_<N>/``):
 
 =====================  ==========================================================================
-DCP files              ``model.<FQN>``: every parameter in its *full* shape under the plain
-(``.metadata``,        model's fully qualified name (``engine.named_full_parameters()``: shards
-``__r_0.distcp``)      gathered over dp/tp; a pipeline stage contributes its own FQNs);
-                       ``optimizer.<FQN>.{step,exp_avg,exp_avg_sq}``: AdamW's state in the same
-                       full shape (``engine.full_optimizer_state``). Written with
-                       ``torch.distributed.checkpoint`` (DCP): every rank writes its own file and
-                       DCP de-duplicates replicated tensors, so each tensor is stored once.
+DCP files              ``model.<FQN>``: every parameter as a tensor of its *full* shape under the
+(``.metadata``,        plain model's fully qualified name; ``optimizer.<FQN>.{step,exp_avg,
+``__<r>_0.distcp``)    exp_avg_sq}``: AdamW's state in the same full shapes. Written shard by shard
+                       with ``torch.distributed.checkpoint`` (DCP): rank r's file holds only the
+                       boxes rank r holds (``engine.held_boxes``: ZeRO slices, tp/ep shards, its
+                       stage, FSDP2's DTensor shards), each a chunk (offsets, sizes) of the full
+                       tensor in ``.metadata``; a box several ranks hold (replicas) is stored
+                       once, by one of them. No gather: docs/checkpointing.md, "Shard by shard".
 ``rng/rank_<r>.pt``    rank r's RNG states: python ``random``, numpy, torch CPU (and CUDA)
 ``meta.json``          ``step``, sampler position, LR-scheduler state, tokens seen, validation
                        losses so far, the run config, the model config, the layout it was saved
@@ -56,16 +57,18 @@ run trains on is fingerprinted (:func:`data_fingerprint`: files, sizes, SHA-256 
 rows) into ``meta.json``; a resume on other data is refused (:func:`check_same_data`) unless
 ``--allow-data-change``.
 
-Async save (``--async-save``): ``dcp.async_save`` copies the state to CPU memory and writes it in
-a background thread, over a separate gloo process group (so its collectives never interleave with
+Async save (``--async-save``): the boxes this rank holds are copied to CPU memory and
+``dcp.save`` writes them in a background thread (``dcp.async_save``'s own staging would copy
+them again, into plain tensors without their offsets), over a separate gloo process group (so its collectives never interleave with
 the training step's on the main group); rank 0 commits (marker, rename, ``latest``, ``--keep``)
 when the write has finished on every rank. The next save, the end of the run and the test kill
 hook wait for it first. On CPU/gloo it works as on GPU (gloo is a CPU backend, which async save
 requires); the gain on CPU is only the file I/O, since the copy is as costly as the save's own.
 
-Memory: the full-shape form means every rank holds, during a save or a resume, the full tensors of
-its stage (model and AdamW state, ~3× the parameter bytes). That suits the models this project
-trains on CPU; sharded (DTensor) checkpoints would avoid it for models that do not fit one rank.
+Memory: a save holds nothing more than training does, up to one box's copy at a time (DCP
+copies a view of a larger buffer before writing it): each rank writes what it holds. A resume
+reads, on each rank, only the boxes its layout holds (:func:`checkpoint_weight_stream`), and the
+optimizer state in full shapes (:func:`load_full_optimizer_state`), which it then cuts.
 """
 
 from .format import (FORMAT, MARKER, CheckpointError, DivergedError, complete_checkpoints,

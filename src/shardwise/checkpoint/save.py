@@ -1,5 +1,6 @@
-"""Writing checkpoints: :class:`Checkpointer` (full-shape, atomic ``.tmp`` → rename, never a
-non-finite state, optional async save over its own gloo group, ``--keep`` rotation) and
+"""Writing checkpoints: :class:`Checkpointer` (shard by shard into full-shape tensors, atomic
+``.tmp`` → rename, never a non-finite state, optional async save over its own gloo group,
+``--keep`` rotation) and
 :func:`save_checkpoint` for one-off saves. The format: :mod:`shardwise.checkpoint.format`.
 """
 
@@ -66,10 +67,12 @@ class Checkpointer:
         """Write checkpoint ``step`` (collective over ``topo``'s world). Returns the final folder
         (with ``async_save``, it exists once :meth:`wait` returns).
 
-        Gathers ``engine.named_full_parameters()`` and ``engine.full_optimizer_state`` (both
-        collective for sharded engines; ledger phase ``checkpoint``). An engine whose optimizer
-        state does not come back in full parameter shape is saved without it
-        (``meta.json: "optimizer_saved": false``, with a warning) rather than with wrong shapes.
+        Shard by shard: each rank writes the boxes it holds (``engine.held_boxes(optimizer)``:
+        views, no gather, no copy) as chunks of the full-shape tensors (:func:`dcp_state`); a
+        box several ranks hold is written once (DCP's ``dedup_save_plans``). Collective only
+        for the flags below and DCP's plan exchange (ledger phase ``checkpoint``). Optimizer
+        state that is not in its parameter's shape is saved without it (``meta.json:
+        "optimizer_saved": false``, with a warning) rather than with wrong shapes.
 
         Raises (on every rank alike):
             DivergedError: a parameter or optimizer tensor on some rank is NaN/inf: nothing is
@@ -85,15 +88,12 @@ class Checkpointer:
         final = self.root / f"step_{step}"
         tmp = final.with_name(final.name + ".tmp")
         with topo.ledger.phase("checkpoint"):
-            model = {k: v.detach() for k, v in engine.named_full_parameters().items()}
-            optim = engine.full_optimizer_state(optimizer)
-            bad = [k for k, st in optim.items() for n, v in st.items()
-                   if torch.is_tensor(v) and v.dim() > 0 and (k not in model or
-                                                              v.shape != model[k].shape)]
-            nonfinite = [k for k, v in model.items() if not bool(torch.isfinite(v).all())]
-            nonfinite += [f"optimizer.{k}.{n}" for k, st in optim.items() for n, v in st.items()
-                          if torch.is_tensor(v) and v.is_floating_point()
-                          and not bool(torch.isfinite(v).all())]
+            try:
+                boxes, bad = engine.held_boxes(optimizer), None
+            except ValueError as e:  # optimizer state not in its parameter's shape
+                boxes, bad = engine.held_boxes(), str(e)
+            nonfinite = [b.key for b in boxes
+                         if b.tensor.is_floating_point() and not bool(torch.isfinite(b.tensor).all())]
             # every rank must agree whether the optimizer state goes in, and whether any rank's
             # state is non-finite (then nobody writes): one all-reduce of both flags
             flag = torch.tensor([1.0 if bad else 0.0, 1.0 if nonfinite else 0.0],
@@ -106,14 +106,16 @@ class Checkpointer:
                 raise DivergedError(diverged_message(step, what, self.last_good()) +
                                     f" (step_{step} was not saved)")
             with_optim = flag[0].item() == 0.0
-            if not with_optim and self.is_writer:
-                log.warning(f"checkpoint step {step}: {type(engine).__name__}.full_optimizer_state "
-                            "does not return full-shape state (e.g. "
-                            f"{bad[:2] or 'on another rank'}): saving the model without the "
-                            "optimizer state; a resume restarts AdamW's moments")
-            state = {"model": model}
-            if with_optim:
-                state["optimizer"] = optim
+            if not with_optim:
+                if self.is_writer:
+                    log.warning(f"checkpoint step {step}: {type(engine).__name__}'s optimizer "
+                                f"state is not in its parameters' shapes ({bad or 'on another rank'}"
+                                "): saving the model without the optimizer state; a resume "
+                                "restarts AdamW's moments")
+                boxes = [b for b in boxes if b.key.startswith("model.")]
+            if self.async_save:  # a private copy: training goes on mutating the live tensors
+                boxes = [b._replace(tensor=b.tensor.to("cpu", copy=True)) for b in boxes]
+            state = dcp_state(boxes)
             failed = None
             if self.is_writer:  # a stale .tmp of an interrupted save of the same step
                 try:
@@ -140,7 +142,8 @@ class Checkpointer:
         if not self.async_save:
             with topo.ledger.phase("checkpoint"):
                 try:
-                    dcp.save(state, checkpoint_id=str(tmp), process_group=topo.group("world"))
+                    dcp.save(state, checkpoint_id=str(tmp), process_group=topo.group("world"),
+                             planner=_planner())
                 except (Exception, CheckpointException) as e:  # DCP raises on every rank alike
                     raise CheckpointError(self._write_failed(step, tmp, e)) from None
                 # dcp.save returns on the coordinator after every rank's files are written
@@ -155,9 +158,10 @@ class Checkpointer:
                 if failed:
                     raise CheckpointError(failed)
             return final
-        # async: stage a private copy (training goes on mutating the live tensors)
-        state = _clone(state)
-        fut = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)
+        # async: the boxes were copied above; DCP writes them in a background thread over the
+        # private group (dcp.async_save's own staging would copy again, into plain tensors)
+        fut = _writer_thread().submit(dcp.save, state, checkpoint_id=str(tmp),
+                                      process_group=self._pg, planner=_planner())
         thread = None
         if self.is_writer:
             def commit():
@@ -244,12 +248,56 @@ class Checkpointer:
             self._pg = None
 
 
-def _clone(obj):
-    if torch.is_tensor(obj):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
-    return obj
+_WRITER = []
+
+
+def _writer_thread():
+    """The one background thread async saves write in (one save at a time: :meth:`wait`)."""
+    if not _WRITER:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _WRITER.append(ThreadPoolExecutor(1, thread_name_prefix="shardwise-ckpt"))
+    return _WRITER[0]
+
+
+def _planner():
+    """DCP's default planner: it merges every rank's boxes into one metadata file and writes
+    a box that several ranks list (replicas) once, on one of them (``dedup_save_plans``)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    return DefaultSavePlanner()
+
+
+def dcp_state(boxes: list) -> dict:
+    """``{checkpoint key: tensor}`` for ``dcp.save``: each key's boxes (:class:`~shardwise.
+    parallel.boxes.Box`) as chunks of one full-shape tensor. The value is a placeholder tensor
+    that answers DCP's two questions as a DTensor does (the ``_Checkpointable`` protocol):
+    ``__create_write_items__`` (one write item per box: its offsets, sizes and the full size)
+    and ``__get_tensor_shard__`` (the box's values, a view). The load side reads it as any
+    DCP checkpoint (:mod:`.load`: DCP assembles whatever box a reader asks for)."""
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                       TensorProperties)
+    from torch.distributed.checkpoint.planner import (TensorWriteData, WriteItem,
+                                                      WriteItemType)
+
+    by_key: dict[str, dict] = {}
+    for b in boxes:
+        by_key.setdefault(b.key, {})[tuple(b.offsets)] = b
+    state = {}
+    for key, held in by_key.items():
+        items = [WriteItem(index=MetadataIndex(key, torch.Size(off)), type=WriteItemType.SHARD,
+                           tensor_data=TensorWriteData(
+                               chunk=ChunkStorageMetadata(offsets=torch.Size(off),
+                                                          sizes=b.tensor.size()),
+                               properties=TensorProperties.create_from_tensor(b.tensor),
+                               size=torch.Size(b.shape)))
+                 for off, b in held.items()]
+        holder = torch.empty(0)
+        holder.__create_write_items__ = lambda fqn, obj, items=items: items
+        holder.__get_tensor_shard__ = (lambda index, held=held:
+                                       held[tuple(index.offset)].tensor)
+        state[key] = holder
+    return state
 
 
 # --------------------------------------------------------------------------- finding / checking

@@ -126,13 +126,13 @@ def _nonempty(path: str) -> bool:
 def check_optimizer(optimizer: str, *, engine: str, tp: int, pp: int, zero: int) -> None:
     """Raise :class:`ShardwiseConfigError` for an ``--optimizer`` the layout cannot run (before
     any collective). Muon (:mod:`shardwise.parallel.muon`) is built for the explicit engine in
-    every layout but a pipeline's ZeRO-1, and for the torch engine where its parameters are
+    every layout but a pipeline's ZeRO (1, 2, 3), and for the torch engine where its parameters are
     plain whole tensors (DDP and torch.distributed.pipelining stages: tp = 1, zero = 0)."""
     if optimizer != "muon":
         return
     if engine == "explicit" and pp > 1 and zero > 0:
         raise ShardwiseConfigError(
-            f"--optimizer muon with --pp {pp} --zero {zero}: a pipeline's ZeRO-1 does not gather "
+            f"--optimizer muon with --pp {pp} --zero {zero}: a pipeline's ZeRO does not gather "
             "Muon's updates yet; use --zero 0 with --pp, or --optimizer adamw")
     if engine == "torch" and (tp > 1 or zero > 0):
         raise ShardwiseConfigError(

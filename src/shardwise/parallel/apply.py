@@ -44,6 +44,7 @@ from .layout import Layout, check_supported, parse_layout
 from .loss import PlainLoss
 from .materialize import Values
 from .model import ParallelModel
+from .storage import arm_main_grads, store_parameters
 
 __all__ = ["Layout", "check_supported", "dp_sync", "parallelize", "parse_layout"]
 
@@ -52,13 +53,16 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
                 engine: str = "explicit", bucket_mb: float = 25.0, overlap: bool = True,
                 prefetch: bool = True, reshard_after_forward: bool = True,
                 layers_per_stage: list[int] | None = None, seed: int = 0,
-                precision: Precision = FP32, weights=None, numerics=()) -> nn.Module:
+                precision: Precision = FP32, weights=None, numerics=(),
+                offload: str = "none") -> nn.Module:
     """Return ``model`` wrapped for ``layout`` (default: the degrees of ``topo``) by ``engine``
     ("explicit" | "torch"), by the steps of the module docstring; ``model`` may be converted in
     place: use the returned engine's ``.module`` afterwards. ``bucket_mb``/``overlap``: DP
     gradient buckets; ``prefetch``/``reshard_after_forward``: ZeRO-3 / FSDP2;
     ``layers_per_stage``: an explicit pipeline split; ``seed``: TP dropout RNG; ``precision``:
-    the run's :class:`~shardwise.precision.Precision` (held by the engine); ``weights``: (name,
+    the run's :class:`~shardwise.precision.Precision` (held by the engine; its storage dtype
+    cast in, with fp32 main gradients under Megatron's recipe: :mod:`.storage`); ``offload``:
+    "none" | "optimizer" (held by the engine: its optimizer's state on the host); ``weights``: (name,
     full tensor) for a model built on the meta device (:mod:`.materialize`); ``numerics``:
     callables applied in order to the model before TP. Raises :class:`ShardwiseConfigError`
     for a layout that cannot run (on every rank, before any collective), ``ValueError`` for an
@@ -68,21 +72,27 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     build = ENGINES[engine]
     layout = layout or Layout(dp=topo.size("dp"), tp=topo.size("tp"), pp=topo.size("pp"),
                               cp=topo.size("cp"), ep=topo.size("ep"))
-    layout.check(model=model, topo=topo, engine=engine, precision=precision)  # 0.
+    layout.check(model=model, topo=topo, engine=engine, precision=precision,
+                 offload=offload)  # 0.
     values = Values(model, weights, topo, whole=not build.takes_meta(layout))
     options = dict(bucket_mb=bucket_mb, overlap=overlap, prefetch=prefetch,
                    reshard_after_forward=reshard_after_forward, precision=precision)
     transform(model, topo, layout, build, numerics)  # 1.
     if layout.pp > 1:  # 2. (a pipeline composes steps 3–5 inside its stage)
         return _pipeline(model, topo, layout, build, values, options,
-                         layers_per_stage=layers_per_stage, seed=seed)
+                         layers_per_stage=layers_per_stage, seed=seed, offload=offload)
     loss_fn, traffic = build.tensor(model, topo, layout, seed=seed, values=values)  # 3.
+    stored = precision.param_dtype != "fp32"
+    if stored:  # bf16 storage (.storage): cast before the sync's buffers take the parameters
+        store_parameters(model, precision)
     sync = build.sync(model, topo, layout, options, values)  # 4.
     values.fill(sync)
+    if stored:  # Megatron's recipe: fp32 main gradients, once the values are in place
+        arm_main_grads(model, precision)
     finishers = [sync.finish_gradient_sync] + build.sp_finishers(model, topo, layout, sync)  # 5.
     return ParallelModel(model, topo, loss_fn=loss_fn or PlainLoss(sync.forward_module),
                          grad_sync=sync, finishers=finishers, traffic=traffic, sp=layout.sp,
-                         precision=precision)
+                         precision=precision, offload=offload)
 
 
 def transform(model: nn.Module, topo, layout: Layout, build, numerics=()) -> None:
@@ -115,13 +125,15 @@ def pipeline_chunks(layout: Layout) -> int:
 
 
 def _pipeline(model: nn.Module, topo, layout: Layout, build, values: Values, options: dict, *,
-              layers_per_stage=None, seed: int = 0):
+              layers_per_stage=None, seed: int = 0, offload: str = "none"):
     """pp > 1: this rank's stage (:class:`~.pp.StageModule`, its v chunks; every pp rank's
     stages start as pp index 0's plain model), the same TP as pp = 1 on the stage (``build``'s
     ``stage_tensor``), its values (a meta model's: this rank's part, then the tied draw), the
-    stage's gradient sync over dp (whole gradients after the schedule: :class:`~.dp.
-    DataParallel` without overlap; ZeRO-1 :class:`~.zero.stage_zero1.StageZero1`; none when the
-    data axis has one rank), the finishers in the pipeline's order (DTensor TP: the gradients'
+    tied copy made equal to the first stage's (before the sync: ZeRO-3 frees whole
+    parameters), the stage's gradient sync over dp (whole gradients reduced after the
+    schedule: :class:`~.dp.DataParallel` without overlap; ZeRO-1 :class:`~.zero.stage_zero1.
+    StageZero1`; ZeRO-2/3 and HSDP over the stage's units, :mod:`.zero.stage_zero`; none when
+    the data axis has one rank), the finishers in the pipeline's order (DTensor TP: the gradients'
     placements; the tied swap; with SP the sum over tp on whole gradients; then the sync) and
     the runner of the schedule (``build.runner``). Options as :func:`parallelize`."""
     from .params import mark_duplicate
@@ -137,12 +149,17 @@ def _pipeline(model: nn.Module, topo, layout: Layout, build, values: Values, opt
     values.local(stage, fqn=stage.fqn, after=stage.replay_tied_draw)  # after the init's draws
     if stage.tied_output is not None:
         mark_duplicate(stage.tied_output)  # reduced over dp like the others, counted once
+    precision = options["precision"]
+    if precision.param_dtype != "fp32":  # bf16 storage (.storage): as parallelize's step 4
+        store_parameters(stage, precision)
+    tied = TiedSwap(stage, topo)  # before the sync: ZeRO-3 frees the whole parameters
+    values.start_equal(tied.copy_initial)  # a meta model's last stage: from the same tensor
     sync = build.stage_sync(stage, topo, layout, options)
     values.fill(sync)
-    tied = TiedSwap(stage, topo)
-    values.start_equal(tied.copy_initial)  # a meta model's last stage: from the same tensor
+    if precision.param_dtype != "fp32":
+        arm_main_grads(stage, precision)
     finishers += [tied] + ([build.stage_sp(stage, topo, sync)] if tp > 1 and sp else [])
     finishers.append(sync.finish_gradient_sync)
     runner = build.runner(stage, topo, layout, v, loss_fn, loss_context, tp if sp else 1)
     return ParallelModel(stage, topo, loss_fn=loss_fn, grad_sync=sync, finishers=finishers,
-                         traffic=traffic, runner=runner, precision=options["precision"])
+                         traffic=traffic, runner=runner, precision=precision, offload=offload)

@@ -131,7 +131,14 @@ class Explicit:
 
     @staticmethod
     def stage_sync(stage, topo, layout, options):
-        """ZeRO-1 over the stage's flat buffer, else :func:`_stage_sync`."""
+        """ZeRO-2/3, or any ZeRO stage under HSDP, over the stage's units
+        (:func:`~.zero.stage_zero.stage_zero_sync`); ZeRO-1 over the stage's flat buffer; else
+        :func:`_stage_sync`."""
+        if layout.zero >= 2 or (layout.zero and layout.dp_replicate > 1):
+            from .zero.stage_zero import stage_zero_sync
+
+            return stage_zero_sync(stage, topo, layout.zero, precision=options["precision"],
+                                   reshard_after_forward=options["reshard_after_forward"])
         if layout.zero == 1 and topo.size(topo.data_axis) > 1:
             from .zero.stage_zero1 import StageZero1
 

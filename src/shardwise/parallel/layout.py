@@ -131,7 +131,7 @@ class Layout:
         ``global_batch`` (sequences per step, all replicas) and ``micro_batch`` (sequences per
         micro-batch), given together with a model: the pipeline's microbatches and split are
         checked (``layers_per_stage``: an explicit split). ``composition``: "pp" when a
-        pipeline engine calls, built directly (ZeRO 0 or 1, whatever pp is). ``device``: the
+        pipeline engine calls, built directly (its ZeRO-2/3 rule whatever pp is). ``device``: the
         device type the layout will run on (default: the topology's; CP's torch engine needs
         CUDA).
 
@@ -140,11 +140,10 @@ class Layout:
         1. the layout alone: :meth:`check_rules` (the rules the planner shares: positive
            degrees, ep | dp × cp, the HSDP split, sp needs tp, the ZeRO stage over dp × cp ≥ 2,
            the cp method and not the torch engine's cp on CPU, a known schedule whose virtual
-           stages fit it), then what the engines do not wire: HSDP with cp, ep or pp
+           stages fit it), then what the engines do not wire: HSDP with cp or ep
            (:meth:`_check_hsdp_wiring`); the torch engine's cp with tp, pp or ZeRO (its cp is
-           dp × cp only, DDP inside torch's ``context_parallel``); ZeRO-2/3 with pp > 1 (or in
-           a pipeline engine), refused as DeepSpeed refuses it (m× the gradient / parameter
-           traffic per step for memory ZeRO-1 mostly saves already: docs/composition.md §5).
+           dp × cp only, DDP inside torch's ``context_parallel``); a pipeline's ZeRO-2/3 and
+           HSDP where not wired (:func:`_check_zero_pipeline`, docs/composition.md §5).
         2. the topology's degrees;
         3. the reduce dtype: fp32 or bf16 (:func:`~shardwise.precision.reduce_torch_dtype`);
         4. the model: cp > 1 needs a Llama-style model without dropout and ``seq_len``
@@ -167,7 +166,7 @@ class Layout:
         self._check_hsdp_wiring()
         _check_torch_cp(self, engine)
         pipeline = self.pp > 1 or composition == "pp"
-        _check_zero_pipeline(self, pipeline)
+        _check_zero_pipeline(self, pipeline, engine)
         check_storage(self, precision, offload, engine)  # .storage
         # 2. the topology
         if topo is not None:
@@ -192,7 +191,6 @@ class Layout:
         if self.pp > 1 and global_batch is not None and micro_batch is not None:
             _check_pipeline_batch(self, cfg, global_batch, micro_batch, layers_per_stage)
 
-
     def check_rules(self, *, engine: str = "explicit", device: str | None = None,
                     model_cfg=None, seq_len: int | None = None) -> None:
         """Raise :class:`ShardwiseConfigError` unless this layout is well formed: the rules of
@@ -215,8 +213,9 @@ class Layout:
            :func:`~.pp.schedules.check_schedule`).
 
         ``model_cfg`` and ``seq_len`` (optional) only name the tp values that would fit in the
-        message of rule 4. Engine-only refusals (what the engines do not wire: ZeRO-2/3 with a
-        pipeline, HSDP with cp, ep or pp, the torch engine's cp with tp, pp or ZeRO) stay in
+        message of rule 4. Engine-only refusals (what the engines do not wire: ZeRO-3 with a
+        split-backward pipeline schedule, HSDP with cp or ep, the torch engine's cp with tp, pp
+        or ZeRO, its ZeRO-2/3 and HSDP with pp) stay in
         :meth:`check`; the planner models those layouts as Megatron-Core and torchtitan run
         them."""
         from .cp import validate_cp
@@ -278,15 +277,14 @@ class Layout:
                 f"choose --ep from {ok}, or another --dp-replicate")
 
     def _check_hsdp_wiring(self) -> None:
-        """HSDP in the engines: with tp only; with cp, ep or pp it is not wired."""
+        """HSDP in the engines: with tp and pp (:func:`_check_zero_pipeline`), not cp or ep."""
         r = self.dp_replicate
         other = [f for f, on in ((f"--cp {self.cp}", self.cp > 1), (f"--ep {self.ep}",
-                                                                    self.ep > 1),
-                                 (f"--pp {self.pp}", self.pp > 1)) if on]
+                                                                    self.ep > 1)) if on]
         if r > 1 and other:
             raise ShardwiseConfigError(
-                f"--dp-replicate {r} with {' '.join(other)}: HSDP composes with tp here; with "
-                "cp, ep or pp it is not wired: drop --dp-replicate (ZeRO over the whole data "
+                f"--dp-replicate {r} with {' '.join(other)}: HSDP composes with tp and pp here; "
+                "with cp or ep it is not wired: drop --dp-replicate (ZeRO over the whole data "
                 "axis) or the other flag")
 
 
@@ -305,14 +303,30 @@ def _check_torch_cp(layout: Layout, engine: str) -> None:
                 "for cp with tp, pp or ZeRO")
 
 
-def _check_zero_pipeline(layout: Layout, pipeline: bool) -> None:
-    """ZeRO-2/3 with pp > 1 (``pipeline``; or in a pipeline engine), refused as DeepSpeed
-    refuses it (docs/composition.md §5)."""
-    if layout.zero >= 2 and pipeline:
+def _check_zero_pipeline(layout: Layout, pipeline: bool, engine: str) -> None:
+    """ZeRO-2/3 and HSDP in a pipeline (``pipeline``), the one rule (docs/composition.md §5):
+    the explicit engine runs them (:mod:`.zero.stage_zero`) but for ZeRO-3 with a
+    split-backward schedule (the W pass writes ``.grad`` outside the hooks that free a unit
+    its I pass re-gathered) and ZeRO-2/3 with ep; the torch engine's stages have no FSDP2."""
+    if not pipeline or not (layout.zero >= 2 or layout.dp_replicate > 1):
+        return
+    from .pp.runner import SPLIT_BACKWARD
+
+    if engine == "torch":
+        what = f"--zero {layout.zero}" + f" --dp-replicate {layout.dp_replicate}" * (
+            layout.dp_replicate > 1)
         raise ShardwiseConfigError(
-            f"layout {layout.name()}: ZeRO-{layout.zero} does not compose with pipeline "
-            "parallelism (each of the m micro-batches would re-shard gradients/re-gather "
-            "parameters; DeepSpeed refuses it too): use --zero 1 with --pp, or --pp 1")
+            f"layout {layout.name()}: --engine torch runs {what} (FSDP2) without a pipeline "
+            "only: its pipeline stages are not wrapped by fully_shard here; use --engine "
+            "explicit (ZeRO-2/3 and HSDP inside each stage), or --zero 1 with --pp")
+    if layout.zero == 3 and layout.schedule in SPLIT_BACKWARD:
+        raise ShardwiseConfigError(
+            f"layout {layout.name()}: ZeRO-3 with the split-backward schedule "
+            f"{layout.schedule}: its W pass would run on units its I pass re-gathered, outside "
+            "the hooks that free them: use --schedule 1f1b or interleaved-1f1b, or --zero 2")
+    if layout.zero >= 2 and layout.ep > 1:
+        raise ShardwiseConfigError(f"layout {layout.name()}: ZeRO-{layout.zero} with --ep "
+                                   f"{layout.ep} in a pipeline is not wired: use --zero 1")
 
 
 def _check_topology(layout: Layout, topo) -> None:

@@ -43,8 +43,9 @@ from torch import nn
 
 from ..precision import FP32, Precision
 from .loss import PlainLoss
-from .params import grad_norm_
 from .runner import NoPipelining
+from .params import grad_norm_, grad_of
+from .storage import store
 from .sync import NoSync
 from .views import full_named, full_state, local_state
 
@@ -64,13 +65,15 @@ class ParallelModel(nn.Module):
     """
 
     def __init__(self, module, topo, *, loss_fn, grad_sync, finishers=None,
-                 traffic=None, sp: bool = False, runner=None, precision: Precision = FP32):
+                 traffic=None, sp: bool = False, runner=None, precision: Precision = FP32,
+                 offload: str = "none"):
         super().__init__()
         self.module = module
         # the sync holds ``module`` too: a tuple, which nn.Module does not register, so that
         # state_dict()/parameters() see the model once
         self.parts = (grad_sync,)
         self.topo, self.sp, self.loss_fn, self.precision = topo, sp, loss_fn, precision
+        self.offload = offload  # "none" | "optimizer": where its optimizer keeps its state
         self.runner = runner or NoPipelining(module, loss_fn, grad_sync)
         self.finishers = [grad_sync.finish_gradient_sync] if finishers is None else list(finishers)
         self.traffic = traffic
@@ -120,8 +123,12 @@ class ParallelModel(nn.Module):
         pipeline's schedule) in the engine's :class:`~shardwise.precision.Precision` with
         ``dtype`` as its compute dtype (the step's ``--dtype``: "fp32" | "bf16"); the loss sum
         of this rank, fp64 [1]."""
-        return self.runner.forward_backward(microbatches, denom,
-                                            self.precision.with_compute(dtype))
+        return self.runner.forward_backward(microbatches, denom, self._compute(dtype))
+
+    def _compute(self, dtype: str) -> Precision:
+        """The record with ``dtype`` as compute, except that bf16 storage computes in bf16."""
+        return self.precision.with_compute(dtype if self.precision.param_dtype == "fp32"
+                                           else self.precision.compute)
 
     def forward(self, *args, **kwargs):
         return self.grad_sync.forward_module(*args, **kwargs)
@@ -206,7 +213,7 @@ class ParallelModel(nn.Module):
         ``sequences`` sequences of ``seq_len`` tokens over all micro-batches, plus the sync's;
         a pipeline: :meth:`.pp.runner.ScheduleRunner.step_bytes`)."""
         return self.runner.step_bytes(self, micro_steps, sequences, seq_len,
-                                      self.precision.with_compute(dtype))
+                                      self._compute(dtype))
 
     # -- full shape: the dp part (the sync), then the tp part (:mod:`.views`) -----------------
     def _full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -229,6 +236,20 @@ class ParallelModel(nn.Module):
         return full_state(self.dp_optimizer_state(optimizer), dict(self.named_params()),
                           self.topo, self._views_cache)
 
+    def held_boxes(self, optimizer=None) -> list:
+        """Every box of a full-shape tensor this rank holds (:class:`.boxes.Box`: checkpoint
+        key, the values as a view, the full shape, the offsets): the sync's pieces
+        (:meth:`.sync.Sync.dp_pieces`: whole tensors, ZeRO's flat slices, DTensor shards) of
+        the parameters and, given ``optimizer``, of its state, put in the full shape by each
+        parameter's placement (:func:`.boxes.full_boxes`: tp chunk, ep experts, padding cut).
+        No collective, no copy: what a shard-by-shard checkpoint writes. A box held by several
+        ranks (replicas over dp, cp, tp or a tied copy) is listed on each of them."""
+        from .boxes import full_boxes
+
+        params = dict(self.named_params())
+        return [b for piece in self.grad_sync.dp_pieces(optimizer)
+                for b in full_boxes(piece, params[piece.fqn], self.topo)]
+
     def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
         """Set ``optimizer``'s state from :meth:`full_optimizer_state`'s form (possibly saved
         under another layout): :func:`.views.local_state` (tp), then
@@ -240,13 +261,24 @@ class ParallelModel(nn.Module):
 class Local(ParallelModel):
     """The single-process reference: the plain ``module`` with :class:`~.loss.PlainLoss` and
     :class:`~.sync.NoSync`, no communication (no topology). Its norm is
-    ``torch.nn.utils.clip_grad_norm_`` itself, independent of :func:`.params.grad_norm_`."""
+    ``torch.nn.utils.clip_grad_norm_`` itself, independent of :func:`.params.grad_norm_`
+    (its rule by hand on the fp32 main gradients of bf16 storage). ``precision``: the storage
+    recipe (:mod:`.storage`: parameters cast, main gradients armed) and ``offload``, as
+    :func:`~.apply.parallelize` gives a layout: the reference with the same storage."""
 
-    def __init__(self, module: nn.Module):
-        super().__init__(module, None, loss_fn=PlainLoss(module), grad_sync=NoSync(module, None))
+    def __init__(self, module: nn.Module, precision: Precision = FP32, offload: str = "none"):
+        store(module, precision)
+        super().__init__(module, None, loss_fn=PlainLoss(module), grad_sync=NoSync(module, None),
+                         precision=precision, offload=offload)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        params = [p for p in self.module.parameters() if p.grad is not None]
+        params = [p for p in self.module.parameters() if grad_of(p) is not None]
+        if any(hasattr(p, "main_grad") for p in params):
+            grads = [grad_of(p) for p in params]
+            norm = torch.nn.utils.get_total_norm(grads)
+            if max_norm and max_norm > 0:  # clip_grad_norm_'s rule
+                torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+            return norm
         if max_norm and max_norm > 0:
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
         return torch.nn.utils.get_total_norm([p.grad for p in params])

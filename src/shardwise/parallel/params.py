@@ -14,6 +14,8 @@ that every layout needs then read that record instead of being rewritten per eng
 * :func:`local` / :func:`is_dtensor` / :func:`tp_sharded` — what this rank holds of a tensor.
 * :func:`reduce_torch_dtype` / :func:`reduce_bytes` — the reduce dtype table, re-exported from
   :mod:`shardwise.precision`, where it is written once.
+* :func:`grad_of` / :func:`set_grad_` / :func:`attach_grad_` — a parameter's gradient as the
+  syncs, the norm and the optimizer read and write it (bf16 storage: its fp32 main gradient).
 * :func:`local_state_bytes` / :func:`storage_state_bytes` — the bytes of what this rank holds
   (by tensor; by distinct storage: the flat buffers' views once).
 
@@ -198,6 +200,43 @@ def norm_bytes(axes, topo) -> float:
     return sum(ring_bytes("all_reduce", 8, topo.size(a)) for a in axes if topo.size(a) > 1)
 
 
+# -- fp32 main gradients of bf16 parameters (Megatron's main_grad, armed by .storage) -----------
+@torch.no_grad()
+def fold_grad_(p) -> None:
+    """``p.main_grad += p.grad`` in fp32 (None: created from it), then ``p.grad = None``: one
+    micro-batch's bf16 gradient into the fp32 accumulator (no-op without either)."""
+    g = p.grad
+    if g is None or not hasattr(p, "main_grad"):
+        return
+    p.main_grad = g.to(torch.float32) if p.main_grad is None else p.main_grad.add_(g)
+    p.grad = None
+
+
+def grad_of(p):
+    """The gradient syncs, norm and optimizer read: the main gradient (folded first), or .grad."""
+    if hasattr(p, "main_grad"):
+        fold_grad_(p)
+        return p.main_grad
+    return p.grad
+
+
+def set_grad_(p, value: torch.Tensor) -> None:
+    """Write a reduced gradient back (cast) into ``p``'s :func:`grad_of`, allocated if None."""
+    if grads_or_zeros([p]) and hasattr(p, "main_grad"):
+        p.main_grad.copy_(value.view_as(p.main_grad))
+    else:
+        local(p.grad).copy_(value)
+
+
+def attach_grad_(p, view: torch.Tensor) -> None:
+    """``view`` (of a flat buffer) as ``p``'s ``main_grad`` when ``p`` has one or its dtype is
+    not ``p``'s (a bf16 ZeRO piece), else as ``.grad`` (autograd accumulates into it)."""
+    if hasattr(p, "main_grad") or view.dtype != p.dtype:
+        p.grad, p.main_grad = None, view
+    else:
+        p.grad = view
+
+
 def counted_grads(params, topo, *, skip=()) -> list[tuple[torch.Tensor, bool]]:
     """(this rank's gradient tensor, whether this rank counts it in the norm) for every
     parameter of ``params`` with a gradient, each parameter once. A tp shard counts on every tp
@@ -211,7 +250,7 @@ def counted_grads(params, topo, *, skip=()) -> list[tuple[torch.Tensor, bool]]:
     skipped = {id(p) for p in skip}
     out = []
     for p in dict.fromkeys(params):
-        g = p.grad
+        g = grad_of(p)  # bf16 storage: the fp32 main gradient (.storage)
         if g is None:
             continue
         sharded = tp_sharded(g) if is_dtensor(g) else tp_sharded(p)
@@ -228,7 +267,7 @@ def held_of(params, topo, *, skip=()) -> Held:
     params = list(dict.fromkeys(params))
     sliced = []
     for p in params:
-        g = p.grad
+        g = grad_of(p)
         if g is not None and is_dtensor(g):
             for name, pl in zip(g.device_mesh.mesh_dim_names or (), g.placements):
                 if name != "tp" and not (pl.is_replicate() or pl.is_partial()):
@@ -292,10 +331,12 @@ def sum_coalesced_(tensors: list[torch.Tensor], topo, axis: str, *, tag: str,
 def grads_or_zeros(params) -> list[torch.Tensor]:
     """Each parameter's ``.grad``, created as zeros where backward left none (a parameter this
     rank's micro-batches did not reach still takes part in the collective)."""
-    for p in params:
-        if p.grad is None:
+    for p in params:  # bf16 storage: the fp32 main gradient (grad_of)
+        if grad_of(p) is None and hasattr(p, "main_grad"):
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        elif grad_of(p) is None:
             p.grad = torch.zeros_like(p)
-    return [local(p.grad) for p in params]
+    return [local(grad_of(p)) for p in params]
 
 
 def local_state_bytes(params, optimizer=None) -> dict[str, int]:
@@ -308,7 +349,7 @@ def local_state_bytes(params, optimizer=None) -> dict[str, int]:
 
     params = list(dict.fromkeys(params))
     out = {"params": sum(nbytes(p) for p in params),
-           "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
+           "grads": sum(nbytes(grad_of(p)) for p in params if grad_of(p) is not None),
            "optimizer": 0}
     if optimizer is not None:
         for state in optimizer.state.values():

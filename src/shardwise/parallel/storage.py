@@ -1,27 +1,179 @@
 """Where and in which dtype the model state lives: the parameters' storage dtype, their master
 copy (:class:`~shardwise.precision.Precision`) and host offload (``--offload``), and the rules
 of what the engines wire (:func:`check_storage`, called by :meth:`~.layout.Layout.check`).
+
+Megatron-LM's recipe (``--param-dtype bf16 --master-dtype fp32``) keeps a bf16 parameter for
+the forward and backward, and beside it an fp32 **main gradient** (Megatron's ``main_grad``):
+each micro-batch's bf16 ``.grad`` is added into it and freed (:func:`fold_grad_`), so the
+accumulation over micro-batches and the dp reduction run in fp32; the optimizer
+(:class:`~.master.MasterAdamW`) steps fp32 master weights with it and writes them back rounded
+to bf16. The gradient syncs, the norm and the optimizer read a parameter's gradient through
+:func:`grad_of` and write a reduced one through :func:`set_grad_`, so every layout gets the
+recipe from these (they live in :mod:`.params`, beside the other per-parameter rules). Derivation and accuracy: docs/precision-memory-mfu.md,
+"bf16 storage"; parity rule: docs/parity.md.
 """
 
 from __future__ import annotations
 
+import weakref
+
+import torch
+from torch import nn
+
 from ..errors import ShardwiseConfigError
-from ..precision import Precision
+from ..precision import ELEMENT_BYTES, Precision
+from .params import fold_grad_
 
 OFFLOADS = ("none", "optimizer", "params")
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def check_storage(layout, precision: Precision, offload: str, engine: str) -> None:
     """Where and in which dtype the model state lives — ``precision.param_dtype`` (and its
     master copy) and ``offload`` ("none" | "optimizer" | "params") — against what the engines
     wire for ``layout`` on ``engine``: the one definition ``train`` and the planner share.
-    Raises :class:`ShardwiseConfigError`."""
+    Wired: the explicit engine (dp, ZeRO-1/2/3, HSDP, tp, cp, pp with its stage syncs), bf16
+    storage (both recipes) and ``--offload optimizer``. Raises :class:`ShardwiseConfigError`."""
     if offload not in OFFLOADS:
         raise ShardwiseConfigError(f"--offload {offload!r}: choose none, optimizer or params")
-    if precision.param_dtype != "fp32":
+    stored = precision.param_dtype != "fp32"
+    if not stored and offload == "none":
+        return
+    what = (f"--param-dtype {precision.param_dtype}" if stored else f"--offload {offload}")
+    if engine != "explicit":
         raise ShardwiseConfigError(
-            f"--param-dtype {precision.param_dtype} is not wired in {layout.name()} yet: use "
-            "--param-dtype fp32 (with --dtype bf16 for bf16 compute)")
-    if offload != "none":
-        raise ShardwiseConfigError(f"--offload {offload} is not wired in {layout.name()} yet: "
-                                   "use --offload none")
+            f"{what} is wired on the explicit engine only (torch's FSDP2 MixedPrecisionPolicy "
+            "/ CPUOffloadPolicy are not yet): use --engine explicit")
+    if offload == "params":
+        raise ShardwiseConfigError("--offload params is not wired yet (the ZeRO-3 shards "
+                                   "would live on the host): use --offload optimizer")
+
+
+def storage_dtype(precision: Precision) -> torch.dtype:
+    """The torch dtype the parameters are stored in (``precision.param_dtype``)."""
+    return TORCH_DTYPES[precision.param_dtype]
+
+
+def main_grads(precision: Precision) -> bool:
+    """Whether gradients are accumulated in another dtype than the parameters are stored in
+    (Megatron's recipe: bf16 parameters, fp32 main gradients)."""
+    return precision.main_grad_torch is not None
+
+
+def store(module: nn.Module, precision: Precision) -> None:
+    """bf16 storage of ``module`` (after its transforms, before its gradient sync is built):
+    :func:`store_parameters`, then :func:`arm_main_grads`."""
+    store_parameters(module, precision)
+    arm_main_grads(module, precision)
+
+
+@torch.no_grad()
+def store_parameters(module: nn.Module, precision: Precision) -> None:
+    """Cast ``module``'s floating parameters (not its buffers: RoPE tables stay as built) to
+    the storage dtype in place (same ``nn.Parameter`` objects; a meta model stays meta).
+    Nothing for fp32 storage."""
+    dtype = storage_dtype(precision)
+    if dtype == torch.float32:
+        return
+    for p in dict.fromkeys(module.parameters()):
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
+def arm_main_grads(module: nn.Module, precision: Precision) -> None:
+    """Megatron's recipe: give every trainable parameter of ``module`` an fp32 main gradient
+    (``p.main_grad``, None = zero) and a post-accumulate-grad hook that folds each backward's
+    ``.grad`` into it (:func:`.params.fold_grad_`). Hook order does not matter: a sync that
+    reads a gradient folds it first (:func:`.params.grad_of`), so this runs after the sync is
+    built and the values are in (a meta model's parameters are new objects then). Nothing
+    unless :func:`main_grads`."""
+    if not main_grads(precision):
+        return
+    for p in dict.fromkeys(module.parameters()):
+        # once per parameter object (a meta model's are replaced, attributes copied, hooks not)
+        if p.requires_grad and getattr(p, "_folded_by", lambda: None)() is not p:
+            if not hasattr(p, "main_grad"):
+                p.main_grad = None
+            p.register_post_accumulate_grad_hook(fold_grad_)
+            p._folded_by = weakref.ref(p)
+
+
+def clear_main_grads(params) -> None:
+    """Set every main gradient of ``params`` to None (a step's ``zero_grad``)."""
+    for p in params:
+        if hasattr(p, "main_grad"):
+            p.main_grad = None
+
+
+def optimized_numel(sync) -> int:
+    """Elements this rank's optimizer steps: ZeRO's slices without their padding (Σ_u of
+    |[lo, hi) ∩ [0, Ψ_u)|, :mod:`.zero.flat`), else every trainable parameter it holds (each
+    once)."""
+    units = getattr(sync, "units", getattr(sync, "flats", None))  # ZeRO; a stage's ZeRO-1
+    if units is not None:
+        return sum(max(0, min(u.hi, u.numel) - u.lo) for u in units)
+    return sum(p.numel() for p in dict.fromkeys(sync.module.parameters()) if p.requires_grad)
+
+
+def offload_bytes_formula(engine) -> dict[str, float]:
+    """``{"offload_d2h", "offload_h2d"}`` bytes one rank copies per step with ``--offload
+    optimizer`` ({} without): its N optimized elements (:func:`optimized_numel`) cross once
+    each way — the gradients to the host in the gradient dtype (fp32 main gradients: 4 B),
+    the updated parameters back in the storage dtype (bf16: 2 B). ZeRO-Offload (Ren et al.
+    2021, §4.1: gradients down, fp16 parameters up, the optimizer on the CPU)."""
+    if getattr(engine, "offload", "none") == "none":
+        return {}
+    n, p = optimized_numel(engine.grad_sync), engine.precision
+    return {"offload_d2h": float(n * p.grad), "offload_h2d": float(n * p.param)}
+
+
+RECIPES = {  # (param_dtype, master_dtype) → the recipe's words
+    ("fp32", None): "fp32 parameters, gradients and AdamW state",
+    ("bf16", "fp32"): "bf16 parameters; fp32 main gradients, master weights and AdamW state "
+                      "(Megatron-LM's recipe)",
+    ("bf16", None): "bf16 parameters, gradients and AdamW state, no master copy (the guide's "
+                    "FSDP recipe)"}
+
+
+def storage_memory_formula(engine) -> dict[str, dict[str, float]] | None:
+    """{"device": {"params", "grads", "optimizer", "total"}, "host": {...}} model-state bytes
+    of this rank by the formula: the engine's ``memory_formula`` (fp32 counts, ZeRO paper
+    §5.1–5.3) read as element counts (4 B per parameter and gradient, 8 B per optimizer
+    element) and priced in ``engine.precision``'s bytes (parameter, gradient, master + m + v);
+    ``--offload optimizer`` puts the optimizer part on the host. None without a closed form."""
+    f = engine.memory_formula()
+    if f is None:
+        return None
+    p, offload = engine.precision, getattr(engine, "offload", "none") != "none"
+    # offloaded without a master dtype, the host keeps its own copy of the parameters (the
+    # step's master, :class:`.master.MasterAdamW`)
+    per = p.optim + (p.param if offload and p.master_dtype is None else 0)
+    dev = {"params": f["params"] / 4 * p.param, "grads": f["grads"] / 4 * p.grad,
+           "optimizer": f["optimizer"] / 8 * per}
+    host = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    if offload:
+        host["optimizer"], dev["optimizer"] = dev["optimizer"], 0.0
+    for d in (dev, host):
+        d["total"] = d["params"] + d["grads"] + d["optimizer"]
+    return {"device": dev, "host": host}
+
+
+def describe_storage(engine) -> list[str]:
+    """Start-up lines: the storage recipe, its bytes per parameter and, by
+    :func:`storage_memory_formula`, this rank's model state on the device and on the host."""
+    p, offload = engine.precision, getattr(engine, "offload", "none")
+    words = RECIPES.get((p.param_dtype, p.master_dtype), p.name)
+    master = f"{p.optim - 2 * ELEMENT_BYTES[p.optim_dtype]} + " if p.master_dtype else ""
+    b = (f"{p.param} + {p.grad} + {master}{2 * ELEMENT_BYTES[p.optim_dtype]} = "
+         f"{p.param + p.grad + p.optim} B/parameter (parameter, gradient, "
+         f"{'master, ' if master else ''}AdamW m and v)")
+    lines = [f"  storage: {words}: {b}" + (f"; --offload {offload}: master, m, v and the AdamW "
+                                           "step in host memory" if offload != "none" else "")]
+    mem = storage_memory_formula(engine)
+    if mem is not None:
+        d, h = mem["device"], mem["host"]
+        lines.append(f"  model state per rank (formula): device {d['total'] / 2**20:,.2f} MiB "
+                     f"(parameters {d['params'] / 2**20:,.2f}, gradients "
+                     f"{d['grads'] / 2**20:,.2f}, optimizer {d['optimizer'] / 2**20:,.2f}), "
+                     f"host {h['total'] / 2**20:,.2f} MiB")
+    return lines

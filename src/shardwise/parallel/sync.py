@@ -17,7 +17,8 @@ from torch import nn
 
 from ..precision import FP32, Precision
 from .muon import Muon, Orthogonalizer
-from .params import Held, held_of, grads_or_zeros, local_state_bytes, sum_coalesced_, tp_sharded
+from .params import (Held, grad_of, held_of, grads_or_zeros, local_state_bytes,
+                     sum_coalesced_, tp_sharded)
 
 
 class Sync(Protocol):
@@ -160,7 +161,7 @@ class Sync(Protocol):
     def dp_gradients(self) -> dict[str, torch.Tensor]:
         """{FQN: summed gradient in this rank's tp-local shape} (ZeRO: its slices gathered over
         dp)."""
-        return {n: p.grad for n, p in self.named_params() if p.grad is not None}
+        return {n: grad_of(p) for n, p in self.named_params() if grad_of(p) is not None}
 
     def dp_optimizer_state(self, optimizer) -> dict[str, dict]:
         """{FQN: {state key: value}} with tensors in this rank's tp-local parameter shape (ZeRO:
@@ -174,6 +175,20 @@ class Sync(Protocol):
         this rank's slices). No collective."""
         for n, p in self.named_params():
             optimizer.state[p] = local[n]
+
+    def dp_pieces(self, optimizer=None) -> list:
+        """What this rank holds, no collective and no copy (a shard-by-shard checkpoint's
+        source): a :class:`.boxes.Piece` per parameter and per tensor of its optimizer state
+        (``optimizer`` None: the parameters only), in the tp-local shape. Here the whole
+        tensors (DTensors stay DTensors: FSDP2 shards and DTensor TP carry their boxes); ZeRO:
+        its flat slices (:func:`.zero.flat.flat_pieces`)."""
+        from .boxes import Piece
+
+        out = [Piece("model", n, p.detach()) for n, p in self.named_params()]
+        if optimizer is not None:
+            out += [Piece(k, n, v) for n, st in self.dp_optimizer_state(optimizer).items()
+                    for k, v in st.items() if torch.is_tensor(v)]
+        return out
 
 
 class NoSync(Sync):

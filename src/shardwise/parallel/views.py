@@ -42,12 +42,13 @@ def full_shape(p) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def to_local(full, p: nn.Parameter, topo, copy: bool = True) -> torch.Tensor:
+def to_local(full, p: nn.Parameter, topo, copy: bool = True, dtype=None) -> torch.Tensor:
     """The inverse of :func:`to_full`: this rank's part of a full-shape tensor shaped like
     parameter ``p`` (its tp shard, zero padding where ``p`` is padded; a DTensor cut like ``p``
     with ``distribute_tensor(..., src_data_rank=None)``, local slicing), on ``p``'s device and
-    dtype. No collective. ``copy=False``: a view of ``full`` where no padding or conversion is
-    needed (for a caller that copies it at once: one full tensor less at its peak). ``full``
+    dtype (``dtype``: another, e.g. the fp32 master of a bf16 parameter). No collective.
+    ``copy=False``: a view of ``full`` where no padding or conversion is needed (for a caller
+    that copies it at once: one full tensor less at its peak). ``full``
     may be a :class:`~shardwise.lazy.LazyTensor`: only this rank's part is read
     (:func:`local_box`). Raises ``ValueError`` when ``full`` is not ``p``'s full shape."""
     if tuple(full.shape) != full_shape(p):
@@ -60,18 +61,18 @@ def to_local(full, p: nn.Parameter, topo, copy: bool = True) -> torch.Tensor:
         elif is_dtensor(p):
             from torch.distributed.tensor import DTensor
 
-            return DTensor.from_local(box.read().to(p.device, p.dtype), p.device_mesh,
+            return DTensor.from_local(box.read().to(p.device, dtype or p.dtype), p.device_mesh,
                                       p.placements, run_check=False, shape=p.shape,
                                       stride=p.stride())
         else:
             pl = placement(p)
-            local = box.read().to(p.device, p.dtype)
+            local = box.read().to(p.device, dtype or p.dtype)
             if pl.tp_dim is not None and local.shape[pl.tp_dim] < p.shape[pl.tp_dim]:
                 pad = list(local.shape)  # the padded tail of the last tp rank(s): zeros
                 pad[pl.tp_dim] = p.shape[pl.tp_dim] - local.shape[pl.tp_dim]
                 local = torch.cat([local, local.new_zeros(pad)], dim=pl.tp_dim)
             return local
-    full = full.detach().to(p.device, p.dtype)
+    full = full.detach().to(p.device, dtype or p.dtype)
     if is_dtensor(p):
         from torch.distributed.tensor import distribute_tensor
 
@@ -363,6 +364,6 @@ def local_state(state: dict[str, dict], named: list[tuple[str, nn.Parameter]],
     missing = [n for n, _ in named if n not in state]
     if missing:
         raise KeyError(f"optimizer state lacks {len(missing)} parameters, e.g. {missing[:3]}")
-    return {n: {k: (to_local(v, p, topo) if torch.is_tensor(v) and k != "step"
+    return {n: {k: (to_local(v, p, topo, dtype=v.dtype) if torch.is_tensor(v) and k != "step"
                     else v.detach().clone() if torch.is_tensor(v) else v)
                 for k, v in state[n].items()} for n, p in named}

@@ -88,11 +88,15 @@ def applies(layout: Layout, model: str, engine: str = "explicit",
     engine only on CPU (PyTorch's ``context_parallel`` has no CPU kernel: validate_cp). EP
     needs a mixture-of-experts model and the explicit engine; an MoE model is refused with SP
     and CP (:func:`~shardwise.parallel.ep.validate_ep`). Muon: the layouts
-    :func:`~shardwise.config.checks.check_optimizer` accepts."""
+    :func:`~shardwise.config.checks.check_optimizer` accepts. A pipeline's ZeRO-2/3 and HSDP:
+    where :meth:`~shardwise.parallel.layout.Layout.check` accepts them for ``engine`` (the
+    explicit engine; not the torch engine's pipeline)."""
     from ..config.checks import check_optimizer
 
     try:
         check_optimizer(optimizer, engine=engine, tp=layout.tp, pp=layout.pp, zero=layout.zero)
+        if layout.pp > 1 and (layout.zero >= 2 or layout.dp_replicate > 1):
+            layout.check(engine=engine)
     except ShardwiseConfigError:
         return False
     moe = model.startswith("moe")

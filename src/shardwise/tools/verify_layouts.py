@@ -30,10 +30,12 @@ def layouts_that_fit(nproc: int, bounded: bool = False) -> list[Layout]:
 
     Then the V schedules (:func:`_v_layouts`), context parallelism (:func:`_cp_layouts`), expert parallelism (:func:`_ep_layouts`:
     they run for a mixture-of-experts model only, ``--models moe-tiny``) and HSDP
-    (:func:`_hsdp_layouts`)."""
+    (:func:`_hsdp_layouts`), then ZeRO-2/3 and HSDP inside pipeline stages
+    (:func:`_zero_pp_layouts`)."""
     return (_pp_dp_tp_layouts(nproc, bounded) + _v_layouts(nproc, bounded)
             + _cp_layouts(nproc, bounded)
-            + _ep_layouts(nproc, bounded) + _hsdp_layouts(nproc, bounded))
+            + _ep_layouts(nproc, bounded) + _hsdp_layouts(nproc, bounded)
+            + _zero_pp_layouts(nproc, bounded))
 
 
 def _v_layouts(nproc: int, bounded: bool) -> list[Layout]:
@@ -58,6 +60,24 @@ def _hsdp_layouts(nproc: int, bounded: bool) -> list[Layout]:
     if bounded:
         return [Layout(dp=4, tp=2, dp_replicate=2, zero=z) for z in (1, 3)] if nproc == 8 else []
     return [Layout(dp=4, dp_replicate=2, zero=z) for z in (1, 2, 3)] if nproc >= 4 else []
+
+
+def _zero_pp_layouts(nproc: int, bounded: bool) -> list[Layout]:
+    """ZeRO-2/3 and HSDP inside pipeline stages (the explicit engine: the torch engine's
+    pipeline refuses them, :func:`~shardwise.tools.verify.applies`). Full, on ≥ 4 ranks:
+    pp = 2 × dp = 2 with ZeRO-2 and ZeRO-3, each with 1F1B and interleaved 1F1B (m = 4); on
+    ≥ 8 ranks, and bounded on 8: HSDP pp = 2 × dp = 4 (dp_replicate 2) with ZeRO-3 (1F1B) and
+    ZeRO-2 (interleaved 1F1B), and pp = 2 × dp = 2 × tp = 2 with SP and ZeRO-3."""
+    out = []
+    if nproc >= 4 and not bounded:
+        out += [Layout(pp=2, dp=2, zero=z, schedule=s, microbatches=4)
+                for z in (2, 3) for s in ("1f1b", "interleaved-1f1b")]
+    if nproc >= 8 and (nproc == 8 or not bounded):
+        out += [Layout(pp=2, dp=4, dp_replicate=2, zero=3, schedule="1f1b", microbatches=4),
+                Layout(pp=2, dp=4, dp_replicate=2, zero=2, schedule="interleaved-1f1b",
+                       microbatches=4),
+                Layout(pp=2, dp=2, tp=2, sp=True, zero=3, schedule="1f1b", microbatches=4)]
+    return out
 
 
 def _ep_layouts(nproc: int, bounded: bool) -> list[Layout]:

@@ -119,6 +119,61 @@ def host_peak_rss(topo) -> list[int]:
     return [int(x) for x in out.tolist()]
 
 
+def phase_peaks(topo) -> dict:
+    """Every rank's memory peaks since the previous call (or the start), then a new window:
+    ``{"host": [bytes per global rank], "host_now": [bytes per rank], "device": [bytes per
+    rank] | None, "host_reset": bool}``. ``host_now``: the RSS at the call (``VmRSS``), where
+    the next window starts. Host: the peak RSS (``VmHWM`` of ``/proc/self/status``, reset by writing 5 to
+    ``/proc/self/clear_refs``, Linux ≥ 4.0); where that is missing, ``ru_maxrss`` (the peak
+    since the process began: ``host_reset`` False). Device: ``max_memory_allocated`` since the
+    last :func:`reset_peak` (the live tensors' bytes), reset after; None on CPU, where device
+    memory is host memory. One int64 all_gather of [3] over the world (phase and tag
+    ``init``). The training loop calls it after start-up, before and after the final save, and
+    after the final sample: each phase's peak apart (``host_memory.json``,
+    docs/checkpointing.md)."""
+    import resource
+    import sys
+    from pathlib import Path
+
+    try:
+        status = Path("/proc/self/status").read_text()
+        host = int(status.split("VmHWM:")[1].split()[0]) * 1024
+        now = int(status.split("VmRSS:")[1].split()[0]) * 1024
+        Path("/proc/self/clear_refs").write_text("5")
+        reset = True
+    except (OSError, IndexError, ValueError):
+        host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        host *= 1 if sys.platform == "darwin" else 1024
+        now, reset = -1, False
+    kind = accelerator_type(topo.device)
+    dev = getattr(torch, kind).max_memory_allocated(topo.device) if kind else -1
+    reset_peak(topo.device)
+    mine = torch.tensor([host, dev, now], dtype=torch.int64, device=topo.device)
+    out = torch.empty(3 * topo.world_size, dtype=torch.int64, device=topo.device)
+    with topo.ledger.phase("init"):
+        comm.all_gather(out, mine, topo, "world", tag="init")
+    rows = out.view(-1, 3).tolist()
+    return {"host": [r[0] for r in rows], "host_now": [r[2] for r in rows],
+            "device": [r[1] for r in rows] if kind else None, "host_reset": reset}
+
+
+def record_phases(out, phases: dict) -> None:
+    """Rank 0: the end's phases (:func:`phase_peaks`) into ``out/host_memory.json`` beside the
+    start-up's, and one log line of each phase's host peak range."""
+    import json
+    import logging
+    from pathlib import Path
+
+    path = Path(out) / "host_memory.json"
+    rec = json.loads(path.read_text()) if path.is_file() else {}
+    rec.setdefault("phases", {}).update(phases)
+    path.write_text(json.dumps(rec) + "\n")
+    logging.getLogger("shardwise").info(
+        "  host memory by phase (peak RSS per rank, MiB): " + "; ".join(
+            f"{k} {min(v['host']) / 2**20:,.0f}–{max(v['host']) / 2**20:,.0f}"
+            for k, v in rec["phases"].items()))
+
+
 def device_memory_keys(engine, topo, cfg, model_cfg, n_params: int) -> dict:
     """The constant keys written next to each step's measured device memory (module
     docstring): ``mem_formula_bytes`` (rank 0's model-state formula; a single process: the

@@ -43,7 +43,8 @@ from ..parallel.pp.schedules import V_SCHEDULES
 from ..parallel.pp.split import describe_placement
 from ..topology import Topology, backend_for, init_distributed, resolve_device
 from . import faults
-from .device import device_lines, device_memory_keys, host_peak_rss, reset_peak
+from .device import (device_lines, device_memory_keys, host_peak_rss, phase_peaks,
+                     record_phases, reset_peak)
 from .metrics import MetricsLogger, plot_loss
 from .optim import build_optimizer, build_scheduler
 from .report import describe_groups, describe_layout
@@ -269,7 +270,7 @@ def setup(cfg: TrainConfig) -> Run:
                            overlap=cfg.overlap, prefetch=cfg.prefetch,
                            reshard_after_forward=cfg.reshard_after_forward,
                            layers_per_stage=cfg.stage_split(), seed=cfg.seed,
-                           precision=Precision.from_config(cfg),
+                           precision=Precision.from_config(cfg), offload=cfg.offload,
                            weights=weights if m is model else ref_weights)
 
     engine = parallelize_as_configured(model, Layout.from_config(cfg))
@@ -284,6 +285,7 @@ def setup(cfg: TrainConfig) -> Run:
     micro_batch, n_micro = cfg.microbatching()
     optimizer = build_optimizer(engine, cfg)
     startup_rss = host_peak_rss(topo)  # every rank's start-up peak: model, engine, optimizer
+    phases = {"startup": phase_peaks(topo)}  # then each phase's own peak (finish adds its)
     scheduler = build_scheduler(optimizer, cfg)
     sampler = work.sampler(cfg.global_batch, topo.size("dp"), topo.index("dp"), cfg.seed)
     from ..interop.hf import describe_source
@@ -325,7 +327,11 @@ def setup(cfg: TrainConfig) -> Run:
     flops_step = step_flops(model_cfg, cfg.global_batch, seq)
     peak, peak_src = peak_flops(topo.device, cfg.dtype, cfg.peak_tflops)
     n_peak = peak_devices(topo.device, topo.world_size)  # CPU: ranks sharing a core share it
-    log.info(f"  precision: compute {cfg.dtype}, master weights/gradients/AdamW state fp32, "
+    from ..parallel.storage import describe_storage
+
+    for line in describe_storage(engine):  # --param-dtype, --master-dtype, --offload
+        log.info(line)
+    log.info(f"  precision: compute {engine.precision.compute}, "
              f"gradient reduction {cfg.reduce_dtype}; activation checkpointing: {cfg.ac}; "
              f"{flops_step / 1e9:,.2f} GFLOP per step (6·N + 12·L·d·s per token); peak "
              f"{peak / 1e12:.3f} TFLOP/s × {n_peak} "
@@ -340,7 +346,8 @@ def setup(cfg: TrainConfig) -> Run:
              f"(model built {built}; {out / 'host_memory.json'})")
     if is_main:
         (out / "host_memory.json").write_text(json.dumps(
-            {"peak_rss_bytes": startup_rss, "meta_build": weights is not None}) + "\n")
+            {"peak_rss_bytes": startup_rss, "meta_build": weights is not None,
+             "phases": phases}) + "\n")
 
     if resume_from is not None and is_main:  # steps after the checkpoint are redone
         _truncate_metrics(out / "metrics.jsonl", _checkpoint_step(resume_from))
@@ -451,17 +458,22 @@ def finish(run: Run) -> dict:
 
     # -- the end: checkpoint (every rank), then rank 0 draws and samples ---------------------
     ckpt = resume_from  # a run resumed at its last step has nothing more to save
+    phases = {"steps": phase_peaks(topo)}  # the steps' own peak (evaluations, saves between)
     if start < cfg.steps:
         ckpt = checkpointer.save(cfg.steps, engine, optimizer, scheduler=scheduler,
                                  sampler=sampler,
                                  extra_meta=_meta(cfg, tokens_seen, val_losses, model_cfg))
     checkpointer.close()  # waits for an async save to be written and committed
+    phases["save"] = phase_peaks(topo)  # the final save's own peak (shard by shard)
     collective_checks.check(topo, label="at the end of training")  # the last step's, the save's
     sample = None
     if cfg.sample_tokens > 0:  # --sample-tokens 0: no sample (and no gather for one)
         with engine.full_model() as full:  # every rank together: sharded weights gather here
             with plain_attention(full):  # cp: whole sequences on every rank, no ring
                 sample = work.sample_text(full, cfg) if full is not None else None
+    phases["sample"] = phase_peaks(topo)  # the final sample's (full weights gathered)
+    if is_main:
+        record_phases(out, phases)
     summary = {
         "val_loss_start": val_losses[0][1], "val_loss_end": val_losses[-1][1],
         "wall_s": time.perf_counter() - t_start, "steps_run": len(times),

@@ -8,6 +8,7 @@ import math
 import torch
 from torch import nn
 
+from ..errors import ShardwiseConfigError
 from ..parallel.muon import MOMENTUM, NS_COEFFICIENTS, NS_STEPS, Muon, is_hidden_matrix
 
 
@@ -101,14 +102,21 @@ def build_optimizer(engine: nn.Module, cfg, impl: str | None = None) -> torch.op
     take the same keyword through ``make_optimizer``. ``cfg.optimizer == "muon"``:
     :class:`~shardwise.parallel.muon.Muon` over :func:`muon_param_groups` (AdamW, with the same
     keywords, on the groups it leaves)."""
+    from ..parallel.master import optimizer_options
+
+    storage = optimizer_options(engine.precision, getattr(engine, "offload", "none"),
+                                getattr(engine, "topo", None))  # bf16 storage, offload
     if getattr(cfg, "optimizer", "adamw") == "muon":
+        if storage:
+            raise ShardwiseConfigError("--optimizer muon with a master copy or --offload is "
+                                       "not wired: use --optimizer adamw")
         return engine.make_optimizer(muon_param_groups(engine.module, cfg.weight_decay),
                                      optimizer_class=Muon, lr=cfg.lr,
                                      betas=(cfg.beta1, cfg.beta2), eps=1e-8,
                                      **adamw_kwargs(impl or adamw_impl_of(engine.module)))
     return engine.make_optimizer(param_groups(engine.module, cfg.weight_decay), lr=cfg.lr,
                                  betas=(cfg.beta1, cfg.beta2), eps=1e-8,
-                                 **adamw_kwargs(impl or adamw_impl_of(engine.module)))
+                                 **adamw_kwargs(impl or adamw_impl_of(engine.module)), **storage)
 
 
 def adamw_impl_of(model: nn.Module) -> str:

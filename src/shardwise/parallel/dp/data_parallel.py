@@ -32,7 +32,8 @@ from torch import nn
 from ... import comm
 from ..sync import Sync
 from ...precision import FP32, Precision
-from ..params import Held, broadcast_replicas, local, norm_bytes, reduce_groups
+from ..params import (Held, broadcast_replicas, grad_of, local, norm_bytes, reduce_groups,
+                      set_grad_)
 
 class _Bucket:
     """Consecutive parameters (in backward order) whose gradients travel in one flat buffer
@@ -119,10 +120,11 @@ class GradBuckets:
 
     def _launch(self, bucket: _Bucket) -> None:
         for p, view in zip(bucket.params, bucket.views):
-            if p.grad is None:  # unused on this rank: contributes zeros
+            g = grad_of(p)  # bf16 storage: the fp32 main gradient (..storage)
+            if g is None:  # unused on this rank: contributes zeros
                 view.zero_()
             else:
-                view.copy_(local(p.grad))  # casts to the reduce dtype (bf16: rounds)
+                view.copy_(local(g))  # casts to the reduce dtype (bf16: rounds)
         bucket.handle = comm.all_reduce(bucket.buffer, self.topo, self.axis, tag="grad",
                                         async_op=True)
 
@@ -135,9 +137,7 @@ class GradBuckets:
         for bucket in self.buckets:
             bucket.handle.wait()
             for p, view in zip(bucket.params, bucket.views):
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                local(p.grad).copy_(view)  # casts back from the reduce dtype
+                set_grad_(p, view)  # casts back from the reduce dtype
             bucket.handle, bucket.ready = None, 0
         self._next = 0
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ... import comm
-from ..params import local
+from ..params import grads_or_zeros, local
 from .schedules import rank_of, stages_of
 from .split import stage_parameter_names
 
@@ -81,9 +81,7 @@ def swap_tied_grads(weight: torch.nn.Parameter, topo, is_first: bool, p: int) ->
     sends (safe even if sends block until matched); both end with g_first + g_last, bit for bit
     (addition commutes). ``weight``: this rank's copy; a missing gradient counts as zeros. Tag
     ``tied``."""
-    if weight.grad is None:
-        weight.grad = torch.zeros_like(weight)
-    g = local(weight.grad)
+    (g,) = grads_or_zeros([weight])  # bf16 storage: the fp32 main gradient
     buf = torch.empty_like(g)
     peer = p - 1 if is_first else 0
     if is_first:

@@ -32,7 +32,7 @@ from ...models import count_items, positions_kw
 from ...models.moe import moe_layers, set_aux_grad_scale
 from ...precision import FP32, Precision
 from ..loss import autocast
-from ..params import Held, local, norm_bytes
+from ..params import Held, fold_grad_, local, norm_bytes
 from .comms import GradTraffic, p2p_bytes_formula
 from .schedules import build_schedule, placement_of, rank_of
 from .split import activation_shape, first_stage_input
@@ -203,7 +203,7 @@ class ScheduleRunner:
         :class:`~shardwise.parallel.model.ParallelModel` this runner is part of): the runner's
         ``pp_fwd``/``pp_bwd``, each finisher's term (``tied``), the norm's fp64 scalar over the
         derived axes (tp, the sync's sliced axes, ep, pp: :meth:`..params.Held.norm_axes`), the
-        sync's ``grad`` (and ZeRO-1's ``param``), tp's terms for the stage's blocks
+        sync's ``grad`` (and ZeRO's ``param``, HSDP's ``grad_replicate``), tp's terms for the stage's blocks
         (``tp_fwd``/``tp_bwd``/``ce``, ``sp_grad``). Derivation: docs/composition.md,
         "Pipelines composed"."""
         args = (micro_steps, sequences, seq_len, precision)
@@ -368,6 +368,7 @@ class _Step:
                     p.grad = gp
                 else:
                     p.grad.add_(gp)
+                fold_grad_(p)  # bf16 storage: into the fp32 main gradient (no hook fires here)
         self.alive.discard(key)
 
     def _hand_back(self, a, key) -> None:

@@ -39,7 +39,7 @@ from torch import nn
 
 from ... import comm
 from ...errors import ShardwiseConfigError
-from ..params import tp_sharded
+from ..params import attach_grad_, grad_of, tp_sharded
 
 
 # -- one group's flat buffers ---------------------------------------------------------------------
@@ -60,6 +60,8 @@ class FlatShards:
               its own buffer when the full gradient is not kept: ZeRO-2/3).
 
     ``reduce_torch``: the torch dtype the gradient reduce_scatter moves (None: the parameters').
+    ``grad_torch``: the dtype of ``grad_full`` / ``shard_grad`` (None: the parameters'; fp32
+    main gradients under bf16 storage, :func:`..storage.attach_grad_`).
     ``n`` and the rank index i are those of ``axis``. ``replicate_axis`` (HSDP: "dp_replicate"):
     after the reduce-scatter, the summed slice is all-reduced over it (tag ``grad_replicate``,
     in the reduce dtype), the replicas holding the same slices. ``deferred``: the parameters
@@ -71,7 +73,8 @@ class FlatShards:
     def __init__(self, named: list[tuple[str, nn.Parameter]], topo, *, keep_full_grad: bool,
                  reduce_torch: torch.dtype | None = None, name: str = "",
                  module: nn.Module | None = None, axis: str | None = None,
-                 replicate_axis: str | None = None, deferred: bool = False):
+                 replicate_axis: str | None = None, deferred: bool = False,
+                 grad_torch: torch.dtype | None = None):
         self.name, self.module, self.topo = name, module, topo
         self.axis = axis or topo.data_axis
         self.replicate_axis = replicate_axis  # HSDP: shards all-reduced over "dp_replicate"
@@ -86,6 +89,7 @@ class FlatShards:
         self.lo, self.hi = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
         self.dtype, self.device = self.params[0].dtype, self.params[0].device
         self.reduce_dtype = reduce_torch or self.dtype
+        self.grad_dtype = grad_torch or self.dtype
         self._reduce = None  # (handle, input kept alive, output) of an in-flight reduce_scatter
         with torch.no_grad():
             # pad 0; deferred ZeRO-3 (below) never reads it: left untouched, its pages are never
@@ -103,11 +107,12 @@ class FlatShards:
             self.full.untyped_storage().resize_(0)
         self.grad_full = None
         if keep_full_grad:
-            self.grad_full = torch.zeros_like(self.full)  # [P_u]
+            self.grad_full = torch.zeros_like(self.full, dtype=self.grad_dtype)  # [P_u]
             self.shard_grad = self.grad_full[self.lo:self.hi]
             self.arm_grads()
         else:
-            self.shard_grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+            self.shard_grad = torch.zeros(self.shard_numel, dtype=self.grad_dtype,
+                                          device=self.device)
 
     def views(self, flat: torch.Tensor):
         """(param, view of ``flat`` shaped like it) for each parameter."""
@@ -134,7 +139,7 @@ class FlatShards:
             return
         self.grad_full.zero_()
         for p, view in self.views(self.grad_full):
-            p.grad = view
+            attach_grad_(p, view)  # bf16 storage: p.main_grad (..storage)
 
     @torch.no_grad()
     def launch_reduce_scatter(self) -> None:
@@ -144,21 +149,26 @@ class FlatShards:
         rdtype = self.reduce_dtype
         if self.grad_full is not None:
             for p, view in self.views(self.grad_full):  # .grad should be our view; repair if not
-                if p.grad is None:
+                g = grad_of(p)  # bf16 storage: the fp32 main gradient (..storage)
+                if g is None:
                     view.zero_()
-                elif p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)
-                p.grad = view
-            flat = self.grad_full if rdtype == self.dtype else self.grad_full.to(rdtype)  # [P_u]
+                elif g.data_ptr() != view.data_ptr():
+                    view.copy_(g)
+                attach_grad_(p, view)
+            flat = (self.grad_full if rdtype == self.grad_dtype
+                    else self.grad_full.to(rdtype))  # [P_u]
             # [k]; copied into grad_full's slice after (the input aliases it)
             out = torch.empty(self.shard_numel, dtype=rdtype, device=self.device)
         else:
             flat = torch.zeros(self.padded, dtype=rdtype, device=self.device)  # [P_u], pad 0
             for p, view in self.views(flat):
-                if p.grad is not None:
-                    view.copy_(p.grad)  # casts to the reduce dtype
+                g = grad_of(p)
+                if g is not None:
+                    view.copy_(g)  # casts to the reduce dtype
                     p.grad = None  # the full gradient is not kept
-            out = self.shard_grad if rdtype == self.dtype else torch.empty(
+                    if hasattr(p, "main_grad"):
+                        p.main_grad = None
+            out = self.shard_grad if rdtype == self.grad_dtype else torch.empty(
                 self.shard_numel, dtype=rdtype, device=self.device)  # [k]
         handle = comm.reduce_scatter(out, flat, self.topo, self.axis, tag="grad",
                                      async_op=True)
@@ -216,7 +226,7 @@ def segment_groups(flats: list[FlatShards], param_groups: list[dict]) -> list[di
             if id(f.params[j]) not in group_of:
                 continue  # not optimized (as in the plain model with these groups)
             piece = f.shard[a - f.lo: b - f.lo]
-            piece.grad = f.shard_grad[a - f.lo: b - f.lo]
+            attach_grad_(piece, f.shard_grad[a - f.lo: b - f.lo])  # or its main_grad
             piece.zero_slot = (fi, j, a, b)
             pieces[group_of[id(f.params[j])]].append(piece)
     known = {id(p) for f in flats for p in f.params}
@@ -340,8 +350,9 @@ def gather_optimizer_state(flats: list[FlatShards], optimizer) -> dict[str, dict
                 steps[j] = float(st["step"]) + 1.0  # 0 = no state on this rank
             comm.all_reduce(steps, f.topo, f.axis, op="max", tag="checkpoint")
             full = {}
-            for k in sorted(keys):
-                mine = torch.zeros(f.padded, dtype=f.dtype, device=f.device)
+            for k in sorted(keys):  # (a master optimizer's state: its own dtype, ..master)
+                mine = torch.zeros(f.padded, dtype=getattr(optimizer, "state_dtype", None)
+                                   or f.dtype, device=f.device)
                 for st, a, b in mine_.values():
                     if k in st:  # (a piece of another group's kind keeps other keys)
                         mine[a:b] = st[k].reshape(-1)
@@ -367,13 +378,16 @@ def load_optimizer_state(flats: list[FlatShards], optimizer, state: dict[str, di
     missing = sorted({f.fqns[j] for _, f, j, _, _ in todo if f.fqns[j] not in state})
     if missing:
         raise KeyError(f"optimizer state lacks {len(missing)} parameters, e.g. {missing[:3]}")
+    dtype, device = (getattr(optimizer, "state_dtype", None),
+                     getattr(optimizer, "state_device", None))  # (..master: fp32, the host)
     for piece, f, j, a, b in todo:
         o, new = f.offsets[j], {}
         for k, v in state[f.fqns[j]].items():
             if k == "step":
                 new[k] = torch.tensor(float(v), dtype=torch.float32)
             elif torch.is_tensor(v) and v.dim() > 0:
-                new[k] = v.reshape(-1)[a - o: b - o].to(piece.device, piece.dtype).clone()
+                new[k] = v.reshape(-1)[a - o: b - o].to(device or piece.device,
+                                                          dtype or piece.dtype).clone()
             else:
                 new[k] = v
         optimizer.state[piece] = new

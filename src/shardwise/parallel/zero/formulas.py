@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import ShardwiseConfigError
+from ..master import MasterAdamW
 
 
 STAGES = (1, 2, 3)
@@ -16,7 +17,7 @@ STAGES = (1, 2, 3)
 # on any slice of the flat buffer. Optimizers that need whole tensors (LAMB/LARS trust ratios,
 # Adafactor's factored moments, Shampoo/Muon's matrix preconditioners) cannot.
 SHARDABLE_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam,
-                        "sgd": torch.optim.SGD}
+                        "sgd": torch.optim.SGD, "masteradamw": MasterAdamW}
 
 
 # -- formulas -------------------------------------------------------------------------------------

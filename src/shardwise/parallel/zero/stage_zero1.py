@@ -44,6 +44,7 @@ class StageZero1(Sync):
         named = [(n, p) for n, p in self.named_params() if p.requires_grad]
         self.flats = [FlatShards(g.items, topo, keep_full_grad=True,
                                  reduce_torch=red if red != torch.float32 else None,
+                                 grad_torch=precision.main_grad_torch,
                                  **({} if g.axis == topo.data_axis
                                     else {"name": "experts", "axis": g.axis}))
                       for g in reduce_groups(named, topo)]
@@ -63,9 +64,10 @@ class StageZero1(Sync):
         dup = [p for f in self.flats for p in f.params if placement(p).duplicate]
         return Held([h for f in self.flats for h in f.held_grads(skip=dup)], self.sliced)
 
-    def make_optimizer(self, param_groups: list[dict], **adamw) -> torch.optim.Optimizer:
-        """AdamW over this rank's slice of each buffer."""
-        return sharded_optimizer(self.flats, param_groups, torch.optim.AdamW, **adamw)
+    def make_optimizer(self, param_groups: list[dict], optimizer_class=torch.optim.AdamW,
+                       **adamw) -> torch.optim.Optimizer:
+        """AdamW (or :class:`..master.MasterAdamW`) over this rank's slice of each buffer."""
+        return sharded_optimizer(self.flats, param_groups, optimizer_class, **adamw)
 
     def dp_gradients(self) -> dict[str, torch.Tensor]:
         return gather_named(self.flats, [f.shard_grad for f in self.flats])
@@ -76,11 +78,19 @@ class StageZero1(Sync):
     def dp_load_optimizer_state(self, optimizer, local: dict[str, dict]) -> None:
         load_optimizer_state(self.flats, optimizer, local)
 
+    def dp_pieces(self, optimizer=None) -> list:
+        """The stage's whole parameters (frozen ones too; replicas write once), the optimizer
+        state of this rank's slices (:func:`..boxes.flat_pieces`)."""
+        from ..boxes import flat_pieces
+
+        return Sync.dp_pieces(self) + flat_pieces(self.flats, optimizer, params=False)
+
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
                       precision: Precision = FP32) -> dict[str, float]:
         """``grad`` and ``param`` of the module docstring, each buffer over its own axis."""
         elem = self.flats[0].params[0].element_size()
-        red = reduce_bytes(self.reduce_dtype) if self.reduce_dtype == "bf16" else elem
+        grad = torch.empty(0, dtype=self.flats[0].grad_dtype).element_size()  # main grads: 4
+        red = reduce_bytes(self.reduce_dtype) if self.reduce_dtype == "bf16" else grad
         return {"grad": sum(ring_bytes("reduce_scatter", f.padded * red, f.n) for f in self.flats),
                 "param": sum(ring_bytes("all_gather", f.padded * elem, f.n) for f in self.flats)}
 

@@ -285,6 +285,18 @@ class ZeroRedundancySync(Sync):
                     k: (v.detach().clone().to(p.device) if torch.is_tensor(v) else v)
                     for k, v in state[n].items()}
 
+    def dp_pieces(self, optimizer=None) -> list:
+        """FSDP2: the DTensor shards (:meth:`..sync.Sync.dp_pieces`). Stage 1: the whole
+        parameters, and the state of the parameters this rank owns (no broadcast)."""
+        if not self._ddp or optimizer is None:
+            return super().dp_pieces(optimizer)
+        from ..boxes import Piece
+
+        owner, me = optimizer._param_to_rank, self.topo.index("dp")
+        return super().dp_pieces() + [
+            Piece(k, n, v) for n, p in self.named_params() if owner[p] == me
+            for k, v in optimizer.optim.state.get(p, {}).items() if torch.is_tensor(v)]
+
     # -- inspection -----------------------------------------------------------------------------
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
         """:func:`..params.storage_state_bytes` of this rank's storages (local shards for FSDP2, with

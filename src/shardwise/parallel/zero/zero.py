@@ -120,7 +120,8 @@ class ZeroSync(Sync):
         groups = split_experts(named_units, topo)
         self.units = [FlatShards(g.items, topo, keep_full_grad=stage == 1, reduce_torch=rdtype,
                                  name=name, module=mod, axis=g.axis,
-                                 replicate_axis=g.replicate_axis, deferred=deferred)
+                                 replicate_axis=g.replicate_axis, deferred=deferred,
+                                 grad_torch=precision.main_grad_torch)
                       for name, mod, g in groups]
         self.deferred = deferred  # the values come later, the same on every rank (fill)
         with topo.ledger.phase("init"):
@@ -317,6 +318,13 @@ class ZeroSync(Sync):
         """Cut full-shape state to this rank's pieces (:func:`.flat.load_optimizer_state`)."""
         load_optimizer_state(self.units, optimizer, state)
 
+    def dp_pieces(self, optimizer=None) -> list:
+        """This rank's slices of the parameters and their state (:func:`..boxes.flat_pieces`:
+        the same for ZeRO-1/2/3 and HSDP, no collective)."""
+        from ..boxes import flat_pieces
+
+        return flat_pieces(self.units, optimizer)
+
     # -- accounting -----------------------------------------------------------------------------
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
         """:func:`..params.storage_state_bytes`: ``params`` (ZeRO-1/2 the full flat buffers; ZeRO-3
@@ -325,6 +333,7 @@ class ZeroSync(Sync):
         ``total``."""
         params = [p for u in self.units for p in u.params] + [u.shard for u in self.units]
         grads = ([p.grad for u in self.units for p in u.params]
+                 + [getattr(p, "main_grad", None) for u in self.units for p in u.params]
                  + [u.shard_grad for u in self.units])
         return storage_state_bytes(params, grads, optimizer)
 

@@ -1,0 +1,136 @@
+"""Worker for tests/test_storage.py (issue 53): bf16 parameter storage (Megatron's recipe and
+the guide's) and ``--offload optimizer`` in one spawned 4-rank world, results dumped.
+
+Each case builds the tiny Llama (vocab 67, tied embeddings) with ``parallelize(precision=,
+offload=)`` on a sub-topology and trains STEPS AdamW steps through ``train_step``, writing
+``<out>/<case>_rank<r>.pt`` (an output folder named "fast…": :data:`FAST`; else the rest): per step the loss, the norm, every full (gathered) parameter in its
+storage dtype and every full gradient (the fp32 main gradients under Megatron's recipe), the
+ledger's offload bytes and the formula's; after the last step the full optimizer state (masters
+included) and a resumed run's next step (checkpoint contract). The test compares them with a
+single-process reference with the same storage that it computes itself (``Local``)."""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardwise.config import TrainConfig
+from shardwise.formulas import step_bytes_formula
+from shardwise.models import build_model
+from shardwise.parallel.apply import Layout, parallelize
+from shardwise.precision import Precision
+from shardwise.topology import Topology, init_distributed
+from shardwise.train.optim import build_optimizer
+from shardwise.train.step import train_step
+from shardwise.train.workload import SyntheticLMWorkload
+
+STEPS, GLOBAL_BATCH, LR, SEQ = 3, 8, 1e-2, 16
+RECIPES = {"megatron": ("bf16", "fp32", "none"), "megatron_off": ("bf16", "fp32", "optimizer"),
+           "guide": ("bf16", "none", "none"), "guide_off": ("bf16", "none", "optimizer"),
+           "fp32": ("fp32", "fp32", "none"), "fp32_off": ("fp32", "fp32", "optimizer")}
+# dp = 2 with one micro-batch per rank: the reference's two micro-batches are the ranks' (bitwise
+# rule); the others: the offload twin bitwise, HSDP and dp 4 by the fp32 rule at step 1
+BITWISE = ["dp=2", "dp=2,zero=1", "dp=2,zero=2", "dp=2,zero=3"]
+OTHERS = ["dp=4,dp_replicate=2,zero=3", "dp=4,zero=3", "tp=2", "dp=2,tp=2,zero=1",
+          "pp=2,microbatches=4", "pp=2,dp=2,zero=1,microbatches=2"]
+CASES = ([(lay, r) for lay in BITWISE for r in RECIPES]
+         + [(lay, r) for lay in OTHERS for r in ("megatron", "megatron_off", "fp32", "fp32_off")])
+# ``make test``'s share (one world of these; the rest run under ``make test-slow``): ZeRO-3 with
+# every recipe, HSDP and pp 2 × dp 2 ZeRO-1 under Megatron's recipe and its offloaded twin
+FAST = ([("dp=2,zero=3", r) for r in RECIPES]
+        + [(lay, r) for lay in ("dp=4,dp_replicate=2,zero=3", "pp=2,dp=2,zero=1,microbatches=2")
+           for r in ("megatron", "megatron_off")])
+
+
+def case_name(layout: str, recipe: str) -> str:
+    return f"{layout.replace(',', '_').replace('=', '')}_{recipe}"
+
+
+def precision_of(recipe: str) -> tuple[Precision, str]:
+    param, master, offload = RECIPES[recipe]
+    return Precision.stored(param, master, compute="fp32"), offload
+
+
+def layout_of(text: str) -> Layout:
+    return Layout(**{k: int(v) for k, v in (kv.split("=") for kv in text.split(","))})
+
+
+def workload():
+    return SyntheticLMWorkload(vocab_size=67, seq_len=SEQ, num_train=64, num_val=4, seed=0)
+
+
+def make_model():
+    torch.manual_seed(0)
+    return build_model("tiny", vocab_size=67, tie_embeddings=True)
+
+
+def config() -> TrainConfig:
+    return TrainConfig(lr=LR, weight_decay=0.1)
+
+
+def run_case(out, topos, rank, text, recipe):
+    layout = layout_of(text)
+    topo = topos[(layout.pp, layout.dp, layout.tp, layout.dp_replicate)]
+    if not topo.member:
+        return
+    precision, offload = precision_of(recipe)
+    engine = parallelize(make_model(), topo, layout, precision=precision, offload=offload)
+    opt = build_optimizer(engine, config())
+    work = workload()
+    sampler = work.sampler(GLOBAL_BATCH, layout.dp, topo.index("dp"), 0)
+    m = layout.microbatches or 1  # a pipeline's micro-batches per step
+    micro = GLOBAL_BATCH // layout.dp // m
+    rec = {k: [] for k in ("loss", "grad_norm", "params", "grads", "ledger", "formula")}
+    for _ in range(STEPS):
+        res = train_step(engine, work.batches(sampler.next_local_batch(), micro), opt, topo,
+                         zero_grad=False)
+        rec["ledger"].append({t: topo.ledger.step_bytes(t) for t in ("offload_d2h", "offload_h2d")})
+        formula = step_bytes_formula(engine, topo, micro_steps=m, sequences=micro * m,
+                                     seq_len=SEQ)
+        rec["formula"].append({t: formula.get(t, 0.0) for t in ("offload_d2h", "offload_h2d")})
+        rec["loss"].append(res.loss)
+        rec["grad_norm"].append(res.grad_norm)
+        rec["grads"].append({n: g.clone() for n, g in engine.named_full_gradients().items()})
+        rec["params"].append({n: p.detach().clone()
+                              for n, p in engine.named_full_parameters().items()})
+    state = engine.full_optimizer_state(opt)
+    rec["state"] = {n: {k: v.clone() for k, v in st.items()} for n, st in state.items()}
+    # the checkpoint contract: a fresh engine given the saved parameters and state continues
+    # exactly as this one does (the masters restored, not re-rounded from the bf16 parameters)
+    params = {n: p.clone() for n, p in engine.named_full_parameters().items()}
+    with torch.device("meta"):  # as train resumes: a meta model given the saved weights
+        meta = build_model("tiny", vocab_size=67, tie_embeddings=True)
+    again = parallelize(meta, topo, layout, precision=precision, offload=offload,
+                        weights=list(params.items()))
+    again_opt = build_optimizer(again, config())
+    again.load_full_optimizer_state(again_opt, {n: {k: v.clone() for k, v in st.items()}
+                                                 for n, st in state.items()})  # as from disk
+    batch = work.batches(sampler.next_local_batch(), micro)
+    a = train_step(engine, batch, opt, topo, zero_grad=False)
+    b = train_step(again, batch, again_opt, topo, zero_grad=False)
+    rec["resume"] = (a.loss, b.loss, engine.named_full_parameters(),
+                     again.named_full_parameters())
+    torch.save(rec, f"{out}/{case_name(text, recipe)}_rank{rank}.pt")
+
+
+def main(out: str, which: str) -> None:
+    init_distributed("cpu", timeout_s=60)
+    rank = dist.get_rank()
+    topos = {}
+    cases = FAST if which == "fast" else [c for c in CASES if c not in FAST]
+    for text in dict.fromkeys(c[0] for c in cases):
+        lay = layout_of(text)
+        key = (lay.pp, lay.dp, lay.tp, lay.dp_replicate)
+        if key not in topos:
+            topos[key] = Topology(lay.pp, lay.dp, lay.tp, dp_replicate=lay.dp_replicate,
+                                  ranks=range(lay.pp * lay.dp * lay.tp), timeout_s=60)
+    for case in cases:
+        run_case(out, topos, rank, *case)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    # which share: named by the output folder (tests/test_storage.py's fixtures)
+    main(sys.argv[1], "fast" if Path(sys.argv[1]).name.startswith("fast") else "slow")
