@@ -390,6 +390,8 @@ def inter_node_bytes(e: Estimate) -> dict[str, float]:
     at tp·cp = GPUs per node) every byte a rank sends leaves its node."""
     out: dict[str, float] = {}
     for c in e.comm:
+        if c.axis == "host":  # offload's copies over the host link stay in the node
+            continue
         k = members_per_node(e.cluster, e.layout, c.axis)
         if k:
             out[c.axis] = out.get(c.axis, 0.0) + c.wire / k
