@@ -11,9 +11,8 @@
   storage and offload are the estimate's).
 * Offload's memory and time against hand-worked formulas (docs/planner.md, "Offload").
 * The acceptance of issue 53: ``plan --model llama3-405b --gpus 64`` prints a fitting layout
-  that passes train's check — which needs train to accept bf16 storage or offload
-  (:func:`~shardwise.parallel.storage.check_storage`): until it does, the test is a strict
-  xfail (it must fail), and it must pass once the rule accepts them.
+  that passes train's check (it needs bf16 storage or offload, which
+  :func:`~shardwise.parallel.storage.check_storage` accepts).
 """
 
 from __future__ import annotations
@@ -223,20 +222,6 @@ def test_host_memory_per_node_must_fit():
     assert not estimate(model, small, lay, 64).fits
 
 
-def _check_storage_accepts_bf16_offload() -> bool:
-    from shardwise.parallel.layout import Layout
-    from shardwise.parallel.storage import check_storage
-
-    try:
-        check_storage(Layout(dp=64, zero=3), PRECISIONS["bf16-pure"], "optimizer", "explicit")
-    except ShardwiseConfigError:
-        return False
-    return True
-
-
-@pytest.mark.xfail(not _check_storage_accepts_bf16_offload(), strict=True,
-                   reason="train's check_storage refuses bf16 storage and offload until the "
-                   "engines wire them (issue 53): then this must pass")
 def test_llama3_405b_on_64_gpus_prints_a_fitting_layout_train_runs(capsys):
     """Issue 53's acceptance: ``shardwise plan --model llama3-405b --gpus 64`` prints at least
     one layout that fits, and it passes train's check."""
