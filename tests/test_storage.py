@@ -237,7 +237,8 @@ def test_refusals_name_the_fix():
             (Layout(dp=2, zero=1), Precision.stored("bf16", "none"), "none", "torch", "--zero 2/3"),
             (Layout(dp=2, zero=3), Precision(), "optimizer", "torch", "engine explicit"),
             (Layout(dp=2, zero=3), Precision(), "params", "explicit", "--offload optimizer"),
-            (Layout(dp=2), Precision(), "disk", "explicit", "choose none")]:
+            (Layout(dp=2), Precision(), "disk", "explicit", "choose none"),
+            (Layout(dp=2, cp=2), bf16, "none", "explicit", "cp or ep")]:
         with pytest.raises(ShardwiseConfigError, match=match):
             check_storage(layout, precision, offload, engine)
     for layout in (Layout(dp=2, zero=3), Layout(pp=2, dp=2, zero=1), Layout(dp=2, tp=2)):

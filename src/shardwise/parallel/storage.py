@@ -32,7 +32,7 @@ def check_storage(layout, precision: Precision, offload: str, engine: str) -> No
     """Where and in which dtype the model state lives — ``precision.param_dtype`` (and its
     master copy) and ``offload`` ("none" | "optimizer" | "params") — against what the engines
     wire for ``layout`` on ``engine``: the one definition ``train`` and the planner share.
-    Wired: the explicit engine (dp, ZeRO-1/2/3, HSDP, tp, cp, pp with its stage syncs), bf16
+    Wired: the explicit engine (dp, ZeRO-1/2/3, HSDP, tp, pp with its stage syncs), bf16
     storage (both recipes) and ``--offload optimizer``. Raises :class:`ShardwiseConfigError`."""
     if offload not in OFFLOADS:
         raise ShardwiseConfigError(f"--offload {offload!r}: choose none, optimizer or params")
@@ -45,6 +45,9 @@ def check_storage(layout, precision: Precision, offload: str, engine: str) -> No
             f"{what} on the torch engine is wired for the guide's recipe only (--master-dtype "
             "none, no offload: the model in bf16 under FSDP2, --zero 2/3, no HSDP, tp, cp or pp); "
             "use --engine explicit")
+    if layout.cp > 1 or layout.ep > 1:
+        raise ShardwiseConfigError(f"{what} is not proven with cp or ep yet (no parity test): "
+                                   "use --cp 1 --ep 1, or --param-dtype fp32 --offload none")
     if offload == "params":
         raise ShardwiseConfigError("--offload params is not wired yet (the ZeRO-3 shards "
                                    "would live on the host): use --offload optimizer")

@@ -329,9 +329,11 @@ def setup(cfg: TrainConfig) -> Run:
     n_peak = peak_devices(topo.device, topo.world_size)  # CPU: ranks sharing a core share it
     from ..parallel.storage import describe_storage
 
-    for line in describe_storage(engine):  # --param-dtype, --master-dtype, --offload
+    stored = cfg.param_dtype != "fp32" or cfg.offload != "none"
+    for line in describe_storage(engine) if stored else []:  # --param-dtype, --offload
         log.info(line)
     log.info(f"  precision: compute {engine.precision.compute}, "
+             f"{'' if stored else 'master weights/gradients/AdamW state fp32, '}"
              f"gradient reduction {cfg.reduce_dtype}; activation checkpointing: {cfg.ac}; "
              f"{flops_step / 1e9:,.2f} GFLOP per step (6·N + 12·L·d·s per token); peak "
              f"{peak / 1e12:.3f} TFLOP/s × {n_peak} "
