@@ -732,8 +732,12 @@ def test_plot_lines_per_family(tmp_path):
     from shardwise.plan.plot import plot_mfu_vs_gpus
 
     path = tmp_path / "mfu.png"
+    from shardwise.plan.search import Fixed
+
+    # fp32 storage (amp), on the device: the bf16-pure recipe (8 B/param) or offload would let
+    # plain DP fit
     data = plot_mfu_vs_gpus(get_model("llama3-8b"), get_cluster("h100-sxm"), [8, 64], 512,
-                            str(path))
+                            str(path), precision="amp", fixed=Fixed(offload="none"))
     assert path.stat().st_size > 10_000
     # plain DP replicates 16 B/param × 8.03 B = 120 GiB of model state: never fits 80 GiB
     assert data["DP"] == [None, None]
