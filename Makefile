@@ -26,7 +26,7 @@ PARITY_TESTS := tests/test_parity_rule.py tests/test_dp_parity.py tests/test_zer
 	tests/test_multinode.py \
 	tests/test_checkpoint.py::test_resharding_matrix \
 	tests/test_cli.py::test_train_end_to_end_in_each_layout_gives_the_dp_run_validation_losses \
-	tests/test_verify_n4.py tests/test_verify_n8.py
+	tests/test_verify_n4.py tests/test_verify_n8.py tests/test_verify_storage.py
 CPU_PATHS := default ATEN_CPU_CAPABILITY=avx2 ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE \
 	MKL_ENABLE_INSTRUCTIONS=AVX2
 

@@ -6,13 +6,14 @@ same storage, by the rules of docs/parity.md §7:
   bitwise equal to :class:`~shardwise.parallel.model.Local` stepping the ranks' two
   micro-batches in rank order (losses, every gradient and bf16 parameter, every step);
 * every layout (also HSDP, dp 4 ZeRO-3, tp 2, dp 2 × tp 2 ZeRO-1, pp 2 1F1B with and without
-  dp 2 ZeRO-1 over its stages): the offloaded run bitwise
+  dp 2 ZeRO-1/2/3 over its stages, pp 2 × dp 2 ZeRO-3 interleaved): the offloaded run bitwise
   equal to the same layout without offload (the same arithmetic, on the host), and the ledger's
   host ↔ device bytes equal to the formula (:func:`shardwise.parallel.storage.
   offload_bytes_formula`) every step;
 * HSDP and dp 4 ZeRO-3 under Megatron's recipe: the first step's loss and fp32 main gradients
   within the fp32 rule (§2: the per-micro-batch bf16 gradients are the reference's bitwise,
-  only the order of their fp32 sum differs);
+  only the order of their fp32 sum differs); pp 2 × dp 2 with ZeRO-1/2/3 in the stages
+  likewise, all but the tied embedding (§7, pp);
 * the masters saved by ``full_optimizer_state`` resume bitwise; fp32 accumulation over
   micro-batches; the accuracy cost of the guide's recipe (an update below bf16's resolution
   lost), worked by hand; the refusals of what is not wired."""
@@ -78,13 +79,13 @@ def _load(results, text, recipe):
 _REFS: dict = {}
 
 
-def reference(recipe: str, micro: int) -> dict:
+def reference(recipe: str, micro: int, n_layers: int = 2) -> dict:
     """One process with the same storage (``Local(model, precision, offload)``, the same
     optimizer built the same way), the global batch in micro-batches of ``micro`` in order."""
-    key = (recipe, micro)
+    key = (recipe, micro, n_layers)
     if key not in _REFS:
         precision, offload = W.precision_of(recipe)
-        ref = Local(W.make_model(), precision, offload)
+        ref = Local(W.make_model(n_layers), precision, offload)
         opt = build_optimizer(ref, W.config())
         work = W.workload()
         sampler = work.sampler(W.GLOBAL_BATCH, 1, 0, 0)
@@ -166,6 +167,27 @@ def test_hsdp_and_dp4_first_step_within_the_fp32_rule(results, text):
             torch.testing.assert_close(rank["grads"][0][n], g, rtol=RTOL, atol=ATOL)
 
 
+PIPELINES = [(lay, "megatron") for lay in ["pp=2,dp=2,zero=1,microbatches=2", *W.PP_ZERO]]
+
+
+@pytest.mark.parametrize("case", _params(PIPELINES))
+def test_pipeline_first_step_within_the_fp32_rule_but_the_tied_embedding(results, case):
+    """§7, pp > 1 (ZeRO-1/2/3 in the stages, 1F1B and interleaved): each stage's micro-batch
+    gradients are the reference's bitwise and the fp32 main gradients sum the 4 micro-batches in
+    another order (§2's rule at step 1) — all but the tied embedding, whose two copies are
+    folded into fp32 apart (TiedSwap) where the reference adds its two uses in bf16."""
+    text, recipe = case
+    lay = W.layout_of(text)
+    ref = reference(recipe, W.GLOBAL_BATCH // (lay.dp * lay.microbatches), W.n_layers_of(lay))
+    for rank in _load(results, text, recipe):
+        torch.testing.assert_close(torch.tensor(rank["loss"][0]), torch.tensor(ref["loss"][0]),
+                                   rtol=RTOL, atol=ATOL)
+        grads = {n: g for n, g in rank["grads"][0].items() if n != "tok_embeddings.weight"}
+        assert grads and all(g.dtype == torch.float32 for g in grads.values())
+        for n, g in grads.items():
+            torch.testing.assert_close(g, ref["grads"][0][n], rtol=RTOL, atol=ATOL)
+
+
 MEGATRON = [c for c in W.CASES if c[1] in ("megatron", "megatron_off")]
 
 
@@ -241,6 +263,7 @@ def test_refusals_name_the_fix():
             (Layout(dp=2, cp=2), bf16, "none", "explicit", "cp or ep")]:
         with pytest.raises(ShardwiseConfigError, match=match):
             check_storage(layout, precision, offload, engine)
-    for layout in (Layout(dp=2, zero=3), Layout(pp=2, dp=2, zero=1), Layout(dp=2, tp=2)):
+    for layout in (Layout(dp=2, zero=3), Layout(pp=2, dp=2, zero=1), Layout(dp=2, tp=2),
+                   Layout(pp=2, dp=2, zero=3), Layout(pp=2, dp=4, dp_replicate=2, zero=3)):
         check_storage(layout, bf16, "optimizer", "explicit")  # wired
     check_storage(Layout(dp=2, zero=3), Precision.stored("bf16", "none"), "none", "torch")

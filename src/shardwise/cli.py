@@ -65,6 +65,14 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--check-collectives", choices=("off", "step", "every"), default="step",
                    help="compare collective fingerprints across ranks at each step boundary "
                         "(step, the default), before each collective (every), or not (off)")
+    v.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="parameter storage of every case (default fp32; bf16: against one "
+                        "process with the same storage, docs/parity.md §7, a subset of layouts)")
+    v.add_argument("--master-dtype", choices=("fp32", "none"), default="fp32",
+                   help="with --param-dtype bf16: fp32 master weights (Megatron's recipe, the "
+                        "default) or none (the guide's FSDP2 recipe)")
+    v.add_argument("--offload", choices=("none", "optimizer"), default="none",
+                   help="optimizer offload to host memory of every case (default none)")
     v.add_argument("--json", metavar="PATH", nargs="?", const="verify.json",
                    help="write the results as JSON (default path verify.json)")
     v.set_defaults(func=cmd_verify)

@@ -30,24 +30,29 @@ STEPS, GLOBAL_BATCH, LR, SEQ = 3, 8, 1e-2, 16
 RECIPES = {"megatron": ("bf16", "fp32", "none"), "megatron_off": ("bf16", "fp32", "optimizer"),
            "guide": ("bf16", "none", "none"), "guide_off": ("bf16", "none", "optimizer"),
            "fp32": ("fp32", "fp32", "none"), "fp32_off": ("fp32", "fp32", "optimizer")}
+# ZeRO-2/3 inside the stages of pp 2 × dp 2 (1F1B; interleaved, two chunks per rank, for ZeRO-3)
+PP_ZERO = ["pp=2,dp=2,zero=2,microbatches=2", "pp=2,dp=2,zero=3,microbatches=2",
+           "pp=2,dp=2,zero=3,microbatches=2,schedule=interleaved-1f1b"]
 # dp = 2 with one micro-batch per rank: the reference's two micro-batches are the ranks' (bitwise
 # rule); the others: the offload twin bitwise, HSDP and dp 4 by the fp32 rule at step 1
 BITWISE = ["dp=2", "dp=2,zero=1", "dp=2,zero=2", "dp=2,zero=3"]
 OTHERS = ["dp=4,dp_replicate=2,zero=3", "dp=4,zero=3", "tp=2", "dp=2,tp=2,zero=1",
-          "pp=2,microbatches=4", "pp=2,dp=2,zero=1,microbatches=2"]
+          "pp=2,microbatches=4", "pp=2,dp=2,zero=1,microbatches=2"] + PP_ZERO
 # the torch engine: the guide's recipe under FSDP2 (MixedPrecisionPolicy(reduce_dtype=fp32))
 TORCH = ["dp=2,zero=2@torch", "dp=2,zero=3@torch"]
 CASES = ([(lay, r) for lay in BITWISE for r in RECIPES] + [(lay, "guide") for lay in TORCH]
          + [(lay, r) for lay in OTHERS for r in ("megatron", "megatron_off", "fp32", "fp32_off")])
 # ``make test``'s share (one world of these; the rest run under ``make test-slow``): ZeRO-3 with
-# every recipe, HSDP and pp 2 × dp 2 ZeRO-1 under Megatron's recipe and its offloaded twin
+# every recipe, HSDP, pp 2 × dp 2 ZeRO-1 and ZeRO-3 (1F1B, interleaved) under Megatron's recipe
+# and its offloaded twin
 FAST = ([("dp=2,zero=3", r) for r in RECIPES] + [("dp=2,zero=3@torch", "guide")]
-        + [(lay, r) for lay in ("dp=4,dp_replicate=2,zero=3", "pp=2,dp=2,zero=1,microbatches=2")
-           for r in ("megatron", "megatron_off")])
+        + [(lay, r) for lay in ("dp=4,dp_replicate=2,zero=3", "pp=2,dp=2,zero=1,microbatches=2",
+                                *PP_ZERO[1:]) for r in ("megatron", "megatron_off")])
 
 
 def case_name(layout: str, recipe: str) -> str:
-    return f"{layout.replace(',', '_').replace('=', '').replace('@', '_')}_{recipe}"
+    text = layout.replace("schedule=interleaved-1f1b", "i1f1b")
+    return f"{text.replace(',', '_').replace('=', '').replace('@', '_')}_{recipe}"
 
 
 def precision_of(recipe: str) -> tuple[Precision, str]:
@@ -58,7 +63,8 @@ def precision_of(recipe: str) -> tuple[Precision, str]:
 def layout_of(text: str) -> Layout:
     """``"dp=2,zero=3@torch"`` → its Layout (the engine, after @, is :func:`engine_of`'s)."""
     text = text.split("@")[0]
-    return Layout(**{k: int(v) for k, v in (kv.split("=") for kv in text.split(","))})
+    return Layout(**{k: v if k == "schedule" else int(v)
+                     for k, v in (kv.split("=") for kv in text.split(","))})
 
 
 def engine_of(text: str) -> str:
@@ -69,9 +75,14 @@ def workload():
     return SyntheticLMWorkload(vocab_size=67, seq_len=SEQ, num_train=64, num_val=4, seed=0)
 
 
-def make_model():
+def make_model(n_layers: int = 2):
     torch.manual_seed(0)
-    return build_model("tiny", vocab_size=67, tie_embeddings=True)
+    return build_model("tiny", vocab_size=67, tie_embeddings=True, n_layers=n_layers)
+
+
+def n_layers_of(layout: Layout) -> int:
+    """The tiny Llama's 2 layers; 4 for an interleaved pipeline (pp 2 × 2 chunks: a layer each)."""
+    return 4 if layout.schedule.startswith("interleaved") else 2
 
 
 def config() -> TrainConfig:
@@ -84,7 +95,7 @@ def run_case(out, topos, rank, text, recipe):
     if not topo.member:
         return
     precision, offload = precision_of(recipe)
-    engine = parallelize(make_model(), topo, layout, precision=precision, offload=offload,
+    engine = parallelize(make_model(n_layers_of(layout)), topo, layout, precision=precision, offload=offload,
                          engine=engine_of(text))
     opt = build_optimizer(engine, config())
     work = workload()
@@ -111,7 +122,8 @@ def run_case(out, topos, rank, text, recipe):
     # exactly as this one does (the masters restored, not re-rounded from the bf16 parameters)
     params = {n: p.clone() for n, p in engine.named_full_parameters().items()}
     with torch.device("meta"):  # as train resumes: a meta model given the saved weights
-        meta = build_model("tiny", vocab_size=67, tie_embeddings=True)
+        meta = build_model("tiny", vocab_size=67, tie_embeddings=True,
+                           n_layers=n_layers_of(layout))
     again = parallelize(meta, topo, layout, precision=precision, offload=offload,
                         weights=list(params.items()), engine=engine_of(text))
     again_opt = build_optimizer(again, config())

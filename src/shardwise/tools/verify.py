@@ -13,6 +13,11 @@ agree on each case's outcome through the rendezvous store (not the process group
 timed-out collective leaves unusable), and after a failure every rank builds a fresh world (new
 process groups under a new store prefix) before the next case.
 
+``--param-dtype bf16 [--master-dtype fp32|none] [--offload optimizer]``: a subset of layouts
+with that storage, each against one process with the same storage by docs/parity.md §7's rule
+for it (bitwise, step 1 within §2's rule, or ledger only; :mod:`.verify_storage`), ledger =
+formula with the offload copies; without these flags nothing changes.
+
 The layout syntax (``dp=2,zero=3`` …) is :func:`shardwise.parallel.apply.parse_layout`'s.
 ``shardwise trace`` (one step's collectives) is :mod:`shardwise.tools.trace`; it builds its run
 with :func:`verify_workload` and :func:`build_case` from here.
@@ -40,7 +45,10 @@ from ..topology import Topology
 from ..train.optim import build_optimizer, build_scheduler, lr_multiplier
 from ..train.step import train_step
 from ..train.workload import RegressionWorkload, SyntheticLMWorkload
-from .verify_layouts import layouts_that_fit
+from .verify_layouts import layouts_that_fit, storage_layouts
+from .verify_storage import RULE as STORAGE_RULE
+from .verify_storage import (micro_batches, run_storage_case, storage_applies, storage_of,
+                             storage_row)
 
 RTOL, ATOL = parity.RTOL, parity.ATOL
 MODELS = ("tiny", "mlp-tiny")
@@ -83,14 +91,16 @@ def layers_for(layout: Layout) -> int:
 
 
 def applies(layout: Layout, model: str, engine: str = "explicit",
-            optimizer: str = "adamw") -> bool:
+            optimizer: str = "adamw", storage=None) -> bool:
     """TP splits attention heads and CP sequences: Llama models only. CP runs on the explicit
     engine only on CPU (PyTorch's ``context_parallel`` has no CPU kernel: validate_cp). EP
     needs a mixture-of-experts model and the explicit engine; an MoE model is refused with SP
     and CP (:func:`~shardwise.parallel.ep.validate_ep`). Muon: the layouts
     :func:`~shardwise.config.checks.check_optimizer` accepts. A pipeline's ZeRO-2/3 and HSDP:
     where :meth:`~shardwise.parallel.layout.Layout.check` accepts them for ``engine`` (the
-    explicit engine; not the torch engine's pipeline)."""
+    explicit engine; not the torch engine's pipeline). ``storage`` (precision, offload) other
+    than fp32 without offload: where :func:`~shardwise.parallel.storage.check_storage` accepts
+    it (:mod:`.verify_storage`)."""
     from ..config.checks import check_optimizer
 
     try:
@@ -98,6 +108,8 @@ def applies(layout: Layout, model: str, engine: str = "explicit",
         if layout.pp > 1 and (layout.zero >= 2 or layout.dp_replicate > 1):
             layout.check(engine=engine)
     except ShardwiseConfigError:
+        return False
+    if storage is not None and not storage_applies(layout, engine, storage):
         return False
     moe = model.startswith("moe")
     if (layout.cp > 1 or layout.ep > 1) and engine != "explicit":
@@ -298,8 +310,10 @@ def verify_worker(args) -> int:
 
     init_distributed("cpu", args.timeout)
     world = dist.get_world_size()
+    storage = storage_of(args)  # --param-dtype / --master-dtype / --offload: .verify_storage
     layouts = list(dict.fromkeys([parse_layout(s) for s in args.layouts] if args.layouts
-                                 else layouts_that_fit(world, args.bounded)))  # each layout once
+                                 else storage_layouts(world) if storage
+                                 else layouts_that_fit(world, args.bounded)))  # each once
     for lay in layouts:
         if lay.world > world:
             raise ShardwiseConfigError(f"layout {lay.name()} needs {lay.world} ranks but verify "
@@ -330,7 +344,7 @@ def verify_worker(args) -> int:
     for model_name in args.models.split(","):
         works, refs = {}, {}
         for lay in layouts:
-            if not any(applies(lay, model_name, eng, optimizer) for eng in engines):
+            if not any(applies(lay, model_name, eng, optimizer, storage) for eng in engines):
                 continue
             ov = overrides_for(model_name, lay)
             width = {k: v for k, v in ov.items() if k != "n_layers"}  # the data's model
@@ -350,27 +364,35 @@ def verify_worker(args) -> int:
             # micro-batches per rank: the pipeline's m, else two (gradient accumulation)
             n_micro = lay.microbatches or (min_microbatches(lay.schedule, lay.pp)
                                            if lay.pp > 1 else 2)
+            n_micro = micro_batches(lay, n_micro) if storage else n_micro
             global_batch = args.micro_batch * n_micro * lay.dp
             for eng in engines:
-                if not applies(lay, model_name, eng, optimizer):
+                if not applies(lay, model_name, eng, optimizer, storage):
                     continue
                 t0 = time.perf_counter()
                 name, error = f"{lay.name()} {eng} {model_name}", ""
                 vec = torch.zeros(10, dtype=torch.float64)
                 traffic: dict = {}
+                r = None
                 if topo.member:
                     try:
-                        key = (ov["n_layers"], global_batch, wkey)
-                        if key not in refs:
-                            refs[key] = reference_run(model_name, work, cfg, global_batch,
-                                                      args.steps, ov)
-                        _test_hang(name, args.timeout)
-                        r, bytes_dev, traffic = run_case(model_name, work, lay, eng, topo,
-                                                         cfg, refs[key], args.micro_batch,
-                                                         n_micro, args.steps, ov)
+                        if storage:  # bf16 storage / offload: .verify_storage's rules
+                            vec, traffic, _ = run_storage_case(
+                                lambda wrap: build_case(model_name, work, cfg, wrap, ov), work,
+                                lay, eng, topo, cfg, args.micro_batch, n_micro, args.steps,
+                                storage, model_name)
+                        else:
+                            key = (ov["n_layers"], global_batch, wkey)
+                            if key not in refs:
+                                refs[key] = reference_run(model_name, work, cfg, global_batch,
+                                                          args.steps, ov)
+                            _test_hang(name, args.timeout)
+                            r, bytes_dev, traffic = run_case(model_name, work, lay, eng, topo,
+                                                             cfg, refs[key], args.micro_batch,
+                                                             n_micro, args.steps, ov)
                     except Exception as e:  # noqa: BLE001 - the case fails, the others run
                         error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-                    else:
+                    if r is not None:
                         for line in r.failures[:3]:  # what failed, from the rank that saw it
                             print(f"verify: {name}: {line}", flush=True)
                         if r.max_param_bound > worst_bound[0]:
@@ -413,7 +435,8 @@ def verify_worker(args) -> int:
                 with everyone.ledger.phase("verify"):
                     comm.all_reduce(vec, everyone, "world", op="max")
                 ratio_dev = float(vec[4])
-                rows.append({"layout": lay.name(), "engine": eng, "model": model_name,
+                rows.append(storage_row(lay, storage, {
+                             "layout": lay.name(), "engine": eng, "model": model_name,
                              "max_loss_diff": float(vec[0]), "max_grad_diff": float(vec[1]),
                              "max_grad_norm_diff": float(vec[6]),
                              "diff_over_tolerance": float(vec[8]),
@@ -426,11 +449,13 @@ def verify_worker(args) -> int:
                              "pass": bool(vec[3] == 0) and ratio_dev < 1e-9,
                              # rank 0's losses; last step's wire bytes summed over the ranks
                              "losses": traffic.get("losses", []),
-                             "bytes_per_tag": traffic.get("bytes", {})})
+                             "bytes_per_tag": traffic.get("bytes", {})}))
     ok = all(r["pass"] for r in rows)
     if dist.get_rank() == 0:
         print(format_table(rows, args.steps))
-        print(f"rule: {parity_muon.RULE if optimizer == 'muon' else parity.RULE}")
+        rule = (STORAGE_RULE if storage else parity_muon.RULE if optimizer == "muon"
+                else parity.RULE)
+        print(f"rule: {rule}")
         if worst_bound[1]:
             print(f"largest AdamW term of a parameter bound (rank 0): {worst_bound[0]:.3g}, "
                   f"{worst_bound[1]}")
@@ -441,7 +466,10 @@ def verify_worker(args) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"rtol": RTOL, "atol": ATOL, "optimizer": optimizer,
-                           "rule": parity_muon.RULE if optimizer == "muon" else parity.RULE,
+                           "rule": rule, **({"storage": {
+                               "param_dtype": storage[0].param_dtype,
+                               "master_dtype": storage[0].master_dtype or "none",
+                               "offload": storage[1]}} if storage else {}),
                            "steps": args.steps, "collectives": args.collectives,
                            "cases": rows, "pass": ok}, f, indent=2)
     sys.stdout.flush()
@@ -453,7 +481,7 @@ def format_table(rows: list[dict], steps: int) -> str:
     w = max([28] + [len(r["layout"]) + 1 for r in rows])
     head = (f"{'layout':<{w}} {'engine':<9} {'model':<9} {'max loss diff':>14} "
             f"{'max grad diff':>14} {'diff/tol':>9} {'max param diff':>15} {'param/bound':>12} "
-            f"{'bytes/formula':>14}  pass")
+            f"{'bytes/formula':>14}  pass" + ("   rule" if any("rule" in r for r in rows) else ""))
     # diff/tol: the largest |Δ| / (atol + rtol·|ref|) over losses, norms and gradients;
     # param/bound: the largest |Δp| / (atol + rtol·|p| + AdamW bound); both ≤ 1 pass
     lines = [head, "-" * len(head)]
@@ -463,5 +491,5 @@ def format_table(rows: list[dict], steps: int) -> str:
                      f"{r['diff_over_tolerance']:>9.3f} {r['max_param_diff']:>15.2e} "
                      f"{r['param_diff_over_bound']:>12.3f} "
                      f"{1 + r['ledger_vs_formula_max_deviation']:>14.4f}  "
-                     f"{'yes' if r['pass'] else 'NO'}")
+                     f"{'yes' if r['pass'] else 'NO'}" + (f"   {r['rule']}" if "rule" in r else ""))
     return "\n".join(lines)

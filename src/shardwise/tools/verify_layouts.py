@@ -175,3 +175,20 @@ def _compositions(n: int) -> list[Layout]:
                     out.append(Layout(pp=pp, dp=dp, tp=tp, zero=z, sp=sp, schedule=sched,
                                       microbatches=2 * pp if pp > 1 else 0))
     return out
+
+
+# ``verify --param-dtype bf16`` / ``--offload optimizer`` (:mod:`.verify_storage`): each kind of
+# layout once — DP, ZeRO-1/2/3 (dp 2: §7's bitwise case), dp 4 ZeRO-3, HSDP, TP, PP, ZeRO-2/3
+# inside pipeline stages (1F1B, interleaved) and HSDP × PP
+STORAGE_LAYOUTS = ("dp=2", "dp=2,zero=1", "dp=2,zero=2", "dp=2,zero=3", "dp=4,zero=3",
+                   "dp=4,dp_replicate=2,zero=3", "tp=2", "pp=2,1f1b,m=4",
+                   "dp=2,pp=2,zero=2,1f1b,m=4", "dp=2,pp=2,zero=3,1f1b,m=4",
+                   "dp=2,pp=2,zero=3,interleaved-1f1b,m=4",
+                   "dp=4,dp_replicate=2,pp=2,zero=3,1f1b,m=4")
+
+
+def storage_layouts(nproc: int) -> list[Layout]:
+    """The layouts of :data:`STORAGE_LAYOUTS` on at most ``nproc`` ranks."""
+    from ..parallel.layout import parse_layout
+
+    return [lay for lay in map(parse_layout, STORAGE_LAYOUTS) if lay.world <= nproc]

@@ -281,7 +281,8 @@ class TPTraffic:
     def bytes_formula(self, micro_steps: int = 1, sequences: int = 0, seq_len: int = 0,
                       precision: Precision = FP32) -> dict[str, float]:
         if is_mlp(self.module):  # rows, not sequences × tokens
-            return mlp_tp_bytes(self.module.config, sequences, self.topo.size(AXIS))
+            return mlp_tp_bytes(self.module.config, sequences, self.topo.size(AXIS),
+                                precision.param)
         t = tp_step_bytes_formula(self.module.config, sequences, seq_len, self.topo.size(AXIS),
                                   self.options, dp=self.topo.size("dp"), precision=precision,
                                   micro_steps=micro_steps)

@@ -101,12 +101,15 @@ def apply_tp_mlp(model: StackedMLP, topo) -> None:
         raise RuntimeError("tensor-parallel conversion of the MLP incomplete: " + "; ".join(bad))
 
 
-def mlp_tp_bytes(cfg, rows: int, tp: int) -> dict[str, float]:
+def mlp_tp_bytes(cfg, rows: int, tp: int, param_bytes: int = 4) -> dict[str, float]:
     """{"tp_fwd", "tp_bwd", "grad_norm": bytes} one rank sends per step for ``rows`` samples
-    (all micro-batches) through the MLP's L blocks over ``tp`` ranks (module docstring)."""
+    (all micro-batches) through the MLP's L blocks over ``tp`` ranks (module docstring).
+    ``param_bytes``: the stored parameter's bytes — ``--param-dtype bf16`` (2): each g sums
+    W_out's bf16 partial outputs, while ∂x of each f stays 4 B (the residual stream is the
+    fp32 data plus bf16 outputs: fp32 by type promotion)."""
     r = 2 * (tp - 1) / tp
     act = r * 4 * rows * cfg.d_model
-    return {"tp_fwd": cfg.n_layers * act, "tp_bwd": (cfg.n_layers - 1) * act,
+    return {"tp_fwd": cfg.n_layers * act * param_bytes / 4, "tp_bwd": (cfg.n_layers - 1) * act,
             "grad_norm": r * 8}
 
 

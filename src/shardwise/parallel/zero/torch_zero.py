@@ -170,6 +170,7 @@ class ZeroRedundancySync(Sync):
         precision.reduce_torch  # checked before any collective
         hook = ddp_comm_hook(precision.reduce_dtype)
         self.reduce_dtype = precision.reduce_dtype
+        self.param_bytes = precision.param  # FSDP2 gathers the stored dtype (bf16 storage: 2)
         named_units = assign_units(module, units)  # same checks (tied weights) as explicit ZeRO
         super().__init__(module, topo)
         # with a replica axis (HSDP): FSDP2 over the 2-D mesh (dp_replicate, dp_shard), ZeRO-1
@@ -337,7 +338,8 @@ class ZeroRedundancySync(Sync):
         """What the ledger sees per step (tags grad / param / grad_norm). Stage 1: DDP's SUM
         all_reduce of 4Ψ bytes, 2(n−1)/n·4Ψ; ZeroRedundancyOptimizer's broadcasts of (n−1)/n·4Ψ
         are not booked (``unbooked_param_broadcast``). FSDP2: :func:`zero_step_bytes_formula`
-        with FSDP2's per-parameter padding; the root is gathered once per micro-step, blocks
+        with FSDP2's per-parameter padding, the parameters gathered in their stored dtype
+        (``--param-dtype bf16``: 2 B); the root is gathered once per micro-step, blocks
         twice with reshard-after-forward (stage 3), once without (stage 2)."""
         b_r = reduce_bytes(self.reduce_dtype)  # gradients travel in the reduce dtype
         if self._ddp:
@@ -345,7 +347,8 @@ class ZeroRedundancySync(Sync):
             out["unbooked_param_broadcast"] = (self.n - 1) / self.n * 4 * self._numel
             return out
         blocks = self._fsdp_padded(p for m in self.fsdp_modules[:-1] for p in m.parameters())
-        out = zero_step_bytes_formula(3, self.padded_numel, self.n, 4, micro_steps=micro_steps,
+        out = zero_step_bytes_formula(3, self.padded_numel, self.n, self.param_bytes,
+                                      micro_steps=micro_steps,
                                       regathered=blocks if self.reshard_after_forward else 0,
                                       grad_bytes_per_elem=b_r)
         if self.replicate_axis:  # FSDP2 all-reduces each rank's padded shards over the replicas
