@@ -34,6 +34,7 @@ FOREIGN = {
     "--master-port": "torchrun", "--redirects": "torchrun", "--tee": "torchrun",
     "--local-ranks-filter": "torchrun",
     "--world-size": "python -m shardwise.tools.estimate (its own parser)",
+    "--run": "benchmarks/host_memory.py (its own parser)",
     "--durations": "pytest", "--dist": "pytest-xdist", "--no-loadscope-reorder": "pytest-xdist",
     "--maxfail": "pytest", "--lf": "pytest",
     "--quiet": "pip", "--no-compile": "pip", "--index-url": "pip", "--extra-index-url": "pip",
