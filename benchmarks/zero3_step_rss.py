@@ -57,8 +57,7 @@ def main(sets: list[str]) -> None:
 
     def mark(point: str) -> None:
         gathered = sum(u.full.untyped_storage().nbytes() for u in sync.units)
-        inflight = sum(u._reduce[1].numel() * u._reduce[1].element_size()
-                       for u in sync.units if u._reduce is not None)
+        inflight = sum(u._reduce[1].nbytes for u in sync.units if u._reduce is not None)
         marks.append((point, status("VmRSS"), gathered, inflight))
 
     launch, finish = sync._launch_reduce, sync.finish_gradient_sync
@@ -76,8 +75,10 @@ def main(sets: list[str]) -> None:
     if topo.index("dp") == 0:
         state = engine.model_state_bytes(opt)
         print("model state bytes (MiB):", {k: round(v / MiB, 1) for k, v in state.items()})
-        print(f"RSS before the last step {before / MiB:,.0f} MiB; its peak +{(peak - before) / MiB:,.0f}")
-        print("| point | RSS − before (MiB) | gathered units (MiB) | reduce inputs in flight (MiB) |")
+        print(f"RSS before the last step {before / MiB:,.0f} MiB; "
+              f"its peak +{(peak - before) / MiB:,.0f}")
+        print("| point | RSS − before (MiB) | gathered units (MiB) "
+              "| reduce inputs in flight (MiB) |")
         print("|---|---|---|---|")
         for point, rss, g, f in marks:
             print(f"| {point} | {(rss - before) / MiB:+,.0f} | {g / MiB:,.0f} | {f / MiB:,.0f} |")
