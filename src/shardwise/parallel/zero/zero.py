@@ -136,6 +136,7 @@ class ZeroSync(Sync):
         # gradients become complete in reverse forward order, the root (tied embedding) last
         self._reduce_order = self.blocks[::-1] + self.roots
         self._next_reduce = 0
+        self.reduce_inputs_peak_bytes = 0  # most bytes of reduce_scatter inputs alive at once
         self._ready: set[FlatShards] = set()  # all gradients arrived on the syncing micro-step
         self._arrived = {u: set() for u in self.units}  # ids of parameters, this backward
         self._sync = True
@@ -228,18 +229,23 @@ class ZeroSync(Sync):
         """Every gradient of ``u`` arrived this backward (ZeRO-3: free its parameters)."""
 
     def _launch_reduce(self, u: FlatShards) -> None:
+        """Launch ``u``'s reduce_scatter, then wait for the one before it (in ``_reduce_order``
+        on every rank: HSDP's wait all-reduces): two flat gradients [P_u] alive, not all 4Ψ."""
         with self.topo.ledger.note(f"{u.name} grads"):
             u.launch_reduce_scatter()
+        self.reduce_inputs_peak_bytes = max(self.reduce_inputs_peak_bytes, sum(
+            v._reduce[1].nbytes for v in self.units if v._reduce is not None))
+        if self._next_reduce > 0:
+            self._reduce_order[self._next_reduce - 1].wait_reduce_scatter()
         self._next_reduce += 1
 
     @torch.no_grad()
     def finish_gradient_sync(self) -> None:
         """Launch the reduce_scatters not launched yet (units with an unused parameter, or
-        ``overlap=False``), in backward order, and wait for all."""
+        ``overlap=False``), in backward order, and wait for the last (:meth:`_launch_reduce`)."""
         for u in self._reduce_order[self._next_reduce:]:
             self._launch_reduce(u)
-        for u in self._reduce_order:
-            u.wait_reduce_scatter()
+        self._reduce_order[-1].wait_reduce_scatter()
         self._ready.clear()
         self._next_reduce = 0
 

@@ -215,7 +215,7 @@ class Zero3Sync(ZeroSync):
         grad enabled leaves the root gathered), and the gathered peak is measured afresh."""
         for u in self.units:
             self._reshard(u)
-        self.gathered_peak_bytes = 0
+        self.gathered_peak_bytes = self.reduce_inputs_peak_bytes = 0
 
     @torch.no_grad()
     def finish_gradient_sync(self) -> None:
@@ -259,9 +259,12 @@ class Zero3Sync(ZeroSync):
 
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
         """:meth:`.zero.ZeroSync.model_state_bytes` plus ``gathered_params_peak``: the
-        most bytes of gathered parameters held at once during the last forward/backward."""
+        most bytes of gathered parameters held at once during the last forward/backward, and
+        ``reduce_inputs_peak``: of full-size flat gradients [P_u] handed to reduce_scatter
+        (two units at most, :meth:`.zero.ZeroSync._launch_reduce`)."""
         out = super().model_state_bytes(optimizer)
         out["gathered_params_peak"] = self.gathered_peak_bytes
+        out["reduce_inputs_peak"] = self.reduce_inputs_peak_bytes
         return out
 
     def _regathered(self, axis: str | None = None) -> float:
