@@ -45,7 +45,7 @@ from ..topology import Topology
 from ..train.optim import build_optimizer, build_scheduler, lr_multiplier
 from ..train.step import train_step
 from ..train.workload import RegressionWorkload, SyntheticLMWorkload
-from .verify_layouts import layouts_that_fit, storage_layouts
+from .verify_layouts import layouts_that_fit, step_traffic, storage_layouts
 from .verify_storage import RULE as STORAGE_RULE
 from .verify_storage import (micro_batches, run_storage_case, storage_applies, storage_of,
                              storage_row)
@@ -221,16 +221,6 @@ def run_case(model_name, work, layout, engine_name, topo, cfg, ref, micro_batch,
                                    if layout.pp > 1 else params)
     traffic = {"bytes": step_traffic(topo.ledger), "losses": [float(x) for x in mine["loss"]]}
     return parity.compare(mine, ref, all_names=layout.pp == 1), bytes_dev, traffic
-
-
-def step_traffic(ledger) -> dict[str, float]:
-    """This rank's wire bytes of the ledger's current step, keyed ``"<tag> <op> <axis>"`` (one
-    key per kind of traffic; what a refactor must leave equal, or rename)."""
-    out: dict[str, float] = {}
-    for r in ledger.step_records():
-        key = f"{r.tag} {r.op} {r.axis}"
-        out[key] = out.get(key, 0.0) + r.wire_bytes
-    return out
 
 
 def _collect_traffic(store, key: str, traffic: dict, world: int, timeout_s: float) -> dict:

@@ -192,3 +192,13 @@ def storage_layouts(nproc: int) -> list[Layout]:
     from ..parallel.layout import parse_layout
 
     return [lay for lay in map(parse_layout, STORAGE_LAYOUTS) if lay.world <= nproc]
+
+
+def step_traffic(ledger) -> dict[str, float]:
+    """This rank's wire bytes of the ledger's current step, keyed ``"<tag> <op> <axis>"`` (one
+    key per kind of traffic; what a refactor must leave equal, or rename)."""
+    out: dict[str, float] = {}
+    for r in ledger.step_records():
+        key = f"{r.tag} {r.op} {r.axis}"
+        out[key] = out.get(key, 0.0) + r.wire_bytes
+    return out

@@ -28,6 +28,7 @@ from ..parallel.storage import check_storage
 from ..parity import ATOL, RTOL
 from ..precision import Precision
 from ..train.step import train_step
+from .verify_layouts import step_traffic
 
 OFFLOAD_TAGS = ("offload_d2h", "offload_h2d")
 RULE = ("bf16 storage against one process with the same storage (docs/parity.md §7): bitwise "
@@ -112,8 +113,6 @@ def run_storage_case(build, work, layout, engine_name, topo, cfg, micro_batch, n
     10-vector: max loss diff, max gradient diff, max parameter diff, failed, ledger's worst
     |measured / formula − 1|, 0, 0, 0, the largest |Δ| / (ATOL + RTOL·|ref|), 0; this rank's
     traffic; the rule). Raises AssertionError with the first failure."""
-    from .verify import step_traffic
-
     precision, offload = storage
     rule = rule_of(layout, precision, model)
     global_batch = micro_batch * n_micro * layout.dp

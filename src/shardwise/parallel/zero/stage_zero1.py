@@ -89,7 +89,7 @@ class StageZero1(Sync):
                       precision: Precision = FP32) -> dict[str, float]:
         """``grad`` and ``param`` of the module docstring, each buffer over its own axis."""
         elem = self.flats[0].params[0].element_size()
-        grad = torch.empty(0, dtype=self.flats[0].grad_dtype).element_size()  # main grads: 4
+        grad = self.flats[0].grad_dtype.itemsize  # main grads: 4
         red = reduce_bytes(self.reduce_dtype) if self.reduce_dtype == "bf16" else grad
         return {"grad": sum(ring_bytes("reduce_scatter", f.padded * red, f.n) for f in self.flats),
                 "param": sum(ring_bytes("all_gather", f.padded * elem, f.n) for f in self.flats)}
