@@ -58,7 +58,7 @@ def step_bytes_formula(engine, topo, *, micro_steps: int, sequences: int, seq_le
         out["muon"] = muon_bytes
     from .parallel.storage import offload_bytes_formula
 
-    out.update(offload_bytes_formula(engine))  # --offload: the host <-> device copies
+    out.update(offload_bytes_formula(engine, micro_steps))  # --offload: host <-> device copies
     out["loss"] = _scalar_all_reduces(engine, topo)
     out["total"] = sum(out.values())
     return out

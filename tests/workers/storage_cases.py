@@ -20,6 +20,7 @@ from shardwise.config import TrainConfig
 from shardwise.formulas import step_bytes_formula
 from shardwise.models import build_model
 from shardwise.parallel.apply import Layout, parallelize
+from shardwise.parallel.storage import storage_memory_formula
 from shardwise.precision import Precision
 from shardwise.topology import Topology, init_distributed
 from shardwise.train.optim import build_optimizer
@@ -29,7 +30,11 @@ from shardwise.train.workload import SyntheticLMWorkload
 STEPS, GLOBAL_BATCH, LR, SEQ = 3, 8, 1e-2, 16
 RECIPES = {"megatron": ("bf16", "fp32", "none"), "megatron_off": ("bf16", "fp32", "optimizer"),
            "guide": ("bf16", "none", "none"), "guide_off": ("bf16", "none", "optimizer"),
-           "fp32": ("fp32", "fp32", "none"), "fp32_off": ("fp32", "fp32", "optimizer")}
+           "fp32": ("fp32", "fp32", "none"), "fp32_off": ("fp32", "fp32", "optimizer"),
+           # --offload params (ZeRO-3's shards on the host): the twins of the first three
+           "megatron_offp": ("bf16", "fp32", "params"), "guide_offp": ("bf16", "none", "params"),
+           "fp32_offp": ("fp32", "fp32", "params")}
+PARAMS = ("megatron_offp", "guide_offp", "fp32_offp")
 # ZeRO-2/3 inside the stages of pp 2 × dp 2 (1F1B; interleaved, two chunks per rank, for ZeRO-3)
 PP_ZERO = ["pp=2,dp=2,zero=2,microbatches=2", "pp=2,dp=2,zero=3,microbatches=2",
            "pp=2,dp=2,zero=3,microbatches=2,schedule=interleaved-1f1b"]
@@ -40,12 +45,22 @@ OTHERS = ["dp=4,dp_replicate=2,zero=3", "dp=4,zero=3", "tp=2", "dp=2,tp=2,zero=1
           "pp=2,microbatches=4", "pp=2,dp=2,zero=1,microbatches=2"] + PP_ZERO
 # the torch engine: the guide's recipe under FSDP2 (MixedPrecisionPolicy(reduce_dtype=fp32))
 TORCH = ["dp=2,zero=2@torch", "dp=2,zero=3@torch"]
-CASES = ([(lay, r) for lay in BITWISE for r in RECIPES] + [(lay, "guide") for lay in TORCH]
+CASES = ([(lay, r) for lay in BITWISE for r in RECIPES if r not in PARAMS or "zero=3" in lay]
+         + [(lay, "guide") for lay in TORCH]
          + [(lay, r) for lay in OTHERS for r in ("megatron", "megatron_off", "fp32", "fp32_off")])
+# --offload params beyond dp 2's: dp 4 and HSDP, and two micro-batches per rank (n_micro=2,
+# not a Layout field: the gathers repeat per micro-batch, the gradient comes down once)
+OFFP = ["dp=4,zero=3", "dp=4,dp_replicate=2,zero=3", "dp=2,zero=3,n_micro=2",
+        "dp=4,zero=3,n_micro=2"]
+CASES += ([("dp=4,zero=3", r) for r in ("guide", "guide_offp", "megatron_offp", "fp32_offp")]
+          + [("dp=4,dp_replicate=2,zero=3", "megatron_offp")]
+          + [(lay, r) for lay in OFFP[2:] for r in ("megatron", "megatron_offp", "guide",
+                                                    "guide_offp")])
 # ``make test``'s share (one world of these; the rest run under ``make test-slow``): ZeRO-3 with
 # every recipe, HSDP, pp 2 × dp 2 ZeRO-1 and ZeRO-3 (1F1B, interleaved) under Megatron's recipe
 # and its offloaded twin
-FAST = ([("dp=2,zero=3", r) for r in RECIPES] + [("dp=2,zero=3@torch", "guide")]
+FAST = ([("dp=2,zero=3", r) for r in RECIPES if r not in PARAMS or r == "megatron_offp"]
+        + [("dp=2,zero=3@torch", "guide")]
         + [(lay, r) for lay in ("dp=4,dp_replicate=2,zero=3", "pp=2,dp=2,zero=1,microbatches=2",
                                 *PP_ZERO[1:]) for r in ("megatron", "megatron_off")])
 
@@ -64,7 +79,14 @@ def layout_of(text: str) -> Layout:
     """``"dp=2,zero=3@torch"`` → its Layout (the engine, after @, is :func:`engine_of`'s)."""
     text = text.split("@")[0]
     return Layout(**{k: v if k == "schedule" else int(v)
-                     for k, v in (kv.split("=") for kv in text.split(","))})
+                     for k, v in (kv.split("=") for kv in text.split(","))
+                     if k != "n_micro"})
+
+
+def n_micro_of(text: str) -> int:
+    """Micro-batches per rank per step: a pipeline's ``microbatches``, else ``n_micro`` (1)."""
+    keys = dict(kv.split("=") for kv in text.split("@")[0].split(","))
+    return int(keys.get("microbatches", keys.get("n_micro", 1)))
 
 
 def engine_of(text: str) -> str:
@@ -100,13 +122,18 @@ def run_case(out, topos, rank, text, recipe):
     opt = build_optimizer(engine, config())
     work = workload()
     sampler = work.sampler(GLOBAL_BATCH, layout.dp, topo.index("dp"), 0)
-    m = layout.microbatches or 1  # a pipeline's micro-batches per step
+    m = n_micro_of(text)  # micro-batches per step
     micro = GLOBAL_BATCH // layout.dp // m
-    rec = {k: [] for k in ("loss", "grad_norm", "params", "grads", "ledger", "formula")}
+    rec = {k: [] for k in ("loss", "grad_norm", "params", "grads", "ledger", "formula", "tags")}
+    rec["memory"] = (storage_memory_formula(engine) if "zero=3" in text and layout.pp == 1
+                     and engine_of(text) == "explicit" else None)  # device / host, by formula
+    rec["offloaded"] = [getattr(u, "offload", None) is not None
+                        for u in getattr(engine.grad_sync, "units", ())]
     for _ in range(STEPS):
         res = train_step(engine, work.batches(sampler.next_local_batch(), micro), opt, topo,
                          zero_grad=False)
         rec["ledger"].append({t: topo.ledger.step_bytes(t) for t in ("offload_d2h", "offload_h2d")})
+        rec["tags"].append({t: topo.ledger.step_bytes(t) for t in ("param", "grad")})
         formula = step_bytes_formula(engine, topo, micro_steps=m, sequences=micro * m,
                                      seq_len=SEQ)
         rec["formula"].append({t: formula.get(t, 0.0) for t in ("offload_d2h", "offload_h2d")})

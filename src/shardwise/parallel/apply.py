@@ -62,7 +62,8 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     ``layers_per_stage``: an explicit pipeline split; ``seed``: TP dropout RNG; ``precision``:
     the run's :class:`~shardwise.precision.Precision` (held by the engine; its storage dtype
     cast in, with fp32 main gradients under Megatron's recipe: :mod:`.storage`); ``offload``:
-    "none" | "optimizer" (held by the engine: its optimizer's state on the host);
+    "none" | "optimizer" (held by the engine: its optimizer's state on the host) | "params"
+    (ZeRO-3's shards on the host too: :mod:`.zero.offload`);
     ``weights``: (name, full tensor) for a model built on the meta device
     (:mod:`.materialize`); ``numerics``:
     callables applied in order to the model before TP. Raises :class:`ShardwiseConfigError`
@@ -88,6 +89,10 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
         store_parameters(model, precision)
     sync = build.sync(model, topo, layout, options, values)  # 4.
     values.fill(sync)
+    if offload == "params":  # ZeRO-3's shards (and their gradients) to host memory
+        from .zero.offload import offload_params
+
+        offload_params(sync)
     if stored:  # Megatron's recipe: fp32 main gradients, once the values are in place
         arm_main_grads(model, precision)
     finishers = [sync.finish_gradient_sync] + build.sp_finishers(model, topo, layout, sync)  # 5.

@@ -36,18 +36,21 @@ class MasterAdamW(torch.optim.Optimizer):
     """AdamW(lr, betas, eps, weight_decay) of ``params`` stepped on master copies of dtype
     ``master_dtype`` (module docstring); ``offload``: masters, m and v in host memory (pinned
     when the parameters are on an accelerator) and the step there (foreach AdamW);
-    ``topo``: whose ledger books the host ↔ device copies (None: none booked). ``foreach`` /
-    ``fused``: ``torch.optim.AdamW``'s (fused only on the device, never offloaded).
+    ``topo``: whose ledger books the host ↔ device copies (None: none booked). ``host_params``
+    (``--offload params``): the parameters it is given already live in host memory (ZeRO-3's
+    host shards, :mod:`.zero.offload`): the masters, m and v beside them, no copy of its own.
+    ``foreach`` / ``fused``: ``torch.optim.AdamW``'s (fused only on the device, never
+    offloaded: foreach on the host).
     ``state_dtype`` / ``state_device``: where the state lives, read by ZeRO's state gathers."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, foreach: bool | None = None,
                  fused: bool | None = None, master_dtype: torch.dtype = torch.float32,
-                 offload: bool = False, topo=None):
+                 offload: bool = False, topo=None, host_params: bool = False):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.master_dtype, self.offload, self.topo = master_dtype, offload, topo
-        self.fused = bool(fused) and not offload
-        self.foreach = True if offload else foreach
+        self.fused = bool(fused) and not (offload or host_params)
+        self.foreach = True if offload or host_params else foreach
         self.state_dtype = master_dtype
         self.state_device = torch.device("cpu") if offload else None
 
@@ -121,11 +124,13 @@ class MasterAdamW(torch.optim.Optimizer):
 def optimizer_options(precision, offload: str, topo) -> dict:
     """``make_optimizer`` keywords that select :class:`MasterAdamW` for ``precision`` and
     ``offload``, or {} where plain AdamW is the recipe (fp32 or bf16 storage without a
-    master copy, nothing offloaded)."""
+    master copy, nothing offloaded). ``offload`` "params": the sync put the shards on the host
+    (:mod:`.zero.offload`), so the optimizer steps them in place (``host_params``), copying
+    nothing itself."""
     from .storage import TORCH_DTYPES
 
     if precision.master_dtype is None and offload == "none":
         return {}
     master = TORCH_DTYPES[precision.master_dtype or precision.param_dtype]
     return {"optimizer_class": MasterAdamW, "master_dtype": master,
-            "offload": offload != "none", "topo": topo}
+            "offload": offload == "optimizer", "host_params": offload == "params", "topo": topo}

@@ -298,6 +298,7 @@ def grad_norm_(held: Held | list[tuple[torch.Tensor, bool]], topo, axes, max_nor
     for t, counted in held:
         if counted:
             sq += t.detach().double().pow(2).sum()
+    sq = sq if topo is None else sq.to(topo.device)  # (--offload params: summed on the host)
     for axis in axes:
         if topo.size(axis) > 1:
             comm.all_reduce(sq, topo, axis, tag="grad_norm")
@@ -305,7 +306,7 @@ def grad_norm_(held: Held | list[tuple[torch.Tensor, bool]], topo, axes, max_nor
     if max_norm and max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for t in tensors:
-            t.mul_(coef.to(t.dtype))
+            t.mul_(coef.to(t.device, t.dtype))
     return norm
 
 

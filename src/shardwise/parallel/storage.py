@@ -33,7 +33,9 @@ def check_storage(layout, precision: Precision, offload: str, engine: str) -> No
     master copy) and ``offload`` ("none" | "optimizer" | "params") — against what the engines
     wire for ``layout`` on ``engine``: the one definition ``train`` and the planner share.
     Wired: the explicit engine (dp, ZeRO-1/2/3, HSDP, tp, pp with its stage syncs), bf16
-    storage (both recipes) and ``--offload optimizer``. Raises :class:`ShardwiseConfigError`."""
+    storage (both recipes) and ``--offload optimizer``; ``--offload params`` on ZeRO-3 (and
+    HSDP) without tp, pp, cp or ep (:mod:`.zero.offload`). Raises
+    :class:`ShardwiseConfigError`."""
     if offload not in OFFLOADS:
         raise ShardwiseConfigError(f"--offload {offload!r}: choose none, optimizer or params")
     stored = precision.param_dtype != "fp32"
@@ -48,9 +50,11 @@ def check_storage(layout, precision: Precision, offload: str, engine: str) -> No
     if layout.cp > 1 or layout.ep > 1:
         raise ShardwiseConfigError(f"{what} is not proven with cp or ep yet (no parity test): "
                                    "use --cp 1 --ep 1, or --param-dtype fp32 --offload none")
-    if offload == "params":
-        raise ShardwiseConfigError("--offload params is not wired yet (the ZeRO-3 shards "
-                                   "would live on the host): use --offload optimizer")
+    if offload == "params" and engine == "explicit" and (layout.zero != 3 or layout.tp > 1
+                                                          or layout.pp > 1):
+        raise ShardwiseConfigError("--offload params moves ZeRO-3's shards to the host: wired "
+                                   "for --zero 3 without tp or pp only; use --zero 3 --tp 1 "
+                                   "--pp 1, or --offload optimizer")
 
 
 def _torch_wired(layout, precision: Precision, offload: str) -> bool:
@@ -129,15 +133,22 @@ def optimized_numel(sync) -> int:
     return sum(p.numel() for p in dict.fromkeys(sync.module.parameters()) if p.requires_grad)
 
 
-def offload_bytes_formula(engine) -> dict[str, float]:
+def offload_bytes_formula(engine, micro_steps: int = 1) -> dict[str, float]:
     """``{"offload_d2h", "offload_h2d"}`` bytes one rank copies per step with ``--offload
     optimizer`` ({} without): its N optimized elements (:func:`optimized_numel`) cross once
     each way — the gradients to the host in the gradient dtype (fp32 main gradients: 4 B),
     the updated parameters back in the storage dtype (bf16: 2 B). ZeRO-Offload (Ren et al.
-    2021, §4.1: gradients down, fp16 parameters up, the optimizer on the CPU)."""
-    if getattr(engine, "offload", "none") == "none":
+    2021, §4.1: gradients down, fp16 parameters up, the optimizer on the CPU). ``--offload
+    params``: the shard up before each of the ``micro_steps`` micro-batches' gathers and the
+    reduced slice down once (:func:`.zero.offload.offload_params_bytes`)."""
+    offload = getattr(engine, "offload", "none")
+    if offload == "none":
         return {}
     n, p = optimized_numel(engine.grad_sync), engine.precision
+    if offload == "params":
+        from .zero.offload import offload_params_bytes
+
+        return offload_params_bytes(engine.grad_sync, micro_steps, p.param)
     return {"offload_d2h": float(n * p.grad), "offload_h2d": float(n * p.param)}
 
 
@@ -154,19 +165,24 @@ def storage_memory_formula(engine) -> dict[str, dict[str, float]] | None:
     of this rank by the formula: the engine's ``memory_formula`` (fp32 counts, ZeRO paper
     §5.1–5.3) read as element counts (4 B per parameter and gradient, 8 B per optimizer
     element) and priced in ``engine.precision``'s bytes (parameter, gradient, master + m + v);
-    ``--offload optimizer`` puts the optimizer part on the host. None without a closed form."""
+    ``--offload optimizer`` puts the optimizer part on the host, ``params`` the parameter and
+    gradient shards too (ZeRO-3's: the formula's whole params and grads terms). None without a
+    closed form."""
     f = engine.memory_formula()
     if f is None:
         return None
-    p, offload = engine.precision, getattr(engine, "offload", "none") != "none"
-    # offloaded without a master dtype, the host keeps its own copy of the parameters (the
-    # step's master, :class:`.master.MasterAdamW`)
-    per = p.optim + (p.param if offload and p.master_dtype is None else 0)
+    where = getattr(engine, "offload", "none")
+    p, offload = engine.precision, where != "none"
+    # optimizer offloaded without a master dtype, the host keeps its own copy of the
+    # parameters (the step's master, :class:`.master.MasterAdamW`); with params offloaded the
+    # host shard is the master then
+    per = p.optim + (p.param if where == "optimizer" and p.master_dtype is None else 0)
     dev = {"params": f["params"] / 4 * p.param, "grads": f["grads"] / 4 * p.grad,
            "optimizer": f["optimizer"] / 8 * per}
     host = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
-    if offload:
-        host["optimizer"], dev["optimizer"] = dev["optimizer"], 0.0
+    for part in ("optimizer", "params", "grads") if offload else ():
+        if part == "optimizer" or where == "params":
+            host[part], dev[part] = dev[part], 0.0
     for d in (dev, host):
         d["total"] = d["params"] + d["grads"] + d["optimizer"]
     return {"device": dev, "host": host}
@@ -181,8 +197,10 @@ def describe_storage(engine) -> list[str]:
     b = (f"{p.param} + {p.grad} + {master}{2 * ELEMENT_BYTES[p.optim_dtype]} = "
          f"{p.param + p.grad + p.optim} B/parameter (parameter, gradient, "
          f"{'master, ' if master else ''}AdamW m and v)")
-    lines = [f"  storage: {words}: {b}" + (f"; --offload {offload}: master, m, v and the AdamW "
-                                           "step in host memory" if offload != "none" else "")]
+    moved = "parameter and gradient shards, " if offload == "params" else ""
+    lines = [f"  storage: {words}: {b}" + (f"; --offload {offload}: {moved}master, m, v and the "
+                                           "AdamW step in host memory" if offload != "none"
+                                           else "")]
     mem = storage_memory_formula(engine)
     if mem is not None:
         d, h = mem["device"], mem["host"]

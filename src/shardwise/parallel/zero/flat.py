@@ -91,6 +91,7 @@ class FlatShards:
         self.reduce_dtype = reduce_torch or self.dtype
         self.grad_dtype = grad_torch or self.dtype
         self._reduce = None  # (handle, input kept alive, output) of an in-flight reduce_scatter
+        self.offload = None  # --offload params: its .offload.HostShards (shards on the host)
         with torch.no_grad():
             # pad 0; deferred ZeRO-3 (below) never reads it: left untouched, its pages are never
             # resident (a zeroed one would stay in the allocator's heap after it is freed)
@@ -168,8 +169,8 @@ class FlatShards:
                     p.grad = None  # the full gradient is not kept
                     if hasattr(p, "main_grad"):
                         p.main_grad = None
-            out = self.shard_grad if rdtype == self.grad_dtype else torch.empty(
-                self.shard_numel, dtype=rdtype, device=self.device)  # [k]
+            out = self.shard_grad if rdtype == self.grad_dtype and not self.offload else \
+                torch.empty(self.shard_numel, dtype=rdtype, device=self.device)  # [k]
         handle = comm.reduce_scatter(out, flat, self.topo, self.axis, tag="grad",
                                      async_op=True)
         self._reduce = (handle, flat, out)
@@ -180,7 +181,9 @@ class FlatShards:
         handle.wait()
         if self.replicate_axis is not None:  # HSDP: sum this shard across the replicas
             comm.all_reduce(out, self.topo, self.replicate_axis, tag="grad_replicate")
-        if out is not self.shard_grad:
+        if self.offload:  # --offload params: down to the host shard, booked
+            self.offload.land_grad(out)
+        elif out is not self.shard_grad:
             self.shard_grad.copy_(out)  # out of the aliased buffer; bf16 → fp32
         self._reduce = None
 
@@ -287,7 +290,7 @@ def gather_flats(shards: list[torch.Tensor], topo, axis: str | None = None) -> l
     axis = axis or topo.data_axis
     if len({s.dtype for s in shards}) > 1:
         return [x for s in shards for x in gather_flats([s], topo, axis)]
-    mine = torch.cat(shards)
+    mine = torch.cat(shards).to(topo.device)  # (--offload params: host slices)
     n = topo.size(axis)
     rows = mine.new_empty(n * mine.numel())
     with topo.ledger.phase("verify"):

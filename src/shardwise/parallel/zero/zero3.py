@@ -120,7 +120,8 @@ class Zero3Sync(ZeroSync):
         # [k] from every rank → [P_u]; rank j's slice lands at [j·k, (j+1)·k)
         with self.topo.ledger.note(f"{u.name} {self._direction}"
                                    + (" (prefetch)" if async_op else "")):
-            self._inflight[u] = comm.all_gather(u.full, u.shard, self.topo, u.axis,
+            src = u.offload.device_shard() if u.offload else u.shard  # (--offload params)
+            self._inflight[u] = comm.all_gather(u.full, src, self.topo, u.axis,
                                                 tag="param", async_op=async_op)
 
     def _unshard(self, u: FlatShards | None) -> None:
