@@ -155,6 +155,46 @@ def test_offload_bitwise_equal_to_no_offload_and_ledger_equals_formula(results, 
             assert torch.equal(st["master"].to(a["params"][-1][n].dtype), a["params"][-1][n])
 
 
+PARAMS_TWINS = [c for c in W.CASES if c[1] in W.PARAMS]
+
+
+@pytest.mark.parametrize("case", _params(PARAMS_TWINS))
+def test_params_offload_bitwise_equal_to_no_offload_and_ledger_equals_formula(request, case):
+    """``--offload params`` (ZeRO-3's shards on the host; :mod:`shardwise.parallel.zero.
+    offload`) against the same layout without offload: the same arithmetic, so losses, every
+    gradient, parameter and optimizer state bitwise equal every step. The copies, each step:
+    the ledger equals the formula, and, derived apart from it from the ring costs, each
+    all_gather of a unit's [k] slices ((S−1)·k·b on the wire, S the shard group) follows one
+    host → device copy of k·b, and each reduce_scatter ((S−1)·k·b_r) one copy down of k·b_r:
+    h2d = param / (S−1), d2h = grad / (S−1). By the formula, the parameter and gradient shards
+    leave the device for the host."""
+    text, recipe = case
+    twin = (text, recipe[:-len("_offp")])  # maybe in the other world: each from its own
+    on, off = (_load(request.getfixturevalue("fast_results" if c in W.FAST else "slow_results"),
+                     *c) for c in (case, twin))
+    lay = W.layout_of(text)
+    s = lay.dp // lay.dp_replicate
+    for a, b in zip(on, off):
+        assert a["offloaded"] and all(a["offloaded"]) and not any(b["offloaded"])
+        for t in range(W.STEPS):
+            assert a["loss"][t] == b["loss"][t]
+            _equal(a["grads"][t], b["grads"][t], f"step {t} gradients")
+            _equal(a["params"][t], b["params"][t], f"step {t} parameters")
+            assert a["ledger"][t] == a["formula"][t], (t, a["ledger"][t], a["formula"][t])
+            assert a["ledger"][t]["offload_h2d"] == a["tags"][t]["param"] / (s - 1) > 0
+            assert a["ledger"][t]["offload_d2h"] == a["tags"][t]["grad"] / (s - 1) > 0
+            assert a["tags"][t] == b["tags"][t]  # the collectives unchanged
+            for run in (a, b):
+                led, formula = run["totals"][t]
+                assert led == pytest.approx(formula, rel=1e-12), (t, led, formula)
+        assert a["state"].keys() == b["state"].keys()
+        for n, st in a["state"].items():
+            _equal(st, b["state"][n], f"optimizer state of {n}")
+        dev, host, twin = a["memory"]["device"], a["memory"]["host"], b["memory"]["device"]
+        assert dev["total"] == 0.0 and (host["params"], host["grads"], host["optimizer"]) == (
+            twin["params"], twin["grads"], twin["optimizer"])
+
+
 @pytest.mark.parametrize("text", ["dp=4,dp_replicate=2,zero=3",
                                   pytest.param("dp=4,zero=3", marks=pytest.mark.slow)])
 def test_hsdp_and_dp4_first_step_within_the_fp32_rule(results, text):
@@ -188,7 +228,7 @@ def test_pipeline_first_step_within_the_fp32_rule_but_the_tied_embedding(results
             torch.testing.assert_close(g, ref["grads"][0][n], rtol=RTOL, atol=ATOL)
 
 
-MEGATRON = [c for c in W.CASES if c[1] in ("megatron", "megatron_off")]
+MEGATRON = [c for c in W.CASES if c[1] in ("megatron", "megatron_off", "megatron_offp")]
 
 
 @pytest.mark.parametrize("case", _params(MEGATRON))
@@ -258,7 +298,9 @@ def test_refusals_name_the_fix():
             (Layout(dp=2, zero=3), bf16, "none", "torch", "guide's recipe only"),
             (Layout(dp=2, zero=1), Precision.stored("bf16", "none"), "none", "torch", "--zero 2/3"),
             (Layout(dp=2, zero=3), Precision(), "optimizer", "torch", "engine explicit"),
-            (Layout(dp=2, zero=3), Precision(), "params", "explicit", "--offload optimizer"),
+            (Layout(dp=2, zero=2), Precision(), "params", "explicit", "--zero 3"),
+            (Layout(dp=2, tp=2, zero=3), bf16, "params", "explicit", "without tp or pp"),
+            (Layout(pp=2, dp=2, zero=3), bf16, "params", "explicit", "without tp or pp"),
             (Layout(dp=2), Precision(), "disk", "explicit", "choose none"),
             (Layout(dp=2, cp=2), bf16, "none", "explicit", "cp or ep")]:
         with pytest.raises(ShardwiseConfigError, match=match):
@@ -266,4 +308,6 @@ def test_refusals_name_the_fix():
     for layout in (Layout(dp=2, zero=3), Layout(pp=2, dp=2, zero=1), Layout(dp=2, tp=2),
                    Layout(pp=2, dp=2, zero=3), Layout(pp=2, dp=4, dp_replicate=2, zero=3)):
         check_storage(layout, bf16, "optimizer", "explicit")  # wired
+    for layout in (Layout(dp=2, zero=3), Layout(dp=4, dp_replicate=2, zero=3)):
+        check_storage(layout, bf16, "params", "explicit")  # wired
     check_storage(Layout(dp=2, zero=3), Precision.stored("bf16", "none"), "none", "torch")
