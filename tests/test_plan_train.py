@@ -176,7 +176,8 @@ def test_offload_moves_the_state_to_the_host_by_the_formula():
     """The guide's setup (Llama 3.1 405B, 64 H100, ZeRO-3 over all 64, 1 × 4096 tokens per GPU,
     full recomputation, bf16 parameters and Adam state): offload moves exactly the optimizer
     state (Adam m, v: 2·2 B × Ψ/64, plus a 4-byte step counter per tensor) and the gradient
-    shard's host copy (2 B × Ψ/64); "params" the parameter shard (2 B × Ψ/64) too."""
+    shard's host copy (2 B × Ψ/64); "params" the parameter shard (2 B × Ψ/64) too, and the
+    gradient shard leaves the device (one micro-batch: no full gradients accumulated there)."""
     model, none = _405b("none")
     _, opt = _405b("optimizer")
     _, par = _405b("params")
@@ -187,6 +188,8 @@ def test_offload_moves_the_state_to_the_host_by_the_formula():
     assert no["host_grads"] == pytest.approx(2 * psi) and no["host_params"] == 0
     assert no["total"] == pytest.approx(n0["total"] - n0["optimizer"])
     assert np_["params"] == 0 and np_["host_params"] == pytest.approx(2 * psi)
+    assert n0["grads"] == pytest.approx(2 * psi) and np_["grads"] == 0
+    assert np_["total"] == pytest.approx(n0["total"] - n0["optimizer"] - 4 * psi)
     assert np_["host"] == pytest.approx(n0["optimizer"] + 4 * psi)
     assert not none.fits and opt.fits and par.fits  # 405B/64 needs the host (this model)
     assert opt.host_bytes_per_gpu * 8 <= opt.host_capacity_bytes
@@ -196,7 +199,8 @@ def test_offload_time_is_the_copies_and_the_host_step():
     """The step time adds the copies over the host link (PCIe Gen5 x16: 64 GB/s per direction
     × 80 % link efficiency) — gradient shard down (2 B × Ψ/64) and, with "optimizer", the
     updated shard up (2 B × Ψ/64); with "params", the shard up before each of the 2m = 2
-    passes — and runs AdamW on the host: adam_bytes (bf16-pure: 2·2 + 2 + 4·2 = 14 B) per
+    passes and the reduced gradient shard down in the reduce dtype (fp32: 4 B × Ψ/64, as
+    train's ZeRO-3 copies it) — and runs AdamW on the host: adam_bytes (bf16-pure: 2·2 + 2 + 4·2 = 14 B) per
     parameter at the node's DRAM bandwidth / 8 GPUs (614.4 GB/s, DGX H100)."""
     model, none = _405b("none")
     _, opt = _405b("optimizer")
@@ -204,7 +208,7 @@ def test_offload_time_is_the_copies_and_the_host_step():
     psi = model.num_params() / 64
     link = 64e9 * 0.8
     assert opt.times["offload"] == pytest.approx((2 * psi + 2 * psi) / link)
-    assert par.times["offload"] == pytest.approx((2 * psi + 2 * 2 * psi) / link)
+    assert par.times["offload"] == pytest.approx((4 * psi + 2 * 2 * psi) / link)
     assert opt.times["optimizer"] == pytest.approx(14 * psi / (614.4e9 / 8))
     assert none.times["offload"] == 0
     assert opt.step_time_s == pytest.approx(none.step_time_s - none.times["optimizer"]

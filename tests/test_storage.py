@@ -190,9 +190,15 @@ def test_params_offload_bitwise_equal_to_no_offload_and_ledger_equals_formula(re
         assert a["state"].keys() == b["state"].keys()
         for n, st in a["state"].items():
             _equal(st, b["state"][n], f"optimizer state of {n}")
+        # the start-up formula: model state all on the host, Ψ/S elements of each at the
+        # recipe's bytes (parameter P, gradient G, master + m + v K), where without offload
+        # it is all on the device
         dev, host, twin = a["memory"]["device"], a["memory"]["host"], b["memory"]["device"]
-        assert dev["total"] == 0.0 and (host["params"], host["grads"], host["optimizer"]) == (
-            twin["params"], twin["grads"], twin["optimizer"])
+        psi = sum(p.numel() for p in dict.fromkeys(W.make_model().parameters())) / s
+        prec = W.precision_of(recipe)[0]
+        want = {"params": prec.param * psi, "grads": prec.grad * psi, "optimizer": prec.optim * psi}
+        assert dev["total"] == 0.0 and twin["total"] == host["total"] == sum(want.values())
+        assert {k: host[k] for k in want} == want and {k: twin[k] for k in want} == want
 
 
 @pytest.mark.parametrize("text", ["dp=4,dp_replicate=2,zero=3",

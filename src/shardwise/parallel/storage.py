@@ -177,8 +177,12 @@ def storage_memory_formula(engine) -> dict[str, dict[str, float]] | None:
     # parameters (the step's master, :class:`.master.MasterAdamW`); with params offloaded the
     # host shard is the master then
     per = p.optim + (p.param if where == "optimizer" and p.master_dtype is None else 0)
-    dev = {"params": f["params"] / 4 * p.param, "grads": f["grads"] / 4 * p.grad,
-           "optimizer": f["optimizer"] / 8 * per}
+    # the bytes per element the engine's formula priced: 4 (fp32), but ZeRO's flat units price
+    # the storage dtype's (:func:`.zero.formulas.units_memory_formula`: 2 under bf16 storage)
+    units = getattr(engine.grad_sync, "units", None)
+    b = units[0].full.element_size() if units else 4
+    dev = {"params": f["params"] / b * p.param, "grads": f["grads"] / b * p.grad,
+           "optimizer": f["optimizer"] / (2 * b) * per}
     host = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
     for part in ("optimizer", "params", "grads") if offload else ():
         if part == "optimizer" or where == "params":

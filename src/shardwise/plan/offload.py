@@ -20,8 +20,11 @@ def offload_state(state: dict[str, float], offload: str, prec: Precision,
     Ren et al. 2021 §4; FSDP2's ``CPUOffloadPolicy`` for the optimizer): the optimizer state —
     Adam's m and v, the master copy, the step counters — on the host, and a host copy of the
     reduced gradient shard the step reads (``G·updated``); the parameters and the gradients
-    being accumulated stay on the device. "params": the parameter share too (``state["params"]``:
-    the ZeRO-3 shard, or all of them below ZeRO-3), on the host between uses."""
+    being accumulated stay on the device. "params" (train runs it at ZeRO-3 only,
+    :func:`~shardwise.parallel.storage.check_storage`): the parameter share too
+    (``state["params"]``: the ZeRO-3 shard) on the host between uses, and the reduced gradient
+    shard lives there instead of on the device (``G·updated`` leaves the device's gradients:
+    what remains is the full gradients accumulated over micro-batches, if any)."""
     host = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
     if offload == "none":
         return dict(state), host
@@ -29,6 +32,7 @@ def offload_state(state: dict[str, float], offload: str, prec: Precision,
     host.update(optimizer=state["optimizer"], grads=prec.grad * updated)
     if offload == "params":
         host["params"], device["params"] = state["params"], 0.0
+        device["grads"] = max(0.0, state["grads"] - host["grads"])
     return device, host
 
 
@@ -41,8 +45,11 @@ def offload_copies(layout: PlanLayout, prec: Precision, updated: float, held: fl
     micro-batches per step. Offload "optimizer": the gradient shard to the host once per step
     (``G·updated``), the updated parameters back (``P·updated``). "params": the gradient shard
     the same; the parameters stay on the host and their share comes to the device before every
-    micro-batch's forward and backward (``2m × P·held``: FSDP2's ``CPUOffloadPolicy`` copies
-    the shard up before each all-gather)."""
+    micro-batch's forward and backward (``2m × P·held``: FSDP2's ``CPUOffloadPolicy`` and
+    shardwise's ZeRO-3 copy the shard up before each all-gather; the root unit, gathered once
+    per micro-batch, is counted twice: an upper bound), and the reduced gradient shard comes
+    down in the reduce dtype (``grad_comm·updated``, once per step: train reduce-scatters once
+    per step)."""
     if layout.offload == "none":
         return []
     bw = cluster.gpu.pcie_bandwidth * assume.link_efficiency
@@ -52,7 +59,8 @@ def offload_copies(layout: PlanLayout, prec: Precision, updated: float, held: fl
         sec = size * count / bw
         return Collective("host", op, tag, size, 1, count, size * count, sec, sec, link, note)
 
-    out = [copy("d2h", "grad", prec.grad * updated, 1,
+    grad_b = prec.grad_comm if layout.offload == "params" else prec.grad
+    out = [copy("d2h", "grad", grad_b * updated, 1,
                 "the gradient shard to the host optimizer, once per step")]
     if layout.offload == "optimizer":
         out.append(copy("h2d", "param", prec.param * updated, 1,

@@ -260,8 +260,9 @@ def _could_fit(e: Estimate, offload: str) -> bool:
     """Whether ``offload`` could bring estimate ``e`` (made without offload) into the device:
     each stage's total less the state it moves to the host (the optimizer state; with "params"
     the parameters too) fits. The estimate with offload holds exactly that on the device, plus,
-    for "params" below ZeRO-3, the two layers copied up at a time: a lower bound."""
-    moved = ("optimizer",) + (("params",) if offload == "params" else ())
+    for "params" below ZeRO-3, the two layers copied up at a time: a lower bound. ("params"
+    moves the gradient shard too: all the gradients are subtracted, a lower bound still.)"""
+    moved = ("optimizer",) + (("params", "grads") if offload == "params" else ())
     return all(mem["total"] - sum(mem[k] for k in moved) <= e.capacity_bytes
                for mem in e.memory.values())
 
