@@ -1,4 +1,4 @@
-"""``shardwise verify --param-dtype bf16 [--master-dtype fp32|none] [--offload optimizer]``
+"""``shardwise verify --param-dtype bf16 [--master-dtype fp32|none] [--offload optimizer|params]``
 (issue 53): a handful of layouts at nproc 4, each against one process with the same storage by
 the rule of docs/parity.md §7 (:mod:`shardwise.tools.verify_storage`), and the ledger = formula
 every step with the host ↔ device copies included."""
@@ -22,11 +22,18 @@ RUNS = {
                       "dp=2,pp=2,zero=3,interleaved-1f1b,m=4": "step 1"}),
     "guide": (["--master-dtype", "none", "--engine", "both"],
               {"dp=2,zero=2": "bitwise", "dp=2,zero=3": "bitwise", "dp=4,zero=3": "ledger"}),
+    # --offload params: ZeRO-3's shards on the host (explicit engine; make test-slow, the
+    # tests/test_storage.py twins in make test)
+    "megatron_offp": (["--master-dtype", "fp32", "--offload", "params", "--engine", "explicit"],
+                      {"dp=2,zero=3": "bitwise", "dp=4,zero=3": "step 1",
+                       "dp=4,dp_replicate=2,zero=3": "step 1"}),
 }
+OFFLOADED = ("megatron_off", "megatron_offp")
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("run", list(RUNS))
+@pytest.mark.parametrize("run", [pytest.param(r, marks=pytest.mark.slow) if r.endswith("_offp")
+                                 else r for r in RUNS])
 def test_verify_bf16_storage_against_one_process_with_the_same_storage(cache_dir, tmp_path,
                                                                         run):
     flags, rules = RUNS[run]
@@ -46,7 +53,7 @@ def test_verify_bf16_storage_against_one_process_with_the_same_storage(cache_dir
         assert c["pass"] and c["rule"] == rules[c["layout"]], c
         assert c["ledger_vs_formula_max_deviation"] < 1e-9
         off = [b for k, b in c["bytes_per_tag"].items() if k.startswith("offload_")]
-        assert (len(off) == 2 and all(b > 0 for b in off)) == (run == "megatron_off"), c
+        assert (len(off) == 2 and all(b > 0 for b in off)) == (run in OFFLOADED), c
         if c["rule"] == "bitwise":  # every loss, gradient and parameter equal, every step
             assert c["max_loss_diff"] == c["max_grad_diff"] == c["max_param_diff"] == 0.0
         elif c["rule"] == "step 1":  # §2's rule on step 1's loss and main gradients

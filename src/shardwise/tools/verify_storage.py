@@ -1,4 +1,4 @@
-"""``shardwise verify --param-dtype bf16 [--master-dtype fp32|none] [--offload optimizer]``:
+"""``shardwise verify --param-dtype bf16 [--master-dtype fp32|none] [--offload optimizer|params]``:
 each layout with that storage against one process with the **same** storage
 (``Local(model, precision, offload)``, docs/parity.md §7), by the rule §7 states for it
 (:func:`rule_of`), and the ledger against the formula every step, the host ↔ device copies
