@@ -161,7 +161,8 @@ PARAMS_TWINS = [c for c in W.CASES if c[1] in W.PARAMS]
 @pytest.mark.parametrize("case", _params(PARAMS_TWINS))
 def test_params_offload_bitwise_equal_to_no_offload_and_ledger_equals_formula(request, case):
     """``--offload params`` (ZeRO-3's shards on the host; :mod:`shardwise.parallel.zero.
-    offload`) against the same layout without offload: the same arithmetic, so losses, every
+    offload`; also inside pp 2's stages, 1F1B and interleaved) against the same layout without
+    offload: the same arithmetic, so losses, every
     gradient, parameter and optimizer state bitwise equal every step. The copies, each step:
     the ledger equals the formula, and, derived apart from it from the ring costs, each
     all_gather of a unit's [k] slices ((S−1)·k·b on the wire, S the shard group) follows one
@@ -190,6 +191,8 @@ def test_params_offload_bitwise_equal_to_no_offload_and_ledger_equals_formula(re
         assert a["state"].keys() == b["state"].keys()
         for n, st in a["state"].items():
             _equal(st, b["state"][n], f"optimizer state of {n}")
+        if a["memory"] is None:  # a pipeline stage: no closed form of its state
+            continue
         # the start-up formula: model state all on the host, Ψ/S elements of each at the
         # recipe's bytes (parameter P, gradient G, master + m + v K), where without offload
         # it is all on the device
@@ -305,8 +308,7 @@ def test_refusals_name_the_fix():
             (Layout(dp=2, zero=1), Precision.stored("bf16", "none"), "none", "torch", "--zero 2/3"),
             (Layout(dp=2, zero=3), Precision(), "optimizer", "torch", "engine explicit"),
             (Layout(dp=2, zero=2), Precision(), "params", "explicit", "--zero 3"),
-            (Layout(dp=2, tp=2, zero=3), bf16, "params", "explicit", "without tp or pp"),
-            (Layout(pp=2, dp=2, zero=3), bf16, "params", "explicit", "without tp or pp"),
+            (Layout(dp=2, tp=2, zero=3), bf16, "params", "explicit", "without tp only"),
             (Layout(dp=2), Precision(), "disk", "explicit", "choose none"),
             (Layout(dp=2, cp=2), bf16, "none", "explicit", "cp or ep")]:
         with pytest.raises(ShardwiseConfigError, match=match):
@@ -314,6 +316,7 @@ def test_refusals_name_the_fix():
     for layout in (Layout(dp=2, zero=3), Layout(pp=2, dp=2, zero=1), Layout(dp=2, tp=2),
                    Layout(pp=2, dp=2, zero=3), Layout(pp=2, dp=4, dp_replicate=2, zero=3)):
         check_storage(layout, bf16, "optimizer", "explicit")  # wired
-    for layout in (Layout(dp=2, zero=3), Layout(dp=4, dp_replicate=2, zero=3)):
+    for layout in (Layout(dp=2, zero=3), Layout(dp=4, dp_replicate=2, zero=3),
+                   Layout(pp=2, dp=2, zero=3)):
         check_storage(layout, bf16, "params", "explicit")  # wired
     check_storage(Layout(dp=2, zero=3), Precision.stored("bf16", "none"), "none", "torch")

@@ -55,7 +55,9 @@ OFFP = ["dp=4,zero=3", "dp=4,dp_replicate=2,zero=3", "dp=2,zero=3,n_micro=2",
 CASES += ([("dp=4,zero=3", r) for r in ("guide", "guide_offp", "megatron_offp", "fp32_offp")]
           + [("dp=4,dp_replicate=2,zero=3", "megatron_offp")]
           + [(lay, r) for lay in OFFP[2:] for r in ("megatron", "megatron_offp", "guide",
-                                                    "guide_offp")])
+                                                    "guide_offp")]
+          # inside pipeline stages (StageZero3: every unit gathered before each F and B)
+          + [(PP_ZERO[1], "megatron_offp"), (PP_ZERO[2], "guide"), (PP_ZERO[2], "guide_offp")])
 # ``make test``'s share (one world of these; the rest run under ``make test-slow``): ZeRO-3 with
 # every recipe, HSDP, pp 2 × dp 2 ZeRO-1 and ZeRO-3 (1F1B, interleaved) under Megatron's recipe
 # and its offloaded twin

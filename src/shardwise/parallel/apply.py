@@ -162,6 +162,10 @@ def _pipeline(model: nn.Module, topo, layout: Layout, build, values: Values, opt
     values.start_equal(tied.copy_initial)  # a meta model's last stage: from the same tensor
     sync = build.stage_sync(stage, topo, layout, options)
     values.fill(sync)
+    if offload == "params":  # the stage's ZeRO-3 shards to host memory (.zero.offload)
+        from .zero.offload import offload_params
+
+        offload_params(sync)
     if precision.param_dtype != "fp32":
         arm_main_grads(stage, precision)
     finishers += [tied] + ([build.stage_sp(stage, topo, sync)] if tp > 1 and sp else [])

@@ -33,8 +33,8 @@ def check_storage(layout, precision: Precision, offload: str, engine: str) -> No
     master copy) and ``offload`` ("none" | "optimizer" | "params") — against what the engines
     wire for ``layout`` on ``engine``: the one definition ``train`` and the planner share.
     Wired: the explicit engine (dp, ZeRO-1/2/3, HSDP, tp, pp with its stage syncs), bf16
-    storage (both recipes) and ``--offload optimizer``; ``--offload params`` on ZeRO-3 (and
-    HSDP) without tp, pp, cp or ep (:mod:`.zero.offload`). Raises
+    storage (both recipes) and ``--offload optimizer``; ``--offload params`` on ZeRO-3 (HSDP,
+    pp's stages too) without tp, cp or ep (:mod:`.zero.offload`). Raises
     :class:`ShardwiseConfigError`."""
     if offload not in OFFLOADS:
         raise ShardwiseConfigError(f"--offload {offload!r}: choose none, optimizer or params")
@@ -50,11 +50,10 @@ def check_storage(layout, precision: Precision, offload: str, engine: str) -> No
     if layout.cp > 1 or layout.ep > 1:
         raise ShardwiseConfigError(f"{what} is not proven with cp or ep yet (no parity test): "
                                    "use --cp 1 --ep 1, or --param-dtype fp32 --offload none")
-    if offload == "params" and engine == "explicit" and (layout.zero != 3 or layout.tp > 1
-                                                          or layout.pp > 1):
+    if offload == "params" and engine == "explicit" and (layout.zero != 3 or layout.tp > 1):
         raise ShardwiseConfigError("--offload params moves ZeRO-3's shards to the host: wired "
-                                   "for --zero 3 without tp or pp only; use --zero 3 --tp 1 "
-                                   "--pp 1, or --offload optimizer")
+                                   "for --zero 3 without tp only; use --zero 3 --tp 1, or "
+                                   "--offload optimizer")
 
 
 def _torch_wired(layout, precision: Precision, offload: str) -> bool:

@@ -75,11 +75,18 @@ def offload_params_bytes(sync, micro_steps: int, param_bytes: int) -> dict[str, 
     """``{"offload_h2d", "offload_d2h"}`` bytes this rank copies per step (module docstring):
     every offloaded unit's [k] shard up before each gather — M forward gathers, M more for the
     blocks re-gathered before backward (``sync._regathered``'s units: ``reshard_after_forward``)
-    — in ``param_bytes`` per element, and its reduced slice down once, in the reduce dtype."""
+    — in ``param_bytes`` per element, and its reduced slice down once, in the reduce dtype.
+    Inside a pipeline stage (:class:`.stage_zero.StageZero3`: every unit a block, M the
+    pipeline's micro-batches) the same: 2M gathers, or one per step without
+    ``reshard_after_forward``."""
+    from .stage_zero import StageZero3
+
     units = [u for u in sync.units if getattr(u, "offload", None) is not None]
     k = sum(u.shard_numel for u in units)
     again = sum(u.shard_numel for u in units
                 if u in sync.blocks) if sync.reshard_after_forward else 0
+    if isinstance(sync, StageZero3) and not sync.reshard_after_forward:
+        micro_steps = 1  # a pipeline stage holds each unit from its first use to the step's end
     reduce_b = torch.empty(0, dtype=sync._rdtype).element_size()
     return {"offload_h2d": float(micro_steps * param_bytes * (k + again)),
             "offload_d2h": float(reduce_b * k)}
