@@ -26,7 +26,8 @@ RUNS = {
     # tests/test_storage.py twins in make test)
     "megatron_offp": (["--master-dtype", "fp32", "--offload", "params", "--engine", "explicit"],
                       {"dp=2,zero=3": "bitwise", "dp=4,zero=3": "step 1",
-                       "dp=4,dp_replicate=2,zero=3": "step 1"}),
+                       "dp=4,dp_replicate=2,zero=3": "step 1",
+                       "dp=2,pp=2,zero=3,interleaved-1f1b,m=4": "step 1"}),
 }
 OFFLOADED = ("megatron_off", "megatron_offp")
 
