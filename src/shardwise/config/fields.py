@@ -82,7 +82,7 @@ class TrainConfig:
     master_dtype: str = "fp32"  # --param-dtype bf16: fp32 (fp32 master weights, gradients and
     # optimizer state: Megatron's 18 B/parameter) | none (bf16 parameters, gradients and state)
     offload: str = "none"  # none | optimizer (state, master weights, the step on the host) |
-    # params (and the parameter shards between uses)
+    # params (and ZeRO-3's parameter and gradient shards: --zero 3, parallel/zero/offload.py)
     ac: str = "none"  # activation checkpointing per block: none | selective | full
     compile: bool = False  # torch.compile each transformer block (models/compile.py)
     peak_tflops: float = 0.0  # MFU: peak dense TFLOP/s of one GPU / CPU core (0 = table/probe)

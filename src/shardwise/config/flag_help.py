@@ -73,7 +73,8 @@ FLAG_HELP = {
     "master_dtype": "with --param-dtype bf16: fp32 master weights, gradients and optimizer "
                     "state (Megatron), or none (everything bf16, the guide's FSDP recipe)",
     "offload": "host memory for the optimizer state and master weights (optimizer; the step "
-               "runs there), and for the parameter shards too (params)",
+               "runs there), and for ZeRO-3's parameter and gradient shards too (params: "
+               "--zero 3)",
     "ac": "activation checkpointing per block",
     "compile": "torch.compile each transformer block",
     "peak_tflops": "MFU: peak dense TFLOP/s of one device (0 = table value or CPU probe)",
