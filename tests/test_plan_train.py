@@ -200,8 +200,8 @@ def test_offload_time_is_the_copies_and_the_host_step():
     × 80 % link efficiency) — gradient shard down (2 B × Ψ/64) and, with "optimizer", the
     updated shard up (2 B × Ψ/64); with "params", the shard up before each of the 2m = 2
     passes and the reduced gradient shard down in the reduce dtype (fp32: 4 B × Ψ/64, as
-    train's ZeRO-3 copies it) — and runs AdamW on the host: adam_bytes (bf16-pure: 2·2 + 2 + 4·2 = 14 B) per
-    parameter at the node's DRAM bandwidth / 8 GPUs (614.4 GB/s, DGX H100)."""
+    train's ZeRO-3 copies it) — and runs AdamW on the host: adam_bytes (bf16-pure: 2·2 + 2 +
+    4·2 = 14 B) per parameter at the node's DRAM bandwidth / 8 GPUs (614.4 GB/s, DGX H100)."""
     model, none = _405b("none")
     _, opt = _405b("optimizer")
     _, par = _405b("params")

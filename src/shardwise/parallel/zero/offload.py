@@ -21,7 +21,7 @@ k = P_u / n elements, n the shard axis's ranks (:mod:`.flat`):
 Bytes per step (:func:`offload_params_bytes`, M micro-batches): h2d = M·b_param·(Σ_u k_u +
 Σ_{regathered blocks} k_u), d2h = b_reduce·Σ_u k_u. On a CPU-only machine host = device: the
 copies are real ``copy_`` between two CPU tensors, booked the same (the same code path).
-Derivation and pitfalls: docs/precision-memory-mfu.md, "Offloading the parameters".
+Derivation and pitfalls: docs/precision-memory-mfu.md, "`--offload params`".
 """
 
 from __future__ import annotations
