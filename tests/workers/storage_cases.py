@@ -29,7 +29,9 @@ from shardwise.train.workload import SyntheticLMWorkload
 STEPS, GLOBAL_BATCH, LR, SEQ = 3, 8, 1e-2, 16
 RECIPES = {"megatron": ("bf16", "fp32", "none"), "megatron_off": ("bf16", "fp32", "optimizer"),
            "guide": ("bf16", "none", "none"), "guide_off": ("bf16", "none", "optimizer"),
-           "fp32": ("fp32", "fp32", "none"), "fp32_off": ("fp32", "fp32", "optimizer")}
+           "fp32": ("fp32", "fp32", "none"), "fp32_off": ("fp32", "fp32", "optimizer"),
+           # the torch engine's --offload params: FSDP2's CPUOffloadPolicy
+           "megatron_params": ("bf16", "fp32", "params"), "fp32_params": ("fp32", "fp32", "params")}
 # ZeRO-2/3 inside the stages of pp 2 × dp 2 (1F1B; interleaved, two chunks per rank, for ZeRO-3)
 PP_ZERO = ["pp=2,dp=2,zero=2,microbatches=2", "pp=2,dp=2,zero=3,microbatches=2",
            "pp=2,dp=2,zero=3,microbatches=2,schedule=interleaved-1f1b"]
@@ -38,14 +40,24 @@ PP_ZERO = ["pp=2,dp=2,zero=2,microbatches=2", "pp=2,dp=2,zero=3,microbatches=2",
 BITWISE = ["dp=2", "dp=2,zero=1", "dp=2,zero=2", "dp=2,zero=3"]
 OTHERS = ["dp=4,dp_replicate=2,zero=3", "dp=4,zero=3", "tp=2", "dp=2,tp=2,zero=1",
           "pp=2,microbatches=4", "pp=2,dp=2,zero=1,microbatches=2"] + PP_ZERO
-# the torch engine: the guide's recipe under FSDP2 (MixedPrecisionPolicy(reduce_dtype=fp32))
+# the torch engine: the guide's recipe under FSDP2 (MixedPrecisionPolicy(reduce_dtype=fp32));
+# Megatron's recipe in FSDP2's form (an fp32 model gathered in bf16, its shards the masters) and
+# --offload params (CPUOffloadPolicy) where FSDP2 is the sync: over dp, HSDP, over DTensor tp,
+# inside pipeline stages (1F1B; interleaved)
 TORCH = ["dp=2,zero=2@torch", "dp=2,zero=3@torch"]
-CASES = ([(lay, r) for lay in BITWISE for r in RECIPES] + [(lay, "guide") for lay in TORCH]
+TORCH_OTHERS = ["dp=4,dp_replicate=2,zero=3@torch", "dp=2,tp=2,zero=3@torch",
+                "pp=2,dp=2,zero=3,microbatches=2@torch",
+                "pp=2,dp=2,zero=3,microbatches=2,schedule=interleaved-1f1b@torch"]
+TORCH_MEGATRON = [(lay, r) for lay in TORCH + TORCH_OTHERS for r in ("megatron", "megatron_params")]
+CASES = ([(lay, r) for lay in BITWISE for r in RECIPES if not r.endswith("_params")]
+         + [(lay, "guide") for lay in TORCH] + TORCH_MEGATRON
+         + [("dp=2,zero=3@torch", r) for r in ("fp32", "fp32_params")]
          + [(lay, r) for lay in OTHERS for r in ("megatron", "megatron_off", "fp32", "fp32_off")])
 # ``make test``'s share (one world of these; the rest run under ``make test-slow``): ZeRO-3 with
 # every recipe, HSDP, pp 2 × dp 2 ZeRO-1 and ZeRO-3 (1F1B, interleaved) under Megatron's recipe
 # and its offloaded twin
-FAST = ([("dp=2,zero=3", r) for r in RECIPES] + [("dp=2,zero=3@torch", "guide")]
+FAST = ([("dp=2,zero=3", r) for r in RECIPES if not r.endswith("_params")]
+        + [("dp=2,zero=3@torch", r) for r in ("guide", "megatron", "megatron_params")]
         + [(lay, r) for lay in ("dp=4,dp_replicate=2,zero=3", "pp=2,dp=2,zero=1,microbatches=2",
                                 *PP_ZERO[1:]) for r in ("megatron", "megatron_off")])
 
@@ -53,6 +65,12 @@ FAST = ([("dp=2,zero=3", r) for r in RECIPES] + [("dp=2,zero=3@torch", "guide")]
 def case_name(layout: str, recipe: str) -> str:
     text = layout.replace("schedule=interleaved-1f1b", "i1f1b")
     return f"{text.replace(',', '_').replace('=', '').replace('@', '_')}_{recipe}"
+
+
+def init_params(n_layers: int = 2) -> dict[str, torch.Tensor]:
+    """The fp32 initial values of :func:`make_model`'s parameters: the masters FSDP2's form of
+    Megatron's recipe starts from (docs/parity.md §7)."""
+    return {n: p.detach().clone() for n, p in make_model(n_layers).named_parameters()}
 
 
 def precision_of(recipe: str) -> tuple[Precision, str]:

@@ -293,7 +293,8 @@ def grad_norm_(held: Held | list[tuple[torch.Tensor, bool]], topo, axes, max_nor
         axes = held.norm_axes(topo) if axes is None else axes
         held = held.pieces
     tensors = [t for t, _ in held]
-    device = tensors[0].device if tensors else (topo.device if topo is not None else "cpu")
+    # on the topology's device: FSDP2's CPUOffloadPolicy holds the gradients on the host
+    device = topo.device if topo is not None else (tensors[0].device if tensors else "cpu")
     sq = torch.zeros(1, dtype=torch.float64, device=device)
     for t, counted in held:
         if counted:
@@ -305,7 +306,7 @@ def grad_norm_(held: Held | list[tuple[torch.Tensor, bool]], topo, axes, max_nor
     if max_norm and max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for t in tensors:
-            t.mul_(coef.to(t.dtype))
+            t.mul_(coef.to(t.device, t.dtype))
     return norm
 
 

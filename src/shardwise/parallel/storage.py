@@ -33,18 +33,16 @@ def check_storage(layout, precision: Precision, offload: str, engine: str) -> No
     master copy) and ``offload`` ("none" | "optimizer" | "params") — against what the engines
     wire for ``layout`` on ``engine``: the one definition ``train`` and the planner share.
     Wired: the explicit engine (dp, ZeRO-1/2/3, HSDP, tp, pp with its stage syncs), bf16
-    storage (both recipes) and ``--offload optimizer``. Raises :class:`ShardwiseConfigError`."""
+    storage (both recipes) and ``--offload optimizer``; the torch engine where FSDP2 is the
+    sync (:func:`_torch_wired`). Raises :class:`ShardwiseConfigError`."""
     if offload not in OFFLOADS:
         raise ShardwiseConfigError(f"--offload {offload!r}: choose none, optimizer or params")
     stored = precision.param_dtype != "fp32"
     if not stored and offload == "none":
         return
     what = (f"--param-dtype {precision.param_dtype}" if stored else f"--offload {offload}")
-    if engine != "explicit" and not _torch_wired(layout, precision, offload):
-        raise ShardwiseConfigError(
-            f"{what} on the torch engine is wired for the guide's recipe only (--master-dtype "
-            "none, no offload: the model in bf16 under FSDP2, --zero 2/3, no HSDP, tp, cp or pp); "
-            "use --engine explicit")
+    if engine != "explicit":
+        return _check_torch(layout, precision, offload, what)
     if layout.cp > 1 or layout.ep > 1:
         raise ShardwiseConfigError(f"{what} is not proven with cp or ep yet (no parity test): "
                                    "use --cp 1 --ep 1, or --param-dtype fp32 --offload none")
@@ -53,14 +51,60 @@ def check_storage(layout, precision: Precision, offload: str, engine: str) -> No
                                    "would live on the host): use --offload optimizer")
 
 
+def _check_torch(layout, precision: Precision, offload: str, what: str) -> None:
+    """The torch engine's share of :func:`check_storage` (:func:`_torch_wired`), one line each."""
+    if offload == "optimizer":
+        raise ShardwiseConfigError(
+            "--offload optimizer on the torch engine: FSDP2 offloads parameters, gradients and "
+            "the optimizer step together: use --offload params, or --engine explicit")
+    if not _torch_wired(layout, precision, offload):
+        raise ShardwiseConfigError(
+            f"{what} on the torch engine is wired where FSDP2 is the gradient sync (--zero 2/3; "
+            "HSDP; FSDP2 over tp or in pp stages; no cp or ep), the guide's recipe "
+            "(--master-dtype none) only over dp: use --zero 2 or 3, or --engine explicit")
+
+
+def fsdp2_syncs(layout) -> bool:
+    """Whether the torch engine's gradient sync for ``layout`` is FSDP2 (``fully_shard``):
+    ZeRO-2/3 over dp or inside pipeline stages, HSDP, FSDP2 over DTensor TP with zero ≥ 1 —
+    not DDP (zero 0), ZeroRedundancyOptimizer (zero 1 over dp), ``replicate`` or no dp sync
+    (:meth:`~.engines.Torch.dp_sync`, :meth:`~.engines.Torch.stage_sync`)."""
+    if layout.dp < 2 or layout.cp > 1 or layout.ep > 1:
+        return False
+    if layout.zero >= 2 or layout.dp_replicate > 1:
+        return True
+    return layout.zero == 1 and layout.tp > 1 and layout.pp == 1
+
+
+def fsdp2_masters(precision: Precision, engine: str) -> bool:
+    """Megatron's recipe on the torch engine in FSDP2's form: the model stays fp32 (its
+    sharded parameters ARE the master weights, their AdamW state beside them) and FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` gathers them in bf16
+    (:func:`.zero.torch_zero.apply_fsdp`); no :class:`~.master.MasterAdamW`, no main gradients.
+    Derivation and parity rule: docs/parity.md §7."""
+    return (engine == "torch" and precision.param_dtype != "fp32"
+            and precision.master_dtype is not None)
+
+
 def _torch_wired(layout, precision: Precision, offload: str) -> bool:
-    """The torch engine's share: the guide's recipe (bf16 model, no master, reduced in
-    ``--reduce-dtype`` by FSDP2's ``MixedPrecisionPolicy``) where FSDP2 is the sync (ZeRO-2/3
-    over dp; not yet with HSDP, tp, cp or pp). Megatron's recipe is FSDP2's fp32-sharded
-    ``MixedPrecisionPolicy(param_dtype=bf16)`` (fp32 storage) and ``CPUOffloadPolicy`` is not
-    wired."""
-    return (precision.master_dtype is None and offload == "none" and layout.zero >= 2
-            and layout.tp == layout.cp == layout.pp == layout.dp_replicate == 1)
+    """The torch engine's share, where FSDP2 is the sync (:func:`fsdp2_syncs`): Megatron's
+    recipe in FSDP2's form (:func:`fsdp2_masters`) and ``--offload params`` (FSDP2's
+    ``CPUOffloadPolicy``: sharded parameters, gradients and the AdamW step on the host) in
+    every such layout; the guide's recipe (a bf16 model, no master, reduced in
+    ``--reduce-dtype``) only for ZeRO-2/3 over dp (not proven with HSDP, tp or pp).
+    ``--offload optimizer`` has no FSDP2 form (:func:`_check_torch` refuses it)."""
+    if offload == "optimizer" or not fsdp2_syncs(layout):
+        return False
+    if precision.param_dtype != "fp32" and precision.master_dtype is None:
+        return layout.zero >= 2 and layout.tp == layout.pp == layout.dp_replicate == 1
+    return True
+
+
+def fsdp2_state(engine) -> bool:
+    """Whether ``engine``'s optimizer is plain AdamW on FSDP2's shards, which themselves carry
+    the recipe: the fp32 masters of :func:`fsdp2_masters`, the host of ``--offload params``
+    (the torch engine's FSDP2 syncs say so: ``fsdp2_state``)."""
+    return bool(getattr(getattr(engine, "grad_sync", None), "fsdp2_state", False))
 
 
 def storage_dtype(precision: Precision) -> torch.dtype:
@@ -135,8 +179,8 @@ def offload_bytes_formula(engine) -> dict[str, float]:
     each way — the gradients to the host in the gradient dtype (fp32 main gradients: 4 B),
     the updated parameters back in the storage dtype (bf16: 2 B). ZeRO-Offload (Ren et al.
     2021, §4.1: gradients down, fp16 parameters up, the optimizer on the CPU)."""
-    if getattr(engine, "offload", "none") == "none":
-        return {}
+    if getattr(engine, "offload", "none") == "none" or fsdp2_state(engine):
+        return {}  # FSDP2's own copies: not booked (docs/precision-memory-mfu.md, offload)
     n, p = optimized_numel(engine.grad_sync), engine.precision
     return {"offload_d2h": float(n * p.grad), "offload_h2d": float(n * p.param)}
 
@@ -154,19 +198,29 @@ def storage_memory_formula(engine) -> dict[str, dict[str, float]] | None:
     of this rank by the formula: the engine's ``memory_formula`` (fp32 counts, ZeRO paper
     §5.1–5.3) read as element counts (4 B per parameter and gradient, 8 B per optimizer
     element) and priced in ``engine.precision``'s bytes (parameter, gradient, master + m + v);
-    ``--offload optimizer`` puts the optimizer part on the host. None without a closed form."""
+    ``--offload optimizer`` puts the optimizer part on the host. The torch engine's FSDP2
+    (:func:`fsdp2_state`): every part in the shards' dtype (Megatron's form: fp32, 4 + 4 + 8 =
+    16 B per element, the bf16 gathered unit transient and not counted) and with ``--offload
+    params`` all three on the host. None without a closed form."""
     f = engine.memory_formula()
     if f is None:
         return None
     p, offload = engine.precision, getattr(engine, "offload", "none") != "none"
-    # offloaded without a master dtype, the host keeps its own copy of the parameters (the
-    # step's master, :class:`.master.MasterAdamW`)
-    per = p.optim + (p.param if offload and p.master_dtype is None else 0)
-    dev = {"params": f["params"] / 4 * p.param, "grads": f["grads"] / 4 * p.grad,
-           "optimizer": f["optimizer"] / 8 * per}
+    if fsdp2_state(engine):  # FSDP2's shards: fp32 masters (Megatron's form) or the stored dtype
+        b = 4 if p.master_dtype is not None else p.param
+        dev = {"params": f["params"] / 4 * b, "grads": f["grads"] / 4 * b,
+               "optimizer": f["optimizer"] / 4 * b}
+    else:
+        # offloaded without a master dtype, the host keeps its own copy of the parameters (the
+        # step's master, :class:`.master.MasterAdamW`)
+        per = p.optim + (p.param if offload and p.master_dtype is None else 0)
+        dev = {"params": f["params"] / 4 * p.param, "grads": f["grads"] / 4 * p.grad,
+               "optimizer": f["optimizer"] / 8 * per}
     host = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
-    if offload:
-        host["optimizer"], dev["optimizer"] = dev["optimizer"], 0.0
+    if offload:  # --offload params on the torch engine: FSDP2 keeps all three on the host
+        moved = ("params", "grads", "optimizer") if fsdp2_state(engine) else ("optimizer",)
+        for k in moved:
+            host[k], dev[k] = dev[k], 0.0
     for d in (dev, host):
         d["total"] = d["params"] + d["grads"] + d["optimizer"]
     return {"device": dev, "host": host}
