@@ -71,8 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--master-dtype", choices=("fp32", "none"), default="fp32",
                    help="with --param-dtype bf16: fp32 master weights (Megatron's recipe, the "
                         "default) or none (the guide's FSDP2 recipe)")
-    v.add_argument("--offload", choices=("none", "optimizer"), default="none",
-                   help="optimizer offload to host memory of every case (default none)")
+    v.add_argument("--offload", choices=("none", "optimizer", "params"), default="none",
+                   help="offload to host memory of every case (default none; params: the torch "
+                        "engine's FSDP2 CPUOffloadPolicy)")
     v.add_argument("--json", metavar="PATH", nargs="?", const="verify.json",
                    help="write the results as JSON (default path verify.json)")
     v.set_defaults(func=cmd_verify)
