@@ -18,6 +18,7 @@ same storage, by the rules of docs/parity.md §7:
   micro-batches; the accuracy cost of the guide's recipe (an update below bf16's resolution
   lost), worked by hand; the refusals of what is not wired."""
 
+import math
 import sys
 from pathlib import Path
 
@@ -215,6 +216,34 @@ def test_torch_offload_params_bitwise_equal_to_no_offload(results, case):
             assert st.keys() == b["state"][n].keys() and "master" not in st
             for k in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(st[k], b["state"][n][k]), (n, k)
+
+
+@pytest.mark.parametrize("case", _params([("dp=2,zero=3@torch", r) for r in (
+    "megatron", "megatron_params", "fp32_params")]))
+def test_torch_fsdp2_memory_and_copies_formulas_by_hand(results, case):
+    """The model state FSDP2's form keeps per rank (:func:`~shardwise.parallel.storage.
+    storage_memory_formula`): 4 + 4 + 8 B per element of its fp32 shard, Ψ/2 each at dp 2 — on
+    the device, or with ``--offload params`` all on the host. And FSDP2's host ↔ device copies
+    under ``CPUOffloadPolicy`` (formula only, not booked:
+    :func:`~shardwise.parallel.storage.fsdp2_offload_bytes_formula`) against a count by hand
+    from the tiny Llama's shapes at dp 2 ZeRO-3, one micro-batch: each parameter's dim 0 padded
+    to even (FSDP2's chunks), each rank's half of it; the blocks gathered twice (forward, and
+    again for backward), the root once, each copied to the device as fp32 shards (the masters,
+    or fp32 storage); each reduced fp32 gradient shard copied back once."""
+    shapes = {n: p.shape for n, p in W.make_model().named_parameters()}
+    half = {n: -(-s[0] // 2) * 2 * math.prod(s[1:]) // 2 for n, s in shapes.items()}
+    blocks = sum(v for n, v in half.items() if n.startswith("layers."))
+    root = sum(half.values()) - blocks
+    psi = sum(math.prod(s) for s in shapes.values())
+    state = {"params": 4 * psi / 2, "grads": 4 * psi / 2, "optimizer": 8 * psi / 2,
+             "total": 16 * psi / 2}
+    zero = dict.fromkeys(state, 0.0)
+    offloaded = case[1].endswith("_params")
+    for rank in _load(results, *case):
+        assert rank["memory"] == ({"device": zero, "host": state} if offloaded else
+                                  {"device": state, "host": zero})
+        assert rank["fsdp2_copies"] == ({"fsdp2_h2d": 4.0 * (root + 2 * blocks),
+                                         "fsdp2_d2h": 4.0 * (root + blocks)} if offloaded else {})
 
 
 @pytest.mark.parametrize("text", ["dp=4,dp_replicate=2,zero=3",

@@ -20,6 +20,7 @@ from shardwise.config import TrainConfig
 from shardwise.formulas import step_bytes_formula
 from shardwise.models import build_model
 from shardwise.parallel.apply import Layout, parallelize
+from shardwise.parallel.storage import fsdp2_offload_bytes_formula, storage_memory_formula
 from shardwise.precision import Precision
 from shardwise.topology import Topology, init_distributed
 from shardwise.train.optim import build_optimizer
@@ -121,6 +122,8 @@ def run_case(out, topos, rank, text, recipe):
     m = layout.microbatches or 1  # a pipeline's micro-batches per step
     micro = GLOBAL_BATCH // layout.dp // m
     rec = {k: [] for k in ("loss", "grad_norm", "params", "grads", "ledger", "formula")}
+    rec["fsdp2_copies"] = fsdp2_offload_bytes_formula(engine, m)  # --offload params, torch
+    rec["memory"] = storage_memory_formula(engine)
     for _ in range(STEPS):
         res = train_step(engine, work.batches(sampler.next_local_batch(), micro), opt, topo,
                          zero_grad=False)

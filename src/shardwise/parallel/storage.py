@@ -185,6 +185,26 @@ def offload_bytes_formula(engine) -> dict[str, float]:
     return {"offload_d2h": float(n * p.grad), "offload_h2d": float(n * p.param)}
 
 
+def fsdp2_offload_bytes_formula(engine, micro_steps: int = 1) -> dict[str, float]:
+    """``{"fsdp2_h2d", "fsdp2_d2h"}`` bytes one rank copies per step under FSDP2's
+    ``CPUOffloadPolicy`` ({} without): each all-gather first copies this rank's shards of the
+    unit to the device in the shards' dtype b_s (fp32 masters or fp32 storage: 4; the guide's
+    bf16 model: 2) and casts them there (FSDP2's ``all_gather_inputs``), each reduce-scatter's
+    output shard goes back to the host in the reduce dtype (``foreach_reduce``). Read off the
+    sync's own formula: a ring all-gather that sends (n−1)/n·G·b_g moves G/n shard elements
+    H2D, so H2D = param·b_s/((n−1)·b_g); a reduce-scatter sending (n−1)/n·G·b_r returns G/n·b_r,
+    so D2H = grad/(n−1). **Not booked** in the ledger: these copies are ``.to()`` calls inside
+    FSDP2 (no hook), and on a CPU-only world no copy happens at all (docs/parity.md §7)."""
+    if getattr(engine, "offload", "none") != "params" or not fsdp2_state(engine):
+        return {}
+    sync, p = engine.grad_sync, engine.precision
+    n = sync.topo.size(sync.topo.shard_axis)
+    f = sync.bytes_formula(micro_steps=micro_steps)
+    b_s = 4 if p.master_dtype is not None else p.param
+    return {"fsdp2_h2d": f["param"] * b_s / ((n - 1) * sync.param_bytes),
+            "fsdp2_d2h": f["grad"] / (n - 1)}
+
+
 RECIPES = {  # (param_dtype, master_dtype) → the recipe's words
     ("fp32", None): "fp32 parameters, gradients and AdamW state",
     ("bf16", "fp32"): "bf16 parameters; fp32 main gradients, master weights and AdamW state "
@@ -235,8 +255,22 @@ def describe_storage(engine) -> list[str]:
     b = (f"{p.param} + {p.grad} + {master}{2 * ELEMENT_BYTES[p.optim_dtype]} = "
          f"{p.param + p.grad + p.optim} B/parameter (parameter, gradient, "
          f"{'master, ' if master else ''}AdamW m and v)")
-    lines = [f"  storage: {words}: {b}" + (f"; --offload {offload}: master, m, v and the AdamW "
-                                           "step in host memory" if offload != "none" else "")]
+    where = "master, m, v and the AdamW step"
+    if fsdp2_state(engine):  # the torch engine: FSDP2's shards hold the recipe
+        where = "FSDP2's CPUOffloadPolicy: sharded parameters, gradients, m, v and the AdamW step"
+        if p.param_dtype != "fp32" and p.master_dtype is not None:
+            words = ("Megatron-LM's recipe in FSDP2's form: fp32 sharded parameters (the "
+                     "masters) gathered in bf16, gradients accumulated and reduce-scattered in "
+                     "fp32")
+            b = ("4 + 4 + 8 = 16 B/parameter sharded (parameter = master, gradient, AdamW m "
+                 "and v), plus each gathered unit in bf16 (2 B/parameter, transient)")
+    lines = [f"  storage: {words}: {b}" + (f"; --offload {offload}: {where} in host memory"
+                                           if offload != "none" else "")]
+    copies = fsdp2_offload_bytes_formula(engine)
+    if copies:
+        lines.append(f"  FSDP2's host ↔ device copies per step of one micro-batch (formula, not "
+                     f"booked): {copies['fsdp2_h2d'] / 2**20:,.2f} MiB to the device, "
+                     f"{copies['fsdp2_d2h'] / 2**20:,.2f} MiB back")
     mem = storage_memory_formula(engine)
     if mem is not None:
         d, h = mem["device"], mem["host"]
