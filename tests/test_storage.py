@@ -246,6 +246,21 @@ def test_torch_fsdp2_memory_and_copies_formulas_by_hand(results, case):
                                          "fsdp2_d2h": 4.0 * (root + blocks)} if offloaded else {})
 
 
+def test_explicit_checkpoint_resumed_by_fsdp2_form_from_its_masters(fast_results):
+    """A checkpoint of Megatron's recipe saved by the explicit engine (bf16 parameters, fp32
+    masters in the state) resumed on the torch engine (dp 2 ZeRO-3): its fp32 parameters are
+    the saved masters bit for bit (:func:`~shardwise.parallel.storage.load_masters_`), no
+    ``master`` stays in its state, and its next step is the explicit engine's: the same loss,
+    its parameters the explicit engine's masters (§7: both bitwise to one process)."""
+    for r in range(2):
+        rec = torch.load(fast_results / f"explicit_to_torch_rank{r}.pt")
+        _equal(rec["loaded"], rec["saved_masters"], "loaded parameters = saved masters")
+        assert all("master" not in keys for keys in rec["torch_state_keys"].values())
+        loss_a, loss_t, masters, params = rec["next"]
+        assert loss_a == loss_t
+        _equal(params, masters, "next step: parameters = the explicit engine's masters")
+
+
 @pytest.mark.parametrize("text", ["dp=4,dp_replicate=2,zero=3",
                                   pytest.param("dp=4,zero=3", marks=pytest.mark.slow),
                                   pytest.param("dp=4,dp_replicate=2,zero=3@torch",

@@ -158,6 +158,40 @@ def run_case(out, topos, rank, text, recipe):
     torch.save(rec, f"{out}/{case_name(text, recipe)}_rank{rank}.pt")
 
 
+def run_explicit_to_torch(out, topo, rank):
+    """A checkpoint of Megatron's recipe on the explicit engine (bf16 parameters, fp32 masters
+    in its optimizer state) resumed by the torch engine's FSDP2 form, dp 2 ZeRO-3: after 2 steps
+    on the explicit engine, the torch engine is built from the saved parameters and state; both
+    then take the same next step. Dumped: the masters saved, the torch engine's fp32 parameters
+    after the load, its state's keys, and the next step of each (loss, masters / parameters)."""
+    precision, _ = precision_of("megatron")
+    layout, work = layout_of("dp=2,zero=3"), workload()
+    sampler = work.sampler(GLOBAL_BATCH, 2, topo.index("dp"), 0)
+    batches = [work.batches(sampler.next_local_batch(), GLOBAL_BATCH // 2) for _ in range(3)]
+    a = parallelize(make_model(), topo, layout, precision=precision)
+    a_opt = build_optimizer(a, config())
+    for b in batches[:2]:
+        train_step(a, b, a_opt, topo, zero_grad=False)
+    params = a.named_full_parameters()
+    state = a.full_optimizer_state(a_opt)
+    with torch.device("meta"):
+        meta = build_model("tiny", vocab_size=67, tie_embeddings=True, n_layers=2)
+    t = parallelize(meta, topo, layout, precision=precision, engine="torch",
+                    weights=list(params.items()))
+    t_opt = build_optimizer(t, config())
+    t.load_full_optimizer_state(t_opt, {n: {k: v.clone() for k, v in st.items()}
+                                        for n, st in state.items()})
+    rec = {"saved_masters": {n: st["master"].clone() for n, st in state.items()},
+           "loaded": {n: p.clone() for n, p in t.named_full_parameters().items()},
+           "torch_state_keys": {n: sorted(st) for n, st in t.full_optimizer_state(t_opt).items()}}
+    ra = train_step(a, batches[2], a_opt, topo, zero_grad=False)
+    rt = train_step(t, batches[2], t_opt, topo, zero_grad=False)
+    rec["next"] = (ra.loss, rt.loss,
+                   {n: st["master"].clone() for n, st in a.full_optimizer_state(a_opt).items()},
+                   {n: p.clone() for n, p in t.named_full_parameters().items()})
+    torch.save(rec, f"{out}/explicit_to_torch_rank{rank}.pt")
+
+
 def main(out: str, which: str) -> None:
     init_distributed("cpu", timeout_s=60)
     rank = dist.get_rank()
@@ -171,6 +205,8 @@ def main(out: str, which: str) -> None:
                                   ranks=range(lay.pp * lay.dp * lay.tp), timeout_s=60)
     for case in cases:
         run_case(out, topos, rank, *case)
+    if which == "fast" and topos[(1, 2, 1, 1)].member:
+        run_explicit_to_torch(out, topos[(1, 2, 1, 1)], rank)
     dist.barrier()
     dist.destroy_process_group()
 

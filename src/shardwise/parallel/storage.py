@@ -107,6 +107,19 @@ def fsdp2_state(engine) -> bool:
     return bool(getattr(getattr(engine, "grad_sync", None), "fsdp2_state", False))
 
 
+@torch.no_grad()
+def load_masters_(named_params, local: dict[str, dict]) -> None:
+    """FSDP2's shards are the masters (:func:`fsdp2_state`): each ``master`` of ``local``
+    (optimizer state in this rank's shape, as saved by the explicit engine's
+    :class:`~.master.MasterAdamW`) is taken out and written into its parameter, so that a
+    resumed run continues from the fp32 masters, not from the saved bf16 parameters, and no
+    stale copy stays in the state to be saved again."""
+    for n, p in named_params:
+        master = local.get(n, {}).pop("master", None)
+        if master is not None:
+            p.copy_(master)
+
+
 def storage_dtype(precision: Precision) -> torch.dtype:
     """The torch dtype the parameters are stored in (``precision.param_dtype``)."""
     return TORCH_DTYPES[precision.param_dtype]
