@@ -375,7 +375,7 @@ def test_refusals_name_the_fix():
             (Layout(dp=2, zero=1), guide, "none", "torch", "--zero 2 or 3"),
             (Layout(dp=4, dp_replicate=2, zero=3), guide, "none", "torch", "only over dp"),
             (Layout(dp=2, zero=3), Precision(), "optimizer", "torch", "use --offload params"),
-            (Layout(dp=2, zero=3, cp=2), bf16, "none", "torch", "no cp or ep"),
+            (Layout(dp=2, zero=3, cp=2), bf16, "none", "torch", "ZeroRedundancyOptimizer, cp"),
             (Layout(dp=2, zero=3), Precision(), "params", "explicit", "--offload optimizer"),
             (Layout(dp=2), Precision(), "disk", "explicit", "choose none"),
             (Layout(dp=2, cp=2), bf16, "none", "explicit", "cp or ep")]:

@@ -57,11 +57,16 @@ def _check_torch(layout, precision: Precision, offload: str, what: str) -> None:
         raise ShardwiseConfigError(
             "--offload optimizer on the torch engine: FSDP2 offloads parameters, gradients and "
             "the optimizer step together: use --offload params, or --engine explicit")
+    if not fsdp2_syncs(layout):
+        raise ShardwiseConfigError(
+            f"{what} on the torch engine needs FSDP2 as the gradient sync (--zero 2/3, HSDP, "
+            "FSDP2 over tp or in pp stages; not DDP, ZeroRedundancyOptimizer, cp or ep): use "
+            "--zero 2 or 3, or --engine explicit")
     if not _torch_wired(layout, precision, offload):
         raise ShardwiseConfigError(
-            f"{what} on the torch engine is wired where FSDP2 is the gradient sync (--zero 2/3; "
-            "HSDP; FSDP2 over tp or in pp stages; no cp or ep), the guide's recipe "
-            "(--master-dtype none) only over dp: use --zero 2 or 3, or --engine explicit")
+            "--param-dtype bf16 --master-dtype none (the guide's recipe) on the torch engine is "
+            "wired only over dp (--zero 2/3 without HSDP, tp or pp): use --master-dtype fp32, "
+            "or --engine explicit")
 
 
 def fsdp2_syncs(layout) -> bool:
