@@ -375,6 +375,8 @@ def test_refusals_name_the_fix():
             (Layout(dp=2, zero=1), guide, "none", "torch", "--zero 2 or 3"),
             (Layout(dp=4, dp_replicate=2, zero=3), guide, "none", "torch", "only over dp"),
             (Layout(dp=2, zero=3), Precision(), "optimizer", "torch", "use --offload params"),
+            (Layout(dp=2, zero=3), Precision.stored("bf16", "fp32", reduce="bf16"), "none",
+             "torch", "--reduce-dtype fp32"),
             (Layout(dp=2, zero=3, cp=2), bf16, "none", "torch", "ZeroRedundancyOptimizer, cp"),
             (Layout(dp=2, zero=3), Precision(), "params", "explicit", "--offload optimizer"),
             (Layout(dp=2), Precision(), "disk", "explicit", "choose none"),

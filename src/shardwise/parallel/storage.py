@@ -62,6 +62,11 @@ def _check_torch(layout, precision: Precision, offload: str, what: str) -> None:
             f"{what} on the torch engine needs FSDP2 as the gradient sync (--zero 2/3, HSDP, "
             "FSDP2 over tp or in pp stages; not DDP, ZeroRedundancyOptimizer, cp or ep): use "
             "--zero 2 or 3, or --engine explicit")
+    if fsdp2_masters(precision, "torch") and precision.reduce_dtype != "fp32":
+        raise ShardwiseConfigError(
+            "--reduce-dtype bf16 with Megatron's recipe on the torch engine: FSDP2 would "
+            "accumulate the micro-batches' gradients in its reduce dtype, bf16, not fp32: use "
+            "--reduce-dtype fp32, or --engine explicit")
     if not _torch_wired(layout, precision, offload):
         raise ShardwiseConfigError(
             "--param-dtype bf16 --master-dtype none (the guide's recipe) on the torch engine is "

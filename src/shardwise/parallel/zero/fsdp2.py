@@ -44,13 +44,12 @@ class FSDP2Sync(Sync):
                  reshard_after_forward: bool, precision: Precision, local_shapes: dict,
                  replicate_axis: str | None = None, offload: str = "none"):
         super().__init__(module, topo)
-        zero = layout.zero
         self.replicate_axis = replicate_axis  # HSDP: FSDP2 all-reduces the shards over it
         self.sp, self.zero = layout.sp, layout.zero
         self.units, self.reshard_after_forward = units, reshard_after_forward
         self.reduce_dtype, self.local_shapes = precision.reduce_dtype, local_shapes
         self.param_bytes = precision.param  # FSDP2 gathers in the stored / param dtype
-        self.offload, self.fsdp2_state = offload, zero > 0  # ..storage.fsdp2_state
+        self.offload, self.fsdp2_state = offload, layout.zero > 0  # ..storage.fsdp2_state
 
     @contextlib.contextmanager
     def sync_gradients(self, enabled: bool):
