@@ -32,7 +32,8 @@ RECIPES = {"megatron": ("bf16", "fp32", "none"), "megatron_off": ("bf16", "fp32"
            "guide": ("bf16", "none", "none"), "guide_off": ("bf16", "none", "optimizer"),
            "fp32": ("fp32", "fp32", "none"), "fp32_off": ("fp32", "fp32", "optimizer"),
            # the torch engine's --offload params: FSDP2's CPUOffloadPolicy
-           "megatron_params": ("bf16", "fp32", "params"), "fp32_params": ("fp32", "fp32", "params")}
+           "megatron_params": ("bf16", "fp32", "params"), "fp32_params": ("fp32", "fp32", "params"),
+           "guide_params": ("bf16", "none", "params")}
 # ZeRO-2/3 inside the stages of pp 2 × dp 2 (1F1B; interleaved, two chunks per rank, for ZeRO-3)
 PP_ZERO = ["pp=2,dp=2,zero=2,microbatches=2", "pp=2,dp=2,zero=3,microbatches=2",
            "pp=2,dp=2,zero=3,microbatches=2,schedule=interleaved-1f1b"]
@@ -51,7 +52,8 @@ TORCH_OTHERS = ["dp=4,dp_replicate=2,zero=3@torch", "dp=2,tp=2,zero=3@torch",
                 "pp=2,dp=2,zero=3,microbatches=2,schedule=interleaved-1f1b@torch"]
 TORCH_MEGATRON = [(lay, r) for lay in TORCH + TORCH_OTHERS for r in ("megatron", "megatron_params")]
 CASES = ([(lay, r) for lay in BITWISE for r in RECIPES if not r.endswith("_params")]
-         + [(lay, "guide") for lay in TORCH] + TORCH_MEGATRON
+         + [(lay, "guide") for lay in TORCH] + [("dp=2,zero=2@torch", "guide_params")]
+         + TORCH_MEGATRON
          + [("dp=2,zero=3@torch", r) for r in ("fp32", "fp32_params")]
          + [(lay, r) for lay in OTHERS for r in ("megatron", "megatron_off", "fp32", "fp32_off")])
 # ``make test``'s share (one world of these; the rest run under ``make test-slow``): ZeRO-3 with
@@ -193,7 +195,8 @@ def run_explicit_to_torch(out, topo, rank):
 
 
 def main(out: str, which: str) -> None:
-    init_distributed("cpu", timeout_s=60)
+    # ranks outside a 2-rank case wait at the next 4-rank collective while it runs its steps
+    init_distributed("cpu", timeout_s=180)
     rank = dist.get_rank()
     topos = {}
     cases = FAST if which == "fast" else [c for c in CASES if c not in FAST]
@@ -202,7 +205,7 @@ def main(out: str, which: str) -> None:
         key = (lay.pp, lay.dp, lay.tp, lay.dp_replicate)
         if key not in topos:
             topos[key] = Topology(lay.pp, lay.dp, lay.tp, dp_replicate=lay.dp_replicate,
-                                  ranks=range(lay.pp * lay.dp * lay.tp), timeout_s=60)
+                                  ranks=range(lay.pp * lay.dp * lay.tp), timeout_s=180)
     for case in cases:
         run_case(out, topos, rank, *case)
     if which == "fast" and topos[(1, 2, 1, 1)].member:
