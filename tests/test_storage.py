@@ -18,6 +18,7 @@ same storage, by the rules of docs/parity.md §7:
   micro-batches; the accuracy cost of the guide's recipe (an update below bf16's resolution
   lost), worked by hand; the refusals of what is not wired."""
 
+import math
 import sys
 from pathlib import Path
 
@@ -79,17 +80,23 @@ def _load(results, text, recipe):
 _REFS: dict = {}
 
 
-def reference(recipe: str, micro: int, n_layers: int = 2) -> dict:
+def reference(recipe: str, micro: int, n_layers: int = 2, fp32_masters: bool = False) -> dict:
     """One process with the same storage (``Local(model, precision, offload)``, the same
-    optimizer built the same way), the global batch in micro-batches of ``micro`` in order."""
-    key = (recipe, micro, n_layers)
+    optimizer built the same way), the global batch in micro-batches of ``micro`` in order.
+    ``fp32_masters``: Megatron's recipe with its masters started at the fp32 init (FSDP2's
+    form on the torch engine, §7) instead of the bf16 model's values; their values recorded."""
+    key = (recipe, micro, n_layers, fp32_masters)
     if key not in _REFS:
         precision, offload = W.precision_of(recipe)
         ref = Local(W.make_model(n_layers), precision, offload)
         opt = build_optimizer(ref, W.config())
+        named = dict(ref.module.named_parameters())
+        if fp32_masters:  # MasterAdamW keeps a master it is given (its state, as on resume)
+            for n, init in W.init_params(n_layers).items():
+                opt.state[named[n]]["master"] = init
         work = W.workload()
         sampler = work.sampler(W.GLOBAL_BATCH, 1, 0, 0)
-        rec = {k: [] for k in ("loss", "grad_norm", "params", "grads")}
+        rec = {k: [] for k in ("loss", "grad_norm", "params", "grads", "masters")}
         for _ in range(W.STEPS):
             res = train_step(ref, work.batches(sampler.next_global_batch(), micro), opt,
                              zero_grad=False)
@@ -98,6 +105,8 @@ def reference(recipe: str, micro: int, n_layers: int = 2) -> dict:
             rec["grads"].append({n: g.clone() for n, g in ref.dp_gradients().items()})
             rec["params"].append({n: p.detach().clone()
                                   for n, p in ref.module.named_parameters()})
+            rec["masters"].append({n: opt.state[p]["master"].clone() for n, p in named.items()
+                                   if "master" in opt.state[p]})
         _REFS[key] = rec
     return _REFS[key]
 
@@ -108,7 +117,8 @@ def _equal(a: dict, b: dict, what: str) -> None:
         assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), f"{what}: {n}"
 
 
-BITWISE = [c for c in W.CASES if c[0] in W.BITWISE + W.TORCH]
+BITWISE = [c for c in W.CASES
+           if c[0] in W.BITWISE or c[0] in W.TORCH and c[1] in ("guide", "fp32")]
 
 
 @pytest.mark.parametrize("case", _params(BITWISE))
@@ -204,8 +214,108 @@ def test_params_offload_bitwise_equal_to_no_offload_and_ledger_equals_formula(re
         assert {k: host[k] for k in want} == want and {k: twin[k] for k in want} == want
 
 
+
+TORCH_BITWISE = [(lay, "megatron") for lay in W.TORCH]
+
+
+@pytest.mark.parametrize("case", _params(TORCH_BITWISE))
+def test_torch_megatron_dp2_bitwise_equal_to_one_process_from_the_fp32_init(results, case):
+    """§7, Megatron's recipe in FSDP2's form (an fp32 model under ``MixedPrecisionPolicy(
+    param_dtype=bf16, reduce_dtype=fp32)``) at dp 2, one micro-batch per rank: bitwise equal to
+    one process with Megatron's recipe whose fp32 masters start at the fp32 init — the losses,
+    the fp32 gradients (each micro-batch's bf16 gradient in fp32, two summed), the fp32
+    parameters = the reference's masters and their bf16 rounding = its bf16 parameters."""
+    text, recipe = case
+    ref = reference(recipe, W.GLOBAL_BATCH // 2, fp32_masters=True)
+    for rank in _load(results, text, recipe):
+        for t in range(W.STEPS):
+            assert rank["loss"][t] == ref["loss"][t], (t, rank["loss"][t], ref["loss"][t])
+            torch.testing.assert_close(torch.tensor(rank["grad_norm"][t]),
+                                       torch.tensor(ref["grad_norm"][t]), rtol=RTOL, atol=ATOL)
+            _equal(rank["grads"][t], ref["grads"][t], f"step {t} gradients")
+            _equal(rank["params"][t], ref["masters"][t], f"step {t} parameters = masters")
+            _equal({n: p.to(torch.bfloat16) for n, p in rank["params"][t].items()},
+                   ref["params"][t], f"step {t} bf16 parameters")
+        for st in rank["state"].values():  # the fp32 parameter is the master: none beside it
+            assert "master" not in st and st["exp_avg"].dtype == torch.float32
+
+
+TORCH_PARAMS_TWINS = [c for c in W.CASES if c[1].endswith("_params")]
+
+
+@pytest.mark.parametrize("case", _params(TORCH_PARAMS_TWINS))
+def test_torch_offload_params_bitwise_equal_to_no_offload(results, case):
+    """``--offload params`` on the torch engine (FSDP2's ``CPUOffloadPolicy``) on a CPU-only gloo
+    world (host = device: the same arithmetic) against the same layout without it, every layout
+    where FSDP2 is the sync: losses, gradients, parameters and AdamW state equal every step;
+    the ledger = formula every step, with no offload copies booked (FSDP2's own ``.to()``
+    copies: formula only, docs/precision-memory-mfu.md)."""
+    text, recipe = case
+    on, off = _load(results, text, recipe), _load(results, text, recipe[:-len("_params")])
+    for a, b in zip(on, off):
+        for t in range(W.STEPS):
+            assert a["loss"][t] == b["loss"][t]
+            _equal(a["grads"][t], b["grads"][t], f"step {t} gradients")
+            _equal(a["params"][t], b["params"][t], f"step {t} parameters")
+            for run in (a, b):
+                assert run["ledger"][t] == run["formula"][t] == {"offload_d2h": 0.0,
+                                                                 "offload_h2d": 0.0}
+                led, formula = run["totals"][t]
+                assert led == pytest.approx(formula, rel=1e-12), (t, led, formula)
+        for n, st in a["state"].items():
+            assert st.keys() == b["state"][n].keys() and "master" not in st
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(st[k], b["state"][n][k]), (n, k)
+
+
+@pytest.mark.parametrize("case", _params([("dp=2,zero=3@torch", r) for r in (
+    "megatron", "megatron_params", "fp32_params")]))
+def test_torch_fsdp2_memory_and_copies_formulas_by_hand(results, case):
+    """The model state FSDP2's form keeps per rank (:func:`~shardwise.parallel.storage.
+    storage_memory_formula`): 4 + 4 + 8 B per element of its fp32 shard, Ψ/2 each at dp 2 — on
+    the device, or with ``--offload params`` all on the host. And FSDP2's host ↔ device copies
+    under ``CPUOffloadPolicy`` (formula only, not booked:
+    :func:`~shardwise.parallel.storage.fsdp2_offload_bytes_formula`) against a count by hand
+    from the tiny Llama's shapes at dp 2 ZeRO-3, one micro-batch: each parameter's dim 0 padded
+    to even (FSDP2's chunks), each rank's half of it; the blocks gathered twice (forward, and
+    again for backward), the root once, each copied to the device as fp32 shards (the masters,
+    or fp32 storage); each reduced fp32 gradient shard copied back once."""
+    shapes = {n: p.shape for n, p in W.make_model().named_parameters()}
+    half = {n: -(-s[0] // 2) * 2 * math.prod(s[1:]) // 2 for n, s in shapes.items()}
+    blocks = sum(v for n, v in half.items() if n.startswith("layers."))
+    root = sum(half.values()) - blocks
+    psi = sum(math.prod(s) for s in shapes.values())
+    state = {"params": 4 * psi / 2, "grads": 4 * psi / 2, "optimizer": 8 * psi / 2,
+             "total": 16 * psi / 2}
+    zero = dict.fromkeys(state, 0.0)
+    offloaded = case[1].endswith("_params")
+    for rank in _load(results, *case):
+        assert rank["memory"] == ({"device": zero, "host": state} if offloaded else
+                                  {"device": state, "host": zero})
+        assert rank["fsdp2_copies"] == ({"fsdp2_h2d": 4.0 * (root + 2 * blocks),
+                                         "fsdp2_d2h": 4.0 * (root + blocks)} if offloaded else {})
+
+
+def test_explicit_checkpoint_resumed_by_fsdp2_form_from_its_masters(fast_results):
+    """A checkpoint of Megatron's recipe saved by the explicit engine (bf16 parameters, fp32
+    masters in the state) resumed on the torch engine (dp 2 ZeRO-3): its fp32 parameters are
+    the saved masters bit for bit (:func:`~shardwise.parallel.storage.load_masters_`), no
+    ``master`` stays in its state, and its next step is the explicit engine's: the same loss,
+    its parameters the explicit engine's masters (§7: both bitwise to one process)."""
+    for r in range(2):
+        rec = torch.load(fast_results / f"explicit_to_torch_rank{r}.pt")
+        _equal(rec["loaded"], rec["saved_masters"], "loaded parameters = saved masters")
+        assert all("master" not in keys for keys in rec["torch_state_keys"].values())
+        loss_a, loss_t, masters, params = rec["next"]
+        assert loss_a == loss_t
+        _equal(params, masters, "next step: parameters = the explicit engine's masters")
+
+
+
 @pytest.mark.parametrize("text", ["dp=4,dp_replicate=2,zero=3",
-                                  pytest.param("dp=4,zero=3", marks=pytest.mark.slow)])
+                                  pytest.param("dp=4,zero=3", marks=pytest.mark.slow),
+                                  pytest.param("dp=4,dp_replicate=2,zero=3@torch",
+                                               marks=pytest.mark.slow)])
 def test_hsdp_and_dp4_first_step_within_the_fp32_rule(results, text):
     ref = reference("megatron", W.GLOBAL_BATCH // 4)
     for rank in _load(results, text, "megatron"):
@@ -216,7 +326,8 @@ def test_hsdp_and_dp4_first_step_within_the_fp32_rule(results, text):
             torch.testing.assert_close(rank["grads"][0][n], g, rtol=RTOL, atol=ATOL)
 
 
-PIPELINES = [(lay, "megatron") for lay in ["pp=2,dp=2,zero=1,microbatches=2", *W.PP_ZERO]]
+PIPELINES = [(lay, "megatron") for lay in ["pp=2,dp=2,zero=1,microbatches=2", *W.PP_ZERO,
+                                          *[t for t in W.TORCH_OTHERS if "pp" in t]]]
 
 
 @pytest.mark.parametrize("case", _params(PIPELINES))
@@ -237,14 +348,19 @@ def test_pipeline_first_step_within_the_fp32_rule_but_the_tied_embedding(results
             torch.testing.assert_close(g, ref["grads"][0][n], rtol=RTOL, atol=ATOL)
 
 
-MEGATRON = [c for c in W.CASES if c[1] in ("megatron", "megatron_off", "megatron_offp")]
+MEGATRON = [c for c in W.CASES if c[1] in ("megatron", "megatron_off", "megatron_offp",
+                                               "megatron_params")]
 
 
 @pytest.mark.parametrize("case", _params(MEGATRON))
 def test_masters_saved_and_resumed_bitwise(results, case):
+    torch_form = W.engine_of(case[0]) == "torch"  # FSDP2's: the fp32 parameter is the master
     for rank in _load(results, *case):
         last = rank["params"][-1]
         for n, st in rank["state"].items():  # the fp32 master, the bf16 parameter its rounding
+            if torch_form:
+                assert "master" not in st and last[n].dtype == torch.float32
+                continue
             assert st["master"].dtype == torch.float32 and st["master"].shape == last[n].shape
             assert torch.equal(st["master"].to(torch.bfloat16), last[n])
         a, b, pa, pb = rank["resume"]
@@ -302,13 +418,20 @@ def test_update_below_bf16_resolution_lost_without_a_master():
 
 
 def test_refusals_name_the_fix():
-    bf16 = Precision.stored("bf16", "fp32")
+    bf16, guide = Precision.stored("bf16", "fp32"), Precision.stored("bf16", "none")
     for layout, precision, offload, engine, match in [
-            (Layout(dp=2, zero=3), bf16, "none", "torch", "guide's recipe only"),
-            (Layout(dp=2, zero=1), Precision.stored("bf16", "none"), "none", "torch", "--zero 2/3"),
-            (Layout(dp=2, zero=3), Precision(), "optimizer", "torch", "engine explicit"),
             (Layout(dp=2, zero=2), Precision(), "params", "explicit", "--zero 3"),
             (Layout(dp=2, tp=2, zero=3), bf16, "params", "explicit", "without tp only"),
+            (Layout(dp=2, zero=1), bf16, "none", "torch", "--zero 2 or 3"),  # DDP + ZeRO-1's
+            (Layout(dp=2), bf16, "params", "torch", "--zero 2 or 3"),  # DDP
+            (Layout(dp=2, tp=2), bf16, "none", "torch", "--zero 2 or 3"),  # replicate
+            (Layout(tp=2), Precision(), "params", "torch", "--zero 2 or 3"),  # no dp sync
+            (Layout(dp=2, zero=1), guide, "none", "torch", "--zero 2 or 3"),
+            (Layout(dp=4, dp_replicate=2, zero=3), guide, "none", "torch", "only over dp"),
+            (Layout(dp=2, zero=3), Precision(), "optimizer", "torch", "use --offload params"),
+            (Layout(dp=2, zero=3), Precision.stored("bf16", "fp32", reduce="bf16"), "none",
+             "torch", "--reduce-dtype fp32"),
+            (Layout(dp=2, zero=3, cp=2), bf16, "none", "torch", "ZeroRedundancyOptimizer, cp"),
             (Layout(dp=2), Precision(), "disk", "explicit", "choose none"),
             (Layout(dp=2, cp=2), bf16, "none", "explicit", "cp or ep")]:
         with pytest.raises(ShardwiseConfigError, match=match):
@@ -319,4 +442,8 @@ def test_refusals_name_the_fix():
     for layout in (Layout(dp=2, zero=3), Layout(dp=4, dp_replicate=2, zero=3),
                    Layout(pp=2, dp=2, zero=3)):
         check_storage(layout, bf16, "params", "explicit")  # wired
-    check_storage(Layout(dp=2, zero=3), Precision.stored("bf16", "none"), "none", "torch")
+    check_storage(Layout(dp=2, zero=3), guide, "none", "torch")
+    for layout in (Layout(dp=2, zero=2), Layout(dp=4, dp_replicate=2, zero=3),
+                   Layout(dp=2, tp=2, zero=1), Layout(pp=2, dp=2, zero=3)):  # FSDP2 the sync
+        for precision, offload in ((bf16, "none"), (bf16, "params"), (Precision(), "params")):
+            check_storage(layout, precision, offload, "torch")

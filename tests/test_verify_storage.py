@@ -13,8 +13,9 @@ from shardwise.parallel.layout import parse_layout
 from shardwise.precision import Precision
 from shardwise.tools.verify_storage import rule_of
 
-# Megatron's recipe offloaded (explicit engine: torch's CPUOffloadPolicy is not wired), and the
-# guide's recipe on both engines (FSDP2 ZeRO-2/3 under MixedPrecisionPolicy(reduce fp32))
+# Megatron's recipe offloaded (explicit engine), the guide's recipe on both engines (FSDP2
+# ZeRO-2/3 under MixedPrecisionPolicy(reduce fp32)), and the torch engine's FSDP2 form of
+# Megatron's recipe with --offload params (CPUOffloadPolicy) where FSDP2 is the sync (slow)
 RUNS = {
     "megatron_off": (["--master-dtype", "fp32", "--offload", "optimizer", "--engine", "explicit"],
                      {"dp=2,zero=3": "bitwise", "dp=4,dp_replicate=2,zero=3": "step 1",
@@ -28,13 +29,21 @@ RUNS = {
                       {"dp=2,zero=3": "bitwise", "dp=4,zero=3": "step 1",
                        "dp=4,dp_replicate=2,zero=3": "step 1",
                        "dp=2,pp=2,zero=3,interleaved-1f1b,m=4": "step 1"}),
+    "torch_megatron_params": (["--master-dtype", "fp32", "--offload", "params", "--engine",
+                               "torch"],
+                              {"dp=2,zero=3": "bitwise", "dp=4,dp_replicate=2,zero=3": "step 1",
+                               "dp=2,tp=2,zero=3": "ledger",
+                               "dp=2,pp=2,zero=3,1f1b,m=4": "step 1"}),
 }
+ENGINES = {"megatron_off": {"explicit"}, "guide": {"explicit", "torch"},
+           "megatron_offp": {"explicit"}, "torch_megatron_params": {"torch"}}
+# the runs whose copies are booked (the torch engine's FSDP2 copies are formula only)
 OFFLOADED = ("megatron_off", "megatron_offp")
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("run", [pytest.param(r, marks=pytest.mark.slow) if r.endswith("_offp")
-                                 else r for r in RUNS])
+                                 or r.startswith("torch") else r for r in RUNS])
 def test_verify_bf16_storage_against_one_process_with_the_same_storage(cache_dir, tmp_path,
                                                                         run):
     flags, rules = RUNS[run]
@@ -44,11 +53,11 @@ def test_verify_bf16_storage_against_one_process_with_the_same_storage(cache_dir
     report = json.loads((tmp_path / "v.json").read_text())
     assert report["pass"] and report["storage"]["param_dtype"] == "bf16"
     assert report["rule"].startswith("bf16 storage against one process")
-    engines = {"explicit", "torch"} if run == "guide" else {"explicit"}
     seen = {(c["layout"], c["engine"]) for c in report["cases"]}
-    # the torch engine where check_storage allows it: the guide's recipe, FSDP2 ZeRO-2/3 over dp
-    want = {(lay, e) for lay in rules for e in engines
-            if e == "explicit" or "pp" not in lay and "tp" not in lay}
+    # the torch engine where check_storage allows it: the guide's recipe, FSDP2 ZeRO-2/3 over
+    # dp; Megatron's recipe and --offload params wherever FSDP2 is the sync
+    want = {(lay, e) for lay in rules for e in ENGINES[run]
+            if e == "explicit" or run != "guide" or "pp" not in lay and "tp" not in lay}
     assert seen == want, seen ^ want
     for c in report["cases"]:
         assert c["pass"] and c["rule"] == rules[c["layout"]], c

@@ -73,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
                         "default) or none (the guide's FSDP2 recipe)")
     v.add_argument("--offload", choices=("none", "optimizer", "params"), default="none",
                    help="offload to host memory of every case: the optimizer, or ZeRO-3's "
-                        "parameter and gradient shards too (default none)")
+                        "parameter and gradient shards too (the torch engine: FSDP2's "
+                        "CPUOffloadPolicy; default none)")
     v.add_argument("--json", metavar="PATH", nargs="?", const="verify.json",
                    help="write the results as JSON (default path verify.json)")
     v.set_defaults(func=cmd_verify)

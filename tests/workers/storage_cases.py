@@ -20,7 +20,7 @@ from shardwise.config import TrainConfig
 from shardwise.formulas import step_bytes_formula
 from shardwise.models import build_model
 from shardwise.parallel.apply import Layout, parallelize
-from shardwise.parallel.storage import storage_memory_formula
+from shardwise.parallel.storage import fsdp2_offload_bytes_formula, storage_memory_formula
 from shardwise.precision import Precision
 from shardwise.topology import Topology, init_distributed
 from shardwise.train.optim import build_optimizer
@@ -33,7 +33,10 @@ RECIPES = {"megatron": ("bf16", "fp32", "none"), "megatron_off": ("bf16", "fp32"
            "fp32": ("fp32", "fp32", "none"), "fp32_off": ("fp32", "fp32", "optimizer"),
            # --offload params (ZeRO-3's shards on the host): the twins of the first three
            "megatron_offp": ("bf16", "fp32", "params"), "guide_offp": ("bf16", "none", "params"),
-           "fp32_offp": ("fp32", "fp32", "params")}
+           "fp32_offp": ("fp32", "fp32", "params"),
+           # the torch engine's --offload params: FSDP2's CPUOffloadPolicy
+           "megatron_params": ("bf16", "fp32", "params"), "fp32_params": ("fp32", "fp32", "params"),
+           "guide_params": ("bf16", "none", "params")}
 PARAMS = ("megatron_offp", "guide_offp", "fp32_offp")
 # ZeRO-2/3 inside the stages of pp 2 × dp 2 (1F1B; interleaved, two chunks per rank, for ZeRO-3)
 PP_ZERO = ["pp=2,dp=2,zero=2,microbatches=2", "pp=2,dp=2,zero=3,microbatches=2",
@@ -43,10 +46,20 @@ PP_ZERO = ["pp=2,dp=2,zero=2,microbatches=2", "pp=2,dp=2,zero=3,microbatches=2",
 BITWISE = ["dp=2", "dp=2,zero=1", "dp=2,zero=2", "dp=2,zero=3"]
 OTHERS = ["dp=4,dp_replicate=2,zero=3", "dp=4,zero=3", "tp=2", "dp=2,tp=2,zero=1",
           "pp=2,microbatches=4", "pp=2,dp=2,zero=1,microbatches=2"] + PP_ZERO
-# the torch engine: the guide's recipe under FSDP2 (MixedPrecisionPolicy(reduce_dtype=fp32))
+# the torch engine: the guide's recipe under FSDP2 (MixedPrecisionPolicy(reduce_dtype=fp32));
+# Megatron's recipe in FSDP2's form (an fp32 model gathered in bf16, its shards the masters) and
+# --offload params (CPUOffloadPolicy) where FSDP2 is the sync: over dp, HSDP, over DTensor tp,
+# inside pipeline stages (1F1B; interleaved)
 TORCH = ["dp=2,zero=2@torch", "dp=2,zero=3@torch"]
-CASES = ([(lay, r) for lay in BITWISE for r in RECIPES if r not in PARAMS or "zero=3" in lay]
-         + [(lay, "guide") for lay in TORCH]
+TORCH_OTHERS = ["dp=4,dp_replicate=2,zero=3@torch", "dp=2,tp=2,zero=3@torch",
+                "pp=2,dp=2,zero=3,microbatches=2@torch",
+                "pp=2,dp=2,zero=3,microbatches=2,schedule=interleaved-1f1b@torch"]
+TORCH_MEGATRON = [(lay, r) for lay in TORCH + TORCH_OTHERS for r in ("megatron", "megatron_params")]
+CASES = ([(lay, r) for lay in BITWISE for r in RECIPES
+          if not r.endswith("_params") and (r not in PARAMS or "zero=3" in lay)]
+         + [(lay, "guide") for lay in TORCH] + [("dp=2,zero=2@torch", "guide_params")]
+         + TORCH_MEGATRON
+         + [("dp=2,zero=3@torch", r) for r in ("fp32", "fp32_params")]
          + [(lay, r) for lay in OTHERS for r in ("megatron", "megatron_off", "fp32", "fp32_off")])
 # --offload params beyond dp 2's: dp 4 and HSDP, and two micro-batches per rank (n_micro=2,
 # not a Layout field: the gathers repeat per micro-batch, the gradient comes down once)
@@ -61,8 +74,9 @@ CASES += ([("dp=4,zero=3", r) for r in ("guide", "guide_offp", "megatron_offp", 
 # ``make test``'s share (one world of these; the rest run under ``make test-slow``): ZeRO-3 with
 # every recipe, HSDP, pp 2 × dp 2 ZeRO-1 and ZeRO-3 (1F1B, interleaved) under Megatron's recipe
 # and its offloaded twin
-FAST = ([("dp=2,zero=3", r) for r in RECIPES if r not in PARAMS or r == "megatron_offp"]
-        + [("dp=2,zero=3@torch", "guide")]
+FAST = ([("dp=2,zero=3", r) for r in RECIPES
+         if not r.endswith("_params") and (r not in PARAMS or r == "megatron_offp")]
+        + [("dp=2,zero=3@torch", r) for r in ("guide", "megatron", "megatron_params")]
         + [(lay, r) for lay in ("dp=4,dp_replicate=2,zero=3", "pp=2,dp=2,zero=1,microbatches=2",
                                 *PP_ZERO[1:]) for r in ("megatron", "megatron_off")])
 
@@ -70,6 +84,12 @@ FAST = ([("dp=2,zero=3", r) for r in RECIPES if r not in PARAMS or r == "megatro
 def case_name(layout: str, recipe: str) -> str:
     text = layout.replace("schedule=interleaved-1f1b", "i1f1b")
     return f"{text.replace(',', '_').replace('=', '').replace('@', '_')}_{recipe}"
+
+
+def init_params(n_layers: int = 2) -> dict[str, torch.Tensor]:
+    """The fp32 initial values of :func:`make_model`'s parameters: the masters FSDP2's form of
+    Megatron's recipe starts from (docs/parity.md §7)."""
+    return {n: p.detach().clone() for n, p in make_model(n_layers).named_parameters()}
 
 
 def precision_of(recipe: str) -> tuple[Precision, str]:
@@ -127,8 +147,10 @@ def run_case(out, topos, rank, text, recipe):
     m = n_micro_of(text)  # micro-batches per step
     micro = GLOBAL_BATCH // layout.dp // m
     rec = {k: [] for k in ("loss", "grad_norm", "params", "grads", "ledger", "formula", "tags")}
-    rec["memory"] = (storage_memory_formula(engine) if "zero=3" in text and layout.pp == 1
-                     and engine_of(text) == "explicit" else None)  # device / host, by formula
+    rec["fsdp2_copies"] = fsdp2_offload_bytes_formula(engine, m)  # --offload params, torch
+    # device / host, by formula: explicit ZeRO-3 outside pipelines, and the torch engine
+    rec["memory"] = (storage_memory_formula(engine) if engine_of(text) == "torch"
+                     or ("zero=3" in text and layout.pp == 1) else None)
     rec["offloaded"] = [getattr(u, "offload", None) is not None
                         for u in getattr(engine.grad_sync, "units", ())]
     for _ in range(STEPS):
@@ -166,8 +188,43 @@ def run_case(out, topos, rank, text, recipe):
     torch.save(rec, f"{out}/{case_name(text, recipe)}_rank{rank}.pt")
 
 
+def run_explicit_to_torch(out, topo, rank):
+    """A checkpoint of Megatron's recipe on the explicit engine (bf16 parameters, fp32 masters
+    in its optimizer state) resumed by the torch engine's FSDP2 form, dp 2 ZeRO-3: after 2 steps
+    on the explicit engine, the torch engine is built from the saved parameters and state; both
+    then take the same next step. Dumped: the masters saved, the torch engine's fp32 parameters
+    after the load, its state's keys, and the next step of each (loss, masters / parameters)."""
+    precision, _ = precision_of("megatron")
+    layout, work = layout_of("dp=2,zero=3"), workload()
+    sampler = work.sampler(GLOBAL_BATCH, 2, topo.index("dp"), 0)
+    batches = [work.batches(sampler.next_local_batch(), GLOBAL_BATCH // 2) for _ in range(3)]
+    a = parallelize(make_model(), topo, layout, precision=precision)
+    a_opt = build_optimizer(a, config())
+    for b in batches[:2]:
+        train_step(a, b, a_opt, topo, zero_grad=False)
+    params = a.named_full_parameters()
+    state = a.full_optimizer_state(a_opt)
+    with torch.device("meta"):
+        meta = build_model("tiny", vocab_size=67, tie_embeddings=True, n_layers=2)
+    t = parallelize(meta, topo, layout, precision=precision, engine="torch",
+                    weights=list(params.items()))
+    t_opt = build_optimizer(t, config())
+    t.load_full_optimizer_state(t_opt, {n: {k: v.clone() for k, v in st.items()}
+                                        for n, st in state.items()})
+    rec = {"saved_masters": {n: st["master"].clone() for n, st in state.items()},
+           "loaded": {n: p.clone() for n, p in t.named_full_parameters().items()},
+           "torch_state_keys": {n: sorted(st) for n, st in t.full_optimizer_state(t_opt).items()}}
+    ra = train_step(a, batches[2], a_opt, topo, zero_grad=False)
+    rt = train_step(t, batches[2], t_opt, topo, zero_grad=False)
+    rec["next"] = (ra.loss, rt.loss,
+                   {n: st["master"].clone() for n, st in a.full_optimizer_state(a_opt).items()},
+                   {n: p.clone() for n, p in t.named_full_parameters().items()})
+    torch.save(rec, f"{out}/explicit_to_torch_rank{rank}.pt")
+
+
 def main(out: str, which: str) -> None:
-    init_distributed("cpu", timeout_s=60)
+    # ranks outside a 2-rank case wait at the next 4-rank collective while it runs its steps
+    init_distributed("cpu", timeout_s=180)
     rank = dist.get_rank()
     topos = {}
     cases = FAST if which == "fast" else [c for c in CASES if c not in FAST]
@@ -176,9 +233,11 @@ def main(out: str, which: str) -> None:
         key = (lay.pp, lay.dp, lay.tp, lay.dp_replicate)
         if key not in topos:
             topos[key] = Topology(lay.pp, lay.dp, lay.tp, dp_replicate=lay.dp_replicate,
-                                  ranks=range(lay.pp * lay.dp * lay.tp), timeout_s=60)
+                                  ranks=range(lay.pp * lay.dp * lay.tp), timeout_s=180)
     for case in cases:
         run_case(out, topos, rank, *case)
+    if which == "fast" and topos[(1, 2, 1, 1)].member:
+        run_explicit_to_torch(out, topos[(1, 2, 1, 1)], rank)
     dist.barrier()
     dist.destroy_process_group()
 

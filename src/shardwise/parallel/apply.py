@@ -44,7 +44,7 @@ from .layout import Layout, check_supported, parse_layout
 from .loss import PlainLoss
 from .materialize import Values
 from .model import ParallelModel
-from .storage import arm_main_grads, store_parameters
+from .storage import arm_main_grads, fsdp2_masters, store_parameters
 
 __all__ = ["Layout", "check_supported", "dp_sync", "parallelize", "parse_layout"]
 
@@ -79,17 +79,22 @@ def parallelize(model: nn.Module, topo, layout: Layout | None = None, *,
     values = Values(model, weights, topo, whole=not build.takes_meta(layout))
     options = dict(bucket_mb=bucket_mb, overlap=overlap, prefetch=prefetch,
                    reshard_after_forward=reshard_after_forward, precision=precision)
+    if engine == "torch":  # --offload params: FSDP2's CPUOffloadPolicy, given to fully_shard
+        options["offload"] = offload
+    # bf16 storage (.storage), but not Megatron's recipe on the torch engine: there the model
+    # stays fp32 and FSDP2 gathers it in bf16 (its shards are the masters, .storage.fsdp2_masters)
+    stored = precision.param_dtype != "fp32" and not fsdp2_masters(precision, engine)
     transform(model, topo, layout, build, numerics)  # 1.
     if layout.pp > 1:  # 2. (a pipeline composes steps 3–5 inside its stage)
         return _pipeline(model, topo, layout, build, values, options,
-                         layers_per_stage=layers_per_stage, seed=seed, offload=offload)
+                         layers_per_stage=layers_per_stage, seed=seed, offload=offload,
+                         stored=stored)
     loss_fn, traffic = build.tensor(model, topo, layout, seed=seed, values=values)  # 3.
-    stored = precision.param_dtype != "fp32"
     if stored:  # bf16 storage (.storage): cast before the sync's buffers take the parameters
         store_parameters(model, precision)
     sync = build.sync(model, topo, layout, options, values)  # 4.
     values.fill(sync)
-    if offload == "params":  # ZeRO-3's shards (and their gradients) to host memory
+    if offload == "params" and engine == "explicit":  # ZeRO-3's shards to host memory
         from .zero.offload import offload_params
 
         offload_params(sync)
@@ -131,7 +136,8 @@ def pipeline_chunks(layout: Layout) -> int:
 
 
 def _pipeline(model: nn.Module, topo, layout: Layout, build, values: Values, options: dict, *,
-              layers_per_stage=None, seed: int = 0, offload: str = "none"):
+              layers_per_stage=None, seed: int = 0, offload: str = "none",
+              stored: bool = False):
     """pp > 1: this rank's stage (:class:`~.pp.StageModule`, its v chunks; every pp rank's
     stages start as pp index 0's plain model), the same TP as pp = 1 on the stage (``build``'s
     ``stage_tensor``), its values (a meta model's: this rank's part, then the tied draw), the
@@ -141,7 +147,8 @@ def _pipeline(model: nn.Module, topo, layout: Layout, build, values: Values, opt
     StageZero1`; ZeRO-2/3 and HSDP over the stage's units, :mod:`.zero.stage_zero`; none when
     the data axis has one rank), the finishers in the pipeline's order (DTensor TP: the gradients'
     placements; the tied swap; with SP the sum over tp on whole gradients; then the sync) and
-    the runner of the schedule (``build.runner``). Options as :func:`parallelize`."""
+    the runner of the schedule (``build.runner``). Options as :func:`parallelize`; ``stored``:
+    the parameters cast to the storage dtype (bf16 storage, not in FSDP2's form)."""
     from .params import mark_duplicate
     from .pp import StageModule, copy_stages_from_first
     from .pp.comms import TiedSwap
@@ -156,17 +163,17 @@ def _pipeline(model: nn.Module, topo, layout: Layout, build, values: Values, opt
     if stage.tied_output is not None:
         mark_duplicate(stage.tied_output)  # reduced over dp like the others, counted once
     precision = options["precision"]
-    if precision.param_dtype != "fp32":  # bf16 storage (.storage): as parallelize's step 4
+    if stored:  # bf16 storage (.storage): as parallelize's step 4
         store_parameters(stage, precision)
     tied = TiedSwap(stage, topo)  # before the sync: ZeRO-3 frees the whole parameters
     values.start_equal(tied.copy_initial)  # a meta model's last stage: from the same tensor
     sync = build.stage_sync(stage, topo, layout, options)
     values.fill(sync)
-    if offload == "params":  # the stage's ZeRO-3 shards to host memory (.zero.offload)
-        from .zero.offload import offload_params
+    if offload == "params" and "offload" not in options:  # explicit: the stage's ZeRO-3
+        from .zero.offload import offload_params  # shards to the host (torch: FSDP2's policy)
 
         offload_params(sync)
-    if precision.param_dtype != "fp32":
+    if stored:
         arm_main_grads(stage, precision)
     finishers += [tied] + ([build.stage_sp(stage, topo, sync)] if tp > 1 and sp else [])
     finishers.append(sync.finish_gradient_sync)

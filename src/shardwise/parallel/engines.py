@@ -203,10 +203,10 @@ class Torch:
     @staticmethod
     def dp_sync(model, topo, layout, *, bucket_mb: float = 25.0, overlap: bool = True,
                 prefetch: bool = True, reshard_after_forward: bool = True,
-                precision: Precision = FP32, deferred: bool = False):
+                precision: Precision = FP32, deferred: bool = False, offload: str = "none"):
         """DDP (with cp > 1 inside torch's ``context_parallel``), FSDP2 over DTensor TP,
         ZeroRedundancyOptimizer / FSDP2 for zero ≥ 1 (``overlap``, ``prefetch``, ``deferred``:
-        the explicit engine's only)."""
+        the explicit engine's only; ``offload="params"``: FSDP2's ``CPUOffloadPolicy``)."""
         if layout.cp > 1:  # torch's context_parallel with DDP over dp × cp (CUDA only)
             from .cp.torch_cp import step_context
             from .dp import DDPSync
@@ -217,12 +217,12 @@ class Torch:
             from .zero.fsdp2 import fsdp2_over_tp
 
             return fsdp2_over_tp(model, topo, layout, reshard_after_forward=reshard_after_forward,
-                                 precision=precision)
+                                 precision=precision, offload=offload)
         if layout.zero:
             from .zero.torch_zero import ZeroRedundancySync
 
             return ZeroRedundancySync(model, topo, layout.zero, bucket_mb=bucket_mb,
-                                      precision=precision)
+                                      precision=precision, offload=offload)
         from .dp import DDPSync
 
         return DDPSync(model, topo, bucket_mb=bucket_mb, precision=precision)
@@ -267,7 +267,8 @@ class Torch:
             return StageFSDP2(stage, topo, layout.zero, lambda m: [
                 (a.kind, a.chunk) for a in build_schedule(layout.schedule, p, m, v)[r]
                 if a.kind in ("F", "B")], precision=options["precision"],
-                reshard_after_forward=options["reshard_after_forward"])
+                reshard_after_forward=options["reshard_after_forward"],
+                offload=options.get("offload", "none"))
         sync = _stage_sync(stage, topo, layout, options)
         if layout.zero == 1:
             from .zero.stage_zero1 import TorchStageZero1

@@ -45,7 +45,7 @@ from ..precision import FP32, Precision
 from .loss import PlainLoss
 from .runner import NoPipelining
 from .params import grad_norm_, grad_of
-from .storage import store
+from .storage import fsdp2_state, load_masters_, store
 from .sync import NoSync
 from .views import full_named, full_state, local_state
 
@@ -253,9 +253,13 @@ class ParallelModel(nn.Module):
     def load_full_optimizer_state(self, optimizer, state: dict[str, dict]) -> None:
         """Set ``optimizer``'s state from :meth:`full_optimizer_state`'s form (possibly saved
         under another layout): :func:`.views.local_state` (tp), then
-        :meth:`dp_load_optimizer_state` (dp). No collective; raises as ``local_state``."""
-        self.dp_load_optimizer_state(optimizer,
-                                     local_state(state, self.named_params(), self.topo))
+        :meth:`dp_load_optimizer_state` (dp); a ``master`` saved beside the state (the explicit
+        engine's :class:`~.master.MasterAdamW`) goes into the parameter where FSDP2's shards are
+        the masters (:func:`.storage.load_masters_`). No collective; raises as ``local_state``."""
+        local = local_state(state, self.named_params(), self.topo)
+        if fsdp2_state(self):
+            load_masters_(self.named_params(), local)
+        self.dp_load_optimizer_state(optimizer, local)
 
 
 class Local(ParallelModel):

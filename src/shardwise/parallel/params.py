@@ -293,12 +293,12 @@ def grad_norm_(held: Held | list[tuple[torch.Tensor, bool]], topo, axes, max_nor
         axes = held.norm_axes(topo) if axes is None else axes
         held = held.pieces
     tensors = [t for t, _ in held]
-    device = tensors[0].device if tensors else (topo.device if topo is not None else "cpu")
+    # on the topology's device: --offload params (FSDP2's or ZeRO-3's) keeps gradients on the host
+    device = topo.device if topo is not None else (tensors[0].device if tensors else "cpu")
     sq = torch.zeros(1, dtype=torch.float64, device=device)
     for t, counted in held:
         if counted:
-            sq += t.detach().double().pow(2).sum()
-    sq = sq if topo is None else sq.to(topo.device)  # (--offload params: summed on the host)
+            sq += t.detach().double().pow(2).sum().to(device)
     for axis in axes:
         if topo.size(axis) > 1:
             comm.all_reduce(sq, topo, axis, tag="grad_norm")

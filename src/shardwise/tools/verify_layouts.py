@@ -181,7 +181,7 @@ def _compositions(n: int) -> list[Layout]:
 # layout once — DP, ZeRO-1/2/3 (dp 2: §7's bitwise case), dp 4 ZeRO-3, HSDP, TP, PP, ZeRO-2/3
 # inside pipeline stages (1F1B, interleaved) and HSDP × PP
 STORAGE_LAYOUTS = ("dp=2", "dp=2,zero=1", "dp=2,zero=2", "dp=2,zero=3", "dp=4,zero=3",
-                   "dp=4,dp_replicate=2,zero=3", "tp=2", "pp=2,1f1b,m=4",
+                   "dp=4,dp_replicate=2,zero=3", "tp=2", "dp=2,tp=2,zero=3", "pp=2,1f1b,m=4",
                    "dp=2,pp=2,zero=2,1f1b,m=4", "dp=2,pp=2,zero=3,1f1b,m=4",
                    "dp=2,pp=2,zero=3,interleaved-1f1b,m=4",
                    "dp=4,dp_replicate=2,pp=2,zero=3,1f1b,m=4")

@@ -13,6 +13,13 @@ stages); ``ledger`` — tp (each rank rounds its partial matmul to bf16), the ML
 is derived, only ledger = formula. The
 runs do not clip (the norm is not bitwise, §7; a clip coefficient would carry its round-off
 into every update).
+
+The torch engine's form of Megatron's recipe (an fp32 model under FSDP2's
+``MixedPrecisionPolicy(param_dtype=bf16)``, :func:`~shardwise.parallel.storage.fsdp2_masters`)
+is compared with the same one process whose fp32 masters start at the fp32 init (its
+parameters against the reference's masters); ``--offload params`` on the torch engine (FSDP2's
+``CPUOffloadPolicy``: the same arithmetic on the host) with the one process without offload, and
+its copies are FSDP2's own, not booked (formula only, docs/precision-memory-mfu.md).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from ..formulas import step_bytes_formula
 from ..parallel.apply import parallelize
 from ..parallel.layout import Layout
 from ..parallel.model import Local
-from ..parallel.storage import check_storage
+from ..parallel.storage import check_storage, fsdp2_masters, fsdp2_state
 from ..parity import ATOL, RTOL
 from ..precision import Precision
 from ..train.step import train_step
@@ -33,10 +40,12 @@ from .verify_layouts import step_traffic
 OFFLOAD_TAGS = ("offload_d2h", "offload_h2d")
 RULE = ("bf16 storage against one process with the same storage (docs/parity.md §7): bitwise "
         "(loss, every gradient and parameter, every step) with one micro-batch per rank over "
-        f"dp ≤ 2; Megatron's recipe with dp > 2, HSDP or pp: step 1's loss and main gradients "
-        f"within |Δ| ≤ {ATOL:g} + {RTOL:g}·|ref| (pp: but the tied embedding); tp, the MLP's pp "
-        "and the guide's recipe otherwise: ledger only (no rule derived); no clipping; ledger = formula "
-        "every step, offload copies included")
+        "dp ≤ 2 (the torch engine's FSDP2 form of Megatron's recipe: against masters started "
+        "at the fp32 init); Megatron's recipe with dp > 2, HSDP or pp: step 1's loss and main "
+        f"gradients within |Δ| ≤ {ATOL:g} + {RTOL:g}·|ref| (pp: but the tied embedding); tp, "
+        "the MLP's pp and the guide's recipe otherwise: ledger only (no rule derived); no "
+        "clipping; ledger = formula every step, offload copies included (the torch engine's "
+        "--offload params: FSDP2's copies, not booked)")
 
 
 def storage_of(args) -> tuple[Precision, str] | None:
@@ -119,6 +128,7 @@ def run_storage_case(build, work, layout, engine_name, topo, cfg, micro_batch, n
     _, engine, opt, sched = build(lambda m: parallelize(m, topo, layout, engine=engine_name,
                                                         seed=cfg.seed, precision=precision,
                                                         offload=offload))
+    booked = offload != "none" and not fsdp2_state(engine)  # FSDP2's copies: formula only
     sampler = work.sampler(global_batch, topo.size("dp"), topo.index("dp"), cfg.seed)
     mine = {"loss": [], "grads": [], "params": []}
     dev = [0.0]
@@ -132,7 +142,7 @@ def run_storage_case(build, work, layout, engine_name, topo, cfg, micro_batch, n
                      float(measured != 0))
         for tag in OFFLOAD_TAGS:  # the host ↔ device copies, each against its formula
             led, want = topo.ledger.step_bytes(tag), f.get(tag, 0.0)
-            assert led == want and (want > 0) == (offload != "none"), (step, tag, led, want)
+            assert led == want and (want > 0) == booked, (step, tag, led, want)
 
     _run(engine, opt, sched, [work.batches(sampler.next_local_batch(), micro_batch)
                               for _ in range(steps)], topo, mine, ledger)
@@ -140,10 +150,26 @@ def run_storage_case(build, work, layout, engine_name, topo, cfg, micro_batch, n
     vec[4] = dev[0]
     if rule != "ledger":
         ref = {"loss": [], "grads": [], "params": []}
-        _, local, ropt, rsched = build(lambda m: Local(m, precision, offload))
+        init = {}  # the fp32 init: FSDP2's masters (torch engine, Megatron's recipe)
+
+        def one_process(m):  # the torch engine's offload: FSDP2's, the same arithmetic
+            init.update((n, p.detach().clone()) for n, p in m.named_parameters())
+            return Local(m, precision, offload if engine_name == "explicit" else "none")
+
+        _, local, ropt, rsched = build(one_process)
+        masters = fsdp2_masters(precision, engine_name)
+        named = dict(local.module.named_parameters())
+        if masters:  # MasterAdamW keeps the master it is given
+            for n, p in named.items():
+                ropt.state[p]["master"] = init[n].to(p.device)
+
+        def as_masters(step):  # compare the fp32 parameters with the reference's masters
+            ref["params"][-1] = {n: ropt.state[p]["master"].clone() for n, p in named.items()}
+
         rsampler = work.sampler(global_batch, 1, 0, cfg.seed)
         _run(local, ropt, rsched, [work.batches(rsampler.next_local_batch(), micro_batch)
-                                   for _ in range(steps if rule == "bitwise" else 1)], None, ref)
+                                   for _ in range(steps if rule == "bitwise" else 1)], None, ref,
+             as_masters if masters else None)
         vec[[0, 1, 2, 8]] = torch.tensor(_compare(mine, ref, rule, layout), dtype=torch.float64)
     vec[3] = float(vec[4] >= 1e-9 or (rule == "bitwise" and bool(vec[[0, 1, 2]].any()))
                    or vec[8] > 1)

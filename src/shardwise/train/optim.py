@@ -103,9 +103,10 @@ def build_optimizer(engine: nn.Module, cfg, impl: str | None = None) -> torch.op
     :class:`~shardwise.parallel.muon.Muon` over :func:`muon_param_groups` (AdamW, with the same
     keywords, on the groups it leaves)."""
     from ..parallel.master import optimizer_options
+    from ..parallel.storage import fsdp2_state
 
-    storage = optimizer_options(engine.precision, getattr(engine, "offload", "none"),
-                                getattr(engine, "topo", None))  # bf16 storage, offload
+    storage = {} if fsdp2_state(engine) else optimizer_options(  # bf16 storage, offload
+        engine.precision, getattr(engine, "offload", "none"), getattr(engine, "topo", None))
     if getattr(cfg, "optimizer", "adamw") == "muon":
         if storage:
             raise ShardwiseConfigError("--optimizer muon with a master copy or --offload is "

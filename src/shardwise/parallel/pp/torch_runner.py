@@ -80,21 +80,23 @@ class TorchScheduleRunner(ScheduleRunner):
         device = next(self.module.parameters()).device
         hidden = self.act_shape(mb)
         x = first_stage_input(mb)
+        # the residual stream crosses in bf16 under bf16 parameters (a bf16 model, or FSDP2's
+        # bf16 gather of an fp32 one): a Llama's embedding output is bf16 and stays so
+        act = (torch.bfloat16 if precision.param_dtype == "bf16" and self.module.is_llama
+               else torch.float32)
         stages = []
         for c in self.chunks:
             if c.is_first:
                 example_in = torch.empty(x.shape, dtype=x.dtype, device="meta")
             else:
-                example_in = torch.empty(hidden, dtype=torch.float32, device="meta",
-                                         requires_grad=True)
+                example_in = torch.empty(hidden, dtype=act, device="meta", requires_grad=True)
             if c.is_last and self.module.is_llama:  # logits, in the autocast dtype
                 out_dtype = torch.bfloat16 if precision.compute == "bf16" else torch.float32
                 vocab = local(self.module.output.weight).shape[0]  # local columns (tp)
                 example_out = torch.empty((*x.shape, vocab),
                                           dtype=out_dtype, device="meta", requires_grad=True)
             else:
-                example_out = torch.empty(hidden, dtype=torch.float32, device="meta",
-                                          requires_grad=True)
+                example_out = torch.empty(hidden, dtype=act, device="meta", requires_grad=True)
             stages.append(pl.PipelineStage(c, c.index, self.p * self.v, device,
                                            input_args=(example_in,), output_args=(example_out,),
                                            group=self.topo.p2p_group("pp", "batch")))

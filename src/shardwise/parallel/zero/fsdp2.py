@@ -42,12 +42,14 @@ class FSDP2Sync(Sync):
 
     def __init__(self, module: Llama, topo, layout, units: list[nn.Module], *,
                  reshard_after_forward: bool, precision: Precision, local_shapes: dict,
-                 replicate_axis: str | None = None):
+                 replicate_axis: str | None = None, offload: str = "none"):
         super().__init__(module, topo)
         self.replicate_axis = replicate_axis  # HSDP: FSDP2 all-reduces the shards over it
         self.sp, self.zero = layout.sp, layout.zero
         self.units, self.reshard_after_forward = units, reshard_after_forward
         self.reduce_dtype, self.local_shapes = precision.reduce_dtype, local_shapes
+        self.param_bytes = precision.param  # FSDP2 gathers in the stored / param dtype
+        self.offload, self.fsdp2_state = offload, layout.zero > 0  # ..storage.fsdp2_state
 
     @contextlib.contextmanager
     def sync_gradients(self, enabled: bool):
@@ -133,7 +135,8 @@ class FSDP2Sync(Sync):
 
         * ``param`` (zero ≥ 1): per micro-step an all-gather of every unit, plus (zero 3, with
           reshard-after-forward) the blocks again before backward: m·(n−1)/n·(Ψ + Ψ_blocks)·b;
-          (zero 1/2) m·(n−1)/n·Ψ·b. ZeRO paper §5.3 / §7.2.2.
+          (zero 1/2) m·(n−1)/n·Ψ·b, b the gathered dtype's bytes (bf16 storage or FSDP2's
+          ``param_dtype``: 2). ZeRO paper §5.3 / §7.2.2.
         * ``grad``: one reduce-scatter per step (n−1)/n·Ψ·b_r (zero ≥ 1); zero 0 one all-reduce
           2(n−1)/n·Ψ·b_r (ZeRO paper §7.1; scaling book ch. 5).
         * ``grad_norm``: zero ≥ 1 one fp64 [1] all-reduce over dp, 2(n−1)/n·8.
@@ -149,7 +152,8 @@ class FSDP2Sync(Sync):
             return {"grad": 2 * f * psi * b_r, "param": 0.0, "grad_norm": 0.0}
         block_names = [nm for nm in names if nm.startswith("layers.")]
         again = self._padded_local_numel(block_names) if self.reshard_after_forward else 0
-        out = {"param": micro_steps * f * (psi + again) * 4, "grad": f * psi * b_r,
+        out = {"param": micro_steps * f * (psi + again) * self.param_bytes,
+               "grad": f * psi * b_r,
                "grad_norm": ring_bytes("all_reduce", 8, n)}
         if self.replicate_axis:  # HSDP: the shards over the replicas
             from .formulas import hsdp_replicate_bytes
@@ -160,7 +164,7 @@ class FSDP2Sync(Sync):
 
 
 def fsdp2_over_tp(model: Llama, topo, layout, *, reshard_after_forward: bool = True,
-                  precision: Precision = FP32) -> FSDP2Sync:
+                  precision: Precision = FP32, offload: str = "none") -> FSDP2Sync:
     """FSDP2 over dp (:func:`.torch_zero.apply_fsdp`) on every block, then the root, of
     ``model`` whose parameters DTensor TP already converted (the replicas already equal):
     step 4 of :func:`~..apply.parallelize` for dp × tp on the torch engine (module docstring).
@@ -168,14 +172,17 @@ def fsdp2_over_tp(model: Llama, topo, layout, *, reshard_after_forward: bool = T
     ``reshard_after_forward`` (zero 3 only): False keeps blocks gathered until backward (then
     zero 3 runs as zero 2). ``precision.reduce_dtype``: "fp32" | "bf16", the dtype gradients
     travel in over dp (FSDP2 ``MixedPrecisionPolicy(reduce_dtype=...)``; the accumulated
-    gradient stays fp32)."""
+    gradient stays fp32); Megatron's recipe in FSDP2's form and ``offload="params"``:
+    :func:`.torch_zero.apply_fsdp`."""
     local_shapes = {n: tuple(_local(p).shape) for n, p in model.named_parameters()}
     blocks = list(model.layers)  # a Llama's TransformerBlocks, the MLP's blocks
     fsdp = apply_fsdp(model, topo, layout.zero, precision, units=blocks,
                       reshard_after_forward=reshard_after_forward,
-                      what=f"FSDP2 (dp × tp, --zero {layout.zero} --engine torch)")
+                      what=f"FSDP2 (dp × tp, --zero {layout.zero} --engine torch)",
+                      offload=offload)
     sync = FSDP2Sync(model, topo, layout, fsdp.modules,
                      reshard_after_forward=fsdp.reshard_after_forward, precision=precision,
-                     local_shapes=local_shapes, replicate_axis=fsdp.replicate_axis)
+                     local_shapes=local_shapes, replicate_axis=fsdp.replicate_axis,
+                     offload=offload)
     sync._order = fsdp.order
     return sync

@@ -58,19 +58,23 @@ class StageFSDP2(Sync):
     are made equal first (a broadcast over dp, phase ``init``): FSDP2 shards what it is given."""
 
     def __init__(self, stage: nn.Module, topo, zero: int, order, *,
-                 reshard_after_forward: bool = True, precision: Precision = FP32):
+                 reshard_after_forward: bool = True, precision: Precision = FP32,
+                 offload: str = "none"):
         super().__init__(stage, topo)
         with topo.ledger.phase("init"), torch.no_grad():
             for p in stage.parameters():
                 comm.broadcast(p.data, topo, "dp", src=0, tag="init")
         dup = stage.tied_output is not None
         self.order, self.reduce_dtype, self.zero = order, precision.reduce_dtype, zero
+        self.param_bytes, self.offload = precision.param, offload  # gathered in 2 B under bf16
+        self.fsdp2_state = True  # AdamW on FSDP2's shards (..storage.fsdp2_state)
         self.shapes = [[tuple(p.shape) for p in c.parameters()] for c in stage.chunks]
         self.block_shapes = [[[tuple(p.shape) for p in b.parameters()] for b in c.layers]
                              for c in stage.chunks]
         self.fsdp = [apply_fsdp(c, topo, zero, precision, units=list(c.layers),
                                 reshard_after_forward=reshard_after_forward,
-                                what=f"FSDP2 (pipeline stage, --zero {zero} --engine torch)")
+                                what=f"FSDP2 (pipeline stage, --zero {zero} --engine torch)",
+                                offload=offload)
                      for c in stage.chunks]
         self.reshard_after_forward = self.fsdp[0].reshard_after_forward
         self.replicate_axis = self.fsdp[0].replicate_axis  # HSDP: "dp_replicate"
@@ -111,7 +115,7 @@ class StageFSDP2(Sync):
                 again = block_gathers(kinds) - 1
                 gathered += again * sum(self._padded(b) for b in blocks)
         out = {"grad": ring_bytes("reduce_scatter", psi * b_r, n),
-               "param": ring_bytes("all_gather", gathered * 4, n),
+               "param": ring_bytes("all_gather", gathered * self.param_bytes, n),
                "grad_norm": ring_bytes("all_reduce", 8, n)}
         if self.replicate_axis:
             out["grad_replicate"] = hsdp_replicate_bytes(psi, n, self.topo.size(

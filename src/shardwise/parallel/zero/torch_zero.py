@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ... import comm
@@ -102,7 +102,7 @@ def replica_axis(module: nn.Module, topo) -> str | None:
 
 def apply_fsdp(module: nn.Module, topo, stage: int, precision: Precision = FP32, *,
                units: list[nn.Module], reshard_after_forward: bool = True,
-               what: str = "FSDP2") -> FSDPUnits:
+               what: str = "FSDP2", offload: str = "none") -> FSDPUnits:
     """Wrap ``module`` for ZeRO ``stage`` over ``topo.mesh["dp"]`` with PyTorch's FSDP2 (1D, or
     2D on a DTensor-TP model: FSDP2 shards each tp-local shard further over dp), units first,
     then the root (torchtitan's one ``apply_fsdp``). Stage 0: ``replicate`` (FSDP2's DDP mode:
@@ -112,14 +112,17 @@ def apply_fsdp(module: nn.Module, topo, stage: int, precision: Precision = FP32,
     needs it first).
 
     Every wrapped module sums (each loss is already divided by the global token count) and, for
-    stages ≥ 1, all-gathers / reduce-scatters through the ledger. ``precision.reduce_dtype``:
-    "fp32" | "bf16", ``MixedPrecisionPolicy(reduce_dtype=...)``. The units' forward order is
+    stages ≥ 1, all-gathers / reduce-scatters through the ledger, under
+    :func:`mixed_precision_policy` of ``precision``. ``offload="params"``: FSDP2's
+    ``CPUOffloadPolicy`` (sharded parameters, their gradients and so the optimizer step in host
+    memory; pinned when the device is an accelerator). The units' forward order is
     checked on the first step (:class:`.units.UnitOrderCheck`, named ``what`` in its error)."""
     fqn = {id(m): n for n, m in module.named_modules()}
     names = [fqn[id(u)] for u in units]
-    # a model stored in bf16 (the guide's recipe) still reduces in fp32 unless told bf16
-    mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if precision.reduce_dtype == "bf16"
-                              else torch.float32 if precision.param_dtype != "fp32" else None)
+    mp = mixed_precision_policy(precision)
+    kw = {"mp_policy": mp}
+    if offload == "params":  # FSDP2 keeps shards, gradients and the AdamW step on the host
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=topo.device.type != "cpu")
     # with a replica axis (HSDP): FSDP2's 2-D mesh (replicate, shard): it reduce-scatters within
     # the shard axis (our hook) and all-reduces the shards over the replicas itself (c10d,
     # booked by :meth:`booking`)
@@ -128,14 +131,14 @@ def apply_fsdp(module: nn.Module, topo, stage: int, precision: Precision = FP32,
     if stage == 0:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
-        wrapped = [replicate(u, mesh=mesh, mp_policy=mp) for u in units]
-        wrapped.append(replicate(module, mesh=mesh, mp_policy=mp))
+        wrapped = [replicate(u, mesh=mesh, **kw) for u in units]
+        wrapped.append(replicate(module, mesh=mesh, **kw))
         reshard = False
     else:
         reshard = stage == 3 and reshard_after_forward
-        wrapped = [fully_shard(u, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        wrapped = [fully_shard(u, mesh=mesh, reshard_after_forward=reshard, **kw)
                    for u in units]
-        wrapped.append(fully_shard(module, mesh=mesh, mp_policy=mp,
+        wrapped.append(fully_shard(module, mesh=mesh, **kw,
                                    reshard_after_forward=None if reshard else False))
     for m in wrapped:
         m.set_gradient_divide_factor(1.0)  # SUM, not FSDP's default average
@@ -151,6 +154,26 @@ def apply_fsdp(module: nn.Module, topo, stage: int, precision: Precision = FP32,
     return FSDPUnits(wrapped, order, reshard, rep)
 
 
+def mixed_precision_policy(precision: Precision) -> MixedPrecisionPolicy:
+    """FSDP2's policy for ``precision`` (docs/parity.md §7):
+
+    * fp32 storage: gradients reduced in ``precision.reduce_dtype`` (None = the parameters');
+    * the guide's recipe (a bf16 model, no master): reduced in fp32 unless told bf16;
+    * Megatron's recipe in FSDP2's form (:func:`..storage.fsdp2_masters`: the model stays
+      fp32, its shards are the masters): ``param_dtype=bf16`` — each unit's shards cast to
+      bf16 and all-gathered in 2 B, the forward and backward in bf16, each micro-batch's bf16
+      gradient accumulated in fp32 without sync (FSDP2's ``unsharded_accumulated_grad``) and
+      reduce-scattered in ``reduce_dtype`` (fp32) into the fp32 shard. Inputs are not cast
+      (``cast_forward_inputs=False``): the blocks' RoPE tables stay fp32, as the bf16 model's."""
+    reduce = torch.bfloat16 if precision.reduce_dtype == "bf16" else None
+    if precision.param_dtype == "fp32":
+        return MixedPrecisionPolicy(reduce_dtype=reduce)
+    if precision.master_dtype is None:
+        return MixedPrecisionPolicy(reduce_dtype=reduce or torch.float32)
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce or torch.float32,
+                                cast_forward_inputs=False)
+
+
 class ZeroRedundancySync(Sync):
     """ZeRO ``stage`` over ``topo``'s dp axis with PyTorch's implementations (module docstring),
     a plain gradient sync (stage 1: the loss function runs :attr:`forward_module`, DDP's wrapper).
@@ -160,12 +183,13 @@ class ZeroRedundancySync(Sync):
     ``precision.reduce_dtype``: "fp32" | "bf16", the dtype gradients travel in over dp — FSDP2's
     ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` (stages 2, 3; the sharded gradient is
     cast back to fp32), DDP's bf16 compression hook through the ledger (stage 1).
+    ``offload``: "params" for FSDP2's ``CPUOffloadPolicy`` (:func:`apply_fsdp`).
     Raises :class:`ShardwiseConfigError` (before any collective) for dp < 2, bad units or another
     reduce dtype. Parameters are broadcast from dp index 0 first (ledger phase ``init``).
     """
 
     def __init__(self, module: nn.Module, topo, stage: int, *, units: list[str] | None = None,
-                 bucket_mb: float = 25.0, precision: Precision = FP32):
+                 bucket_mb: float = 25.0, precision: Precision = FP32, offload: str = "none"):
         validate_zero(stage, topo.size(topo.shard_axis), engine="torch")
         precision.reduce_torch  # checked before any collective
         hook = ddp_comm_hook(precision.reduce_dtype)
@@ -193,9 +217,10 @@ class ZeroRedundancySync(Sync):
                 comm.broadcast(p.data, topo, "dp", src=0, tag="init")
         fsdp = apply_fsdp(module, topo, stage, precision,
                           units=[mod for name, mod, _ in named_units if name != "root"],
-                          what=f"FSDP2 (--zero {stage} --engine torch)")
+                          what=f"FSDP2 (--zero {stage} --engine torch)", offload=offload)
         self.fsdp_modules = fsdp.modules
         self.reshard_after_forward = fsdp.reshard_after_forward
+        self.fsdp2_state = True  # AdamW on FSDP2's shards (..storage.fsdp2_state)
 
     @property
     def forward_module(self) -> nn.Module:
