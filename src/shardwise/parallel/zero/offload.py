@@ -79,14 +79,12 @@ def offload_params_bytes(sync, micro_steps: int, param_bytes: int) -> dict[str, 
     Inside a pipeline stage (:class:`.stage_zero.StageZero3`: every unit a block, M the
     pipeline's micro-batches) the same: 2M gathers, or one per step without
     ``reshard_after_forward``."""
-    from .stage_zero import StageZero3
-
     units = [u for u in sync.units if getattr(u, "offload", None) is not None]
     k = sum(u.shard_numel for u in units)
     again = sum(u.shard_numel for u in units
                 if u in sync.blocks) if sync.reshard_after_forward else 0
-    if isinstance(sync, StageZero3) and not sync.reshard_after_forward:
+    if getattr(sync, "in_stage", False) and not sync.reshard_after_forward:
         micro_steps = 1  # a pipeline stage holds each unit from its first use to the step's end
-    reduce_b = torch.empty(0, dtype=sync._rdtype).element_size()
+    reduce_b = sync._rdtype.itemsize
     return {"offload_h2d": float(micro_steps * param_bytes * (k + again)),
             "offload_d2h": float(reduce_b * k)}

@@ -61,6 +61,8 @@ class _Stage:
     gradients before the reduce-scatter (the pipeline's finisher order) with
     :class:`~..sync.Sync`'s default; the sliced axes are the units'."""
 
+    in_stage = True  # a pipeline stage's sync (:func:`.offload.offload_params_bytes`)
+
     def _rename(self, stage) -> None:
         for u in self.units:
             u.fqns = [stage.fqn(f) for f in u.fqns]
