@@ -16,6 +16,7 @@ import torch
 
 from shardwise.data import DistributedSampler
 from shardwise.errors import ShardwiseConfigError
+from shardwise.models.llama import generate
 from shardwise.parity import ATOL, RTOL, assert_parity, reference_model_at, reference_run
 from shardwise.parallel.zero import validate_zero, zero_memory_formula, zero_step_bytes_formula
 
@@ -108,6 +109,15 @@ def test_evaluation_forward_after_training(results, references, case):
             _close(out, want, "full_model output")
         assert rec["full_model_gathers"] == (len(ref["units"]) if stage == 3 else 0)
         assert rec["params_bytes_after_full_model"] == rec["state_bytes"]["params"]
+        if "sample_full" in rec:  # the seeded sample: one process's tokens, exactly
+            want = generate(reference_model_at(ref, rec["params"][-1]), ref["eval_x"][:1, :3],
+                            W.SAMPLE_TOKENS, generator=torch.Generator().manual_seed(0))
+            assert torch.equal(rec["sample_full"], want)
+            assert torch.equal(rec["sample_sharded"], want)
+            # ZeRO-3 samples unit by unit: every unit gathered once per token, freed after
+            assert rec["sample_sharded_gathers"] == (
+                W.SAMPLE_TOKENS * len(ref["units"]) if stage == 3 else 0)
+            assert rec["params_bytes_after_sample"] == rec["state_bytes"]["params"]
 
 
 def _padded_units(ref, n):

@@ -252,6 +252,16 @@ class Zero3Sync(ZeroSync):
         with self.summon_full_params():
             yield self.module
 
+    @contextlib.contextmanager
+    def sampling_model_for(self, composed):
+        """The sharded model itself, with full logits: each ``no_grad`` forward gathers every
+        unit in turn and frees it after (:meth:`_make_post_forward`; a gather per unit per
+        token), so sampling holds the state plus the root and two blocks (one prefetched), not
+        the whole model (:meth:`full_model`). The same weights, so the same logits and text.
+        Collective: every dp rank samples together."""
+        with composed.loss_fn.gathered_logits() as model:
+            yield model
+
     def dp_parameters(self) -> dict[str, torch.Tensor]:
         """{FQN: full-shape parameter} (tied weight once), all-gathered from the slices (ledger
         phase ``verify``). Collective over dp."""
