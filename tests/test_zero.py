@@ -255,18 +255,19 @@ def test_zero3_gathered_peak_is_root_plus_two_units(results, references):
         assert rec["state_bytes"]["gathered_params_peak"] == 4 * 2 * mlp["layers.0"]
 
 
-def test_zero3_reduce_inputs_peak_is_two_units(results, references):
+def test_zero3_reduce_inputs_peak_is_one_unit(results, references):
     """Each unit's full-size flat gradient [P_u] lives from its reduce_scatter's launch until the
-    next unit's launch waits for it: at most two units at once (reduce order: the blocks
-    backward, then the root), never the whole model's 4Ψ. tiny4: two blocks > block + root; the
-    MLP (no root): two blocks. Prefetch and reshard-after-forward change nothing here."""
+    next unit's launch waits for it, before packing its own: one unit at a time (the largest;
+    reduce order: the blocks backward, then the root), never the whole model's 4Ψ. tiny4: a
+    block (9280 > root 2176); the MLP (no root): a block. Prefetch and reshard-after-forward
+    change nothing here."""
     units = _padded_units(references["tiny4"], 2)
     for pf, raf in ((True, True), (False, True), (True, False)):
         for rec in _load(results, ("tiny4", 3, 2, "explicit", 1, pf, raf, True)):
-            assert rec["state_bytes"]["reduce_inputs_peak"] == 4 * 2 * units["layers.0"]
+            assert rec["state_bytes"]["reduce_inputs_peak"] == 4 * units["layers.0"]
     mlp = _padded_units(references["mlp33"], 4)
     for rec in _load(results, ("mlp33", 3, 4, "explicit", 1, True, True, True)):
-        assert rec["state_bytes"]["reduce_inputs_peak"] == 4 * 2 * mlp["layers.0"]
+        assert rec["state_bytes"]["reduce_inputs_peak"] == 4 * mlp["layers.0"]
 
 
 @pytest.mark.parametrize("dp", (2, 4))

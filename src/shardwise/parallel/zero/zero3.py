@@ -271,7 +271,7 @@ class Zero3Sync(ZeroSync):
         """:meth:`.zero.ZeroSync.model_state_bytes` plus ``gathered_params_peak``: the
         most bytes of gathered parameters held at once during the last forward/backward, and
         ``reduce_inputs_peak``: of full-size flat gradients [P_u] handed to reduce_scatter
-        (two units at most, :meth:`.zero.ZeroSync._launch_reduce`)."""
+        (one unit at a time, :meth:`.zero.ZeroSync._launch_reduce`)."""
         out = super().model_state_bytes(optimizer)
         out["gathered_params_peak"] = self.gathered_peak_bytes
         out["reduce_inputs_peak"] = self.reduce_inputs_peak_bytes
