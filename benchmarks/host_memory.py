@@ -46,7 +46,7 @@ unchanged (e.g. ``--param-dtype bf16 --offload optimizer``); a flag ``train`` re
 benchmark with ``train``'s one-line refusal (exit 2).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/host_memory.py --run --preset llama-1b \
-        --set d_model=1024 n_heads=16 n_kv_heads=4 d_ff=2688 n_layers=6 --layouts dp=4,zero=3
+        --set d_model=1024 n_heads=16 n_kv_heads=4 d_ff=2624 n_layers=6 --layouts dp=4,zero=3
 """
 
 from __future__ import annotations
