@@ -31,22 +31,22 @@ steps, then the final save and sample), 4 ranks, the folder written with the byt
 (vocabulary 257) so that train can read it. ``train`` records each phase's peak apart
 (``host_memory.json`` "phases", :func:`shardwise.train.device.phase_peaks`: the peak RSS,
 reset between phases, and the RSS where each window starts, so "save's own" = the save's peak
-minus the RSS it started from; on CUDA also ``max_memory_allocated``, the device; on CPU the device
+minus the RSS it started from, "sample's own" the same for the sample; on CUDA also
+``max_memory_allocated``, the device; on CPU the device
 *is* the host, and only the host is reported). Held to, per rank: the save's peak ≤ the
 steps' peak + the largest tensor (4 bytes an element: a save holds one tensor more, at most),
 and, for ``dp=n,zero=3`` in fp32, the steps and the sample each within their formula above a
 ``tiny`` run's floor (:func:`phase_formulas`; benchmarks/README.md "the steps' peak"). The
 issue's figure, the whole run within the floor + 2 × the model's bytes (16Ψ/4 = 4Ψ of model
 state, the model's own size, plus one gathered block), is reported beside them, not held: the
-sample gathers the whole model (4Ψ) over the 4Ψ of state, 2 × 4Ψ with nothing left for
-activations or the allocator, and the steps hold the root, five blocks' worth (two gathered, a
-block's gradients, two reduce-scatter inputs) over the state, not one. Flags it does not know
-go to ``train``
+steps hold the root and four blocks' worth (two gathered, a block's gradients, one
+reduce-scatter input in flight) over the state, not one, and the allocator keeps RSS the
+formulas do not count (benchmarks/README.md). Flags it does not know go to ``train``
 unchanged (e.g. ``--param-dtype bf16 --offload optimizer``); a flag ``train`` refuses stops the
 benchmark with ``train``'s one-line refusal (exit 2).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/host_memory.py --run --preset llama-1b \
-        --set d_model=1024 n_heads=16 n_kv_heads=4 d_ff=2688 n_layers=6 --layouts dp=4,zero=3
+        --set d_model=1024 n_heads=16 n_kv_heads=4 d_ff=2624 n_layers=6 --layouts dp=4,zero=3
 """
 
 from __future__ import annotations
@@ -225,13 +225,15 @@ def phase_formulas(layout: str, extra: list[str], psi: int, root: int, block: in
     """Bytes above the floor that the steps and the sample hold, for ``dp=n,zero=3`` in fp32
     (no extra flags; other layouts: {}), benchmarks/README.md "the steps' peak":
     steps 16Ψ/n + 4·(R + 2B) gathered (root, the unit computing, the one prefetched) + 4B (the
-    unit's own gradients before they are packed) + 2·4B (two reduce-scatter inputs in flight);
-    sample 16Ψ/n + 4Ψ (every unit gathered, ``summon_full_params``)."""
+    unit's own gradients before they are packed) + 4B (one reduce-scatter input in flight:
+    ``ZeroSync._launch_reduce`` waits for it before packing the next);
+    sample 16Ψ/n + 4·(R + 2B) (ZeRO-3 samples through its sharded forward: the root, the unit
+    computing and the one prefetched, ``Zero3Sync.sampling_model_for``)."""
     kw = dict(kv.split("=") for kv in layout.split(","))
     if extra or set(kw) != {"dp", "zero"} or kw["zero"] != "3":
         return {}
     state = 16 * psi / int(kw["dp"])
-    return {"steps": state + 4 * (root + 5 * block), "sample": state + 4 * psi}
+    return {"steps": state + 4 * (root + 4 * block), "sample": state + 4 * (root + 2 * block)}
 
 
 def run_mode(a, extra: list[str], base: Path, name: str, sets: dict) -> int:
@@ -260,6 +262,7 @@ def run_mode(a, extra: list[str], base: Path, name: str, sets: dict) -> int:
                    if big["startup"].get("device") else None)
             # what the save itself added: its peak over the RSS it started from
             save_own = ph["save"] - big["steps"]["host_now"][r]
+            sample_own = ph["sample"] - big["save"]["host_now"][r]  # the same for the sample
             run_peak = max(ph.values())
             save_ok = ph["save"] <= ph["steps"] + one
             run_ok = run_peak - floor <= 2 * model  # the issue's 2×, reported only
@@ -267,7 +270,8 @@ def run_mode(a, extra: list[str], base: Path, name: str, sets: dict) -> int:
             held = {k: (ph[k] - floor) / f for k, f in want.items()}
             ok &= save_ok and all(v <= 1 for v in held.values())
             rows.append(dict(layout=layout, rank=r, floor=floor, phases=ph, device=dev,
-                             save_own=save_own, formulas=want, vs_formula=held,
+                             save_own=save_own, sample_own=sample_own, formulas=want,
+                             vs_formula=held,
                              above_floor=(run_peak - floor) / model, save_ok=save_ok,
                              run_ok=run_ok))
     print(f"{name}: Ψ = {psi:,} parameters ({model / 2**20:,.0f} MiB fp32), largest tensor "
@@ -277,23 +281,25 @@ def run_mode(a, extra: list[str], base: Path, name: str, sets: dict) -> int:
     if root:
         print(f"ZeRO-3 units: root {4 * root / 2**20:,.1f} MiB, largest block "
               f"{4 * block / 2**20:,.1f} MiB\n")
-    print("| layout | rank | floor | start-up | steps | save | sample | save's own | run peak "
+    print("| layout | rank | floor | start-up | steps | save | sample | save's own | sample's "
+          "own | run peak "
           "− floor (× model; the issue's ≤ 2) | save ≤ steps + one tensor | steps − floor "
           "(× formula) | sample − floor (× formula) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for x in rows:
         ph = x["phases"]
         print(f"| {x['layout']} | {x['rank']} | {x['floor'] / 2**20:,.0f} | "
               + " | ".join(f"{ph[k] / 2**20:,.0f}" for k in ("startup", "steps", "save",
                                                                "sample"))
-              + f" | {x['save_own'] / 2**20:,.0f} | {x['above_floor']:.2f} | "
+              + f" | {x['save_own'] / 2**20:,.0f} | {x['sample_own'] / 2**20:,.0f} | "
+              f"{x['above_floor']:.2f} | "
               f"{'yes' if x['save_ok'] else 'NO'} | "
               + " | ".join(f"{x['vs_formula'][k]:.2f}" if k in x["vs_formula"] else "—"
                            for k in ("steps", "sample")) + " |")
         if x["device"] is not None:
             print("|  | device | | " + " | ".join(f"{x['device'][k] / 2**20:,.0f}" for k in
                                                   ("startup", "steps", "save", "sample"))
-                  + " | | | | | |")
+                  + " | | | | | | |")
     if a.json:
         Path(a.json).write_text(json.dumps({"preset": a.preset, "sets": sets, "psi": psi,
                                             "largest": largest, "extra": extra, "rows": rows},

@@ -16,6 +16,7 @@ import torch
 
 from shardwise.data import DistributedSampler
 from shardwise.errors import ShardwiseConfigError
+from shardwise.models.llama import generate
 from shardwise.parity import ATOL, RTOL, assert_parity, reference_model_at, reference_run
 from shardwise.parallel.zero import validate_zero, zero_memory_formula, zero_step_bytes_formula
 
@@ -108,6 +109,15 @@ def test_evaluation_forward_after_training(results, references, case):
             _close(out, want, "full_model output")
         assert rec["full_model_gathers"] == (len(ref["units"]) if stage == 3 else 0)
         assert rec["params_bytes_after_full_model"] == rec["state_bytes"]["params"]
+        if "sample_full" in rec:  # the seeded sample: one process's tokens, exactly
+            want = generate(reference_model_at(ref, rec["params"][-1]), ref["eval_x"][:1, :3],
+                            W.SAMPLE_TOKENS, generator=torch.Generator().manual_seed(0))
+            assert torch.equal(rec["sample_full"], want)
+            assert torch.equal(rec["sample_sharded"], want)
+            # ZeRO-3 samples unit by unit: every unit gathered once per token, freed after
+            assert rec["sample_sharded_gathers"] == (
+                W.SAMPLE_TOKENS * len(ref["units"]) if stage == 3 else 0)
+            assert rec["params_bytes_after_sample"] == rec["state_bytes"]["params"]
 
 
 def _padded_units(ref, n):
@@ -245,18 +255,19 @@ def test_zero3_gathered_peak_is_root_plus_two_units(results, references):
         assert rec["state_bytes"]["gathered_params_peak"] == 4 * 2 * mlp["layers.0"]
 
 
-def test_zero3_reduce_inputs_peak_is_two_units(results, references):
+def test_zero3_reduce_inputs_peak_is_one_unit(results, references):
     """Each unit's full-size flat gradient [P_u] lives from its reduce_scatter's launch until the
-    next unit's launch waits for it: at most two units at once (reduce order: the blocks
-    backward, then the root), never the whole model's 4Ψ. tiny4: two blocks > block + root; the
-    MLP (no root): two blocks. Prefetch and reshard-after-forward change nothing here."""
+    next unit's launch waits for it, before packing its own: one unit at a time (the largest;
+    reduce order: the blocks backward, then the root), never the whole model's 4Ψ. tiny4: a
+    block (9280 > root 2176); the MLP (no root): a block. Prefetch and reshard-after-forward
+    change nothing here."""
     units = _padded_units(references["tiny4"], 2)
     for pf, raf in ((True, True), (False, True), (True, False)):
         for rec in _load(results, ("tiny4", 3, 2, "explicit", 1, pf, raf, True)):
-            assert rec["state_bytes"]["reduce_inputs_peak"] == 4 * 2 * units["layers.0"]
+            assert rec["state_bytes"]["reduce_inputs_peak"] == 4 * units["layers.0"]
     mlp = _padded_units(references["mlp33"], 4)
     for rec in _load(results, ("mlp33", 3, 4, "explicit", 1, True, True, True)):
-        assert rec["state_bytes"]["reduce_inputs_peak"] == 4 * 2 * mlp["layers.0"]
+        assert rec["state_bytes"]["reduce_inputs_peak"] == 4 * mlp["layers.0"]
 
 
 @pytest.mark.parametrize("dp", (2, 4))

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from shardwise.config import TrainConfig
 from shardwise.errors import ShardwiseConfigError
 from shardwise.models import build_model
+from shardwise.models.llama import generate
 from shardwise.parallel.model import ParallelModel, PlainLoss
 from shardwise.parallel.zero import ZeroRedundancySync, ZeroSync, zero_sync
 from shardwise.topology import Topology, init_distributed
@@ -24,7 +25,7 @@ from shardwise.train.optim import build_optimizer
 from shardwise.train.step import train_step
 from shardwise.train.workload import RegressionWorkload, SyntheticLMWorkload
 
-STEPS, GLOBAL_BATCH, LR = 3, 8, 3e-4
+STEPS, GLOBAL_BATCH, LR, SAMPLE_TOKENS = 3, 8, 3e-4, 5
 # name → (preset, build_model overrides, max grad norm that binds at every step)
 MODELS = {
     "tiny": ("tiny", dict(vocab_size=67, tie_embeddings=True), 0.3),
@@ -115,6 +116,8 @@ def run_case(out, topo, rank, model, stage, dp, engine, accum, prefetch, reshard
             rec["full_model_out"] = [full(x), full(x)]
         rec["full_model_gathers"] = sum(r.op == "all_gather" for r in topo.ledger.records[first:])
         rec["params_bytes_after_full_model"] = wrapped.model_state_bytes(opt)["params"]
+        if not MODELS[model][0].startswith("mlp"):  # a seeded sample, as train's last one
+            rec.update(_samples(wrapped, topo, x[:1, :3]))
     rec["memory_formula"] = wrapped.memory_formula()
     rec["numel"], rec["padded_numel"] = sync.numel, sync.padded_numel
     if engine == "explicit":
@@ -122,6 +125,22 @@ def run_case(out, topo, rank, model, stage, dp, engine, accum, prefetch, reshard
         rec["n_pieces"] = sum(len(g["params"]) for g in opt.param_groups)
     name = case_name(model, stage, dp, engine, accum, prefetch, reshard, overlap)
     torch.save(rec, f"{out}/{name}_rank{rank}.pt")
+
+
+def _samples(wrapped, topo, prompt) -> dict:
+    """SAMPLE_TOKENS tokens after ``prompt`` [1, 3], seeded, through ``full_model()`` (the
+    whole model gathered once) and through ``sampling_model()`` (ZeRO-3: a unit at a time),
+    with the all_gathers the latter ran and the parameter bytes it leaves."""
+    out = {}
+    for key, ctx in (("full", wrapped.full_model), ("sharded", wrapped.sampling_model)):
+        first = len(topo.ledger.records)
+        with ctx() as m:
+            out[f"sample_{key}"] = generate(m, prompt, SAMPLE_TOKENS,
+                                            generator=torch.Generator().manual_seed(0))
+        out[f"sample_{key}_gathers"] = sum(r.op == "all_gather"
+                                           for r in topo.ledger.records[first:])
+    out["params_bytes_after_sample"] = wrapped.model_state_bytes()["params"]
+    return out
 
 
 def _catch(fn) -> str:

@@ -176,6 +176,12 @@ class ParallelModel(nn.Module):
         its stage: no sampling from a pipeline)."""
         return self.runner.full_model(self)
 
+    def sampling_model(self):
+        """Context: the model to sample from (full logits), every rank of the layout together:
+        :meth:`full_model`'s, except that ZeRO-3 samples through its sharded forward, a unit
+        gathered at a time (:meth:`.sync.Sync.sampling_model_for`). None for a pipeline."""
+        return self.runner.sampling_model(self)
+
     # -- full-shape views and accounting: the dp part is the sync's --------------------------
     def named_params(self):
         return self.grad_sync.named_params()

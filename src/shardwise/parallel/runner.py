@@ -34,6 +34,8 @@ class Runner(Protocol):
 
     def full_model(self, composed): ...
 
+    def sampling_model(self, composed): ...
+
     def step_bytes(self, composed, micro_steps: int, sequences: int, seq_len: int,
                    precision: Precision) -> dict[str, float]: ...
 
@@ -91,6 +93,10 @@ class NoPipelining:
         """Full weights and full logits of ``composed`` for sampling
         (:meth:`.sync.Sync.full_model_for`)."""
         return self.sync.full_model_for(composed)
+
+    def sampling_model(self, composed):
+        """The model to sample from, full logits (:meth:`.sync.Sync.sampling_model_for`)."""
+        return self.sync.sampling_model_for(composed)
 
     def step_bytes(self, composed, micro_steps: int, sequences: int, seq_len: int,
                    precision: Precision = FP32) -> dict[str, float]:

@@ -101,6 +101,11 @@ class Sync(Protocol):
         with self.full_model(), composed.loss_fn.gathered_logits() as model:
             yield model
 
+    def sampling_model_for(self, composed):
+        """The model to sample from, with full logits: :meth:`full_model_for`'s (ZeRO-3
+        overrides it: its own sharded forward, unit by unit)."""
+        return self.full_model_for(composed)
+
     def held_grads(self) -> Held:
         """The gradient pieces this rank holds, each with whether it counts here
         (:func:`.params.held_of` the module's parameters; ZeRO: its slices); the norm's axes

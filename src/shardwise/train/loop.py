@@ -470,10 +470,10 @@ def finish(run: Run) -> dict:
     collective_checks.check(topo, label="at the end of training")  # the last step's, the save's
     sample = None
     if cfg.sample_tokens > 0:  # --sample-tokens 0: no sample (and no gather for one)
-        with engine.full_model() as full:  # every rank together: sharded weights gather here
+        with engine.sampling_model() as full:  # every rank together (ZeRO-3: unit by unit)
             with plain_attention(full):  # cp: whole sequences on every rank, no ring
                 sample = work.sample_text(full, cfg) if full is not None else None
-    phases["sample"] = phase_peaks(topo)  # the final sample's (full weights gathered)
+    phases["sample"] = phase_peaks(topo)  # the final sample's
     if is_main:
         record_phases(out, phases)
     summary = {

@@ -230,6 +230,8 @@ class ScheduleRunner:
         """None: this rank holds only its stage (no sampling from a pipeline)."""
         yield None
 
+    sampling_model = full_model  # None too
+
     def run(self, actions, microbatches: list[dict], denom: float, precision: Precision, *,
             act_shape, loss_sum) -> torch.Tensor:
         """Execute ``actions`` (this rank's row of the schedule) for ``microbatches`` (the same

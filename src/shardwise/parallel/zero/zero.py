@@ -229,14 +229,14 @@ class ZeroSync(Sync):
         """Every gradient of ``u`` arrived this backward (ZeRO-3: free its parameters)."""
 
     def _launch_reduce(self, u: FlatShards) -> None:
-        """Launch ``u``'s reduce_scatter, then wait for the one before it (in ``_reduce_order``
-        on every rank: HSDP's wait all-reduces): two flat gradients [P_u] alive, not all 4Ψ."""
+        """Wait for the reduce_scatter launched before (it ran during ``u``'s backward; HSDP's
+        wait all-reduces), then pack and launch ``u``'s: one flat gradient [P_u] alive."""
+        if self._next_reduce > 0:
+            self._reduce_order[self._next_reduce - 1].wait_reduce_scatter()
         with self.topo.ledger.note(f"{u.name} grads"):
             u.launch_reduce_scatter()
         self.reduce_inputs_peak_bytes = max(self.reduce_inputs_peak_bytes, sum(
             v._reduce[1].nbytes for v in self.units if v._reduce is not None))
-        if self._next_reduce > 0:
-            self._reduce_order[self._next_reduce - 1].wait_reduce_scatter()
         self._next_reduce += 1
 
     @torch.no_grad()

@@ -253,6 +253,16 @@ class Zero3Sync(ZeroSync):
         with self.summon_full_params():
             yield self.module
 
+    @contextlib.contextmanager
+    def sampling_model_for(self, composed):
+        """The sharded model itself, with full logits: each ``no_grad`` forward gathers every
+        unit in turn and frees it after (:meth:`_make_post_forward`; a gather per unit per
+        token), so sampling holds the state plus the root and two blocks (one prefetched), not
+        the whole model (:meth:`full_model`). The same weights, so the same logits and text.
+        Collective: every dp rank samples together."""
+        with composed.loss_fn.gathered_logits() as model:
+            yield model
+
     def dp_parameters(self) -> dict[str, torch.Tensor]:
         """{FQN: full-shape parameter} (tied weight once), all-gathered from the slices (ledger
         phase ``verify``). Collective over dp."""
@@ -262,7 +272,7 @@ class Zero3Sync(ZeroSync):
         """:meth:`.zero.ZeroSync.model_state_bytes` plus ``gathered_params_peak``: the
         most bytes of gathered parameters held at once during the last forward/backward, and
         ``reduce_inputs_peak``: of full-size flat gradients [P_u] handed to reduce_scatter
-        (two units at most, :meth:`.zero.ZeroSync._launch_reduce`)."""
+        (one unit at a time, :meth:`.zero.ZeroSync._launch_reduce`)."""
         out = super().model_state_bytes(optimizer)
         out["gathered_params_peak"] = self.gathered_peak_bytes
         out["reduce_inputs_peak"] = self.reduce_inputs_peak_bytes
