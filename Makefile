@@ -80,7 +80,7 @@ train: install
 # feature pays for its tests inside it, or puts its heavier proofs under @pytest.mark.slow
 # (`make test-slow`) while `make test` keeps at least one case of it. What `make test` keeps of
 # the heavy files: verify's matrices one layout of each kind (n4) and two 8-rank compositions (n8);
-# the doc pages' commands but for the four longest pages; the checkpoint resharding matrix's
+# the doc pages' commands but for the seven longest pages; the checkpoint resharding matrix's
 # FAST pairs (every layout saved and resumed once); one m per (pp, schedule) on the torch engine
 # (pipeline parity); GPT-2 in every layout and the other families in four (families); a part of
 # the precision, meta-init and pipeline-composition worlds; one end-to-end CLI layout.
@@ -90,7 +90,7 @@ test: install
 
 # The heavier proofs (@pytest.mark.slow: e.g. every layout's SFT loss against TRL's, verify's
 # whole N = 4 matrix and bounded N = 8 set, every pair of the checkpoint resharding matrix, the
-# four longest doc pages' commands, the rest of the split worlds above), which `make test`
+# seven longest doc pages' commands, the rest of the split worlds above), which `make test`
 # leaves out to stay within its 12-minute budget; run before resolving an issue.
 # (`make test-cpu-paths` selects by file and -m "not gpu", so it runs the slow cases too.)
 test-slow: install

@@ -77,10 +77,13 @@ NAMED = {
 PART2 = {"planner.md", "collectives.md", "pipeline-parallel.md", "checkpointing.md",
          "expert-parallel.md", "zero.md", "report.md", "tensor-parallel.md"}
 # the pages whose runs are ``@pytest.mark.slow`` (``make test-slow``; ``make test`` keeps the
-# others, ~40% of the time): the four longest, whose commands the suite also runs in process —
-# composition (the layouts' parity: test_compose_2d, test_verify_n4), README (test_cli's runs),
-# planner (test_plan, test_plan_train), collectives (test_collectives)
-SLOW_PAGES = {"composition.md", "README.md", "planner.md", "collectives.md"}
+# others, ~1/4 of the time, four pages a file): the seven longest, whose commands the suite also
+# runs in process — composition (the layouts' parity: test_compose_2d, test_verify_n4), README
+# (test_cli's runs), planner (test_plan, test_plan_train), collectives (test_collectives),
+# interop (test_hf, test_export_tokenizer), pipeline-parallel (test_pipeline_parity),
+# checkpointing (test_checkpoint)
+SLOW_PAGES = {"composition.md", "README.md", "planner.md", "collectives.md", "interop.md",
+              "pipeline-parallel.md", "checkpointing.md"}
 
 
 def page_params(pages: list[Path]) -> list:
