@@ -84,7 +84,8 @@ train: install
 # FAST pairs (every layout saved and resumed once); one m per (pp, schedule) on the torch engine
 # (pipeline parity); GPT-2 in every layout and the other families in four (families); a part of
 # the precision, meta-init and pipeline-composition worlds; one end-to-end CLI layout.
-# Measured per worker (gw0, gw1): 1290 s, 1312 s before this split (CI, 2026-12-07).
+# Measured per worker (gw0, gw1): 1290 s, 1312 s before this split (fresh-clone check, 2026-12-07);
+# after it, not yet on a quiet machine (the next fresh-clone check's "per worker" line).
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=10
 
