@@ -51,10 +51,10 @@ def run_world(worker, out, nproc: int = 4) -> None:
 
 
 def pytest_collection_modifyitems(items):
-    """The suite's longest files (the pages' commands, two files of ~3 min alone; the two
-    verify worlds, ~4 and ~3 min) go first, so that under ``-n 2 --dist loadfile`` both workers
-    start with them and the other files fill in around them (otherwise they could start last
-    and set the suite's wall time)."""
+    """The pages' commands and the two verify worlds (the suite's longest files before their
+    heavier cases moved to ``make test-slow``; in it, still the longest) go first, so that
+    under ``-n 2 --dist loadfile`` both workers start with them and the other files fill in
+    around them (otherwise they could start last and set the suite's wall time)."""
     first = ("test_doc_commands", "test_verify_n4", "test_verify_n8")
     items.sort(key=lambda item: next((i for i, f in enumerate(first) if f in item.nodeid),
                                      len(first)))  # stable

@@ -76,6 +76,22 @@ NAMED = {
 # context-parallel 12, post-training 6, data-parallel 4)
 PART2 = {"planner.md", "collectives.md", "pipeline-parallel.md", "checkpointing.md",
          "expert-parallel.md", "zero.md", "report.md", "tensor-parallel.md"}
+# the pages whose runs are ``@pytest.mark.slow`` (``make test-slow``; ``make test`` keeps the
+# others, ~1/4 of the time, four pages a file): the seven longest, whose commands the suite also
+# runs in process — composition (the layouts' parity: test_compose_2d, test_verify_n4), README
+# (test_cli's runs), planner (test_plan, test_plan_train), collectives (test_collectives),
+# interop (test_hf, test_export_tokenizer), pipeline-parallel (test_pipeline_parity),
+# checkpointing (test_checkpoint)
+SLOW_PAGES = {"composition.md", "README.md", "planner.md", "collectives.md", "interop.md",
+              "pipeline-parallel.md", "checkpointing.md"}
+
+
+def page_params(pages: list[Path]) -> list:
+    """``pages`` as pytest params named by file, those of :data:`SLOW_PAGES` marked slow."""
+    import pytest
+
+    return [pytest.param(p, id=p.name, marks=pytest.mark.slow if p.name in SLOW_PAGES else ())
+            for p in pages]
 # too long for `make test` (the whole N = 4 matrix again, ~3.5 min each), run by hand before a
 # change to what they cover lands: the command and the test of its parts in the suite
 BY_HAND = {

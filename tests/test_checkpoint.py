@@ -22,6 +22,7 @@ import ckpt_cases  # noqa: E402  (the matrix lists and the reference's settings)
 
 # -- the resharding matrix: (from-layout, to-layout), verify's syntax, "@torch" = PyTorch engine.
 # Saved after K steps under FROM, resumed under TO to step N; losses vs one process, rtol 1e-5.
+# ``make test`` resumes ckpt_cases.FAST's pairs, ``make test-slow`` the rest.
 MATRIX = [(f, t) for f in ckpt_cases.FROM for t in ckpt_cases.TO]
 
 TRAIN = ["train", "--model", "tiny", "--dp", "2", "--steps", "6", "--seq-len", "32",
@@ -90,8 +91,10 @@ def test_sigkill_every_worker_then_resume_is_bitwise_exact(straight, tmp_path, c
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_6"
 
 
-@pytest.mark.timeout(500)
-@pytest.mark.parametrize("launcher", ["torchrun", "shardwise"])
+@pytest.mark.timeout(500)  # torchrun's: make test-slow (tests/test_cli.py runs train under torchrun;
+# ours is the same elastic agent)
+@pytest.mark.parametrize("launcher", [pytest.param("torchrun", marks=pytest.mark.slow),
+                                      "shardwise"])
 def test_restarts_after_a_worker_is_killed(launcher, straight, tmp_path, cache_dir):
     """rank 1 SIGKILLs itself after step 3 (checkpoint at 2): torchrun (``--max-restarts 2``), or
     our own launcher (``shardwise train --max-restarts 2``: the same elastic agent), restarts
@@ -156,9 +159,10 @@ def test_the_run_records_each_phases_memory_peak_apart(straight):
 
 # ------------------------------------------------------------------------- resharding matrix
 
-@pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
-    out = tmp_path_factory.mktemp("matrix")
+def _matrix_world(tmp_path_factory, name):
+    """The worker's world: every FROM saved; resumed in ckpt_cases.FAST's pairs, or in every
+    pair when ``name`` ends in "slow"."""
+    out = tmp_path_factory.mktemp(name)
     run_world(ROOT / "tests" / "workers" / "ckpt_cases.py", out, nproc=4)
     merged = {}
     for r in range(4):
@@ -166,6 +170,16 @@ def matrix(tmp_path_factory):
             merged.setdefault(key, []).append(val)
     merged["_out"] = out
     return merged
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    return _matrix_world(tmp_path_factory, "matrix")
+
+
+@pytest.fixture(scope="module")
+def matrix_slow(tmp_path_factory):
+    return _matrix_world(tmp_path_factory, "matrix_slow")
 
 
 @pytest.fixture(scope="module")
@@ -193,9 +207,14 @@ def _close(got, want):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("src,dst", MATRIX)
-def test_resharding_matrix(matrix, reference, src, dst):
+@pytest.mark.parametrize("src,dst", [pytest.param(
+    *pair, marks=() if pair in ckpt_cases.FAST else pytest.mark.slow) for pair in MATRIX])
+def test_resharding_matrix(request, reference, src, dst):
+    """``make test``: the pairs of ckpt_cases.FAST (every FROM and every TO once); the others
+    run in ``make test-slow``'s world, which resumes every pair."""
     K = ckpt_cases.K
+    matrix = request.getfixturevalue("matrix" if (src, dst) in ckpt_cases.FAST else
+                                     "matrix_slow")
     for rank_res in matrix[(src, "save")]:  # every member rank saw the reference's first K
         assert rank_res["error"] is None, rank_res["error"]
         assert _close(rank_res["losses"], reference[:K])

@@ -219,12 +219,18 @@ def dp2_val_losses(cache_dir, tmp_path_factory):
     return _val_losses(cache_dir, tmp_path_factory.mktemp("dp2") / "r", ["--dp", "2"])
 
 
+def _slow(*layout):  # a layout whose end-to-end run is make test-slow's
+    return pytest.param(list(layout), marks=pytest.mark.slow, id=" ".join(layout))
+
+
 @pytest.mark.parametrize("layout", [
-    ["--pp", "2", "--schedule", "zb-h1", "--microbatches", "4"],
-    ["--tp", "2", "--sp"],
-    ["--dp", "2", "--zero", "3", "--engine", "torch"],
+    _slow("--pp", "2", "--schedule", "zb-h1", "--microbatches", "4"),
+    _slow("--tp", "2", "--sp"),
+    _slow("--dp", "2", "--zero", "3", "--engine", "torch"),
     # FSDP2's `replicate` (zero 0) over DTensor TP swaps in its unsharded parameters: the final
-    # checkpoint must read the ones the optimizer holds
+    # checkpoint must read the ones the optimizer holds (make test's case: two engines' paths,
+    # the checkpoint's and DTensor TP's, in one run; the layouts' parity in process:
+    # tests/test_verify_n4.py, test_compose_torch.py)
     ["--dp", "2", "--tp", "2", "--engine", "torch"]], ids=lambda a: " ".join(a))
 def test_train_end_to_end_in_each_layout_gives_the_dp_run_validation_losses(
         cache_dir, tmp_path, dp2_val_losses, layout):

@@ -47,7 +47,7 @@ def _loss_and_grads(ac: str, compiled: bool):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, names
 
 
-@pytest.mark.parametrize("ac", ["none", "selective"])
+@pytest.mark.parametrize("ac", ["none", pytest.param("selective", marks=pytest.mark.slow)])
 def test_compiled_blocks_give_the_eager_loss_and_every_gradient(ac):
     le, ge, names_e = _loss_and_grads(ac, compiled=False)
     lc, gc, names_c = _loss_and_grads(ac, compiled=True)

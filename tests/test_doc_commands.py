@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from doc_commands import (BY_HAND, COMMANDS, NAMED, PAGES, PART2, ROOT, RUN_PAGES, SUBCOMMANDS,
-                          _kind, run_cli_argvs, run_page, runs_of, same_case)
+from doc_commands import (BY_HAND, COMMANDS, NAMED, PAGES, PART2, ROOT, RUN_PAGES, SLOW_PAGES,
+                          SUBCOMMANDS, _kind, page_params, run_cli_argvs, run_page, runs_of,
+                          same_case)
 
 
 def test_the_pages_show_commands_and_each_has_a_kind():
@@ -39,6 +40,9 @@ def test_the_pages_show_commands_and_each_has_a_kind():
             assert cmd in ran, f"{page.name}: {cmd} is left to an earlier page that runs it not"
         ran += mine
     assert PART2 <= {p.name for p in RUN_PAGES}, PART2 - {p.name for p in RUN_PAGES}
+    assert SLOW_PAGES <= {p.name for p in RUN_PAGES}, SLOW_PAGES - {p.name for p in RUN_PAGES}
+    # `make test` keeps a page of each file (the rest: `make test-slow`)
+    assert {p.name for p in RUN_PAGES} - PART2 - SLOW_PAGES and PART2 - SLOW_PAGES
     for _, cmd in COMMANDS:  # a page's pytest line names test files that exist
         for name in re.findall(r"tests/\S+\.py", cmd) if "pytest" in cmd else []:
             assert (ROOT / name).exists(), cmd
@@ -72,8 +76,7 @@ def test_a_template_names_only_real_flags(page, cmd):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("page", [p for p in RUN_PAGES if p.name not in PART2],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("page", page_params([p for p in RUN_PAGES if p.name not in PART2]))
 def test_each_command_on_the_page_runs(page, cache_dir, tmp_path):
     """One page's runnable commands, in order, in one scratch folder: each exits 0."""
     run_page(page, cache_dir, tmp_path)

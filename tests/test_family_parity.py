@@ -27,9 +27,8 @@ from test_hf_families import hf_folder  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("families")
+def _world(tmp_path_factory, name):
+    out = tmp_path_factory.mktemp(name)
     for family in W.FAMILIES:
         hf_folder(out, family)  # out/<family>: config.json, model.safetensors, tokenizer
     run_world(W.__file__, out, nproc=2)
@@ -37,20 +36,51 @@ def results(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def results_fast(tmp_path_factory):
+    return _world(tmp_path_factory, "families")
+
+
+@pytest.fixture(scope="module")
+def results_slow(tmp_path_factory):
+    """The world of W.is_slow's cases (``make test-slow``)."""
+    return _world(tmp_path_factory, "families_slow")
+
+
+@pytest.fixture
+def results(request):
+    """The folder of the world that ran this test's case."""
+    p = request.node.callspec.params
+    slow = W.is_slow(p["family"], p["layout"])
+    return request.getfixturevalue("results_slow" if slow else "results_fast")
+
+
+_REFS: dict = {}
+
+
+@pytest.fixture
 def references(results):
-    """shardwise.parity's one-process reference per family, from the same imported model."""
-    work = W.workload()
-    sampler = DistributedSampler(64, W.GLOBAL_BATCH, 1, 0, seed=0)
-    batches = [work.batches(sampler.next_global_batch(), W.GLOBAL_BATCH)[0]
-               for _ in range(W.STEPS)]
-    return {f: reference_run(W.imported_model(str(results / f)), batches,
-                             lrs=[W.LR] * W.STEPS, max_norm=W.MAX_NORM)
-            for f in W.FAMILIES}
+    """shardwise.parity's one-process reference per family, from the same imported model (the
+    HF folders of both worlds are the same bytes: built from the same configs and seeds)."""
+    if not _REFS:
+        work = W.workload()
+        sampler = DistributedSampler(64, W.GLOBAL_BATCH, 1, 0, seed=0)
+        batches = [work.batches(sampler.next_global_batch(), W.GLOBAL_BATCH)[0]
+                   for _ in range(W.STEPS)]
+        _REFS.update({f: reference_run(W.imported_model(str(results / f)), batches,
+                                       lrs=[W.LR] * W.STEPS, max_norm=W.MAX_NORM)
+                      for f in W.FAMILIES})
+    return _REFS
+
+
+def _params():
+    """(family, layout) pairs, W.is_slow's marked slow."""
+    return [pytest.param(f, lay, id=f"{f}-{lay}",
+                         marks=pytest.mark.slow if W.is_slow(f, lay) else ())
+            for f in W.FAMILIES for lay in W.LAYOUTS]
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", list(W.LAYOUTS))
-@pytest.mark.parametrize("family", W.FAMILIES)
+@pytest.mark.parametrize("family,layout", _params())
 def test_imported_family_trains_like_one_process(results, references, family, layout):
     ref = references[family]
     assert all(n > W.MAX_NORM for n in ref["grad_norm"])  # clipping binds
@@ -66,8 +96,7 @@ def test_imported_family_trains_like_one_process(results, references, family, la
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", list(W.LAYOUTS))
-@pytest.mark.parametrize("family", W.FAMILIES)
+@pytest.mark.parametrize("family,layout", _params())
 def test_ledger_equals_formula(results, family, layout):
     """Every step's bytes per ledger tag equal the engine's formula (the families' biases,
     LayerNorm biases, positions and q/k norms included: tp_replicated_numel, f_summed_bytes)."""

@@ -124,18 +124,28 @@ def write_hf_folder(folder, name="tiny", **overrides):
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def _world_of(tmp_path_factory, name):
     from conftest import ROOT, run_world
 
-    out = tmp_path_factory.mktemp("meta_init")
+    out = tmp_path_factory.mktemp(name)
     write_hf_folder(out / "hf", n_heads=8, n_kv_heads=4)
     write_hf_folder(out / "hf_moe", "moe-tiny")
     run_world(ROOT / "tests" / "workers" / "meta_init_cases.py", out)
     return out
 
 
-def _case_names():
+@pytest.fixture(scope="module")
+def world_fast(tmp_path_factory):
+    return _world_of(tmp_path_factory, "meta_init")
+
+
+@pytest.fixture(scope="module")
+def world_slow(tmp_path_factory):
+    """The world of the worker's SLOW cases (``make test-slow``)."""
+    return _world_of(tmp_path_factory, "meta_init_slow")
+
+
+def _worker():
     import importlib.util
 
     from conftest import ROOT
@@ -144,7 +154,25 @@ def _case_names():
         "meta_init_cases", ROOT / "tests" / "workers" / "meta_init_cases.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return [c[0] for c in mod.CASES]
+    return mod
+
+
+SLOW = _worker().SLOW
+
+
+@pytest.fixture
+def world(request):
+    """The folder of the world that ran this test's case (and its ``whole_case``)."""
+    p = request.node.callspec.params
+    slow = p["case"] in SLOW
+    assert p.get("whole_case") not in SLOW  # the comparison's two cases: one world
+    return request.getfixturevalue("world_slow" if slow else "world_fast")
+
+
+def _case_names(names=None):
+    """The worker's case names (or ``names``) as params, its SLOW ones marked slow."""
+    return [pytest.param(c, marks=pytest.mark.slow if c in SLOW else ())
+            for c in names or [c[0] for c in _worker().CASES]]
 
 
 @pytest.mark.timeout(600)
@@ -166,9 +194,9 @@ def test_an_engine_built_from_a_meta_model_equals_the_whole_build_bitwise(world,
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", ["hf_dp4_z3", "hf_dp4_z3_torch", "hf_dp2_tp2", "hf_pp2_dp2",
-                                  "hf_pp2_tp2_torch", "hf_moe_dp4_ep2_z3", "hf_hsdp2x2_z3",
-                                  "hf_dp4_z1", "hf_tp4_sp"])
+@pytest.mark.parametrize("case", _case_names([
+    "hf_dp4_z3", "hf_dp4_z3_torch", "hf_dp2_tp2", "hf_pp2_dp2", "hf_pp2_tp2_torch",
+    "hf_moe_dp4_ep2_z3", "hf_hsdp2x2_z3", "hf_dp4_z1", "hf_tp4_sp"]))
 def test_from_an_hf_folder_each_rank_reads_only_what_it_holds(world, case):
     """The elements the 4 ranks read of each HF tensor (``shardwise.lazy.counting`` around
     ``parallelize``), against what the layout gives each rank, worked by hand (a whole load

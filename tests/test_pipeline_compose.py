@@ -31,10 +31,31 @@ D = 32  # d_model of the tiny preset
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results_fast(tmp_path_factory):
     out = tmp_path_factory.mktemp("pp_compose")
     run_world(W.__file__, out, nproc=8)
     return out
+
+
+@pytest.fixture(scope="module")
+def results_slow(tmp_path_factory):
+    """The world of W.SLOW's cases (``make test-slow``)."""
+    out = tmp_path_factory.mktemp("pp_compose_slow")
+    run_world(W.__file__, out, nproc=8)
+    return out
+
+
+@pytest.fixture
+def results(request):
+    """The folder of the world that ran this test's case."""
+    slow = request.node.callspec.params["case"] in W.SLOW
+    return request.getfixturevalue("results_slow" if slow else "results_fast")
+
+
+def _params(cases):
+    """``cases`` as params named by W.case_name, W.SLOW's marked slow."""
+    return [pytest.param(c, id=W.case_name(*c), marks=pytest.mark.slow if c in W.SLOW else ())
+            for c in cases]
 
 
 _REFS = {}
@@ -70,7 +91,7 @@ def _load(out, case):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", W.CASES, ids=lambda c: W.case_name(*c))
+@pytest.mark.parametrize("case", _params(W.CASES))
 def test_composition_matches_single_process(results, case):
     pp, dp, tp, sp, zero, schedule, m, engine = case
     """Every step's loss, clipped norm, and each stage's gradients and parameters, by
@@ -92,7 +113,7 @@ def test_composition_matches_single_process(results, case):
 EXPLICIT = [c for c in W.CASES if c[7] == "explicit"]
 
 
-@pytest.mark.parametrize("case", EXPLICIT, ids=lambda c: W.case_name(*c))
+@pytest.mark.parametrize("case", _params(EXPLICIT))
 def test_ledger_bytes_equal_formula_and_hand_count(results, case):
     """Per tag, every step, every rank: ledger == the engine's formula exactly. And by hand
     (A = one microbatch's hidden state, MICRO·SEQ·D·4 bytes, /tp with SP): activations
@@ -137,8 +158,7 @@ def test_ledger_bytes_equal_formula_and_hand_count(results, case):
                     2 * (tp - 1) / tp * wide * (2 * blocks + last))
 
 
-@pytest.mark.parametrize("case", [c for c in W.CASES if c[7] == "torch"],
-                         ids=lambda c: W.case_name(*c))
+@pytest.mark.parametrize("case", _params([c for c in W.CASES if c[7] == "torch"]))
 def test_torch_engine_ledger_total_equals_formula(results, case):
     """torch engine: what is booked (DTensor's TP collectives, our tied swap, dp all-reduce,
     norm, loss scalars; PyTorch's own p2p is not booked) equals the formula's total."""
@@ -148,8 +168,8 @@ def test_torch_engine_ledger_total_equals_formula(results, case):
             assert "pp_fwd" not in by_tag and "pp_bwd" not in by_tag
 
 
-@pytest.mark.parametrize("case", [c for c in W.CASES if not (c[7] == "torch" and c[4])],
-                         ids=lambda c: W.case_name(*c))
+@pytest.mark.parametrize("case", _params([c for c in W.CASES
+                                          if not (c[7] == "torch" and c[4])]))
 def test_full_optimizer_state_equals_reference(results, case):
     """full_optimizer_state: AdamW's moments in full parameter shape (gathered over the dp
     slices of ZeRO-1 and the tp shards), equal to the reference optimizer's within the bound
@@ -171,11 +191,12 @@ def test_full_optimizer_state_equals_reference(results, case):
 
 
 @pytest.mark.parametrize("case", W.BF16_CASES, ids=lambda c: W.case_name(*c))
-def test_bf16_gradient_reduction(results, case):
+def test_bf16_gradient_reduction(results_fast, case):
     """``reduce_dtype="bf16"``: the dp gradient reduction is booked in bf16 at half the fp32
     bytes (ledger == formula per tag; by hand: all-reduce 2(dp−1)/dp·Ψ_s·2, ZeRO-1 reduce-scatter
     (dp−1)/dp·P_s·2), and the reduced gradients agree with the fp32 reference to bf16 precision
     (per tensor, in norm: elements where the dp partials cancel have large relative errors)."""
+    results = results_fast  # the BF16_CASES run in make test's world
     pp, dp, tp, sp, zero, schedule, m, engine = case
     ref = reference(W.MICRO * m * dp)
     for rank in range(pp * dp * tp):

@@ -38,6 +38,14 @@ def results(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def results_slow(tmp_path_factory):
+    """The world of W.is_slow's cases (``make test-slow``)."""
+    out = tmp_path_factory.mktemp("pp_slow")
+    run_world(W.__file__, out)
+    return out
+
+
 _REFS = {}
 
 
@@ -83,9 +91,11 @@ def _ids(case):
     return W.case_name(pp, dp, schedule, m, engine, W._suffix(overrides, lps))
 
 
-@pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_pipeline_matches_single_process(results, case):
+@pytest.mark.parametrize("case", [pytest.param(c, id=_ids(c), marks=pytest.mark.slow
+                                               if W.is_slow(c) else ()) for c in CASES])
+def test_pipeline_matches_single_process(request, case):
     pp, dp, schedule, m, engine, overrides, lps = case
+    results = request.getfixturevalue("results_slow" if W.is_slow(case) else "results")
     ref = reference(W.MICRO * m * dp, overrides.get("tie_embeddings", True),
                     overrides.get("model") == "mlp-tiny")
     recs = _load(results, case)

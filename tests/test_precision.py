@@ -77,10 +77,21 @@ def results(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def results_slow(tmp_path_factory):
+    """The world of W.SLOW's cases (``make test-slow``)."""
+    out = tmp_path_factory.mktemp("precision_slow")
+    run_world(W.__file__, out, nproc=W.world_size())
+    return out
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", W.CASES, ids=[W.case_name(*c) for c in W.CASES])
-def test_bf16_loss_within_2_percent_of_fp32(results, case):
+@pytest.mark.parametrize("case", [pytest.param(c, id=W.case_name(*c), marks=pytest.mark.slow
+                                               if c in W.SLOW else ()) for c in W.CASES])
+def test_bf16_loss_within_2_percent_of_fp32(request, case):
     from shardwise.parallel.layout import parse_layout
+
+    results = request.getfixturevalue("results_slow" if case in W.SLOW else "results")
 
     world = parse_layout(case[0]).world
     for rank in range(world):

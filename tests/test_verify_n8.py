@@ -1,6 +1,10 @@
 """``shardwise verify --nproc 8 --bounded``: parity of every layout with one process by
 shardwise.parity's rule, and the ledger against the formula. A file of its own, so that
-the suite's two workers (pytest-xdist, one file each) run the two verify worlds side by side."""
+the suite's two workers (pytest-xdist, one file each) run the two verify worlds side by side.
+
+``make test`` runs two of the bounded set's three-axis compositions (:data:`TWO_OF_THEM`); the
+whole bounded set (24 layouts, ~2.5 min alone) is ``@pytest.mark.slow`` (``make test-slow``;
+``make test-cpu-paths`` runs it too)."""
 
 import json
 
@@ -9,6 +13,27 @@ import pytest
 from conftest import run_cli
 
 
+# 3D (dp × tp × pp, SP, zb-h1: both engines) and HSDP inside pipeline stages (both engines)
+TWO_OF_THEM = ["dp=2,tp=2,pp=2,zero=1,sp,zb-h1,m=4", "dp=4,pp=2,dp_replicate=2,zero=3,1f1b,m=4"]
+
+
+@pytest.mark.timeout(300)
+def test_verify_two_8_rank_compositions(cache_dir, tmp_path):
+    """``make test``'s share of the bounded set below: :data:`TWO_OF_THEM` over 8 ranks, both
+    engines, pass the parity rule with ledger bytes = formula."""
+    p = run_cli(["verify", "--nproc", "8", "--models", "tiny", "--layouts", *TWO_OF_THEM,
+                 "--json", tmp_path / "verify.json"], cache_dir, timeout=280)
+    assert p.returncode == 0, p.stdout
+    report = json.loads((tmp_path / "verify.json").read_text())
+    assert {(c["layout"], c["engine"]) for c in report["cases"]} == \
+        {(lay, eng) for lay in TWO_OF_THEM for eng in ("explicit", "torch")}
+    assert report["pass"] and all(c["pass"] for c in report["cases"])
+    assert all(c["ledger_vs_formula_max_deviation"] < 1e-9 for c in report["cases"])
+    assert all(c["diff_over_tolerance"] <= 1 and c["param_diff_over_bound"] <= 1
+               for c in report["cases"])
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_verify_bounded_8_rank_compositions(cache_dir, tmp_path):
     """N = 8, bounded: each factorization of 8 with at least two degrees > 1 (FSDP+TP with

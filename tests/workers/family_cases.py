@@ -11,6 +11,7 @@ bytes by tag against :func:`shardwise.formulas.step_bytes_formula`, per step.
 """
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,16 @@ LAYOUTS = {"dp2": (Layout(dp=2), (1, 2, 1, 1), "explicit"),
            "torch_tp2": (Layout(tp=2), (1, 1, 2, 1), "torch"),
            "torch_tp2_sp": (Layout(tp=2, sp=True), (1, 1, 2, 1), "torch"),
            "torch_pp2": (Layout(pp=2, microbatches=4), (2, 1, 1, 1), "torch")}
+
+
+# ``make test``: GPT-2 (the family furthest from Llama) in every layout, the others in these
+# (ZeRO-3, TP with SP, DTensor TP, a pipeline: where their biases, q/k norms and head_dim are
+# split); ``make test-slow`` (a world whose output folder's name has "slow") runs the rest
+FAST_LAYOUTS = ("dp2_zero3", "tp2_sp", "torch_tp2", "pp2")
+
+
+def is_slow(family: str, layout: str) -> bool:
+    return family != "gpt2" and layout not in FAST_LAYOUTS
 
 
 def workload():
@@ -93,8 +104,11 @@ def main(out: str) -> None:
             pp, dp, tp, cp = degrees
             topos[degrees] = Topology(pp=pp, dp=dp, tp=tp, cp=cp, ranks=range(2),
                                       timeout_s=120)
+    slow = "slow" in Path(out).name
     for family in FAMILIES:
         for name, (layout, degrees, engine, *ac) in LAYOUTS.items():
+            if is_slow(family, name) != slow:
+                continue
             run_case(topos[degrees], work, family, name, layout, engine, out, rank, *ac)
     dist.barrier()
     dist.destroy_process_group()

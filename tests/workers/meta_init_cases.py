@@ -10,6 +10,7 @@ the meta path, the bytes this rank's engine holds in parameter storage and the e
 read of each HF tensor (``shardwise.lazy.counting``)."""
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -71,6 +72,12 @@ CASES = [
     ("hf_tp4_sp", "tiny", dict(tp=4, sp=True), "explicit"),
     ("hf_dp2_tp2_sp_z3_torch", "tiny", dict(dp=2, tp=2, sp=True, zero=3), "torch"),
 ]
+# ``make test-slow``'s cases (a world whose output folder's name has "slow"): the ZeRO stages and
+# layouts a kept case already builds the same way (``make test`` keeps ZeRO-0/3, HSDP, each
+# axis, the pipelines and MoE on both engines)
+SLOW = {"dp4_z1", "dp4_z2", "tp4", "moe_dp2_tp2_ep2", "pp2_dp2_z1", "dp4_z2_torch",
+        "hsdp2x2_z1_torch", "dp4_z0_torch", "tp4_torch", "dp2_tp2_z0_torch", "pp2_dp2_z1_torch",
+        "hf_dp4_z1", "hf_tp4_sp"}
 MODEL = {"tiny": dict(n_heads=8, n_kv_heads=4), "moe-tiny": {}}  # tp = 4 divides the heads
 CFG = TrainConfig(model="tiny", lr=3e-3, weight_decay=0.1)
 
@@ -144,6 +151,8 @@ def main(out):
     hf = sys.argv[2] if len(sys.argv) > 2 else f"{out}/hf"  # the HF folder (the test's)
     only = sys.argv[3:]  # case names (all when none)
     for case, model_name, kw, engine_name in CASES:
+        if (case in SLOW) != ("slow" in Path(out).name):
+            continue
         if not only or case in only:
             run(case, model_name, kw, engine_name, work, out, rank, hf)
     dist.barrier()
