@@ -117,6 +117,14 @@ def _equal(a: dict, b: dict, what: str) -> None:
         assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), f"{what}: {n}"
 
 
+def _same_step(a: dict, b: dict, t: int) -> None:
+    """Step ``t`` of two runs (an offloaded one and its twin): the same loss, every gradient
+    and parameter bitwise."""
+    assert a["loss"][t] == b["loss"][t], (t, a["loss"][t], b["loss"][t])
+    _equal(a["grads"][t], b["grads"][t], f"step {t} gradients")
+    _equal(a["params"][t], b["params"][t], f"step {t} parameters")
+
+
 BITWISE = [c for c in W.CASES
            if c[0] in W.BITWISE or c[0] in W.TORCH and c[1] in ("guide", "fp32")]
 
@@ -148,9 +156,7 @@ def test_offload_bitwise_equal_to_no_offload_and_ledger_equals_formula(results, 
     on, off = _load(results, text, recipe), _load(results, text, recipe[:-len("_off")])
     for a, b in zip(on, off):
         for t in range(W.STEPS):
-            assert a["loss"][t] == b["loss"][t]
-            _equal(a["grads"][t], b["grads"][t], f"step {t} gradients")
-            _equal(a["params"][t], b["params"][t], f"step {t} parameters")
+            _same_step(a, b, t)
             assert a["ledger"][t] == a["formula"][t], (t, a["ledger"][t], a["formula"][t])
             for run in (a, b):  # every tag: the step's whole traffic against the formula
                 led, formula = run["totals"][t]
@@ -188,9 +194,7 @@ def test_params_offload_bitwise_equal_to_no_offload_and_ledger_equals_formula(re
     for a, b in zip(on, off):
         assert a["offloaded"] and all(a["offloaded"]) and not any(b["offloaded"])
         for t in range(W.STEPS):
-            assert a["loss"][t] == b["loss"][t]
-            _equal(a["grads"][t], b["grads"][t], f"step {t} gradients")
-            _equal(a["params"][t], b["params"][t], f"step {t} parameters")
+            _same_step(a, b, t)
             assert a["ledger"][t] == a["formula"][t], (t, a["ledger"][t], a["formula"][t])
             assert a["ledger"][t]["offload_h2d"] == a["tags"][t]["param"] / (s - 1) > 0
             assert a["ledger"][t]["offload_d2h"] == a["tags"][t]["grad"] / (s - 1) > 0
@@ -254,9 +258,7 @@ def test_torch_offload_params_bitwise_equal_to_no_offload(results, case):
     on, off = _load(results, text, recipe), _load(results, text, recipe[:-len("_params")])
     for a, b in zip(on, off):
         for t in range(W.STEPS):
-            assert a["loss"][t] == b["loss"][t]
-            _equal(a["grads"][t], b["grads"][t], f"step {t} gradients")
-            _equal(a["params"][t], b["params"][t], f"step {t} parameters")
+            _same_step(a, b, t)
             for run in (a, b):
                 assert run["ledger"][t] == run["formula"][t] == {"offload_d2h": 0.0,
                                                                  "offload_h2d": 0.0}
