@@ -77,13 +77,17 @@ NAMED = {
 PART2 = {"planner.md", "collectives.md", "pipeline-parallel.md", "checkpointing.md",
          "expert-parallel.md", "zero.md", "report.md", "tensor-parallel.md"}
 # the pages whose runs are ``@pytest.mark.slow`` (``make test-slow``; ``make test`` keeps the
-# others, ~1/4 of the time, four pages a file): the seven longest, whose commands the suite also
-# runs in process — composition (the layouts' parity: test_compose_2d, test_verify_n4), README
+# others, the shortest: data-parallel, optimizers and post-training of test_doc_commands.py's,
+# tensor-parallel of PART2's): the eleven longest, whose commands the suite also runs in
+# process — composition (the layouts' parity: test_compose_2d, test_verify_n4), README
 # (test_cli's runs), planner (test_plan, test_plan_train), collectives (test_collectives),
 # interop (test_hf, test_export_tokenizer), pipeline-parallel (test_pipeline_parity),
-# checkpointing (test_checkpoint)
+# checkpointing (test_checkpoint), context-parallel (test_context_parallel, test_cp_pack,
+# test_cp_memory), expert-parallel (test_expert_parallel, test_ep_zero, test_ep_pp), report
+# (test_report, test_report_browser), zero (test_zero, test_verify_n4)
 SLOW_PAGES = {"composition.md", "README.md", "planner.md", "collectives.md", "interop.md",
-              "pipeline-parallel.md", "checkpointing.md"}
+              "pipeline-parallel.md", "checkpointing.md", "context-parallel.md",
+              "expert-parallel.md", "report.md", "zero.md"}
 
 
 def page_params(pages: list[Path]) -> list:

@@ -91,8 +91,8 @@ def test_sigkill_every_worker_then_resume_is_bitwise_exact(straight, tmp_path, c
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_6"
 
 
-@pytest.mark.timeout(500)  # torchrun's: make test-slow (tests/test_cli.py runs train under torchrun;
-# ours is the same elastic agent)
+@pytest.mark.timeout(500)  # torchrun's: make test-slow (tests/test_multinode.py runs train under
+# torchrun; ours is the same elastic agent)
 @pytest.mark.parametrize("launcher", [pytest.param("torchrun", marks=pytest.mark.slow),
                                       "shardwise"])
 def test_restarts_after_a_worker_is_killed(launcher, straight, tmp_path, cache_dir):

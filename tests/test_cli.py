@@ -183,6 +183,10 @@ def test_trace_cp_allgather_lists_each_layers_collectives(cache_dir):
     assert "forward   all_gather        8, expected L·m = 2·4 = 8" in p.stdout
 
 
+# make test-slow: make test trains under torch.distributed.run (torchrun's module) in
+# tests/test_multinode.py (two nodes of one rank, losses against one process), and starts train
+# under torchrun in tests/test_torchrun_errors.py and test_desync.py
+@pytest.mark.slow
 def test_train_under_torchrun_uses_its_world(cache_dir, tmp_path):
     import os
     import subprocess

@@ -47,7 +47,24 @@ def _loss_and_grads(ac: str, compiled: bool):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, names
 
 
-@pytest.mark.parametrize("ac", ["none", pytest.param("selective", marks=pytest.mark.slow)])
+def test_compile_blocks_wraps_each_block_once_and_keeps_the_state_dict_names():
+    """``compile_blocks`` wraps both blocks, a second call none (idempotent), and the state
+    dict keeps eager's names (no ``_orig_mod.`` prefix: checkpoints are interchangeable).
+    Nothing is compiled until a forward, so this is cheap; the compiled forward and backward
+    are the test below (``make test-slow``) and, in ``make test``, the GPU bench's CPU dry run
+    (tests/test_gpu_bench.py runs tests/test_gpu_path.py::test_compiled_equals_eager on CPU:
+    the same tiny model, loss and every gradient, both AC modes, within these bounds)."""
+    torch.manual_seed(0)
+    eager = build_model("tiny", vocab_size=64)
+    model = build_model("tiny", vocab_size=64)
+    assert compile_blocks(model) == 2  # both blocks
+    assert compile_blocks(model) == 0  # idempotent
+    assert list(model.state_dict()) == list(eager.state_dict())
+
+
+# make test-slow: the same comparison runs in make test under tests/test_gpu_bench.py's dry run
+@pytest.mark.slow
+@pytest.mark.parametrize("ac", ["none", "selective"])
 def test_compiled_blocks_give_the_eager_loss_and_every_gradient(ac):
     le, ge, names_e = _loss_and_grads(ac, compiled=False)
     lc, gc, names_c = _loss_and_grads(ac, compiled=True)

@@ -15,12 +15,16 @@ from conftest import run_cli
 SMALL = ["train", "--steps", "2", "--tokenizer", "bytes", "--seq-len", "32"]
 
 
+def _slow(layout, note):  # make test-slow's: dp 8 and tp 4 (make test derives over dp 4, pp 4, 3D)
+    return pytest.param(layout, note, marks=pytest.mark.slow, id=" ".join(layout))
+
+
 @pytest.mark.parametrize("layout,note", [
     (["--dp", "4"], "micro-batch 4 (derived: global batch 16 / dp 4; pass --micro-batch to choose)"),
-    (["--dp", "8", "--zero", "3"], "micro-batch 2 (derived: global batch 16 / dp 8;"),
+    _slow(["--dp", "8", "--zero", "3"], "micro-batch 2 (derived: global batch 16 / dp 8;"),
     # the tiny model's 2 kv heads do not split over 4: small's do (2 layers keep it quick)
-    (["--tp", "4", "--model", "small", "--n-layers", "2"],
-     "micro-batch 8 (derived: global batch 16 / dp 1;"),
+    _slow(["--tp", "4", "--model", "small", "--n-layers", "2"],
+          "micro-batch 8 (derived: global batch 16 / dp 1;"),
     # the tiny model's 2 layers are too few for 4 stages
     (["--pp", "4", "--n-layers", "4"], "micro-batch 4, 4 microbatches (derived: global batch 16 "
                                        "/ dp 1 = 16 sequences per pipeline, at least pp 4"),

@@ -64,9 +64,13 @@ def _kill_all(launcher, marker: str) -> None:
 
 @pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs Linux /proc")
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("sig,fork", [(signal.SIGKILL, "1"), (signal.SIGTERM, "1"),
+# make test: SIGTERM (the handler) with forked workers, SIGKILL with new interpreters; SIGHUP
+# (SIGTERM's handler) and SIGKILL with forked workers (also test_forked_script_workers_die_with_
+# their_launcher's) are make test-slow's
+@pytest.mark.parametrize("sig,fork", [pytest.param(signal.SIGKILL, "1", marks=pytest.mark.slow),
+                                      (signal.SIGTERM, "1"),
                                       pytest.param(signal.SIGHUP, "1", marks=pytest.mark.slow),
-                                      (signal.SIGKILL, "0")])  # SIGHUP: SIGTERM's handler
+                                      (signal.SIGKILL, "0")])
 def test_no_worker_outlives_its_launcher(sig, fork, tmp_path, cache_dir):
     """Workers forked from the launcher (SHARDWISE_FORK=1, CPU) and started as new interpreters
     (=0, as on GPU): after SIGKILL (no handler can run), SIGTERM and SIGHUP of the launcher."""
