@@ -373,8 +373,9 @@ def test_bf16_reference_pass_runs_under_the_policys_autocast(cache_dir, tmp_path
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("layout", [["--dp", "2", "--zero", "3"], ["--pp", "2", "--dp", "2"]],
-                         ids=["dp2_zero3", "pp2_dp2"])
+@pytest.mark.parametrize("layout", [  # pp's meta build: make test-slow (and tests/test_meta_init.py)
+    ["--dp", "2", "--zero", "3"],
+    pytest.param(["--pp", "2", "--dp", "2"], marks=pytest.mark.slow)], ids=["dp2_zero3", "pp2_dp2"])
 def test_the_meta_build_gives_the_whole_builds_run_bitwise(cache_dir, tmp_path, layout):
     """DPO built on the meta device (the policy and its frozen reference each filled with the
     initial weights: the init replayed from the same RNG state for the reference; that the RNG
