@@ -96,7 +96,7 @@ train: install
 # split; 1120 s, 1137 s after it (make test 1270 s with the install): still OVER the budget.
 # After the second split (i53c-budget) an ESTIMATE, not a measurement: the per-test durations of
 # a full run at 5c3fe05 less the moved cases, scaled to the quiet totals and scheduled over two
-# workers in collection order: ~885 s and ~905 s per worker (make test ~1,030 s with the
+# workers in collection order: ~890 s and ~910 s per worker (make test ~1,040 s with the
 # install): still OVER the budget (~600 s per worker). The slowest files then (quiet estimates):
 # test_cli (~120 s: the embedded default's 40-step run, one end-to-end layout), test_gpu_bench
 # (~100 s: the dry run's pytest subset and four runs, two compiled), test_pipeline_parity (~90 s),
