@@ -57,7 +57,7 @@ def main(sets: list[str]) -> None:
 
     def mark(point: str) -> None:
         gathered = sum(u.full.untyped_storage().nbytes() for u in sync.units)
-        inflight = sum(u._reduce[1].nbytes for u in sync.units if u._reduce is not None)
+        inflight = sum(u._reduce[1] for u in sync.units if u._reduce is not None)
         marks.append((point, status("VmRSS"), gathered, inflight))
 
     launch, finish = sync._launch_reduce, sync.finish_gradient_sync

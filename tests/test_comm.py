@@ -50,10 +50,18 @@ def test_collective_values(ranks):
         summed = sum(torch.arange(8, dtype=torch.float64) * (p + 1) for p in dp_peers)
         i = dp_peers.index(r)
         assert torch.equal(res["reduce_scatter_dp"], summed[4 * i: 4 * i + 4])
+        assert torch.equal(res["reduce_scatter_dp_async"], summed[4 * i: 4 * i + 4])
         assert torch.equal(res["broadcast_dp_src1"], torch.full((5,), float(dp_peers[1])))
         j = tp_peers.index(r)
         assert torch.equal(res["all_to_all_tp"], torch.tensor([10.0 * p + j for p in tp_peers]))
         assert torch.equal(res["p2p_tp"], torch.full((7,), float(tp_peers[0])))
+
+
+def test_async_handle_does_not_keep_the_input(ranks):
+    """An in-flight async reduce_scatter's Handle holds no reference to its input: a caller
+    that drops its own (ZeRO's flat gradient [P_u], issue 53) frees it at once (the backend's
+    work keeps what it still reads: gloo reduces a copy), and the result is still the sum."""
+    assert [res["async_input_alive"] for res in ranks] == [False] * 4
 
 
 def test_ledger_books_ring_bytes(ranks):

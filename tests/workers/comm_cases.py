@@ -1,7 +1,9 @@
 """Worker for tests/test_comm.py: every collective of shardwise.comm on a pp=1 × dp=2 × tp=2 world
 of 4 ranks; each rank dumps what it got and its ledger to ``<out>/rank<r>.pt``."""
 
+import gc
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,16 @@ def main(out):
     shard = torch.empty(4, dtype=torch.float64)
     comm.reduce_scatter(shard, full, topo, "dp")
     res["reduce_scatter_dp"] = shard
+    # async, its input dropped by the caller before the wait (ZeRO's flat gradient, issue 53):
+    # the Handle keeps the dtype and shape only, the backend what it still reads
+    full = torch.arange(8, dtype=torch.float64) * (r + 1)
+    alive, shard = weakref.ref(full), torch.empty(4, dtype=torch.float64)
+    handle = comm.reduce_scatter(shard, full, topo, "dp", async_op=True)
+    del full
+    gc.collect()
+    res["async_input_alive"] = alive() is not None
+    handle.wait()
+    res["reduce_scatter_dp_async"] = shard
     b = torch.full((5,), float(r))
     comm.broadcast(b, topo, "dp", src=1)
     res["broadcast_dp_src1"] = b

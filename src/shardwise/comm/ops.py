@@ -238,9 +238,12 @@ def _run(topo, op, axis, tensor_like, size_bytes, impl, tag, async_op, launch, a
     issue_p2p`) and waited for the same way: a receive whose message never comes is named
     after ``--hang-after``."""
     t0, note = time.perf_counter(), topo.ledger.current_note
+    # the Handle books the buffer's dtype and shape only: it does not pin the caller's tensors,
+    # the backend's work keeps what it still reads (gloo's own copy, NCCL's stashed inputs)
+    like = _described(tensor_like)
 
     def guard():
-        return _naming_timeouts(topo, op, axis, tensor_like, tag)
+        return _naming_timeouts(topo, op, axis, like, tag)
 
     checks = getattr(topo, "checks", None)
     checks = checks if checks is not None and checks.active else None
@@ -262,7 +265,7 @@ def _run(topo, op, axis, tensor_like, size_bytes, impl, tag, async_op, launch, a
     def finish():
         if after is not None:
             after()
-        _book(topo, op, axis, tensor_like, size_bytes, t0, impl, tag, sent, note=note)
+        _book(topo, op, axis, like, size_bytes, t0, impl, tag, sent, note=note)
 
     h = Handle(work if async_op or checks is not None else None, finish, guard, waiter)
     if not async_op:
@@ -283,6 +286,11 @@ def check_device(topo, op: str, axis: str, tensor, tag: str = "") -> None:
     raise NcclHazard(
         f"{op} on axis {axis}{f' ({tag})' if tag else ''}: tensor on {have}, the topology's "
         f"device is {want}; create it with device=topo.device (NCCL takes device tensors only)")
+
+
+def _described(t):
+    """A tensor's dtype and shape without its storage (a meta tensor); anything else as is."""
+    return torch.empty(t.shape, dtype=t.dtype, device="meta") if torch.is_tensor(t) else t
 
 
 def _nbytes(t: torch.Tensor) -> int:

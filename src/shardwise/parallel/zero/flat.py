@@ -90,7 +90,7 @@ class FlatShards:
         self.dtype, self.device = self.params[0].dtype, self.params[0].device
         self.reduce_dtype = reduce_torch or self.dtype
         self.grad_dtype = grad_torch or self.dtype
-        self._reduce = None  # (handle, input kept alive, output) of an in-flight reduce_scatter
+        self._reduce = None  # (handle, input's bytes, output) of an in-flight reduce_scatter
         self.offload = None  # --offload params: its .offload.HostShards (shards on the host)
         with torch.no_grad():
             # pad 0; deferred ZeRO-3 (below) never reads it: left untouched, its pages are never
@@ -173,7 +173,8 @@ class FlatShards:
                 torch.empty(self.shard_numel, dtype=rdtype, device=self.device)  # [k]
         handle = comm.reduce_scatter(out, flat, self.topo, self.axis, tag="grad",
                                      async_op=True)
-        self._reduce = (handle, flat, out)
+        # the input is not kept: the backend's work holds what it still reads (gloo: its copy)
+        self._reduce = (handle, flat.nbytes, out)
 
     @torch.no_grad()
     def wait_reduce_scatter(self) -> None:

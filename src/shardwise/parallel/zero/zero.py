@@ -236,7 +236,7 @@ class ZeroSync(Sync):
         with self.topo.ledger.note(f"{u.name} grads"):
             u.launch_reduce_scatter()
         self.reduce_inputs_peak_bytes = max(self.reduce_inputs_peak_bytes, sum(
-            v._reduce[1].nbytes for v in self.units if v._reduce is not None))
+            v._reduce[1] for v in self.units if v._reduce is not None))
         self._next_reduce += 1
 
     @torch.no_grad()
