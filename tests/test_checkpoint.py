@@ -365,7 +365,7 @@ def _check_shard_case(runs, spec):
     assert _same(optim, ref_optim) and set(optim) == set(model)
     assert _same({k: {s: v for s, v in st.items()} for k, st in local_optim.items()}, ref_optim)
     # each rank wrote only boxes it holds, each box once: DCP's storage index names the file
-    # (``__<rank>_<file>_0.distcp``) of every stored chunk
+    # (``__<rank>_<i>_0.distcp``) of every stored chunk
     held = {r["rank"]: set(r["boxes"]) for r in runs}
     stored = [(idx.fqn, tuple(idx.offset), int(info.relative_path.split("_")[2]))
               for idx, info in md.storage_data.items()]

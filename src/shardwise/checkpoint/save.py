@@ -271,7 +271,7 @@ def _planner():
 
 def _writer(path):
     """DCP's file writer, each rank's boxes cut into files of at most its largest box's bytes
-    (several files per rank, ``__<rank>_<file>_0.distcp``; DCP's metadata names each chunk's
+    (several files per rank, ``__<rank>_<i>_0.distcp``; DCP's metadata names each chunk's
     file, so the load side is unchanged).
 
     Why: DCP's writer (torch 2.13 ``filesystem._write_files_from_queue``) keeps every tensor it
@@ -280,7 +280,8 @@ def _writer(path):
     (a ZeRO slice, a flat range cut into rows: ``clone``) or on a device (``.cpu()``). In one
     file per rank, the copies of all its keys lived at once: up to the rank's whole state (the
     save's overshoot of benchmarks/README.md, "the guide's recipe with offload"). One file per
-    bucket of ≤ the largest box's bytes bounds the copies alive at once by one box."""
+    bucket of ≤ the largest box's bytes bounds the copies alive at once by one box (two while
+    the next file's first copy is made and the last file's is released)."""
     import dataclasses
     import math
 
