@@ -365,7 +365,7 @@ def _check_shard_case(runs, spec):
     assert _same(optim, ref_optim) and set(optim) == set(model)
     assert _same({k: {s: v for s, v in st.items()} for k, st in local_optim.items()}, ref_optim)
     # each rank wrote only boxes it holds, each box once: DCP's storage index names the file
-    # (``__<rank>_0.distcp``) of every stored chunk
+    # (``__<rank>_<i>_0.distcp``) of every stored chunk
     held = {r["rank"]: set(r["boxes"]) for r in runs}
     stored = [(idx.fqn, tuple(idx.offset), int(info.relative_path.split("_")[2]))
               for idx, info in md.storage_data.items()]
@@ -408,6 +408,22 @@ def test_shard_by_shard_save_loads_back_bitwise(shards, spec):
     _check_shard_case(shards[spec], spec)
 
 
+@pytest.mark.timeout(400)
+def test_a_save_holds_at_most_one_box_of_copies(shards):
+    """The copies DCP's writer holds while it writes (a clone of each box that is a view into a
+    larger buffer; counted by ``ckpt_shard_cases.CopiesDcpHolds``) never add up to more than
+    the largest box this rank holds: the save's peak is training's plus one box (issue 53).
+    Before the writer cut each rank's boxes into files of at most that size
+    (``checkpoint/save.py: _writer``), DCP kept every key's copy until the rank's one file
+    was closed: ZeRO's model slices alone were several boxes."""
+    for spec in ckpt_shard_cases.SAVE:
+        for r in shards[spec]:
+            peak, largest = r["copies"]
+            assert peak <= largest, (spec, r["rank"], peak, largest)
+    # the hook sees the copies: ZeRO-3's boxes are views into the flat slice, each one cloned
+    assert all(r["copies"][0] > 0 for r in shards["dp=4,zero=3"])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("spec", ckpt_shard_cases.SLOW)
@@ -431,6 +447,12 @@ def test_dp4_zero3_checkpoint_resumes_at_tp2_pp2_bitwise(shards, spec, to):
 
 # ------------------------------------------------------------------------------- failures
 
+def rank_file(step, rank: int) -> Path:
+    """Rank ``rank``'s first data file of checkpoint folder ``step`` (``__<rank>_<i>_0.distcp``:
+    each rank writes its boxes into files of at most its largest box, checkpoint/save.py)."""
+    return sorted(step.glob(f"__{rank}_*.distcp"))[0]
+
+
 def _copy_run(straight, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(straight / "run" / "checkpoints", run / "checkpoints")
@@ -442,7 +464,7 @@ def test_truncated_and_corrupt_checkpoints_are_named_and_skipped(straight, tmp_p
 
     run = _copy_run(straight, tmp_path)
     ck = run / "checkpoints"
-    shard = ck / "step_6" / "__1_0.distcp"
+    shard = rank_file(ck / "step_6", 1)
     shard.write_bytes(shard.read_bytes()[:-10])  # truncated
     warnings = []
     assert find_resume_checkpoint("auto", str(run), warn=warnings.append) == ck / "step_4"
@@ -450,7 +472,7 @@ def test_truncated_and_corrupt_checkpoints_are_named_and_skipped(straight, tmp_p
     with pytest.raises(CheckpointError, match=f"{shard}.*truncated"):
         find_resume_checkpoint(str(ck / "step_6"), str(run))
     # same size, one byte flipped: only the hash can tell
-    meta = ck / "step_4" / "__0_0.distcp"
+    meta = rank_file(ck / "step_4", 0)
     data = bytearray(meta.read_bytes())
     data[len(data) // 2] ^= 0xFF
     meta.write_bytes(bytes(data))
@@ -468,7 +490,7 @@ def test_truncated_and_corrupt_checkpoints_are_named_and_skipped(straight, tmp_p
 @pytest.mark.timeout(300)
 def test_cli_errors_name_the_file_the_keys_and_the_folder(straight, tmp_path, cache_dir):
     run = _copy_run(straight, tmp_path)
-    shard = run / "checkpoints" / "step_6" / "__0_0.distcp"
+    shard = rank_file(run / "checkpoints" / "step_6", 0)
     shard.write_bytes(shard.read_bytes()[:100])
     base = [a if a != "2" or i != TRAIN.index("--dp") + 1 else "1" for i, a in enumerate(TRAIN)]
     # a truncated checkpoint named explicitly: exit 2, the file named, no traceback

@@ -38,6 +38,36 @@ SLOW = ["tp=2", "tp=2@torch", "dp=2,tp=2,zero=3@torch", "dp=4,ep=2,zero=3 moe",
 RESUME = {"dp=4,zero=3": "pp=2,tp=2,1f1b"}
 
 
+class CopiesDcpHolds:
+    """Counts, while DCP writes a save, the bytes of the copies it holds: every tensor DCP's
+    writer hands to ``torch.save`` (``filesystem._write_item``, torch 2.13) whose memory is no
+    box's (``box_ptrs``: a clone of a view, a device tensor's host copy) is a copy; at each
+    write, the bytes of the copies still alive (weak references) are summed. ``peak``: the
+    largest sum."""
+
+    def __init__(self, box_ptrs: set):
+        import torch.distributed.checkpoint.filesystem as fs
+
+        self.fs, self.box_ptrs, self.live, self.peak = fs, box_ptrs, [], 0
+        self.original = fs._write_item  # AttributeError: DCP's writer changed, update the hook
+
+    def __enter__(self):
+        import weakref
+
+        def counting(transforms, stream, data, *args, **kwargs):
+            if torch.is_tensor(data) and data.data_ptr() not in self.box_ptrs:
+                self.live.append((weakref.ref(data), data.nbytes))
+            self.live = [(r, n) for r, n in self.live if r() is not None]
+            self.peak = max(self.peak, sum(n for _, n in self.live))
+            return self.original(transforms, stream, data, *args, **kwargs)
+
+        self.fs._write_item = counting
+        return self
+
+    def __exit__(self, *exc):
+        self.fs._write_item = self.original
+
+
 def model_of(spec: str, seed: int):
     torch.manual_seed(seed)
     if spec.endswith(" moe"):
@@ -71,10 +101,13 @@ def save_case(out, spec: str, work) -> dict | None:
                        max_norm=CFG.grad_clip, scheduler=sched)
         ref = (engine.named_full_parameters(), engine.full_optimizer_state(opt))
         boxes = [(b.key, tuple(b.offsets)) for b in engine.held_boxes(opt)]
+        held = engine.held_boxes(opt)
         ck = Checkpointer(folder(out, spec), topo)
-        ck.save(K, engine, opt, scheduler=sched, sampler=sampler)
+        with CopiesDcpHolds({b.tensor.data_ptr() for b in held}) as copies:
+            ck.save(K, engine, opt, scheduler=sched, sampler=sampler)
         ck.close()
-        return {"ref": ref, "boxes": boxes, "rank": topo.index("world"), "error": None}
+        return {"ref": ref, "boxes": boxes, "rank": topo.index("world"), "error": None,
+                "copies": (copies.peak, max(b.tensor.nbytes for b in held))}
     except Exception:
         return {"ref": None, "boxes": [], "error": traceback.format_exc()}
 

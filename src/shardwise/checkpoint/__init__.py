@@ -10,8 +10,8 @@ What one checkpoint holds (``<out>/checkpoints/step_<N>/``):
 =====================  ==========================================================================
 DCP files              ``model.<FQN>``: every parameter as a tensor of its *full* shape under the
 (``.metadata``,        plain model's fully qualified name; ``optimizer.<FQN>.{step,exp_avg,
-``__<r>_0.distcp``)    exp_avg_sq}``: AdamW's state in the same full shapes. Written shard by shard
-                       with ``torch.distributed.checkpoint`` (DCP): rank r's file holds only the
+``__<r>_*.distcp``)    exp_avg_sq}``: AdamW's state in the same full shapes. Written shard by shard
+                       with ``torch.distributed.checkpoint`` (DCP): rank r's files hold only the
                        boxes rank r holds (``engine.held_boxes``: ZeRO slices, tp/ep shards, its
                        stage, FSDP2's DTensor shards), each a chunk (offsets, sizes) of the full
                        tensor in ``.metadata``; a box several ranks hold (replicas) is stored

@@ -143,7 +143,7 @@ class Checkpointer:
             with topo.ledger.phase("checkpoint"):
                 try:
                     dcp.save(state, checkpoint_id=str(tmp), process_group=topo.group("world"),
-                             planner=_planner())
+                             planner=_planner(), storage_writer=_writer(tmp))
                 except (Exception, CheckpointException) as e:  # DCP raises on every rank alike
                     raise CheckpointError(self._write_failed(step, tmp, e)) from None
                 # dcp.save returns on the coordinator after every rank's files are written
@@ -161,7 +161,8 @@ class Checkpointer:
         # async: the boxes were copied above; DCP writes them in a background thread over the
         # private group (dcp.async_save's own staging would copy again, into plain tensors)
         fut = _writer_thread().submit(dcp.save, state, checkpoint_id=str(tmp),
-                                      process_group=self._pg, planner=_planner())
+                                      process_group=self._pg, planner=_planner(),
+                                      storage_writer=_writer(tmp))
         thread = None
         if self.is_writer:
             def commit():
@@ -266,6 +267,54 @@ def _planner():
     from torch.distributed.checkpoint import DefaultSavePlanner
 
     return DefaultSavePlanner()
+
+
+def _writer(path):
+    """DCP's file writer, each rank's boxes cut into files of at most its largest box's bytes
+    (several files per rank, ``__<rank>_<i>_0.distcp``; DCP's metadata names each chunk's
+    file, so the load side is unchanged).
+
+    Why: DCP's writer (torch 2.13 ``filesystem._write_files_from_queue``) keeps every tensor it
+    wrote to a file (``tensor_dict``, one per key, for its safetensors branch) until the file is
+    closed, and the tensor it writes is a copy wherever the box is a view into a larger buffer
+    (a ZeRO slice, a flat range cut into rows: ``clone``) or on a device (``.cpu()``). In one
+    file per rank, the copies of all its keys lived at once: up to the rank's whole state (the
+    save's overshoot of benchmarks/README.md, "the guide's recipe with offload"). One file per
+    bucket of ≤ the largest box's bytes bounds the copies alive at once by one box (two while
+    the next file's first copy is made and the last file's is released)."""
+    import dataclasses
+    import math
+
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.futures import Future
+
+    def nbytes(item) -> int:
+        if item.type == WriteItemType.BYTE_IO:
+            return 0
+        td = item.tensor_data
+        return math.prod(td.chunk.sizes) * torch.empty((), dtype=td.properties.dtype).element_size()
+
+    class BoundedWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            cap = max((nbytes(i) for i in plan.items), default=0)
+            buckets, size = [], cap + 1
+            for item in plan.items:
+                if size + nbytes(item) > cap:
+                    buckets.append([])
+                    size = 0
+                buckets[-1].append(item)
+                size += nbytes(item)
+            prefix, results = plan.storage_data, []
+            for i, items in enumerate(buckets):
+                sub = dataclasses.replace(plan, items=items, storage_data=dataclasses.replace(
+                    prefix, prefix=f"{prefix.prefix}{i}_"))
+                results += super().write_data(sub, planner).wait()
+            done = Future()
+            done.set_result(results)
+            return done
+
+    return BoundedWriter(str(path))
 
 
 def dcp_state(boxes: list) -> dict:
