@@ -256,12 +256,26 @@ def check_train(model: ModelSpec, layout: PlanLayout, global_batch: int) -> None
     check_ac(lay.ckpt, lay.pp, lay.schedule)
 
 
-@functools.lru_cache(maxsize=65536)
 def _train_refusal(model: ModelSpec, engine_layout: Layout, precision: str, offload: str,
                    global_batch: int, micro_batch: int) -> ShardwiseConfigError | None:
-    """Train's refusal of a layout (None: it runs), cached on what train's check reads — the
-    layouts of a search that differ only in the planner's knobs (activation checkpointing)
-    share one check."""
+    """Train's refusal of a layout (None: it runs): :meth:`~shardwise.parallel.layout.Layout.check`
+    as train's config validation calls it. Two caches, on what the check reads: its steps
+    before the pipeline's batch split read neither the global batch nor the micro-batch, so
+    their outcome (:func:`_refusal_before_batch`) is shared by the layouts of a search that
+    differ only in those or in the planner's knobs (activation checkpointing); the batch split
+    (pp > 1 only) is checked, once per batch, by the whole check (:func:`_pipeline_refusal`)."""
+    before = _refusal_before_batch(model, engine_layout, precision, offload)
+    if before is not None or engine_layout.pp == 1:
+        return before  # the whole check raises the same (it stops at the same step) or passes
+    return _pipeline_refusal(model, engine_layout, precision, offload, global_batch,
+                             micro_batch)
+
+
+def _train_check(model: ModelSpec, engine_layout: Layout, precision: str, offload: str,
+                 global_batch: int | None, micro_batch: int | None
+                 ) -> ShardwiseConfigError | None:
+    """``Layout.check`` as train calls it (the explicit engine on a GPU); its refusal or None.
+    Without ``global_batch`` and ``micro_batch`` it skips only the pipeline's batch split."""
     try:
         engine_layout.check(train_model_config(model), engine="explicit",
                             precision=PRECISIONS[precision], seq_len=model.seq_len,
@@ -270,6 +284,18 @@ def _train_refusal(model: ModelSpec, engine_layout: Layout, precision: str, offl
     except ShardwiseConfigError as e:
         return e
     return None
+
+
+@functools.lru_cache(maxsize=65536)
+def _refusal_before_batch(model: ModelSpec, engine_layout: Layout, precision: str,
+                          offload: str) -> ShardwiseConfigError | None:
+    return _train_check(model, engine_layout, precision, offload, None, None)
+
+
+@functools.lru_cache(maxsize=65536)
+def _pipeline_refusal(model: ModelSpec, engine_layout: Layout, precision: str, offload: str,
+                      global_batch: int, micro_batch: int) -> ShardwiseConfigError | None:
+    return _train_check(model, engine_layout, precision, offload, global_batch, micro_batch)
 
 
 def train_flags(layout: PlanLayout, global_batch: int, seq_len: int) -> list[str]:
