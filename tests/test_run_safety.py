@@ -224,12 +224,14 @@ FSIZE_WRAPPER = ("import resource, runpy, sys; "
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("limit,cause", [(8 << 10, "inline_container.cc"),  # torch.save (RNG)
-                                         (64 << 10, "File too large")])  # DCP's shard file
+                                         (24 << 10, "File too large")])  # DCP's data file
 def test_a_full_disk_during_a_save_is_a_clear_error(tmp_path, cache_dir, monkeypatch, limit,
                                                     cause):
     """A file-size limit (RLIMIT_FSIZE, unprivileged, honoured by root too) makes the real
     writers fail as on a full disk, once a file outgrows ``limit``: the RNG file (14 KB) with
-    torch.save's raw ``enforce fail at inline_container.cc``, or DCP's shard (220 KB)."""
+    torch.save's raw ``enforce fail at inline_container.cc``, or DCP's data file (the tiny
+    model's are 11–53 KB, its first 34 KB: each rank's boxes go into files of at most its
+    largest box, checkpoint/save.py)."""
     from shardwise.data import prepare_lm_data
 
     monkeypatch.setenv("SHARDWISE_CACHE", str(cache_dir))
