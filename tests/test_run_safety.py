@@ -223,10 +223,14 @@ FSIZE_WRAPPER = ("import resource, runpy, sys; "
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("limit,cause", [(8 << 10, "inline_container.cc"),  # torch.save (RNG)
-                                         (24 << 10, "File too large")])  # DCP's data file
+@pytest.mark.parametrize("limit,causes", [
+    (8 << 10, ("inline_container.cc",)),  # torch.save (RNG)
+    # DCP's data file: DCP writes each tensor with torch.save into the file's stream, so the
+    # write that crosses the limit fails in torch.save's zip writer or in the stream's own write
+    # ("File too large"), whichever makes it: seen both ways on this machine and a fresh clone
+    (24 << 10, ("File too large", "inline_container.cc"))])
 def test_a_full_disk_during_a_save_is_a_clear_error(tmp_path, cache_dir, monkeypatch, limit,
-                                                    cause):
+                                                    causes):
     """A file-size limit (RLIMIT_FSIZE, unprivileged, honoured by root too) makes the real
     writers fail as on a full disk, once a file outgrows ``limit``: the RNG file (14 KB) with
     torch.save's raw ``enforce fail at inline_container.cc``, or DCP's data file (the tiny
@@ -245,7 +249,8 @@ def test_a_full_disk_during_a_save_is_a_clear_error(tmp_path, cache_dir, monkeyp
     r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                        text=True, timeout=200)
     clear_error(r, f"checkpoint step 1: cannot write {out / 'checkpoints' / 'step_1.tmp'}",
-                cause, "MiB free on its file system", "choose another --out")
+                "MiB free on its file system", "choose another --out")
+    assert any(c in r.stdout for c in causes), r.stdout[-3000:]  # the writer's own error, named
     assert list((out / "checkpoints").iterdir()) == []  # the partial save was removed
 
 
