@@ -228,12 +228,15 @@ def phase_formulas(layout: str, extra: list[str], psi: int, root: int, block: in
     unit's own gradients before they are packed) + 4B (one reduce-scatter input in flight:
     ``ZeroSync._launch_reduce`` waits for it before packing the next);
     sample 16Ψ/n + 4·(R + 2B) (ZeRO-3 samples through its sharded forward: the root, the unit
-    computing and the one prefetched, ``Zero3Sync.sampling_model_for``)."""
+    computing and the one prefetched, ``Zero3Sync.sampling_model_for``).
+    With ``--no-prefetch`` (the only extra flag modelled) one gathered block fewer in each:
+    steps 16Ψ/n + 4·(R + 3B), sample 16Ψ/n + 4·(R + B)."""
     kw = dict(kv.split("=") for kv in layout.split(","))
-    if extra or set(kw) != {"dp", "zero"} or kw["zero"] != "3":
+    if set(extra) - {"--no-prefetch"} or set(kw) != {"dp", "zero"} or kw["zero"] != "3":
         return {}
-    state = 16 * psi / int(kw["dp"])
-    return {"steps": state + 4 * (root + 4 * block), "sample": state + 4 * (root + 2 * block)}
+    state, gathered = 16 * psi / int(kw["dp"]), 1 if "--no-prefetch" in extra else 2
+    return {"steps": state + 4 * (root + (gathered + 2) * block),
+            "sample": state + 4 * (root + gathered * block)}
 
 
 def run_mode(a, extra: list[str], base: Path, name: str, sets: dict) -> int:
