@@ -51,9 +51,9 @@ def test_compile_blocks_wraps_each_block_once_and_keeps_the_state_dict_names():
     """``compile_blocks`` wraps both blocks, a second call none (idempotent), and the state
     dict keeps eager's names (no ``_orig_mod.`` prefix: checkpoints are interchangeable).
     Nothing is compiled until a forward, so this is cheap; the compiled forward and backward
-    are the test below (``make test-slow``) and, in ``make test``, the GPU bench's CPU dry run
-    (tests/test_gpu_bench.py runs tests/test_gpu_path.py::test_compiled_equals_eager on CPU:
-    the same tiny model, loss and every gradient, both AC modes, within these bounds)."""
+    are the test below (``make test``: --ac selective, AC's recompute inside the compiled
+    block; ``make test-slow``: --ac none too, and the GPU bench's whole CPU dry run, whose
+    tests/test_gpu_path.py::test_compiled_equals_eager makes the same comparison)."""
     torch.manual_seed(0)
     eager = build_model("tiny", vocab_size=64)
     model = build_model("tiny", vocab_size=64)
@@ -62,9 +62,9 @@ def test_compile_blocks_wraps_each_block_once_and_keeps_the_state_dict_names():
     assert list(model.state_dict()) == list(eager.state_dict())
 
 
-# make test-slow: the same comparison runs in make test under tests/test_gpu_bench.py's dry run
-@pytest.mark.slow
-@pytest.mark.parametrize("ac", ["none", "selective"])
+# make test: --ac selective (the compiled block with AC's recompute; its loss and gradients);
+# make test-slow: --ac none too (and tests/test_gpu_bench.py's whole dry run, which compares both)
+@pytest.mark.parametrize("ac", [pytest.param("none", marks=pytest.mark.slow), "selective"])
 def test_compiled_blocks_give_the_eager_loss_and_every_gradient(ac):
     le, ge, names_e = _loss_and_grads(ac, compiled=False)
     lc, gc, names_c = _loss_and_grads(ac, compiled=True)

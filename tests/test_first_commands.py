@@ -61,8 +61,12 @@ def test_a_layout_with_no_batch_flag_runs_and_says_what_was_derived(cache_dir, t
         assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
 
 
-@pytest.mark.parametrize("layout,world", [(["--dp", "1"], 1), (["--dp", "2"], 2),
-                                          (["--tp", "2"], 2), (["--pp", "2"], 2)],
+# make test: dp 1 and tp 2 (dp 2 and pp 2 are make test-slow's: the cases above run dp 4 and
+# pp 4 with no batch flag, the layout line of every degree is the same code)
+@pytest.mark.parametrize("layout,world", [(["--dp", "1"], 1),
+                                          pytest.param(["--dp", "2"], 2, marks=pytest.mark.slow),
+                                          (["--tp", "2"], 2),
+                                          pytest.param(["--pp", "2"], 2, marks=pytest.mark.slow)],
                          ids=lambda a: " ".join(a) if isinstance(a, list) else str(a))
 def test_each_small_degree_runs_with_the_defaults(cache_dir, tmp_path, layout, world):
     """Degrees 1 and 2 of dp, tp and pp, one flag each (4 and 8 are the cases above): the run

@@ -23,8 +23,10 @@ transformers = pytest.importorskip("transformers", reason="the hf extra: pip ins
 
 from shardwise.parity import ATOL, RTOL  # noqa: E402
 
-LAYOUTS = {"dp2": ["--dp", "2"], "dp2_zero3": ["--dp", "2", "--zero", "3"],
-           "tp2": ["--tp", "2"], "pp2": ["--pp", "2"]}
+# make test: dp (the reference), tp (the export's source) and pp; ZeRO-3 is make test-slow's
+# (GPT-2 under ZeRO-3 against one process, in process: tests/test_family_parity.py)
+LAYOUTS = {"dp2": ["--dp", "2"], "tp2": ["--tp", "2"], "pp2": ["--pp", "2"]}
+SLOW_LAYOUTS = {"dp2_zero3": ["--dp", "2", "--zero", "3"]}
 SEQ, STEPS = 96, 3
 
 
@@ -40,15 +42,18 @@ def _example():
 def runs(tmp_path_factory, cache_dir):
     root = tmp_path_factory.mktemp("gpt2sft")
     _example().main([str(root), "--records", "120"])
-    out = {}
-    for name, flags in LAYOUTS.items():
-        out[name] = root / f"run_{name}"
-        p = run_cli(["train", "--task", "sft", "--init-from-hf", root / "gpt2", "--data",
-                     root / "alpaca.jsonl", *flags, "--steps", STEPS, "--seq-len", SEQ,
-                     "--global-batch", "8", "--micro-batch", "2", "--eval-sequences", "4",
-                     "--sample-tokens", "4", "--out", out[name]], cache_dir, timeout=300)
-        assert p.returncode == 0, p.stdout
+    out = {name: _sft_run(root, name, flags, cache_dir) for name, flags in LAYOUTS.items()}
     return root, out
+
+
+def _sft_run(root, name, flags, cache_dir):
+    out = root / f"run_{name}"
+    p = run_cli(["train", "--task", "sft", "--init-from-hf", root / "gpt2", "--data",
+                 root / "alpaca.jsonl", *flags, "--steps", STEPS, "--seq-len", SEQ,
+                 "--global-batch", "8", "--micro-batch", "2", "--eval-sequences", "4",
+                 "--sample-tokens", "4", "--out", out], cache_dir, timeout=300)
+    assert p.returncode == 0, p.stdout
+    return out
 
 
 def _metrics(run):
@@ -66,11 +71,7 @@ def test_sft_from_a_gpt2_folder_equals_across_layouts_and_starts_from_the_hf_mod
     train = [m for m in ref if "loss" in m]
     assert len(train) == STEPS
     for name in LAYOUTS:
-        got = _metrics(out[name])
-        for a, b in zip(got, ref):
-            for key in ("loss", "val_loss"):
-                if key in b:
-                    assert _close(a[key], b[key]), (name, key, a[key], b[key])
+        _check_same_losses(name, _metrics(out[name]), ref)
     # step 0's validation loss is transformers' loss on the same 4 rows, prompt tokens masked
     from shardwise.data.sft import prepare_sft_data
 
@@ -85,6 +86,24 @@ def test_sft_from_a_gpt2_folder_equals_across_layouts_and_starts_from_the_hf_mod
     want = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
     val0 = next(m["val_loss"] for m in ref if m["step"] == 0)
     assert _close(val0, float(want)), (val0, float(want))
+
+
+def _check_same_losses(name, got, ref):
+    for a, b in zip(got, ref):
+        for key in ("loss", "val_loss"):
+            if key in b:
+                assert _close(a[key], b[key]), (name, key, a[key], b[key])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(SLOW_LAYOUTS))
+def test_sft_from_a_gpt2_folder_in_more_layouts_equals_the_dp_run(runs, cache_dir, name):
+    """make test-slow's layouts of the test above (ZeRO-3): the dp run's losses."""
+    root, out = runs
+    got = _metrics(_sft_run(root, name, SLOW_LAYOUTS[name], cache_dir))
+    assert len([m for m in got if "loss" in m]) == STEPS
+    _check_same_losses(name, got, _metrics(out["dp2"]))
 
 
 @pytest.mark.timeout(300)

@@ -60,9 +60,12 @@ def browser():
 
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory, cache_dir):
-    """A real 2-rank pipeline run (tiny model, 4 steps: the timeline, checkpoints, a sample)."""
+    """A real 2-rank pipeline run (tiny model, 4 steps: the timeline, checkpoints, a sample);
+    the byte tokenizer and 8 validation sequences (not the defaults' BPE and 64) keep it short:
+    what the report draws does not depend on them."""
     out = tmp_path_factory.mktemp("report-run") / "run"
     p = run_cli(["train", "--model", "tiny", "--dp", "1", "--tp", "1", "--pp", "2",
+                 "--tokenizer", "bytes", "--eval-sequences", "8",
                  "--steps", "4", "--eval-every", "2", "--save-every", "2",
                  "--sample-tokens", "24", "--out", out], cache_dir)
     assert p.returncode == 0, p.stdout

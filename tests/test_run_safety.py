@@ -223,8 +223,10 @@ FSIZE_WRAPPER = ("import resource, runpy, sys; "
 
 
 @pytest.mark.timeout(240)
+# make test: the DCP data file's limit (the checkpoint's own writer); the RNG file's (torch.save
+# alone) is make test-slow's: the error the save reports is built by the same code for both
 @pytest.mark.parametrize("limit,causes", [
-    (8 << 10, ("inline_container.cc",)),  # torch.save (RNG)
+    pytest.param(8 << 10, ("inline_container.cc",), marks=pytest.mark.slow),  # torch.save (RNG)
     # DCP's data file: DCP writes each tensor with torch.save into the file's stream, so the
     # write that crosses the limit fails in torch.save's zip writer or in the stream's own write
     # ("File too large"), whichever makes it: seen both ways on this machine and a fresh clone
