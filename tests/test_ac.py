@@ -74,15 +74,36 @@ def test_bad_mode_is_a_config_error():
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results_fast(tmp_path_factory):
     out = tmp_path_factory.mktemp("ac")
     run_world(W.__file__, out, nproc=2)
     return out
 
 
+@pytest.fixture(scope="module")
+def results_slow(tmp_path_factory):
+    """The world of W.SLOW's layouts (``make test-slow``)."""
+    out = tmp_path_factory.mktemp("ac_slow")
+    run_world(W.__file__, out, nproc=2)
+    return out
+
+
+@pytest.fixture
+def results(request):
+    """The folder of the world that ran this test's layout."""
+    slow = request.node.callspec.params["layout"] in W.SLOW
+    return request.getfixturevalue("results_slow" if slow else "results_fast")
+
+
+def _layout_modes(modes=None):
+    """(layout, mode) params, those of W.SLOW's layouts marked slow."""
+    return [pytest.param(lay, m, marks=pytest.mark.slow if lay in W.SLOW else ())
+            for lay, lay_modes in W.MODES_OF.items() for m in lay_modes
+            if m != "none" and (modes is None or m in modes)]
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout,mode", [(lay, m) for lay, modes in W.MODES_OF.items()
-                                         for m in modes if m != "none"])
+@pytest.mark.parametrize("layout,mode", _layout_modes())
 def test_distributed_gradients_and_ledger(results, layout, mode):
     for rank in (0, 1):
         ref = torch.load(results / f"{layout}_none_rank{rank}.pt")
@@ -97,9 +118,16 @@ def test_distributed_gradients_and_ledger(results, layout, mode):
             assert ref["recompute"][step] == []  # nothing is recomputed without --ac
 
 
+# what a recompute re-sends per micro-batch and block (test_recompute_bytes_by_hand), in units of
+# S = b·s·d·4 bytes
+RECOMPUTE_S = {"tp2_explicit": 2 * (1 / 2), "tp2_torch": 2 * (1 / 2),
+               "tp2_sp_explicit": 3 * (1 / 2), "dp2_zero3_explicit": 0.0, "dp2_zero3_torch": 0.0, "pp2_1f1b_explicit": 0.0,
+               "pp2_zbh1_explicit": 0.0, "pp2_zbv_explicit": 0.0}
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode", ["selective", "full"])
-def test_recompute_bytes_by_hand(results, mode):
+@pytest.mark.parametrize("layout,mode", _layout_modes(("selective", "full")))
+def test_recompute_bytes_by_hand(results, layout, mode):
     """Hand count of what a recompute re-sends, per micro-batch and block (b=2, s=16, d=32,
     fp32: S = 2·16·32·4 = 4096 bytes), n = 2. PyTorch's early stop ends the recompute once the
     last saved tensor is back (the w2 matmul), so the block's last exit collective is not redone:
@@ -107,22 +135,17 @@ def test_recompute_bytes_by_hand(results, mode):
     * TP+SP: all-gather in, reduce-scatter out of attention, all-gather into the FFN:
       3 · (n−1)/n · S = 6144 B;
     * ZeRO-3 and PP: the block body holds no collective (ZeRO-3 gathers in the block's hooks,
-      outside the checkpoint): 0 B."""
+      outside the checkpoint): 0 B.
+    (zb-h1, zbv run none/full only: selective is refused there, tested above.)"""
     S = W.MICRO * W.SEQ * 32 * 4
-    per = {"tp2_explicit": 2 * (1 / 2) * S, "tp2_torch": 2 * (1 / 2) * S,
-           "tp2_sp_explicit": 3 * (1 / 2) * S, "dp2_zero3_explicit": 0.0,
-           "dp2_zero3_torch": 0.0, "pp2_1f1b_explicit": 0.0, "pp2_zbh1_explicit": 0.0,
-           "pp2_zbv_explicit": 0.0}
-    for layout, bytes_per in per.items():
-        if mode not in W.MODES_OF[layout]:
-            continue  # zb-h1, zbv run none/full only (selective is refused there, tested below)
-        n_blocks = W.N_LAYERS.get(layout, 2)
-        for rank in (0, 1):
-            got = torch.load(results / f"{layout}_{mode}_rank{rank}.pt")
-            blocks_here = n_blocks // 2 if layout.startswith("pp2") else n_blocks
-            for step in range(W.STEPS):
-                total = sum(b for *_, b in got["recompute"][step])
-                assert total == W.N_MICRO * blocks_here * bytes_per, (layout, got["recompute"])
+    bytes_per = RECOMPUTE_S[layout] * S
+    n_blocks = W.N_LAYERS.get(layout, 2)
+    for rank in (0, 1):
+        got = torch.load(results / f"{layout}_{mode}_rank{rank}.pt")
+        blocks_here = n_blocks // 2 if layout.startswith("pp2") else n_blocks
+        for step in range(W.STEPS):
+            total = sum(b for *_, b in got["recompute"][step])
+            assert total == W.N_MICRO * blocks_here * bytes_per, (layout, got["recompute"])
 
 
 def _load_bench():

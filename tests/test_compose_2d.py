@@ -33,6 +33,20 @@ def results(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def results_slow(tmp_path_factory):
+    """The world of W.PARITY_SLOW's cases (``make test-slow``)."""
+    out = tmp_path_factory.mktemp("compose2d_slow")
+    run_world(W.__file__, out)
+    return out
+
+
+def _results(request, zero, sp, tied):
+    """The folder of the world that ran this parity case."""
+    return request.getfixturevalue("results_slow" if (zero, sp, tied) in W.PARITY_SLOW
+                                   else "results")
+
+
 def _load(out, name, rank):
     return torch.load(out / f"{name}_rank{rank}.pt", weights_only=False)
 
@@ -71,16 +85,19 @@ def _local_numel(tied, tp=2):
 
 
 CASES = [W.case_name(*c) for c in W.PARITY]
+PARITY = [pytest.param(*c, id=W.case_name(*c),  # W.PARITY_SLOW's marked slow
+                       marks=pytest.mark.slow if c in W.PARITY_SLOW else ()) for c in W.PARITY]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("zero,sp,tied", W.PARITY, ids=CASES)
-def test_parity_with_single_process(results, references, zero, sp, tied):
+@pytest.mark.parametrize("zero,sp,tied", PARITY)
+def test_parity_with_single_process(request, references, zero, sp, tied):
     """Every step's loss, clipped norm, gradients and parameters by shardwise.parity's rule;
     the evaluation and sampling paths after training against the reference model holding this
     run's final parameters."""
     ref = references[tied]
     assert all(n > W.MAX_NORM for n in ref["grad_norm"][:W.STEPS])  # clipping binds
+    results = _results(request, zero, sp, tied)
     for rank in RANKS:
         rec = _load(results, W.case_name(zero, sp, tied), rank)
         assert_parity(rec, ref, where=f"rank {rank}")
@@ -93,9 +110,10 @@ def test_parity_with_single_process(results, references, zero, sp, tied):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("zero,sp,tied", W.PARITY + W.BF16,
+@pytest.mark.parametrize("zero,sp,tied", PARITY + W.BF16,
                          ids=CASES + [W.case_name(*c, "bf16") for c in W.BF16])
-def test_ledger_equals_formula(results, zero, sp, tied):
+def test_ledger_equals_formula(request, zero, sp, tied):
+    results = _results(request, zero, sp, tied)
     for reduce_dtype in (("fp32", "bf16") if (zero, sp, tied) in W.BF16 else ("fp32",)):
         sp_slices = []
         for rank in RANKS:
@@ -175,11 +193,12 @@ def test_plain_dp_bf16_reduction(results, references, zero):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("zero,sp,tied", W.PARITY, ids=CASES)
-def test_full_optimizer_state_matches_reference(results, references, zero, sp, tied):
+@pytest.mark.parametrize("zero,sp,tied", PARITY)
+def test_full_optimizer_state_matches_reference(request, references, zero, sp, tied):
     """The layout-free AdamW state against the reference's, within the bound that the measured
     gradient errors give (shardwise.parity.adamw_state_bound); memory against the formula."""
     ref = references[tied]
+    results = _results(request, zero, sp, tied)
     for rank in RANKS:
         rec = _load(results, W.case_name(zero, sp, tied), rank)
         state = rec["opt_state"]

@@ -1,7 +1,8 @@
 """DPO parity (issue 21): the sigmoid DPO loss, every gradient and the reward metrics of a
 parallel run equal a single-process reference, in dp, ZeRO-1/3, tp, dp × tp, pp (1f1b and
 interleaved), pp × tp, pp × dp and the torch engine's DDP / FSDP2 — all in one 4-rank world
-(tests/workers/dpo_cases.py).
+(tests/workers/dpo_cases.py; the layouts that a kept case composes again, W.SLOW, in a second
+world under ``make test-slow``).
 
 The reference is :func:`shardwise.parity.reference_run` with :func:`shardwise.parity.
 reference_dpo_loss`: plain PyTorch, the whole global batch of pairs in one forward, each row's
@@ -31,10 +32,30 @@ import dpo_cases as W  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results_fast(tmp_path_factory):
     out = tmp_path_factory.mktemp("dpo")
     run_world(W.__file__, out, nproc=4)
     return out
+
+
+@pytest.fixture(scope="module")
+def results_slow(tmp_path_factory):
+    """The world of W.SLOW's cases (``make test-slow``)."""
+    out = tmp_path_factory.mktemp("dpo_slow")
+    run_world(W.__file__, out, nproc=4)
+    return out
+
+
+@pytest.fixture
+def results(request):
+    """The folder of the world that ran this test's case."""
+    slow = request.node.callspec.params["case"] in W.SLOW
+    return request.getfixturevalue("results_slow" if slow else "results_fast")
+
+
+# the cases as params, W.SLOW's marked slow
+CASES = [pytest.param(c, id=W.case_name(*c), marks=pytest.mark.slow if c in W.SLOW else ())
+         for c in W.CASES]
 
 
 _REFS = {}
@@ -87,7 +108,7 @@ def expected_metrics(ref: dict, params: dict, batch: dict) -> tuple[dict, torch.
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("case", W.CASES, ids=lambda c: W.case_name(*c))
+@pytest.mark.parametrize("case", CASES)
 def test_dpo_matches_single_process(results, case):
     """Loss, clipped norm, every gradient, the parameters after each AdamW step (the parity
     rule), on every rank; and the clipping binds, and the policy moved off the reference (so
@@ -104,7 +125,7 @@ def test_dpo_matches_single_process(results, case):
         assert_parity({**rec, "params_full": whole}, ref, where=f"rank {rank}", all_names=False)
 
 
-@pytest.mark.parametrize("case", W.CASES, ids=lambda c: W.case_name(*c))
+@pytest.mark.parametrize("case", CASES)
 def test_dpo_metrics_match_by_hand(results, case):
     """The step metrics (mean reward margin, accuracy, rewards and log-probs of chosen and
     rejected over the global batch, from the step's own forward) equal those computed by hand
@@ -132,7 +153,7 @@ def test_dpo_metrics_match_by_hand(results, case):
             assert got["mem_reference_bytes"] == rec["ref_bytes"]["params"]
 
 
-@pytest.mark.parametrize("case", W.CASES, ids=lambda c: W.case_name(*c))
+@pytest.mark.parametrize("case", CASES)
 def test_reference_is_frozen_and_sharded_like_the_policy(results, case):
     """The reference has no trainable parameter and no gradient after 3 steps; its parameter
     bytes on each rank are the policy's (the same shards: 1/dp of them under ZeRO-3, a

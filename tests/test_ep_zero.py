@@ -26,14 +26,31 @@ sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from conftest import MIN_ROUTING_GAP, min_routing_gap, run_world  # noqa: E402
 import ep_zero_cases as W  # noqa: E402
 
-IDS = [W.case_name(*c) for c in W.CASES]
+# the cases as params, W.SLOW's marked slow
+CASES = [pytest.param(c, id=W.case_name(*c), marks=pytest.mark.slow if c in W.SLOW else ())
+         for c in W.CASES]
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results_fast(tmp_path_factory):
     out = tmp_path_factory.mktemp("ep_zero")
     run_world(W.__file__, out)
     return out
+
+
+@pytest.fixture(scope="module")
+def results_slow(tmp_path_factory):
+    """The world of W.SLOW's cases (``make test-slow``)."""
+    out = tmp_path_factory.mktemp("ep_zero_slow")
+    run_world(W.__file__, out)
+    return out
+
+
+@pytest.fixture
+def results(request):
+    """The folder of the world that ran this test's case."""
+    slow = request.node.callspec.params["case"] in W.SLOW
+    return request.getfixturevalue("results_slow" if slow else "results_fast")
 
 
 def _reference(model_name):
@@ -91,7 +108,7 @@ def _units(ref, dp, ep):
     return [(name, axis, n, psi) for (name, axis, n), psi in out.items()]
 
 
-@pytest.mark.parametrize("case", W.CASES, ids=IDS)
+@pytest.mark.parametrize("case", CASES)
 def test_matches_single_process(results, references, case):
     """Every step and rank: loss, clipped global grad norm, every full gradient and parameter
     (shardwise.parity: RTOL/ATOL, the AdamW bound); the full AdamW moments within
@@ -103,7 +120,7 @@ def test_matches_single_process(results, references, case):
         assert_parity(rec, ref, where=f"rank {rank}")
 
 
-@pytest.mark.parametrize("case", W.CASES, ids=IDS)
+@pytest.mark.parametrize("case", CASES)
 def test_layout_free_optimizer_state_reloads(results, references, case):
     """full_optimizer_state gives full shapes and the step count; loaded into a second engine
     of the same layout (cut to its ep shards and edp/dp slices) it reads back bit for bit."""
@@ -117,7 +134,7 @@ def test_layout_free_optimizer_state_reloads(results, references, case):
                 assert torch.equal(rec["state_reloaded"][name][key], st[key]), (name, key)
 
 
-@pytest.mark.parametrize("case", W.CASES, ids=IDS)
+@pytest.mark.parametrize("case", CASES)
 def test_units_are_split_by_axis(results, references, case):
     """The engine's flat buffers are the units written out here: the dense ones over the data
     axis (n = dp), each block's experts over edp (n = dp/ep), in forward order, a block's
@@ -130,7 +147,7 @@ def test_units_are_split_by_axis(results, references, case):
         assert got == want
 
 
-@pytest.mark.parametrize("case", W.CASES, ids=IDS)
+@pytest.mark.parametrize("case", CASES)
 def test_ledger_bytes_equal_formula(results, references, case):
     """Per step and tag, the ledger equals ``formulas.step_bytes_formula`` (ratio 1.0000, no
     tag on one side only), and ZeRO's tags equal sums written out here (ZeRO paper §7.2,
@@ -160,7 +177,7 @@ def test_ledger_bytes_equal_formula(results, references, case):
                 assert got[tag] == pytest.approx(value, rel=1e-12, abs=0), (rank, step, tag)
 
 
-@pytest.mark.parametrize("case", W.CASES, ids=IDS)
+@pytest.mark.parametrize("case", CASES)
 def test_model_state_bytes_match_formula(results, references, case):
     """ZeRO paper §5 with an expert part, fp32 AdamW, written out here: Ψ_d dense elements over
     n = dp, Ψ_e this rank's expert elements over n_e = dp/ep; params 4Ψ_d/n + 4Ψ_e/n_e at

@@ -32,7 +32,10 @@ def _ids(case):
     return name + "".join(f"-{k}" for k in kw)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+# ``base`` (23 M parameters, the largest preset here) under ``make test-slow``: the same Llama
+# code as ``small`` and ``tiny``, which ``make test`` keeps
+@pytest.mark.parametrize("case", [pytest.param(c, id=_ids(c), marks=pytest.mark.slow
+                                               if c == ("base", {}) else ()) for c in CASES])
 def test_meta_build_then_replayed_init_equals_the_ordinary_build_bitwise(case):
     name, kw = case
     torch.manual_seed(11)

@@ -91,11 +91,21 @@ def _ids(case):
     return W.case_name(pp, dp, schedule, m, engine, W._suffix(overrides, lps))
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=_ids(c), marks=pytest.mark.slow
-                                               if W.is_slow(c) else ()) for c in CASES])
+def _params(cases):
+    """``cases`` as params named by _ids, W.is_slow's marked slow."""
+    return [pytest.param(c, id=_ids(c), marks=pytest.mark.slow if W.is_slow(c) else ())
+            for c in cases]
+
+
+def _results(request, case):
+    """The folder of the world that ran ``case``."""
+    return request.getfixturevalue("results_slow" if W.is_slow(case) else "results")
+
+
+@pytest.mark.parametrize("case", _params(CASES))
 def test_pipeline_matches_single_process(request, case):
     pp, dp, schedule, m, engine, overrides, lps = case
-    results = request.getfixturevalue("results_slow" if W.is_slow(case) else "results")
+    results = _results(request, case)
     ref = reference(W.MICRO * m * dp, overrides.get("tie_embeddings", True),
                     overrides.get("model") == "mlp-tiny")
     recs = _load(results, case)
@@ -131,34 +141,38 @@ def test_v_placement_puts_first_and_last_stage_on_rank_0(results):
             assert ("tok_embeddings.weight" in names) == ("norm.weight" in names) == (r == 0)
             assert "output.weight" not in names
 
-@pytest.mark.parametrize("pp", (2, 4))
-def test_activation_memory_1f1b_at_most_p_gpipe_m(results, pp):
-    for m in (pp, 2 * pp, W.ODD_M[pp]):
-        for rec in _load(results, (pp, 1, "1f1b", m, "explicit", {}, None)):
-            i = rec["pp_index"]
-            assert max(rec["peak_alive"]) == min(m, pp - i)  # warm-up p−1−i, plus one
-            assert max(rec["peak_alive"]) <= pp
-        for rec in _load(results, (pp, 1, "zb-h1", m, "explicit", {}, None)):
-            assert max(rec["peak_alive"]) <= pp  # W pending counts as alive
-        for rec in _load(results, (pp, 1, "gpipe", m, "explicit", {}, None)):
-            assert max(rec["peak_alive"]) == m
+@pytest.mark.parametrize("pp_m", [pytest.param(
+    (pp, m), id=f"pp{pp}_m{m}",
+    marks=pytest.mark.slow if W.is_slow((pp, 1, "1f1b", m, "explicit", {}, None)) else ())
+    for pp in (2, 4) for m in (pp, 2 * pp, W.ODD_M[pp])])
+def test_activation_memory_1f1b_at_most_p_gpipe_m(request, pp_m):
+    pp, m = pp_m
+    results = _results(request, (pp, 1, "1f1b", m, "explicit", {}, None))
+    for rec in _load(results, (pp, 1, "1f1b", m, "explicit", {}, None)):
+        i = rec["pp_index"]
+        assert max(rec["peak_alive"]) == min(m, pp - i)  # warm-up p−1−i, plus one
+        assert max(rec["peak_alive"]) <= pp
+    for rec in _load(results, (pp, 1, "zb-h1", m, "explicit", {}, None)):
+        assert max(rec["peak_alive"]) <= pp  # W pending counts as alive
+    for rec in _load(results, (pp, 1, "gpipe", m, "explicit", {}, None)):
+        assert max(rec["peak_alive"]) == m
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[2] in ("zbv", "dualpipev")
-                                  and c[4] == "explicit"], ids=_ids)
-def test_v_activation_memory_equals_the_schedules(results, case):
+@pytest.mark.parametrize("case", _params([c for c in CASES if c[2] in ("zbv", "dualpipev")
+                                          and c[4] == "explicit"]))
+def test_v_activation_memory_equals_the_schedules(request, case):
     """The runtime's count of chunks holding activations (F until B or W) is the order's
     (peak_activations): zbv 2p, dualpipev 2p+1 chunks once m ≥ 2p."""
     pp, dp, schedule, m = case[:4]
     want = peak_activations(build_schedule(schedule, pp, m))
-    for rec in _load(results, case):
+    for rec in _load(_results(request, case), case):
         assert max(rec["peak_alive"]) == want[rec["pp_index"]]
         if m >= 2 * pp:
             assert want[rec["pp_index"]] == 2 * pp + (schedule == "dualpipev")
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[4] == "explicit"], ids=_ids)
-def test_ledger_bytes_equal_formula(results, case):
+@pytest.mark.parametrize("case", _params([c for c in CASES if c[4] == "explicit"]))
+def test_ledger_bytes_equal_formula(request, case):
     """Per step and rank r: activations m·v·A minus the last stage's, gradients m·v·A minus the
     first stage's (A = MICRO·SEQ·D·4 bytes); the tied embedding's gradient V·D·4 once each way
     between the first and the last rank; the norm scalar 2(p−1)/p·8; the dp gradient
@@ -169,7 +183,7 @@ def test_ledger_bytes_equal_formula(results, case):
     tied = overrides.get("tie_embeddings", True) and "model" not in overrides
     if "model" in overrides:
         act = W.MICRO * 16 * 4  # mlp-tiny: [b, D=16]
-    for rec in _load(results, case):
+    for rec in _load(_results(request, case), case):
         r = rec["pp_index"]
         stage_bytes = sum(p.numel() * 4 for p in rec["params"][-1].values())
         if schedule in ("zbv", "dualpipev"):

@@ -1,9 +1,10 @@
 """ZeRO-2/3 and HSDP inside pipeline stages (issue 53) against a single-process reference
 computed here (shardwise.parity's plain-PyTorch run), independently of the engines:
-tests/workers/pp_zero_cases.py. 4 ranks (make test): pp=2 × dp=2 with ZeRO-2 (1f1b,
+tests/workers/pp_zero_cases.py. 4 ranks: pp=2 × dp=2 with ZeRO-2 (1f1b,
 interleaved-1f1b, zb-h1) and ZeRO-3 (1f1b with and without reshard_after_forward,
 interleaved-1f1b) on the explicit engine, ZeRO-2/3 (1f1b, interleaved-1f1b) on the torch
-engine (FSDP2 on each torch.distributed.pipelining stage). 8 ranks (slow): HSDP pp=2 × dp=4
+engine (FSDP2 on each torch.distributed.pipelining stage); make test runs each stage and each
+schedule of each engine, W.SLOW4 the rest (slow). 8 ranks (slow): HSDP pp=2 × dp=4
 (dp_replicate 2) with ZeRO-1/2/3 and pp=2 × dp=2 × tp=2 with SP and ZeRO-3 (explicit), HSDP
 with ZeRO-3 and ZeRO-1 (torch).
 
@@ -38,6 +39,14 @@ FAST, SLOW = W.CASES[4], W.CASES[8]
 @pytest.fixture(scope="module")
 def results4(tmp_path_factory):
     out = tmp_path_factory.mktemp("pp_zero4")
+    run_world(W.__file__, out, nproc=4)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results4_slow(tmp_path_factory):
+    """The 4-rank world of W.SLOW4's cases (``make test-slow``)."""
+    out = tmp_path_factory.mktemp("pp_zero4_slow")
     run_world(W.__file__, out, nproc=4)
     return out
 
@@ -155,15 +164,25 @@ def _ledger(out, case):
                 assert "grad_replicate" not in by_tag
 
 
+def _params4():
+    """The 4-rank cases, W.SLOW4's marked slow."""
+    return [pytest.param(c, id=W.case_name(*c), marks=pytest.mark.slow if c in W.SLOW4 else ())
+            for c in FAST]
+
+
+def _results4(request, case):
+    return request.getfixturevalue("results4_slow" if case in W.SLOW4 else "results4")
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", FAST, ids=lambda c: W.case_name(*c))
-def test_stage_zero_matches_single_process(results4, case):
-    _parity(results4, case)
+@pytest.mark.parametrize("case", _params4())
+def test_stage_zero_matches_single_process(request, case):
+    _parity(_results4(request, case), case)
 
 
-@pytest.mark.parametrize("case", FAST, ids=lambda c: W.case_name(*c))
-def test_stage_zero_ledger_equals_formula_and_hand_count(results4, case):
-    _ledger(results4, case)
+@pytest.mark.parametrize("case", _params4())
+def test_stage_zero_ledger_equals_formula_and_hand_count(request, case):
+    _ledger(_results4(request, case), case)
 
 
 @pytest.mark.slow

@@ -151,9 +151,11 @@ TWINS = [(c[0], c[1]) for c in W.CASES if c[1].endswith("_off")]
 
 
 @pytest.mark.parametrize("case", _params(TWINS))
-def test_offload_bitwise_equal_to_no_offload_and_ledger_equals_formula(results, case):
+def test_offload_bitwise_equal_to_no_offload_and_ledger_equals_formula(request, case):
     text, recipe = case
-    on, off = _load(results, text, recipe), _load(results, text, recipe[:-len("_off")])
+    twin = (text, recipe[:-len("_off")])  # maybe in the other world: each from its own
+    on, off = (_load(request.getfixturevalue("fast_results" if c in W.FAST else "slow_results"),
+                     *c) for c in (case, twin))
     for a, b in zip(on, off):
         for t in range(W.STEPS):
             _same_step(a, b, t)

@@ -2,7 +2,8 @@
 ledger against the formula, the dropout RNG policy, the conversion check and bad input.
 
 One 4-rank world (tests/workers/tp_cases.py) runs tp ∈ {2, 4} × engine ∈ {explicit, torch} ×
-SP on/off × tied/untied embeddings, each 3 AdamW steps with 2 micro-batches and clipping that
+SP on/off × tied/untied embeddings (``make test``: the half of it with every pair of factors'
+values, W.is_slow; the other half under ``make test-slow``), each 3 AdamW steps with 2 micro-batches and clipping that
 binds, on a GQA model (8 heads, 4 kv heads) with vocabulary 67, which neither tp divides."""
 
 import itertools
@@ -32,6 +33,8 @@ from conftest import run_world  # noqa: E402
 import tp_cases as W  # noqa: E402
 
 CASES = list(itertools.product(W.TPS, W.ENGINES, W.SPS, W.TIED))
+# the parity cases as params, W.is_slow's marked slow (make test keeps a half with every pair)
+CASE_PARAMS = [pytest.param(*c, marks=pytest.mark.slow if W.is_slow(*c) else ()) for c in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +42,20 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
     run_world(W.__file__, out)
     return out
+
+
+@pytest.fixture(scope="module")
+def results_slow(tmp_path_factory):
+    """The world of W.is_slow's parity cases (``make test-slow``)."""
+    out = tmp_path_factory.mktemp("tp_slow")
+    run_world(W.__file__, out)
+    return out
+
+
+def _results(request, tp, engine, sp, tied):
+    """The folder of the world that ran this parity case."""
+    return request.getfixturevalue("results_slow" if W.is_slow(tp, engine, sp, tied)
+                                   else "results")
 
 
 def _reference(tied):
@@ -71,12 +88,13 @@ def _load(out, tp, engine, sp, tied):
             for r in range(tp)]
 
 
-@pytest.mark.parametrize("tp,engine,sp,tied", CASES)
-def test_tp_matches_single_process(results, references, tp, engine, sp, tied):
+@pytest.mark.parametrize("tp,engine,sp,tied", CASE_PARAMS)
+def test_tp_matches_single_process(request, references, tp, engine, sp, tied):
     """The evaluation loss at the initialisation, then every step's loss, clipped norm,
     gradients and parameters by shardwise.parity's rule."""
     ref = references[tied]
     assert all(n > W.MAX_NORM for n in ref["grad_norm"])  # clipping binds
+    results = _results(request, tp, engine, sp, tied)
     for rank, rec in enumerate(_load(results, tp, engine, sp, tied)):
         torch.testing.assert_close(torch.tensor(rec["eval_loss_sum"]),
                                    torch.tensor(ref["eval_loss_sum"]), rtol=RTOL, atol=ATOL)
@@ -108,11 +126,11 @@ def test_formula_hand_worked():
     assert h["tp_fwd"] == 16384 + 4 * 8192 and h["tp_bwd"] == 5 * 16384
 
 
-@pytest.mark.parametrize("tp,engine,sp,tied", CASES)
-def test_ledger_bytes_equal_formula(results, references, tp, engine, sp, tied):
+@pytest.mark.parametrize("tp,engine,sp,tied", CASE_PARAMS)
+def test_ledger_bytes_equal_formula(request, tp, engine, sp, tied):
     cfg = build_model("tiny", vocab_size=67, **W.MODEL).config
     f = tp_step_bytes_formula(cfg, W.GLOBAL_BATCH, 16, tp, TPOptions(sp=sp))
-    for rec in _load(results, tp, engine, sp, tied):
+    for rec in _load(_results(request, tp, engine, sp, tied), tp, engine, sp, tied):
         for step in range(W.STEPS):
             got = rec["bytes"][step]
             assert rec["total_bytes"][step] == pytest.approx(f["total"], rel=1e-12, abs=0)
@@ -311,11 +329,11 @@ def test_padded_vocab_size():
     assert padded_vocab_size(64, 4) == 64
 
 
-@pytest.mark.parametrize("tp,tied", list(itertools.product(W.TPS, W.TIED)))
-def test_vocab_padding_rows_stay_zero(results, tp, tied):
+@pytest.mark.parametrize("tp,engine,sp,tied", [p for p in CASE_PARAMS
+                                                 if p.values[1] == "explicit"])
+def test_vocab_padding_rows_stay_zero(request, tp, engine, sp, tied):
     """V = 67 → 68 rows: the last tp rank holds one padded row of the embedding and the head;
     after 3 AdamW steps (weight decay on the untied head) it is still exactly zero."""
-    for sp in W.SPS:
-        recs = _load(results, tp, "explicit", sp, tied)
-        assert [r["padded_rows"] for r in recs[:-1]] == [0] * (tp - 1)
-        assert recs[-1]["padded_rows"] == 1 and recs[-1]["padded_max_abs"] == 0.0
+    recs = _load(_results(request, tp, engine, sp, tied), tp, engine, sp, tied)
+    assert [r["padded_rows"] for r in recs[:-1]] == [0] * (tp - 1)
+    assert recs[-1]["padded_rows"] == 1 and recs[-1]["padded_max_abs"] == 0.0

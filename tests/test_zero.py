@@ -24,14 +24,34 @@ sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from conftest import run_world  # noqa: E402
 import zero_cases as W  # noqa: E402
 
-IDS = [W.case_name(*c) for c in W.CASES]
+def _params(cases):
+    """``cases`` as params named by W.case_name, W.is_slow's marked slow."""
+    return [pytest.param(c, id=W.case_name(*c), marks=pytest.mark.slow if W.is_slow(c) else ())
+            for c in cases]
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results_fast(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero")
     run_world(W.__file__, out)
     return out
+
+
+@pytest.fixture(scope="module")
+def results_slow(tmp_path_factory):
+    """The world of W.is_slow's cases (``make test-slow``)."""
+    out = tmp_path_factory.mktemp("zero_slow")
+    run_world(W.__file__, out)
+    return out
+
+
+@pytest.fixture
+def results(request):
+    """The folder of the world that ran this test's case (make test's world without one)."""
+    params = getattr(request.node, "callspec", None)
+    case = params.params.get("case") if params else None
+    slow = case is not None and W.is_slow(case)
+    return request.getfixturevalue("results_slow" if slow else "results_fast")
 
 
 def _reference(model_name):
@@ -82,7 +102,7 @@ def test_padding_case_really_pads(references):
     assert references["tiny"]["shapes"]["tok_embeddings.weight"][0] == 67  # FSDP2: uneven rows
 
 
-@pytest.mark.parametrize("case", W.CASES, ids=IDS)
+@pytest.mark.parametrize("case", _params(W.CASES))
 def test_zero_matches_single_process(results, references, case):
     """Every step: loss, clipped global grad norm, every (gathered) gradient and parameter, by
     shardwise.parity's rule; the tied weight appears once."""
@@ -92,8 +112,7 @@ def test_zero_matches_single_process(results, references, case):
         assert_parity(rec, ref, where=f"rank {rank}")
 
 
-@pytest.mark.parametrize("case", [c for c in W.CASES if c[3] == "explicit"],
-                         ids=[W.case_name(*c) for c in W.CASES if c[3] == "explicit"])
+@pytest.mark.parametrize("case", _params([c for c in W.CASES if c[3] == "explicit"]))
 def test_evaluation_forward_after_training(results, references, case):
     """A no_grad forward of the wrapped model (evaluation) gives the reference model's outputs,
     and ZeRO-3 frees every gathered unit afterwards (no backward comes to free them); inside
@@ -128,7 +147,7 @@ def _fsdp_padded(ref, n):
     return sum(math.ceil(s[0] / n) * n * (s.numel() // s[0]) for s in ref["shapes"].values())
 
 
-@pytest.mark.parametrize("case", W.CASES, ids=IDS)
+@pytest.mark.parametrize("case", _params(W.CASES))
 def test_ledger_bytes_equal_formula(results, references, case):
     """Bytes sent per rank per step, by tag, written out here by hand (ZeRO paper §7):
     f = (n−1)/n, fp32, Ψp = elements that travel (padding included).
@@ -181,9 +200,8 @@ def test_zero3_regathers_the_blocks_for_backward(results, references):
     assert (z3_keep["grad"] + z3_keep["param"]) == pytest.approx(2 * 0.5 * 4 * sum(units.values()))
 
 
-@pytest.mark.parametrize("case", [c for c in W.CASES if c[3] == "explicit" and c[4] == 1],
-                         ids=[W.case_name(*c) for c in W.CASES
-                              if c[3] == "explicit" and c[4] == 1])
+@pytest.mark.parametrize("case", _params([c for c in W.CASES
+                                          if c[3] == "explicit" and c[4] == 1]))
 def test_explicit_model_state_bytes_match_formula(results, references, case):
     """Exact bytes per rank, by kind, against ZeRO paper Figure 1 with fp32 AdamW (4Ψ + 4Ψ + 8Ψ,
     each divided by n once sharded): ratio in [1, 1.02] (padding and AdamW's step counters)."""
@@ -207,8 +225,8 @@ def test_explicit_model_state_bytes_match_formula(results, references, case):
     assert total_opt == 8 * psi + 4 * sum(rec["n_pieces"] for rec in recs)
 
 
-@pytest.mark.parametrize("case", [c for c in W.CASES if c[3] == "torch" and c[4] == 1],
-                         ids=[W.case_name(*c) for c in W.CASES if c[3] == "torch" and c[4] == 1])
+@pytest.mark.parametrize("case", _params([c for c in W.CASES
+                                          if c[3] == "torch" and c[4] == 1]))
 def test_torch_model_state_bytes(results, references, case):
     """FSDP2 (stages 2 and 3) keeps parameters, gradients and AdamW state sharded between steps.
     Parameters and gradients: FSDP2's padded local storage, exactly 4·Ψp/n with each parameter's
@@ -270,8 +288,11 @@ def test_zero3_reduce_inputs_peak_is_one_unit(results, references):
         assert rec["state_bytes"]["reduce_inputs_peak"] == 4 * mlp["layers.0"]
 
 
-@pytest.mark.parametrize("dp", (2, 4))
-def test_padding_never_reaches_the_math(results, dp):
+@pytest.mark.parametrize("dp", [pytest.param(2, marks=pytest.mark.slow), 4])
+def test_padding_never_reaches_the_math(request, dp):
+    results = request.getfixturevalue(  # mlp33 at dp=2: W.is_slow's world
+        "results_slow" if W.is_slow(("mlp33", 1, dp, "explicit", 1, True, True, True))
+        else "results_fast")
     for stage in (1, 2, 3):
         for rec in _load(results, ("mlp33", stage, dp, "explicit", 1, True, True, True)):
             assert rec["padded_numel"] > rec["numel"]

@@ -74,10 +74,14 @@ CASES = [
 ]
 # ``make test-slow``'s cases (a world whose output folder's name has "slow"): the ZeRO stages and
 # layouts a kept case already builds the same way (``make test`` keeps ZeRO-0/3, HSDP, each
-# axis, the pipelines and MoE on both engines)
+# axis, the pipelines and MoE on both engines). Also there: the replayed-init builds of the
+# layouts whose meta build ``make test`` runs from an HF folder in the same layout (hf_pp2_dp2,
+# hf_dp4_z3_torch, hf_pp2_tp2_torch, hf_moe_dp4_ep2_z3, hf_dp2_tp2_sp_z3_torch); the replayed
+# init itself stays on each engine (dp4, dp4_z3, HSDP, TP, CP, PP explicit; moe_dp4_z3_torch)
 SLOW = {"dp4_z1", "dp4_z2", "tp4", "moe_dp2_tp2_ep2", "pp2_dp2_z1", "dp4_z2_torch",
         "hsdp2x2_z1_torch", "dp4_z0_torch", "tp4_torch", "dp2_tp2_z0_torch", "pp2_dp2_z1_torch",
-        "hf_dp4_z1", "hf_tp4_sp"}
+        "hf_dp4_z1", "hf_tp4_sp",
+        "pp2_dp2", "dp4_z3_torch", "pp2_tp2_torch", "moe_dp4_ep2_z3", "dp2_tp2_sp_z3_torch"}
 MODEL = {"tiny": dict(n_heads=8, n_kv_heads=4), "moe-tiny": {}}  # tp = 4 divides the heads
 CFG = TrainConfig(model="tiny", lr=3e-3, weight_decay=0.1)
 

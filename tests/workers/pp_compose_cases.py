@@ -51,11 +51,17 @@ CASES = [
 ]
 
 
-# ``make test-slow``'s cases (a world whose output folder's name has "slow"): PP×TP with SP and
-# without dp, PP×DP×TP without ZeRO under 1F1B (each composed again in a kept case: with dp
-# and ZeRO-1, interleaved), the torch engine's PP×TP without dp or SP
-SLOW = [(2, 1, 2, True, 0, "1f1b", 4, "explicit"), (2, 2, 2, False, 0, "1f1b", 4, "explicit"),
-        (2, 1, 2, False, 0, "1f1b", 4, "torch")]
+# ``make test-slow``'s cases (a world whose output folder's name has "slow"): PP×TP with and
+# without SP and without dp under 1F1B and zbv (PP×TP without SP is composed again in the kept
+# interleaved 3D case, with its hand count of the TP bytes; a V schedule with TP in the kept
+# dualpipev 3D case and the torch engine's zbv PP×TP; SP in the kept 3D cases), PP×DP×TP
+# without ZeRO under 1F1B and with SP + ZeRO-1 under 1F1B (each composed again in a kept case:
+# 1F1B with dp and ZeRO-1 in PP×DP, SP + ZeRO-1 3D under dualpipev and under the torch engine,
+# interleaved 3D), the torch engine's PP×TP without dp or SP (kept: the torch engine's 3D and
+# zbv PP×TP)
+SLOW = [(2, 1, 2, False, 0, "1f1b", 4, "explicit"), (2, 1, 2, True, 0, "1f1b", 4, "explicit"),
+        (2, 2, 2, False, 0, "1f1b", 4, "explicit"), (2, 2, 2, True, 1, "1f1b", 4, "explicit"),
+        (2, 1, 2, False, 0, "1f1b", 4, "torch"), (2, 1, 2, False, 0, "zbv", 4, "explicit")]
 
 
 def case_name(pp, dp, tp, sp, zero, schedule, m, engine):

@@ -10,6 +10,7 @@ compares them with a single-process reference and hand-written formulas it compu
 import itertools
 import sys
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,15 @@ def _cases():
 
 
 CASES = _cases()
+
+
+def is_slow(case) -> bool:
+    """``make test-slow``'s cases (a world whose output folder's name has "slow"): the tiny
+    Llama at dp=2 without accumulation (each stage × engine runs at dp=2 in the kept
+    accumulation cases, and at dp=4) and mlp33 at dp=2 (each stage × engine stays at dp=4, where
+    the padding is larger: 1105 → 1108)."""
+    model, stage, dp, engine, accum, pf, raf, ovl = case
+    return dp == 2 and accum == 1 and model in ("tiny", "mlp33")
 
 
 def workload(model):
@@ -179,11 +189,13 @@ def main(out: str) -> None:
     init_distributed("cpu", timeout_s=60)
     rank = dist.get_rank()
     topos = {dp: Topology(dp=dp, ranks=range(dp), timeout_s=60) for dp in (2, 4)}
+    slow = "slow" in Path(out).name
     for case in CASES:
         topo = topos[case[2]]
-        if topo.member:
+        if topo.member and is_slow(case) == slow:
             run_case(out, topo, rank, *case)
-    error_cases(out, rank)
+    if not slow:
+        error_cases(out, rank)
     dist.barrier()
     dist.destroy_process_group()
 
