@@ -85,10 +85,18 @@ train: install
 # the eleven others, whose commands the suite runs in process, are slow: tests/doc_commands.py);
 # the checkpoint resharding matrix's FAST pairs (every layout saved and resumed once); one m per
 # (pp, schedule) on the torch engine (pipeline parity); GPT-2 in every layout and the other
-# families in four (families); a part of the precision, meta-init and pipeline-composition
-# worlds; one end-to-end CLI layout; train under torchrun in test_multinode only; compile's
-# compiled-vs-eager comparison in the GPU bench's CPU dry run (test_gpu_bench) only, plus
-# test_compile's ZeRO-3 run and a cheap wrapping test; the planner's searches on 8 GPUs (every
+# families in four (families); a part of the precision (not dp 2 with the fp32 reduction),
+# meta-init and pipeline-composition worlds; one end-to-end CLI layout; train under torchrun in
+# test_multinode only; the GPU bench driver's CPU dry run without its pytest subset
+# (test_gpu_bench; the whole gpu.sh --cpu-dry-run is slow) and compile's compiled-vs-eager
+# comparison in process with --ac selective (test_compile), plus test_compile's ZeRO-3 run and
+# a cheap wrapping test; each pipeline schedule × engine at pp = 4 and each kind of m on the
+# explicit engine (pipeline parity); the half of tp × engine × SP × tied in which every pair of
+# values runs (tensor parallel); each ZeRO stage × engine, storage recipe, layout axis and
+# schedule once in the zero, compose_2d, ep_zero, pipeline_zero, dpo_parity, storage and ac
+# worlds; first-commands' small degrees dp 1 and tp 2; GPT-2 SFT from an HF folder in dp, tp
+# and pp (its ZeRO-3 run slow; ZeRO-3 GPT-2 stays in families); run safety's full disk at
+# DCP's data file only; the planner's searches on 8 GPUs (every
 # preset), 16 (JSON contract, table) and 64 (Llama 3 405B), the 8B estimator and the 8,192-GPU
 # ranking slow; launcher SIGTERM (forked) and SIGKILL (new interpreters); first-commands' derived
 # micro-batch over dp 4, pp 4 and 3D; DPO's meta build over dp 2 ZeRO-3.
