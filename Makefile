@@ -111,6 +111,12 @@ train: install
 # (its ZeRO-3 run over two ranks), test_pipeline_compose 81, test_tensor_parallel 75, test_cli 73,
 # test_meta_init 64, test_first_commands 63, test_precision 62, test_zero 61. What is left needs
 # faster worlds (fewer interpreter starts, smaller cases per world), not more moves.
+# After the third split (i53d-budA, i53d-budB; fresh-clone check at 904b93a, no other job):
+# 877 s, 852 s per worker, make test 1012 s with the install (908 s of tests): still OVER the
+# budget by ~290 s. Slowest files now: test_compile 117 s (ZeRO-3 compiled run 57, the
+# in-process compiled-vs-eager comparison 56: cold inductor compiles), test_pipeline_parity 67,
+# test_cli 62, test_precision 62, test_pipeline_compose 57, test_dpo 55, test_launcher 54,
+# test_verify_n4 53, test_checkpoint 47, test_first_commands 45.
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=10
 
