@@ -451,3 +451,34 @@ def test_refusals_name_the_fix():
                    Layout(dp=2, tp=2, zero=1), Layout(pp=2, dp=2, zero=3)):  # FSDP2 the sync
         for precision, offload in ((bf16, "none"), (bf16, "params"), (Precision(), "params")):
             check_storage(layout, precision, offload, "torch")
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_the_host_step_one_parameter_at_a_time_is_torchs_adamw_bitwise(offload, monkeypatch):
+    """On the host MasterAdamW steps one parameter at a time (one gradient copy and one √v
+    temporary alive, not the group's): each AdamW call gets one tensor, and three steps on fp32
+    parameters with a master copy (or none) equal torch.optim.AdamW(foreach=True) over the
+    whole group, bitwise."""
+    import shardwise.parallel.master as master
+    from shardwise.parallel.master import MasterAdamW
+
+    sizes, torch_adamw = [], master.adamw
+    monkeypatch.setattr(master, "adamw", lambda params, *a, **k: (
+        sizes.append(len(params)), torch_adamw(params, *a, **k)))
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (5,), (3, 4, 2), (1,)]
+    ours = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = MasterAdamW(ours, **kw, foreach=True, offload=offload)
+    ref_opt = torch.optim.AdamW(ref, **kw, foreach=True)
+    for _ in range(3):
+        for a, b in zip(ours, ref):
+            grad = torch.randn(a.shape, generator=g)
+            a.grad, b.grad = grad.clone(), grad.clone()
+        opt.step()
+        ref_opt.step()
+        for a, b in zip(ours, ref):
+            assert torch.equal(a.detach(), b.detach())
+    assert sizes == [1] * (3 * len(shapes))
