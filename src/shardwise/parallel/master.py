@@ -35,7 +35,8 @@ KEYS = ("exp_avg", "exp_avg_sq", "master")
 class MasterAdamW(torch.optim.Optimizer):
     """AdamW(lr, betas, eps, weight_decay) of ``params`` stepped on master copies of dtype
     ``master_dtype`` (module docstring); ``offload``: masters, m and v in host memory (pinned
-    when the parameters are on an accelerator) and the step there (foreach AdamW);
+    when the parameters are on an accelerator) and the step there (foreach AdamW, one parameter
+    at a time: one gradient copy and one √v temporary alive);
     ``topo``: whose ledger books the host ↔ device copies (None: none booked). ``host_params``
     (``--offload params``): the parameters it is given already live in host memory (ZeRO-3's
     host shards, :mod:`.zero.offload`): the masters, m and v beside them, no copy of its own.
