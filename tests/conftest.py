@@ -50,6 +50,39 @@ def run_world(worker, out, nproc: int = 4) -> None:
     assert p.returncode == 0, f"the worker world of {Path(worker).name} failed (output above)"
 
 
+def split_worlds(worker, name: str, nproc: int = 4, fast: str = "results_fast", prepare=None):
+    """The two module-scoped fixtures of a file whose cases are split between ``make test`` and
+    ``make test-slow`` (those marked slow): ``fast`` and ``results_slow``, each the folder of its
+    own :func:`run_world` of ``worker``, ``prepare(out)`` called first where given. The worker
+    picks its cases by the folder's name: ``name`` for the fast world (it must not contain
+    "slow"), ``name + "_slow"`` for the slow one. Assign both at module level:
+    ``results_fast, results_slow = split_worlds(W.__file__, "zero")``."""
+    assert "slow" not in name, f"the fast world's folder name {name!r} must not contain 'slow'"
+
+    def world(tmp_path_factory, folder):
+        out = tmp_path_factory.mktemp(folder)
+        if prepare is not None:
+            prepare(out)
+        run_world(worker, out, nproc=nproc)
+        return out
+
+    @pytest.fixture(scope="module", name=fast)
+    def fast_world(tmp_path_factory):
+        return world(tmp_path_factory, name)
+
+    @pytest.fixture(scope="module", name="results_slow")
+    def slow_world(tmp_path_factory):
+        return world(tmp_path_factory, f"{name}_slow")
+
+    return fast_world, slow_world
+
+
+def world_of(request, slow: bool, fast: str = "results_fast"):
+    """The folder of the world that ran a case: :func:`split_worlds`' ``results_slow`` if
+    ``slow`` (the case is marked slow), else its ``fast`` fixture."""
+    return request.getfixturevalue("results_slow" if slow else fast)
+
+
 def pytest_collection_modifyitems(items):
     """The pages' commands and the two verify worlds (the suite's longest files before their
     heavier cases moved to ``make test-slow``; in it, still the longest) go first, so that

@@ -16,7 +16,7 @@ from shardwise.train.workload import SyntheticLMWorkload
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import run_world  # noqa: E402
+from conftest import split_worlds, world_of  # noqa: E402
 import ac_cases as W  # noqa: E402
 
 
@@ -73,26 +73,14 @@ def test_bad_mode_is_a_config_error():
         set_activation_checkpointing(build_model("tiny", vocab_size=67), "partial")
 
 
-@pytest.fixture(scope="module")
-def results_fast(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ac")
-    run_world(W.__file__, out, nproc=2)
-    return out
-
-
-@pytest.fixture(scope="module")
-def results_slow(tmp_path_factory):
-    """The world of W.SLOW's layouts (``make test-slow``)."""
-    out = tmp_path_factory.mktemp("ac_slow")
-    run_world(W.__file__, out, nproc=2)
-    return out
+# the world of W.SLOW's layouts: results_slow (``make test-slow``)
+results_fast, results_slow = split_worlds(W.__file__, "ac", nproc=2)
 
 
 @pytest.fixture
 def results(request):
     """The folder of the world that ran this test's layout."""
-    slow = request.node.callspec.params["layout"] in W.SLOW
-    return request.getfixturevalue("results_slow" if slow else "results_fast")
+    return world_of(request, request.node.callspec.params["layout"] in W.SLOW)
 
 
 def _layout_modes(modes=None):

@@ -19,32 +19,20 @@ from shardwise.parity import ATOL, RTOL, assert_parity, reference_model_at, refe
 from shardwise.train.workload import SyntheticLMWorkload
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import run_world  # noqa: E402
+from conftest import split_worlds, world_of  # noqa: E402
 import compose2d_cases as W  # noqa: E402
 
 RANKS = range(4)
 D, L, F_FF, H, K, HD, V = 32, 2, 64, 8, 4, 4, 67  # the model of W.MODEL, written out
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("compose2d")
-    run_world(W.__file__, out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def results_slow(tmp_path_factory):
-    """The world of W.PARITY_SLOW's cases (``make test-slow``)."""
-    out = tmp_path_factory.mktemp("compose2d_slow")
-    run_world(W.__file__, out)
-    return out
+# the world of W.PARITY_SLOW's cases: results_slow (``make test-slow``)
+results, results_slow = split_worlds(W.__file__, "compose2d", fast="results")
 
 
 def _results(request, zero, sp, tied):
     """The folder of the world that ran this parity case."""
-    return request.getfixturevalue("results_slow" if (zero, sp, tied) in W.PARITY_SLOW
-                                   else "results")
+    return world_of(request, (zero, sp, tied) in W.PARITY_SLOW, fast="results")
 
 
 def _load(out, name, rank):

@@ -27,30 +27,18 @@ from shardwise.parity import (ATOL, RTOL, assert_parity, reference_model_at, ref
                               sequence_logps, stages_together)
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import run_world  # noqa: E402
+from conftest import split_worlds, world_of  # noqa: E402
 import dpo_cases as W  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def results_fast(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dpo")
-    run_world(W.__file__, out, nproc=4)
-    return out
-
-
-@pytest.fixture(scope="module")
-def results_slow(tmp_path_factory):
-    """The world of W.SLOW's cases (``make test-slow``)."""
-    out = tmp_path_factory.mktemp("dpo_slow")
-    run_world(W.__file__, out, nproc=4)
-    return out
+# the world of W.SLOW's cases: results_slow (``make test-slow``)
+results_fast, results_slow = split_worlds(W.__file__, "dpo", nproc=4)
 
 
 @pytest.fixture
 def results(request):
     """The folder of the world that ran this test's case."""
-    slow = request.node.callspec.params["case"] in W.SLOW
-    return request.getfixturevalue("results_slow" if slow else "results_fast")
+    return world_of(request, request.node.callspec.params["case"] in W.SLOW)
 
 
 # the cases as params, W.SLOW's marked slow

@@ -23,7 +23,7 @@ from shardwise.parallel.zero import (zero_ep_memory_formula, zero_ep_step_bytes_
                                      zero_memory_formula, zero_step_bytes_formula)
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import MIN_ROUTING_GAP, min_routing_gap, run_world  # noqa: E402
+from conftest import MIN_ROUTING_GAP, min_routing_gap, split_worlds, world_of  # noqa: E402
 import ep_zero_cases as W  # noqa: E402
 
 # the cases as params, W.SLOW's marked slow
@@ -31,26 +31,14 @@ CASES = [pytest.param(c, id=W.case_name(*c), marks=pytest.mark.slow if c in W.SL
          for c in W.CASES]
 
 
-@pytest.fixture(scope="module")
-def results_fast(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ep_zero")
-    run_world(W.__file__, out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def results_slow(tmp_path_factory):
-    """The world of W.SLOW's cases (``make test-slow``)."""
-    out = tmp_path_factory.mktemp("ep_zero_slow")
-    run_world(W.__file__, out)
-    return out
+# the world of W.SLOW's cases: results_slow (``make test-slow``)
+results_fast, results_slow = split_worlds(W.__file__, "ep_zero")
 
 
 @pytest.fixture
 def results(request):
     """The folder of the world that ran this test's case."""
-    slow = request.node.callspec.params["case"] in W.SLOW
-    return request.getfixturevalue("results_slow" if slow else "results_fast")
+    return world_of(request, request.node.callspec.params["case"] in W.SLOW)
 
 
 def _reference(model_name):

@@ -20,38 +20,27 @@ from shardwise.parity import assert_parity, reference_run, stages_together  # no
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import run_world  # noqa: E402
+from conftest import split_worlds, world_of  # noqa: E402
 import family_cases as W  # noqa: E402
 from test_hf_families import hf_folder  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-def _world(tmp_path_factory, name):
-    out = tmp_path_factory.mktemp(name)
+def _hf_folders(out):
     for family in W.FAMILIES:
         hf_folder(out, family)  # out/<family>: config.json, model.safetensors, tokenizer
-    run_world(W.__file__, out, nproc=2)
-    return out
 
 
-@pytest.fixture(scope="module")
-def results_fast(tmp_path_factory):
-    return _world(tmp_path_factory, "families")
-
-
-@pytest.fixture(scope="module")
-def results_slow(tmp_path_factory):
-    """The world of W.is_slow's cases (``make test-slow``)."""
-    return _world(tmp_path_factory, "families_slow")
+# the world of W.is_slow's cases: results_slow (``make test-slow``)
+results_fast, results_slow = split_worlds(W.__file__, "families", nproc=2, prepare=_hf_folders)
 
 
 @pytest.fixture
 def results(request):
     """The folder of the world that ran this test's case."""
     p = request.node.callspec.params
-    slow = W.is_slow(p["family"], p["layout"])
-    return request.getfixturevalue("results_slow" if slow else "results_fast")
+    return world_of(request, W.is_slow(p["family"], p["layout"]))
 
 
 _REFS: dict = {}

@@ -23,7 +23,7 @@ from shardwise.parity import ATOL, RTOL, assert_parity, reference_run, stages_to
 from shardwise.train.workload import RegressionWorkload, SyntheticLMWorkload
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import run_world  # noqa: E402
+from conftest import split_worlds, world_of  # noqa: E402
 import pp_cases as W  # noqa: E402
 
 V, D = 67, 32  # vocab, d_model of the tiny preset
@@ -31,19 +31,8 @@ SEQ = 16
 CASES = W.cases()
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pp")
-    run_world(W.__file__, out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def results_slow(tmp_path_factory):
-    """The world of W.is_slow's cases (``make test-slow``)."""
-    out = tmp_path_factory.mktemp("pp_slow")
-    run_world(W.__file__, out)
-    return out
+# the world of W.is_slow's cases: results_slow (``make test-slow``)
+results, results_slow = split_worlds(W.__file__, "pp", fast="results")
 
 
 _REFS = {}
@@ -99,7 +88,7 @@ def _params(cases):
 
 def _results(request, case):
     """The folder of the world that ran ``case``."""
-    return request.getfixturevalue("results_slow" if W.is_slow(case) else "results")
+    return world_of(request, W.is_slow(case), fast="results")
 
 
 @pytest.mark.parametrize("case", _params(CASES))

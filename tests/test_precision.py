@@ -21,7 +21,7 @@ from shardwise.train.optim import build_optimizer
 from shardwise.train.step import train_step
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import run_world  # noqa: E402
+from conftest import split_worlds, world_of  # noqa: E402
 import precision_cases as W  # noqa: E402
 
 
@@ -70,19 +70,9 @@ def test_fp32_master_invariant_one_step_by_hand():
     assert any_differs, "bf16 autocast gave exactly the fp32 gradients: it did not run in bf16"
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("precision")
-    run_world(W.__file__, out, nproc=W.world_size())
-    return out
-
-
-@pytest.fixture(scope="module")
-def results_slow(tmp_path_factory):
-    """The world of W.SLOW's cases (``make test-slow``)."""
-    out = tmp_path_factory.mktemp("precision_slow")
-    run_world(W.__file__, out, nproc=W.world_size())
-    return out
+# the world of W.SLOW's cases: results_slow (``make test-slow``)
+results, results_slow = split_worlds(W.__file__, "precision", nproc=W.world_size(),
+                                     fast="results")
 
 
 @pytest.mark.timeout(300)
@@ -91,7 +81,7 @@ def results_slow(tmp_path_factory):
 def test_bf16_loss_within_2_percent_of_fp32(request, case):
     from shardwise.parallel.layout import parse_layout
 
-    results = request.getfixturevalue("results_slow" if case in W.SLOW else "results")
+    results = world_of(request, case in W.SLOW, fast="results")
 
     world = parse_layout(case[0]).world
     for rank in range(world):

@@ -29,7 +29,7 @@ from shardwise.parity import ATOL, RTOL, assert_parity, reference_run
 from shardwise.train.workload import SyntheticLMWorkload
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import run_world  # noqa: E402
+from conftest import split_worlds, world_of  # noqa: E402
 import tp_cases as W  # noqa: E402
 
 CASES = list(itertools.product(W.TPS, W.ENGINES, W.SPS, W.TIED))
@@ -37,25 +37,13 @@ CASES = list(itertools.product(W.TPS, W.ENGINES, W.SPS, W.TIED))
 CASE_PARAMS = [pytest.param(*c, marks=pytest.mark.slow if W.is_slow(*c) else ()) for c in CASES]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp")
-    run_world(W.__file__, out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def results_slow(tmp_path_factory):
-    """The world of W.is_slow's parity cases (``make test-slow``)."""
-    out = tmp_path_factory.mktemp("tp_slow")
-    run_world(W.__file__, out)
-    return out
+# the world of W.is_slow's parity cases: results_slow (``make test-slow``)
+results, results_slow = split_worlds(W.__file__, "tp", fast="results")
 
 
 def _results(request, tp, engine, sp, tied):
     """The folder of the world that ran this parity case."""
-    return request.getfixturevalue("results_slow" if W.is_slow(tp, engine, sp, tied)
-                                   else "results")
+    return world_of(request, W.is_slow(tp, engine, sp, tied), fast="results")
 
 
 def _reference(tied):

@@ -21,7 +21,7 @@ from shardwise.parity import ATOL, RTOL, assert_parity, reference_model_at, refe
 from shardwise.parallel.zero import validate_zero, zero_memory_formula, zero_step_bytes_formula
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import run_world  # noqa: E402
+from conftest import split_worlds, world_of  # noqa: E402
 import zero_cases as W  # noqa: E402
 
 def _params(cases):
@@ -30,19 +30,8 @@ def _params(cases):
             for c in cases]
 
 
-@pytest.fixture(scope="module")
-def results_fast(tmp_path_factory):
-    out = tmp_path_factory.mktemp("zero")
-    run_world(W.__file__, out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def results_slow(tmp_path_factory):
-    """The world of W.is_slow's cases (``make test-slow``)."""
-    out = tmp_path_factory.mktemp("zero_slow")
-    run_world(W.__file__, out)
-    return out
+# the world of W.is_slow's cases: results_slow (``make test-slow``)
+results_fast, results_slow = split_worlds(W.__file__, "zero")
 
 
 @pytest.fixture
@@ -50,8 +39,7 @@ def results(request):
     """The folder of the world that ran this test's case (make test's world without one)."""
     params = getattr(request.node, "callspec", None)
     case = params.params.get("case") if params else None
-    slow = case is not None and W.is_slow(case)
-    return request.getfixturevalue("results_slow" if slow else "results_fast")
+    return world_of(request, case is not None and W.is_slow(case))
 
 
 def _reference(model_name):
@@ -290,9 +278,8 @@ def test_zero3_reduce_inputs_peak_is_one_unit(results, references):
 
 @pytest.mark.parametrize("dp", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_padding_never_reaches_the_math(request, dp):
-    results = request.getfixturevalue(  # mlp33 at dp=2: W.is_slow's world
-        "results_slow" if W.is_slow(("mlp33", 1, dp, "explicit", 1, True, True, True))
-        else "results_fast")
+    # mlp33 at dp=2: W.is_slow's world
+    results = world_of(request, W.is_slow(("mlp33", 1, dp, "explicit", 1, True, True, True)))
     for stage in (1, 2, 3):
         for rec in _load(results, ("mlp33", stage, dp, "explicit", 1, True, True, True)):
             assert rec["padded_numel"] > rec["numel"]
