@@ -8,7 +8,7 @@ CPU inductor compiles with gcc; each compile here takes ~10-40 s on a shared 2-c
 Bounds (fp32, u = 2⁻²⁴). Inductor fuses the pointwise ops of a block and may reorder its
 reductions (RMSNorm's mean over d, softmax's sums), while matmuls stay the same ATen calls.
 Two orders of an n-term fp32 sum differ by at most 2·γ_n·Σ|x_i| ≈ 2n·u·Σ|x_i| (Higham 2002,
-§4.2). The loss is a sum of b·s = 128 token losses of one sign: |Δ| ≤ 2·128·u·loss ≈ 1.5e-5
+§4.2). The loss is a sum of b·s = 64 token losses of one sign: |Δ| ≤ 2·64·u·loss ≈ 7.6e-6
 relative. A gradient element is a chain of such sums (≤ 32-wide reductions over d, 64-wide
 over tokens, through 2 blocks × ~10 ops): ≈ 2·(64 + 32)·20·u ≈ 2.3e-4 of the tensor's scale in
 the worst case; we allow 1e-4 of the tensor's largest element (the measured error is ~1e-7 of
@@ -26,7 +26,7 @@ from shardwise.models import build_model, loss_sum_and_count, set_activation_che
 from shardwise.models.compile import compile_blocks
 
 U32 = 2.0 ** -24
-LOSS_RTOL = 2 * 128 * U32
+LOSS_RTOL = 2 * 64 * U32
 GRAD_REL = 1e-4
 
 
@@ -39,8 +39,8 @@ def _loss_and_grads(ac: str, compiled: bool):
         assert compile_blocks(model) == 2  # both blocks
         assert compile_blocks(model) == 0  # idempotent
     g = torch.Generator().manual_seed(1)
-    batch = {"input_ids": torch.randint(0, 64, (4, 32), generator=g),
-             "labels": torch.randint(0, 64, (4, 32), generator=g)}
+    batch = {"input_ids": torch.randint(0, 64, (2, 32), generator=g),
+             "labels": torch.randint(0, 64, (2, 32), generator=g)}
     loss, count = loss_sum_and_count(model, batch)
     (loss / count).backward()
     names = list(model.state_dict())
@@ -76,15 +76,20 @@ def test_compiled_blocks_give_the_eager_loss_and_every_gradient(ac):
                                    atol=GRAD_REL * float(ge[n].abs().max()), msg=n)
 
 
-def test_compile_with_zero3_over_two_ranks_gives_the_eager_run(cache_dir, tmp_path):
+# make test: --ac selective, whose per-rank block graph (micro-batch 2 × 32) is the one the
+# in-process test above compiles, so inductor's on-disk cache serves this run's training graph
+# (measured cold: 56 s → 43 s); make test-slow: --ac full too
+@pytest.mark.parametrize("ac", ["selective", pytest.param("full", marks=pytest.mark.slow)])
+def test_compile_with_zero3_over_two_ranks_gives_the_eager_run(cache_dir, tmp_path, ac):
     """dp = 2, ZeRO-3 (pre-forward all-gathers, post-forward frees, the pre-backward re-gather,
-    post-accumulate-grad reduce-scatters) with --ac full: the compiled run logs the eager
-    run's losses and gradient norms, step by step, within the layouts' end-to-end bound
-    (tests/test_cli.py: rel 1e-5, abs 1e-6 — fp32 round-off carried through 3 AdamW steps)."""
+    post-accumulate-grad reduce-scatters) with activation checkpointing: the compiled run logs
+    the eager run's losses and gradient norms, step by step, within the layouts' end-to-end
+    bound (tests/test_cli.py: rel 1e-5, abs 1e-6 — fp32 round-off carried through 3 AdamW
+    steps)."""
     runs = {}
     for name, extra in (("eager", []), ("compiled", ["--compile"])):
         out = tmp_path / name
-        p = run_cli(["train", "--model", "tiny", "--dp", "2", "--zero", "3", "--ac", "full",
+        p = run_cli(["train", "--model", "tiny", "--dp", "2", "--zero", "3", "--ac", ac,
                      "--steps", "3", "--global-batch", "4", "--seq-len", "32",
                      "--tokenizer", "bytes", "--eval-every", "100", "--eval-sequences", "4",
                      "--sample-tokens", "0", "--out", out, *extra], cache_dir, timeout=400)
