@@ -50,9 +50,10 @@ def run_world(worker, out, nproc: int = 4) -> None:
     assert p.returncode == 0, f"the worker world of {Path(worker).name} failed (output above)"
 
 
-def split_worlds(worker, name: str, nproc: int = 4, fast: str = "results_fast", prepare=None):
+def split_worlds(worker, name: str, nproc: int = 4, fast: str = "results_fast",
+                 prepare=None, slow: str = "results_slow"):
     """The two module-scoped fixtures of a file whose cases are split between ``make test`` and
-    ``make test-slow`` (those marked slow): ``fast`` and ``results_slow``, each the folder of its
+    ``make test-slow`` (those marked slow): ``fast`` and ``slow``, each the folder of its
     own :func:`run_world` of ``worker``, ``prepare(out)`` called first where given. The worker
     picks its cases by the folder's name: ``name`` for the fast world (it must not contain
     "slow"), ``name + "_slow"`` for the slow one. Assign both at module level:
@@ -70,17 +71,17 @@ def split_worlds(worker, name: str, nproc: int = 4, fast: str = "results_fast", 
     def fast_world(tmp_path_factory):
         return world(tmp_path_factory, name)
 
-    @pytest.fixture(scope="module", name="results_slow")
+    @pytest.fixture(scope="module", name=slow)
     def slow_world(tmp_path_factory):
         return world(tmp_path_factory, f"{name}_slow")
 
     return fast_world, slow_world
 
 
-def world_of(request, slow: bool, fast: str = "results_fast"):
-    """The folder of the world that ran a case: :func:`split_worlds`' ``results_slow`` if
+def world_of(request, slow: bool, fast: str = "results_fast", slow_name: str = "results_slow"):
+    """The folder of the world that ran a case: :func:`split_worlds`' ``slow_name`` fixture if
     ``slow`` (the case is marked slow), else its ``fast`` fixture."""
-    return request.getfixturevalue("results_slow" if slow else fast)
+    return request.getfixturevalue(slow_name if slow else fast)
 
 
 def pytest_collection_modifyitems(items):

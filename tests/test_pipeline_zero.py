@@ -30,25 +30,15 @@ from shardwise.parity import assert_parity, reference_run, stages_together
 from shardwise.train.workload import SyntheticLMWorkload
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import run_world  # noqa: E402
+from conftest import run_world, split_worlds, world_of  # noqa: E402
 import pp_zero_cases as W  # noqa: E402
 
 FAST, SLOW = W.CASES[4], W.CASES[8]
 
 
-@pytest.fixture(scope="module")
-def results4(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pp_zero4")
-    run_world(W.__file__, out, nproc=4)
-    return out
-
-
-@pytest.fixture(scope="module")
-def results4_slow(tmp_path_factory):
-    """The 4-rank world of W.SLOW4's cases (``make test-slow``)."""
-    out = tmp_path_factory.mktemp("pp_zero4_slow")
-    run_world(W.__file__, out, nproc=4)
-    return out
+# the 4-rank world of W.SLOW4's cases: results4_slow (``make test-slow``)
+results4, results4_slow = split_worlds(W.__file__, "pp_zero4", fast="results4",
+                                       slow="results4_slow")
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +161,7 @@ def _params4():
 
 
 def _results4(request, case):
-    return request.getfixturevalue("results4_slow" if case in W.SLOW4 else "results4")
+    return world_of(request, case in W.SLOW4, fast="results4", slow_name="results4_slow")
 
 
 @pytest.mark.timeout(600)

@@ -37,22 +37,13 @@ from shardwise.train.optim import build_optimizer
 from shardwise.train.step import train_step
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import run_world  # noqa: E402
+from conftest import split_worlds, world_of  # noqa: E402
 import storage_cases as W  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def fast_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fast")  # the worker runs W.FAST for a folder named fast…
-    run_world(W.__file__, out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def slow_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("slow")
-    run_world(W.__file__, out)
-    return out
+# the worker runs W.FAST for a folder without "slow" in its name, the rest for storage_slow
+fast_results, slow_results = split_worlds(W.__file__, "storage", fast="fast_results",
+                                          slow="slow_results")
 
 
 @pytest.fixture
@@ -62,7 +53,7 @@ def results(request):
     case = case if case is None or isinstance(case, tuple) else None
     text = request.node.callspec.params.get("text")
     fast = case in W.FAST if case else (text, "megatron") in W.FAST
-    return request.getfixturevalue("fast_results" if fast else "slow_results")
+    return world_of(request, not fast, fast="fast_results", slow_name="slow_results")
 
 
 def _params(cases):

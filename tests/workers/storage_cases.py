@@ -3,8 +3,8 @@ the guide's) and ``--offload optimizer`` in one spawned 4-rank world, results du
 
 Each case builds the tiny Llama (vocab 67, tied embeddings) with ``parallelize(precision=,
 offload=)`` on a sub-topology and trains STEPS AdamW steps through ``train_step``, writing
-``<out>/<case>_rank<r>.pt`` (an output folder named "fast…": :data:`FAST`; else the rest):
-per step the loss, the norm, every full (gathered) parameter in its
+``<out>/<case>_rank<r>.pt`` (an output folder without "slow" in its name: :data:`FAST`; else
+the rest): per step the loss, the norm, every full (gathered) parameter in its
 storage dtype and every full gradient (the fp32 main gradients under Megatron's recipe), the
 ledger's offload bytes and the formula's; after the last step the full optimizer state (masters
 included) and a resumed run's next step (checkpoint contract). The test compares them with a
@@ -248,4 +248,4 @@ def main(out: str, which: str) -> None:
 
 if __name__ == "__main__":
     # which share: named by the output folder (tests/test_storage.py's fixtures)
-    main(sys.argv[1], "fast" if Path(sys.argv[1]).name.startswith("fast") else "slow")
+    main(sys.argv[1], "slow" if "slow" in Path(sys.argv[1]).name else "fast")
