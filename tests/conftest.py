@@ -87,7 +87,7 @@ def world_of(request, slow: bool, fast: str = "results_fast", slow_name: str = "
 def pytest_collection_modifyitems(items):
     """The pages' commands and the two verify worlds (the suite's longest files before their
     heavier cases moved to ``make test-slow``; in it, still the longest) go first, so that
-    under ``-n 3 --dist loadfile`` the workers start with them and the other files fill in
+    under ``-n 2 --dist loadfile`` both workers start with them and the other files fill in
     around them (otherwise they could start last and set the suite's wall time)."""
     first = ("test_doc_commands", "test_verify_n4", "test_verify_n8")
     items.sort(key=lambda item: next((i for i, f in enumerate(first) if f in item.nodeid),
