@@ -52,8 +52,12 @@ def results(request):
     case = request.node.callspec.params.get("case")
     case = case if case is None or isinstance(case, tuple) else None
     text = request.node.callspec.params.get("text")
-    fast = case in W.FAST if case else (text, "megatron") in W.FAST
-    return world_of(request, not fast, fast="fast_results", slow_name="slow_results")
+    return _world(request, case if case else (text, "megatron"))
+
+
+def _world(request, case):
+    """The folder of the world that ran ``case`` (a case of :data:`W.CASES`)."""
+    return world_of(request, case not in W.FAST, fast="fast_results", slow_name="slow_results")
 
 
 def _params(cases):
@@ -145,8 +149,7 @@ TWINS = [(c[0], c[1]) for c in W.CASES if c[1].endswith("_off")]
 def test_offload_bitwise_equal_to_no_offload_and_ledger_equals_formula(request, case):
     text, recipe = case
     twin = (text, recipe[:-len("_off")])  # maybe in the other world: each from its own
-    on, off = (_load(request.getfixturevalue("fast_results" if c in W.FAST else "slow_results"),
-                     *c) for c in (case, twin))
+    on, off = (_load(_world(request, c), *c) for c in (case, twin))
     for a, b in zip(on, off):
         for t in range(W.STEPS):
             _same_step(a, b, t)
@@ -180,8 +183,7 @@ def test_params_offload_bitwise_equal_to_no_offload_and_ledger_equals_formula(re
     leave the device for the host."""
     text, recipe = case
     twin = (text, recipe[:-len("_offp")])  # maybe in the other world: each from its own
-    on, off = (_load(request.getfixturevalue("fast_results" if c in W.FAST else "slow_results"),
-                     *c) for c in (case, twin))
+    on, off = (_load(_world(request, c), *c) for c in (case, twin))
     lay = W.layout_of(text)
     s = lay.dp // lay.dp_replicate
     for a, b in zip(on, off):
