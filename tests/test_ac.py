@@ -16,7 +16,7 @@ from shardwise.train.workload import SyntheticLMWorkload
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import split_worlds, world_of  # noqa: E402
+from conftest import load_pt, split_worlds, world_of  # noqa: E402
 import ac_cases as W  # noqa: E402
 
 
@@ -94,8 +94,8 @@ def _layout_modes(modes=None):
 @pytest.mark.parametrize("layout,mode", _layout_modes())
 def test_distributed_gradients_and_ledger(results, layout, mode):
     for rank in (0, 1):
-        ref = torch.load(results / f"{layout}_none_rank{rank}.pt")
-        got = torch.load(results / f"{layout}_{mode}_rank{rank}.pt")
+        ref = load_pt(results / f"{layout}_none_rank{rank}.pt")
+        got = load_pt(results / f"{layout}_{mode}_rank{rank}.pt")
         for step in range(W.STEPS):
             assert got["loss"][step] == ref["loss"][step]
             assert got["grads"][step].keys() == ref["grads"][step].keys()
@@ -129,7 +129,7 @@ def test_recompute_bytes_by_hand(results, layout, mode):
     bytes_per = RECOMPUTE_S[layout] * S
     n_blocks = W.N_LAYERS.get(layout, 2)
     for rank in (0, 1):
-        got = torch.load(results / f"{layout}_{mode}_rank{rank}.pt")
+        got = load_pt(results / f"{layout}_{mode}_rank{rank}.pt")
         blocks_here = n_blocks // 2 if layout.startswith("pp2") else n_blocks
         for step in range(W.STEPS):
             total = sum(b for *_, b in got["recompute"][step])

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, run_cli, run_world
+from conftest import load_pt, ROOT, run_cli, run_world
 
 sys.path.insert(0, str(ROOT / "tests" / "workers"))
 import ckpt_cases  # noqa: E402  (the matrix lists and the reference's settings)
@@ -166,7 +166,7 @@ def _matrix_world(tmp_path_factory, name):
     run_world(ROOT / "tests" / "workers" / "ckpt_cases.py", out, nproc=4)
     merged = {}
     for r in range(4):
-        for key, val in torch.load(out / f"matrix_rank{r}.pt", weights_only=False).items():
+        for key, val in load_pt(out / f"matrix_rank{r}.pt").items():
             merged.setdefault(key, []).append(val)
     merged["_out"] = out
     return merged
@@ -264,7 +264,7 @@ def test_muon_momentum_resumes_in_another_layout_bitwise(matrix, muon_reference,
     for rank_res in matrix[("muon " + src, "save")]:
         assert rank_res["error"] is None, rank_res["error"]
         assert _close(rank_res["losses"], muon_reference[:K])
-    saved = torch.load(matrix["_out"] / f"muon_state_{i}.pt", weights_only=False)
+    saved = load_pt(matrix["_out"] / f"muon_state_{i}.pt")
     assert any("momentum_buffer" in st for st in saved.values())
     for dst in ckpt_cases.TO_MUON:
         runs = matrix[("muon " + src, dst)]
@@ -312,7 +312,7 @@ def _shard_world(tmp_path_factory, name):
     """The worker's world; ``name`` ending in "slow" also runs ckpt_shard_cases.SLOW."""
     out = tmp_path_factory.mktemp(name)
     run_world(ROOT / "tests" / "workers" / "ckpt_shard_cases.py", out, nproc=4)
-    ranks = [torch.load(out / f"shard_rank{r}.pt", weights_only=False) for r in range(4)]
+    ranks = [load_pt(out / f"shard_rank{r}.pt") for r in range(4)]
     return {k: [r[k] for r in ranks if k in r] for k in set().union(*ranks)}
 
 

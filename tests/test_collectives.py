@@ -17,7 +17,7 @@ import torch
 from shardwise.comm import algorithms
 from shardwise.comm.algorithms import cost
 from shardwise.errors import ShardwiseConfigError
-from conftest import run_world
+from conftest import load_pt, run_world
 
 WORKER = Path(__file__).parent / "workers" / "collectives_cases.py"
 U = 2.0 ** -24  # fp32 unit round-off (eps / 2)
@@ -28,7 +28,7 @@ E = 4  # bytes per fp32 element
 def cases(tmp_path_factory):
     out = tmp_path_factory.mktemp("collectives")
     run_world(WORKER, out, 8)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(8)]
+    return [load_pt(out / f"rank{r}.pt") for r in range(8)]
 
 
 def _all(cases):

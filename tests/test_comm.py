@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shardwise.comm import Ledger, ring_bytes
-from conftest import run_world
+from conftest import load_pt, run_world
 
 WORKER = Path(__file__).parent / "workers" / "comm_cases.py"
 
@@ -28,7 +28,7 @@ def test_ring_formulas_hand_worked():
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("comm")
     run_world(WORKER, out, 4)
-    return [torch.load(out / f"rank{r}.pt") for r in range(4)]
+    return [load_pt(out / f"rank{r}.pt") for r in range(4)]
 
 
 def test_rank_layout_puts_tp_innermost(ranks):

@@ -19,7 +19,7 @@ from shardwise.parity import ATOL, RTOL, assert_parity, reference_model_at, refe
 from shardwise.train.workload import SyntheticLMWorkload
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import split_worlds, world_of  # noqa: E402
+from conftest import load_pt, split_worlds, world_of  # noqa: E402
 import compose2d_cases as W  # noqa: E402
 
 RANKS = range(4)
@@ -36,7 +36,7 @@ def _results(request, zero, sp, tied):
 
 
 def _load(out, name, rank):
-    return torch.load(out / f"{name}_rank{rank}.pt", weights_only=False)
+    return load_pt(out / f"{name}_rank{rank}.pt")
 
 
 def _reference(tied, steps):

@@ -20,7 +20,7 @@ from shardwise.parallel.apply import Layout, parallelize
 from shardwise.parity import ATOL, RTOL, assert_parity, reference_at, reference_run
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import run_world  # noqa: E402
+from conftest import load_pt, run_world  # noqa: E402
 import compose_torch_cases as W  # noqa: E402
 
 WORLD = 4
@@ -34,7 +34,7 @@ def results(tmp_path_factory):
 
 
 def _load(out, zero, sp, reduce_dtype="fp32"):
-    return [torch.load(out / f"{W.case_name(zero, sp, reduce_dtype)}_rank{r}.pt")
+    return [load_pt(out / f"{W.case_name(zero, sp, reduce_dtype)}_rank{r}.pt")
             for r in range(WORLD)]
 
 
@@ -117,7 +117,7 @@ def test_bf16_reduce_in_the_1d_torch_engines(results, reference, zero):
     FSDP2 (MixedPrecisionPolicy) at dp=4: the gradient collective moves bf16, half the bytes,
     as the formula says; the gradients stay close to the reference."""
     for r in range(WORLD):
-        rec = torch.load(results / f"dp4_z{zero}_reduce_rank{r}.pt")
+        rec = load_pt(results / f"dp4_z{zero}_reduce_rank{r}.pt")
         fp32, bf16 = rec["fp32"], rec["bf16"]
         assert fp32["grad_dtypes"] == ["float32"] and bf16["grad_dtypes"] == ["bfloat16"]
         assert bf16["bytes"][0]["grad"] == pytest.approx(fp32["bytes"][0]["grad"] / 2, rel=1e-12)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, run_world
+from conftest import load_pt, ROOT, run_world
 from shardwise.errors import ShardwiseConfigError
 from shardwise.models import build_model, loss_sum_and_count
 from shardwise.parallel.cp import chunk_ids, shard_sequence, validate_cp, zigzag_positions
@@ -96,7 +96,7 @@ def test_validate_cp_names_the_constraint(kw, fragment):
 def world(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp")
     run_world(WORKER, out, nproc=4)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    return [load_pt(out / f"rank{r}.pt") for r in range(4)]
 
 
 def _reference():

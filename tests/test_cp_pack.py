@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT, run_world
+from conftest import load_pt, ROOT, run_world
 from shardwise.models import lm_loss, positions_kw
 from shardwise.parallel.cp import shard_sequence
 from shardwise.parallel.cp.attention import _pairs
@@ -74,7 +74,7 @@ def world(tmp_path_factory):
 
 
 def _ranks(world, case):
-    return [torch.load(f) for f in sorted(world.glob(f"{case}_rank*.pt"))]
+    return [load_pt(f) for f in sorted(world.glob(f"{case}_rank*.pt"))]
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,7 +16,7 @@ from shardwise.parity import assert_parity, reference_run
 from shardwise.train.workload import SyntheticLMWorkload
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import run_world  # noqa: E402
+from conftest import load_pt, run_world  # noqa: E402
 import dp_cases as W  # noqa: E402
 
 CASES = list(itertools.product((1, 2, 4), ("explicit", "torch"), (1, 2)))
@@ -47,7 +47,7 @@ def reference():
 
 
 def _load(out, dp, engine, accum):
-    return [torch.load(out / f"dp{dp}_{engine}_acc{accum}_rank{r}.pt") for r in range(dp)]
+    return [load_pt(out / f"dp{dp}_{engine}_acc{accum}_rank{r}.pt") for r in range(dp)]
 
 
 def test_reference_batches_have_very_different_token_counts(reference):
@@ -91,14 +91,14 @@ def test_ranks_see_disjoint_slices_whose_union_is_the_global_batch(results, refe
 
 def test_bucket_all_reduces_launch_during_backward_only_with_overlap(results):
     for rank in range(2):
-        launched = torch.load(results / f"overlap_rank{rank}.pt")["launched"]
+        launched = load_pt(results / f"overlap_rank{rank}.pt")["launched"]
         in_flight, n_buckets = launched[True, False]
         assert n_buckets > 1 and in_flight == n_buckets  # all launched from backward hooks
         assert launched[False, False] == (0, n_buckets)  # none until finish_gradient_sync
 
 
 def test_unused_parameter_gets_zero_gradient_and_the_rest_still_sync(results):
-    per_rank = [torch.load(results / f"overlap_rank{r}.pt")["grads"] for r in range(2)]
+    per_rank = [load_pt(results / f"overlap_rank{r}.pt")["grads"] for r in range(2)]
     for grads in per_rank:
         torch.testing.assert_close(grads[True, True]["unused"], torch.zeros(5), rtol=0, atol=0)
         for name, g in grads[True, False].items():

@@ -27,7 +27,7 @@ from shardwise.parity import (ATOL, RTOL, assert_parity, reference_model_at, ref
                               sequence_logps, stages_together)
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import split_worlds, world_of  # noqa: E402
+from conftest import load_pt, split_worlds, world_of  # noqa: E402
 import dpo_cases as W  # noqa: E402
 
 
@@ -75,7 +75,7 @@ def reference(gb: int) -> dict:
 
 def _load(out, case):
     pp, dp, tp = case[:3]
-    return [torch.load(out / f"{W.case_name(*case)}_rank{r}.pt") for r in range(pp * dp * tp)]
+    return [load_pt(out / f"{W.case_name(*case)}_rank{r}.pt") for r in range(pp * dp * tp)]
 
 
 def expected_metrics(ref: dict, params: dict, batch: dict) -> tuple[dict, torch.Tensor]:

@@ -27,7 +27,7 @@ from shardwise.parity import ATOL, RTOL, assert_parity, reference_run
 from shardwise.train.workload import SyntheticLMWorkload
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import MIN_ROUTING_GAP, min_routing_gap, run_world  # noqa: E402
+from conftest import load_pt, MIN_ROUTING_GAP, min_routing_gap, run_world  # noqa: E402
 import ep_pp_cases as W  # noqa: E402
 
 D, E = 32, 4  # d_model and n_experts of the moe-tiny preset
@@ -41,7 +41,7 @@ def results(tmp_path_factory):
 
 
 def _load(out, case):
-    return [torch.load(out / f"{case.name}_rank{r}.pt") for r in range(W.PP * W.DP)]
+    return [load_pt(out / f"{case.name}_rank{r}.pt") for r in range(W.PP * W.DP)]
 
 
 def _global_batch() -> dict:

@@ -23,7 +23,7 @@ from shardwise.parallel.zero import (zero_ep_memory_formula, zero_ep_step_bytes_
                                      zero_memory_formula, zero_step_bytes_formula)
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import MIN_ROUTING_GAP, min_routing_gap, split_worlds, world_of  # noqa: E402
+from conftest import load_pt, MIN_ROUTING_GAP, min_routing_gap, split_worlds, world_of  # noqa: E402
 import ep_zero_cases as W  # noqa: E402
 
 # the cases as params, W.SLOW's marked slow
@@ -74,7 +74,7 @@ def test_no_routing_choice_is_near_a_tie(references):
 
 
 def _load(results, case):
-    return [torch.load(results / f"{W.case_name(*case)}_rank{r}.pt")
+    return [load_pt(results / f"{W.case_name(*case)}_rank{r}.pt")
             for r in range(case[2] * case[4])]
 
 

@@ -27,7 +27,7 @@ from shardwise.parity import ATOL, RTOL
 from shardwise.train.loop import eval_shard
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import run_cli, run_world  # noqa: E402
+from conftest import load_pt, run_cli, run_world  # noqa: E402
 import eval_cases as W  # noqa: E402
 
 
@@ -78,13 +78,13 @@ def test_eval_loss_is_the_same_at_every_layout(world):
     for name, kw, _, n, micro in W.CASES:
         dp = kw.get("dp", 1)
         ranks = range(kw.get("pp", 1) * dp * kw.get("tp", 1))
-        got = [torch.load(world / f"{name}_rank{r}.pt") for r in ranks]
+        got = [load_pt(world / f"{name}_rank{r}.pt") for r in ranks]
         for r, g in zip(ranks, got):
             assert g["loss"] == pytest.approx(refs[n], rel=RTOL, abs=ATOL), (name, r)
             assert g["calls"] == -(-(-(-n // dp)) // micro), (name, r)
-    dp1 = torch.load(world / "dp1_n22_rank0.pt")["loss"]
+    dp1 = load_pt(world / "dp1_n22_rank0.pt")["loss"]
     for name in ("dp2_n22", "dp3_n22", "dp3_n22_mb1"):
-        assert torch.load(world / f"{name}_rank0.pt")["loss"] == pytest.approx(dp1, rel=RTOL)
+        assert load_pt(world / f"{name}_rank0.pt")["loss"] == pytest.approx(dp1, rel=RTOL)
 
 
 # -- the CLI: epoch counts in summary.json, and evaluation through the whole run ----------------

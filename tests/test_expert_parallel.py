@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from conftest import MIN_ROUTING_GAP, ROOT, min_routing_gap, run_world
+from conftest import load_pt, MIN_ROUTING_GAP, ROOT, min_routing_gap, run_world
 from shardwise.config import TrainConfig, validate
 from shardwise.errors import ShardwiseConfigError
 from shardwise.parallel.layout import Layout
@@ -37,14 +37,14 @@ NPROC = 4
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("ep")
     run_world(ROOT / "tests" / "workers" / "ep_cases.py", out, NPROC)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False)["cases"] for r in range(NPROC)]
+    return [load_pt(out / f"rank{r}.pt")["cases"] for r in range(NPROC)]
 
 
 @pytest.fixture(scope="module")
 def ranks_n8(tmp_path_factory):
     out = tmp_path_factory.mktemp("ep8")
     run_world(ROOT / "tests" / "workers" / "ep_n8_cases.py", out, 8)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False)["cases"] for r in range(8)]
+    return [load_pt(out / f"rank{r}.pt")["cases"] for r in range(8)]
 
 
 def reference(name: str, indices: torch.Tensor) -> dict:

@@ -20,7 +20,7 @@ from shardwise.parity import assert_parity, reference_run, stages_together  # no
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import split_worlds, world_of  # noqa: E402
+from conftest import load_pt, split_worlds, world_of  # noqa: E402
 import family_cases as W  # noqa: E402
 from test_hf_families import hf_folder  # noqa: E402
 
@@ -73,7 +73,7 @@ def _params():
 def test_imported_family_trains_like_one_process(results, references, family, layout):
     ref = references[family]
     assert all(n > W.MAX_NORM for n in ref["grad_norm"])  # clipping binds
-    recs = [torch.load(results / f"{family}_{layout}_rank{r}.pt", weights_only=False)
+    recs = [load_pt(results / f"{family}_{layout}_rank{r}.pt")
             for r in range(2)]
     whole = stages_together([rec["params"] for rec in recs])
     assert all(set(p) == set(ref["params"][0]) for p in whole), \
@@ -90,7 +90,7 @@ def test_ledger_equals_formula(results, family, layout):
     """Every step's bytes per ledger tag equal the engine's formula (the families' biases,
     LayerNorm biases, positions and q/k norms included: tp_replicated_numel, f_summed_bytes)."""
     for rank in range(2):
-        rec = torch.load(results / f"{family}_{layout}_rank{rank}.pt", weights_only=False)
+        rec = load_pt(results / f"{family}_{layout}_rank{rank}.pt")
         for got, want in zip(rec["bytes"], rec["formula"]):
             tags = (set(got) | set(want)) - {"total"}
             for tag in sorted(tags):

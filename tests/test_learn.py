@@ -31,7 +31,7 @@ from shardwise.learn import _common as C
 from shardwise.models.mlp import MLPConfig, StackedMLP
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import ROOT, run_cli, run_world  # noqa: E402
+from conftest import load_pt, ROOT, run_cli, run_world  # noqa: E402
 import learn_cases as W  # noqa: E402
 
 N, X, Y = 4, 2, 2  # the world; fsdp_tp's mesh
@@ -73,7 +73,7 @@ def reference():
 
 
 def _load(out, name):
-    return [torch.load(out / f"{name}_rank{r}.pt") for r in range(N)]
+    return [load_pt(out / f"{name}_rank{r}.pt") for r in range(N)]
 
 
 def _full(name: str, ranks: list[dict], kind: str, t: int) -> dict:
@@ -145,7 +145,7 @@ STRATEGY_TAGS = ("grad", "param", "pp_fwd", "pp_bwd", "tp_fwd", "tp_bwd")
                                        ("pp_gpipe", "pp"), ("tp", "tp"), ("fsdp_tp", "fsdp_tp")])
 def test_bytes_equal_the_framework_ledger(results, name, case):
     for r, mine in enumerate(_per_step(results, name)):
-        fw = torch.load(results / f"fw_{case}_rank{r}.pt")
+        fw = load_pt(results / f"fw_{case}_rank{r}.pt")
         want = {t: b for t, b in fw.items() if t in STRATEGY_TAGS and b}
         got = {t: b for t, b in mine.items() if t in STRATEGY_TAGS and b}
         assert got == pytest.approx(want, rel=1e-12), (r, got, want)

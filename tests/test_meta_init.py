@@ -10,6 +10,7 @@ from torch import nn
 
 from shardwise.models import build_model, model_names
 from shardwise.models.meta import InitPlan, _Recorder, build_on_meta, materialize
+from conftest import load_pt
 
 # the families' switches (models/families.py builds these from HF configs)
 FAMILIES = {
@@ -185,7 +186,7 @@ def test_an_engine_built_from_a_meta_model_equals_the_whole_build_bitwise(world,
     built whole, then parallelized), on every rank: the full parameters after parallelize, the
     global RNG state, two AdamW steps' losses and grad norms, the parameters after them."""
     for rank in range(4):
-        r = torch.load(world / f"{case}_rank{rank}.pt", weights_only=False)
+        r = load_pt(world / f"{case}_rank{rank}.pt")
         whole, meta = r["whole"], r["meta"]
         assert list(meta["init"]) == list(whole["init"])
         for n in whole["init"]:
@@ -222,7 +223,7 @@ def test_from_an_hf_folder_each_rank_reads_only_what_it_holds(world, case):
     folder = world / ("hf_moe" if case.startswith("hf_moe") else "hf")
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    reads = [torch.load(world / f"{case}_rank{r}.pt", weights_only=False)["reads"]
+    reads = [load_pt(world / f"{case}_rank{r}.pt")["reads"]
              for r in range(4)]
     for k, shape in shapes.items():
         numel = math.prod(shape)
@@ -254,8 +255,8 @@ def test_zero3_from_a_meta_model_holds_only_its_slices(world, case, whole_case, 
     (Ψ_local: what the rank would hold without ZeRO-3, measured in ``whole_case``; n: the
     shard group) plus at most n − 1 padding elements per unit (3 units: the root, 2 blocks)."""
     for rank in range(4):
-        got = torch.load(world / f"{case}_rank{rank}.pt", weights_only=False)["meta_bytes"]
-        base = torch.load(world / f"{whole_case}_rank{rank}.pt", weights_only=False)["meta_bytes"]
+        got = load_pt(world / f"{case}_rank{rank}.pt")["meta_bytes"]
+        base = load_pt(world / f"{whole_case}_rank{rank}.pt")["meta_bytes"]
         assert base / n <= got <= base / n + 3 * (n - 1) * 4, (rank, got, base)
 
 

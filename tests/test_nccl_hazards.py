@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT, run_world
+from conftest import load_pt, ROOT, run_world
 from shardwise.comm import groups as G
 from shardwise.comm.groups import NcclHazard, claim_p2p, compare_records, new_groups
 from shardwise.comm.ops import check_device
@@ -30,7 +30,7 @@ NPROC = 4
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("nccl")
     run_world(ROOT / "tests" / "workers" / "nccl_cases.py", out, NPROC)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(NPROC)]
+    return [load_pt(out / f"rank{r}.pt") for r in range(NPROC)]
 
 
 # -- hazards 1 and 2: eager groups, one recorded order ----------------------------------------

@@ -8,9 +8,8 @@ transform. The transform: a weight fake-quantizer (tests/workers/numerics_cases.
 from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import run_world
+from conftest import load_pt, run_world
 from shardwise.parity import ATOL, RTOL
 
 W = Path(__file__).parent / "workers" / "numerics_cases.py"
@@ -33,12 +32,12 @@ def test_a_numerics_transform_reaches_every_linear_in_every_layout(tmp_path):
     run_world(W, tmp_path, nproc=2)
     ran = 0
     for name in cases.CASES:
-        ref = torch.load(tmp_path / f"{name}_ref.pt")
+        ref = load_pt(tmp_path / f"{name}_ref.pt")
         q, plain = ref["quantized"][0], ref["plain"][0]
         assert ref["linears"], name
         assert not _close(q, plain), (name, q, plain)  # the transform changes the loss
         for engine in cases.ENGINES:
-            recs = [torch.load(tmp_path / f"{name}_{engine}_rank{r}.pt") for r in range(2)]
+            recs = [load_pt(tmp_path / f"{name}_{engine}_rank{r}.pt") for r in range(2)]
             if (name, engine) in REFUSED:
                 assert all("refused" in r for r in recs), (name, engine, recs)
                 continue

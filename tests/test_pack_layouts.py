@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import run_world  # noqa: E402
+from conftest import load_pt, run_world  # noqa: E402
 import pack_cases as W  # noqa: E402
 from shardwise.models import lm_loss  # noqa: E402
 from shardwise.parity import ATOL, RTOL  # noqa: E402
@@ -45,8 +45,8 @@ def test_packed_equals_unpacked_and_one_process(world, reference, layout):
     ref_loss, ref_grads = reference
     assert W.batches()["packed"]["input_ids"].shape[0] < len(W.batches()["unpacked"]["labels"])
     for rank in range(2):
-        u = torch.load(world / f"{layout}_unpacked_rank{rank}.pt")
-        p = torch.load(world / f"{layout}_packed_rank{rank}.pt")
+        u = load_pt(world / f"{layout}_unpacked_rank{rank}.pt")
+        p = load_pt(world / f"{layout}_packed_rank{rank}.pt")
         close(torch.tensor(p["loss"]), torch.tensor(u["loss"]), f"{layout} loss")
         close(torch.tensor(u["loss"]), torch.tensor(ref_loss), f"{layout} loss vs one process")
         assert set(p["grads"]) == set(u["grads"]) and p["grads"]

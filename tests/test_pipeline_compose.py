@@ -24,7 +24,7 @@ from shardwise.parity import ATOL, RTOL, assert_parity, reference_run, stages_to
 from shardwise.train.workload import SyntheticLMWorkload
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import split_worlds, world_of  # noqa: E402
+from conftest import load_pt, split_worlds, world_of  # noqa: E402
 import pp_compose_cases as W  # noqa: E402
 
 D = 32  # d_model of the tiny preset
@@ -75,7 +75,7 @@ def reference(global_batch: int):
 
 def _load(out, case):
     pp, dp, tp = case[:3]
-    return [torch.load(out / f"{W.case_name(*case)}_rank{r}.pt") for r in range(pp * dp * tp)]
+    return [load_pt(out / f"{W.case_name(*case)}_rank{r}.pt") for r in range(pp * dp * tp)]
 
 
 @pytest.mark.timeout(600)
@@ -188,7 +188,7 @@ def test_bf16_gradient_reduction(results_fast, case):
     pp, dp, tp, sp, zero, schedule, m, engine = case
     ref = reference(W.MICRO * m * dp)
     for rank in range(pp * dp * tp):
-        rec = torch.load(results / f"bf16_{W.case_name(*case)}_rank{rank}.pt")
+        rec = load_pt(results / f"bf16_{W.case_name(*case)}_rank{rank}.pt")
         assert rec["grad_dtypes"] == ["bfloat16"]
         for tag in set(rec["bytes"]) | set(rec["formula"]):
             if tag != "total":

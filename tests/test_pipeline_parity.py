@@ -23,7 +23,7 @@ from shardwise.parity import ATOL, RTOL, assert_parity, reference_run, stages_to
 from shardwise.train.workload import RegressionWorkload, SyntheticLMWorkload
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import split_worlds, world_of  # noqa: E402
+from conftest import load_pt, split_worlds, world_of  # noqa: E402
 import pp_cases as W  # noqa: E402
 
 V, D = 67, 32  # vocab, d_model of the tiny preset
@@ -72,7 +72,7 @@ def reference(global_batch: int, tie: bool = True, mlp: bool = False):
 def _load(out, case):
     pp, dp, schedule, m, engine, overrides, lps = case
     name = W.case_name(pp, dp, schedule, m, engine, W._suffix(overrides, lps))
-    return [torch.load(out / f"{name}_rank{r}.pt") for r in range(pp * dp)]
+    return [load_pt(out / f"{name}_rank{r}.pt") for r in range(pp * dp)]
 
 
 def _ids(case):
@@ -195,7 +195,7 @@ def test_ledger_bytes_equal_formula(request, case):
 
 
 def test_real_run_timeline_png_and_chrome_trace(results):
-    info = torch.load(results / "trace_info.pt")
+    info = load_pt(results / "trace_info.pt")
     png = Path(info["png"])
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     trace = json.loads(Path(info["trace"]).read_text())

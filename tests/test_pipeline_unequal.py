@@ -17,7 +17,7 @@ from shardwise.models import build_model
 from shardwise.parity import assert_parity, reference_run, stages_together
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import run_world  # noqa: E402
+from conftest import load_pt, run_world  # noqa: E402
 import pp_unequal_cases as W  # noqa: E402
 
 D = 32  # d_model of the tiny preset
@@ -55,7 +55,7 @@ def reference(dp: int) -> dict:
 
 def _load(out, case):
     pp, dp, tp = case[:3]
-    return [torch.load(out / f"{W.case_name(*case)}_rank{r}.pt") for r in range(pp * dp * tp)]
+    return [load_pt(out / f"{W.case_name(*case)}_rank{r}.pt") for r in range(pp * dp * tp)]
 
 
 def _ids(case):

@@ -30,7 +30,7 @@ from shardwise.parity import assert_parity, reference_run, stages_together
 from shardwise.train.workload import SyntheticLMWorkload
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import run_world, split_worlds, world_of  # noqa: E402
+from conftest import load_pt, run_world, split_worlds, world_of  # noqa: E402
 import pp_zero_cases as W  # noqa: E402
 
 FAST, SLOW = W.CASES[4], W.CASES[8]
@@ -72,7 +72,7 @@ def _engine(case) -> str:
 
 def _load(out, case):
     pp, dp, tp = case[0], case[1], case[3]
-    return [torch.load(out / f"{W.case_name(*case)}_rank{r}.pt") for r in range(pp * dp * tp)]
+    return [load_pt(out / f"{W.case_name(*case)}_rank{r}.pt") for r in range(pp * dp * tp)]
 
 
 def _parity(out, case):

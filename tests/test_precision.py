@@ -21,7 +21,7 @@ from shardwise.train.optim import build_optimizer
 from shardwise.train.step import train_step
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import split_worlds, world_of  # noqa: E402
+from conftest import load_pt, split_worlds, world_of  # noqa: E402
 import precision_cases as W  # noqa: E402
 
 
@@ -85,7 +85,7 @@ def test_bf16_loss_within_2_percent_of_fp32(request, case):
 
     world = parse_layout(case[0]).world
     for rank in range(world):
-        rec = torch.load(results / f"{W.case_name(*case)}_rank{rank}.pt")
+        rec = load_pt(results / f"{W.case_name(*case)}_rank{rank}.pt")
         fp32, bf16 = rec["fp32"][-1], rec["bf16"][-1]
         assert rec["fp32"][0] > 4.0 and fp32 < 0.6 * rec["fp32"][0], "the task was not learnt"
         assert abs(bf16 - fp32) <= 0.02 * fp32, (case, fp32, bf16)

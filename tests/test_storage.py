@@ -37,7 +37,7 @@ from shardwise.train.optim import build_optimizer
 from shardwise.train.step import train_step
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import split_worlds, world_of  # noqa: E402
+from conftest import load_pt, split_worlds, world_of  # noqa: E402
 import storage_cases as W  # noqa: E402
 
 
@@ -69,7 +69,7 @@ def _params(cases):
 def _load(results, text, recipe):
     lay = W.layout_of(text)
     n = lay.pp * lay.dp * lay.tp
-    return [torch.load(results / f"{W.case_name(text, recipe)}_rank{r}.pt") for r in range(n)]
+    return [load_pt(results / f"{W.case_name(text, recipe)}_rank{r}.pt") for r in range(n)]
 
 
 _REFS: dict = {}
@@ -300,7 +300,7 @@ def test_explicit_checkpoint_resumed_by_fsdp2_form_from_its_masters(fast_results
     ``master`` stays in its state, and its next step is the explicit engine's: the same loss,
     its parameters the explicit engine's masters (§7: both bitwise to one process)."""
     for r in range(2):
-        rec = torch.load(fast_results / f"explicit_to_torch_rank{r}.pt")
+        rec = load_pt(fast_results / f"explicit_to_torch_rank{r}.pt")
         _equal(rec["loaded"], rec["saved_masters"], "loaded parameters = saved masters")
         assert all("master" not in keys for keys in rec["torch_state_keys"].values())
         loss_a, loss_t, masters, params = rec["next"]

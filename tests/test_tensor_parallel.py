@@ -29,7 +29,7 @@ from shardwise.parity import ATOL, RTOL, assert_parity, reference_run
 from shardwise.train.workload import SyntheticLMWorkload
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import split_worlds, world_of  # noqa: E402
+from conftest import load_pt, split_worlds, world_of  # noqa: E402
 import tp_cases as W  # noqa: E402
 
 CASES = list(itertools.product(W.TPS, W.ENGINES, W.SPS, W.TIED))
@@ -72,7 +72,7 @@ def references():
 
 
 def _load(out, tp, engine, sp, tied):
-    return [torch.load(out / f"{W.case_name(tp, engine, sp, tied)}_rank{r}.pt")
+    return [load_pt(out / f"{W.case_name(tp, engine, sp, tied)}_rank{r}.pt")
             for r in range(tp)]
 
 
@@ -133,14 +133,14 @@ def test_ledger_bytes_equal_formula_under_bf16(results, engine, sp):
     f = tp_step_bytes_formula(cfg, 8, 16, 2, TPOptions(sp=sp), precision=Precision.of("bf16"))
     assert f["tp_fwd"] < tp_step_bytes_formula(cfg, 8, 16, 2, TPOptions(sp=sp))["tp_fwd"]
     for r in range(2):
-        got = torch.load(results / f"bf16_{engine}_{'sp' if sp else 'nosp'}_rank{r}.pt")
+        got = load_pt(results / f"bf16_{engine}_{'sp' if sp else 'nosp'}_rank{r}.pt")
         for tag in ("tp_fwd", "tp_bwd", "ce", "sp_grad"):
             assert got[tag] == pytest.approx(f[tag], rel=1e-12, abs=0), (engine, tag)
 
 
 # -- dropout RNG policy --------------------------------------------------------------------------
 def _dropout(results, sp):
-    return [torch.load(results / f"dropout_{'sp' if sp else 'nosp'}_rank{r}.pt")
+    return [load_pt(results / f"dropout_{'sp' if sp else 'nosp'}_rank{r}.pt")
             for r in range(2)]
 
 

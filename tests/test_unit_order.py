@@ -9,13 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from shardwise.data import DistributedSampler
 from shardwise.parity import assert_parity, reference_run
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import run_world  # noqa: E402
+from conftest import load_pt, run_world  # noqa: E402
 import unit_order_cases as W  # noqa: E402
 
 N = 2  # dp ranks
@@ -30,7 +29,7 @@ def results(tmp_path_factory):
 
 
 def _load(results, case):
-    return [torch.load(results / f"{case}_rank{r}.pt") for r in range(N)]
+    return [load_pt(results / f"{case}_rank{r}.pt") for r in range(N)]
 
 
 @pytest.mark.timeout(300)
@@ -116,7 +115,7 @@ def test_2d_rank_dependent_order_fails_on_every_rank_of_the_layout(results_2d, e
     """dp=2 × tp=2 (rank = 2·dp index + tp index): only rank 1 reverses its layers. Rank 1 has
     a tp peer (0) and a dp peer (3) that do not, and rank 2 shares no line with it: every rank
     must still stop, with the same message."""
-    recs = [torch.load(results_2d / f"2d_{engine}_rank_dependent_rank{r}.pt") for r in range(4)]
+    recs = [load_pt(results_2d / f"2d_{engine}_rank_dependent_rank{r}.pt") for r in range(4)]
     first = {r: f"layers.{rec['order'][0]}" for r, rec in enumerate(recs)}
     assert first[1] != first[0] == first[2] == first[3]
     for rank, rec in enumerate(recs):

@@ -21,7 +21,7 @@ from shardwise.parity import ATOL, RTOL, assert_parity, reference_model_at, refe
 from shardwise.parallel.zero import validate_zero, zero_memory_formula, zero_step_bytes_formula
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from conftest import split_worlds, world_of  # noqa: E402
+from conftest import load_pt, split_worlds, world_of  # noqa: E402
 import zero_cases as W  # noqa: E402
 
 def _params(cases):
@@ -76,7 +76,7 @@ def references():
 def _load(results, case):
     model, stage, dp, engine, accum, pf, raf, ovl = case
     name = W.case_name(model, stage, dp, engine, accum, pf, raf, ovl)
-    return [torch.load(results / f"{name}_rank{r}.pt") for r in range(dp)]
+    return [load_pt(results / f"{name}_rank{r}.pt") for r in range(dp)]
 
 
 def _close(a, b, what):
@@ -287,14 +287,14 @@ def test_padding_never_reaches_the_math(request, dp):
 
 
 def test_bad_input_errors_name_the_fix(results):
-    msgs = torch.load(results / "errors_rank0.pt")
+    msgs = load_pt(results / "errors_rank0.pt")
     assert "dp=1" in msgs["explicit_dp1"] and "--dp 2" in msgs["explicit_dp1"]
     assert "dp=1" in msgs["torch_dp1"] and "--zero 0" in msgs["torch_dp1"]
     assert "tok_embeddings.weight" in msgs["split_tied"] and "one unit" in msgs["split_tied"]
     assert "layers.9" in msgs["bad_unit"] and "submodule" in msgs["bad_unit"]
     assert "nest" in msgs["nested"]
     assert "Adafactor" in msgs["optimizer"] and "adamw" in msgs["optimizer"]
-    rank1 = torch.load(results / "errors_rank1.pt")  # the other member failed alike
+    rank1 = load_pt(results / "errors_rank1.pt")  # the other member failed alike
     assert rank1["split_tied"] == msgs["split_tied"]
 
 
