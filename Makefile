@@ -91,7 +91,8 @@ train: install
 # the eleven others, whose commands the suite runs in process, are slow: tests/doc_commands.py);
 # the checkpoint resharding matrix's FAST pairs (every layout saved and resumed once); one m per
 # (pp, schedule) on the torch engine (pipeline parity); GPT-2 in every layout and the other
-# families in four (families); a part of the precision (not dp 2 with the fp32 reduction),
+# families in four (families); a part of the precision (not dp 2 with the fp32 reduction;
+# the torch engine's ZeRO-3 there is FSDP2 alone, FSDP2 × DTensor TP slow),
 # meta-init and pipeline-composition worlds; one end-to-end CLI layout; train under torchrun in
 # test_multinode only; the GPU bench driver's CPU dry run without its pytest subset
 # (test_gpu_bench; the whole gpu.sh --cpu-dry-run is slow) and compile's compiled-vs-eager
