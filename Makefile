@@ -104,8 +104,8 @@ train: install
 # worlds; first-commands' small degrees dp 1 and tp 2; GPT-2 SFT from an HF folder in dp, tp
 # and pp (its ZeRO-3 run slow; ZeRO-3 GPT-2 stays in families); run safety's full disk at
 # DCP's data file only; Muon's verify one layout of each kind of gather; the planner's
-# searches on 8 GPUs (every preset), 16 (JSON contract, table) and 64 (Llama 3 405B), the 8B estimator and the 8,192-GPU
-# ranking slow; launcher SIGTERM (forked) and SIGKILL (new interpreters); first-commands' derived
+# searches on 8 GPUs (every preset), 16 (JSON contract, table) and 64 (Llama 3 405B), the 8B
+# estimator and the 8,192-GPU ranking slow; launcher SIGTERM (forked) and SIGKILL (new interpreters); first-commands' derived
 # micro-batch over dp 4, pp 4 and 3D; DPO's meta build over dp 2 ZeRO-3.
 # Measured per worker (gw0, gw1; fresh-clone checks, 2026-12-07): 1290 s, 1312 s before the first
 # split; 1120 s, 1137 s after it (make test 1270 s with the install): still OVER the budget.
