@@ -83,30 +83,29 @@ train: install
 # shared host's speed varies, so one wall time against another is no comparison.
 # The budget (the project's standard): `make test` from a fresh clone ≤ 12 min (720 s) on 2 cores
 # with the install (~60–90 s), i.e. each worker ≤ ~600 s of tests on an unloaded machine. A new
-# feature pays for its tests inside it, or puts its heavier proofs under @pytest.mark.slow
-# (`make test-slow`) while `make test` keeps at least one case of it. What `make test` keeps of
-# the heavy files: verify's matrices one layout of each kind (n4) and one 8-rank composition (n8:
-# HSDP inside pipeline stages; 3D runs in process in test_pipeline_compose); the doc pages'
-# commands of the four shortest pages (data-parallel, optimizers, post-training, tensor-parallel;
-# the eleven others, whose commands the suite runs in process, are slow: tests/doc_commands.py);
-# the checkpoint resharding matrix's FAST pairs (every layout saved and resumed once); one m per
-# (pp, schedule) on the torch engine (pipeline parity); GPT-2 in every layout and the other
-# families in four (families); a part of the precision (not dp 2 with the fp32 reduction;
-# the torch engine's ZeRO-3 there is FSDP2 alone, FSDP2 × DTensor TP slow),
-# meta-init and pipeline-composition worlds; one end-to-end CLI layout; train under torchrun in
-# test_multinode only; the GPU bench driver's CPU dry run without its pytest subset
-# (test_gpu_bench; the whole gpu.sh --cpu-dry-run is slow) and compile's compiled-vs-eager
-# comparison in process with --ac selective (test_compile), plus test_compile's ZeRO-3 run and
-# a cheap wrapping test; each pipeline schedule × engine at pp = 4 and each kind of m on the
-# explicit engine (pipeline parity); the half of tp × engine × SP × tied in which every pair of
-# values runs (tensor parallel); each ZeRO stage × engine, storage recipe, layout axis and
-# schedule once in the zero, compose_2d, ep_zero, pipeline_zero, dpo_parity, storage and ac
-# worlds; first-commands' small degrees dp 1 and tp 2; GPT-2 SFT from an HF folder in dp, tp
-# and pp (its ZeRO-3 run slow; ZeRO-3 GPT-2 stays in families); run safety's full disk at
-# DCP's data file only; Muon's verify one layout of each kind of gather; the planner's
-# searches on 8 GPUs (every preset), 16 (JSON contract, table) and 64 (Llama 3 405B), the 8B
-# estimator and the 8,192-GPU ranking slow; launcher SIGTERM (forked) and SIGKILL (new interpreters); first-commands' derived
-# micro-batch over dp 4, pp 4 and 3D; DPO's meta build over dp 2 ZeRO-3.
+# feature pays for its tests inside it, or puts its heavier proofs under @pytest.mark.slow (`make
+# test-slow`) while `make test` keeps at least one case of it. What `make test` keeps of the heavy
+# files: verify's matrices one layout of each kind (n4) and one 8-rank composition (n8: HSDP inside
+# pipeline stages; 3D runs in process in test_pipeline_compose); the doc pages' commands of the four
+# shortest pages (data-parallel, optimizers, post-training, tensor-parallel; the eleven others,
+# whose commands the suite runs in process, are slow: tests/doc_commands.py); the checkpoint
+# resharding matrix's FAST pairs (every layout saved and resumed once); one m per (pp, schedule) on
+# the torch engine (pipeline parity); GPT-2 in every layout and the other families in four
+# (families); a part of the precision (not dp 2 with the fp32 reduction; the torch engine's ZeRO-3
+# there is FSDP2 alone, FSDP2 × DTensor TP slow), meta-init and pipeline-composition worlds; one
+# end-to-end CLI layout; train under torchrun in test_multinode only; the GPU bench driver's CPU dry
+# run without its pytest subset (test_gpu_bench; the whole gpu.sh --cpu-dry-run is slow) and
+# compile's compiled-vs-eager comparison in process with --ac selective (test_compile), plus
+# test_compile's ZeRO-3 run and a cheap wrapping test; each pipeline schedule × engine at pp = 4 and
+# each kind of m on the explicit engine (pipeline parity); the half of tp × engine × SP × tied in
+# which every pair of values runs (tensor parallel); each ZeRO stage × engine, storage recipe,
+# layout axis and schedule once in the zero, compose_2d, ep_zero, pipeline_zero, dpo_parity, storage
+# and ac worlds; first-commands' small degrees dp 1 and tp 2; GPT-2 SFT from an HF folder in dp, tp
+# and pp (its ZeRO-3 run slow; ZeRO-3 GPT-2 stays in families); run safety's full disk at DCP's data
+# file only; Muon's verify one layout of each kind of gather; the planner's searches on 8 GPUs
+# (every preset), 16 (JSON contract, table) and 64 (Llama 3 405B), the 8B estimator and the
+# 8,192-GPU ranking slow; launcher SIGTERM (forked) and SIGKILL (new interpreters); first-commands'
+# derived micro-batch over dp 4, pp 4 and 3D; DPO's meta build over dp 2 ZeRO-3.
 # Measured per worker (gw0, gw1; fresh-clone checks, 2026-12-07): 1290 s, 1312 s before the first
 # split; 1120 s, 1137 s after it (make test 1270 s with the install): still OVER the budget.
 # After the second split (i53c-budget, i53c-budget2) MEASURED (fresh-clone check at 0a2067e's
