@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 from ..errors import ShardwiseConfigError
 from ..precision import Precision
@@ -120,10 +121,26 @@ class PlanLayout(Layout):
     def engine_layout(self) -> Layout:
         """The engine's :class:`~shardwise.parallel.layout.Layout` of this one (its fields, none
         of the planner's knobs): what train's check takes."""
-        return Layout(*(getattr(self, name) for name in _LAYOUT_FIELDS))
+        return Layout(*_layout_values(self))
 
 
 _LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout))  # in Layout's order
+# a layout's values of those fields, in that order, in one C call (the search's inner loop)
+_layout_values = operator.attrgetter(*_LAYOUT_FIELDS)
+
+
+@functools.lru_cache(maxsize=65536)
+def _rules_refusal(values: tuple) -> ShardwiseConfigError | None:
+    """The refusal of :meth:`~shardwise.parallel.layout.Layout.check_rules` (None: it passes)
+    for the engine's Layout of ``values`` (:data:`_LAYOUT_FIELDS`, in order). Cached: the rules
+    read the Layout's fields only (no model, cluster or planner knob), so the outcome is a pure
+    function of them, shared by a search's layouts that differ in micro-batch, checkpointing,
+    storage or offload."""
+    try:
+        Layout(*values).check_rules()
+    except ShardwiseConfigError as e:
+        return e
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,7 +204,9 @@ def check_layout(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_
                                    "integer")
     # the layout alone: the engine's rules (degrees, ep | dp × cp, the HSDP split, sp needs tp,
     # the ZeRO stage over dp × cp ≥ 2, the cp method, the schedule and its virtual stages)
-    lay.check_rules()
+    refusal = _rules_refusal(_layout_values(lay))  # lay.check_rules(), cached
+    if refusal is not None:
+        raise refusal.with_traceback(None)
     if lay.pp > 1 and lay.schedule in V_SCHEDULES:
         raise ShardwiseConfigError(
             f"--schedule {lay.schedule}: the planner does not price the V schedules yet (they "
