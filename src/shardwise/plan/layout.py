@@ -130,16 +130,17 @@ _layout_values = operator.attrgetter(*_LAYOUT_FIELDS)
 
 
 @functools.lru_cache(maxsize=65536)
-def _rules_refusal(values: tuple) -> ShardwiseConfigError | None:
-    """The refusal of :meth:`~shardwise.parallel.layout.Layout.check_rules` (None: it passes)
-    for the engine's Layout of ``values`` (:data:`_LAYOUT_FIELDS`, in order). Cached: the rules
-    read the Layout's fields only (no model, cluster or planner knob), so the outcome is a pure
-    function of them, shared by a search's layouts that differ in micro-batch, checkpointing,
-    storage or offload."""
+def _rules_refusal(values: tuple) -> str | None:
+    """The message of :meth:`~shardwise.parallel.layout.Layout.check_rules`'s refusal (None: it
+    passes) for the engine's Layout of ``values`` (:data:`_LAYOUT_FIELDS`, in order). Cached:
+    the rules read the Layout's fields only (no model, cluster or planner knob), so the outcome
+    is a pure function of them, shared by a search's layouts that differ in micro-batch,
+    checkpointing, storage or offload. The message, not the exception: each refusal is raised
+    anew, so no traceback is kept between calls."""
     try:
         Layout(*values).check_rules()
     except ShardwiseConfigError as e:
-        return e
+        return str(e)
     return None
 
 
@@ -206,7 +207,7 @@ def check_layout(model: ModelSpec, cluster: Cluster, layout: PlanLayout, global_
     # the ZeRO stage over dp × cp ≥ 2, the cp method, the schedule and its virtual stages)
     refusal = _rules_refusal(_layout_values(lay))  # lay.check_rules(), cached
     if refusal is not None:
-        raise refusal.with_traceback(None)
+        raise ShardwiseConfigError(refusal)
     if lay.pp > 1 and lay.schedule in V_SCHEDULES:
         raise ShardwiseConfigError(
             f"--schedule {lay.schedule}: the planner does not price the V schedules yet (they "
