@@ -129,7 +129,8 @@ train: install
 # test_checkpoint 50 (the six the check's log kept; the four slowest were cut from its tail).
 # At 4c2b15e (fresh-clone check, 2026-12-08, after result files load with the C unpickler,
 # precision's torch ZeRO-3 as FSDP2 alone, Muon's verify split): 686 s, 696 s per worker, make
-# test 818 s with the install (725 s of tests; 799 s at 1c0ac00): still OVER the budget by ~100 s.
+# test 818 s with the install (725 s of tests; 799 s at 1c0ac00; 758 s at bc5fb57, 632 / 642 s per
+# worker, 672 s of tests): still OVER the budget by ~40-100 s.
 # Where the CPU goes (py-spy over a whole run): train CLI runs 20 % (their set-up 7 %, the final
 # sample on every rank 2 %), verify runs 10 %, DTensor's first-step sharding propagation 8 %,
 # new interpreters importing torch 7.5 %, the pytest workers themselves 19.5 %.
